@@ -1,0 +1,37 @@
+"""Regenerate the Python stubs in `zerobubble/api/` from `proto/` (run `make proto`).
+
+The `.proto` files are the single source of truth; the stubs are committed so that an install
+needs no protoc, and `tests/test_proto_current.py` fails when they are stale.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PROTO_DIR = ROOT / "proto"
+
+
+def generate(out_dir: Path) -> list[Path]:
+    """Compile every .proto under proto/ into `out_dir`; return the generated files."""
+    from grpc_tools import protoc
+    import grpc_tools
+
+    protos = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.rglob("*.proto"))
+    include = str(Path(grpc_tools.__file__).parent / "_proto")
+    args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}",
+            f"--grpc_python_out={out_dir}", f"--pyi_out={out_dir}", *protos]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed")
+    stems = [out_dir / proto[: -len(".proto")] for proto in protos]
+    return [Path(f"{stem}{suffix}") for stem in stems for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py")]
+
+
+def main() -> None:
+    for path in generate(ROOT):
+        print(path.relative_to(ROOT))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
