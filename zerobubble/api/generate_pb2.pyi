@@ -137,7 +137,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_workers", "spec_method", "num_spec_tokens", "max_inflight_steps")
+    __slots__ = ("model", "max_model_len", "vocab_size", "eos_token_ids", "num_workers", "spec_method", "num_spec_tokens", "max_inflight_steps", "stats")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class ModelInfoResponse(_message.Message):
     SPEC_METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_SPEC_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_INFLIGHT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
     model: str
     max_model_len: int
     vocab_size: int
@@ -154,4 +155,25 @@ class ModelInfoResponse(_message.Message):
     spec_method: str
     num_spec_tokens: int
     max_inflight_steps: int
-    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ...) -> None: ...
+    stats: ServerStats
+    def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ..., stats: _Optional[_Union[ServerStats, _Mapping]] = ...) -> None: ...
+
+class ServerStats(_message.Message):
+    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "worker_busy_s", "worker_idle_s", "num_generation_tokens", "num_preemptions")
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    WORKER_IDLE_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    num_steps: int
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    worker_busy_s: float
+    worker_idle_s: float
+    num_generation_tokens: int
+    num_preemptions: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., worker_idle_s: _Optional[float] = ..., num_generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
