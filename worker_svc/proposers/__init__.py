@@ -1,0 +1,49 @@
+"""Draft proposers. A proposer runs on the worker's device right after sampling and fills the
+runner's `drafts` / `num_drafts` state for the requests that just sampled."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class Proposer(Protocol):
+    """What the runner needs from a proposer (n-gram lookup or a draft model)."""
+
+    # True when proposals come with a draft distribution (rejection sampling verifies them);
+    # False for deterministic proposals (verified by keyed sample-and-compare).
+    has_draft_probs: bool
+
+    def bind(self, runner: object) -> None:
+        """Attach to the runner whose device state the proposer reads and writes."""
+
+    def admit(self, slot: int, num_cached_tokens: int) -> None:
+        """A request (new or resumed) takes `slot`."""
+
+    def release(self, slot: int) -> None:
+        """The request in `slot` is gone."""
+
+    def propose(self, slots: torch.Tensor, kv_caches: list) -> None:
+        """Write drafts for `slots` (requests that sampled this step) into the runner state."""
+
+    def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:
+        """[len(slots), k, vocab] draft distributions of the current drafts."""
+
+
+def build_proposer(method: str, num_spec_tokens: int, ngram_min: int = 2, ngram_max: int = 4,
+                   draft_model: object | None = None) -> Proposer | None:
+    """The proposer for `--spec-method` (None for `none` or k = 0)."""
+    if method == "none" or num_spec_tokens <= 0:
+        return None
+    if method == "ngram":
+        from worker_svc.proposers.ngram import NgramProposer
+
+        return NgramProposer(num_spec_tokens, ngram_min, ngram_max)
+    if method == "draft":
+        from worker_svc.proposers.draft import DraftModelProposer
+
+        if draft_model is None:
+            raise ValueError("--spec-method draft needs --draft-model")
+        return DraftModelProposer(draft_model, num_spec_tokens)
+    raise ValueError(f"unknown --spec-method {method!r} (expected none, ngram or draft)")

@@ -1,0 +1,133 @@
+"""Incremental detokenization with stop strings, one instance per request.
+
+Two kinds of text are held back from the client:
+
+- bytes of a UTF-8 character split across tokens (decoding them alone gives U+FFFD), until the
+  token that completes the character arrives;
+- a tail that could still grow into a stop string, until it either does (then the text is cut
+  right before the stop string) or cannot any more.
+
+Decoding a short window of ids instead of the whole output keeps each step O(1); the window
+starts a few tokens before the new ones because tokenizers such as SentencePiece render a token
+differently at the start of a string (leading-space handling), so new text is taken as the
+difference between decoding `[prefix_offset:]` and `[prefix_offset:read_offset]`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+# How many prompt tokens give the first output tokens their left context.
+_NUM_CONTEXT_TOKENS = 5
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Decoder(Protocol):
+    """What the detokenizer needs from a tokenizer."""
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `token_ids`."""
+        ...
+
+
+class Detokenizer:
+    """Turns a request's output ids into streamed text deltas and detects stop strings."""
+
+    def __init__(
+        self,
+        tokenizer: Decoder,
+        prompt_ids: Sequence[int],
+        stop: Sequence[str] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        """`stop` strings must be non-empty; text is cut right before the first one that appears."""
+        if any(not s for s in stop):
+            raise ValueError("stop strings must be non-empty")
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._stop = list(stop)
+        self._ids: list[int] = list(prompt_ids[-_NUM_CONTEXT_TOKENS:])
+        self._prefix_offset = 0
+        self._read_offset = len(self._ids)
+        self._text = ""  # all decoded output text, including held-back stop-string candidates
+        self._num_emitted_chars = 0
+        self._stopped = False
+
+    @property
+    def text(self) -> str:
+        """Text emitted so far."""
+        return self._text[: self._num_emitted_chars]
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has been seen (nothing more is emitted then)."""
+        return self._stopped
+
+    def append(self, token_id: int) -> tuple[str, bool]:
+        """Add one output token; returns (text safe to stream now, whether a stop string hit)."""
+        if self._stopped:
+            return "", True
+        self._ids.append(token_id)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self._ids[self._prefix_offset :])
+        if full_text.endswith(_REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
+            # An incomplete UTF-8 character (or a token that renders as nothing yet): wait.
+            return "", False
+        self._text += full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return self._release(final=False)
+
+    def flush(self) -> str:
+        """Text still held back, for when the request finishes for another reason than a stop."""
+        if self._stopped:
+            return ""
+        # Bytes that never completed a character are emitted as U+FFFD, as a full decode would.
+        tail = self._decode(self._ids[self._prefix_offset :])
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self._text += tail[len(prefix_text) :]
+        self._prefix_offset = self._read_offset = len(self._ids)
+        text, _ = self._release(final=True)
+        return text
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def _release(self, final: bool) -> tuple[str, bool]:
+        """Emit what can no longer be part of a stop string; cut at a stop string."""
+        stop_at = self._find_stop()
+        if stop_at is not None:
+            self._stopped = True
+            self._text = self._text[:stop_at]
+            end = stop_at
+        elif final:
+            end = len(self._text)
+        else:
+            end = len(self._text) - self._num_held_chars()
+        # The hold-back guarantees a stop string never starts before what was already emitted.
+        end = max(end, self._num_emitted_chars)
+        new_text = self._text[self._num_emitted_chars : end]
+        self._num_emitted_chars = end
+        return new_text, self._stopped
+
+    def _find_stop(self) -> int | None:
+        """Start of the earliest stop string that could have been completed by the new text."""
+        best: int | None = None
+        for stop in self._stop:
+            # Occurrences ending in already-searched text were found earlier.
+            start = max(0, self._num_emitted_chars - len(stop) + 1)
+            idx = self._text.find(stop, start)
+            if idx >= 0 and (best is None or idx < best):
+                best = idx
+        return best
+
+    def _num_held_chars(self) -> int:
+        """Length of the longest text tail that is a proper prefix of some stop string."""
+        num_held = 0
+        for stop in self._stop:
+            for n in range(min(len(stop) - 1, len(self._text)), num_held, -1):
+                if self._text.endswith(stop[:n]):
+                    num_held = n
+                    break
+        return num_held

@@ -1,0 +1,191 @@
+"""Routing over several workers (data-parallel replicas, each with its own block pool).
+
+New requests go to the ready worker with the best prefix-cache affinity, then the lightest load.
+`dns:///name:port` targets (a headless Service) are re-resolved so pods that come and go are
+picked up. When a worker is lost, its unfinished requests move to the others and resume from
+their confirmed tokens, so client streams go on with no lost or repeated tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from scheduler_svc.scheduler import RequestEvent, SchedulerConfig
+from scheduler_svc.worker_link import WorkerLink
+
+logger = logging.getLogger(__name__)
+
+DNS_PREFIX = "dns:///"
+DNS_REFRESH_S = 10.0
+
+
+def resolve_targets(targets: list[str]) -> list[str]:
+    """Expand `dns:///name:port` entries to one `ip:port` per address record."""
+    out: list[str] = []
+    for target in targets:
+        if not target.startswith(DNS_PREFIX):
+            out.append(target)
+            continue
+        host, _, port = target[len(DNS_PREFIX):].rpartition(":")
+        try:
+            infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+        except socket.gaierror as exc:
+            logger.warning("cannot resolve %s: %s", target, exc)
+            continue
+        for family, _, _, _, addr in infos:
+            ip = f"[{addr[0]}]" if family == socket.AF_INET6 else addr[0]
+            out.append(f"{ip}:{addr[1]}")
+    return sorted(set(out), key=out.index)
+
+
+class Router:
+    """Owns the worker links and which link each request lives on."""
+
+    def __init__(self, config: SchedulerConfig, max_inflight_steps: int,
+                 creds: grpc.ChannelCredentials | None = None, metrics=None) -> None:
+        self.config = config
+        self.max_inflight_steps = max_inflight_steps
+        self.creds = creds
+        self.metrics = metrics
+        self.links: list[WorkerLink] = []
+        self.owner: dict[str, WorkerLink] = {}   # req_id -> link holding it
+        self.orphans: list = []                   # requests waiting for any worker
+        self.on_events: Callable[[WorkerLink, list[RequestEvent]], None] = lambda link, ev: None
+        self.on_readiness: Callable[[bool], Awaitable[None]] | None = None
+        self._targets: list[str] = []
+        self._refresh_task: asyncio.Task | None = None
+        self._serving = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def start(self, targets: list[str]) -> None:
+        self._targets = targets
+        self._sync_links(resolve_targets(targets))
+        if any(t.startswith(DNS_PREFIX) for t in targets):
+            self._refresh_task = asyncio.create_task(self._refresh_loop())
+
+    async def close(self) -> None:
+        if self._refresh_task is not None:
+            self._refresh_task.cancel()
+        for link in self.links:
+            await link.close()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(DNS_REFRESH_S)
+            addresses = await asyncio.to_thread(resolve_targets, self._targets)
+            if addresses:  # a failed lookup keeps the links we have
+                self._sync_links(addresses)
+
+    def _sync_links(self, addresses: list[str]) -> None:
+        current = {link.address: link for link in self.links}
+        for address in addresses:
+            if address not in current:
+                link = WorkerLink(address, self.config, self.max_inflight_steps,
+                                  self._on_link_events, self._on_link_lost, self.creds,
+                                  self._on_step, self.link_ready)
+                self.links.append(link)
+                link.start()
+                logger.info("added worker %s", address)
+        for address, link in current.items():
+            if address not in addresses:
+                logger.info("worker %s left the target set", address)
+                self.links.remove(link)
+                self._on_link_lost(link)
+                asyncio.create_task(link.close())
+
+    # -- readiness -----------------------------------------------------------------------------
+
+    def ready_links(self) -> list[WorkerLink]:
+        return [link for link in self.links if link.ready]
+
+    def any_ready(self) -> WorkerLink | None:
+        ready = self.ready_links()
+        return ready[0] if ready else None
+
+    def _update_readiness(self) -> None:
+        serving = bool(self.ready_links())
+        if serving != self._serving and self.on_readiness is not None:
+            self._serving = serving
+            asyncio.ensure_future(self.on_readiness(serving))
+        if serving and self.orphans:
+            orphans, self.orphans = self.orphans, []
+            for request in orphans:
+                self._place(request)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def route(self, prompt_ids: list[int]) -> WorkerLink | None:
+        """The ready link with the most cached prefix blocks, then the lightest load."""
+        ready = self.ready_links()
+        if not ready:
+            return None
+        return max(ready, key=lambda link: (link.scheduler.cached_prefix_blocks(prompt_ids),
+                                            -link.load()))
+
+    def submit(self, link: WorkerLink, req_id: str, prompt_ids: list[int], **params) -> None:
+        link.scheduler.add_request(req_id, prompt_ids, **params)
+        self.owner[req_id] = link
+        link.wake()
+
+    def abort(self, req_id: str) -> None:
+        link = self.owner.pop(req_id, None)
+        self.orphans = [r for r in self.orphans if r.req_id != req_id]
+        if link is not None and link.scheduler is not None:
+            link.scheduler.abort_request(req_id)
+            link.wake()
+
+    def _place(self, request) -> None:
+        link = self.route(request.all_token_ids())
+        if link is None:
+            self.orphans.append(request)
+            return
+        link.scheduler.adopt(request)
+        self.owner[request.req_id] = link
+        link.wake()
+
+    # -- link callbacks ------------------------------------------------------------------------
+
+    def _on_link_events(self, link: WorkerLink, events: list[RequestEvent]) -> None:
+        for ev in events:
+            if ev.finish_reason is not None:
+                self.owner.pop(ev.req_id, None)
+        self.on_events(link, events)
+        if self.metrics is not None and link.scheduler is not None:
+            self._export_gauges()
+
+    def _on_step(self, link: WorkerLink, result) -> None:
+        if self.metrics is not None:
+            self.metrics.record_step_result(link.worker_id, result, link.inflight)
+
+    def _on_link_lost(self, link: WorkerLink) -> None:
+        """Move the lost worker's requests to the others, from their confirmed tokens."""
+        if link.scheduler is not None:
+            moved = link.scheduler.take_unfinished()
+            if moved:
+                logger.warning("re-queueing %d requests from lost worker %s", len(moved),
+                               link.worker_id)
+            for request in moved:
+                self.owner.pop(request.req_id, None)
+                self._place(request)
+        self._update_readiness()
+
+    def link_ready(self, link: WorkerLink) -> None:
+        self._update_readiness()
+
+    def _export_gauges(self) -> None:
+        running = waiting = 0
+        for link in self.links:
+            if link.scheduler is None:
+                continue
+            running += link.scheduler.num_running()
+            waiting += link.scheduler.num_waiting()
+            self.metrics.set_kv_usage(link.worker_id, link.scheduler.kv_usage())
+            self.metrics.set_inflight(link.worker_id, link.inflight)
+        waiting += len(self.orphans)
+        self.metrics.set_queues(running, waiting)

@@ -1,0 +1,360 @@
+"""The scheduler service: client API (`Generate`, `Tokenize`, `ModelInfo`), request routing over
+worker links, streaming of reconciled tokens, metrics.
+
+A request is validated (INVALID_ARGUMENT naming the field), tokenized, routed to a worker by load
+and prefix affinity, and its reconciled tokens are streamed back as they are confirmed. A client
+cancel or deadline aborts it and frees its KV blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import random
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import grpc
+
+from scheduler_svc.router import Router
+from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
+from scheduler_svc.worker_link import WorkerLink
+from zerobubble import rpc
+from zerobubble.api import generate_pb2, generate_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+FINISH = generate_pb2.FinishReason
+# Our own input limits: far below the transport cap so oversized input gets a clear message.
+MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 1024
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(slots=True)
+class SchedulerServiceConfig:
+    """Everything `zerobubble scheduler` is configured with (CLI flags, env fallbacks)."""
+
+    workers: str = ""
+    host: str = "0.0.0.0"
+    port: int = 50051
+    metrics_port: int = 9090
+    max_inflight_steps: int = 2
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_waiting: int = 1024
+    enable_prefix_caching: bool = True
+    auth_token: str = ""
+    tls_cert: str = ""
+    tls_key: str = ""
+    worker_tls_ca: str = ""
+    worker_tls_cert: str = ""
+    worker_tls_key: str = ""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "SchedulerServiceConfig":
+        return cls(**{name: getattr(args, name) for name in cls.__slots__ if hasattr(args, name)})
+
+
+class InvalidRequest(ValueError):
+    """A client field is invalid; the message names the field."""
+
+
+@dataclass(slots=True)
+class Stream:
+    """The client side of one request: where its events go, and timing for metrics."""
+
+    queue: asyncio.Queue
+    arrival: float
+    num_prompt_tokens: int
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+def _check(cond: bool, message: str) -> None:
+    if not cond:
+        raise InvalidRequest(message)
+
+
+class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    """Client API over a router of worker links."""
+
+    def __init__(self, cfg: SchedulerServiceConfig, router: Router, metrics=None) -> None:
+        self.cfg = cfg
+        self.router = router
+        self.metrics = metrics
+        self.streams: dict[str, Stream] = {}
+
+    # -- events from worker links --------------------------------------------------------------
+
+    def on_events(self, link: WorkerLink, events: list[RequestEvent]) -> None:
+        now = time.monotonic()
+        for ev in events:
+            stream = self.streams.get(ev.req_id)
+            if stream is None:
+                continue
+            if ev.token_ids:
+                if stream.first_token_at is None:
+                    stream.first_token_at = now
+                    if self.metrics is not None:
+                        self.metrics.observe_ttft(now - stream.arrival)
+                elif self.metrics is not None:
+                    gap = (now - stream.last_token_at) / len(ev.token_ids)
+                    for _ in ev.token_ids:
+                        self.metrics.observe_inter_token(gap)
+                stream.last_token_at = now
+                stream.num_output_tokens += len(ev.token_ids)
+            stream.queue.put_nowait(ev)
+
+    # -- RPCs ----------------------------------------------------------------------------------
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        link = self.router.any_ready()
+        if link is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        try:
+            prompt_ids = self._prompt_ids(request, link)
+            params = self._validate(request, link, len(prompt_ids))
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        req_id = request.request_id or uuid.uuid4().hex
+        if req_id in self.streams:
+            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
+                                f"request_id {req_id!r} is already running")
+        link = self.router.route(prompt_ids)
+        if link is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        stream = Stream(queue=asyncio.Queue(), arrival=time.monotonic(),
+                        num_prompt_tokens=len(prompt_ids))
+        self.streams[req_id] = stream
+        try:
+            self.router.submit(link, req_id, prompt_ids, **params)
+        except QueueFullError as exc:
+            self.streams.pop(req_id, None)
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        finished = False
+        try:
+            while True:
+                ev: RequestEvent = await stream.queue.get()
+                reply = generate_pb2.GenerateResponse(
+                    request_id=req_id, text=ev.text, token_ids=ev.token_ids,
+                    logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
+                    num_output_tokens=ev.num_output_tokens,
+                    num_cached_prompt_tokens=ev.num_cached_tokens)
+                if ev.finish_reason is not None:
+                    reply.finish_reason = ev.finish_reason
+                    reply.error = ev.error or ""
+                    finished = True
+                    self._record_finished(stream, ev)
+                yield reply
+                if finished:
+                    return
+        finally:
+            self.streams.pop(req_id, None)
+            if not finished:
+                # Client cancel or deadline: abort and give the KV blocks back.
+                self.router.abort(req_id)
+                if self.metrics is not None:
+                    self.metrics.record_finished("cancelled", None, time.monotonic() - stream.arrival,
+                                                 None, stream.num_prompt_tokens, 0)
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
+        link = self.router.any_ready()
+        if link is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        try:
+            ids = self._prompt_ids(request, link)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return generate_pb2.TokenizeResponse(token_ids=ids,
+                                             tokens=[link.tokenizer.id_to_token(i) or "" for i in ids])
+
+    async def ModelInfo(self, request, context):
+        link = self.router.any_ready()
+        if link is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        info = link.info
+        stats = generate_pb2.ServerStats()
+        for lk in self.router.links:
+            s = lk.stats
+            stats.num_steps += s.num_steps
+            stats.num_drafts += s.num_drafts
+            stats.num_draft_tokens += s.num_draft_tokens
+            stats.num_accepted_tokens += s.num_accepted_tokens
+            stats.worker_busy_s += s.busy_s
+            stats.worker_idle_s += s.idle_s
+            if lk.scheduler is not None:
+                stats.num_preemptions += lk.scheduler.stats.num_preemptions
+                stats.num_generation_tokens += lk.scheduler.stats.num_generation_tokens
+        return generate_pb2.ModelInfoResponse(
+            model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids, num_workers=len(self.router.ready_links()),
+            spec_method=info.spec_method, num_spec_tokens=info.num_spec_tokens,
+            max_inflight_steps=self.cfg.max_inflight_steps, stats=stats)
+
+    # -- validation ----------------------------------------------------------------------------
+
+    def _prompt_ids(self, request, link: WorkerLink) -> list[int]:
+        kind = request.WhichOneof("input")
+        tok = link.tokenizer
+        if kind == "prompt":
+            _check(len(request.prompt) > 0, "prompt: must not be empty")
+            _check(len(request.prompt) <= MAX_PROMPT_CHARS,
+                   f"prompt: {len(request.prompt)} characters, limit is {MAX_PROMPT_CHARS}")
+            ids = tok.encode(request.prompt)
+        elif kind == "messages":
+            msgs = request.messages.messages
+            _check(len(msgs) > 0, "messages: must not be empty")
+            _check(len(msgs) <= MAX_MESSAGES, f"messages: {len(msgs)} messages, limit is {MAX_MESSAGES}")
+            total = sum(len(m.content) for m in msgs)
+            _check(total <= MAX_PROMPT_CHARS,
+                   f"messages: {total} characters of content, limit is {MAX_PROMPT_CHARS}")
+            for i, m in enumerate(msgs):
+                _check(m.role in ("system", "user", "assistant", "tool"),
+                       f"messages[{i}].role: unknown role {m.role!r}")
+            try:
+                ids = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs])
+            except Exception as exc:  # a template's raise_exception, e.g. bad role order
+                raise InvalidRequest(f"messages: chat template rejected them: {exc}") from exc
+        elif kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            _check(len(ids) > 0, "token_ids: must not be empty")
+            vocab = link.info.vocab_size
+            bad = [i for i in ids if not 0 <= i < vocab]
+            _check(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
+        else:
+            raise InvalidRequest("input: one of prompt, messages or token_ids is required")
+        _check(len(ids) > 0, "input: tokenizes to no tokens")
+        return ids
+
+    def _validate(self, request: generate_pb2.GenerateRequest, link: WorkerLink,
+                  num_prompt: int) -> dict:
+        info = link.info
+        if request.model:
+            _check(request.model == info.model,
+                   f"model: unknown model {request.model!r}; this server serves {info.model!r}")
+        max_len = info.max_model_len
+        _check(num_prompt < max_len,
+               f"input: prompt is {num_prompt} tokens, the model length is {max_len} "
+               "(at least one token must fit after it)")
+        s, st = request.sampling, request.stopping
+        temperature = s.temperature if s.HasField("temperature") else 0.0
+        _check(temperature >= 0.0 and temperature == temperature,
+               f"sampling.temperature: must be >= 0, got {temperature}")
+        top_p = s.top_p if s.HasField("top_p") else 1.0
+        _check(0.0 < top_p <= 1.0, f"sampling.top_p: must be in (0, 1], got {top_p}")
+        top_k = s.top_k if s.HasField("top_k") else 0
+        _check(top_k >= 0, f"sampling.top_k: must be >= 0, got {top_k}")
+        seed = s.seed if s.HasField("seed") else random.getrandbits(63)
+        if st.HasField("max_tokens"):
+            _check(st.max_tokens > 0, f"stopping.max_tokens: must be > 0, got {st.max_tokens}")
+            _check(st.max_tokens <= max_len,
+                   f"stopping.max_tokens: {st.max_tokens} exceeds the model length {max_len}")
+            max_tokens = st.max_tokens
+        else:
+            max_tokens = max_len - num_prompt
+        _check(st.min_tokens >= 0, f"stopping.min_tokens: must be >= 0, got {st.min_tokens}")
+        _check(st.min_tokens <= max_tokens,
+               f"stopping.min_tokens: {st.min_tokens} exceeds max_tokens {max_tokens}")
+        _check(len(st.stop) <= MAX_STOP_STRINGS,
+               f"stopping.stop: {len(st.stop)} stop strings, limit is {MAX_STOP_STRINGS}")
+        for i, text in enumerate(st.stop):
+            _check(0 < len(text) <= 256, f"stopping.stop[{i}]: must be 1 to 256 characters")
+        for i, tid in enumerate(st.stop_token_ids):
+            _check(0 <= tid < info.vocab_size, f"stopping.stop_token_ids[{i}]: {tid} is outside the vocabulary")
+        return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                    max_tokens=max_tokens, min_tokens=st.min_tokens, stop=list(st.stop),
+                    stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
+                    logprobs=request.response.logprobs)
+
+    def _record_finished(self, stream: Stream, ev: RequestEvent) -> None:
+        if self.metrics is None:
+            return
+        now = time.monotonic()
+        ttft = stream.first_token_at - stream.arrival if stream.first_token_at else None
+        reason = FINISH.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
+        self.metrics.record_finished(reason, ttft, now - stream.arrival, ev.queue_s,
+                                     stream.num_prompt_tokens, stream.num_output_tokens)
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on the client API (health stays open for probes)."""
+
+    def __init__(self, token: str) -> None:
+        self.expected = f"Bearer {token}"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+        self._deny = grpc.unary_unary_rpc_method_handler(deny)
+        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
+
+    async def intercept_service(self, continuation, details):
+        if not details.method.startswith(f"/{SERVICE_NAME}/"):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        if metadata.get("authorization") == self.expected:
+            return await continuation(details)
+        return self._deny_stream if details.method.endswith("/Generate") else self._deny
+
+
+async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
+                          ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                          bound: list | None = None) -> None:
+    """Run the scheduler service until `stop` (or SIGTERM)."""
+    from zerobubble.metrics import ServiceMetrics, start_metrics_server
+
+    metrics = ServiceMetrics(model="", role="scheduler")
+    if cfg.metrics_port >= 0:
+        mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
+        logger.info("scheduler metrics on :%d/metrics", mport)
+        if bound is not None:
+            bound.append(("metrics", mport))
+    sched_cfg = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
+                                max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                enable_prefix_caching=cfg.enable_prefix_caching,
+                                max_waiting=cfg.max_waiting)
+    creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
+                                    cfg.worker_tls_key or None)
+    server = grpc.aio.server(
+        options=rpc.SERVER_OPTIONS,
+        interceptors=[AuthInterceptor(cfg.auth_token)] if cfg.auth_token else None)
+    health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
+    router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics)
+    servicer = GenerationServicer(cfg, router, metrics)
+    router.on_events = servicer.on_events
+
+    async def on_readiness(serving: bool) -> None:
+        await rpc.set_serving(health, [SERVICE_NAME], serving)
+
+    router.on_readiness = on_readiness
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    server_creds = rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None)
+    port = rpc.bind(server, cfg.host, cfg.port, server_creds)
+    await server.start()
+    await rpc.set_serving(health, [SERVICE_NAME], False)  # until a worker is connected
+    await router.start(worker_addresses if worker_addresses is not None
+                       else [a.strip() for a in cfg.workers.split(",") if a.strip()])
+    logger.info("scheduler listening on %s:%d", cfg.host, port)
+    if bound is not None:
+        bound.append(("grpc", port))
+    if ready is not None:
+        ready.set()
+    stop = stop or asyncio.Event()
+    rpc.install_stop_signals(stop)
+    await stop.wait()
+    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)
+    await router.close()
+
+
+def run_scheduler(args: argparse.Namespace) -> None:
+    """Entry point of `zerobubble scheduler`."""
+    cfg = SchedulerServiceConfig.from_args(args)
+    if not cfg.workers:
+        raise SystemExit("zerobubble scheduler: --workers is required (host:port,... or dns:///name:port)")
+    asyncio.run(serve_scheduler(cfg))

@@ -1,0 +1,189 @@
+"""One worker as seen from the scheduler: its `Execute` stream, its in-flight window, its
+scheduler (each worker is a data-parallel replica with its own KV block pool).
+
+The pump never waits for a step's result before planning the next one: it keeps up to
+`max_inflight_steps` plans on the wire (1 = the synchronous baseline, same code path) and
+reconciles results as they arrive one or more steps late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from scheduler_svc.scheduler import RequestEvent, Scheduler, SchedulerConfig
+from scheduler_svc.tokenizer import Tokenizer
+from zerobubble import rpc
+from zerobubble.api import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """Cumulative figures of one worker link (exported as metrics and in ModelInfo.stats)."""
+
+    num_steps: int = 0
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    busy_s: float = 0.0
+    idle_s: float = 0.0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+class WorkerLink:
+    """Connects to one worker, keeps its plan window full and routes its results."""
+
+    def __init__(self, address: str, config: SchedulerConfig, max_inflight_steps: int,
+                 on_events: Callable[["WorkerLink", list[RequestEvent]], None],
+                 on_lost: Callable[["WorkerLink"], None],
+                 creds: grpc.ChannelCredentials | None = None,
+                 on_step: Callable[["WorkerLink", worker_pb2.StepResult], None] | None = None,
+                 on_ready: Callable[["WorkerLink"], None] | None = None) -> None:
+        self.address = address
+        self.base_config = config
+        self.max_inflight = max(1, max_inflight_steps)
+        self.on_events = on_events
+        self.on_lost = on_lost
+        self.on_step = on_step
+        self.on_ready = on_ready
+        self.creds = creds
+        self.info: worker_pb2.WorkerInfo | None = None
+        self.scheduler: Scheduler | None = None
+        self.tokenizer: Tokenizer | None = None
+        self.ready = False
+        self.inflight = 0
+        self.stats = LinkStats()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._closing = False
+
+    @property
+    def worker_id(self) -> str:
+        return self.info.worker_id if self.info is not None else self.address
+
+    def load(self) -> int:
+        """Requests this worker holds (for routing)."""
+        return self.scheduler.num_unfinished() if self.scheduler is not None else 0
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name=f"link-{self.address}")
+
+    async def close(self) -> None:
+        self._closing = True
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while not self._closing:
+            channel = rpc.aio_channel(self.address, self.creds)
+            try:
+                stub = worker_pb2_grpc.WorkerStub(channel)
+                self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
+                self._configure(self.info)
+                call = stub.Execute()
+                self.ready = True
+                if self.on_ready is not None:
+                    self.on_ready(self)
+                backoff = 0.2
+                logger.info("connected to worker %s at %s (%d blocks)", self.info.worker_id,
+                            self.address, self.info.num_blocks)
+                self.wake()
+                await self._serve(call)
+            except asyncio.CancelledError:
+                raise
+            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+                if self.ready:
+                    logger.warning("lost worker %s: %s", self.address, exc)
+                else:
+                    logger.debug("worker %s not reachable: %s", self.address, exc)
+            finally:
+                was_ready = self.ready
+                self.ready = False
+                self.inflight = 0
+                await channel.close(grace=None)
+                if was_ready:
+                    self.on_lost(self)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
+
+    def _configure(self, info: worker_pb2.WorkerInfo) -> None:
+        """(Re)build this link's scheduler for the worker's capacity; a reconnect starts clean."""
+        cfg = self.base_config.with_worker(info)
+        if self.tokenizer is None:
+            self.tokenizer = Tokenizer(info.tokenizer_json, info.chat_template, info.bos_token,
+                                       info.eos_token)
+        self.scheduler = Scheduler(cfg, self.tokenizer)
+        self.stats.accepted_per_pos = [0] * max(info.num_spec_tokens, 0)
+
+    async def _serve(self, call) -> None:
+        receiver = asyncio.create_task(self._receive(call))
+        try:
+            while True:
+                while self.inflight < self.max_inflight:
+                    plan = self.scheduler.schedule()
+                    if plan is None:
+                        break
+                    self.inflight += 1
+                    await call.write(plan)
+                self._wake.clear()
+                waiter = asyncio.create_task(self._wake.wait())
+                done, _ = await asyncio.wait({waiter, receiver},
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if receiver in done:
+                    waiter.cancel()
+                    receiver.result()  # raises the stream error
+                    raise ConnectionError("worker closed the stream")
+        finally:
+            receiver.cancel()
+            call.cancel()
+
+    async def _receive(self, call) -> None:
+        while True:
+            result = await call.read()
+            if result is grpc.aio.EOF:
+                raise ConnectionError("worker closed the stream")
+            self.inflight -= 1
+            self._account(result)
+            if result.error:
+                logger.error("worker %s step %d failed: %s", self.worker_id, result.step_id,
+                             result.error)
+                events = self.scheduler.fail_step(result.step_id, result.error)
+            else:
+                events = self.scheduler.on_step_result(result)
+            if self.on_step is not None:
+                self.on_step(self, result)
+            if events:
+                self.on_events(self, events)
+            self.wake()
+
+    def _account(self, result: worker_pb2.StepResult) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.busy_s += result.forward_s
+        s.idle_s += result.idle_s
+        for r in result.results:
+            if r.num_draft_tokens:
+                s.num_drafts += 1
+                s.num_draft_tokens += r.num_draft_tokens
+                s.num_accepted_tokens += r.num_accepted
+        for pos, n in enumerate(result.accepted_per_pos):
+            if pos < len(s.accepted_per_pos):
+                s.accepted_per_pos[pos] += n
+
+    def now(self) -> float:
+        return time.monotonic()

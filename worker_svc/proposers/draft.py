@@ -1,0 +1,137 @@
+"""Draft-model proposer: a smaller model with the same tokenizer proposes k tokens per request.
+
+The draft model keeps its own paged KV cache, indexed by the SAME block tables as the target (the
+scheduler's blocks cover both), so no second allocator exists. Per slot it remembers how many
+positions of its cache are certainly valid (`draft_len`); after each target step it catches up on
+the tokens the target confirmed since (accepted drafts + the bonus token, or a whole prompt after
+a prefill) and then runs k-1 single-token steps. Drafts are sampled from the draft's processed
+distribution with keyed noise, and that distribution is kept for rejection sampling.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.keyed_random import keyed_uniform
+from kernels.slot_mapping import compute_slot_mapping
+from worker_svc.model import allocate_kv_cache
+from worker_svc.sampler import SamplingTensors, target_probs
+
+# Keyed-noise stream for draft sampling; 0-2 belong to the target's sampler and verifier.
+DRAFT_STREAM = 3
+
+
+class DraftModelProposer:
+    """Runs a draft model over the runner's history pages and block tables."""
+
+    has_draft_probs = True
+
+    def __init__(self, draft, num_spec_tokens: int) -> None:
+        self.draft = draft  # a worker_svc.model_loader.LoadedModel
+        self.k = num_spec_tokens
+        self.runner = None
+
+    def bind(self, runner) -> None:
+        if self.draft.config.vocab_size != runner.loaded.config.vocab_size:
+            raise ValueError(f"draft model vocab {self.draft.config.vocab_size} differs from the "
+                             f"target's {runner.loaded.config.vocab_size}: they must share a tokenizer")
+        self.runner = runner
+        cfg = runner.config
+        self.kv_caches = allocate_kv_cache(self.draft.config, cfg.num_blocks, cfg.block_size,
+                                           self.draft.dtype, runner.device)
+        num_slots = cfg.max_num_seqs
+        self.draft_len = torch.zeros(num_slots, dtype=torch.int32, device=runner.device)
+        self.probs = torch.zeros(num_slots, self.k, self.draft.config.vocab_size,
+                                 dtype=torch.float32, device=runner.device)
+
+    def admit(self, slot: int, num_cached_tokens: int) -> None:
+        # Prefix-cached blocks carry draft K/V written by the request that filled them.
+        self.draft_len[slot] = num_cached_tokens
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def _forward(self, slots: torch.Tensor, token_lists: list[list[int]] | torch.Tensor,
+                 starts: list[int]) -> torch.Tensor:
+        """Feed rows of tokens at positions starts[r].. and return the last token's logits."""
+        st = self.runner.state
+        dev = self.runner.device
+        lens = [len(t) for t in token_lists]
+        qsl_host = [0]
+        for n in lens:
+            qsl_host.append(qsl_host[-1] + n)
+        flat = [t for row in token_lists for t in row]
+        positions = torch.tensor([s + j for s, n in zip(starts, lens) for j in range(n)],
+                                 dtype=torch.long, device=dev)
+        qsl = torch.tensor(qsl_host, dtype=torch.int32, device=dev)
+        bs = self.runner.config.block_size
+        max_blocks = max(-(-(s + n) // bs) for s, n in zip(starts, lens))
+        tables = st.block_table[slots.long(), :max_blocks]
+        slot_mapping = compute_slot_mapping(qsl, positions, tables, bs)
+        meta = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.int32, device=dev),
+            block_tables=tables, max_query_len=max(lens), max_seq_len=max_blocks * bs,
+            slot_mapping=slot_mapping)
+        hidden = self.draft.model(torch.tensor(flat, dtype=torch.long, device=dev), positions, meta,
+                                  self.kv_caches)
+        last = torch.tensor(qsl_host[1:], dtype=torch.long, device=dev) - 1
+        return self.draft.model.compute_logits(hidden[last])
+
+    def propose(self, slots: torch.Tensor, kv_caches: list) -> None:
+        runner = self.runner
+        st = runner.state
+        idx = slots.long()
+        # Host copies of the lengths: the catch-up rows have data-dependent lengths.
+        seq_lens = st.seq_len[idx].tolist()
+        draft_lens = self.draft_len[idx].tolist()
+        last = st.last_token[idx].tolist()
+        pages = st.history.view(-1)
+        bs = runner.config.block_size
+        rows: list[list[int]] = []
+        for r, slot in enumerate(slots.tolist()):
+            start, end = draft_lens[r], seq_lens[r]
+            pos = torch.arange(start, end, device=runner.device)
+            flat = st.block_table[slot, pos // bs].long() * bs + pos % bs
+            rows.append(pages[flat].tolist() + [last[r]])
+        infos = [runner.slots_by_index[s].sampling for s in slots.tolist()]
+        drafts = torch.zeros(len(rows), self.k, dtype=torch.int32, device=runner.device)
+        probs = torch.zeros(len(rows), self.k, self.draft.config.vocab_size,
+                            dtype=torch.float32, device=runner.device)
+        starts = list(draft_lens)
+        tokens = rows
+        # Never write past the blocks a request holds (the scheduler allocates k lookahead
+        # slots, so this only guards memory safety); a row that would is clamped in place and
+        # proposes fewer drafts.
+        caps = [runner.slots_by_index[s].num_blocks * bs for s in slots.tolist()]
+        num_valid = [self.k] * len(rows)
+        for j in range(self.k):
+            for r in range(len(rows)):
+                if starts[r] + len(tokens[r]) > caps[r]:
+                    num_valid[r] = min(num_valid[r], j)
+                    starts[r] = caps[r] - len(tokens[r])
+            logits = self._forward(slots, tokens, starts)
+            # Draft token j sits at absolute position seq_len + 1 + j.
+            positions = torch.tensor([s + 1 + j for s in seq_lens], dtype=torch.long,
+                                     device=runner.device)
+            t = SamplingTensors.from_params(
+                temperatures=[p.temperature for p in infos], top_ks=[p.top_k for p in infos],
+                top_ps=[p.top_p if p.top_p > 0 else 1.0 for p in infos],
+                seeds=[p.seed for p in infos], positions=positions, device=runner.device)
+            q = target_probs(logits, t)
+            noise = keyed_uniform(t.seeds, positions, q.shape[-1], stream=DRAFT_STREAM)
+            gumbel = -torch.log(-torch.log(noise))
+            token = torch.argmax(torch.log(q) + gumbel, dim=-1)
+            drafts[:, j] = token.to(torch.int32)
+            probs[:, j] = q
+            starts = [s + len(tok) for s, tok in zip(starts, tokens)]
+            tokens = [[x] for x in token.tolist()]
+        # Only the confirmed prefix (through the bonus token) is certainly valid next time.
+        self.draft_len[idx] = st.seq_len[idx] + 1
+        st.drafts[idx, : self.k] = drafts
+        st.num_drafts[idx] = torch.tensor(num_valid, dtype=torch.int32, device=runner.device)
+        self.probs[idx] = probs
+
+    def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:
+        return self.probs[slots.long(), :k]

@@ -1,0 +1,364 @@
+"""The model runner: KV cache, persistent per-request device state, one step per plan.
+
+The runner is what the worker service calls. It executes `StepPlan`s strictly in order and keeps
+everything a decode needs on the device between steps: the last sampled token, the drafts
+proposed after it, and the true sequence length. The scheduler's optimistic counts never reach
+the model: positions and slot mappings are derived here from the worker's own state, so a step
+planned before the previous step's result was known still runs on the right positions.
+
+The runner makes no scheduling decisions; it validates what it is told and executes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.attention import AttentionMetadata
+from kernels.inputs import assemble_inputs
+from kernels.seq_lens import update_state
+from kernels.verify import count_accepted, rejection_sample
+from worker_svc.model_loader import LoadedModel
+from worker_svc.model import allocate_kv_cache
+from worker_svc.proposers import Proposer
+from worker_svc.sampler import SamplingTensors, sample, target_probs, token_logprobs
+from zerobubble.api import worker_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class PlanError(ValueError):
+    """A plan the runner cannot execute (it names the request and what is wrong)."""
+
+
+@dataclass(slots=True)
+class RunnerConfig:
+    """Capacity and speculation settings of one runner."""
+
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_model_len: int = 2048
+    num_spec_tokens: int = 0  # K: the most draft slots any decode may carry
+
+
+@dataclass(slots=True)
+class DeviceState:
+    """Per-slot tensors that persist between steps (see docs/INTERNALS.md)."""
+
+    seq_len: torch.Tensor      # [S] int32: tokens whose K/V are written
+    last_token: torch.Tensor   # [S] int32: last sampled token
+    drafts: torch.Tensor       # [S, K] int32
+    num_drafts: torch.Tensor   # [S] int32
+    block_table: torch.Tensor  # [S, max_blocks] int32
+    history: torch.Tensor      # [num_blocks, block_size] int32: token pages following the KV blocks
+
+
+@dataclass(slots=True)
+class SlotInfo:
+    """Host-side bookkeeping of one request's state slot (no device reads needed)."""
+
+    slot: int
+    num_blocks: int
+    sampling: worker_pb2.SamplingParams
+    has_sample: bool = False  # a token has been sampled: decode steps are allowed
+
+
+@dataclass(slots=True)
+class PendingResult:
+    """A step whose outputs may still be on the device; `materialize` copies them to the host."""
+
+    step_id: int
+    req_ids: list[str]
+    sampled_rows: list[int]          # rows (into req_ids) that emitted tokens
+    out_tokens: torch.Tensor | None  # [num_sampled, K+1]
+    num_accepted: torch.Tensor | None
+    num_drafts: torch.Tensor | None  # drafts actually verified per sampled row
+    logprobs: torch.Tensor | None    # [num_sampled, K+1]
+    want_logprobs: list[bool]
+    num_tokens: int
+    forward_s: float
+    ready: object | None = None      # CUDA event after the async device-to-host copy
+    extra: dict = field(default_factory=dict)
+
+    def materialize(self, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
+        """Wait for the copy (if any) and build the wire result."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        result = worker_pb2.StepResult(step_id=self.step_id, forward_s=self.forward_s,
+                                       idle_s=idle_s, num_tokens=self.num_tokens)
+        accepted_per_pos = [0] * num_spec_tokens
+        by_row: dict[int, int] = {row: i for i, row in enumerate(self.sampled_rows)}
+        tokens = self.out_tokens.tolist() if self.out_tokens is not None else []
+        accepted = self.num_accepted.tolist() if self.num_accepted is not None else []
+        drafted = self.num_drafts.tolist() if self.num_drafts is not None else []
+        logprobs = self.logprobs.tolist() if self.logprobs is not None else []
+        for row, req_id in enumerate(self.req_ids):
+            entry = result.results.add(req_id=req_id)
+            i = by_row.get(row)
+            if i is None:
+                continue
+            num_acc = int(accepted[i])
+            entry.token_ids.extend(tokens[i][: num_acc + 1])
+            entry.num_draft_tokens = int(drafted[i])
+            entry.num_accepted = num_acc
+            if self.want_logprobs[row]:
+                entry.logprobs.extend(logprobs[i][: num_acc + 1])
+            for pos in range(num_acc):
+                accepted_per_pos[pos] += 1
+        result.accepted_per_pos.extend(accepted_per_pos)
+        return result
+
+
+def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
+    # One host-to-device copy per list; pinned staging is not worth it at these sizes.
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+class ModelRunner:
+    """Holds the model, its paged KV cache and the persistent batch state; executes plans."""
+
+    def __init__(self, loaded: LoadedModel, config: RunnerConfig,
+                 proposer: Proposer | None = None) -> None:
+        self.loaded = loaded
+        self.model = loaded.model
+        self.config = config
+        self.device = loaded.device
+        self.proposer = proposer
+        self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
+        self.kv_caches = allocate_kv_cache(loaded.config, config.num_blocks, config.block_size,
+                                           loaded.dtype, self.device)
+        # Room for the lookahead slots a step may feed past max_model_len's last block.
+        max_blocks = -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
+        self.max_blocks_per_seq = max_blocks
+        num_slots = config.max_num_seqs
+        k = max(self.num_spec_tokens, 1)
+        z = dict(dtype=torch.int32, device=self.device)
+        self.state = DeviceState(
+            seq_len=torch.zeros(num_slots, **z),
+            last_token=torch.zeros(num_slots, **z),
+            drafts=torch.full((num_slots, k), -1, **z),
+            num_drafts=torch.zeros(num_slots, **z),
+            block_table=torch.zeros(num_slots, max_blocks, **z),
+            history=torch.zeros(config.num_blocks, config.block_size, **z),
+        )
+        self.slots: dict[str, SlotInfo] = {}
+        self.slots_by_index: dict[int, SlotInfo] = {}
+        self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        if proposer is not None:
+            proposer.bind(self)
+        self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+
+    # -- request state -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Forget every request (a new scheduler stream starts from scratch)."""
+        for req_id in list(self.slots):
+            self.release(req_id)
+
+    def release(self, req_id: str) -> None:
+        """Drop a request's state slot; unknown ids are ignored (finish may race a preempt)."""
+        info = self.slots.pop(req_id, None)
+        if info is None:
+            return
+        del self.slots_by_index[info.slot]
+        self.state.num_drafts[info.slot] = 0
+        self.free_slots.append(info.slot)
+        if self.proposer is not None:
+            self.proposer.release(info.slot)
+
+    def _admit(self, entry: worker_pb2.ScheduledRequest) -> SlotInfo:
+        if entry.req_id in self.slots:
+            # A resumed request whose finish notice was folded into the same plan.
+            self.release(entry.req_id)
+        if not self.free_slots:
+            raise PlanError(f"request {entry.req_id}: no free state slot "
+                            f"(max_num_seqs={self.config.max_num_seqs})")
+        slot = self.free_slots.pop()
+        info = SlotInfo(slot=slot, num_blocks=0, sampling=entry.sampling)
+        self.slots[entry.req_id] = info
+        self.slots_by_index[slot] = info
+        self.state.seq_len[slot] = entry.num_cached_tokens
+        self.state.num_drafts[slot] = 0
+        if self.proposer is not None:
+            self.proposer.admit(slot, entry.num_cached_tokens)
+        return info
+
+    def _append_blocks(self, info: SlotInfo, entry: worker_pb2.ScheduledRequest) -> None:
+        new = list(entry.new_block_ids)
+        if not new:
+            return
+        end = info.num_blocks + len(new)
+        if end > self.max_blocks_per_seq:
+            raise PlanError(f"request {entry.req_id}: block table would hold {end} blocks, "
+                            f"more than max_model_len allows ({self.max_blocks_per_seq})")
+        if min(new) < 0 or max(new) >= self.config.num_blocks:
+            raise PlanError(f"request {entry.req_id}: block id out of range "
+                            f"[0, {self.config.num_blocks})")
+        self.state.block_table[info.slot, info.num_blocks:end] = _to_device_list(new, self.device)
+        info.num_blocks = end
+
+    # -- one step ------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, plan: worker_pb2.StepPlan) -> PendingResult:
+        """Run one plan; returns outputs that may still be on the device."""
+        start = time.perf_counter()
+        for req_id in plan.finished_req_ids:
+            self.release(req_id)
+        if not plan.requests:
+            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0)
+
+        rows: list[SlotInfo] = []
+        req_ids: list[str] = []
+        num_scheduled: list[int] = []
+        is_decode: list[bool] = []
+        do_sample: list[bool] = []
+        prefill_ids: list[int] = []
+        for entry in plan.requests:
+            info = self._admit(entry) if entry.is_new else self.slots.get(entry.req_id)
+            if info is None:
+                raise PlanError(f"request {entry.req_id}: unknown to this worker and not is_new")
+            self._append_blocks(info, entry)
+            decode = len(entry.token_ids) == 0
+            if decode:
+                if not info.has_sample:
+                    raise PlanError(f"request {entry.req_id}: decode step before any sample")
+                if entry.num_draft_slots > self.num_spec_tokens:
+                    raise PlanError(f"request {entry.req_id}: {entry.num_draft_slots} draft slots, "
+                                    f"worker proposes at most {self.num_spec_tokens}")
+                n = 1 + entry.num_draft_slots
+                prefill_ids.extend([0] * n)
+            else:
+                n = len(entry.token_ids)
+                prefill_ids.extend(entry.token_ids)
+            rows.append(info)
+            req_ids.append(entry.req_id)
+            num_scheduled.append(n)
+            is_decode.append(decode)
+            do_sample.append(decode or entry.sample)
+
+        dev = self.device
+        num_rows = len(rows)
+        qsl_host = [0]
+        for n in num_scheduled:
+            qsl_host.append(qsl_host[-1] + n)
+        num_tokens = qsl_host[-1]
+        req_slots = _to_device_list([r.slot for r in rows], dev)
+        qsl = _to_device_list(qsl_host, dev)
+        is_decode_t = torch.tensor(is_decode, dtype=torch.bool, device=dev)
+        st = self.state
+        input_ids, positions, slot_mapping = assemble_inputs(
+            req_slots, qsl, is_decode_t, _to_device_list(prefill_ids, dev), st.seq_len,
+            st.last_token, st.drafts, st.num_drafts, st.block_table, st.history,
+            self.config.block_size)
+        num_sched_t = _to_device_list(num_scheduled, dev)
+        max_blocks = max(r.num_blocks for r in rows)
+        meta = AttentionMetadata(
+            query_start_loc=qsl,
+            seq_lens=st.seq_len[req_slots.long()] + num_sched_t,
+            block_tables=st.block_table[req_slots.long(), :max_blocks],
+            max_query_len=max(num_scheduled),
+            max_seq_len=max_blocks * self.config.block_size,
+            slot_mapping=slot_mapping,
+        )
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+
+        # Logits only where a token is sampled or verified: every slot of a decode row, the last
+        # token of a sampling prefill chunk. Padded to K+1 columns per sampled row.
+        k_max = self.num_spec_tokens
+        width = k_max + 1
+        sampled_rows = [i for i in range(num_rows) if do_sample[i]]
+        if not sampled_rows:
+            update_state(req_slots, is_decode_t, num_sched_t, torch.zeros_like(num_sched_t),
+                         torch.zeros(num_rows, dtype=torch.bool, device=dev),
+                         torch.zeros_like(num_sched_t), st.seq_len, st.last_token, st.num_drafts)
+            return PendingResult(plan.step_id, req_ids, [], None, None, None, None,
+                                 [bool(r.sampling.logprobs) for r in rows], num_tokens,
+                                 time.perf_counter() - start)
+        gather_idx: list[int] = []   # flat token index per (sampled row, column)
+        valid_cols: list[int] = []   # columns with a real slot
+        firsts: list[int] = []       # flat index of each sampled row's first logit
+        for i in sampled_rows:
+            n = num_scheduled[i] if is_decode[i] else 1
+            first = qsl_host[i + 1] - n
+            idx = list(range(first, first + n))
+            valid_cols.append(n)
+            firsts.append(first)
+            gather_idx.extend(idx + [idx[-1]] * (width - n))
+        num_s = len(sampled_rows)
+        sampled_slots = req_slots[sampled_rows]
+        logits = self.model.compute_logits(hidden[_to_device_list(gather_idx, dev, torch.long)])
+        # Absolute position of each sampled token = input position + 1 (keys the randomness).
+        sample_pos = positions[_to_device_list(gather_idx, dev, torch.long)] + 1
+        infos = [rows[i].sampling for i in sampled_rows]
+        tensors = SamplingTensors.from_params(
+            temperatures=[p.temperature for p in infos for _ in range(width)],
+            top_ks=[p.top_k for p in infos for _ in range(width)],
+            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p in infos for _ in range(width)],
+            seeds=[p.seed for p in infos for _ in range(width)],
+            positions=sample_pos, device=dev)
+
+        # Drafts fed this step are the inputs after the first slot of each decode row; only the
+        # ones the proposer really produced count (the rest were filler and must be rejected).
+        ncols = _to_device_list(valid_cols, dev)
+        num_verified = torch.minimum(st.num_drafts[sampled_slots.long()], ncols - 1)
+        col = torch.arange(width, device=dev)
+        row_start = _to_device_list(firsts, dev, torch.long)
+        draft_idx = (row_start[:, None] + 1 + col[None, :k_max]).clamp(max=num_tokens - 1)
+        draft_tokens = input_ids[draft_idx] if k_max else input_ids.new_zeros((num_s, 0))
+        if self.proposer is not None and self.proposer.has_draft_probs:
+            probs = target_probs(logits, tensors).view(num_s, width, -1)
+            q = self.proposer.draft_probs(sampled_slots, k_max)
+            out_tokens, num_accepted = rejection_sample(
+                probs, q, draft_tokens, num_verified, tensors.seeds.view(num_s, width)[:, 0],
+                sample_pos.view(num_s, width)[:, 0])
+        else:
+            out_tokens = sample(logits, tensors).view(num_s, width)
+            num_accepted = count_accepted(out_tokens, draft_tokens, num_verified) if k_max else \
+                torch.zeros(num_s, dtype=torch.int32, device=dev)
+        want_lp = [bool(r.sampling.logprobs) for r in rows]
+        lp = None
+        if any(want_lp[i] for i in sampled_rows):
+            lp = token_logprobs(logits, out_tokens.reshape(-1).long()).view(num_s, width)
+
+        # Sequence-length correction, on the device: the true accepted counts, not the plan's.
+        acc_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)
+        last_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)
+        rows_t = _to_device_list(sampled_rows, dev, torch.long)
+        acc_all[rows_t] = num_accepted.to(torch.int32)
+        last_all[rows_t] = out_tokens.gather(1, num_accepted.long()[:, None])[:, 0].to(torch.int32)
+        update_state(req_slots, is_decode_t, num_sched_t, acc_all,
+                     torch.tensor(do_sample, dtype=torch.bool, device=dev), last_all,
+                     st.seq_len, st.last_token, st.num_drafts)
+        for i in sampled_rows:
+            rows[i].has_sample = True
+        if self.proposer is not None:
+            self.proposer.propose(sampled_slots, self.kv_caches)
+
+        pending = PendingResult(plan.step_id, req_ids, sampled_rows, out_tokens, num_accepted,
+                                num_verified, lp, want_lp, num_tokens, 0.0)
+        self._start_copy(pending)
+        pending.forward_s = time.perf_counter() - start
+        return pending
+
+    def _start_copy(self, pending: PendingResult) -> None:
+        """Start the device-to-host copy of a step's outputs without blocking the next step."""
+        if self._copy_stream is None:
+            return  # CPU tensors are already on the host; materialize() just reads them
+        main = torch.cuda.current_stream()
+        self._copy_stream.wait_stream(main)
+        with torch.cuda.stream(self._copy_stream):
+            for name in ("out_tokens", "num_accepted", "num_drafts", "logprobs"):
+                t = getattr(pending, name)
+                if t is not None:
+                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                    host.copy_(t, non_blocking=True)
+                    t.record_stream(self._copy_stream)
+                    setattr(pending, name, host)
+            event = torch.cuda.Event()
+            event.record(self._copy_stream)
+        pending.ready = event

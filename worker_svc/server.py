@@ -1,0 +1,262 @@
+"""The worker service: executes the scheduler's plans on one model replica.
+
+Plans arrive on one `Execute` bidi stream and run strictly in order on a dedicated thread. While a
+step runs, the next plans are already queued (async scheduling), and the host copy of the
+previous step's results happens on another thread, so the device never waits for the host.
+The time the step thread spends waiting for a plan while requests are live is the bubble; it is
+reported with every result.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from worker_svc.model import kv_cache_bytes_per_block
+from worker_svc.model_loader import LoadedModel, load_model
+from worker_svc.proposers import build_proposer
+from worker_svc.runner import ModelRunner, PlanError, RunnerConfig
+from zerobubble import rpc
+from zerobubble.api import worker_pb2, worker_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
+_END = object()
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """Everything `zerobubble worker` is configured with (CLI flags, env fallbacks)."""
+
+    model: str = "smollm2-135m"
+    host: str = "0.0.0.0"
+    port: int = 50061
+    metrics_port: int = -1
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_gb: float = 2.0
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_model_len: int = 0
+    spec_method: str = "none"
+    num_spec_tokens: int = 3
+    ngram_min: int = 2
+    ngram_max: int = 4
+    draft_model: str = ""
+    worker_id: str = ""
+    num_threads: int = 0
+    tls_cert: str = ""
+    tls_key: str = ""
+    tls_client_ca: str = ""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "WorkerConfig":
+        """Pick the worker's fields out of a parsed CLI namespace."""
+        return cls(**{name: getattr(args, name) for name in cls.__slots__ if hasattr(args, name)})
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def kv_capacity_blocks(cfg: WorkerConfig, loaded: LoadedModel, num_models: int = 1) -> int:
+    """KV blocks that fit: a memory budget on CPU, free memory on CUDA."""
+    per_block = kv_cache_bytes_per_block(loaded.config, cfg.block_size, loaded.dtype) * num_models
+    if loaded.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.device)
+        budget = free - (1 - cfg.gpu_memory_utilization) * total
+    else:
+        budget = cfg.kv_cache_memory_gb * (1 << 30)
+    num_blocks = int(budget // per_block)
+    if num_blocks < 2:
+        raise ValueError(f"KV budget too small: {budget / 2**20:.1f} MiB holds {num_blocks} blocks "
+                         f"of {per_block} bytes")
+    return num_blocks
+
+
+def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
+    """Load the model (and draft model) and size the KV cache."""
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.num_threads > 0:
+        torch.set_num_threads(cfg.num_threads)
+    loaded = load_model(cfg.model, dtype, device)
+    draft = load_model(cfg.draft_model, dtype, device) if cfg.spec_method == "draft" else None
+    proposer = build_proposer(cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max,
+                              draft)
+    max_model_len = loaded.max_model_len
+    if cfg.max_model_len > 0:
+        max_model_len = min(max_model_len, cfg.max_model_len)
+    num_blocks = kv_capacity_blocks(cfg, loaded, 2 if draft is not None else 1)
+    runner = ModelRunner(loaded, RunnerConfig(
+        num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+        max_model_len=max_model_len,
+        num_spec_tokens=cfg.num_spec_tokens if proposer is not None else 0), proposer)
+    logger.info("worker ready: model=%s device=%s dtype=%s blocks=%d x %d spec=%s k=%d",
+                loaded.name, device, dtype, num_blocks, cfg.block_size, cfg.spec_method,
+                runner.num_spec_tokens)
+    return runner, loaded
+
+
+class WorkerServicer(worker_pb2_grpc.WorkerServicer):
+    """`Execute` runs plans in order on one thread; `Describe` reports model facts and capacity."""
+
+    def __init__(self, runner: ModelRunner, loaded: LoadedModel, cfg: WorkerConfig,
+                 metrics=None) -> None:
+        self.runner = runner
+        self.loaded = loaded
+        self.cfg = cfg
+        self.metrics = metrics
+        self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{cfg.port}"
+        self._stream_lock = asyncio.Lock()
+        self._generation = 0  # a new Execute stream supersedes the old one
+
+    async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
+        cfg = self.runner.config
+        tok = self.loaded.tokenizer
+        return worker_pb2.WorkerInfo(
+            worker_id=self.worker_id, model=self.loaded.name, max_model_len=cfg.max_model_len,
+            block_size=cfg.block_size, num_blocks=cfg.num_blocks,
+            vocab_size=self.loaded.config.vocab_size, eos_token_ids=self.loaded.eos_token_ids,
+            tokenizer_json=tok.tokenizer_json, chat_template=tok.chat_template or "",
+            bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
+            spec_method=self.cfg.spec_method if self.runner.proposer is not None else "none",
+            num_spec_tokens=self.runner.num_spec_tokens, device=str(self.loaded.device),
+            dtype=str(self.loaded.dtype).removeprefix("torch."), max_num_seqs=cfg.max_num_seqs)
+
+    async def Execute(self, request_iterator, context):
+        self._generation += 1
+        generation = self._generation
+        async with self._stream_lock:  # the previous stream (if any) has fully stopped
+            if generation != self._generation:
+                return
+            async for result in self._execute(request_iterator, context, generation):
+                yield result
+
+    async def _execute(self, request_iterator, context, generation: int):
+        loop = asyncio.get_running_loop()
+        plans: queue.Queue = queue.Queue()
+        results: asyncio.Queue = asyncio.Queue()
+        copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h")
+        self.runner.reset()
+        logger.info("scheduler stream %d opened", generation)
+
+        def deliver(item) -> None:
+            loop.call_soon_threadsafe(results.put_nowait, item)
+
+        def step_loop() -> None:
+            while True:
+                live = bool(self.runner.slots)
+                t0 = time.perf_counter()
+                plan = plans.get()
+                # Waiting with live requests is the bubble; waiting with none is just no work.
+                idle = time.perf_counter() - t0 if live else 0.0
+                if plan is _END:
+                    copier.submit(deliver, _END)
+                    return
+                try:
+                    pending = self.runner.execute(plan)
+                except PlanError as exc:
+                    logger.error("step %d rejected: %s", plan.step_id, exc)
+                    copier.submit(deliver, worker_pb2.StepResult(step_id=plan.step_id,
+                                                                 error=str(exc)))
+                    continue
+                except Exception as exc:  # keep serving; the scheduler fails the step's requests
+                    logger.exception("step %d failed", plan.step_id)
+                    copier.submit(deliver, worker_pb2.StepResult(step_id=plan.step_id,
+                                                                 error=f"step failed: {exc}"))
+                    continue
+                # The host copy overlaps the next step: it happens on the copier thread.
+                copier.submit(lambda p=pending, i=idle: deliver(
+                    p.materialize(i, self.runner.num_spec_tokens)))
+
+        async def read_plans() -> None:
+            try:
+                async for plan in request_iterator:
+                    if generation != self._generation:
+                        break
+                    plans.put(plan)
+            finally:
+                plans.put(_END)
+
+        thread = threading.Thread(target=step_loop, name="step-loop", daemon=True)
+        thread.start()
+        reader = asyncio.create_task(read_plans())
+        try:
+            while True:
+                item = await results.get()
+                if item is _END:
+                    break
+                if self.metrics is not None and not item.error:
+                    self.metrics.record_step(self.worker_id, item)
+                yield item
+        finally:
+            reader.cancel()
+            plans.put(_END)
+            await asyncio.to_thread(thread.join)
+            copier.shutdown(wait=True)
+            self.runner.reset()
+            logger.info("scheduler stream %d closed", generation)
+
+
+async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
+                       stop: asyncio.Event | None = None, bound: list | None = None) -> None:
+    """Run the worker service until `stop` (or SIGTERM)."""
+    runner, loaded = await asyncio.to_thread(build_runner, cfg)
+    metrics = None
+    if cfg.metrics_port >= 0:
+        from zerobubble.metrics import ServiceMetrics, start_metrics_server
+
+        metrics = ServiceMetrics(model=loaded.name, role="worker")
+        port = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
+        logger.info("worker metrics on :%d/metrics", port)
+    servicer = WorkerServicer(runner, loaded, cfg, metrics)
+    server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
+    worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
+    health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
+    creds = rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None,
+                                   cfg.tls_client_ca or None)
+    port = rpc.bind(server, cfg.host, cfg.port, creds)
+    if servicer.worker_id.endswith(":0"):
+        servicer.worker_id = f"{socket.gethostname()}:{port}"
+    await server.start()
+    await rpc.set_serving(health, [SERVICE_NAME], True)
+    logger.info("worker %s listening on %s:%d", servicer.worker_id, cfg.host, port)
+    # The port line is parsed by `zerobubble serve` when it starts a local worker.
+    print(f"ZEROBUBBLE_WORKER_PORT={port}", flush=True)
+    if bound is not None:
+        bound.append(port)
+    if ready is not None:
+        ready.set()
+    stop = stop or asyncio.Event()
+    rpc.install_stop_signals(stop)
+    await stop.wait()
+    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=5.0)
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    """Entry point of `zerobubble worker`."""
+    cfg = WorkerConfig.from_args(args)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    asyncio.run(serve_worker(cfg))

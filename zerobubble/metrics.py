@@ -1,0 +1,356 @@
+"""Prometheus metric families of zerobubble (DESIGN.md, "Metrics": the names are a public contract).
+
+Every service builds its own :class:`ServiceMetrics`, which owns a private ``CollectorRegistry``.
+Nothing is registered at import time, so two services in one process (``zerobubble serve``) or
+two tests never see each other's figures.
+
+Labels: every family carries ``model``; figures that belong to one worker (its step timings, its
+KV cache, its speculation counts, the plans in flight to it) also carry ``worker``. Request-level
+figures do not, because a request is owned by the scheduler, not by the worker that ran it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Buckets follow what an LLM server actually sees: a decode step on a GPU takes a few ms, a
+# token gap on CPU can reach seconds, and a cold-start TTFT behind a long queue up to a minute.
+# Denser buckets where SLOs usually sit (10-500 ms) keep histogram_quantile() precise there.
+TTFT_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+    1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0,
+)
+INTER_TOKEN_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+)
+STEP_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
+    0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0,
+)
+REQUEST_BUCKETS: tuple[float, ...] = (
+    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
+    60.0, 120.0, 300.0, 600.0, 1200.0,
+)
+
+# Lower-case names of the proto FinishReason values (minus UNSPECIFIED). A closed set keeps the
+# label's cardinality bounded and lets dashboards show a zero line for reasons not seen yet.
+FINISHED_REASONS: tuple[str, ...] = ("eos", "max_tokens", "stop_sequence", "cancelled", "error")
+
+MODEL_LABELS: tuple[str, ...] = ("model",)
+WORKER_LABELS: tuple[str, ...] = ("model", "worker")
+
+
+@dataclass(frozen=True, slots=True)
+class MetricSpec:
+    """One family as exported: the sample name a query uses, its type and its label names."""
+
+    name: str
+    kind: str  # "counter" | "gauge" | "histogram"
+    labels: tuple[str, ...]
+    help: str
+    buckets: tuple[float, ...] = ()
+
+
+METRIC_SPECS: tuple[MetricSpec, ...] = (
+    MetricSpec("zerobubble_num_requests_running", "gauge", MODEL_LABELS,
+               "Requests currently scheduled (prefilling or decoding)."),
+    MetricSpec("zerobubble_num_requests_waiting", "gauge", MODEL_LABELS,
+               "Requests queued for admission, including preempted ones."),
+    MetricSpec("zerobubble_kv_cache_usage_ratio", "gauge", WORKER_LABELS,
+               "Used KV cache blocks divided by all blocks of the worker (0-1)."),
+    MetricSpec("zerobubble_prompt_tokens_total", "counter", MODEL_LABELS,
+               "Prompt tokens of finished requests."),
+    MetricSpec("zerobubble_generation_tokens_total", "counter", MODEL_LABELS,
+               "Generated tokens of finished requests."),
+    MetricSpec("zerobubble_prefix_cache_queries_total", "counter", MODEL_LABELS,
+               "Prompt tokens looked up in the prefix cache."),
+    MetricSpec("zerobubble_prefix_cache_hits_total", "counter", MODEL_LABELS,
+               "Prompt tokens found in the prefix cache."),
+    MetricSpec("zerobubble_request_success_total", "counter", ("model", "finished_reason"),
+               "Finished requests by stop reason."),
+    MetricSpec("zerobubble_num_preemptions_total", "counter", MODEL_LABELS,
+               "Requests preempted to free KV cache blocks."),
+    MetricSpec("zerobubble_time_to_first_token_seconds", "histogram", MODEL_LABELS,
+               "Time from arrival to the first streamed token.", TTFT_BUCKETS),
+    MetricSpec("zerobubble_inter_token_latency_seconds", "histogram", MODEL_LABELS,
+               "Gap between consecutive streamed token batches of a request.",
+               INTER_TOKEN_BUCKETS),
+    MetricSpec("zerobubble_e2e_request_latency_seconds", "histogram", MODEL_LABELS,
+               "Time from arrival to the last token.", REQUEST_BUCKETS),
+    MetricSpec("zerobubble_request_queue_time_seconds", "histogram", MODEL_LABELS,
+               "Time a request waited before it was first scheduled.", REQUEST_BUCKETS),
+    MetricSpec("zerobubble_spec_decode_num_drafts_total", "counter", WORKER_LABELS,
+               "Draft sequences verified (one per request and step with drafts)."),
+    MetricSpec("zerobubble_spec_decode_num_draft_tokens_total", "counter", WORKER_LABELS,
+               "Draft tokens verified."),
+    MetricSpec("zerobubble_spec_decode_num_accepted_tokens_total", "counter", WORKER_LABELS,
+               "Draft tokens accepted."),
+    MetricSpec("zerobubble_spec_decode_num_accepted_tokens_per_pos_total", "counter",
+               ("model", "worker", "position"),
+               "Draft tokens accepted, by position in the draft (0 = first draft token)."),
+    MetricSpec("zerobubble_worker_step_duration_seconds", "histogram", WORKER_LABELS,
+               "Device time of one step on a worker.", STEP_BUCKETS),
+    MetricSpec("zerobubble_worker_idle_seconds_total", "counter", WORKER_LABELS,
+               "Time a worker spent waiting for its next plan (the bubble)."),
+    MetricSpec("zerobubble_inflight_steps", "gauge", WORKER_LABELS,
+               "Plans sent to a worker and not answered yet."),
+    MetricSpec("zerobubble_placeholder_tokens_rolled_back_total", "counter", MODEL_LABELS,
+               "Optimistic draft slots undone when results were reconciled."),
+)
+
+# What dashboards, alerts and autoscalers may query (histograms add _bucket/_sum/_count).
+METRIC_NAMES: tuple[str, ...] = tuple(spec.name for spec in METRIC_SPECS)
+HISTOGRAM_SUFFIXES: tuple[str, ...] = ("_bucket", "_sum", "_count")
+
+
+def metric_spec(name: str) -> MetricSpec | None:
+    """The family a queried sample name belongs to (``X_bucket`` -> histogram ``X``), or None."""
+    for spec in METRIC_SPECS:
+        if name == spec.name:
+            return spec
+        if spec.kind == "histogram" and any(name == spec.name + s for s in HISTOGRAM_SUFFIXES):
+            return spec
+    return None
+
+
+def normalize_finished_reason(reason: str) -> str:
+    """Accept ``"eos"`` as well as the proto enum name ``"FINISH_REASON_EOS"``."""
+    value = reason.strip().lower().removeprefix("finish_reason_")
+    if value not in FINISHED_REASONS:
+        # An unbounded label value would be a cardinality leak; fail loudly in tests instead.
+        raise ValueError(f"unknown finished_reason {reason!r}; expected one of {FINISHED_REASONS}")
+    return value
+
+
+def _counter_name(name: str) -> str:
+    # prometheus_client appends _total itself and refuses a name that already carries it.
+    return name.removesuffix("_total")
+
+
+class ServiceMetrics:
+    """Every metric family of one service, in a registry of its own.
+
+    Model-level series are created up front with value 0, so ``rate()`` and alert expressions
+    work from the first scrape instead of starting with "no data". Worker-level series appear
+    when a worker is first recorded and go away with :meth:`forget_worker`, so a worker that was
+    scaled down does not linger on dashboards with its last value.
+    """
+
+    __slots__ = (
+        "model", "registry", "num_requests_running", "num_requests_waiting",
+        "kv_cache_usage_ratio", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
+        "prefix_cache_hits", "request_success", "num_preemptions", "time_to_first_token",
+        "inter_token_latency", "e2e_request_latency", "request_queue_time", "spec_num_drafts",
+        "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos",
+        "worker_step_duration", "worker_idle", "inflight_steps", "placeholders_rolled_back",
+        "_positions", "_lock",
+    )
+
+    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+        self.model = model
+        self.registry = registry if registry is not None else CollectorRegistry()
+        specs = {spec.name: spec for spec in METRIC_SPECS}
+
+        def gauge(name: str) -> Gauge:
+            s = specs[name]
+            return Gauge(s.name, s.help, s.labels, registry=self.registry)
+
+        def counter(name: str) -> Counter:
+            s = specs[name]
+            return Counter(_counter_name(s.name), s.help, s.labels, registry=self.registry)
+
+        def histogram(name: str) -> Histogram:
+            s = specs[name]
+            return Histogram(s.name, s.help, s.labels, buckets=s.buckets, registry=self.registry)
+
+        self.num_requests_running = gauge("zerobubble_num_requests_running")
+        self.num_requests_waiting = gauge("zerobubble_num_requests_waiting")
+        self.kv_cache_usage_ratio = gauge("zerobubble_kv_cache_usage_ratio")
+        self.prompt_tokens = counter("zerobubble_prompt_tokens_total")
+        self.generation_tokens = counter("zerobubble_generation_tokens_total")
+        self.prefix_cache_queries = counter("zerobubble_prefix_cache_queries_total")
+        self.prefix_cache_hits = counter("zerobubble_prefix_cache_hits_total")
+        self.request_success = counter("zerobubble_request_success_total")
+        self.num_preemptions = counter("zerobubble_num_preemptions_total")
+        self.time_to_first_token = histogram("zerobubble_time_to_first_token_seconds")
+        self.inter_token_latency = histogram("zerobubble_inter_token_latency_seconds")
+        self.e2e_request_latency = histogram("zerobubble_e2e_request_latency_seconds")
+        self.request_queue_time = histogram("zerobubble_request_queue_time_seconds")
+        self.spec_num_drafts = counter("zerobubble_spec_decode_num_drafts_total")
+        self.spec_num_draft_tokens = counter("zerobubble_spec_decode_num_draft_tokens_total")
+        self.spec_num_accepted_tokens = counter(
+            "zerobubble_spec_decode_num_accepted_tokens_total")
+        self.spec_accepted_per_pos = counter(
+            "zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
+        self.worker_step_duration = histogram("zerobubble_worker_step_duration_seconds")
+        self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
+        self.inflight_steps = gauge("zerobubble_inflight_steps")
+        self.placeholders_rolled_back = counter("zerobubble_placeholder_tokens_rolled_back_total")
+        # Positions seen per worker: forget_worker() must know which children to remove.
+        self._positions: dict[str, set[str]] = {}
+        self._lock = threading.Lock()
+
+        for metric in (
+            self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
+            self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
+            self.num_preemptions, self.time_to_first_token, self.inter_token_latency,
+            self.e2e_request_latency, self.request_queue_time, self.placeholders_rolled_back,
+        ):
+            metric.labels(model=model)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model=model, finished_reason=reason)
+
+    def _worker_metrics(self) -> tuple[Counter | Gauge | Histogram, ...]:
+        return (
+            self.kv_cache_usage_ratio, self.spec_num_drafts, self.spec_num_draft_tokens,
+            self.spec_num_accepted_tokens, self.worker_step_duration, self.worker_idle,
+            self.inflight_steps,
+        )
+
+    def _touch_worker(self, worker: str) -> None:
+        # Create every series of a new worker together, so its panels and rates start at zero
+        # rather than appearing one by one as each kind of event first happens.
+        with self._lock:
+            if worker in self._positions:
+                return
+            self._positions[worker] = set()
+        for metric in self._worker_metrics():
+            metric.labels(model=self.model, worker=worker)
+
+    def record_step(
+        self,
+        worker: str,
+        forward_s: float,
+        idle_s: float,
+        num_drafts: int = 0,
+        num_draft_tokens: int = 0,
+        num_accepted: int = 0,
+        accepted_per_pos: Sequence[int] = (),
+    ) -> None:
+        """Account one ``StepResult`` of ``worker``: timings and speculation volume.
+
+        ``accepted_per_pos[i]`` is the number of drafts accepted at draft position ``i`` in
+        this step, as carried by ``StepResult.accepted_per_pos``.
+        """
+        if num_accepted > num_draft_tokens:
+            raise ValueError(
+                f"num_accepted={num_accepted} exceeds num_draft_tokens={num_draft_tokens}")
+        self._touch_worker(worker)
+        labels = {"model": self.model, "worker": worker}
+        self.worker_step_duration.labels(**labels).observe(forward_s)
+        self.worker_idle.labels(**labels).inc(idle_s)
+        self.spec_num_drafts.labels(**labels).inc(num_drafts)
+        self.spec_num_draft_tokens.labels(**labels).inc(num_draft_tokens)
+        self.spec_num_accepted_tokens.labels(**labels).inc(num_accepted)
+        seen = self._positions[worker]
+        for pos, accepted in enumerate(accepted_per_pos):
+            position = str(pos)
+            with self._lock:
+                seen.add(position)
+            self.spec_accepted_per_pos.labels(position=position, **labels).inc(accepted)
+
+    def record_finished(
+        self,
+        reason: str,
+        ttft_s: float | None,
+        e2e_s: float,
+        queue_s: float,
+        num_prompt_tokens: int,
+        num_generation_tokens: int,
+    ) -> None:
+        """Account a request that left the system for ``reason`` (e.g. ``"eos"``).
+
+        ``ttft_s`` is None for a request that never streamed a token (cancelled or failed
+        while queued): recording 0 or its e2e time would bend the TTFT distribution.
+        """
+        labels = {"model": self.model}
+        self.request_success.labels(
+            finished_reason=normalize_finished_reason(reason), **labels).inc()
+        if ttft_s is not None:
+            self.time_to_first_token.labels(**labels).observe(ttft_s)
+        self.e2e_request_latency.labels(**labels).observe(e2e_s)
+        self.request_queue_time.labels(**labels).observe(queue_s)
+        self.prompt_tokens.labels(**labels).inc(num_prompt_tokens)
+        self.generation_tokens.labels(**labels).inc(num_generation_tokens)
+
+    def observe_inter_token(self, seconds: float) -> None:
+        """Account the gap between two consecutive streamed messages of one request."""
+        self.inter_token_latency.labels(model=self.model).observe(seconds)
+
+    def set_queues(self, running: int, waiting: int) -> None:
+        """Publish the scheduler's queue lengths (the autoscaler reads ``waiting``)."""
+        self.num_requests_running.labels(model=self.model).set(running)
+        self.num_requests_waiting.labels(model=self.model).set(waiting)
+
+    def set_kv_usage(self, worker: str, ratio: float) -> None:
+        """Publish the fraction (0-1) of ``worker``'s KV blocks in use."""
+        if not 0.0 <= ratio <= 1.0:
+            raise ValueError(f"KV cache usage ratio must be within [0, 1], got {ratio}")
+        self._touch_worker(worker)
+        self.kv_cache_usage_ratio.labels(model=self.model, worker=worker).set(ratio)
+
+    def set_inflight(self, worker: str, n: int) -> None:
+        """Publish how many plans were sent to ``worker`` and not answered yet."""
+        self._touch_worker(worker)
+        self.inflight_steps.labels(model=self.model, worker=worker).set(n)
+
+    def add_rolled_back(self, n: int) -> None:
+        """Account ``n`` optimistic draft slots undone by reconciliation."""
+        self.placeholders_rolled_back.labels(model=self.model).inc(n)
+
+    def add_preemptions(self, n: int = 1) -> None:
+        """Account ``n`` preempted requests."""
+        self.num_preemptions.labels(model=self.model).inc(n)
+
+    def add_prefix_cache(self, queries: int, hits: int) -> None:
+        """Account a prefix-cache lookup of ``queries`` prompt tokens that found ``hits``."""
+        if hits > queries:
+            raise ValueError(f"prefix cache hits={hits} exceed queries={queries}")
+        self.prefix_cache_queries.labels(model=self.model).inc(queries)
+        self.prefix_cache_hits.labels(model=self.model).inc(hits)
+
+    def forget_worker(self, worker: str) -> None:
+        """Drop every series of a worker that left (scaled down, disconnected for good)."""
+        with self._lock:
+            positions = self._positions.pop(worker, None)
+        if positions is None:
+            return
+        for metric in self._worker_metrics():
+            metric.remove(self.model, worker)
+        for position in positions:
+            self.spec_accepted_per_pos.remove(self.model, worker, position)
+
+    def workers(self) -> list[str]:
+        """Workers that currently have series (for tests and debugging)."""
+        with self._lock:
+            return sorted(self._positions)
+
+
+@dataclass(slots=True)
+class MetricsServer:
+    """A running ``/metrics`` HTTP endpoint; ``port`` is the bound one (useful with port 0)."""
+
+    port: int
+    _server: WSGIServer = field(repr=False)
+    _thread: threading.Thread = field(repr=False)
+
+    def stop(self) -> None:
+        """Stop serving and release the port (tests start many services in one process)."""
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)
+
+
+def start_metrics_server(metrics: ServiceMetrics, port: int = 0, host: str = "0.0.0.0") -> MetricsServer:
+    """Serve ``metrics.registry`` on ``http://host:port/metrics`` from a daemon thread.
+
+    ``port=0`` binds a free port, which is reported in the returned ``MetricsServer.port``.
+    """
+    server, thread = start_http_server(port, addr=host, registry=metrics.registry)
+    return MetricsServer(port=int(server.server_address[1]), _server=server, _thread=thread)

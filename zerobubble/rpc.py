@@ -1,0 +1,121 @@
+"""gRPC plumbing shared by both services: server options, TLS, health, reflection, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+logger = logging.getLogger(__name__)
+
+# Plans and results for hundreds of requests fit easily; prompts are validated by our own
+# limits (a clear INVALID_ARGUMENT) well below this transport cap.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+SERVER_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # Detect dead peers across a real network: ping idle connections, accept client pings.
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+CHANNEL_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_credentials(cert: str | None, key: str | None,
+                       client_ca: str | None = None) -> grpc.ServerCredentials | None:
+    """TLS credentials for a server; with `client_ca`, clients must present a cert (mTLS)."""
+    if not cert and not key:
+        if client_ca:
+            raise ValueError("--tls-client-ca needs --tls-cert and --tls-key")
+        return None
+    if not (cert and key):
+        raise ValueError("TLS needs both --tls-cert and --tls-key")
+    return grpc.ssl_server_credentials([(_read(key), _read(cert))], root_certificates=_read(client_ca),
+                                       require_client_auth=client_ca is not None)
+
+
+def channel_credentials(ca: str | None, cert: str | None = None,
+                        key: str | None = None) -> grpc.ChannelCredentials | None:
+    """TLS credentials for a client channel (client cert optional, for mTLS)."""
+    if not (ca or cert or key):
+        return None
+    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key),
+                                        certificate_chain=_read(cert))
+
+
+def aio_channel(target: str, creds: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """An asyncio channel with our message-size and keepalive settings."""
+    if creds is None:
+        return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+    return grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+
+
+def add_health_and_reflection(server: grpc.aio.Server,
+                              service_names: Iterable[str]) -> health.aio.HealthServicer:
+    """Register grpc.health.v1 and server reflection; returns the health servicer."""
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                   reflection.SERVICE_NAME]
+    reflection.enable_server_reflection(names, server)
+    return health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, services: Iterable[str],
+                      serving: bool) -> None:
+    """Set the overall ("") and per-service health status."""
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ["", *services]:
+        await health_servicer.set(name, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int,
+         creds: grpc.ServerCredentials | None) -> int:
+    """Listen on host:port (0 = a free port); returns the bound port."""
+    address = f"{host}:{port}"
+    bound = (server.add_secure_port(address, creds) if creds is not None
+             else server.add_insecure_port(address))
+    if bound == 0:
+        raise OSError(f"cannot listen on {address}")
+    return bound
+
+
+def install_stop_signals(stop: asyncio.Event) -> None:
+    """SIGTERM/SIGINT set `stop`, which starts a graceful shutdown."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):  # not the main thread
+            pass
+
+
+async def graceful_stop(server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
+                        services: Iterable[str], grace_s: float) -> None:
+    """Health NOT_SERVING first (load balancers stop routing), then drain streams, then stop."""
+    await set_serving(health_servicer, services, False)
+    logger.info("shutting down: draining in-flight streams for up to %.0fs", grace_s)
+    await server.stop(grace_s)
