@@ -24,6 +24,8 @@ from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton,
 # into one padded SDPA call; longer ones (prefill chunks) run one request at a time, where
 # padding every row to the longest chunk would waste far more than the loop costs.
 MAX_BATCHED_QUERY_LEN = 16
+# Stands in for "no sliding window" in the Triton kernel: wider than any context.
+_NO_WINDOW = 1 << 30
 
 
 @dataclass(slots=True)
@@ -241,20 +243,22 @@ def _paged_attention_triton(
     window: int,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
     num_requests = meta.seq_lens.shape[0]
     out = torch.empty_like(q)
-    grid = (meta.max_query_len, num_requests, num_q_heads)
+    grid = (meta.max_query_len, num_requests, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        scale, window,
+        scale, window if window > 0 else _NO_WINDOW,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
-        k_cache.shape[1], num_q_heads // k_cache.shape[2],
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim), BLOCK_N=32,
+        k_cache.shape[1], num_q_heads // num_kv_heads,
+        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
+        BLOCK_G=next_power_of_2(num_q_heads // num_kv_heads), BLOCK_N=32,
     )  # fmt: skip
     return out
 
@@ -296,28 +300,29 @@ if HAS_TRITON:
         stride_ot, stride_oh,
         stride_bt,
         block_size, num_queries_per_kv,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     ):  # fmt: skip
-        """One program per (query token, query head): online softmax over the request's blocks."""
+        """One program per (query token, KV head): its query heads share each K/V tile; online softmax."""
         i = tl.program_id(0)
         r = tl.program_id(1)
-        h = tl.program_id(2)
+        kv_head = tl.program_id(2)
         q_start = tl.load(query_start_loc_ptr + r)
         q_len = tl.load(query_start_loc_ptr + r + 1) - q_start
         if i < q_len:
-            seq_len = tl.load(seq_lens_ptr + r)
-            query_pos = seq_len - q_len + i
+            query_pos = tl.load(seq_lens_ptr + r) - q_len + i
             t = (q_start + i).to(tl.int64)
-            kv_head = h // num_queries_per_kv
+            heads = kv_head * num_queries_per_kv + tl.arange(0, BLOCK_G)
+            head_mask = tl.arange(0, BLOCK_G) < num_queries_per_kv
             dims = tl.arange(0, BLOCK_D)
             dim_mask = dims < HEAD_DIM
-            q = tl.load(q_ptr + t * stride_qt + h * stride_qh + dims, mask=dim_mask, other=0.0).to(tl.float32)
-            first_key = 0
-            if sliding_window > 0:
-                first_key = tl.maximum(query_pos - sliding_window + 1, 0)
-            m_i = tl.full((), float("-inf"), tl.float32)
-            l_i = tl.full((), 0.0, tl.float32)
-            acc = tl.zeros((BLOCK_D,), tl.float32)
+            q_mask = head_mask[:, None] & dim_mask[None, :]
+            q_offsets = t * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+            q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [G, D]
+            # The host passes a huge window for full attention, which keeps this branch-free.
+            first_key = tl.maximum(query_pos - sliding_window + 1, 0)
+            m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_G,), tl.float32)
+            acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
             # Tiles start at a multiple of BLOCK_N, so each tile holds at least one visible key.
             for tile_start in range((first_key // BLOCK_N) * BLOCK_N, query_pos + 1, BLOCK_N):
                 keys_pos = tile_start + tl.arange(0, BLOCK_N)
@@ -325,24 +330,25 @@ if HAS_TRITON:
                 block = tl.load(block_tables_ptr + r * stride_bt + keys_pos // block_size, mask=visible, other=0)
                 block = block.to(tl.int64)
                 offset = keys_pos % block_size
-                load_mask = visible[:, None] & dim_mask[None, :]
+                kv_mask = visible[:, None] & dim_mask[None, :]
                 k = tl.load(
                     k_cache_ptr + block[:, None] * stride_kc_block + offset[:, None] * stride_kc_slot
                     + kv_head * stride_kc_head + dims[None, :],
-                    mask=load_mask, other=0.0,
+                    mask=kv_mask, other=0.0,
                 ).to(tl.float32)  # fmt: skip
-                scores = tl.sum(q[None, :] * k, axis=1) * scale
-                scores = tl.where(visible, scores, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(scores, axis=0))
-                p = tl.exp(scores - m_new)
+                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
+                scores = tl.where(visible[None, :], scores, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+                p = tl.exp(scores - m_new[:, None])
                 alpha = tl.exp(m_i - m_new)
                 v = tl.load(
                     v_cache_ptr + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_slot
                     + kv_head * stride_vc_head + dims[None, :],
-                    mask=load_mask, other=0.0,
+                    mask=kv_mask, other=0.0,
                 ).to(tl.float32)  # fmt: skip
-                acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-                l_i = l_i * alpha + tl.sum(p, axis=0)
+                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
-            result = acc / l_i
-            tl.store(out_ptr + t * stride_ot + h * stride_oh + dims, result.to(out_ptr.dtype.element_ty), mask=dim_mask)
+            result = acc / l_i[:, None]
+            out_offsets = t * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+            tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, use_triton
+from kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
 from kernels.slot_mapping import compute_slot_mapping
 
 
 def _assemble_torch(
     req_slots: Tensor, query_start_loc: Tensor, is_decode: Tensor, prefill_ids: Tensor,
     seq_len: Tensor, last_token: Tensor, drafts: Tensor, num_drafts: Tensor, block_table: Tensor,
-    history: Tensor, block_size: int, impl: str | None,
+    history: Tensor, block_size: int, impl: KernelImpl,
 ) -> tuple[Tensor, Tensor, Tensor]:
     device = prefill_ids.device
     num_tokens = prefill_ids.shape[0]
@@ -53,8 +53,6 @@ def _assemble_torch(
 
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
 
     @triton.jit
     def _assemble_kernel(
@@ -71,16 +69,19 @@ if HAS_TRITON:
         decode = tl.load(is_decode_ptr + row) != 0
         base = tl.load(seq_len_ptr + slot).to(tl.int64)
         last = tl.load(last_token_ptr + slot).to(tl.int64)
-        num_valid = tl.minimum(tl.load(num_drafts_ptr + slot), max_drafts)
+        # Scalar flags are folded into bounds instead of and-ed with vector masks (keeps the
+        # CPU interpreter happy and reads no draft at all for prefill rows).
+        num_valid = tl.where(decode, tl.minimum(tl.load(num_drafts_ptr + slot), max_drafts), 0)
+        prefill_end = tl.where(decode, start, end)
         for chunk in range(start, end, BLOCK):
             tok = chunk + tl.arange(0, BLOCK)
             mask = tok < end
             offset = tok - start
             pos = base + offset
             draft_idx = offset - 1
-            use_draft = mask & decode & (draft_idx >= 0) & (draft_idx < num_valid)
+            use_draft = mask & (draft_idx >= 0) & (draft_idx < num_valid)
             draft = tl.load(drafts_ptr + slot * max_drafts + draft_idx, mask=use_draft, other=0)
-            prefill = tl.load(prefill_ids_ptr + tok, mask=mask & ~decode, other=0)
+            prefill = tl.load(prefill_ids_ptr + tok, mask=tok < prefill_end, other=0)
             ids = tl.where(decode, tl.where(use_draft, draft.to(tl.int64), last),
                            prefill.to(tl.int64))
             block = tl.load(block_table_ptr + slot * max_blocks + pos // BLOCK_SIZE, mask=mask,
@@ -117,7 +118,7 @@ def _assemble_triton(
 def assemble_inputs(
     req_slots: Tensor, query_start_loc: Tensor, is_decode: Tensor, prefill_ids: Tensor,
     seq_len: Tensor, last_token: Tensor, drafts: Tensor, num_drafts: Tensor, block_table: Tensor,
-    history: Tensor, block_size: int, impl: str | None = None,
+    history: Tensor, block_size: int, impl: KernelImpl = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Build ``(input_ids [T] int64, positions [T] int64, slot_mapping [T] int64)`` for a step.
 
@@ -131,7 +132,7 @@ def assemble_inputs(
     Side effect: ``history.view(-1)[slot_mapping] = input_ids`` (``history`` is
     ``[num_blocks, block_size]`` int32 and must be contiguous), so token pages follow KV blocks.
     """
-    if use_triton(impl, prefill_ids):
+    if use_triton(prefill_ids, impl, _assemble_kernel if HAS_TRITON else None):
         return _assemble_triton(req_slots, query_start_loc, is_decode, prefill_ids, seq_len,
                                 last_token, drafts, num_drafts, block_table, history, block_size)
     return _assemble_torch(req_slots, query_start_loc, is_decode, prefill_ids, seq_len,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, use_triton
+from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
 
 STREAM_SAMPLE = 0
 """Gumbel / exponential-race noise for sampling a token (also the bonus token of verification)."""
@@ -68,8 +68,6 @@ def _keyed_uniform_torch(seeds: Tensor, positions: Tensor, vocab_size: int, stre
 
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
 
     # The same constants as the torch path, visible inside jit code.
     _SALT_A_C: tl.constexpr = tl.constexpr(_SALT_A)
@@ -128,7 +126,7 @@ def _keyed_uniform_triton(seeds: Tensor, positions: Tensor, vocab_size: int, str
     out = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=seeds.device)
     if num_rows == 0 or vocab_size == 0:
         return out
-    block_v = min(1024, triton.next_power_of_2(vocab_size))
+    block_v = min(1024, next_power_of_2(vocab_size))
     grid = (num_rows, triton.cdiv(vocab_size, block_v))
     _keyed_uniform_kernel[grid](
         seeds.contiguous(), positions.contiguous(), out, vocab_size, STREAM=stream, BLOCK_V=block_v
@@ -138,7 +136,7 @@ def _keyed_uniform_triton(seeds: Tensor, positions: Tensor, vocab_size: int, str
 
 def keyed_uniform(
     seeds: Tensor, positions: Tensor, vocab_size: int, stream: int = STREAM_SAMPLE,
-    impl: str | None = None,
+    impl: KernelImpl = None,
 ) -> Tensor:
     """Uniform noise ``[N, vocab_size]`` float32, strictly inside (0, 1).
 
@@ -147,6 +145,6 @@ def keyed_uniform(
     integer tensors (int64 for the full range). Values are odd multiples of 2**-24 (23 random
     bits). Triton and torch implementations are bit-identical.
     """
-    if use_triton(impl, seeds):
+    if use_triton(seeds, impl, _keyed_uniform_kernel if HAS_TRITON else None):
         return _keyed_uniform_triton(seeds, positions, vocab_size, stream)
     return _keyed_uniform_torch(seeds, positions, vocab_size, stream)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, use_triton
+from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
 
 
 def _ngram_torch(
@@ -68,8 +68,6 @@ def _ngram_torch(
 
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
 
     @triton.jit
     def _seq_token(i, mask, held, last, table_row_ptr, history_ptr, BLOCK_SIZE: tl.constexpr):
@@ -133,14 +131,14 @@ def _ngram_triton(
     _ngram_kernel[(num_reqs,)](
         req_slots, seq_len, last_token, block_table.contiguous(), history, drafts, num_drafts,
         block_table.shape[1], min_n, k,
-        BLOCK_SIZE=block_size, MAX_N=max_n, BLOCK=256, BLOCK_K=triton.next_power_of_2(k),
+        BLOCK_SIZE=block_size, MAX_N=max_n, BLOCK=256, BLOCK_K=next_power_of_2(k),
     )
     return drafts, num_drafts
 
 
 def ngram_propose(
     req_slots: Tensor, seq_len: Tensor, last_token: Tensor, block_table: Tensor, history: Tensor,
-    block_size: int, min_n: int, max_n: int, k: int, impl: str | None = None,
+    block_size: int, min_n: int, max_n: int, k: int, impl: KernelImpl = None,
 ) -> tuple[Tensor, Tensor]:
     """Propose up to ``k`` drafts per row by prompt lookup; returns
     ``(drafts [R, k] int32, num_drafts [R] int32)``.
@@ -156,7 +154,7 @@ def ngram_propose(
         raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
     if k < 1:
         raise ValueError(f"need k >= 1, got {k}")
-    if use_triton(impl, seq_len):
+    if use_triton(seq_len, impl, _ngram_kernel if HAS_TRITON else None):
         return _ngram_triton(req_slots, seq_len, last_token, block_table, history, block_size,
                              min_n, max_n, k)
     return _ngram_torch(req_slots, seq_len, last_token, block_table, history, block_size,

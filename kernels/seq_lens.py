@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, use_triton
+from kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
 
 
 def _update_torch(
@@ -27,8 +27,6 @@ def _update_torch(
 
 
 if HAS_TRITON:
-    import triton
-    import triton.language as tl
 
     @triton.jit
     def _update_kernel(
@@ -71,7 +69,7 @@ def _update_triton(
 def update_state(
     req_slots: Tensor, is_decode: Tensor, num_scheduled: Tensor, num_accepted: Tensor,
     do_sample: Tensor, sampled_last: Tensor, seq_len: Tensor, last_token: Tensor,
-    num_drafts: Tensor, impl: str | None = None,
+    num_drafts: Tensor, impl: KernelImpl = None,
 ) -> None:
     """Advance the per-slot state in place for the ``R`` rows of a step (distinct slots).
 
@@ -80,7 +78,7 @@ def update_state(
     ``last_token[s] = sampled_last[r]``; every row sets ``num_drafts[s] = 0`` (the proposer
     refills it afterwards). Other slots are untouched.
     """
-    if use_triton(impl, seq_len):
+    if use_triton(seq_len, impl, _update_kernel if HAS_TRITON else None):
         _update_triton(req_slots, is_decode, num_scheduled, num_accepted, do_sample, sampled_last,
                        seq_len, last_token, num_drafts)
     else:

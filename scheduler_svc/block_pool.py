@@ -85,6 +85,10 @@ class BlockPool:
         """Used blocks ÷ all blocks."""
         return self.num_used / self.num_blocks
 
+    def hash_of(self, block_id: int) -> BlockHash | None:
+        """The prefix-cache hash a block is registered under, if any."""
+        return self._hash_of.get(block_id)
+
     def ref_count(self, block_id: int) -> int:
         """Reference count of one block."""
         return self._refs[block_id]

@@ -313,6 +313,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     if cfg.metrics_port >= 0:
         mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("scheduler metrics on :%d/metrics", mport)
+        print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
         if bound is not None:
             bound.append(("metrics", mport))
     sched_cfg = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
@@ -341,6 +342,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.start(worker_addresses if worker_addresses is not None
                        else [a.strip() for a in cfg.workers.split(",") if a.strip()])
     logger.info("scheduler listening on %s:%d", cfg.host, port)
+    print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
     if bound is not None:
         bound.append(("grpc", port))
     if ready is not None:

@@ -222,6 +222,7 @@ def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
         if (final / "config.json").is_file():
             return final
         tmp = Path(tempfile.mkdtemp(prefix=f".{cache_name}.tmp-", dir=models_dir))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would hide a shared cache from other users
         try:
             _convert_gguf(gguf_path, tmp)
             if final.exists():  # a stale, incomplete directory from an older layout

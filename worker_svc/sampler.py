@@ -68,8 +68,8 @@ def _processed_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
     scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
     if t.any_filter:
         scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
-    one_hot = torch.zeros_like(scaled).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
-    greedy_logits = torch.where(one_hot > 0, 0.0, float("-inf"))
+    greedy_logits = torch.full_like(scaled, float("-inf"))
+    greedy_logits.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
     return torch.where(greedy[:, None], greedy_logits, scaled)
 
 

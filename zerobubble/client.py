@@ -88,25 +88,33 @@ class Completion:
     error: str = ""
 
 
-class _BearerTokenInterceptor(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
-    """Adds ``authorization: Bearer <token>`` to every call.
+def _with_bearer_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
+    """``details`` plus ``authorization: Bearer <token>`` metadata."""
+    metadata = grpc.aio.Metadata(*(details.metadata or ()), ("authorization", f"Bearer {token}"))
+    return details._replace(metadata=metadata)
 
-    An interceptor rather than call credentials because gRPC refuses call credentials on
-    plaintext channels, and a token is still wanted behind a TLS-terminating proxy or on loopback.
-    """
+
+# Interceptors rather than call credentials because gRPC refuses call credentials on plaintext
+# channels, and a token is still wanted behind a TLS-terminating proxy or on loopback. Two
+# classes because grpc.aio files an interceptor under the first call kind it implements only.
+class _BearerTokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+    """Sends the bearer token on unary calls (``Tokenize``, ``ModelInfo``)."""
 
     def __init__(self, token: str) -> None:
-        self._header = ("authorization", f"Bearer {token}")
-
-    def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
-        metadata = grpc.aio.Metadata(*(details.metadata or ()), self._header)
-        return details._replace(metadata=metadata)
+        self._token = token
 
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return await continuation(self._with_token(client_call_details), request)
+        return await continuation(_with_bearer_token(client_call_details, self._token), request)
+
+
+class _BearerTokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+    """Sends the bearer token on server-streaming calls (``Generate``)."""
+
+    def __init__(self, token: str) -> None:
+        self._token = token
 
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
-        return await continuation(self._with_token(client_call_details), request)
+        return await continuation(_with_bearer_token(client_call_details, self._token), request)
 
 
 def open_channel(settings: ChannelSettings) -> grpc.aio.Channel:
@@ -114,7 +122,9 @@ def open_channel(settings: ChannelSettings) -> grpc.aio.Channel:
 
     Must be called with an event loop running (grpc.aio binds the channel to it).
     """
-    interceptors = [_BearerTokenInterceptor(settings.auth_token)] if settings.auth_token else None
+    interceptors: list[grpc.aio.ClientInterceptor] | None = None
+    if settings.auth_token:
+        interceptors = [_BearerTokenUnaryUnary(settings.auth_token), _BearerTokenUnaryStream(settings.auth_token)]
     if not (settings.tls_ca or settings.tls_cert):
         return grpc.aio.insecure_channel(settings.target, options=CHANNEL_OPTIONS, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(

@@ -1,0 +1,659 @@
+"""Admission, plan building with optimistic placeholders, reconciliation and preemption.
+
+The scheduler plans step N+1 before step N's result is back. It assumes every draft slot it
+schedules will be accepted (`num_computed`/`num_placeholders` on the request run ahead), and
+corrects itself when results arrive (`on_step_result`). The worker never needs token values
+from the scheduler for decode steps: it feeds its own last sample and drafts.
+
+Rules that keep this safe (DESIGN.md, "The async + speculative contract"):
+
+- KV blocks are allocated for the optimistic count, so the worker never runs out of slots even
+  when every draft is accepted.
+- A decode is only scheduled with as many draft slots as can still be verified before
+  `max_tokens` / the model length, counting tokens still in flight.
+- Results planned before a request's latest (re)admission are stale and discarded; results for
+  finished or aborted requests are discarded too. Each is counted.
+- Blocks freed after plan N-1 was sent may go to anyone in plan N or later: plans execute in
+  order, so nothing in flight can write them after their new owner starts.
+- Only full blocks of confirmed tokens whose K/V are certainly written enter the prefix cache.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import random
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
+from scheduler_svc.detokenizer import Detokenizer
+from scheduler_svc.request import (
+    Request,
+    RequestStatus,
+    SamplingOptions,
+    StoppingOptions,
+)
+from scheduler_svc.tokenizer import Tokenizer
+from zerobubble.api import generate_pb2, worker_pb2
+
+logger = logging.getLogger(__name__)
+
+FINISH_EOS = generate_pb2.FINISH_REASON_EOS
+FINISH_MAX_TOKENS = generate_pb2.FINISH_REASON_MAX_TOKENS
+FINISH_STOP_SEQUENCE = generate_pb2.FINISH_REASON_STOP_SEQUENCE
+FINISH_CANCELLED = generate_pb2.FINISH_REASON_CANCELLED
+FINISH_ERROR = generate_pb2.FINISH_REASON_ERROR
+
+
+class QueueFullError(Exception):
+    """The waiting queue holds `max_waiting` requests (the servicer answers RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Capacity and policy of one scheduler (one worker's KV cache)."""
+
+    num_blocks: int
+    block_size: int
+    max_model_len: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048  # token budget of one step
+    num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
+    enable_prefix_caching: bool = True
+    max_waiting: int = 4096
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
+                     "max_num_batched_tokens", "max_waiting"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be positive")
+        if self.num_spec_tokens < 0:
+            raise ValueError("num_spec_tokens must be >= 0")
+
+
+@dataclass(slots=True)
+class RequestEvent:
+    """What one request produced since its previous event; the last one has a finish reason."""
+
+    req_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: int | None  # generate_pb2.FinishReason; None while running
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far
+    num_cached_tokens: int  # prompt tokens served by the prefix cache
+    error: str = ""
+    queue_time_s: float | None = None  # on the finishing event: arrival to first scheduling
+
+
+@dataclass(slots=True)
+class SchedulerCounters:
+    """Cumulative figures for metrics (the servicer/metrics module reads and diffs them)."""
+
+    num_steps_planned: int = 0
+    num_steps_completed: int = 0
+    num_failed_steps: int = 0
+    num_prompt_tokens: int = 0  # of requests admitted for the first time
+    num_generation_tokens: int = 0  # output tokens delivered to requests
+    num_preemptions: int = 0
+    num_rolled_back_tokens: int = 0  # draft slots undone by reconciliation
+    num_stale_results: int = 0  # result entries discarded (finished, aborted or preempted)
+    num_drafts: int = 0  # decode rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Scheduled:
+    """What a plan asked of one request, remembered until the step's result arrives."""
+
+    request: Request
+    admission_id: int
+    num_draft_slots: int
+    sample: bool
+    is_prefill: bool
+    num_computed_after: int  # known tokens covered once a prefill chunk is done
+
+
+def _sampling_params(sampling: SamplingOptions) -> worker_pb2.SamplingParams:
+    return worker_pb2.SamplingParams(
+        temperature=sampling.temperature,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p,
+        seed=sampling.seed or 0,
+        logprobs=sampling.logprobs,
+    )
+
+
+class Scheduler:
+    """Owns requests, KV block accounting and plan building for one worker."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        tokenizer: Tokenizer,
+        eos_token_ids: Sequence[int] = (),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        """`rng` draws seeds for requests without one (pass a seeded one in tests)."""
+        self.config = config
+        self.counters = SchedulerCounters()
+        self._tokenizer = tokenizer
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._clock = clock
+        self._rng = rng or random.Random()
+        self._pool = BlockPool(config.num_blocks, config.block_size)
+        # A request longer than the whole cache could never be resumed after preemption.
+        self._max_len = min(config.max_model_len, config.num_blocks * config.block_size)
+        self._requests: dict[str, Request] = {}
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []  # admission order: the last one is preempted first
+        self._inflight: dict[int, dict[str, _Scheduled]] = {}
+        self._pending_finished: list[str] = []
+        self._next_step_id = 1
+        self._next_admission_id = 1
+
+    # ----------------------------------------------------------------- requests in and out
+
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingOptions | None = None,
+        stopping: StoppingOptions | None = None,
+    ) -> Request:
+        """Queue a request. `ValueError` on bad fields, `QueueFullError` when the queue is full."""
+        if req_id in self._requests:
+            raise ValueError(f"request id {req_id!r} is already in use")
+        if len(self._waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{len(self._waiting)} requests already waiting")
+        prompt = list(prompt_token_ids)
+        sampling = dataclasses.replace(sampling) if sampling else SamplingOptions()
+        stopping = dataclasses.replace(stopping) if stopping else StoppingOptions()
+        stopping.stop = list(stopping.stop)
+        stopping.stop_token_ids = list(stopping.stop_token_ids)
+        self._validate(prompt, sampling, stopping)
+        if sampling.seed is None:
+            # Every request is keyed, so its randomness never depends on batching.
+            sampling.seed = self._rng.getrandbits(64)
+        room = self._max_len - len(prompt)
+        max_tokens = room if stopping.max_tokens is None else min(stopping.max_tokens, room)
+        req = Request(
+            req_id=req_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            stopping=stopping,
+            max_tokens=max_tokens,
+            eos_token_ids=self._eos_token_ids,
+            detokenizer=Detokenizer(self._tokenizer, prompt, stopping.stop),
+            arrival_time=self._clock(),
+        )
+        self._requests[req_id] = req
+        self._waiting.append(req)
+        return req
+
+    def _validate(
+        self, prompt: list[int], sampling: SamplingOptions, stopping: StoppingOptions
+    ) -> None:
+        vocab_size = self._tokenizer.vocab_size
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if any(not 0 <= t < vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
+        if len(prompt) >= self._max_len:
+            raise ValueError(
+                f"the prompt has {len(prompt)} tokens; at most {self._max_len - 1} fit"
+            )
+        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
+            raise ValueError("temperature must be >= 0")
+        if sampling.top_k < 0:
+            raise ValueError("top_k must be >= 0")
+        if not 0 < sampling.top_p <= 1:
+            raise ValueError("top_p must be in (0, 1]")
+        if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
+            raise ValueError("seed must fit in 64 unsigned bits")
+        if stopping.max_tokens is not None and stopping.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        if stopping.min_tokens < 0:
+            raise ValueError("min_tokens must be >= 0")
+        if stopping.max_tokens is not None and stopping.min_tokens > stopping.max_tokens:
+            raise ValueError("min_tokens must not exceed max_tokens")
+        if any(not s for s in stopping.stop):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in stopping.stop_token_ids):
+            raise ValueError("stop_token_ids must be >= 0")
+
+    def abort_request(self, req_id: str) -> RequestEvent | None:
+        """Cancel a request (client gone); returns its final event, or None if not active."""
+        req = self._requests.get(req_id)
+        if req is None:
+            return None
+        self._finish(req, FINISH_CANCELLED)
+        return self._event(req, [], "", [])
+
+    def fail_all(self, error: str) -> list[RequestEvent]:
+        """Finish every request with ERROR and forget in-flight steps (the worker is lost)."""
+        self._inflight.clear()
+        events = []
+        for req in list(self._running) + list(self._waiting):
+            self._finish(req, FINISH_ERROR, error)
+            events.append(self._event(req, [], "", []))
+        return events
+
+    # ------------------------------------------------------------------------- accessors
+
+    def get_request(self, req_id: str) -> Request | None:
+        """The state of an active (waiting or running) request."""
+        return self._requests.get(req_id)
+
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and not finished."""
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued (new or preempted)."""
+        return len(self._waiting)
+
+    @property
+    def num_inflight_steps(self) -> int:
+        """Plans returned by `schedule` whose results have not arrived."""
+        return len(self._inflight)
+
+    @property
+    def block_pool(self) -> BlockPool:
+        """The KV block pool (read it, do not change it)."""
+        return self._pool
+
+    @property
+    def prefix_cache_counters(self) -> PrefixCacheCounters:
+        """Prefix-cache queries and hits, in prompt tokens."""
+        return self._pool.counters
+
+    def kv_usage_ratio(self) -> float:
+        """Used KV blocks ÷ all blocks."""
+        return self._pool.usage_ratio()
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self._running or self._waiting)
+
+    # -------------------------------------------------------------------------- planning
+
+    def schedule(self) -> worker_pb2.StepPlan | None:
+        """Build the next plan without waiting for earlier ones; None when nothing can run.
+
+        Running requests go first (prefill chunks and decodes), then waiting requests are
+        admitted first come, first served while the token budget, `max_num_seqs` and free
+        blocks allow. Requests finished, aborted or preempted since the last plan are listed
+        in `finished_req_ids` of the next plan that is returned.
+        """
+        budget = self.config.max_num_batched_tokens
+        plan = worker_pb2.StepPlan()
+        records: dict[str, _Scheduled] = {}
+        num_preemptions_before = self.counters.num_preemptions
+        i = 0
+        while i < len(self._running) and budget > 0:
+            req = self._running[i]
+            budget -= self._schedule_running(req, budget, plan, records)
+            i += 1
+        # Admitting right after a preemption would only hand the freed blocks back and forth.
+        if self.counters.num_preemptions == num_preemptions_before:
+            while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+                num_tokens = self._admit(self._waiting[0], budget, plan, records)
+                if num_tokens == 0:
+                    break
+                budget -= num_tokens
+        if not plan.requests:
+            return None
+        plan.step_id = self._next_step_id
+        self._next_step_id += 1
+        plan.finished_req_ids.extend(self._pending_finished)
+        self._pending_finished.clear()
+        self._inflight[plan.step_id] = records
+        self.counters.num_steps_planned += 1
+        return plan
+
+    def _schedule_running(
+        self,
+        req: Request,
+        budget: int,
+        plan: worker_pb2.StepPlan,
+        records: dict[str, _Scheduled],
+    ) -> int:
+        """Add a running request's next prefill chunk or decode; returns the tokens used."""
+        if req.is_prefilling:
+            if not self._make_room(req):
+                return 0
+            num_tokens = min(req.num_prefill_tokens - req.num_computed, budget,
+                             self._capacity(req))
+            start = req.num_computed
+            token_ids = req.all_token_ids()[start : start + num_tokens]
+            self._add_prefill(req, token_ids, plan, records, is_new=False, num_cached_tokens=0)
+            return num_tokens
+        # Tokens confirmed or in flight; slots beyond the limit could never be verified.
+        num_draft_slots = min(
+            self.config.num_spec_tokens,
+            req.max_tokens - req.num_pending_outputs - 1,
+            budget - 1,
+        )
+        if num_draft_slots < 0:
+            return 0  # the in-flight results will finish it
+        if not self._make_room(req):
+            return 0
+        num_draft_slots = min(num_draft_slots, self._capacity(req) - 1)
+        num_tokens = 1 + num_draft_slots
+        new_block_ids = self._grow(req, num_tokens)
+        req.num_computed += num_tokens
+        req.num_placeholders += num_tokens
+        plan.requests.append(
+            worker_pb2.ScheduledRequest(
+                req_id=req.req_id, num_draft_slots=num_draft_slots, new_block_ids=new_block_ids
+            )
+        )
+        records[req.req_id] = _Scheduled(
+            request=req,
+            admission_id=req.admission_id,
+            num_draft_slots=num_draft_slots,
+            sample=True,
+            is_prefill=False,
+            num_computed_after=req.num_computed,
+        )
+        return num_tokens
+
+    def _admit(
+        self,
+        req: Request,
+        budget: int,
+        plan: worker_pb2.StepPlan,
+        records: dict[str, _Scheduled],
+    ) -> int:
+        """Admit the head of the waiting queue with its first chunk; returns tokens used (0: no)."""
+        token_ids = req.all_token_ids()
+        block_size = self.config.block_size
+        cached_block_ids: list[int] = []
+        if self.config.enable_prefix_caching:
+            # The block holding the last known token is always computed: the step must produce
+            # at least one token, and nobody may write into a block others share.
+            cached_block_ids = self._pool.lookup(
+                token_ids, max_num_blocks=(len(token_ids) - 1) // block_size
+            )
+        num_cached_tokens = len(cached_block_ids) * block_size
+        num_tokens = min(
+            len(token_ids) - num_cached_tokens, budget, self._pool.num_free * block_size
+        )
+        if num_tokens < 1:
+            self._pool.free(cached_block_ids)
+            return 0
+        self._waiting.popleft()
+        if self.config.enable_prefix_caching:
+            self._pool.record_query(len(token_ids), num_cached_tokens)
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self._clock()
+            req.num_cached_prompt_tokens = min(num_cached_tokens, req.num_prompt_tokens)
+            self.counters.num_prompt_tokens += req.num_prompt_tokens
+        req.status = RequestStatus.RUNNING
+        req.admission_id = self._next_admission_id
+        self._next_admission_id += 1
+        req.block_ids = cached_block_ids
+        req.num_registered_blocks = len(cached_block_ids)
+        req.num_computed = num_cached_tokens
+        req.num_placeholders = 0
+        req.num_prefill_tokens = len(token_ids)
+        self._running.append(req)
+        chunk = token_ids[num_cached_tokens : num_cached_tokens + num_tokens]
+        self._add_prefill(req, chunk, plan, records, is_new=True,
+                          num_cached_tokens=num_cached_tokens)
+        return num_tokens
+
+    def _add_prefill(
+        self,
+        req: Request,
+        token_ids: list[int],
+        plan: worker_pb2.StepPlan,
+        records: dict[str, _Scheduled],
+        *,
+        is_new: bool,
+        num_cached_tokens: int,
+    ) -> None:
+        """Schedule a prefill chunk; it samples when it reaches the end of the known tokens."""
+        new_block_ids = self._grow(req, len(token_ids))
+        req.num_computed += len(token_ids)
+        sample = req.num_computed == req.num_prefill_tokens
+        if sample:
+            req.num_placeholders += 1
+        entry = worker_pb2.ScheduledRequest(
+            req_id=req.req_id,
+            token_ids=token_ids,
+            new_block_ids=req.block_ids if is_new else new_block_ids,
+            is_new=is_new,
+            num_cached_tokens=num_cached_tokens,
+            sample=sample,
+        )
+        if is_new:
+            entry.sampling.CopyFrom(_sampling_params(req.sampling))
+        plan.requests.append(entry)
+        records[req.req_id] = _Scheduled(
+            request=req,
+            admission_id=req.admission_id,
+            num_draft_slots=0,
+            sample=sample,
+            is_prefill=True,
+            num_computed_after=req.num_computed,
+        )
+
+    def _capacity(self, req: Request) -> int:
+        """Token slots the request could still get: its spare slots plus every free block."""
+        num_slots = (len(req.block_ids) + self._pool.num_free) * self.config.block_size
+        return num_slots - req.num_computed
+
+    def _make_room(self, req: Request) -> bool:
+        """Preempt the newest running requests until `req` can get one more slot.
+
+        Returns False when `req` itself had to be preempted.
+        """
+        while self._capacity(req) < 1:
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _grow(self, req: Request, num_tokens: int) -> list[int]:
+        """Allocate the blocks that `num_tokens` more slots need; returns the new block ids."""
+        num_needed = -(-(req.num_computed + num_tokens) // self.config.block_size)
+        num_new = num_needed - len(req.block_ids)
+        if num_new <= 0:
+            return []
+        new_block_ids = self._pool.allocate(num_new)
+        if new_block_ids is None:
+            raise AssertionError("capacity was checked before growing")
+        req.block_ids.extend(new_block_ids)
+        return new_block_ids
+
+    def _preempt(self, req: Request) -> None:
+        """Recompute-style preemption: drop the KV blocks, keep the confirmed outputs.
+
+        In-flight results for it become stale (its admission id changes); on resumption its
+        prefill is prompt + confirmed outputs.
+        """
+        logger.debug("preempting %s (%d outputs)", req.req_id, req.num_output_tokens)
+        self._pool.free(req.block_ids)
+        req.block_ids = []
+        req.num_registered_blocks = 0
+        req.num_computed = 0
+        req.num_placeholders = 0
+        req.num_prefill_tokens = 0
+        req.admission_id = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self._running.remove(req)
+        self._waiting.appendleft(req)
+        self._pending_finished.append(req.req_id)
+        self.counters.num_preemptions += 1
+
+    # --------------------------------------------------------------------- reconciliation
+
+    def on_step_result(self, result: worker_pb2.StepResult) -> list[RequestEvent]:
+        """Apply a worker's result for an earlier plan; returns one event per request with news."""
+        records = self._inflight.pop(result.step_id, None)
+        if records is None:
+            logger.warning("result for unknown step %d ignored", result.step_id)
+            return []
+        self.counters.num_steps_completed += 1
+        if result.error:
+            self.counters.num_failed_steps += 1
+            logger.error("step %d failed on the worker: %s", result.step_id, result.error)
+        self._count_speculation(result)
+        by_id = {r.req_id: r for r in result.results}
+        events: list[RequestEvent] = []
+        for req_id, rec in records.items():
+            req = rec.request
+            if req.status is not RequestStatus.RUNNING or req.admission_id != rec.admission_id:
+                self.counters.num_stale_results += 1
+                continue
+            if result.error:
+                self._finish(req, FINISH_ERROR, f"worker step failed: {result.error}")
+                events.append(self._event(req, [], "", []))
+                continue
+            if not rec.sample:
+                self._register_confirmed(req, rec.num_computed_after)
+                continue
+            res = by_id.get(req_id)
+            num_returned = len(res.token_ids) if res is not None else 0
+            if not 1 <= num_returned <= rec.num_draft_slots + 1:
+                error = f"worker returned {num_returned} tokens for {rec.num_draft_slots} drafts"
+                logger.error("request %s: %s", req_id, error)
+                self._finish(req, FINISH_ERROR, error)
+                events.append(self._event(req, [], "", []))
+                continue
+            events.append(self._reconcile(req, rec, res))
+        return events
+
+    def _count_speculation(self, result: worker_pb2.StepResult) -> None:
+        counters = self.counters
+        for res in result.results:
+            if res.num_draft_tokens > 0:
+                counters.num_drafts += 1
+                counters.num_draft_tokens += res.num_draft_tokens
+                counters.num_accepted_tokens += res.num_accepted
+        per_pos = counters.accepted_per_pos
+        if len(per_pos) < len(result.accepted_per_pos):
+            per_pos.extend([0] * (len(result.accepted_per_pos) - len(per_pos)))
+        for pos, num_accepted in enumerate(result.accepted_per_pos):
+            per_pos[pos] += num_accepted
+
+    def _reconcile(
+        self, req: Request, rec: _Scheduled, res: worker_pb2.RequestResult
+    ) -> RequestEvent:
+        """Replace placeholders with real tokens, roll back rejected slots, check stops."""
+        token_ids = list(res.token_ids)
+        num_rejected = rec.num_draft_slots + 1 - len(token_ids)
+        req.num_computed -= num_rejected
+        req.num_placeholders -= num_rejected + len(token_ids)
+        if req.num_placeholders < 0:
+            raise AssertionError(f"{req.req_id}: placeholders underflow ({req.num_placeholders})")
+        self.counters.num_rolled_back_tokens += num_rejected
+        if req.first_token_time is None:
+            req.first_token_time = self._clock()
+        logprobs = list(res.logprobs) if req.sampling.logprobs else []
+        if len(logprobs) != len(token_ids):
+            logprobs = []
+        new_ids: list[int] = []
+        new_logprobs: list[float] = []
+        text_parts: list[str] = []
+        finish_reason: int | None = None
+        for i, token_id in enumerate(token_ids):
+            req.output_token_ids.append(token_id)
+            new_ids.append(token_id)
+            if logprobs:
+                req.output_logprobs.append(logprobs[i])
+                new_logprobs.append(logprobs[i])
+            finish_reason = self._check_stop(req, token_id, text_parts)
+            if finish_reason is not None:
+                break  # tokens after a stop are dropped
+        if finish_reason is not None and finish_reason != FINISH_STOP_SEQUENCE:
+            text_parts.append(req.detokenizer.flush())
+        text = "".join(text_parts)
+        req.output_text += text
+        self.counters.num_generation_tokens += len(new_ids)
+        # The newest token's K/V is written by the next step; everything before it is done.
+        self._register_confirmed(req, req.num_tokens - 1)
+        if finish_reason is not None:
+            self._finish(req, finish_reason)
+        return self._event(req, new_ids, text, new_logprobs)
+
+    def _check_stop(self, req: Request, token_id: int, text_parts: list[str]) -> int | None:
+        """Stop conditions after appending one confirmed token; streams its text if it stays."""
+        stopping = req.stopping
+        num_outputs = req.num_output_tokens
+        may_stop_on_token = num_outputs >= stopping.min_tokens
+        if may_stop_on_token and not stopping.ignore_eos and token_id in req.eos_token_ids:
+            return FINISH_EOS
+        if may_stop_on_token and token_id in stopping.stop_token_ids:
+            return FINISH_STOP_SEQUENCE
+        text, stopped = req.detokenizer.append(token_id)
+        text_parts.append(text)
+        if stopped:
+            return FINISH_STOP_SEQUENCE
+        if num_outputs >= req.max_tokens:
+            return FINISH_MAX_TOKENS
+        return None
+
+    def _register_confirmed(self, req: Request, num_written: int) -> None:
+        """Offer the full blocks among the first `num_written` (confirmed, K/V written) tokens."""
+        if not self.config.enable_prefix_caching:
+            return
+        block_size = self.config.block_size
+        num_full = min(num_written // block_size, len(req.block_ids))
+        if num_full <= req.num_registered_blocks:
+            return
+        extend_hash_chain(req.block_hashes, req.all_token_ids(), block_size, num_full)
+        for i in range(req.num_registered_blocks, num_full):
+            self._pool.register(req.block_ids[i], req.block_hashes[i])
+        req.num_registered_blocks = num_full
+
+    def _finish(self, req: Request, finish_reason: int, error: str = "") -> None:
+        """Release everything a request holds; the worker forgets it before the next plan."""
+        if req.status is RequestStatus.RUNNING:
+            self._running.remove(req)
+            self._pending_finished.append(req.req_id)
+        elif req.status is RequestStatus.WAITING:
+            self._waiting.remove(req)
+        self._pool.free(req.block_ids)
+        req.block_ids = []
+        req.admission_id = 0
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = finish_reason
+        req.error = error
+        req.finish_time = self._clock()
+        del self._requests[req.req_id]
+
+    def _event(
+        self, req: Request, token_ids: list[int], text: str, logprobs: list[float]
+    ) -> RequestEvent:
+        finished = req.status is RequestStatus.FINISHED
+        queue_time_s = None
+        if finished and req.first_scheduled_time is not None:
+            queue_time_s = req.first_scheduled_time - req.arrival_time
+        return RequestEvent(
+            req_id=req.req_id,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
+            finish_reason=req.finish_reason if finished else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_prompt_tokens,
+            error=req.error,
+            queue_time_s=queue_time_s,
+        )

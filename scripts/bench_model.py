@@ -1,0 +1,193 @@
+"""Our forward vs Hugging Face's forward-with-cache on the embedded SmolLM2-135M (``make bench-model``).
+
+For each dtype it times one decode step at several batch sizes with a fixed context (Hugging Face
+with a ``DynamicCache`` cropped back after every step, ours over a scattered paged cache), and one
+prefill, and prints median step times side by side with the ratio ours/HF. KV contents are random:
+timing does not depend on them, and building a real 512-token context for 32 rows would take far
+longer than the measurement itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# Runnable as `python scripts/bench_model.py` from a checkout that is not pip-installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.attention import AttentionMetadata  # noqa: E402
+from kernels.slot_mapping import compute_slot_mapping  # noqa: E402
+from worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
+from worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
+
+logger = logging.getLogger("bench_model")
+
+BLOCK_SIZE = 16
+
+
+@dataclass(slots=True)
+class Result:
+    """One row of the table."""
+
+    dtype: str
+    case: str
+    ours_ms: float
+    hf_ms: float
+
+
+def median_ms(step: Callable[[], object], num_warmup: int, num_reps: int, reset: Callable[[], None] | None = None) -> float:
+    """Median wall time of ``step`` in ms; ``reset`` runs untimed after every call."""
+    times = []
+    for i in range(num_warmup + num_reps):
+        started = time.perf_counter()
+        step()
+        elapsed = time.perf_counter() - started
+        if reset is not None:
+            reset()
+        if i >= num_warmup:
+            times.append(elapsed)
+    return statistics.median(times) * 1e3
+
+
+def ours_decode(model: CausalLM, hf_config: object, batch: int, context: int, dtype: torch.dtype) -> Callable[[], object]:
+    """A decode step of ``batch`` requests, each with ``context`` tokens already cached."""
+    blocks_per_request = -(-(context + 1) // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_request
+    kv_caches = allocate_kv_cache(hf_config, num_blocks, BLOCK_SIZE, dtype, "cpu")
+    for k_cache, v_cache in kv_caches:
+        k_cache.normal_()
+        v_cache.normal_()
+    # Scattered blocks, as a long-running server's pool would hand them out.
+    block_tables = torch.randperm(num_blocks).view(batch, blocks_per_request).to(torch.int32)
+    query_start_loc = torch.arange(batch + 1, dtype=torch.int32)
+    positions = torch.full((batch,), context, dtype=torch.long)
+    meta = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=torch.full((batch,), context + 1, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=1,
+        max_seq_len=context + 1,
+        slot_mapping=compute_slot_mapping(query_start_loc, positions, block_tables, BLOCK_SIZE),
+    )
+    input_ids = torch.randint(0, model.spec.vocab_size, (batch,))
+    return lambda: model.compute_logits(model(input_ids, positions, meta, kv_caches))
+
+
+def ours_prefill(model: CausalLM, hf_config: object, num_tokens: int, dtype: torch.dtype) -> Callable[[], object]:
+    """A fresh prefill of one ``num_tokens`` prompt; logits for its last token only."""
+    num_blocks = -(-num_tokens // BLOCK_SIZE)
+    kv_caches = allocate_kv_cache(hf_config, num_blocks, BLOCK_SIZE, dtype, "cpu")
+    block_tables = torch.randperm(num_blocks).view(1, num_blocks).to(torch.int32)
+    query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
+    positions = torch.arange(num_tokens)
+    meta = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor([num_tokens], dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        slot_mapping=compute_slot_mapping(query_start_loc, positions, block_tables, BLOCK_SIZE),
+    )
+    input_ids = torch.randint(0, model.spec.vocab_size, (num_tokens,))
+    return lambda: model.compute_logits(model(input_ids, positions, meta, kv_caches)[-1:])
+
+
+def hf_decode(hf: torch.nn.Module, batch: int, context: int, dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[], None]]:
+    """Hugging Face's decode step over a ``DynamicCache`` of ``context`` tokens, and its reset."""
+    from transformers import DynamicCache
+
+    config = hf.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = DynamicCache(config=config)
+    shape = (batch, config.num_key_value_heads, context, head_dim)
+    for layer in range(config.num_hidden_layers):
+        cache.update(torch.randn(shape, dtype=dtype), torch.randn(shape, dtype=dtype), layer)
+    input_ids = torch.randint(0, config.vocab_size, (batch, 1))
+    attention_mask = torch.ones(batch, context + 1, dtype=torch.long)
+    position_ids = torch.full((batch, 1), context, dtype=torch.long)
+
+    def step() -> object:
+        with torch.inference_mode():
+            return hf(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                      cache=cache, use_cache=True, logits_to_keep=1).logits  # fmt: skip
+
+    return step, lambda: cache.crop(-1)
+
+
+def hf_prefill(hf: torch.nn.Module, num_tokens: int) -> Callable[[], object]:
+    """Hugging Face's prefill of one prompt into a fresh ``DynamicCache``, last-token logits only."""
+    from transformers import DynamicCache
+
+    input_ids = torch.randint(0, hf.config.vocab_size, (1, num_tokens))
+
+    def step() -> object:
+        with torch.inference_mode():
+            return hf(input_ids=input_ids, cache=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1).logits
+
+    return step
+
+
+def run(dtypes: list[str], batches: list[int], context: int, prefill_tokens: int, num_reps: int) -> list[Result]:
+    """Time every case for every dtype."""
+    from transformers import AutoModelForCausalLM
+
+    results = []
+    for dtype_name in dtypes:
+        dtype = getattr(torch, dtype_name)
+        loaded = load_model(EMBEDDED_MODEL_NAME, dtype, "cpu")
+        hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
+        for batch in batches:
+            ours_ms = median_ms(ours_decode(loaded.model, loaded.hf_config, batch, context, dtype), 2, num_reps)
+            hf_step, hf_reset = hf_decode(hf, batch, context, dtype)
+            hf_ms = median_ms(hf_step, 2, num_reps, hf_reset)
+            results.append(Result(dtype_name, f"decode batch={batch} ctx={context}", ours_ms, hf_ms))
+            print_row(results[-1])
+        prefill_reps = max(3, num_reps // 2)
+        ours_ms = median_ms(ours_prefill(loaded.model, loaded.hf_config, prefill_tokens, dtype), 1, prefill_reps)
+        hf_ms = median_ms(hf_prefill(hf, prefill_tokens), 1, prefill_reps)
+        results.append(Result(dtype_name, f"prefill {prefill_tokens} tokens", ours_ms, hf_ms))
+        print_row(results[-1])
+        del hf, loaded
+    return results
+
+
+def print_row(result: Result) -> None:
+    """One line of the side-by-side table."""
+    print(f"{result.dtype:<9} {result.case:<26} {result.ours_ms:>10.2f} {result.hf_ms:>10.2f} "
+          f"{result.ours_ms / result.hf_ms:>8.2f}", flush=True)  # fmt: skip
+
+
+def main() -> None:
+    """Parse flags and print the table."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated: float32,bfloat16")
+    parser.add_argument("--batches", default="1,8,32", help="comma-separated decode batch sizes")
+    parser.add_argument("--context", type=int, default=512, help="tokens already cached per decode row")
+    parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case (after warmup)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"SmolLM2-135M on CPU, {torch.get_num_threads()} threads, median of {args.reps} steps (ms)")
+    print(f"{'dtype':<9} {'case':<26} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
+    run(
+        [d.strip() for d in args.dtypes.split(",") if d.strip()],
+        [int(b) for b in args.batches.split(",")],
+        args.context,
+        args.prefill_tokens,
+        args.reps,
+    )
+
+
+if __name__ == "__main__":
+    main()

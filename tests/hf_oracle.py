@@ -1,0 +1,118 @@
+"""Hugging Face greedy generation as a reference for our outputs (a helper module, not a test).
+
+``hf_greedy`` runs ``generate`` one prompt at a time (no padding, so it is exact), greedy, stopping
+at EOS, and caches results on disk under ``<repo>/.pytest_cache/zerobubble-oracle/``, keyed by the
+model's weight-file metadata, the transformers and torch versions, the prompts and
+``max_new_tokens``. ``report_divergence`` explains a mismatch: where it starts and how close
+Hugging Face's top two logits were there (a near-tie is float noise, a wide gap is a bug).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+ORACLE_CACHE_DIR = REPO_ROOT / ".pytest_cache" / "zerobubble-oracle"
+
+
+def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations (new tokens only, ending with the EOS token when one stopped it)."""
+    model_dir = Path(model_dir)
+    cache_file = ORACLE_CACHE_DIR / f"{_cache_key(model_dir, prompts, max_new_tokens)}.json"
+    if cache_file.is_file():
+        return json.loads(cache_file.read_text())["outputs"]
+    from transformers import GenerationConfig
+
+    model = _load_hf_model(model_dir)
+    eos_ids = _eos_token_ids(model)
+    generation_config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=eos_ids or None,
+        pad_token_id=eos_ids[0] if eos_ids else 0,
+    )
+    outputs: list[list[int]] = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            input_ids = torch.tensor([prompt], dtype=torch.long)
+            generated = model.generate(
+                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    _write_atomic(cache_file, json.dumps({"outputs": outputs}))
+    return outputs
+
+
+def report_divergence(model_dir: str | Path, prompt: list[int], ours: list[int], ref: list[int]) -> str:
+    """Describe where ``ours`` first departs from ``ref`` and Hugging Face's top-2 logit gap there."""
+    position = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
+    if position == len(ours) == len(ref):
+        return f"no divergence: {len(ours)} identical tokens"
+    model = _load_hf_model(Path(model_dir))
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt + ref[:position]], dtype=torch.long)).logits[0, -1].float()
+    top = logits.topk(2)
+    (first_id, second_id), (first_logit, second_logit) = top.indices.tolist(), top.values.tolist()
+
+    def describe(tokens: list[int]) -> str:
+        if position >= len(tokens):
+            return "<end>"
+        return f"{tokens[position]} (HF logit {logits[tokens[position]].item():.4f})"
+
+    return (
+        f"first divergence at output position {position} (sequence position {len(prompt) + position}): "
+        f"ours {describe(ours)}, reference {describe(ref)}; HF top-2 there: {first_id} ({first_logit:.4f}) "
+        f"vs {second_id} ({second_logit:.4f}), gap {first_logit - second_logit:.3e}"
+    )
+
+
+def _cache_key(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> str:
+    import transformers
+
+    files = sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"])
+    key: dict[str, Any] = {
+        "files": [(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()],
+        "model_dir": str(model_dir.resolve()),
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "prompts": prompts,
+        "max_new_tokens": max_new_tokens,
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=2)
+def _load_hf_model(model_dir: Path) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    logger.info("loading Hugging Face reference model from %s", model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def _eos_token_ids(model: Any) -> list[int]:
+    found: list[int] = []
+    for source in (model.generation_config, model.config):
+        value = getattr(source, "eos_token_id", None)
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int) and token not in found:
+                found.append(token)
+    return found
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

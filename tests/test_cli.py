@@ -1,0 +1,187 @@
+"""The ``zerobubble`` command line: flags per subcommand, environment fallbacks, client errors."""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerobubble.cli import EnvConfigError, build_parser, env_name, parse_bool
+
+ROOT = Path(__file__).resolve().parent.parent
+
+LISTEN_FLAGS = {"--host", "--port", "--metrics-port", "--tls-cert", "--tls-key", "--max-num-seqs", "--log-level"}
+WORKER_FLAGS = {
+    "--model", "--dtype", "--device", "--block-size", "--kv-cache-memory-gb", "--gpu-memory-utilization",
+    "--max-model-len", "--spec-method", "--num-spec-tokens", "--ngram-min", "--ngram-max", "--draft-model",
+    "--worker-id", "--num-threads",
+}
+SCHEDULER_FLAGS = {
+    "--workers", "--max-inflight-steps", "--max-num-batched-tokens", "--max-waiting",
+    "--enable-prefix-caching", "--no-enable-prefix-caching", "--auth-token",
+    "--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key",
+}
+CLIENT_FLAGS = {"--target", "--tls-ca", "--tls-cert", "--tls-key", "--auth-token", "--log-level"}
+GENERATE_FLAGS = {"--prompt", "--messages-json", "--max-tokens", "--temperature", "--seed", "--top-k",
+                  "--top-p", "--stop", "--json"}
+BENCH_FLAGS = {"--dataset", "--concurrency", "--kind", "--limit", "--max-tokens-cap", "--json"}
+
+
+def subcommand(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The sub-parser of ``name``."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]
+    raise KeyError(name)
+
+
+def option_strings(parser: argparse.ArgumentParser, name: str) -> set[str]:
+    """Every option string a subcommand accepts."""
+    return {opt for action in subcommand(parser, name)._actions for opt in action.option_strings}
+
+
+def parse(argv: list[str], env: dict[str, str] | None = None) -> argparse.Namespace:
+    return build_parser(env=env or {}).parse_args(argv)
+
+
+def test_parser_builds_with_all_subcommands() -> None:
+    parser = build_parser(env={})
+    for name in ("serve", "worker", "scheduler", "generate", "bench"):
+        assert subcommand(parser, name) is not None
+
+
+@pytest.mark.parametrize(("command", "present", "absent"), [
+    ("worker", LISTEN_FLAGS | WORKER_FLAGS | {"--tls-client-ca"}, SCHEDULER_FLAGS | {"--worker-port"}),
+    ("scheduler", LISTEN_FLAGS | SCHEDULER_FLAGS, WORKER_FLAGS | {"--tls-client-ca", "--worker-port"}),
+    ("serve", LISTEN_FLAGS | WORKER_FLAGS | SCHEDULER_FLAGS | {"--worker-port"}, {"--tls-client-ca"}),
+    ("generate", CLIENT_FLAGS | GENERATE_FLAGS, WORKER_FLAGS | SCHEDULER_FLAGS - {"--auth-token"}),
+    ("bench", CLIENT_FLAGS | BENCH_FLAGS, WORKER_FLAGS | {"--prompt"}),
+])
+def test_flags_live_in_the_right_subcommands(command: str, present: set[str], absent: set[str]) -> None:
+    options = option_strings(build_parser(env={}), command)
+    assert present <= options, sorted(present - options)
+    assert not (absent & options), sorted(absent & options)
+
+
+def test_defaults_follow_the_contract() -> None:
+    serve = parse(["serve"])
+    assert (serve.port, serve.metrics_port, serve.worker_port) == (50051, 9090, 0)
+    assert serve.model == "smollm2-135m" and serve.spec_method == "none" and serve.max_inflight_steps == 2
+    assert serve.enable_prefix_caching is True and serve.workers == ""
+    worker = parse(["worker"])
+    assert (worker.port, worker.metrics_port, worker.block_size, worker.num_spec_tokens) == (50061, 9091, 16, 3)
+    assert (worker.dtype, worker.device, worker.max_model_len, worker.kv_cache_memory_gb) == ("auto", "auto", 0, 2.0)
+    scheduler = parse(["scheduler"])
+    assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.max_waiting) == (64, 512, 1024)
+
+
+def test_env_name_is_upper_snake_of_the_flag() -> None:
+    assert env_name("--max-inflight-steps") == "ZEROBUBBLE_MAX_INFLIGHT_STEPS"
+    assert env_name("--kv-cache-memory-gb") == "ZEROBUBBLE_KV_CACHE_MEMORY_GB"
+
+
+def test_env_fallbacks_convert_int_float_bool_str() -> None:
+    env = {
+        "ZEROBUBBLE_MAX_INFLIGHT_STEPS": "3",
+        "ZEROBUBBLE_KV_CACHE_MEMORY_GB": "0.5",
+        "ZEROBUBBLE_ENABLE_PREFIX_CACHING": "no",
+        "ZEROBUBBLE_MODEL": "/models/llama",
+        "ZEROBUBBLE_SPEC_METHOD": "ngram",
+        "ZEROBUBBLE_LOG_LEVEL": "DEBUG",
+    }
+    args = parse(["serve"], env)
+    assert args.max_inflight_steps == 3
+    assert args.kv_cache_memory_gb == 0.5
+    assert args.enable_prefix_caching is False
+    assert args.model == "/models/llama"
+    assert args.spec_method == "ngram"
+    assert args.log_level == "debug"
+
+
+def test_command_line_wins_over_env() -> None:
+    env = {"ZEROBUBBLE_MAX_INFLIGHT_STEPS": "3", "ZEROBUBBLE_ENABLE_PREFIX_CACHING": "false"}
+    args = parse(["scheduler", "--max-inflight-steps", "1", "--enable-prefix-caching"], env)
+    assert args.max_inflight_steps == 1 and args.enable_prefix_caching is True
+
+
+def test_env_fallback_reaches_every_subcommand_sharing_a_flag() -> None:
+    env = {"ZEROBUBBLE_MAX_NUM_SEQS": "8", "ZEROBUBBLE_PORT": "6000"}
+    for command in ("serve", "worker", "scheduler"):
+        args = parse([command], env)
+        assert (args.max_num_seqs, args.port) == (8, 6000)
+
+
+@pytest.mark.parametrize("word", ["1", "true", "YES", "on"])
+def test_parse_bool_true_words(word: str) -> None:
+    assert parse_bool(word) is True
+
+
+@pytest.mark.parametrize("word", ["0", "false", "No", "off"])
+def test_parse_bool_false_words(word: str) -> None:
+    assert parse_bool(word) is False
+
+
+@pytest.mark.parametrize("env", [
+    {"ZEROBUBBLE_MAX_INFLIGHT_STEPS": "two"},
+    {"ZEROBUBBLE_KV_CACHE_MEMORY_GB": "lots"},
+    {"ZEROBUBBLE_ENABLE_PREFIX_CACHING": "maybe"},
+    {"ZEROBUBBLE_DTYPE": "float64"},
+])
+def test_invalid_env_values_fail_loudly(env: dict[str, str]) -> None:
+    with pytest.raises(EnvConfigError, match=next(iter(env))):
+        build_parser(env=env)
+
+
+def test_empty_env_value_means_unset() -> None:
+    assert parse(["worker"], {"ZEROBUBBLE_PORT": ""}).port == 50061
+
+
+def test_repeated_stop_flag_replaces_env_list() -> None:
+    env = {"ZEROBUBBLE_STOP": "a, b\n\nEND"}
+    assert parse(["generate", "--prompt", "x"], env).stop == ["a, b", "END"]
+    assert parse(["generate", "--prompt", "x", "--stop", "X", "--stop", "Y"], env).stop == ["X", "Y"]
+    assert parse(["generate", "--prompt", "x"]).stop == []
+
+
+def test_unknown_choice_on_command_line_is_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse(["worker", "--spec-method", "medusa"])
+    assert "invalid choice" in capsys.readouterr().err
+
+
+def run_cli(*argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
+    """``python -m zerobubble.cli ...`` in a clean child process."""
+    return subprocess.run([sys.executable, "-m", "zerobubble.cli", *argv], cwd=ROOT, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (freed just before use)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_generate_against_a_dead_target_fails_fast_with_a_clear_error() -> None:
+    result = run_cli("generate", "--target", f"127.0.0.1:{closed_port()}", "--prompt", "hi",
+                     "--connect-timeout", "5")
+    assert result.returncode == 1
+    assert result.stderr.startswith("error: UNAVAILABLE: "), result.stderr
+    assert result.stdout == ""
+
+
+def test_generate_needs_exactly_one_input() -> None:
+    result = run_cli("generate", "--target", "127.0.0.1:1")
+    assert result.returncode == 2 and "--prompt" in result.stderr
+    result = run_cli("generate", "--target", "127.0.0.1:1", "--messages-json", "{not json")
+    assert result.returncode == 2 and "not valid JSON" in result.stderr
+
+
+def test_client_commands_do_not_import_torch() -> None:
+    code = ("import sys, zerobubble.cli, zerobubble.client, zerobubble.bench; "
+            "zerobubble.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

@@ -1,0 +1,323 @@
+"""Our Llama-family forward (Llama/SmolLM, Mistral, Qwen2, Qwen3) over a flat batch and a paged KV cache.
+
+One forward call takes the tokens of many requests at once — prefill chunks and decodes mixed —
+as flat ``input_ids [T]`` and ``positions [T]`` plus :class:`~kernels.attention.AttentionMetadata`
+describing which request owns which tokens and where its KV blocks are. Logits are computed only
+for the rows the caller asks for (:meth:`CausalLM.compute_logits`).
+
+Weights come from a Hugging Face ``*ForCausalLM`` state dict. At load time q/k/v and gate/up
+projections are fused into single matrices and the RoPE cos/sin table is precomputed, so a step is
+a handful of large matmuls per layer. RoPE inverse frequencies and attention scaling come from
+``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from kernels._triton import use_triton
+from kernels.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention, write_kv_cache
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
+_SILU_NAMES = frozenset({"silu", "swish"})
+
+KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(slots=True)
+class ModelSpec:
+    """The shape facts of a model, read once from its Hugging Face config."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_windows: list[int]  # per layer; 0 = full attention
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's weights, with q/k/v and gate/up fused into single matrices."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv_weight: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
+    qkv_bias: torch.Tensor | None
+    qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: Qwen3's per-head q and k norms side by side
+    o_weight: torch.Tensor  # [hidden, Hq D]
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor  # [hidden]
+    gate_up_weight: torch.Tensor  # [2 I, hidden]
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor  # [hidden, I]
+    down_bias: torch.Tensor | None
+
+
+def model_spec(hf_config: Any) -> ModelSpec:
+    """Read and check the config of a supported family; raises ``ValueError`` otherwise."""
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
+        )
+    if getattr(hf_config, "hidden_act", "silu") not in _SILU_NAMES:
+        raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (only SwiGLU/silu models are supported)")
+    num_q_heads = int(hf_config.num_attention_heads)
+    num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_q_heads)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_attention_heads {num_q_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
+    num_layers = int(hf_config.num_hidden_layers)
+    attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    return ModelSpec(
+        model_type=model_type,
+        num_layers=num_layers,
+        hidden_size=int(hf_config.hidden_size),
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_q_heads),
+        intermediate_size=int(hf_config.intermediate_size),
+        vocab_size=int(hf_config.vocab_size),
+        rms_norm_eps=float(hf_config.rms_norm_eps),
+        # Qwen2 always has q/k/v biases and never an o_proj bias; the others follow attention_bias.
+        qkv_bias=attention_bias or model_type == "qwen2",
+        o_bias=attention_bias and model_type != "qwen2",
+        mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
+        qk_norm=model_type == "qwen3",
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        max_position_embeddings=int(hf_config.max_position_embeddings),
+        sliding_windows=_sliding_windows(hf_config, num_layers),
+    )
+
+
+def _sliding_windows(hf_config: Any, num_layers: int) -> list[int]:
+    window = int(getattr(hf_config, "sliding_window", None) or 0)
+    layer_types = getattr(hf_config, "layer_types", None)
+    if window == 0:
+        return [0] * num_layers
+    if layer_types is None:  # Mistral: one window for every layer
+        return [window] * num_layers
+    return [window if kind == "sliding_attention" else 0 for kind in layer_types]
+
+
+def rope_tables(hf_config: Any, head_dim: int, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` float32 ``[num_positions, head_dim // 2]``, attention scaling folded in.
+
+    ``dynamic`` scaling only changes frequencies past ``max_position_embeddings``, which is also
+    our ``max_model_len``, so within range it equals the default table, as in Hugging Face.
+    """
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    legacy_scaling = getattr(hf_config, "rope_scaling", None)
+    if not params and isinstance(legacy_scaling, dict):  # transformers 4 configs
+        params = {**legacy_scaling, "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})")
+    if rope_type == "default":
+        base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        attention_scaling = 1.0
+    else:
+        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    # Same float32 products as Hugging Face's rotary embedding, so the tables match bit for bit.
+    freqs = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]
+    return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, computed in float32 as Hugging Face does, scaled in ``x.dtype``.
+
+    ``weight`` is ``[D]``, or ``[H, D]`` for per-head norms of a ``[T, H, D]`` input.
+    """
+    if x.dtype == torch.float32:
+        if weight.dim() == 1:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[T, H, D]`` by ``cos``/``sin`` ``[T, 1, D/2]`` (half-split layout, as in HF)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@dataclass(slots=True, eq=False)
+class CausalLM:
+    """Llama-family decoder with fused projections; call it on a flat batch, then ``compute_logits``."""
+
+    spec: ModelSpec
+    dtype: torch.dtype
+    device: torch.device
+    rope_cos: torch.Tensor  # [max_positions, D/2] in dtype
+    rope_sin: torch.Tensor
+    embed: torch.Tensor | None = None  # [vocab, hidden]
+    lm_head: torch.Tensor | None = None  # the embedding itself when tied
+    final_norm: torch.Tensor | None = None
+    layers: list[LayerWeights] = field(default_factory=list)
+
+    @property
+    def scale(self) -> float:
+        """Softmax scale ``1/sqrt(head_dim)``."""
+        return self.spec.head_dim**-0.5
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
+        """Copy a Hugging Face ``*ForCausalLM`` state dict in, fusing q/k/v and gate/up.
+
+        Raises ``KeyError`` for a missing tensor and ``ValueError`` for a wrong shape.
+        """
+        spec = self.spec
+        hidden, q_size = spec.hidden_size, spec.num_q_heads * spec.head_dim
+        kv_size = spec.num_kv_heads * spec.head_dim
+
+        def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in state_dict:
+                raise KeyError(f"missing weight {name!r}")
+            tensor = state_dict[name]
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {shape}")
+            return tensor.to(device=self.device, dtype=self.dtype)
+
+        def take_optional(name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
+            return take(name, shape) if present else None
+
+        def fuse(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            return None if parts[0] is None else torch.cat(parts, dim=0).contiguous()
+
+        layers = []
+        for i in range(spec.num_layers):
+            p = f"model.layers.{i}."
+            qk_norm = None
+            if spec.qk_norm:
+                q_norm = take(p + "self_attn.q_norm.weight", (spec.head_dim,))
+                k_norm = take(p + "self_attn.k_norm.weight", (spec.head_dim,))
+                qk_norm = torch.cat(
+                    (q_norm.expand(spec.num_q_heads, -1), k_norm.expand(spec.num_kv_heads, -1))
+                ).contiguous()
+            inter = spec.intermediate_size
+            layers.append(
+                LayerWeights(
+                    input_norm=take(p + "input_layernorm.weight", (hidden,)),
+                    qkv_weight=fuse([take(p + f"self_attn.{n}_proj.weight", (size, hidden))
+                                     for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]),  # fmt: skip
+                    qkv_bias=fuse([take_optional(p + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias)
+                                   for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]),  # fmt: skip
+                    qk_norm=qk_norm,
+                    o_weight=take(p + "self_attn.o_proj.weight", (hidden, q_size)),
+                    o_bias=take_optional(p + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
+                    post_norm=take(p + "post_attention_layernorm.weight", (hidden,)),
+                    gate_up_weight=fuse([take(p + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")]),
+                    gate_up_bias=fuse([take_optional(p + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias)
+                                       for n in ("gate", "up")]),  # fmt: skip
+                    down_weight=take(p + "mlp.down_proj.weight", (hidden, inter)),
+                    down_bias=take_optional(p + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
+                )
+            )
+        self.embed = take("model.embed_tokens.weight", (spec.vocab_size, hidden))
+        self.final_norm = take("model.norm.weight", (hidden,))
+        if spec.tie_word_embeddings:
+            self.lm_head = self.embed
+        else:
+            self.lm_head = take("lm_head.weight", (spec.vocab_size, hidden))
+        self.layers = layers
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCache,
+    ) -> torch.Tensor:
+        """Hidden states ``[T, hidden]`` (after the final norm) for a flat batch; writes K/V into ``kv_caches``."""
+        if not self.layers:
+            raise RuntimeError("CausalLM.forward called before load_weights")
+        spec = self.spec
+        num_tokens = input_ids.shape[0]
+        q_size = spec.num_q_heads * spec.head_dim
+        qk_heads = spec.num_q_heads + spec.num_kv_heads
+        cos = self.rope_cos[positions].unsqueeze(1)
+        sin = self.rope_sin[positions].unsqueeze(1)
+        plan: AttentionPlan | None = None
+        if not use_triton(input_ids, None) and num_tokens > 0:
+            plan = plan_attention(meta, kv_caches[0][0].shape[1])
+        x = F.embedding(input_ids, self.embed)
+        for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
+            qkv = F.linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv_weight, layer.qkv_bias)
+            # q and k get the same per-head norm and rotation, so they are processed as one tensor.
+            qk = qkv[:, : qk_heads * spec.head_dim].view(num_tokens, qk_heads, spec.head_dim)
+            if layer.qk_norm is not None:
+                qk = rms_norm(qk, layer.qk_norm, spec.rms_norm_eps)
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, : spec.num_q_heads], qk[:, spec.num_q_heads :]
+            v = qkv[:, qk_heads * spec.head_dim :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
+            x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            gate_up = F.linear(rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up_weight, layer.gate_up_bias)
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+        return rms_norm(x, self.final_norm, spec.rms_norm_eps)
+
+    __call__ = forward
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]``."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
+    """An empty :class:`CausalLM` for ``hf_config``; fill it with :meth:`CausalLM.load_weights`."""
+    spec = model_spec(hf_config)
+    cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)
+    device = torch.device(device)
+    return CausalLM(
+        spec=spec,
+        dtype=dtype,
+        device=device,
+        rope_cos=cos.to(device=device, dtype=dtype),
+        rope_sin=sin.to(device=device, dtype=dtype),
+    )
+
+
+def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one KV block takes across all layers (K and V)."""
+    spec = model_spec(hf_config)
+    element_size = torch.empty((), dtype=dtype).element_size()
+    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element_size
+
+
+def allocate_kv_cache(
+    hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+) -> KVCache:
+    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed."""
+    spec = model_spec(hf_config)
+    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
+    return [
+        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+        for _ in range(spec.num_layers)
+    ]

@@ -1,0 +1,389 @@
+"""``zerobubble bench``: replay a JSONL dataset against a scheduler at a fixed concurrency.
+
+Each dataset row is one request: ``messages`` (chat, template applied by the server) or
+``prompt`` (raw text), ``max_tokens``, and optionally ``kind`` (for ``--kind`` filtering),
+``temperature``, ``seed`` and ``ignore_eos``. Rows are greedy unless they say otherwise.
+
+Throughput and latencies are measured here, on the client. Speculation and worker-idle figures
+come from the difference of two reads of ``ModelInfo.stats``, the server's cumulative counters,
+so they include any other traffic the server handled meanwhile: benchmark an otherwise idle server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.client import (
+    ChannelSettings,
+    Completion,
+    build_request,
+    complete,
+    format_rpc_error,
+    open_channel,
+    wait_connected,
+)
+
+logger = logging.getLogger(__name__)
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclasses.dataclass(slots=True)
+class BenchRow:
+    """One dataset row; ``index`` is its position in the file, kept through filtering."""
+
+    index: int
+    kind: str
+    max_tokens: int
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    temperature: float | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+def parse_row(obj: Any, index: int) -> BenchRow:
+    """Validate one decoded JSON row.
+
+    Raises:
+        ValueError: the row lacks an input or ``max_tokens``, or has both inputs.
+    """
+    if not isinstance(obj, dict):
+        raise ValueError(f"row {index}: expected a JSON object, got {type(obj).__name__}")
+    has_prompt, has_messages = "prompt" in obj, "messages" in obj
+    if has_prompt == has_messages:
+        raise ValueError(f"row {index}: needs exactly one of 'prompt' and 'messages'")
+    messages = obj.get("messages")
+    if has_messages and not (isinstance(messages, list) and all(
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+        raise ValueError(f"row {index}: 'messages' must be a list of {{role, content}} objects")
+    max_tokens = obj.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise ValueError(f"row {index}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
+    temperature = obj.get("temperature")
+    seed = obj.get("seed")
+    return BenchRow(
+        index=index,
+        kind=str(obj.get("kind", "")),
+        max_tokens=max_tokens,
+        prompt=str(obj["prompt"]) if has_prompt else None,
+        messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in messages] if has_messages else None,
+        temperature=float(temperature) if temperature is not None else None,
+        seed=int(seed) if seed is not None else None,
+        ignore_eos=bool(obj.get("ignore_eos", False)),
+    )
+
+
+def select_rows(rows: Sequence[BenchRow], *, kind: str = "", limit: int = 0,
+                max_tokens_cap: int = 0) -> list[BenchRow]:
+    """Apply ``--kind``, then ``--limit``, then ``--max-tokens-cap`` (empty/0 = off); ``rows`` is left as is."""
+    chosen = [row for row in rows if not kind or row.kind == kind]
+    if limit > 0:
+        chosen = chosen[:limit]
+    if max_tokens_cap > 0:
+        chosen = [dataclasses.replace(row, max_tokens=min(row.max_tokens, max_tokens_cap)) for row in chosen]
+    return chosen
+
+
+def load_dataset(path: str | Path, *, kind: str = "", limit: int = 0, max_tokens_cap: int = 0) -> list[BenchRow]:
+    """Read a JSONL dataset (blank lines skipped) and select rows as ``bench`` does.
+
+    Shared with ``scripts/hf_baseline.py`` so both sides run exactly the same requests.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: a line is not valid JSON or not a valid row (the message names it).
+    """
+    rows: list[BenchRow] = []
+    with open(path, encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{line_no}: invalid JSON: {exc}") from exc
+            rows.append(parse_row(obj, len(rows)))
+    return select_rows(rows, kind=kind, limit=limit, max_tokens_cap=max_tokens_cap)
+
+
+def row_request(row: BenchRow) -> generate_pb2.GenerateRequest:
+    """The request a row stands for; greedy when the row gives no temperature."""
+    return build_request(
+        prompt=row.prompt,
+        messages=row.messages,
+        max_tokens=row.max_tokens,
+        temperature=row.temperature if row.temperature is not None else 0.0,
+        seed=row.seed,
+        ignore_eos=row.ignore_eos,
+    )
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0-100) with linear interpolation between ranks; None when empty.
+
+    Same definition as numpy's default, so figures compare with other tools' reports.
+    """
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def stats_delta(before: generate_pb2.ServerStats, after: generate_pb2.ServerStats) -> generate_pb2.ServerStats:
+    """Field-wise ``after - before`` of the server's cumulative counters (every field, so new
+    counters added to the proto are carried without touching this)."""
+    delta = generate_pb2.ServerStats()
+    for descriptor in generate_pb2.ServerStats.DESCRIPTOR.fields:
+        setattr(delta, descriptor.name, getattr(after, descriptor.name) - getattr(before, descriptor.name))
+    return delta
+
+
+def acceptance_rate(delta: generate_pb2.ServerStats) -> float | None:
+    """Accepted ÷ proposed draft tokens; None when nothing was drafted (speculation off)."""
+    if delta.num_draft_tokens <= 0:
+        return None
+    return delta.num_accepted_tokens / delta.num_draft_tokens
+
+
+def mean_accepted_length(delta: generate_pb2.ServerStats) -> float | None:
+    """Tokens emitted per decode step that carried drafts: the bonus token plus accepted drafts."""
+    if delta.num_drafts <= 0:
+        return None
+    return 1.0 + delta.num_accepted_tokens / delta.num_drafts
+
+
+def idle_fraction(delta: generate_pb2.ServerStats) -> float | None:
+    """Share of worker time spent waiting for a plan (the bubble); None when the workers did nothing."""
+    total = delta.worker_idle_s + delta.worker_busy_s
+    if total <= 0:
+        return None
+    return delta.worker_idle_s / total
+
+
+def time_per_output_token(completion: Completion) -> float | None:
+    """Decode time per token after the first, which credits speculation's multi-token messages."""
+    if completion.ttft_s is None or len(completion.token_ids) < 2:
+        return None
+    return (completion.e2e_s - completion.ttft_s) / (len(completion.token_ids) - 1)
+
+
+def request_record(row: BenchRow, completion: Completion) -> dict[str, Any]:
+    """The per-request entry of the JSON report."""
+    record: dict[str, Any] = {
+        "index": row.index,
+        "kind": row.kind,
+        "token_ids": completion.token_ids,
+        "text": completion.text,
+        "finish_reason": completion.finish_reason,
+        "ttft_s": completion.ttft_s,
+        "e2e_s": completion.e2e_s,
+        "num_prompt_tokens": completion.num_prompt_tokens,
+    }
+    if completion.error:
+        record["error"] = completion.error
+    return record
+
+
+def summarize(
+    rows: Sequence[BenchRow],
+    completions: Sequence[Completion],
+    *,
+    wall_s: float,
+    concurrency: int,
+    delta: generate_pb2.ServerStats,
+    model_info: generate_pb2.ModelInfoResponse | None = None,
+) -> dict[str, Any]:
+    """The benchmark report (the ``--json`` file): totals, percentiles, server figures, requests.
+
+    Latency figures cover requests that did not fail; token counts cover everything received.
+    """
+    ok = [c for c in completions if c.finish_reason != "error"]
+    output_tokens = sum(len(c.token_ids) for c in completions)
+    series: dict[str, list[float]] = {
+        "ttft": [c.ttft_s for c in ok if c.ttft_s is not None],
+        "itl": [gap for c in ok for gap in c.itl],
+        "e2e": [c.e2e_s for c in ok],
+        "tpot": [t for c in ok if (t := time_per_output_token(c)) is not None],
+    }
+    report: dict[str, Any] = {
+        "model": model_info.model if model_info is not None else "",
+        "spec_method": model_info.spec_method if model_info is not None else "",
+        "num_spec_tokens": model_info.num_spec_tokens if model_info is not None else 0,
+        "max_inflight_steps": model_info.max_inflight_steps if model_info is not None else 0,
+        "concurrency": concurrency,
+        "num_requests": len(completions),
+        "num_errors": len(completions) - len(ok),
+        "finish_reasons": dict(Counter(c.finish_reason for c in completions)),
+        "output_tokens": output_tokens,
+        "prompt_tokens": sum(c.num_prompt_tokens for c in completions),
+        "wall_s": wall_s,
+        "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(completions) / wall_s if wall_s > 0 else 0.0,
+    }
+    for name in ("ttft", "itl"):
+        for q in PERCENTILES:
+            report[f"{name}_p{q}_s"] = percentile(series[name], q)
+    report["e2e_p50_s"] = percentile(series["e2e"], 50)
+    report["tpot_p50_s"] = percentile(series["tpot"], 50)
+    report["acceptance_rate"] = acceptance_rate(delta)
+    report["mean_accepted_length"] = mean_accepted_length(delta)
+    report["worker_idle_fraction"] = idle_fraction(delta)
+    report["server_stats"] = {d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields}
+    report["requests"] = [request_record(row, c) for row, c in zip(rows, completions)]
+    return report
+
+
+def format_summary(report: Mapping[str, Any]) -> str:
+    """The human-readable report ``bench`` prints."""
+
+    def ms(value: float | None) -> str:
+        return "n/a" if value is None else f"{value * 1000:.1f} ms"
+
+    def ratio(value: float | None, fmt: str = "{:.3f}") -> str:
+        return "n/a" if value is None else fmt.format(value)
+
+    spec = "off (no drafts)"
+    if report["acceptance_rate"] is not None:
+        spec = (f"acceptance {ratio(report['acceptance_rate'])}, "
+                f"mean accepted length {ratio(report['mean_accepted_length'], '{:.2f}')}")
+    lines = [
+        f"model        {report['model'] or '?'} (spec {report['spec_method'] or '?'}, "
+        f"inflight steps {report['max_inflight_steps']})",
+        f"requests     {report['num_requests']} ({report['num_errors']} errors) at concurrency "
+        f"{report['concurrency']} in {report['wall_s']:.2f} s",
+        f"throughput   {report['output_tokens_per_s']:.1f} output tok/s, {report['requests_per_s']:.2f} req/s "
+        f"({report['output_tokens']} output tokens)",
+        "TTFT         " + "  ".join(f"p{q} {ms(report[f'ttft_p{q}_s'])}" for q in PERCENTILES),
+        "ITL          " + "  ".join(f"p{q} {ms(report[f'itl_p{q}_s'])}" for q in PERCENTILES),
+        f"e2e          p50 {ms(report['e2e_p50_s'])}   TPOT p50 {ms(report['tpot_p50_s'])}",
+        f"speculation  {spec}",
+        f"worker idle  {ratio(report['worker_idle_fraction'], '{:.1%}')}",
+    ]
+    return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def progress_bar(total: int, enabled: bool) -> Iterator[Callable[[], None]]:
+    """Yield a function that advances a tqdm bar, or does nothing when disabled or tqdm is missing.
+
+    Only on a terminal: in CI logs a bar is noise.
+    """
+    if not (enabled and sys.stdout.isatty()):
+        yield lambda: None
+        return
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        yield lambda: None
+        return
+    with tqdm(total=total, unit="req", desc="bench") as bar:
+        yield lambda: bar.update(1)
+
+
+async def _run_one(stub: generate_pb2_grpc.GenerationStub, row: BenchRow, timeout: float | None) -> Completion:
+    """One request; a failed call becomes an ``error`` completion so the run goes on."""
+    try:
+        return await complete(stub, row_request(row), timeout=timeout)
+    except grpc.aio.AioRpcError as exc:
+        logger.warning("request %d failed: %s", row.index, format_rpc_error(exc))
+        return Completion(finish_reason="error", error=format_rpc_error(exc))
+
+
+async def run_bench_async(
+    target: str | ChannelSettings,
+    rows: Sequence[BenchRow],
+    concurrency: int,
+    *,
+    progress: bool = False,
+    request_timeout: float | None = None,
+    connect_timeout: float = 10.0,
+) -> dict[str, Any]:
+    """Run ``rows`` with ``concurrency`` requests in flight and return the report (see :func:`summarize`).
+
+    Workers take rows in dataset order, so the first ``concurrency`` rows start together and each
+    next row starts as soon as a slot frees.
+
+    Raises:
+        ValueError: ``concurrency`` < 1.
+        grpc.aio.AioRpcError: the server is unreachable or ``ModelInfo`` fails.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    settings = ChannelSettings(target=target) if isinstance(target, str) else target
+    completions: list[Completion | None] = [None] * len(rows)
+    async with open_channel(settings) as channel:
+        await wait_connected(channel, connect_timeout)
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        info_before = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+        pending = iter(enumerate(rows))
+
+        async def worker(advance: Callable[[], None]) -> None:
+            # Single-threaded event loop: next() on the shared iterator needs no lock.
+            for position, row in pending:
+                completions[position] = await _run_one(stub, row, request_timeout)
+                advance()
+
+        with progress_bar(len(rows), progress) as advance:
+            started = time.perf_counter()
+            await asyncio.gather(*(worker(advance) for _ in range(min(concurrency, max(len(rows), 1)))))
+            wall_s = time.perf_counter() - started
+        info_after = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+    finished = [c for c in completions if c is not None]
+    assert len(finished) == len(rows), "every row gets a completion (failures included)"
+    return summarize(
+        rows, finished,
+        wall_s=wall_s, concurrency=concurrency,
+        delta=stats_delta(info_before.stats, info_after.stats), model_info=info_after,
+    )
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point of ``zerobubble bench``; returns the exit status (1 when any request failed)."""
+    if not args.dataset:
+        print("error: --dataset is required", file=sys.stderr)
+        return 2
+    try:
+        rows = load_dataset(args.dataset, kind=args.kind, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"error: no rows selected from {args.dataset}" + (f" with kind {args.kind!r}" if args.kind else ""),
+              file=sys.stderr)
+        return 2
+    try:
+        report = asyncio.run(run_bench_async(
+            ChannelSettings.from_args(args), rows, args.concurrency,
+            progress=args.progress, connect_timeout=args.connect_timeout,
+        ))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {format_rpc_error(exc)}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(format_summary(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"report written to {args.json}")
+    return 1 if report["num_errors"] else 0
