@@ -56,7 +56,7 @@ class KustomizeError(Exception):
 
 
 def render(directory: Path) -> list[Obj]:
-    """Build the kustomization in ``directory`` into the objects ``kubectl kustomize`` would emit."""
+    """Build the kustomization in ``directory`` into what ``kubectl kustomize`` would emit."""
     objects = _build(directory.resolve(), [], "Kustomization")
     return _finalize(objects)
 
@@ -304,22 +304,23 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
     if isinstance(patch, dict):
         if patch.get("$patch") == "replace":
             return {k: copy.deepcopy(v) for k, v in patch.items() if k != "$patch"}
-        result = copy.deepcopy(base) if isinstance(base, dict) else {}
+        merged: dict[str, Any] = copy.deepcopy(base) if isinstance(base, dict) else {}
         for key, value in patch.items():
             if key == "$patch":
                 continue
             if value is None:
-                result.pop(key, None)
-            elif key in result:
-                result[key] = strategic_merge(result[key], value, key)
+                merged.pop(key, None)
+            elif key in merged:
+                merged[key] = strategic_merge(merged[key], value, key)
             else:
-                result[key] = _strip_directives(value)
-        return result
+                merged[key] = _strip_directives(value)
+        return merged
     if isinstance(patch, list) and isinstance(base, list):
         key = _merge_key(field, base + patch)
         if key is None:
             return _strip_directives(patch)
-        result = copy.deepcopy(base)
+        result: list[Any] = copy.deepcopy(base)
+        added: list[Any] = []
         for item in patch:
             if not isinstance(item, dict) or key not in item:
                 raise KustomizeError(f"list {field!r} item {item!r} lacks merge key {key!r}")
@@ -328,10 +329,12 @@ def strategic_merge(base: Any, patch: Any, field: str = "") -> Any:
                 if index is not None:
                     del result[index]
             elif index is None:
-                result.append(_strip_directives(item))
+                added.append(_strip_directives(item))
             else:
                 result[index] = strategic_merge(result[index], item, field)
-        return result
+        # kustomize puts items new to the list before the existing ones; doing the same keeps
+        # our output comparable with `kubectl kustomize` object for object.
+        return added + result
     return copy.deepcopy(patch)
 
 

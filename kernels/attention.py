@@ -45,40 +45,83 @@ class _PrefillRow:
     start: int
     end: int
     seq_len: int
-    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    cache_rows: torch.Tensor  # [Hkv * seq_len] int64: the request's K/V rows, head-major
 
 
 @dataclass(slots=True)
 class AttentionPlan:
-    """Host-side bookkeeping for the torch path, derived once per step and shared by all layers."""
+    """Host-side bookkeeping for the torch path, derived once per step and shared by all layers.
+
+    K/V are gathered as rows of ``head_dim`` values straight into the ``[.., Hkv, L, D]`` layout
+    SDPA reads fastest, whatever the cache's layout (see :func:`_cache_rows`).
+    """
 
     num_tokens: int
-    block_size: int
     # Batched short rows: query tokens padded to [num_rows, max_len] (padding repeats a real token).
     batched_token_index: torch.Tensor | None = None  # [Rb, Qb] int64
-    batched_block_ids: torch.Tensor | None = None  # [Rb * Nb] int64 (out-of-range entries -> 0)
     batched_query_pos: torch.Tensor | None = None  # [Rb, Qb] int64
+    batched_cache_rows: torch.Tensor | None = None  # [Rb * Hkv * Lb] int64 (past the context -> row 0)
+    batched_num_keys: int = 0  # Lb: padded context length of the batched rows
     batched_valid: torch.Tensor | None = None  # [Rb * Qb] bool, None when there is no padding
     batched_out_index: torch.Tensor | None = None  # [num valid] int64, None when rows cover the batch in order
     prefill_rows: list[_PrefillRow] = field(default_factory=list)
-    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # sliding window (0 = none) -> mask
+    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (row or -1, window) -> mask
+    # Gather targets reused by every layer and row: a fresh multi-MB tensor per layer costs page faults.
+    num_buffer_rows: int = 0
+    key_buffer: torch.Tensor | None = None
+    value_buffer: torch.Tensor | None = None
 
 
-def plan_attention(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
-    """Split the batch into batched short rows and looped long rows (torch path only)."""
+def _check_cache_layout(cache: torch.Tensor) -> None:
+    """The torch path reads any dense layout whose head_dim is innermost (row gathers need it)."""
+    head_dim = cache.shape[-1]
+    dims = sorted(range(cache.dim()), key=lambda d: cache.stride(d))
+    expected = 1
+    for d in dims:
+        if cache.stride(d) != expected and cache.shape[d] > 1:
+            raise ValueError(f"KV cache with strides {cache.stride()} is not dense")
+        expected *= cache.shape[d]
+    if cache.stride(-1) != 1 or any(stride % head_dim for stride in cache.stride()[:-1]):
+        raise ValueError(f"KV cache with strides {cache.stride()} does not keep head_dim innermost")
+
+
+def _cache_rows(cache: torch.Tensor) -> torch.Tensor:
+    """All of a dense cache as ``[num_rows, head_dim]``, whatever order its other dims are stored in."""
+    return cache.as_strided((cache.numel() // cache.shape[-1], cache.shape[-1]), (cache.shape[-1], 1))
+
+
+def _row_index(block_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Rows of ``_cache_rows(cache)`` for ``block_ids`` ``[N, nblk]`` -> ``[N, Hkv, nblk * block_size]``."""
+    _, block_size, num_kv_heads, head_dim = cache.shape
+    block_stride, slot_stride, head_stride, _ = (s // head_dim for s in cache.stride())
+    device = block_ids.device
+    rows = (
+        block_ids[:, None, :, None] * block_stride
+        + torch.arange(num_kv_heads, device=device)[None, :, None, None] * head_stride
+        + torch.arange(block_size, device=device)[None, None, None, :] * slot_stride
+    )
+    return rows.reshape(block_ids.shape[0], num_kv_heads, -1)
+
+
+def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
+    """Split the batch into batched short rows and looped long rows (torch path only).
+
+    ``k_cache`` supplies the block size and layout; every layer's caches must share them.
+    """
+    _check_cache_layout(k_cache)
+    block_size = k_cache.shape[1]
     qsl = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     num_requests = len(seq_lens)
-    plan = AttentionPlan(num_tokens=qsl[-1] if qsl else 0, block_size=block_size)
+    plan = AttentionPlan(num_tokens=qsl[-1] if qsl else 0)
     device = meta.block_tables.device
     short = [r for r in range(num_requests) if 0 < qsl[r + 1] - qsl[r] <= MAX_BATCHED_QUERY_LEN]
     for r in range(num_requests):
-        q_len = qsl[r + 1] - qsl[r]
-        if q_len > MAX_BATCHED_QUERY_LEN:
-            num_blocks = -(-seq_lens[r] // block_size)
-            plan.prefill_rows.append(
-                _PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], meta.block_tables[r, :num_blocks].long())
-            )
+        if qsl[r + 1] - qsl[r] > MAX_BATCHED_QUERY_LEN:
+            block_ids = meta.block_tables[r : r + 1, : -(-seq_lens[r] // block_size)].long()
+            rows = _row_index(block_ids, k_cache)[0, :, : seq_lens[r]]
+            plan.prefill_rows.append(_PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], rows.reshape(-1)))
+            plan.num_buffer_rows = max(plan.num_buffer_rows, rows.numel())
     if not short:
         return plan
 
@@ -95,8 +138,12 @@ def plan_attention(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
     plan.batched_query_pos = (seqs - q_lens)[:, None] + offsets
     columns = torch.arange(max_blocks, device=device)[None, :]
     tables = meta.block_tables[index, :max_blocks].long()
+    # Table entries past a row's context may be padding (even -1); they are masked anyway.
     needed = columns < (-(-seqs // block_size))[:, None]
-    plan.batched_block_ids = torch.where(needed, tables, torch.zeros_like(tables)).reshape(-1)
+    block_ids = torch.where(needed, tables, torch.zeros_like(tables))
+    plan.batched_cache_rows = _row_index(block_ids, k_cache).reshape(-1)
+    plan.batched_num_keys = max_blocks * block_size
+    plan.num_buffer_rows = max(plan.num_buffer_rows, plan.batched_cache_rows.numel())
     all_full = all(qsl[r + 1] - qsl[r] == max_q for r in short)
     if not all_full:
         plan.batched_valid = (torch.arange(max_q, device=device)[None, :] < q_lens[:, None]).reshape(-1)
@@ -106,13 +153,16 @@ def plan_attention(meta: AttentionMetadata, block_size: int) -> AttentionPlan:
     return plan
 
 
-def _window_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int) -> torch.Tensor:
-    """Boolean mask ``[..., num_keys]``: key ``j`` visible to a query at ``p`` iff ``p - W < j <= p``."""
+def _window_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int, dtype: torch.dtype) -> torch.Tensor:
+    """Additive mask ``[..., num_keys]``: key ``j`` visible to a query at ``p`` iff ``p - W < j <= p``.
+
+    Additive rather than boolean: SDPA would convert a boolean mask on every call.
+    """
     keys = torch.arange(num_keys, device=query_pos.device)
-    visible = keys <= query_pos[..., None]
+    hidden = keys > query_pos[..., None]
     if sliding_window > 0:
-        visible &= keys > (query_pos[..., None] - sliding_window)
-    return visible
+        hidden |= keys <= (query_pos[..., None] - sliding_window)
+    return torch.zeros(hidden.shape, dtype=dtype, device=query_pos.device).masked_fill_(hidden, float("-inf"))
 
 
 def write_kv_cache(
@@ -155,8 +205,13 @@ def paged_attention(
     if use_triton(q, impl, _paged_attention_kernel if HAS_TRITON else None):
         return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
     if plan is None:
-        plan = plan_attention(meta, k_cache.shape[1])
+        plan = plan_attention(meta, k_cache)
     return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window)
+
+
+def _gather(cache: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """Rows of ``cache`` into the front of ``buffer`` -> ``[len(rows), head_dim]``."""
+    return torch.index_select(_cache_rows(cache), 0, rows, out=buffer[: rows.shape[0]])
 
 
 def _paged_attention_torch(
@@ -167,25 +222,30 @@ def _paged_attention_torch(
     scale: float,
     window: int,
 ) -> torch.Tensor:
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must share one layout")
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     enable_gqa = q.shape[1] != num_kv_heads
+    if plan.key_buffer is None or plan.key_buffer.dtype != k_cache.dtype:
+        plan.key_buffer = k_cache.new_empty(plan.num_buffer_rows, head_dim)
+        plan.value_buffer = v_cache.new_empty(plan.num_buffer_rows, head_dim)
     out: torch.Tensor | None = None
     if plan.batched_token_index is not None:
         num_rows, max_q = plan.batched_token_index.shape
-        keys = k_cache.index_select(0, plan.batched_block_ids).view(num_rows, -1, num_kv_heads, head_dim)
-        values = v_cache.index_select(0, plan.batched_block_ids).view(num_rows, -1, num_kv_heads, head_dim)
-        mask = plan.masks.get(window)
+        keys = _gather(k_cache, plan.batched_cache_rows, plan.key_buffer)
+        values = _gather(v_cache, plan.batched_cache_rows, plan.value_buffer)
+        mask = plan.masks.get((-1, window))
         if mask is None:
-            mask = _window_mask(plan.batched_query_pos, keys.shape[1], window).unsqueeze(1)
-            plan.masks[window] = mask
+            mask = _window_mask(plan.batched_query_pos, plan.batched_num_keys, window, q.dtype).unsqueeze(1)
+            plan.masks[(-1, window)] = mask
         if plan.batched_out_index is None:
             rows = q.view(num_rows, max_q, *q.shape[1:])
         else:
             rows = q[plan.batched_token_index]
         attended = F.scaled_dot_product_attention(
             rows.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
+            keys.view(num_rows, num_kv_heads, -1, head_dim),
+            values.view(num_rows, num_kv_heads, -1, head_dim),
             attn_mask=mask,
             scale=scale,
             enable_gqa=enable_gqa,
@@ -199,19 +259,22 @@ def _paged_attention_torch(
         out[plan.batched_out_index] = flat
     if out is None:
         out = torch.empty_like(q)
-    for row in plan.prefill_rows:
+    for i, row in enumerate(plan.prefill_rows):
         num_queries = row.end - row.start
-        keys = k_cache.index_select(0, row.block_ids).view(-1, num_kv_heads, head_dim)[: row.seq_len]
-        values = v_cache.index_select(0, row.block_ids).view(-1, num_kv_heads, head_dim)[: row.seq_len]
+        keys = _gather(k_cache, row.cache_rows, plan.key_buffer)
+        values = _gather(v_cache, row.cache_rows, plan.value_buffer)
         fresh = row.seq_len == num_queries and (window == 0 or window >= row.seq_len)
         mask = None
         if not fresh:
-            query_pos = torch.arange(row.seq_len - num_queries, row.seq_len, device=q.device)
-            mask = _window_mask(query_pos, row.seq_len, window)
+            mask = plan.masks.get((i, window))
+            if mask is None:
+                query_pos = torch.arange(row.seq_len - num_queries, row.seq_len, device=q.device)
+                mask = _window_mask(query_pos, row.seq_len, window, q.dtype)
+                plan.masks[(i, window)] = mask
         out[row.start : row.end] = F.scaled_dot_product_attention(
             q[row.start : row.end].transpose(0, 1).unsqueeze(0),
-            keys.transpose(0, 1).unsqueeze(0),
-            values.transpose(0, 1).unsqueeze(0),
+            keys.view(1, num_kv_heads, row.seq_len, head_dim),
+            values.view(1, num_kv_heads, row.seq_len, head_dim),
             attn_mask=mask,
             is_causal=fresh,
             scale=scale,

@@ -142,6 +142,18 @@ class BlockPool:
         Counters are not touched here
         (see `record_query`): a lookup may be undone when the request cannot be admitted yet.
         """
+        block_ids = self._match(token_ids, max_num_blocks)
+        for block_id in block_ids:
+            if self._refs[block_id] == 0:
+                del self._free_cached[block_id]
+            self._refs[block_id] += 1
+        return block_ids
+
+    def num_cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
+        """Length of the cached chain `lookup` would return, without taking references."""
+        return len(self._match(token_ids, None))
+
+    def _match(self, token_ids: Sequence[int], max_num_blocks: int | None) -> list[int]:
         limit = len(token_ids) // self.block_size
         if max_num_blocks is not None:
             limit = min(limit, max_num_blocks)
@@ -154,10 +166,6 @@ class BlockPool:
             if block_id is None:
                 break
             block_ids.append(block_id)
-        for block_id in block_ids:
-            if self._refs[block_id] == 0:
-                del self._free_cached[block_id]
-            self._refs[block_id] += 1
         return block_ids
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:

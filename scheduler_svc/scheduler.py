@@ -55,24 +55,47 @@ class QueueFullError(Exception):
 
 @dataclass(slots=True)
 class SchedulerConfig:
-    """Capacity and policy of one scheduler (one worker's KV cache)."""
+    """Capacity and policy of one scheduler (one worker's KV cache).
 
-    num_blocks: int
-    block_size: int
-    max_model_len: int
+    The worker-given fields (capacity, k, EOS ids, vocabulary) are usually filled from the
+    worker's `Describe` answer with `with_worker`; the policy fields come from flags.
+    """
+
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # token budget of one step
     num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
     enable_prefix_caching: bool = True
     max_waiting: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0  # valid prompt ids are below it; 0 = the tokenizer's vocabulary
 
-    def __post_init__(self) -> None:
+    def with_worker(self, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
+        """A copy completed with a worker's capacity, speculation, EOS ids and vocabulary."""
+        max_num_seqs = self.max_num_seqs
+        if info.max_num_seqs > 0:
+            max_num_seqs = min(max_num_seqs, info.max_num_seqs)
+        return dataclasses.replace(
+            self,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_model_len=info.max_model_len,
+            max_num_seqs=max_num_seqs,
+            num_spec_tokens=info.num_spec_tokens,
+            eos_token_ids=tuple(info.eos_token_ids),
+            vocab_size=info.vocab_size,
+        )
+
+    def validate(self) -> None:
+        """`ValueError` if a field is out of range (the worker-given ones must be set)."""
         for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
                      "max_num_batched_tokens", "max_waiting"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be positive")
-        if self.num_spec_tokens < 0:
-            raise ValueError("num_spec_tokens must be >= 0")
+                raise ValueError(f"SchedulerConfig.{name} must be positive")
+        if self.num_spec_tokens < 0 or self.vocab_size < 0:
+            raise ValueError("SchedulerConfig.num_spec_tokens and vocab_size must be >= 0")
 
 
 @dataclass(slots=True)
@@ -88,11 +111,11 @@ class RequestEvent:
     num_output_tokens: int  # total so far
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     error: str = ""
-    queue_time_s: float | None = None  # on the finishing event: arrival to first scheduling
+    queue_s: float | None = None  # on the finishing event: arrival to first scheduling
 
 
 @dataclass(slots=True)
-class SchedulerCounters:
+class SchedulerStats:
     """Cumulative figures for metrics (the servicer/metrics module reads and diffs them)."""
 
     num_steps_planned: int = 0
@@ -138,16 +161,17 @@ class Scheduler:
         self,
         config: SchedulerConfig,
         tokenizer: Tokenizer,
-        eos_token_ids: Sequence[int] = (),
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
     ) -> None:
         """`rng` draws seeds for requests without one (pass a seeded one in tests)."""
+        config.validate()
         self.config = config
-        self.counters = SchedulerCounters()
+        self.stats = SchedulerStats()
         self._tokenizer = tokenizer
-        self._eos_token_ids = frozenset(eos_token_ids)
+        self._eos_token_ids = frozenset(config.eos_token_ids)
+        self._vocab_size = config.vocab_size or tokenizer.vocab_size
         self._clock = clock
         self._rng = rng or random.Random()
         self._pool = BlockPool(config.num_blocks, config.block_size)
@@ -167,31 +191,43 @@ class Scheduler:
         self,
         req_id: str,
         prompt_token_ids: Sequence[int],
-        sampling: SamplingOptions | None = None,
-        stopping: StoppingOptions | None = None,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        logprobs: bool = False,
+        max_tokens: int | None = None,
+        min_tokens: int = 0,
+        stop: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ) -> Request:
-        """Queue a request. `ValueError` on bad fields, `QueueFullError` when the queue is full."""
+        """Queue a request. `ValueError` on bad fields, `QueueFullError` when the queue is full.
+
+        `seed` None: the scheduler draws one. `max_tokens` None or larger than what fits:
+        up to the model length.
+        """
         if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting")
         prompt = list(prompt_token_ids)
-        sampling = dataclasses.replace(sampling) if sampling else SamplingOptions()
-        stopping = dataclasses.replace(stopping) if stopping else StoppingOptions()
-        stopping.stop = list(stopping.stop)
-        stopping.stop_token_ids = list(stopping.stop_token_ids)
+        sampling = SamplingOptions(temperature, top_k, top_p, seed, logprobs)
+        stopping = StoppingOptions(
+            max_tokens, min_tokens, list(stop), list(stop_token_ids), ignore_eos
+        )
         self._validate(prompt, sampling, stopping)
         if sampling.seed is None:
             # Every request is keyed, so its randomness never depends on batching.
             sampling.seed = self._rng.getrandbits(64)
         room = self._max_len - len(prompt)
-        max_tokens = room if stopping.max_tokens is None else min(stopping.max_tokens, room)
         req = Request(
             req_id=req_id,
             prompt_token_ids=prompt,
             sampling=sampling,
             stopping=stopping,
-            max_tokens=max_tokens,
+            max_tokens=room if max_tokens is None else min(max_tokens, room),
             eos_token_ids=self._eos_token_ids,
             detokenizer=Detokenizer(self._tokenizer, prompt, stopping.stop),
             arrival_time=self._clock(),
@@ -203,7 +239,7 @@ class Scheduler:
     def _validate(
         self, prompt: list[int], sampling: SamplingOptions, stopping: StoppingOptions
     ) -> None:
-        vocab_size = self._tokenizer.vocab_size
+        vocab_size = self._vocab_size
         if not prompt:
             raise ValueError("the prompt is empty")
         if any(not 0 <= t < vocab_size for t in prompt):
@@ -239,14 +275,44 @@ class Scheduler:
         self._finish(req, FINISH_CANCELLED)
         return self._event(req, [], "", [])
 
-    def fail_all(self, error: str) -> list[RequestEvent]:
-        """Finish every request with ERROR and forget in-flight steps (the worker is lost)."""
+    def take_unfinished(self) -> list[Request]:
+        """Remove every waiting and running request, e.g. to move them to another worker.
+
+        For when this scheduler's worker is lost: in-flight steps are forgotten, blocks freed,
+        and each request keeps only its confirmed outputs (running ones first, in admission
+        order, then the waiting queue). Hand them to another scheduler with `adopt`.
+        """
         self._inflight.clear()
-        events = []
-        for req in list(self._running) + list(self._waiting):
-            self._finish(req, FINISH_ERROR, error)
-            events.append(self._event(req, [], "", []))
-        return events
+        self._pending_finished.clear()
+        moved = list(self._running) + list(self._waiting)
+        for req in self._running:
+            self._reset_admission(req)
+        self._running.clear()
+        self._waiting.clear()
+        for req in moved:
+            del self._requests[req.req_id]
+        return moved
+
+    def adopt(self, req: Request) -> None:
+        """Queue a request taken from another scheduler of the same model (`take_unfinished`).
+
+        It goes to the back of the waiting queue and resumes from prompt + confirmed outputs;
+        its seed is kept, so its output is unchanged. `ValueError` if the id is in use or it
+        does not fit this worker's model length.
+        """
+        if req.req_id in self._requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        if req.status is not RequestStatus.WAITING or req.block_ids:
+            raise ValueError(f"request {req.req_id!r} is still held by another scheduler")
+        room = self._max_len - req.num_prompt_tokens
+        if req.num_output_tokens >= room:
+            raise ValueError(f"request {req.req_id!r} does not fit this worker's model length")
+        if req.stopping.max_tokens is None:
+            req.max_tokens = room
+        else:
+            req.max_tokens = min(req.stopping.max_tokens, room)
+        self._requests[req.req_id] = req
+        self._waiting.append(req)
 
     # ------------------------------------------------------------------------- accessors
 
@@ -254,17 +320,22 @@ class Scheduler:
         """The state of an active (waiting or running) request."""
         return self._requests.get(req_id)
 
-    @property
+    def running_requests(self) -> list[Request]:
+        """Running requests in admission order (a copy of the list; the requests are live)."""
+        return list(self._running)
+
     def num_running(self) -> int:
         """Requests admitted and not finished."""
         return len(self._running)
 
-    @property
     def num_waiting(self) -> int:
         """Requests queued (new or preempted)."""
         return len(self._waiting)
 
-    @property
+    def num_unfinished(self) -> int:
+        """Waiting plus running requests (a worker's load, for routing)."""
+        return len(self._running) + len(self._waiting)
+
     def num_inflight_steps(self) -> int:
         """Plans returned by `schedule` whose results have not arrived."""
         return len(self._inflight)
@@ -279,9 +350,18 @@ class Scheduler:
         """Prefix-cache queries and hits, in prompt tokens."""
         return self._pool.counters
 
-    def kv_usage_ratio(self) -> float:
-        """Used KV blocks ÷ all blocks."""
+    def kv_usage(self) -> float:
+        """Used KV blocks ÷ all blocks (`zerobubble_kv_cache_usage_ratio`)."""
         return self._pool.usage_ratio()
+
+    def cached_prefix_blocks(self, token_ids: Sequence[int]) -> int:
+        """How many leading full blocks of `token_ids` this worker's prefix cache holds.
+
+        For routing a request to the replica that can reuse the most; changes nothing.
+        """
+        if not self.config.enable_prefix_caching:
+            return 0
+        return self._pool.num_cached_prefix_blocks(token_ids)
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
@@ -300,14 +380,14 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         plan = worker_pb2.StepPlan()
         records: dict[str, _Scheduled] = {}
-        num_preemptions_before = self.counters.num_preemptions
+        num_preemptions_before = self.stats.num_preemptions
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
             budget -= self._schedule_running(req, budget, plan, records)
             i += 1
         # Admitting right after a preemption would only hand the freed blocks back and forth.
-        if self.counters.num_preemptions == num_preemptions_before:
+        if self.stats.num_preemptions == num_preemptions_before:
             while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
                 num_tokens = self._admit(self._waiting[0], budget, plan, records)
                 if num_tokens == 0:
@@ -320,7 +400,7 @@ class Scheduler:
         plan.finished_req_ids.extend(self._pending_finished)
         self._pending_finished.clear()
         self._inflight[plan.step_id] = records
-        self.counters.num_steps_planned += 1
+        self.stats.num_steps_planned += 1
         return plan
 
     def _schedule_running(
@@ -355,9 +435,13 @@ class Scheduler:
         new_block_ids = self._grow(req, num_tokens)
         req.num_computed += num_tokens
         req.num_placeholders += num_tokens
+        # A decode always samples; the flag is set so a worker may test it for every row.
         plan.requests.append(
             worker_pb2.ScheduledRequest(
-                req_id=req.req_id, num_draft_slots=num_draft_slots, new_block_ids=new_block_ids
+                req_id=req.req_id,
+                num_draft_slots=num_draft_slots,
+                new_block_ids=new_block_ids,
+                sample=True,
             )
         )
         records[req.req_id] = _Scheduled(
@@ -400,7 +484,7 @@ class Scheduler:
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self._clock()
             req.num_cached_prompt_tokens = min(num_cached_tokens, req.num_prompt_tokens)
-            self.counters.num_prompt_tokens += req.num_prompt_tokens
+            self.stats.num_prompt_tokens += req.num_prompt_tokens
         req.status = RequestStatus.RUNNING
         req.admission_id = self._next_admission_id
         self._next_admission_id += 1
@@ -487,6 +571,15 @@ class Scheduler:
         prefill is prompt + confirmed outputs.
         """
         logger.debug("preempting %s (%d outputs)", req.req_id, req.num_output_tokens)
+        self._reset_admission(req)
+        req.num_preemptions += 1
+        self._running.remove(req)
+        self._waiting.appendleft(req)
+        self._pending_finished.append(req.req_id)
+        self.stats.num_preemptions += 1
+
+    def _reset_admission(self, req: Request) -> None:
+        """Undo an admission: free its blocks and forget what is in flight for it."""
         self._pool.free(req.block_ids)
         req.block_ids = []
         req.num_registered_blocks = 0
@@ -494,12 +587,7 @@ class Scheduler:
         req.num_placeholders = 0
         req.num_prefill_tokens = 0
         req.admission_id = 0
-        req.num_preemptions += 1
         req.status = RequestStatus.WAITING
-        self._running.remove(req)
-        self._waiting.appendleft(req)
-        self._pending_finished.append(req.req_id)
-        self.counters.num_preemptions += 1
 
     # --------------------------------------------------------------------- reconciliation
 
@@ -509,9 +597,9 @@ class Scheduler:
         if records is None:
             logger.warning("result for unknown step %d ignored", result.step_id)
             return []
-        self.counters.num_steps_completed += 1
+        self.stats.num_steps_completed += 1
         if result.error:
-            self.counters.num_failed_steps += 1
+            self.stats.num_failed_steps += 1
             logger.error("step %d failed on the worker: %s", result.step_id, result.error)
         self._count_speculation(result)
         by_id = {r.req_id: r for r in result.results}
@@ -519,7 +607,7 @@ class Scheduler:
         for req_id, rec in records.items():
             req = rec.request
             if req.status is not RequestStatus.RUNNING or req.admission_id != rec.admission_id:
-                self.counters.num_stale_results += 1
+                self.stats.num_stale_results += 1
                 continue
             if result.error:
                 self._finish(req, FINISH_ERROR, f"worker step failed: {result.error}")
@@ -539,14 +627,18 @@ class Scheduler:
             events.append(self._reconcile(req, rec, res))
         return events
 
+    def fail_step(self, step_id: int, error: str) -> list[RequestEvent]:
+        """Finish the requests of a failed step with ERROR (same as an error `StepResult`)."""
+        return self.on_step_result(worker_pb2.StepResult(step_id=step_id, error=error))
+
     def _count_speculation(self, result: worker_pb2.StepResult) -> None:
-        counters = self.counters
+        stats = self.stats
         for res in result.results:
             if res.num_draft_tokens > 0:
-                counters.num_drafts += 1
-                counters.num_draft_tokens += res.num_draft_tokens
-                counters.num_accepted_tokens += res.num_accepted
-        per_pos = counters.accepted_per_pos
+                stats.num_drafts += 1
+                stats.num_draft_tokens += res.num_draft_tokens
+                stats.num_accepted_tokens += res.num_accepted
+        per_pos = stats.accepted_per_pos
         if len(per_pos) < len(result.accepted_per_pos):
             per_pos.extend([0] * (len(result.accepted_per_pos) - len(per_pos)))
         for pos, num_accepted in enumerate(result.accepted_per_pos):
@@ -562,7 +654,7 @@ class Scheduler:
         req.num_placeholders -= num_rejected + len(token_ids)
         if req.num_placeholders < 0:
             raise AssertionError(f"{req.req_id}: placeholders underflow ({req.num_placeholders})")
-        self.counters.num_rolled_back_tokens += num_rejected
+        self.stats.num_rolled_back_tokens += num_rejected
         if req.first_token_time is None:
             req.first_token_time = self._clock()
         logprobs = list(res.logprobs) if req.sampling.logprobs else []
@@ -585,7 +677,7 @@ class Scheduler:
             text_parts.append(req.detokenizer.flush())
         text = "".join(text_parts)
         req.output_text += text
-        self.counters.num_generation_tokens += len(new_ids)
+        self.stats.num_generation_tokens += len(new_ids)
         # The newest token's K/V is written by the next step; everything before it is done.
         self._register_confirmed(req, req.num_tokens - 1)
         if finish_reason is not None:
@@ -642,9 +734,9 @@ class Scheduler:
         self, req: Request, token_ids: list[int], text: str, logprobs: list[float]
     ) -> RequestEvent:
         finished = req.status is RequestStatus.FINISHED
-        queue_time_s = None
+        queue_s = None
         if finished and req.first_scheduled_time is not None:
-            queue_time_s = req.first_scheduled_time - req.arrival_time
+            queue_s = req.first_scheduled_time - req.arrival_time
         return RequestEvent(
             req_id=req.req_id,
             token_ids=token_ids,
@@ -655,5 +747,5 @@ class Scheduler:
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_prompt_tokens,
             error=req.error,
-            queue_time_s=queue_time_s,
+            queue_s=queue_s,
         )

@@ -35,7 +35,7 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    """Template filter: jinja2's built-in `tojson` escapes HTML, which chat templates do not want."""
+    """Template filter: jinja2's own `tojson` escapes HTML, which chat templates do not want."""
     return json.dumps(
         value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
     )
@@ -101,7 +101,7 @@ class Tokenizer:
     def render_chat_template(
         self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
     ) -> str:
-        """The prompt text for a conversation; `ValueError` when there is no template or it fails."""
+        """The prompt text of a conversation; `ValueError` without a template or when it fails."""
         if self._chat_template is None:
             raise ValueError("the model has no chat template; send a raw prompt instead")
         try:

@@ -25,11 +25,12 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from scheduler_svc.request import SamplingOptions, StoppingOptions
+from scheduler_svc.request import StoppingOptions
 from scheduler_svc.scheduler import (
     FINISH_EOS,
     FINISH_MAX_TOKENS,
@@ -69,7 +70,7 @@ def _byte_chars() -> dict[int, str]:
 
 
 def make_toy_tokenizer_json() -> str:
-    """A real `tokenizers` JSON whose ids 0..255 are raw bytes, plus <|eos|> (256), <|bos|> (257)."""
+    """A real `tokenizers` JSON: ids 0..255 are raw bytes, then <|eos|> (256), <|bos|> (257)."""
     vocab = {ch: b for b, ch in _byte_chars().items()}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
@@ -210,6 +211,10 @@ class SimWorker:
         self.plans: list[worker_pb2.StepPlan] = []
         # (prompt length, max_tokens) per request id: limits the worker asserts.
         self.limits: dict[str, tuple[int, int]] = {}
+        # Steps to fail: nothing of them is executed and the result carries an error. Their
+        # requests are broken from then on (later entries are ignored until they are dropped).
+        self.fail_step_ids: set[int] = set()
+        self._broken: set[str] = set()
         self._kv: list[list[tuple[int, int, int] | None]] = [
             [None] * block_size for _ in range(num_blocks)
         ]
@@ -227,12 +232,19 @@ class SimWorker:
         self.stats.num_steps += 1
         for req_id in plan.finished_req_ids:
             self._reqs.pop(req_id, None)
+            self._broken.discard(req_id)
         scheduled = {e.req_id for e in plan.requests}
         assert len(scheduled) == len(plan.requests), "a request twice in one plan"
+        if plan.step_id in self.fail_step_ids:
+            self._broken |= scheduled
+            return worker_pb2.StepResult(step_id=plan.step_id, error="injected failure")
         self.stats.num_skipped += sum(1 for r in self._reqs if r not in scheduled)
         result = worker_pb2.StepResult(step_id=plan.step_id)
         accepted_per_pos: list[int] = []
         for entry in plan.requests:
+            if entry.req_id in self._broken:
+                result.results.add(req_id=entry.req_id)
+                continue
             req = self._prepare(plan.step_id, entry)
             if entry.token_ids:
                 res = self._prefill(plan.step_id, entry, req)
@@ -395,7 +407,7 @@ class SimWorker:
     ) -> worker_pb2.RequestResult:
         assert req.sampled, f"{entry.req_id}: decode without a sampled token (placeholder input)"
         assert req.seq_len == len(req.tokens) - 1
-        assert not entry.sample, "decode entries always sample; the flag is for prefill"
+        assert entry.sample, "a decode always samples"
         k = entry.num_draft_slots
         assert k >= 0
         self._check_limits(entry.req_id, req, 1 + k)
@@ -558,6 +570,17 @@ def reference_generate(
             return Expected(out, text, FINISH_MAX_TOKENS)
 
 
+def stopping_kwargs(stopping: StoppingOptions) -> dict[str, Any]:
+    """`Scheduler.add_request` keyword arguments for one set of stopping criteria."""
+    return {
+        "max_tokens": stopping.max_tokens,
+        "min_tokens": stopping.min_tokens,
+        "stop": stopping.stop,
+        "stop_token_ids": stopping.stop_token_ids,
+        "ignore_eos": stopping.ignore_eos,
+    }
+
+
 def add_requests(
     scheduler: Scheduler,
     worker: SimWorker,
@@ -572,7 +595,7 @@ def add_requests(
         stop = stopping[req_id] if isinstance(stopping, dict) else stopping
         seeds[req_id] = 1000 + i
         req = scheduler.add_request(
-            req_id, prompt, SamplingOptions(seed=1000 + i, logprobs=logprobs), stop
+            req_id, prompt, seed=1000 + i, logprobs=logprobs, **stopping_kwargs(stop)
         )
         worker.limits[req_id] = (len(prompt), req.max_tokens)
     return seeds

@@ -1,16 +1,24 @@
-"""The ``zerobubble`` command line: flags per subcommand, environment fallbacks, client errors."""
+"""The ``zerobubble`` command line: flags per subcommand, environment fallbacks, and the client
+commands run as real processes against a fake scheduler (no model needed)."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import json
 import socket
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
+import grpc.aio
 import pytest
 
-from zerobubble.cli import EnvConfigError, build_parser, env_name, parse_bool
+from zerobubble.api import generate_pb2_grpc
+from zerobubble.cli import build_parser, env_name, parse_bool
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -131,9 +139,22 @@ def test_parse_bool_false_words(word: str) -> None:
     {"ZEROBUBBLE_ENABLE_PREFIX_CACHING": "maybe"},
     {"ZEROBUBBLE_DTYPE": "float64"},
 ])
-def test_invalid_env_values_fail_loudly(env: dict[str, str]) -> None:
-    with pytest.raises(EnvConfigError, match=next(iter(env))):
-        build_parser(env=env)
+def test_invalid_env_values_are_usage_errors_naming_the_variable(
+        env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        parse(["serve"], env)
+    assert info.value.code == 2
+    assert next(iter(env)) in capsys.readouterr().err
+
+
+def test_a_bad_env_value_only_matters_to_subcommands_that_use_it(capsys: pytest.CaptureFixture[str]) -> None:
+    env = {"ZEROBUBBLE_JSON": "report.json", "ZEROBUBBLE_DTYPE": "float64"}
+    assert parse(["bench"], env).json == "report.json"
+    assert parse(["scheduler"], env).port == 50051
+    assert parse(["worker", "--dtype", "float32"], env).dtype == "float32"  # the command line wins
+    with pytest.raises(SystemExit):
+        parse(["generate", "--prompt", "x"], env)
+    assert "ZEROBUBBLE_JSON" in capsys.readouterr().err
 
 
 def test_empty_env_value_means_unset() -> None:
@@ -185,3 +206,70 @@ def test_client_commands_do_not_import_torch() -> None:
     code = ("import sys, zerobubble.cli, zerobubble.client, zerobubble.bench; "
             "zerobubble.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
+
+
+@pytest.fixture
+def fake_target() -> Iterator[str]:
+    """A fake scheduler (see ``test_bench.FakeGeneration``) on its own event-loop thread."""
+    from tests.test_bench import FakeGeneration
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def start() -> tuple[grpc.aio.Server, int]:
+        server = grpc.aio.server()
+        generate_pb2_grpc.add_GenerationServicer_to_server(FakeGeneration(), server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    server, port = asyncio.run_coroutine_threadsafe(start(), loop).result(timeout=10)
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        asyncio.run_coroutine_threadsafe(server.stop(grace=None), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+
+
+def test_generate_streams_text_and_prints_json(fake_target: str) -> None:
+    result = run_cli("generate", "--target", fake_target, "--prompt", "hi", "--max-tokens", "5")
+    assert (result.returncode, result.stdout) == (0, "<0><1><2><3><4>\n"), result.stderr
+    result = run_cli("generate", "--target", fake_target, "--messages-json",
+                     '[{"role": "user", "content": "hi"}]', "--max-tokens", "3", "--json")
+    assert result.returncode == 0, result.stderr
+    reply = json.loads(result.stdout)
+    assert reply["text"] == "<0><1><2>" and reply["token_ids"] == [0, 1, 2]
+    assert reply["finish_reason"] == "max_tokens" and reply["num_prompt_tokens"] == 3
+    assert reply["ttft_s"] <= reply["e2e_s"]
+
+
+def test_generate_reports_server_errors(fake_target: str) -> None:
+    result = run_cli("generate", "--target", fake_target, "--prompt", "fail")
+    assert result.returncode == 1 and result.stderr.startswith("error: INVALID_ARGUMENT: told to fail")
+
+
+def test_bench_command_writes_the_report(fake_target: str, tmp_path: Path) -> None:
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"p{i}", "max_tokens": 2 + i, "kind": "a" if i % 2 else "b"})
+                               + "\n" for i in range(6)), encoding="utf-8")
+    out = tmp_path / "report.json"
+    result = run_cli("bench", "--target", fake_target, "--dataset", str(dataset), "--concurrency", "2",
+                     "--kind", "a", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "output tok/s" in result.stdout
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert [r["index"] for r in report["requests"]] == [1, 3, 5]
+    assert report["output_tokens"] == 3 + 5 + 7 and report["concurrency"] == 2
+    for key in ("wall_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
+                "itl_p50_s", "itl_p90_s", "itl_p99_s", "e2e_p50_s", "acceptance_rate", "mean_accepted_length",
+                "worker_idle_fraction"):
+        assert key in report
+
+
+def test_bench_against_a_dead_target_fails_fast(tmp_path: Path) -> None:
+    dataset = tmp_path / "rows.jsonl"
+    dataset.write_text('{"prompt": "p", "max_tokens": 2}\n', encoding="utf-8")
+    result = run_cli("bench", "--target", f"127.0.0.1:{closed_port()}", "--dataset", str(dataset))
+    assert result.returncode == 1 and result.stderr.startswith("error: UNAVAILABLE: ")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -92,6 +93,13 @@ def test_chat_template_is_sandboxed() -> None:
         evil.render_chat_template([{"role": "user", "content": "a"}])
 
 
+@pytest.fixture(scope="module")
+def hf_tokenizer() -> Any:
+    """transformers' tokenizer for the same directory (tests may import transformers)."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(SMOL_DIR))
+
+
 @needs_smollm
 @pytest.mark.parametrize(
     "messages",
@@ -106,9 +114,10 @@ def test_chat_template_is_sandboxed() -> None:
         [{"role": "user", "content": ""}],
     ],
 )
-def test_chat_template_matches_transformers(messages: list[dict[str, str]]) -> None:
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(SMOL_DIR))
+def test_chat_template_matches_transformers(
+    messages: list[dict[str, str]], hf_tokenizer: Any
+) -> None:
+    hf = hf_tokenizer
     ours = _smol_tokenizer()
     for add_generation_prompt in (True, False):
         expected = hf.apply_chat_template(
@@ -120,9 +129,8 @@ def test_chat_template_matches_transformers(messages: list[dict[str, str]]) -> N
 
 
 @needs_smollm
-def test_smollm_encode_decode_match_transformers() -> None:
-    transformers = pytest.importorskip("transformers")
-    hf = transformers.AutoTokenizer.from_pretrained(str(SMOL_DIR))
+def test_smollm_encode_decode_match_transformers(hf_tokenizer: Any) -> None:
+    hf = hf_tokenizer
     ours = _smol_tokenizer()
     text = "  Hello, wörld! 😀 日本語 <|im_end|> tab\tend"
     ids = ours.encode(text)

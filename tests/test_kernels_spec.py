@@ -274,6 +274,10 @@ def state_from_sequences(sequences: list[list[int]], gen: torch.Generator) -> Wo
     num_blocks = num_slots * max_blocks + 3
     block_table = torch.randperm(num_blocks, generator=gen)[: num_slots * max_blocks]
     block_table = block_table.view(num_slots, max_blocks).int()
+    # Only blocks holding history are allocated (the last token's block may be -1 padding).
+    held = torch.tensor([len(s) - 1 for s in sequences])
+    needed = (held + BLOCK_SIZE - 1) // BLOCK_SIZE
+    block_table[torch.arange(max_blocks)[None, :] >= needed[:, None]] = -1
     history = torch.full((num_blocks, BLOCK_SIZE), -7, dtype=torch.int32)
     for s, seq in enumerate(sequences):
         for i, tok in enumerate(seq[:-1]):
@@ -307,6 +311,7 @@ NGRAM_CASES = [
     ([2, 2], 1, 1, 4, [2]),
     ([1, 2, 1, 2], 3, 3, 2, []),  # "2 1 2" never occurred before: min_n = 3 finds nothing
     ([7, 1, 2, 7, 3, 1, 2], 2, 4, 5, [7, 3, 1, 2]),
+    ([9, 8, 9, 8, 9], 2, 2, 3, [8, 9]),  # history fills whole blocks; last token in none
 ]
 
 

@@ -8,6 +8,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from zerobubble.api import worker_pb2
 from zerobubble.metrics import (
     FINISHED_REASONS,
     METRIC_NAMES,
@@ -51,6 +52,7 @@ def _record_everything(m: ServiceMetrics, worker: str = "w0") -> None:
     m.set_inflight(worker, 2)
     m.record_step(worker, forward_s=0.004, idle_s=0.0005, num_drafts=2, num_draft_tokens=8,
                   num_accepted=5, accepted_per_pos=[2, 2, 1, 0])
+    m.observe_ttft(0.05)
     m.record_finished("eos", ttft_s=0.05, e2e_s=1.2, queue_s=0.01, num_prompt_tokens=17,
                       num_generation_tokens=40)
     m.observe_inter_token(0.02)
@@ -148,12 +150,18 @@ def test_two_instances_do_not_share_state() -> None:
 
 def test_finished_reason_accepts_proto_names_and_rejects_unknown() -> None:
     m = ServiceMetrics(model="m")
-    m.record_finished("FINISH_REASON_MAX_TOKENS", ttft_s=None, e2e_s=1.0, queue_s=0.0,
+    m.record_finished("FINISH_REASON_MAX_TOKENS", ttft_s=0.5, e2e_s=1.0, queue_s=0.0,
                       num_prompt_tokens=1, num_generation_tokens=1)
+    # Cancelled while queued: no queue time to record, and no TTFT either.
+    m.record_finished("cancelled", None, 2.0, None, 5, 0)
     s = _scrape(m)
     assert _value(s, "zerobubble_request_success_total", finished_reason="max_tokens") == 1
-    # No token was streamed: TTFT must not be invented.
+    assert _value(s, "zerobubble_request_success_total", finished_reason="cancelled") == 1
+    # TTFT is observed when the first token streams (observe_ttft), never a second time here.
     assert _value(s, "zerobubble_time_to_first_token_seconds_count") == 0
+    assert _value(s, "zerobubble_request_queue_time_seconds_count") == 1
+    assert _value(s, "zerobubble_e2e_request_latency_seconds_count") == 2
+    assert _value(s, "zerobubble_prompt_tokens_total") == 6
     with pytest.raises(ValueError, match="finished_reason"):
         m.record_finished("timeout", None, 1.0, 0.0, 1, 1)
 
@@ -185,11 +193,66 @@ def test_forget_worker_drops_its_series() -> None:
 def test_metrics_server_serves_the_registry_on_a_free_port() -> None:
     m = ServiceMetrics(model="m")
     m.set_queues(running=1, waiting=7)
-    server = start_metrics_server(m, port=0, host="127.0.0.1")
+    port = start_metrics_server(m, port=0, host="127.0.0.1")
     try:
-        assert server.port > 0
-        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=10) as r:
+        assert isinstance(port, int) and port > 0
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
             body = r.read().decode()
         assert 'zerobubble_num_requests_waiting{model="m"} 7.0' in body
+        with pytest.raises(RuntimeError, match="already served"):
+            start_metrics_server(m, port=0, host="127.0.0.1")
     finally:
-        server.stop()
+        m.close()
+    # The port is released: binding it again succeeds.
+    again = ServiceMetrics(model="m")
+    try:
+        assert start_metrics_server(again, port=port, host="127.0.0.1") == port
+    finally:
+        again.close()
+
+
+def _step_result() -> worker_pb2.StepResult:
+    result = worker_pb2.StepResult(step_id=7, forward_s=0.003, idle_s=0.001,
+                                   accepted_per_pos=[2, 1, 0])
+    result.results.add(req_id="a", token_ids=[1, 2, 3], num_draft_tokens=3, num_accepted=2)
+    result.results.add(req_id="b", token_ids=[4, 5], num_draft_tokens=3, num_accepted=1)
+    result.results.add(req_id="c", token_ids=[6])  # a prefill or a request without drafts
+    return result
+
+
+def test_step_result_is_accounted_from_the_proto() -> None:
+    m = ServiceMetrics(model="m")
+    m.record_step_result("w0", _step_result(), inflight=2)
+    s = _scrape(m)
+    assert _value(s, "zerobubble_spec_decode_num_drafts_total", worker="w0") == 2
+    assert _value(s, "zerobubble_spec_decode_num_draft_tokens_total", worker="w0") == 6
+    assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 3
+    assert _value(s, "zerobubble_inflight_steps", worker="w0") == 2
+    assert _value(s, "zerobubble_worker_step_duration_seconds_sum",
+                  worker="w0") == pytest.approx(0.003)
+    per_pos = {lab["position"]: v for _, lab, v in
+               s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
+    assert per_pos == {"0": 2, "1": 1, "2": 0}
+
+
+def test_worker_role_exports_only_its_own_figures() -> None:
+    m = ServiceMetrics(model="m", role="worker")
+    m.record_step("worker-0", _step_result())  # the worker service passes its StepResult
+    s = _scrape(m)
+    assert "zerobubble_num_requests_waiting" not in s
+    assert "zerobubble_request_success_total" not in s
+    assert _value(s, "zerobubble_worker_idle_seconds_total",
+                  worker="worker-0") == pytest.approx(0.001)
+    with pytest.raises(ValueError, match="role"):
+        ServiceMetrics(model="m", role="router")
+
+
+def test_model_label_can_be_set_once_known() -> None:
+    m = ServiceMetrics(model="")  # the scheduler learns the model from its workers
+    m.set_model("smollm2-135m")
+    m.set_queues(running=0, waiting=2)
+    s = _scrape(m)
+    assert {lab["model"] for _, lab, _ in s["zerobubble_num_requests_waiting"]} == {
+        "smollm2-135m"}
+    assert {lab["model"] for _, lab, _ in s["zerobubble_request_success_total"]} == {
+        "smollm2-135m"}

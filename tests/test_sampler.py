@@ -150,5 +150,8 @@ def test_from_params_summaries() -> None:
     assert params(3).all_greedy and not params(3).any_filter
     assert not params(3, temperature=0.5).all_greedy
     assert params(3, top_k=2).any_filter and params(3, top_p=0.9).any_filter
+    positions = torch.tensor([9], dtype=torch.int32)  # the runner passes device positions
+    from_tensor = SamplingTensors.from_params([1.0], [0], [1.0], [5], positions)
+    assert from_tensor.positions.dtype == torch.int64 and from_tensor.positions.tolist() == [9]
     with pytest.raises(ValueError):
         SamplingTensors.from_params([1.0], [0, 0], [1.0], [1], [1])

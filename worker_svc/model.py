@@ -263,7 +263,7 @@ class CausalLM:
         sin = self.rope_sin[positions].unsqueeze(1)
         plan: AttentionPlan | None = None
         if not use_triton(input_ids, None) and num_tokens > 0:
-            plan = plan_attention(meta, kv_caches[0][0].shape[1])
+            plan = plan_attention(meta, kv_caches[0][0])
         x = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
             qkv = F.linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv_weight, layer.qkv_bias)

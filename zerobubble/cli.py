@@ -16,18 +16,13 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 ENV_PREFIX = "ZEROBUBBLE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-
-logger = logging.getLogger(__name__)
-
-
-class EnvConfigError(ValueError):
-    """An environment fallback holds a value its flag would reject."""
 
 
 def env_name(flag: str) -> str:
@@ -45,6 +40,38 @@ def parse_bool(text: str) -> bool:
     raise ValueError(f"expected one of 1/true/yes/0/false/no, got {text!r}")
 
 
+@dataclass(frozen=True, slots=True)
+class EnvDefault:
+    """A flag default taken from the environment, converted only once its subcommand is chosen.
+
+    Converting while the parser is built would let a variable meant for one subcommand break
+    the others (``ZEROBUBBLE_JSON`` is a path for ``bench`` but a bool for ``generate``).
+    """
+
+    name: str
+    raw: str
+    convert: Callable[[str], Any]
+
+
+class Parser(argparse.ArgumentParser):
+    """ArgumentParser that converts the :class:`EnvDefault` values left in a parsed namespace.
+
+    argparse would neither check such defaults against ``choices`` nor parse bools, so a bad
+    environment value would run silently; here it is a usage error naming the variable.
+    """
+
+    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
+                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        for dest, value in vars(parsed).items():
+            if isinstance(value, EnvDefault):
+                try:
+                    setattr(parsed, dest, value.convert(value.raw))
+                except (ValueError, argparse.ArgumentTypeError) as exc:
+                    self.error(f"{value.name}={value.raw!r}: {exc}")
+        return parsed, extras
+
+
 class _AppendReplacingDefault(argparse.Action):
     """``action="append"`` whose first command-line value replaces the default list.
 
@@ -60,6 +87,25 @@ class _AppendReplacingDefault(argparse.Action):
         setattr(namespace, self.dest, items)
 
 
+def env_converter(default: Any, type: Callable[[str], Any], choices: Sequence[Any] | None,
+                  repeat: bool) -> Callable[[str], Any]:
+    """How a flag's environment string becomes its value (bools from 1/true/yes/0/false/no).
+
+    A ``repeat`` flag's variable holds one item per line, because the items (stop strings) may
+    contain commas.
+    """
+
+    def convert(raw: str) -> Any:
+        if isinstance(default, bool):
+            return parse_bool(raw)
+        value = [type(item) for item in raw.split("\n") if item] if repeat else type(raw)
+        if choices is not None and any(v not in choices for v in (value if repeat else [value])):
+            raise ValueError(f"choose from {', '.join(map(str, choices))}")
+        return value
+
+    return convert
+
+
 def add_flag(
     group: argparse._ActionsContainer,
     flag: str,
@@ -71,36 +117,18 @@ def add_flag(
     repeat: bool = False,
     env: Mapping[str, str] | None = None,
 ) -> None:
-    """Add ``flag`` with its ``ZEROBUBBLE_*`` environment fallback.
+    """Add ``flag`` with its ``ZEROBUBBLE_*`` environment fallback (the parser must be a :class:`Parser`).
 
-    A bool ``default`` makes a ``--flag/--no-flag`` pair. ``repeat`` makes a list flag given once
-    per value; its environment value holds one item per line, because the items (stop strings)
-    may contain commas. The environment value is converted and
-    checked here, when the parser is built, because argparse validates neither defaults against
-    ``choices`` nor bools at all; a bad value fails loudly instead of silently running with it.
-    ``env`` exists so tests can pass a mapping instead of mutating ``os.environ``.
+    A bool ``default`` makes a ``--flag/--no-flag`` pair; ``repeat`` a list flag given once per
+    value. An empty variable counts as unset. ``env`` replaces ``os.environ`` (tests).
     """
-    environ = os.environ if env is None else env
     name = env_name(flag)
-    raw = environ.get(name)
-    is_bool = isinstance(default, bool)
-    value = default
-    if raw is not None and raw != "":
-        try:
-            if is_bool:
-                value = parse_bool(raw)
-            elif repeat:
-                value = [type(item) for item in raw.split("\n") if item]
-            else:
-                value = type(raw)
-        except ValueError as exc:
-            raise EnvConfigError(f"{name}={raw!r} is not valid for {flag}: {exc}") from exc
-        if choices is not None and any(v not in choices for v in (value if repeat else [value])):
-            raise EnvConfigError(f"{name}={raw!r} is not valid for {flag}: choose from {', '.join(map(str, choices))}")
-    shown_default = "on" if value is True else "off" if value is False else repr(value)
+    raw = (os.environ if env is None else env).get(name, "")
+    value: Any = EnvDefault(name, raw, env_converter(default, type, choices, repeat)) if raw else default
+    shown = repr(raw) if raw else "on" if default is True else "off" if default is False else repr(default)
     # argparse %-formats help strings.
-    full_help = f"{help} [env {name}; default {shown_default.replace('%', '%%')}]"
-    if is_bool:
+    full_help = f"{help} [env {name}; default {shown.replace('%', '%%')}]"
+    if isinstance(default, bool):
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=full_help)
     elif repeat:
         group.add_argument(flag, action=_AppendReplacingDefault, type=type, choices=choices,
@@ -222,13 +250,9 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
     add_flag(parser, "--progress", default=True, env=env, help="progress bar when stdout is a terminal")
 
 
-def build_parser(env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-    """The whole CLI; ``env`` replaces ``os.environ`` for the fallbacks (tests).
-
-    Raises:
-        EnvConfigError: an environment fallback holds an invalid value.
-    """
-    parser = argparse.ArgumentParser(prog="zerobubble", description=__doc__.split("\n")[0])
+def build_parser(env: Mapping[str, str] | None = None) -> Parser:
+    """The whole CLI; ``env`` replaces ``os.environ`` for the fallbacks (tests)."""
+    parser = Parser(prog="zerobubble", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve = sub.add_parser("serve", help="scheduler + one local worker (or --workers) in one process")
@@ -290,12 +314,7 @@ def dispatch(args: argparse.Namespace) -> int | None:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
-    try:
-        parser = build_parser()
-    except EnvConfigError as exc:
-        print(f"zerobubble: error: {exc}", file=sys.stderr)
-        sys.exit(2)
-    args = parser.parse_args(argv)
+    args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

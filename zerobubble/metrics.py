@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
@@ -133,27 +134,59 @@ def _counter_name(name: str) -> str:
     return name.removesuffix("_total")
 
 
+ROLES: tuple[str, ...] = ("scheduler", "worker")
+
+
+class StepResultLike(Protocol):
+    """The fields of ``zerobubble.api.worker_pb2.StepResult`` that metrics read.
+
+    A protocol rather than the proto class, so this module does not import the generated stubs.
+    """
+
+    forward_s: float
+    idle_s: float
+    accepted_per_pos: Sequence[int]
+
+    @property
+    def results(self) -> Sequence[Any]: ...
+
+
+@dataclass(slots=True)
+class _HttpEndpoint:
+    """The ``/metrics`` server of one ServiceMetrics, kept so that it can be stopped."""
+
+    port: int
+    server: WSGIServer = field(repr=False)
+    thread: threading.Thread = field(repr=False)
+
+
 class ServiceMetrics:
     """Every metric family of one service, in a registry of its own.
 
-    Model-level series are created up front with value 0, so ``rate()`` and alert expressions
-    work from the first scrape instead of starting with "no data". Worker-level series appear
-    when a worker is first recorded and go away with :meth:`forget_worker`, so a worker that was
-    scaled down does not linger on dashboards with its last value.
+    ``role`` is ``"scheduler"`` or ``"worker"``. A scheduler creates its request-level series
+    with value 0 up front, so ``rate()`` and alert expressions work from the first scrape
+    instead of starting with "no data"; a worker owns no requests and exports only the figures
+    of its own steps, so it does not show queues that are always zero. Worker-level series
+    appear when a worker is first recorded and go away with :meth:`forget_worker`, so a worker
+    that was scaled down does not linger on dashboards with its last value.
     """
 
     __slots__ = (
-        "model", "registry", "num_requests_running", "num_requests_waiting",
+        "model", "role", "registry", "num_requests_running", "num_requests_waiting",
         "kv_cache_usage_ratio", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
         "prefix_cache_hits", "request_success", "num_preemptions", "time_to_first_token",
         "inter_token_latency", "e2e_request_latency", "request_queue_time", "spec_num_drafts",
         "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos",
         "worker_step_duration", "worker_idle", "inflight_steps", "placeholders_rolled_back",
-        "_positions", "_lock",
+        "_positions", "_lock", "_http",
     )
 
-    def __init__(self, model: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model: str = "", role: str = "scheduler",
+                 registry: CollectorRegistry | None = None) -> None:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.model = model
+        self.role = role
         self.registry = registry if registry is not None else CollectorRegistry()
         specs = {spec.name: spec for spec in METRIC_SPECS}
 
@@ -195,16 +228,16 @@ class ServiceMetrics:
         # Positions seen per worker: forget_worker() must know which children to remove.
         self._positions: dict[str, set[str]] = {}
         self._lock = threading.Lock()
+        self._http: _HttpEndpoint | None = None
+        self._init_request_series()
 
-        for metric in (
+    def _request_metrics(self) -> tuple[Counter | Gauge | Histogram, ...]:
+        return (
             self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
             self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
             self.num_preemptions, self.time_to_first_token, self.inter_token_latency,
             self.e2e_request_latency, self.request_queue_time, self.placeholders_rolled_back,
-        ):
-            metric.labels(model=model)
-        for reason in FINISHED_REASONS:
-            self.request_success.labels(model=model, finished_reason=reason)
+        )
 
     def _worker_metrics(self) -> tuple[Counter | Gauge | Histogram, ...]:
         return (
@@ -212,6 +245,29 @@ class ServiceMetrics:
             self.spec_num_accepted_tokens, self.worker_step_duration, self.worker_idle,
             self.inflight_steps,
         )
+
+    def _init_request_series(self) -> None:
+        if self.role != "scheduler":
+            return
+        for metric in self._request_metrics():
+            metric.labels(model=self.model)
+        for reason in FINISHED_REASONS:
+            self.request_success.labels(model=self.model, finished_reason=reason)
+
+    def set_model(self, model: str) -> None:
+        """Set the ``model`` label once it is known (a scheduler learns it from its workers).
+
+        Call it before traffic: series recorded under the previous name are dropped, not moved.
+        """
+        if model == self.model:
+            return
+        for metric in (*self._request_metrics(), self.request_success, *self._worker_metrics(),
+                       self.spec_accepted_per_pos):
+            metric.clear()
+        with self._lock:
+            self._positions.clear()
+        self.model = model
+        self._init_request_series()
 
     def _touch_worker(self, worker: str) -> None:
         # Create every series of a new worker together, so its panels and rates start at zero
@@ -226,18 +282,22 @@ class ServiceMetrics:
     def record_step(
         self,
         worker: str,
-        forward_s: float,
-        idle_s: float,
+        forward_s: float | StepResultLike,
+        idle_s: float = 0.0,
         num_drafts: int = 0,
         num_draft_tokens: int = 0,
         num_accepted: int = 0,
         accepted_per_pos: Sequence[int] = (),
     ) -> None:
-        """Account one ``StepResult`` of ``worker``: timings and speculation volume.
+        """Account one step of ``worker``: its timings and speculation volume.
 
         ``accepted_per_pos[i]`` is the number of drafts accepted at draft position ``i`` in
-        this step, as carried by ``StepResult.accepted_per_pos``.
+        this step. A ``StepResult`` may be passed in place of ``forward_s`` (the rest is then
+        read from it), which is what the worker service does with its own results.
         """
+        if not isinstance(forward_s, (int, float)):
+            self.record_step_result(worker, forward_s)
+            return
         if num_accepted > num_draft_tokens:
             raise ValueError(
                 f"num_accepted={num_accepted} exceeds num_draft_tokens={num_draft_tokens}")
@@ -248,39 +308,67 @@ class ServiceMetrics:
         self.spec_num_drafts.labels(**labels).inc(num_drafts)
         self.spec_num_draft_tokens.labels(**labels).inc(num_draft_tokens)
         self.spec_num_accepted_tokens.labels(**labels).inc(num_accepted)
-        seen = self._positions[worker]
+        seen = self._positions.get(worker)
         for pos, accepted in enumerate(accepted_per_pos):
             position = str(pos)
-            with self._lock:
-                seen.add(position)
+            if seen is not None:
+                with self._lock:
+                    seen.add(position)
             self.spec_accepted_per_pos.labels(position=position, **labels).inc(accepted)
+
+    def record_step_result(self, worker: str, result: StepResultLike,
+                           inflight: int | None = None) -> None:
+        """Account a ``StepResult`` of ``worker``; ``inflight`` also updates its window gauge.
+
+        A draft counts once per request that had drafts verified in the step, as vLLM counts
+        ``num_drafts``.
+        """
+        per_request = list(result.results)
+        self.record_step(
+            worker,
+            float(result.forward_s),
+            float(result.idle_s),
+            num_drafts=sum(1 for r in per_request if r.num_draft_tokens > 0),
+            num_draft_tokens=sum(int(r.num_draft_tokens) for r in per_request),
+            num_accepted=sum(int(r.num_accepted) for r in per_request),
+            accepted_per_pos=[int(n) for n in result.accepted_per_pos],
+        )
+        if inflight is not None:
+            self.set_inflight(worker, inflight)
 
     def record_finished(
         self,
         reason: str,
         ttft_s: float | None,
         e2e_s: float,
-        queue_s: float,
+        queue_s: float | None,
         num_prompt_tokens: int,
         num_generation_tokens: int,
     ) -> None:
         """Account a request that left the system for ``reason`` (e.g. ``"eos"``).
 
-        ``ttft_s`` is None for a request that never streamed a token (cancelled or failed
-        while queued): recording 0 or its e2e time would bend the TTFT distribution.
+        TTFT is not observed here but by :meth:`observe_ttft` when the first token streams, so
+        the histogram is current while long requests are still running and nothing is counted
+        twice; ``ttft_s`` stays in the signature for callers that have it at hand. ``queue_s``
+        is None for a request cancelled before it was ever scheduled: it has no queue time, and
+        recording its age instead would bend the distribution.
         """
+        del ttft_s  # observed by observe_ttft(); see the docstring
         labels = {"model": self.model}
         self.request_success.labels(
             finished_reason=normalize_finished_reason(reason), **labels).inc()
-        if ttft_s is not None:
-            self.time_to_first_token.labels(**labels).observe(ttft_s)
         self.e2e_request_latency.labels(**labels).observe(e2e_s)
-        self.request_queue_time.labels(**labels).observe(queue_s)
+        if queue_s is not None:
+            self.request_queue_time.labels(**labels).observe(queue_s)
         self.prompt_tokens.labels(**labels).inc(num_prompt_tokens)
         self.generation_tokens.labels(**labels).inc(num_generation_tokens)
 
+    def observe_ttft(self, seconds: float) -> None:
+        """Account the time from a request's arrival to its first streamed token."""
+        self.time_to_first_token.labels(model=self.model).observe(seconds)
+
     def observe_inter_token(self, seconds: float) -> None:
-        """Account the gap between two consecutive streamed messages of one request."""
+        """Account the gap between two consecutive streamed tokens of one request."""
         self.inter_token_latency.labels(model=self.model).observe(seconds)
 
     def set_queues(self, running: int, waiting: int) -> None:
@@ -331,26 +419,23 @@ class ServiceMetrics:
         with self._lock:
             return sorted(self._positions)
 
-
-@dataclass(slots=True)
-class MetricsServer:
-    """A running ``/metrics`` HTTP endpoint; ``port`` is the bound one (useful with port 0)."""
-
-    port: int
-    _server: WSGIServer = field(repr=False)
-    _thread: threading.Thread = field(repr=False)
-
-    def stop(self) -> None:
-        """Stop serving and release the port (tests start many services in one process)."""
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join(timeout=5)
+    def close(self) -> None:
+        """Stop the ``/metrics`` server, if one was started, and release its port."""
+        endpoint, self._http = self._http, None
+        if endpoint is not None:
+            endpoint.server.shutdown()
+            endpoint.server.server_close()
+            endpoint.thread.join(timeout=5)
 
 
-def start_metrics_server(metrics: ServiceMetrics, port: int = 0, host: str = "0.0.0.0") -> MetricsServer:
-    """Serve ``metrics.registry`` on ``http://host:port/metrics`` from a daemon thread.
+def start_metrics_server(metrics: ServiceMetrics, port: int = 0, host: str = "0.0.0.0") -> int:
+    """Serve ``metrics.registry`` on ``http://host:port/metrics``; returns the bound port.
 
-    ``port=0`` binds a free port, which is reported in the returned ``MetricsServer.port``.
+    ``port=0`` binds a free one. The server runs on a daemon thread until ``metrics.close()``.
     """
+    if metrics._http is not None:
+        raise RuntimeError(f"metrics are already served on port {metrics._http.port}")
     server, thread = start_http_server(port, addr=host, registry=metrics.registry)
-    return MetricsServer(port=int(server.server_address[1]), _server=server, _thread=thread)
+    bound = int(server.server_address[1])
+    metrics._http = _HttpEndpoint(port=bound, server=server, thread=thread)
+    return bound
