@@ -58,6 +58,10 @@ DEFAULT_K8S_VERSION = "1.33"
 # The services the manifests run; their flags are read from the CLI's own parser (cli_flags),
 # so the checker cannot drift from `zerobubble worker --help`.
 SERVICES: tuple[str, ...] = ("worker", "scheduler")
+# ZEROBUBBLE_* variables that are read by the code rather than the CLI, and what reads them.
+NON_FLAG_ENV: dict[str, str] = {
+    "ZEROBUBBLE_CACHE_DIR": "worker_svc.model_loader (converted-model cache root)",
+}
 # Credentials and key material: never in a ConfigMap, which any reader of the namespace sees.
 SECRET_FLAGS: frozenset[str] = frozenset({
     "auth-token", "tls-cert", "tls-key", "tls-client-ca", "worker-tls-ca", "worker-tls-cert",
@@ -443,7 +447,7 @@ def check_flags(objects: Sequence[Obj], where: str, result: Result,
                     result.fail(where, f"{cname}: envFrom secretRef hides which flags it sets; "
                                 "use env[].valueFrom.secretKeyRef per flag")
                     continue
-                if not name.startswith(ENV_PREFIX):
+                if not name.startswith(ENV_PREFIX) or name in NON_FLAG_ENV:
                     continue
                 if name not in known:
                     result.fail(where, f"{cname}: {name} is not a flag of `zerobubble {service}`"

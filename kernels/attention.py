@@ -45,29 +45,30 @@ class _PrefillRow:
     start: int
     end: int
     seq_len: int
-    cache_rows: torch.Tensor  # [Hkv * seq_len] int64: the request's K/V rows, head-major
+    num_keys: int  # seq_len rounded up to whole blocks
+    cache_chunks: torch.Tensor  # see _chunk_index
 
 
 @dataclass(slots=True)
 class AttentionPlan:
     """Host-side bookkeeping for the torch path, derived once per step and shared by all layers.
 
-    K/V are gathered as rows of ``head_dim`` values straight into the ``[.., Hkv, L, D]`` layout
-    SDPA reads fastest, whatever the cache's layout (see :func:`_cache_rows`).
+    K/V are gathered straight into the ``[.., Hkv, L, D]`` layout SDPA reads fastest, whole
+    ``block_size x head_dim`` slabs at a time when the cache is head-major (see :func:`_chunk_index`).
     """
 
     num_tokens: int
     # Batched short rows: query tokens padded to [num_rows, max_len] (padding repeats a real token).
     batched_token_index: torch.Tensor | None = None  # [Rb, Qb] int64
     batched_query_pos: torch.Tensor | None = None  # [Rb, Qb] int64
-    batched_cache_rows: torch.Tensor | None = None  # [Rb * Hkv * Lb] int64 (past the context -> row 0)
+    batched_cache_chunks: torch.Tensor | None = None  # see _chunk_index (blocks past the context -> block 0)
     batched_num_keys: int = 0  # Lb: padded context length of the batched rows
     batched_valid: torch.Tensor | None = None  # [Rb * Qb] bool, None when there is no padding
     batched_out_index: torch.Tensor | None = None  # [num valid] int64, None when rows cover the batch in order
     prefill_rows: list[_PrefillRow] = field(default_factory=list)
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (row or -1, window) -> mask
     # Gather targets reused by every layer and row: a fresh multi-MB tensor per layer costs page faults.
-    num_buffer_rows: int = 0
+    num_buffer_elements: int = 0
     key_buffer: torch.Tensor | None = None
     value_buffer: torch.Tensor | None = None
 
@@ -85,22 +86,34 @@ def _check_cache_layout(cache: torch.Tensor) -> None:
         raise ValueError(f"KV cache with strides {cache.stride()} does not keep head_dim innermost")
 
 
-def _cache_rows(cache: torch.Tensor) -> torch.Tensor:
-    """All of a dense cache as ``[num_rows, head_dim]``, whatever order its other dims are stored in."""
-    return cache.as_strided((cache.numel() // cache.shape[-1], cache.shape[-1]), (cache.shape[-1], 1))
+def _slots_per_chunk(cache: torch.Tensor) -> int:
+    """How many consecutive slots of one head sit contiguously: a whole block when head-major."""
+    return cache.shape[1] if cache.stride(1) == cache.shape[-1] else 1
 
 
-def _row_index(block_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Rows of ``_cache_rows(cache)`` for ``block_ids`` ``[N, nblk]`` -> ``[N, Hkv, nblk * block_size]``."""
+def _cache_chunks(cache: torch.Tensor, slots_per_chunk: int) -> torch.Tensor:
+    """A dense cache as ``[num_chunks, slots_per_chunk * head_dim]``, whatever its dim order."""
+    width = slots_per_chunk * cache.shape[-1]
+    return cache.as_strided((cache.numel() // width, width), (width, 1))
+
+
+def _chunk_index(block_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """Chunks of ``_cache_chunks`` holding ``block_ids`` ``[N, nblk]``, ordered ``[N, Hkv, positions]``.
+
+    Gathering them yields ``[N, Hkv, nblk * block_size, head_dim]`` contiguous, SDPA's layout.
+    """
     _, block_size, num_kv_heads, head_dim = cache.shape
-    block_stride, slot_stride, head_stride, _ = (s // head_dim for s in cache.stride())
+    per_chunk = _slots_per_chunk(cache)
+    width = per_chunk * head_dim
+    block_stride, slot_stride, head_stride = (s // width for s in cache.stride()[:3])
     device = block_ids.device
-    rows = (
+    slots = torch.arange(0, block_size, per_chunk, device=device)
+    chunks = (
         block_ids[:, None, :, None] * block_stride
         + torch.arange(num_kv_heads, device=device)[None, :, None, None] * head_stride
-        + torch.arange(block_size, device=device)[None, None, None, :] * slot_stride
+        + slots[None, None, None, :] * slot_stride
     )
-    return rows.reshape(block_ids.shape[0], num_kv_heads, -1)
+    return chunks.reshape(-1)
 
 
 def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
@@ -110,6 +123,7 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionP
     """
     _check_cache_layout(k_cache)
     block_size = k_cache.shape[1]
+    head_elements = k_cache.shape[2] * k_cache.shape[3]
     qsl = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     num_requests = len(seq_lens)
@@ -118,10 +132,10 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionP
     short = [r for r in range(num_requests) if 0 < qsl[r + 1] - qsl[r] <= MAX_BATCHED_QUERY_LEN]
     for r in range(num_requests):
         if qsl[r + 1] - qsl[r] > MAX_BATCHED_QUERY_LEN:
-            block_ids = meta.block_tables[r : r + 1, : -(-seq_lens[r] // block_size)].long()
-            rows = _row_index(block_ids, k_cache)[0, :, : seq_lens[r]]
-            plan.prefill_rows.append(_PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], rows.reshape(-1)))
-            plan.num_buffer_rows = max(plan.num_buffer_rows, rows.numel())
+            num_blocks = -(-seq_lens[r] // block_size)
+            chunks = _chunk_index(meta.block_tables[r : r + 1, :num_blocks].long(), k_cache)
+            plan.prefill_rows.append(_PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], num_blocks * block_size, chunks))
+            plan.num_buffer_elements = max(plan.num_buffer_elements, num_blocks * block_size * head_elements)
     if not short:
         return plan
 
@@ -141,9 +155,9 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionP
     # Table entries past a row's context may be padding (even -1); they are masked anyway.
     needed = columns < (-(-seqs // block_size))[:, None]
     block_ids = torch.where(needed, tables, torch.zeros_like(tables))
-    plan.batched_cache_rows = _row_index(block_ids, k_cache).reshape(-1)
+    plan.batched_cache_chunks = _chunk_index(block_ids, k_cache)
     plan.batched_num_keys = max_blocks * block_size
-    plan.num_buffer_rows = max(plan.num_buffer_rows, plan.batched_cache_rows.numel())
+    plan.num_buffer_elements = max(plan.num_buffer_elements, len(short) * plan.batched_num_keys * head_elements)
     all_full = all(qsl[r + 1] - qsl[r] == max_q for r in short)
     if not all_full:
         plan.batched_valid = (torch.arange(max_q, device=device)[None, :] < q_lens[:, None]).reshape(-1)
@@ -179,8 +193,18 @@ def write_kv_cache(
     if use_triton(k, impl, _write_kv_kernel if HAS_TRITON else None):
         _write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
         return
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    _check_cache_layout(k_cache)
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError("k_cache and v_cache must share one layout")
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    block_stride, slot_stride, head_stride = (s // head_dim for s in k_cache.stride()[:3])
+    slots = slot_mapping.long()
+    rows = (slots // block_size * block_stride + slots % block_size * slot_stride)[:, None] + (
+        torch.arange(num_kv_heads, device=slots.device) * head_stride
+    )
+    rows = rows.reshape(-1)
+    _cache_chunks(k_cache, 1).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
+    _cache_chunks(v_cache, 1).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
 
 
 def paged_attention(
@@ -209,9 +233,11 @@ def paged_attention(
     return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window)
 
 
-def _gather(cache: torch.Tensor, rows: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """Rows of ``cache`` into the front of ``buffer`` -> ``[len(rows), head_dim]``."""
-    return torch.index_select(_cache_rows(cache), 0, rows, out=buffer[: rows.shape[0]])
+def _gather(cache: torch.Tensor, chunks: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
+    """The ``chunks`` of ``cache`` into the front of the flat ``buffer``; returns that prefix, flat."""
+    source = _cache_chunks(cache, _slots_per_chunk(cache))
+    out = buffer[: chunks.shape[0] * source.shape[1]].view(chunks.shape[0], source.shape[1])
+    return torch.index_select(source, 0, chunks, out=out).view(-1)
 
 
 def _paged_attention_torch(
@@ -227,13 +253,13 @@ def _paged_attention_torch(
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     enable_gqa = q.shape[1] != num_kv_heads
     if plan.key_buffer is None or plan.key_buffer.dtype != k_cache.dtype:
-        plan.key_buffer = k_cache.new_empty(plan.num_buffer_rows, head_dim)
-        plan.value_buffer = v_cache.new_empty(plan.num_buffer_rows, head_dim)
+        plan.key_buffer = k_cache.new_empty(plan.num_buffer_elements)
+        plan.value_buffer = v_cache.new_empty(plan.num_buffer_elements)
     out: torch.Tensor | None = None
     if plan.batched_token_index is not None:
         num_rows, max_q = plan.batched_token_index.shape
-        keys = _gather(k_cache, plan.batched_cache_rows, plan.key_buffer)
-        values = _gather(v_cache, plan.batched_cache_rows, plan.value_buffer)
+        keys = _gather(k_cache, plan.batched_cache_chunks, plan.key_buffer)
+        values = _gather(v_cache, plan.batched_cache_chunks, plan.value_buffer)
         mask = plan.masks.get((-1, window))
         if mask is None:
             mask = _window_mask(plan.batched_query_pos, plan.batched_num_keys, window, q.dtype).unsqueeze(1)
@@ -261,8 +287,8 @@ def _paged_attention_torch(
         out = torch.empty_like(q)
     for i, row in enumerate(plan.prefill_rows):
         num_queries = row.end - row.start
-        keys = _gather(k_cache, row.cache_rows, plan.key_buffer)
-        values = _gather(v_cache, row.cache_rows, plan.value_buffer)
+        keys = _gather(k_cache, row.cache_chunks, plan.key_buffer).view(1, num_kv_heads, row.num_keys, head_dim)
+        values = _gather(v_cache, row.cache_chunks, plan.value_buffer).view(1, num_kv_heads, row.num_keys, head_dim)
         fresh = row.seq_len == num_queries and (window == 0 or window >= row.seq_len)
         mask = None
         if not fresh:
@@ -273,8 +299,8 @@ def _paged_attention_torch(
                 plan.masks[(i, window)] = mask
         out[row.start : row.end] = F.scaled_dot_product_attention(
             q[row.start : row.end].transpose(0, 1).unsqueeze(0),
-            keys.view(1, num_kv_heads, row.seq_len, head_dim),
-            values.view(1, num_kv_heads, row.seq_len, head_dim),
+            keys[:, :, : row.seq_len],
+            values[:, :, : row.seq_len],
             attn_mask=mask,
             is_causal=fresh,
             scale=scale,

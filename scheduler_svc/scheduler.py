@@ -67,6 +67,8 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048  # token budget of one step
     num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
+    # Extra slots allocated past each step (a draft model writes its k-token chain there).
+    num_lookahead_slots: int = 0
     enable_prefix_caching: bool = True
     max_waiting: int = 4096
     eos_token_ids: tuple[int, ...] = ()
@@ -84,6 +86,7 @@ class SchedulerConfig:
             max_model_len=info.max_model_len,
             max_num_seqs=max_num_seqs,
             num_spec_tokens=info.num_spec_tokens,
+            num_lookahead_slots=info.num_spec_tokens if info.spec_method == "draft" else 0,
             eos_token_ids=tuple(info.eos_token_ids),
             vocab_size=info.vocab_size,
         )
@@ -554,8 +557,15 @@ class Scheduler:
 
     def _grow(self, req: Request, num_tokens: int) -> list[int]:
         """Allocate the blocks that `num_tokens` more slots need; returns the new block ids."""
-        num_needed = -(-(req.num_computed + num_tokens) // self.config.block_size)
+        bs = self.config.block_size
+        num_needed = -(-(req.num_computed + num_tokens) // bs)
         num_new = num_needed - len(req.block_ids)
+        # Best effort: also cover the lookahead slots, where a draft model writes its chain after
+        # this step (the worker never writes outside the blocks it holds either way).
+        lookahead = -(-(req.num_computed + num_tokens + self.config.num_lookahead_slots) // bs)
+        num_extra = max(0, lookahead - max(num_needed, len(req.block_ids)))
+        if num_extra and self._pool.num_free >= max(num_new, 0) + num_extra:
+            num_new = max(num_new, 0) + num_extra
         if num_new <= 0:
             return []
         new_block_ids = self._pool.allocate(num_new)

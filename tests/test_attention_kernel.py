@@ -22,8 +22,16 @@ NUM_Q_HEADS, NUM_KV_HEADS = 4, 2
 REQUESTS = [(9, 1), (0, 7), (3, 1), (5, 3), (4, 20), (0, 18)]
 
 
+def _random_cache(shape: tuple[int, int, int, int], layout: str, g: torch.Generator) -> torch.Tensor:
+    """``[num_blocks, block_size, Hkv, D]`` stored token-major (contiguous) or head-major (permuted)."""
+    if layout == "token-major":
+        return torch.randn(shape, generator=g)
+    num_blocks, block_size, num_kv_heads, head_dim = shape
+    return torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).permute(0, 2, 1, 3)
+
+
 def _batch(
-    block_size: int, head_dim: int, seed: int, num_kv_heads: int = NUM_KV_HEADS
+    block_size: int, head_dim: int, seed: int, num_kv_heads: int = NUM_KV_HEADS, layout: str = "head-major"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random q, caches full of random values, and metadata with scattered, -1-padded block tables."""
     g = torch.Generator().manual_seed(seed)
@@ -36,8 +44,8 @@ def _batch(
     block_tables = torch.full((len(REQUESTS), max_blocks), -1, dtype=torch.int32)
     for r, n in enumerate(blocks_needed):
         block_tables[r, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g)
+    k_cache = _random_cache((num_blocks, block_size, num_kv_heads, head_dim), layout, g)
+    v_cache = _random_cache((num_blocks, block_size, num_kv_heads, head_dim), layout, g)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     positions = torch.cat([torch.arange(c, c + q) for c, q in REQUESTS])
     meta = AttentionMetadata(
@@ -76,10 +84,11 @@ def _dense_attention(
     return out
 
 
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
 @pytest.mark.parametrize("window", [0, 6])
 @pytest.mark.parametrize(("block_size", "head_dim"), [(4, 16), (5, 24)])
-def test_paged_attention_torch_matches_dense(block_size: int, head_dim: int, window: int) -> None:
-    q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size)
+def test_paged_attention_torch_matches_dense(block_size: int, head_dim: int, window: int, layout: str) -> None:
+    q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size, layout=layout)
     scale = head_dim**-0.5
     expected = _dense_attention(q, k_cache, v_cache, meta, scale, window)
     got = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
@@ -99,8 +108,9 @@ def test_paged_attention_triton_matches_torch(block_size: int, head_dim: int, nu
 
 
 @needs_triton
-def test_write_kv_cache_triton_matches_torch() -> None:
-    q, k_cache, v_cache, meta = _batch(4, 16, seed=7)
+@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+def test_write_kv_cache_triton_matches_torch(layout: str) -> None:
+    q, k_cache, v_cache, meta = _batch(4, 16, seed=7, layout=layout)
     g = torch.Generator().manual_seed(8)
     k = torch.randn(q.shape[0], NUM_KV_HEADS, 16, generator=g)
     v = torch.randn(q.shape[0], NUM_KV_HEADS, 16, generator=g)
@@ -109,8 +119,8 @@ def test_write_kv_cache_triton_matches_torch() -> None:
         write_kv_cache(k, v, kc, vc, meta.slot_mapping, impl=impl)
     assert torch.equal(caches["torch"][0], caches["triton"][0])
     assert torch.equal(caches["torch"][1], caches["triton"][1])
-    flat_k = caches["torch"][0].view(-1, NUM_KV_HEADS, 16)
-    assert torch.equal(flat_k[meta.slot_mapping], k)
+    written = caches["torch"][0][meta.slot_mapping // 4, meta.slot_mapping % 4]
+    assert torch.equal(written, k)
 
 
 @pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])

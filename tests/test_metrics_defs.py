@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import urllib.request
 
 import pytest
@@ -162,18 +163,37 @@ def test_finished_reason_accepts_proto_names_and_rejects_unknown() -> None:
     assert _value(s, "zerobubble_request_queue_time_seconds_count") == 1
     assert _value(s, "zerobubble_e2e_request_latency_seconds_count") == 2
     assert _value(s, "zerobubble_prompt_tokens_total") == 6
-    with pytest.raises(ValueError, match="finished_reason"):
-        m.record_finished("timeout", None, 1.0, 0.0, 1, 1)
 
 
-def test_invalid_figures_are_rejected() -> None:
+def test_unknown_finished_reason_is_counted_as_error_and_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
     m = ServiceMetrics(model="m")
-    with pytest.raises(ValueError):
+    with caplog.at_level(logging.WARNING, logger="zerobubble.metrics"):
+        m.record_finished("timeout", None, 1.0, 0.0, 1, 1)
+        m.record_finished("FINISH_REASON_UNSPECIFIED", None, 1.0, 0.0, 1, 1)
+    s = _scrape(m)
+    # Bounded label values only: no 'timeout' series appears.
+    reasons = {lab["finished_reason"] for _, lab, _ in s["zerobubble_request_success_total"]}
+    assert reasons == set(FINISHED_REASONS)
+    assert _value(s, "zerobubble_request_success_total", finished_reason="error") == 2
+    assert "unknown finished_reason 'timeout'" in caplog.text
+
+
+def test_inconsistent_figures_are_sanitized_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # These run inside the serving loops, where an exception would break a stream.
+    m = ServiceMetrics(model="m")
+    with caplog.at_level(logging.WARNING, logger="zerobubble.metrics"):
         m.set_kv_usage("w0", 1.5)
-    with pytest.raises(ValueError):
         m.add_prefix_cache(queries=1, hits=2)
-    with pytest.raises(ValueError):
-        m.record_step("w0", 0.01, 0.0, num_drafts=1, num_draft_tokens=2, num_accepted=3)
+        for _ in range(3):
+            m.record_step("w0", 0.01, 0.0, num_drafts=1, num_draft_tokens=2, num_accepted=3)
+    s = _scrape(m)
+    assert _value(s, "zerobubble_kv_cache_usage_ratio", worker="w0") == 1.0
+    assert _value(s, "zerobubble_prefix_cache_hits_total") == 1
+    assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 6
+    assert caplog.text.count("num_accepted=3") == 1
+    assert "outside [0, 1]" in caplog.text and "exceed queries" in caplog.text
 
 
 def test_forget_worker_drops_its_series() -> None:

@@ -314,10 +314,16 @@ def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype
 def allocate_kv_cache(
     hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
 ) -> KVCache:
-    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed."""
+    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed.
+
+    The storage is head-major (``[num_blocks, num_kv_heads, block_size, head_dim]`` permuted to the
+    logical shape): each head's block is one contiguous slab, which the CPU attention path gathers
+    whole into the layout SDPA reads fastest. Kernels address the caches through their strides.
+    """
     spec = model_spec(hf_config)
-    shape = (num_blocks, block_size, spec.num_kv_heads, spec.head_dim)
-    return [
-        (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-        for _ in range(spec.num_layers)
-    ]
+    storage_shape = (num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
+
+    def one() -> torch.Tensor:
+        return torch.zeros(storage_shape, dtype=dtype, device=device).permute(0, 2, 1, 3)
+
+    return [(one(), one()) for _ in range(spec.num_layers)]

@@ -11,6 +11,7 @@ figures do not, because a request is owned by the scheduler, not by the worker t
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,8 @@ from typing import Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+logger = logging.getLogger(__name__)
 
 # Buckets follow what an LLM server actually sees: a decode step on a GPU takes a few ms, a
 # token gap on CPU can reach seconds, and a cold-start TTFT behind a long queue up to a minute.
@@ -120,13 +123,10 @@ def metric_spec(name: str) -> MetricSpec | None:
     return None
 
 
-def normalize_finished_reason(reason: str) -> str:
-    """Accept ``"eos"`` as well as the proto enum name ``"FINISH_REASON_EOS"``."""
+def normalize_finished_reason(reason: str) -> str | None:
+    """``"eos"`` for ``"eos"`` or the proto enum name ``"FINISH_REASON_EOS"``; None if unknown."""
     value = reason.strip().lower().removeprefix("finish_reason_")
-    if value not in FINISHED_REASONS:
-        # An unbounded label value would be a cardinality leak; fail loudly in tests instead.
-        raise ValueError(f"unknown finished_reason {reason!r}; expected one of {FINISHED_REASONS}")
-    return value
+    return value if value in FINISHED_REASONS else None
 
 
 def _counter_name(name: str) -> str:
@@ -178,7 +178,7 @@ class ServiceMetrics:
         "inter_token_latency", "e2e_request_latency", "request_queue_time", "spec_num_drafts",
         "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos",
         "worker_step_duration", "worker_idle", "inflight_steps", "placeholders_rolled_back",
-        "_positions", "_lock", "_http",
+        "_positions", "_lock", "_http", "_warned",
     )
 
     def __init__(self, model: str = "", role: str = "scheduler",
@@ -229,6 +229,7 @@ class ServiceMetrics:
         self._positions: dict[str, set[str]] = {}
         self._lock = threading.Lock()
         self._http: _HttpEndpoint | None = None
+        self._warned: set[str] = set()
         self._init_request_series()
 
     def _request_metrics(self) -> tuple[Counter | Gauge | Histogram, ...]:
@@ -253,6 +254,16 @@ class ServiceMetrics:
             metric.labels(model=self.model)
         for reason in FINISHED_REASONS:
             self.request_success.labels(model=self.model, finished_reason=reason)
+
+    def _warn_once(self, key: str, message: str) -> None:
+        # The recording helpers run inside the serving loops: a bad figure from a caller must
+        # not raise there and break a stream. It is logged (once per kind, not per step) and
+        # recorded in a sanitized form instead.
+        with self._lock:
+            if key in self._warned:
+                return
+            self._warned.add(key)
+        logger.warning("metrics: %s", message)
 
     def set_model(self, model: str) -> None:
         """Set the ``model`` label once it is known (a scheduler learns it from its workers).
@@ -299,8 +310,9 @@ class ServiceMetrics:
             self.record_step_result(worker, forward_s)
             return
         if num_accepted > num_draft_tokens:
-            raise ValueError(
-                f"num_accepted={num_accepted} exceeds num_draft_tokens={num_draft_tokens}")
+            self._warn_once("accepted", f"worker {worker} reported num_accepted={num_accepted} > "
+                            f"num_draft_tokens={num_draft_tokens}; counting the drafts only")
+            num_accepted = num_draft_tokens
         self._touch_worker(worker)
         labels = {"model": self.model, "worker": worker}
         self.worker_step_duration.labels(**labels).observe(forward_s)
@@ -355,8 +367,13 @@ class ServiceMetrics:
         """
         del ttft_s  # observed by observe_ttft(); see the docstring
         labels = {"model": self.model}
-        self.request_success.labels(
-            finished_reason=normalize_finished_reason(reason), **labels).inc()
+        finished_reason = normalize_finished_reason(reason)
+        if finished_reason is None:
+            # A free-form label value would grow the series without bound.
+            self._warn_once(f"reason:{reason}", f"unknown finished_reason {reason!r}, counted "
+                            f"as 'error' (known: {', '.join(FINISHED_REASONS)})")
+            finished_reason = "error"
+        self.request_success.labels(finished_reason=finished_reason, **labels).inc()
         self.e2e_request_latency.labels(**labels).observe(e2e_s)
         if queue_s is not None:
             self.request_queue_time.labels(**labels).observe(queue_s)
@@ -379,7 +396,9 @@ class ServiceMetrics:
     def set_kv_usage(self, worker: str, ratio: float) -> None:
         """Publish the fraction (0-1) of ``worker``'s KV blocks in use."""
         if not 0.0 <= ratio <= 1.0:
-            raise ValueError(f"KV cache usage ratio must be within [0, 1], got {ratio}")
+            self._warn_once("kv", f"KV cache usage ratio {ratio} of worker {worker} is outside "
+                            "[0, 1]; clamped")
+            ratio = min(max(ratio, 0.0), 1.0)
         self._touch_worker(worker)
         self.kv_cache_usage_ratio.labels(model=self.model, worker=worker).set(ratio)
 
@@ -399,7 +418,9 @@ class ServiceMetrics:
     def add_prefix_cache(self, queries: int, hits: int) -> None:
         """Account a prefix-cache lookup of ``queries`` prompt tokens that found ``hits``."""
         if hits > queries:
-            raise ValueError(f"prefix cache hits={hits} exceed queries={queries}")
+            self._warn_once("prefix", f"prefix cache hits={hits} exceed queries={queries}; "
+                            "counting the queries only")
+            hits = queries
         self.prefix_cache_queries.labels(model=self.model).inc(queries)
         self.prefix_cache_hits.labels(model=self.model).inc(hits)
 

@@ -1,0 +1,206 @@
+"""End to end over real gRPC on loopback with the real SmolLM2: scheduler + worker processes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e import assert_matches_reference, bench_rows, hf_reference, run_workload
+from tests.servers import start_scheduler, start_worker, wait_serving
+from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.client import build_request, complete
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def services(smollm2_dir):
+    worker = start_worker(kv_cache_memory_gb=0.5, max_num_seqs=48)
+    scheduler = start_scheduler([worker])
+    wait_serving(scheduler.target)
+    yield scheduler, worker
+    scheduler.stop()
+    worker.stop()
+
+
+def scrape(port: int) -> dict[str, list]:
+    """name -> samples of one /metrics scrape."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {f.name: f.samples for f in text_string_to_metric_families(text)}
+
+
+def metric(port: int, name: str, **labels) -> float:
+    total = 0.0
+    for family in scrape(port).values():
+        for s in family:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+    return total
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+async def one(target: str, timeout: float = 120, **kw):
+    async with grpc.aio.insecure_channel(target) as channel:
+        return await complete(generate_pb2_grpc.GenerationStub(channel), build_request(**kw),
+                              timeout=timeout)
+
+
+def test_greedy_matches_hf_at_32_concurrent_streams(services, smollm2_dir, grounded_rows):
+    scheduler, _ = services
+    reference = hf_reference(smollm2_dir, grounded_rows)
+    report = run_workload(scheduler.target, bench_rows(grounded_rows), concurrency=32)
+    assert_matches_reference(report, reference, smollm2_dir, grounded_rows)
+    # Streamed text equals the detokenized ids.
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
+    for r in report["requests"]:
+        assert r["text"] == tok.decode(r["token_ids"], skip_special_tokens=True)
+
+
+def test_stop_string_cuts_exactly(services):
+    scheduler, _ = services
+    full = run(one(scheduler.target, prompt="1, 2, 3, 4, 5,", max_tokens=24))
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cut = run(one(scheduler.target, prompt="1, 2, 3, 4, 5,", max_tokens=24, stop=[stop]))
+    assert cut.finish_reason == "stop_sequence"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert stop not in cut.text
+
+
+def test_cancelled_stream_returns_kv_blocks(services):
+    scheduler, _ = services
+    metrics_port = scheduler.ports["METRICS"]
+
+    async def cancel_mid_stream():
+        async with grpc.aio.insecure_channel(scheduler.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            call = stub.Generate(build_request(prompt="Tell me a long story about a dragon.",
+                                               max_tokens=400, ignore_eos=True))
+            got = 0
+            async for reply in call:
+                got += len(reply.token_ids)
+                if got >= 5:
+                    break
+            call.cancel()
+            # A second stream that runs to the end while the first is being torn down.
+            return await complete(stub, build_request(prompt="Hi", max_tokens=8), timeout=60)
+
+    other = run(cancel_mid_stream())
+    assert other.finish_reason in ("eos", "max_tokens")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if metric(metrics_port, "zerobubble_kv_cache_usage_ratio") == 0.0 and \
+                metric(metrics_port, "zerobubble_num_requests_running") == 0:
+            break
+        time.sleep(0.2)
+    assert metric(metrics_port, "zerobubble_kv_cache_usage_ratio") == 0.0
+    assert metric(metrics_port, "zerobubble_request_success_total", finished_reason="cancelled") >= 1
+
+
+def test_prefix_cache_hits_are_reported_and_outputs_unchanged(services):
+    scheduler, _ = services
+    metrics_port = scheduler.ports["METRICS"]
+    messages = [{"role": "system", "content": "You answer in one short sentence. " * 8},
+                {"role": "user", "content": "What is the capital of France?"}]
+    hits_before = metric(metrics_port, "zerobubble_prefix_cache_hits_total")
+    first = run(one(scheduler.target, messages=messages, max_tokens=16))
+    second = run(one(scheduler.target, messages=messages, max_tokens=16))
+    assert second.num_cached_prompt_tokens > 0
+    assert second.token_ids == first.token_ids
+    assert metric(metrics_port, "zerobubble_prefix_cache_hits_total") > hits_before
+
+
+BAD_INPUTS = [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="hi", max_tokens=0), "max_tokens"),
+    (dict(prompt="hi", max_tokens=-3), "max_tokens"),
+    (dict(prompt="hi", max_tokens=10**6), "max_tokens"),
+    (dict(prompt="hello " * 9000), "prompt"),
+    (dict(prompt="hi", temperature=-0.5), "temperature"),
+    (dict(prompt="hi", top_p=0.0), "top_p"),
+    (dict(prompt="hi", top_p=1.5), "top_p"),
+    (dict(messages=[]), "messages"),
+    (dict(messages=[{"role": "wizard", "content": "x"}]), "role"),
+    (dict(token_ids=[10**8]), "token_ids"),
+    (dict(prompt="x" * 1_000_001), "prompt"),
+]
+
+
+def test_bad_input_gets_invalid_argument_while_others_continue(services):
+    scheduler, _ = services
+
+    async def scenario():
+        async with grpc.aio.insecure_channel(scheduler.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            good = asyncio.create_task(complete(stub, build_request(prompt="Count to ten:", max_tokens=32,
+                                                                    ignore_eos=True), timeout=120))
+            errors = []
+            for kwargs, field in BAD_INPUTS:
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await complete(stub, build_request(**kwargs), timeout=30)
+                errors.append((info.value.code(), info.value.details(), field))
+            unknown = build_request(prompt="hi")
+            unknown.model = "no-such-model"
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await complete(stub, unknown, timeout=30)
+            errors.append((info.value.code(), info.value.details(), "model"))
+            return await good, errors
+
+    good, errors = run(scenario())
+    for code, details, field in errors:
+        assert code == grpc.StatusCode.INVALID_ARGUMENT, (field, code, details)
+        assert field in details, (field, details)
+    assert good.finish_reason == "max_tokens" and len(good.token_ids) == 32
+
+
+def test_worker_down_makes_health_not_serving_and_generate_unavailable(smollm2_dir):
+    worker = start_worker(kv_cache_memory_gb=0.2)
+    scheduler = start_scheduler([worker])
+    try:
+        wait_serving(scheduler.target)
+        worker.kill()
+        deadline = time.monotonic() + 30
+        status = None
+        with grpc.insecure_channel(scheduler.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                time.sleep(0.2)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        started = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            run(one(scheduler.target, prompt="hi", max_tokens=4, timeout=30))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - started < 10
+    finally:
+        scheduler.stop()
+        worker.stop()
+
+
+def test_preemption_under_tiny_kv_budget_keeps_greedy_outputs(smollm2_dir, grounded_rows):
+    # ~64 blocks of 16 tokens for 16 concurrent ~200-token requests: preemption is certain.
+    worker = start_worker(kv_cache_memory_gb=0.045, max_num_seqs=16)
+    scheduler = start_scheduler([worker], max_num_batched_tokens=256)
+    try:
+        wait_serving(scheduler.target)
+        rows = grounded_rows[:16]
+        reference = hf_reference(smollm2_dir, rows)
+        report = run_workload(scheduler.target, bench_rows(rows), concurrency=16)
+        assert report["server_stats"]["num_preemptions"] > 0
+        assert_matches_reference(report, reference, smollm2_dir, rows, min_identical=15)
+    finally:
+        scheduler.stop()
+        worker.stop()
