@@ -8,7 +8,11 @@ of them), read through ``block_tables[r]`` from caches shaped
 ``h // (num_q_heads // num_kv_heads)`` (grouped-query attention).
 
 Each public function has a torch implementation (CPU, and what the model uses there) and a Triton
-implementation (CUDA, or forced with ``impl="triton"``) with identical semantics.
+implementation (CUDA, or forced with ``impl="triton"``) with identical semantics. The Triton
+kernels address the caches through their strides; the torch attention path needs the storage
+layout of :func:`new_kv_cache`, which lets it read the paged cache in place: on a CPU, attention
+over a long context is bound by memory traffic, and copying each request's context out of the
+pages first would double it.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import torch.nn.functional as F
 from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
 
 # Requests with at most this many query tokens (decodes, speculative verification) are batched
-# into one padded SDPA call; longer ones (prefill chunks) run one request at a time, where
+# into one padded computation; longer ones (prefill chunks) run one request at a time, where
 # padding every row to the longest chunk would waste far more than the loop costs.
 MAX_BATCHED_QUERY_LEN = 16
 # Stands in for "no sliding window" in the Triton kernel: wider than any context.
@@ -40,90 +44,74 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: where token t's K/V are written
 
 
+def new_kv_cache(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's zeroed ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Both are permuted views of differently ordered storage (so use their strides, not ``view``).
+    Keys are stored ``[blocks, heads, head_dim, block_size]``: a block's keys for one head and one
+    feature form a contiguous row, so the torch path gets query-key scores as weighted sums of
+    such rows, straight from the cache. Values are stored ``[blocks, heads, block_size, head_dim]``:
+    the attention output is a weighted sum of value rows, read the same way.
+    """
+    keys = torch.zeros(num_blocks, num_kv_heads, head_dim, block_size, dtype=dtype, device=device)
+    values = torch.zeros(num_blocks, num_kv_heads, block_size, head_dim, dtype=dtype, device=device)
+    return keys.permute(0, 3, 1, 2), values.permute(0, 2, 1, 3)
+
+
+def _key_storage(k_cache: torch.Tensor) -> torch.Tensor:
+    """``k_cache`` as its ``[blocks, heads, head_dim, block_size]`` storage."""
+    storage = k_cache.permute(0, 2, 3, 1)
+    if not storage.is_contiguous():
+        raise ValueError("the torch attention path needs a k_cache allocated by new_kv_cache")
+    return storage
+
+
+def _value_storage(v_cache: torch.Tensor) -> torch.Tensor:
+    """``v_cache`` as its ``[blocks, heads, block_size, head_dim]`` storage."""
+    storage = v_cache.permute(0, 2, 1, 3)
+    if not storage.is_contiguous():
+        raise ValueError("the torch attention path needs a v_cache allocated by new_kv_cache")
+    return storage
+
+
 @dataclass(slots=True)
 class _PrefillRow:
     start: int
     end: int
     seq_len: int
-    num_keys: int  # seq_len rounded up to whole blocks
-    cache_chunks: torch.Tensor  # see _chunk_index
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
 
 
 @dataclass(slots=True)
 class AttentionPlan:
     """Host-side bookkeeping for the torch path, derived once per step and shared by all layers.
 
-    K/V are gathered straight into the ``[.., Hkv, L, D]`` layout SDPA reads fastest, whole
-    ``block_size x head_dim`` slabs at a time when the cache is head-major (see :func:`_chunk_index`).
+    Batched short rows take two ``embedding_bag`` calls over the cache storage: a bag per
+    (row, query, head, block) sums the block's key rows weighted by the query's features, giving
+    that block's scores; a bag per (row, query, head) sums value rows weighted by the softmax.
     """
 
     num_tokens: int
     # Batched short rows: query tokens padded to [num_rows, max_len] (padding repeats a real token).
     batched_token_index: torch.Tensor | None = None  # [Rb, Qb] int64
     batched_query_pos: torch.Tensor | None = None  # [Rb, Qb] int64
-    batched_cache_chunks: torch.Tensor | None = None  # see _chunk_index (blocks past the context -> block 0)
-    batched_num_keys: int = 0  # Lb: padded context length of the batched rows
+    batched_key_bags: torch.Tensor | None = None  # [Rb * Qb * Hq * nblk, D] key storage rows
+    batched_value_bags: torch.Tensor | None = None  # [Rb * Qb * Hq, nblk * block_size] value storage rows
+    batched_num_blocks: int = 0
     batched_valid: torch.Tensor | None = None  # [Rb * Qb] bool, None when there is no padding
     batched_out_index: torch.Tensor | None = None  # [num valid] int64, None when rows cover the batch in order
     prefill_rows: list[_PrefillRow] = field(default_factory=list)
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (row or -1, window) -> mask
-    # Gather targets reused by every layer and row: a fresh multi-MB tensor per layer costs page faults.
-    num_buffer_elements: int = 0
-    key_buffer: torch.Tensor | None = None
-    value_buffer: torch.Tensor | None = None
 
 
-def _check_cache_layout(cache: torch.Tensor) -> None:
-    """The torch path reads any dense layout whose head_dim is innermost (row gathers need it)."""
-    head_dim = cache.shape[-1]
-    dims = sorted(range(cache.dim()), key=lambda d: cache.stride(d))
-    expected = 1
-    for d in dims:
-        if cache.stride(d) != expected and cache.shape[d] > 1:
-            raise ValueError(f"KV cache with strides {cache.stride()} is not dense")
-        expected *= cache.shape[d]
-    if cache.stride(-1) != 1 or any(stride % head_dim for stride in cache.stride()[:-1]):
-        raise ValueError(f"KV cache with strides {cache.stride()} does not keep head_dim innermost")
-
-
-def _slots_per_chunk(cache: torch.Tensor) -> int:
-    """How many consecutive slots of one head sit contiguously: a whole block when head-major."""
-    return cache.shape[1] if cache.stride(1) == cache.shape[-1] else 1
-
-
-def _cache_chunks(cache: torch.Tensor, slots_per_chunk: int) -> torch.Tensor:
-    """A dense cache as ``[num_chunks, slots_per_chunk * head_dim]``, whatever its dim order."""
-    width = slots_per_chunk * cache.shape[-1]
-    return cache.as_strided((cache.numel() // width, width), (width, 1))
-
-
-def _chunk_index(block_ids: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """Chunks of ``_cache_chunks`` holding ``block_ids`` ``[N, nblk]``, ordered ``[N, Hkv, positions]``.
-
-    Gathering them yields ``[N, Hkv, nblk * block_size, head_dim]`` contiguous, SDPA's layout.
-    """
-    _, block_size, num_kv_heads, head_dim = cache.shape
-    per_chunk = _slots_per_chunk(cache)
-    width = per_chunk * head_dim
-    block_stride, slot_stride, head_stride = (s // width for s in cache.stride()[:3])
-    device = block_ids.device
-    slots = torch.arange(0, block_size, per_chunk, device=device)
-    chunks = (
-        block_ids[:, None, :, None] * block_stride
-        + torch.arange(num_kv_heads, device=device)[None, :, None, None] * head_stride
-        + slots[None, None, None, :] * slot_stride
-    )
-    return chunks.reshape(-1)
-
-
-def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionPlan:
+def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> AttentionPlan:
     """Split the batch into batched short rows and looped long rows (torch path only).
 
-    ``k_cache`` supplies the block size and layout; every layer's caches must share them.
+    ``k_cache`` supplies the cache geometry, which every layer's caches must share.
     """
-    _check_cache_layout(k_cache)
-    block_size = k_cache.shape[1]
-    head_elements = k_cache.shape[2] * k_cache.shape[3]
+    num_cache_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     qsl = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     num_requests = len(seq_lens)
@@ -132,10 +120,8 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionP
     short = [r for r in range(num_requests) if 0 < qsl[r + 1] - qsl[r] <= MAX_BATCHED_QUERY_LEN]
     for r in range(num_requests):
         if qsl[r + 1] - qsl[r] > MAX_BATCHED_QUERY_LEN:
-            num_blocks = -(-seq_lens[r] // block_size)
-            chunks = _chunk_index(meta.block_tables[r : r + 1, :num_blocks].long(), k_cache)
-            plan.prefill_rows.append(_PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], num_blocks * block_size, chunks))
-            plan.num_buffer_elements = max(plan.num_buffer_elements, num_blocks * block_size * head_elements)
+            block_ids = meta.block_tables[r, : -(-seq_lens[r] // block_size)].long()
+            plan.prefill_rows.append(_PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], block_ids))
     if not short:
         return plan
 
@@ -143,35 +129,41 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> AttentionP
     starts = meta.query_start_loc.long()[index]
     q_lens = meta.query_start_loc.long()[index + 1] - starts
     seqs = meta.seq_lens.long()[index]
-    max_q = max(qsl[r + 1] - qsl[r] for r in short)
+    num_rows, max_q = len(short), max(qsl[r + 1] - qsl[r] for r in short)
     max_blocks = -(-max(seq_lens[r] for r in short) // block_size)
     # Padding query slots repeat the row's last real token, so every padded row keeps a
-    # non-empty causal window (an all-masked row would make SDPA produce NaN).
+    # non-empty causal window (an all-masked row would make softmax produce NaN).
     offsets = torch.minimum(torch.arange(max_q, device=device)[None, :], (q_lens - 1)[:, None])
     plan.batched_token_index = starts[:, None] + offsets
     plan.batched_query_pos = (seqs - q_lens)[:, None] + offsets
-    columns = torch.arange(max_blocks, device=device)[None, :]
     tables = meta.block_tables[index, :max_blocks].long()
     # Table entries past a row's context may be padding (even -1); they are masked anyway.
-    needed = columns < (-(-seqs // block_size))[:, None]
+    needed = torch.arange(max_blocks, device=device)[None, :] < (-(-seqs // block_size))[:, None]
     block_ids = torch.where(needed, tables, torch.zeros_like(tables))
-    plan.batched_cache_chunks = _chunk_index(block_ids, k_cache)
-    plan.batched_num_keys = max_blocks * block_size
-    plan.num_buffer_elements = max(plan.num_buffer_elements, len(short) * plan.batched_num_keys * head_elements)
+    kv_head = torch.arange(num_q_heads, device=device) // (num_q_heads // num_kv_heads)
+    # (block, KV head) slab of every (row, query head, block): [Rb, 1, Hq, nblk], same for all queries.
+    slabs = (block_ids[:, None, :] * num_kv_heads + kv_head[:, None])[:, None]
+    bag_shape = (num_rows, max_q, num_q_heads, max_blocks)
+    # int32 halves the index traffic; caches too large to address with it keep int64.
+    index_dtype = torch.int32 if num_cache_blocks * num_kv_heads * block_size * head_dim < 2**31 else torch.int64
+    features = torch.arange(head_dim, device=device)
+    plan.batched_key_bags = (slabs[..., None] * head_dim + features).expand(*bag_shape, head_dim)
+    plan.batched_key_bags = plan.batched_key_bags.reshape(-1, head_dim).to(index_dtype)
+    slots = torch.arange(block_size, device=device)
+    plan.batched_value_bags = (slabs[..., None] * block_size + slots).expand(*bag_shape, block_size)
+    plan.batched_value_bags = plan.batched_value_bags.reshape(-1, max_blocks * block_size).to(index_dtype)
+    plan.batched_num_blocks = max_blocks
     all_full = all(qsl[r + 1] - qsl[r] == max_q for r in short)
     if not all_full:
         plan.batched_valid = (torch.arange(max_q, device=device)[None, :] < q_lens[:, None]).reshape(-1)
-    if not (len(short) == num_requests and all_full):
+    if not (num_rows == num_requests and all_full):
         token_index = plan.batched_token_index.reshape(-1)
         plan.batched_out_index = token_index if plan.batched_valid is None else token_index[plan.batched_valid]
     return plan
 
 
 def _window_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int, dtype: torch.dtype) -> torch.Tensor:
-    """Additive mask ``[..., num_keys]``: key ``j`` visible to a query at ``p`` iff ``p - W < j <= p``.
-
-    Additive rather than boolean: SDPA would convert a boolean mask on every call.
-    """
+    """Additive mask ``[..., num_keys]``: key ``j`` visible to a query at ``p`` iff ``p - W < j <= p``."""
     keys = torch.arange(num_keys, device=query_pos.device)
     hidden = keys > query_pos[..., None]
     if sliding_window > 0:
@@ -193,18 +185,10 @@ def write_kv_cache(
     if use_triton(k, impl, _write_kv_kernel if HAS_TRITON else None):
         _write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
         return
-    _check_cache_layout(k_cache)
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must share one layout")
-    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    block_stride, slot_stride, head_stride = (s // head_dim for s in k_cache.stride()[:3])
-    slots = slot_mapping.long()
-    rows = (slots // block_size * block_stride + slots % block_size * slot_stride)[:, None] + (
-        torch.arange(num_kv_heads, device=slots.device) * head_stride
-    )
-    rows = rows.reshape(-1)
-    _cache_chunks(k_cache, 1).index_copy_(0, rows, k.reshape(-1, head_dim).to(k_cache.dtype))
-    _cache_chunks(v_cache, 1).index_copy_(0, rows, v.reshape(-1, head_dim).to(v_cache.dtype))
+    block_size = k_cache.shape[1]
+    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    k_cache[blocks, offsets] = k.to(k_cache.dtype)
+    v_cache[blocks, offsets] = v.to(v_cache.dtype)
 
 
 def paged_attention(
@@ -229,15 +213,45 @@ def paged_attention(
     if use_triton(q, impl, _paged_attention_kernel if HAS_TRITON else None):
         return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
     if plan is None:
-        plan = plan_attention(meta, k_cache)
+        plan = plan_attention(meta, k_cache, q.shape[1])
     return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window)
 
 
-def _gather(cache: torch.Tensor, chunks: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
-    """The ``chunks`` of ``cache`` into the front of the flat ``buffer``; returns that prefix, flat."""
-    source = _cache_chunks(cache, _slots_per_chunk(cache))
-    out = buffer[: chunks.shape[0] * source.shape[1]].view(chunks.shape[0], source.shape[1])
-    return torch.index_select(source, 0, chunks, out=out).view(-1)
+def _batched_attention(
+    q: torch.Tensor,
+    key_storage: torch.Tensor,
+    value_storage: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Short rows through the bags of :class:`AttentionPlan` -> ``[Rb, Qb, Hq, D]``."""
+    num_rows, max_q = plan.batched_token_index.shape
+    num_q_heads, head_dim = q.shape[1:]
+    num_keys = plan.batched_value_bags.shape[1]
+    if plan.batched_out_index is None:
+        rows = q.view(num_rows, max_q, num_q_heads, head_dim)
+    else:
+        rows = q[plan.batched_token_index]
+    weights = (rows * scale).unsqueeze(3).expand(-1, -1, -1, plan.batched_num_blocks, -1)
+    scores = F.embedding_bag(
+        plan.batched_key_bags,
+        key_storage.view(-1, key_storage.shape[-1]),
+        mode="sum",
+        per_sample_weights=weights.reshape(-1, head_dim),
+    ).view(num_rows, max_q, num_q_heads, num_keys)
+    mask = plan.masks.get((-1, window))
+    if mask is None:
+        mask = _window_mask(plan.batched_query_pos, num_keys, window, torch.float32).unsqueeze(2)
+        plan.masks[(-1, window)] = mask
+    # Softmax in float32 whatever the model dtype, as SDPA does.
+    probs = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
+    return F.embedding_bag(
+        plan.batched_value_bags,
+        value_storage.view(-1, head_dim),
+        mode="sum",
+        per_sample_weights=probs.view(-1, num_keys),
+    ).view(num_rows, max_q, num_q_heads, head_dim)
 
 
 def _paged_attention_torch(
@@ -248,47 +262,25 @@ def _paged_attention_torch(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    if v_cache.stride() != k_cache.stride():
-        raise ValueError("k_cache and v_cache must share one layout")
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    enable_gqa = q.shape[1] != num_kv_heads
-    if plan.key_buffer is None or plan.key_buffer.dtype != k_cache.dtype:
-        plan.key_buffer = k_cache.new_empty(plan.num_buffer_elements)
-        plan.value_buffer = v_cache.new_empty(plan.num_buffer_elements)
+    key_storage, value_storage = _key_storage(k_cache), _value_storage(v_cache)
     out: torch.Tensor | None = None
     if plan.batched_token_index is not None:
-        num_rows, max_q = plan.batched_token_index.shape
-        keys = _gather(k_cache, plan.batched_cache_chunks, plan.key_buffer)
-        values = _gather(v_cache, plan.batched_cache_chunks, plan.value_buffer)
-        mask = plan.masks.get((-1, window))
-        if mask is None:
-            mask = _window_mask(plan.batched_query_pos, plan.batched_num_keys, window, q.dtype).unsqueeze(1)
-            plan.masks[(-1, window)] = mask
-        if plan.batched_out_index is None:
-            rows = q.view(num_rows, max_q, *q.shape[1:])
-        else:
-            rows = q[plan.batched_token_index]
-        attended = F.scaled_dot_product_attention(
-            rows.transpose(1, 2),
-            keys.view(num_rows, num_kv_heads, -1, head_dim),
-            values.view(num_rows, num_kv_heads, -1, head_dim),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=enable_gqa,
-        ).transpose(1, 2)
+        attended = _batched_attention(q, key_storage, value_storage, plan, scale, window)
         if plan.batched_out_index is None:  # the rows are exactly the batch, in order
-            return attended.reshape(q.shape)
+            return attended.view(q.shape)
         out = torch.empty_like(q)
-        flat = attended.reshape(-1, *q.shape[1:])
+        flat = attended.view(-1, *q.shape[1:])
         if plan.batched_valid is not None:
             flat = flat[plan.batched_valid]
         out[plan.batched_out_index] = flat
     if out is None:
         out = torch.empty_like(q)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for i, row in enumerate(plan.prefill_rows):
         num_queries = row.end - row.start
-        keys = _gather(k_cache, row.cache_chunks, plan.key_buffer).view(1, num_kv_heads, row.num_keys, head_dim)
-        values = _gather(v_cache, row.cache_chunks, plan.value_buffer).view(1, num_kv_heads, row.num_keys, head_dim)
+        # [nblk, Hkv, D, bs] and [nblk, Hkv, bs, D] -> [1, Hkv, L, D]; a copy is cheap next to a prefill.
+        keys = key_storage[row.block_ids].permute(1, 0, 3, 2).reshape(1, num_kv_heads, -1, head_dim)
+        values = value_storage[row.block_ids].transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
         fresh = row.seq_len == num_queries and (window == 0 or window >= row.seq_len)
         mask = None
         if not fresh:
@@ -304,7 +296,7 @@ def _paged_attention_torch(
             attn_mask=mask,
             is_causal=fresh,
             scale=scale,
-            enable_gqa=enable_gqa,
+            enable_gqa=q.shape[1] != num_kv_heads,
         )[0].transpose(0, 1)
     return out
 
@@ -316,8 +308,8 @@ def _write_kv_cache_triton(
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         k_cache.shape[1], num_kv_heads, head_dim,
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
     )  # fmt: skip
@@ -341,8 +333,8 @@ def _paged_attention_triton(
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
         scale, window if window > 0 else _NO_WINDOW,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
         k_cache.shape[1], num_q_heads // num_kv_heads,
@@ -358,8 +350,8 @@ if HAS_TRITON:
     def _write_kv_kernel(
         k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
         stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_kc_block, stride_kc_slot, stride_kc_head,
-        stride_vc_block, stride_vc_slot, stride_vc_head,
+        stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
+        stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
         block_size, num_kv_heads, head_dim,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     ):  # fmt: skip
@@ -373,8 +365,10 @@ if HAS_TRITON:
         mask = (heads < num_kv_heads) & (dims < head_dim)
         k = tl.load(k_ptr + t * stride_kt + heads * stride_kh + dims, mask=mask)
         v = tl.load(v_ptr + t * stride_vt + heads * stride_vh + dims, mask=mask)
-        k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot + heads * stride_kc_head + dims
-        v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot + heads * stride_vc_head + dims
+        k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_slot + heads * stride_kc_head
+        v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_slot + heads * stride_vc_head
+        k_dst += dims * stride_kc_dim
+        v_dst += dims * stride_vc_dim
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -384,8 +378,8 @@ if HAS_TRITON:
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
         scale, sliding_window,
         stride_qt, stride_qh,
-        stride_kc_block, stride_kc_slot, stride_kc_head,
-        stride_vc_block, stride_vc_slot, stride_vc_head,
+        stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
+        stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
         stride_ot, stride_oh,
         stride_bt,
         block_size, num_queries_per_kv,
@@ -422,7 +416,7 @@ if HAS_TRITON:
                 kv_mask = visible[:, None] & dim_mask[None, :]
                 k = tl.load(
                     k_cache_ptr + block[:, None] * stride_kc_block + offset[:, None] * stride_kc_slot
-                    + kv_head * stride_kc_head + dims[None, :],
+                    + kv_head * stride_kc_head + dims[None, :] * stride_kc_dim,
                     mask=kv_mask, other=0.0,
                 ).to(tl.float32)  # fmt: skip
                 scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
@@ -432,7 +426,7 @@ if HAS_TRITON:
                 alpha = tl.exp(m_i - m_new)
                 v = tl.load(
                     v_cache_ptr + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_slot
-                    + kv_head * stride_vc_head + dims[None, :],
+                    + kv_head * stride_vc_head + dims[None, :] * stride_vc_dim,
                     mask=kv_mask, other=0.0,
                 ).to(tl.float32)  # fmt: skip
                 acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)

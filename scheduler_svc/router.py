@@ -60,6 +60,7 @@ class Router:
         self._targets: list[str] = []
         self._refresh_task: asyncio.Task | None = None
         self._serving = False
+        self._exported: dict[int, tuple[int, int, int, int]] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -96,6 +97,8 @@ class Router:
             if address not in addresses:
                 logger.info("worker %s left the target set", address)
                 self.links.remove(link)
+                if self.metrics is not None:
+                    self.metrics.forget_worker(link.worker_id)
                 self._on_link_lost(link)
                 asyncio.create_task(link.close())
 
@@ -160,8 +163,18 @@ class Router:
             self._export_gauges()
 
     def _on_step(self, link: WorkerLink, result) -> None:
-        if self.metrics is not None:
-            self.metrics.record_step_result(link.worker_id, result, link.inflight)
+        if self.metrics is None:
+            return
+        self.metrics.record_step_result(link.worker_id, result, link.inflight)
+        # Scheduler counters are cumulative per scheduler instance; export the increments.
+        sched = link.scheduler
+        s, pc = sched.stats, sched.prefix_cache_counters
+        now = (s.num_rolled_back_tokens, s.num_preemptions, pc.num_query_tokens, pc.num_hit_tokens)
+        last = self._exported.get(id(sched), (0, 0, 0, 0))
+        self._exported[id(sched)] = now
+        self.metrics.add_rolled_back(now[0] - last[0])
+        self.metrics.add_preemptions(now[1] - last[1])
+        self.metrics.add_prefix_cache(now[2] - last[2], now[3] - last[3])
 
     def _on_link_lost(self, link: WorkerLink) -> None:
         """Move the lost worker's requests to the others, from their confirmed tokens."""
@@ -176,6 +189,8 @@ class Router:
         self._update_readiness()
 
     def link_ready(self, link: WorkerLink) -> None:
+        if self.metrics is not None and link.info is not None:
+            self.metrics.set_model(link.info.model)
         self._update_readiness()
 
     def _export_gauges(self) -> None:

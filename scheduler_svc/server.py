@@ -181,16 +181,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         info = link.info
         stats = generate_pb2.ServerStats()
         for lk in self.router.links:
-            s = lk.stats
-            stats.num_steps += s.num_steps
-            stats.num_drafts += s.num_drafts
-            stats.num_draft_tokens += s.num_draft_tokens
-            stats.num_accepted_tokens += s.num_accepted_tokens
-            stats.worker_busy_s += s.busy_s
-            stats.worker_idle_s += s.idle_s
+            stats.num_steps += lk.stats.num_steps
+            stats.worker_busy_s += lk.stats.busy_s
+            stats.worker_idle_s += lk.stats.idle_s
             if lk.scheduler is not None:
-                stats.num_preemptions += lk.scheduler.stats.num_preemptions
-                stats.num_generation_tokens += lk.scheduler.stats.num_generation_tokens
+                s = lk.scheduler.stats
+                stats.num_drafts += s.num_drafts
+                stats.num_draft_tokens += s.num_draft_tokens
+                stats.num_accepted_tokens += s.num_accepted_tokens
+                stats.num_preemptions += s.num_preemptions
+                stats.num_generation_tokens += s.num_generation_tokens
         return generate_pb2.ModelInfoResponse(
             model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
             eos_token_ids=info.eos_token_ids, num_workers=len(self.router.ready_links()),

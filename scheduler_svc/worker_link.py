@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
@@ -26,15 +26,11 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class LinkStats:
-    """Cumulative figures of one worker link (exported as metrics and in ModelInfo.stats)."""
+    """Worker time as reported with each result (the bubble is `idle_s`)."""
 
     num_steps: int = 0
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
     busy_s: float = 0.0
     idle_s: float = 0.0
-    accepted_per_pos: list[int] = field(default_factory=list)
 
 
 class WorkerLink:
@@ -128,7 +124,6 @@ class WorkerLink:
             self.tokenizer = Tokenizer(info.tokenizer_json, info.chat_template, info.bos_token,
                                        info.eos_token)
         self.scheduler = Scheduler(cfg, self.tokenizer)
-        self.stats.accepted_per_pos = [0] * max(info.num_spec_tokens, 0)
 
     async def _serve(self, call) -> None:
         receiver = asyncio.create_task(self._receive(call))
@@ -172,18 +167,9 @@ class WorkerLink:
             self.wake()
 
     def _account(self, result: worker_pb2.StepResult) -> None:
-        s = self.stats
-        s.num_steps += 1
-        s.busy_s += result.forward_s
-        s.idle_s += result.idle_s
-        for r in result.results:
-            if r.num_draft_tokens:
-                s.num_drafts += 1
-                s.num_draft_tokens += r.num_draft_tokens
-                s.num_accepted_tokens += r.num_accepted
-        for pos, n in enumerate(result.accepted_per_pos):
-            if pos < len(s.accepted_per_pos):
-                s.accepted_per_pos[pos] += n
+        self.stats.num_steps += 1
+        self.stats.busy_s += result.forward_s
+        self.stats.idle_s += result.idle_s
 
     def now(self) -> float:
         return time.monotonic()

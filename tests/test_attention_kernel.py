@@ -11,7 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from kernels._triton import HAS_TRITON  # noqa: E402
-from kernels.attention import AttentionMetadata, paged_attention, write_kv_cache  # noqa: E402
+from kernels.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv_cache  # noqa: E402
 from kernels.slot_mapping import compute_slot_mapping  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -22,16 +22,18 @@ NUM_Q_HEADS, NUM_KV_HEADS = 4, 2
 REQUESTS = [(9, 1), (0, 7), (3, 1), (5, 3), (4, 20), (0, 18)]
 
 
-def _random_cache(shape: tuple[int, int, int, int], layout: str, g: torch.Generator) -> torch.Tensor:
-    """``[num_blocks, block_size, Hkv, D]`` stored token-major (contiguous) or head-major (permuted)."""
-    if layout == "token-major":
-        return torch.randn(shape, generator=g)
-    num_blocks, block_size, num_kv_heads, head_dim = shape
-    return torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=g).permute(0, 2, 1, 3)
+def _random_cache(shape: tuple[int, int, int, int], layout: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V ``[num_blocks, block_size, Hkv, D]``, contiguous or in :func:`new_kv_cache`'s layout."""
+    if layout == "contiguous":
+        return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    k_cache, v_cache = new_kv_cache(*shape, torch.float32, "cpu")
+    k_cache.copy_(torch.randn(shape, generator=g))
+    v_cache.copy_(torch.randn(shape, generator=g))
+    return k_cache, v_cache
 
 
 def _batch(
-    block_size: int, head_dim: int, seed: int, num_kv_heads: int = NUM_KV_HEADS, layout: str = "head-major"
+    block_size: int, head_dim: int, seed: int, num_kv_heads: int = NUM_KV_HEADS, layout: str = "new_kv_cache"
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random q, caches full of random values, and metadata with scattered, -1-padded block tables."""
     g = torch.Generator().manual_seed(seed)
@@ -44,8 +46,7 @@ def _batch(
     block_tables = torch.full((len(REQUESTS), max_blocks), -1, dtype=torch.int32)
     for r, n in enumerate(blocks_needed):
         block_tables[r, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
-    k_cache = _random_cache((num_blocks, block_size, num_kv_heads, head_dim), layout, g)
-    v_cache = _random_cache((num_blocks, block_size, num_kv_heads, head_dim), layout, g)
+    k_cache, v_cache = _random_cache((num_blocks, block_size, num_kv_heads, head_dim), layout, g)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     positions = torch.cat([torch.arange(c, c + q) for c, q in REQUESTS])
     meta = AttentionMetadata(
@@ -84,11 +85,10 @@ def _dense_attention(
     return out
 
 
-@pytest.mark.parametrize("layout", ["head-major", "token-major"])
 @pytest.mark.parametrize("window", [0, 6])
 @pytest.mark.parametrize(("block_size", "head_dim"), [(4, 16), (5, 24)])
-def test_paged_attention_torch_matches_dense(block_size: int, head_dim: int, window: int, layout: str) -> None:
-    q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size, layout=layout)
+def test_paged_attention_torch_matches_dense(block_size: int, head_dim: int, window: int) -> None:
+    q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size)
     scale = head_dim**-0.5
     expected = _dense_attention(q, k_cache, v_cache, meta, scale, window)
     got = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
@@ -97,18 +97,30 @@ def test_paged_attention_torch_matches_dense(block_size: int, head_dim: int, win
 
 @needs_triton
 @pytest.mark.parametrize("window", [0, 6])
-@pytest.mark.parametrize(("block_size", "head_dim", "num_kv_heads"), [(4, 16, 2), (5, 24, 2), (4, 16, 4)])
-def test_paged_attention_triton_matches_torch(block_size: int, head_dim: int, num_kv_heads: int, window: int) -> None:
-    q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size, num_kv_heads=num_kv_heads)
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "num_kv_heads", "layout"),
+    [(4, 16, 2, "new_kv_cache"), (5, 24, 2, "new_kv_cache"), (4, 16, 4, "new_kv_cache"), (4, 16, 2, "contiguous")],
+)
+def test_paged_attention_triton_matches_torch(
+    block_size: int, head_dim: int, num_kv_heads: int, layout: str, window: int
+) -> None:
+    q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size, num_kv_heads=num_kv_heads, layout=layout)
     scale = head_dim**-0.5
-    torch_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
     triton_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="triton", sliding_window=window or None)
-    torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(triton_out, _dense_attention(q, k_cache, v_cache, meta, scale, window), atol=1e-5, rtol=1e-5)
+    if layout == "new_kv_cache":  # the torch path reads only that layout
+        torch_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
+        torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
+
+
+def test_torch_path_rejects_other_layouts() -> None:
+    q, k_cache, v_cache, meta = _batch(4, 16, seed=0, layout="contiguous")
+    with pytest.raises(ValueError, match="new_kv_cache"):
+        paged_attention(q, k_cache, v_cache, meta, 0.25, impl="torch")
 
 
 @needs_triton
-@pytest.mark.parametrize("layout", ["head-major", "token-major"])
+@pytest.mark.parametrize("layout", ["new_kv_cache", "contiguous"])
 def test_write_kv_cache_triton_matches_torch(layout: str) -> None:
     q, k_cache, v_cache, meta = _batch(4, 16, seed=7, layout=layout)
     g = torch.Generator().manual_seed(8)

@@ -22,7 +22,14 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import use_triton
-from kernels.attention import AttentionMetadata, AttentionPlan, paged_attention, plan_attention, write_kv_cache
+from kernels.attention import (
+    AttentionMetadata,
+    AttentionPlan,
+    new_kv_cache,
+    paged_attention,
+    plan_attention,
+    write_kv_cache,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +270,7 @@ class CausalLM:
         sin = self.rope_sin[positions].unsqueeze(1)
         plan: AttentionPlan | None = None
         if not use_triton(input_ids, None) and num_tokens > 0:
-            plan = plan_attention(meta, kv_caches[0][0])
+            plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads)
         x = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
             qkv = F.linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv_weight, layer.qkv_bias)
@@ -316,14 +323,11 @@ def allocate_kv_cache(
 ) -> KVCache:
     """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed.
 
-    The storage is head-major (``[num_blocks, num_kv_heads, block_size, head_dim]`` permuted to the
-    logical shape): each head's block is one contiguous slab, which the CPU attention path gathers
-    whole into the layout SDPA reads fastest. Kernels address the caches through their strides.
+    The tensors are strided views (see :func:`kernels.attention.new_kv_cache`): address them by
+    index or through their strides, not with ``view``.
     """
     spec = model_spec(hf_config)
-    storage_shape = (num_blocks, spec.num_kv_heads, block_size, spec.head_dim)
-
-    def one() -> torch.Tensor:
-        return torch.zeros(storage_shape, dtype=dtype, device=device).permute(0, 2, 1, 3)
-
-    return [(one(), one()) for _ in range(spec.num_layers)]
+    return [
+        new_kv_cache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        for _ in range(spec.num_layers)
+    ]

@@ -209,7 +209,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if item is _END:
                     break
                 if self.metrics is not None and not item.error:
-                    self.metrics.record_step(self.worker_id, item)
+                    self.metrics.record_step_result(self.worker_id, item)
                 yield item
         finally:
             reader.cancel()
