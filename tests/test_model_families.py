@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -28,7 +30,9 @@ from transformers import (
 
 from kernels.attention import AttentionMetadata
 from kernels.slot_mapping import compute_slot_mapping
+from tests.hf_oracle import hf_greedy, report_divergence
 from worker_svc.model import CausalLM, allocate_kv_cache, build_model, kv_cache_bytes_per_block
+from worker_svc.model_loader import load_model
 
 VOCAB = 128
 BLOCK_SIZE = 4
@@ -196,3 +200,49 @@ def test_kv_cache_sizing() -> None:
     assert len(kv) == 2 and kv[0][0].shape == (3, BLOCK_SIZE, 2, 32)
     per_block = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv) // 3
     assert kv_cache_bytes_per_block(config, BLOCK_SIZE, torch.bfloat16) == per_block
+
+
+def _greedy(model: CausalLM, hf_config: object, prompts: list[list[int]], max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+    """All prompts prefilled together in one step, then decoded together, one token per step."""
+    block_size, blocks_per_request = 16, 8
+    kv_caches = allocate_kv_cache(hf_config, len(prompts) * blocks_per_request, block_size, model.dtype, "cpu")
+    tables = torch.arange(len(prompts) * blocks_per_request, dtype=torch.int32).flip(0).view(len(prompts), -1)
+    sequences = [list(p) for p in prompts]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    computed = [0] * len(prompts)
+    while True:
+        running = [r for r in range(len(prompts)) if len(outputs[r]) < max_new_tokens and not eos & set(outputs[r])]
+        if not running:
+            return outputs
+        chunks = [sequences[r][computed[r] :] for r in running]
+        query_start_loc = torch.tensor([0, *torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+        positions = torch.cat([torch.arange(computed[r], len(sequences[r])) for r in running])
+        meta = AttentionMetadata(
+            query_start_loc=query_start_loc,
+            seq_lens=torch.tensor([len(sequences[r]) for r in running], dtype=torch.int32),
+            block_tables=tables[running],
+            max_query_len=max(len(c) for c in chunks),
+            max_seq_len=max(len(sequences[r]) for r in running),
+            slot_mapping=compute_slot_mapping(query_start_loc, positions, tables[running], block_size),
+        )
+        hidden = model(torch.tensor([t for c in chunks for t in c]), positions, meta, kv_caches)
+        next_tokens = model.compute_logits(hidden[query_start_loc[1:].long() - 1]).argmax(-1).tolist()
+        for r, token in zip(running, next_tokens):
+            computed[r] = len(sequences[r])
+            sequences[r].append(token)
+            outputs[r].append(token)
+
+
+def test_smollm2_greedy_matches_hf_generate(smollm2_dir: Path, grounded_rows: list[dict[str, Any]]) -> None:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(smollm2_dir / "tokenizer.json"))
+    texts = [row["messages"][-1]["content"] if "messages" in row else row["prompt"] for row in grounded_rows[:3]]
+    # Different prompt lengths, so the batched prefill and decodes see ragged rows.
+    prompts = [tokenizer.encode(text).ids[: 20 + 9 * i] for i, text in enumerate(texts)]
+    max_new_tokens = 12
+    reference = hf_greedy(smollm2_dir, prompts, max_new_tokens)
+    loaded = load_model(str(smollm2_dir), "float32", "cpu")
+    ours = _greedy(loaded.model, loaded.hf_config, prompts, max_new_tokens, set(loaded.eos_token_ids))
+    for prompt, got, expected in zip(prompts, ours, reference):
+        assert got == expected, report_divergence(smollm2_dir, prompt, got, expected)

@@ -30,6 +30,10 @@ from zerobubble.api import worker_pb2
 logger = logging.getLogger(__name__)
 
 
+# Seeds are uint64 on the wire; the keyed-noise kernels take int64.
+SEED_MASK = (1 << 63) - 1
+
+
 class PlanError(ValueError):
     """A plan the runner cannot execute (it names the request and what is wrong)."""
 
@@ -126,11 +130,11 @@ class ModelRunner:
         self.loaded = loaded
         self.model = loaded.model
         self.config = config
-        self.device = loaded.device
+        self.device = loaded.model.device
         self.proposer = proposer
         self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
-        self.kv_caches = allocate_kv_cache(loaded.config, config.num_blocks, config.block_size,
-                                           loaded.dtype, self.device)
+        self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks, config.block_size,
+                                           loaded.model.dtype, self.device)
         # Room for the lookahead slots a step may feed past max_model_len's last block.
         max_blocks = -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
         self.max_blocks_per_seq = max_blocks
@@ -299,7 +303,7 @@ class ModelRunner:
             temperatures=[p.temperature for p in infos for _ in range(width)],
             top_ks=[p.top_k for p in infos for _ in range(width)],
             top_ps=[p.top_p if p.top_p > 0 else 1.0 for p in infos for _ in range(width)],
-            seeds=[p.seed for p in infos for _ in range(width)],
+            seeds=[p.seed & SEED_MASK for p in infos for _ in range(width)],
             positions=sample_pos, device=dev)
 
         # Drafts fed this step are the inputs after the first slot of each decode row; only the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import queue
@@ -19,6 +20,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -82,9 +84,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 def kv_capacity_blocks(cfg: WorkerConfig, loaded: LoadedModel, num_models: int = 1) -> int:
     """KV blocks that fit: a memory budget on CPU, free memory on CUDA."""
-    per_block = kv_cache_bytes_per_block(loaded.config, cfg.block_size, loaded.dtype) * num_models
-    if loaded.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(loaded.device)
+    per_block = kv_cache_bytes_per_block(loaded.hf_config, cfg.block_size,
+                                         loaded.model.dtype) * num_models
+    if loaded.model.device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(loaded.model.device)
         budget = free - (1 - cfg.gpu_memory_utilization) * total
     else:
         budget = cfg.kv_cache_memory_gb * (1 << 30)
@@ -119,6 +122,23 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     return runner, loaded
 
 
+def tokenizer_fields(model_dir: Path) -> dict[str, str]:
+    """What the scheduler needs to tokenize without model files: tokenizer.json, chat template,
+    BOS/EOS strings (from the HF directory's tokenizer files)."""
+    config_path = model_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    template_path = model_dir / "chat_template.jinja"
+    template = template_path.read_text() if template_path.is_file() else config.get("chat_template") or ""
+
+    def token_str(value) -> str:
+        return value.get("content", "") if isinstance(value, dict) else (value or "")
+
+    return dict(tokenizer_json=(model_dir / "tokenizer.json").read_text(),
+                chat_template=template if isinstance(template, str) else "",
+                bos_token=token_str(config.get("bos_token")),
+                eos_token=token_str(config.get("eos_token")))
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """`Execute` runs plans in order on one thread; `Describe` reports model facts and capacity."""
 
@@ -129,21 +149,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.cfg = cfg
         self.metrics = metrics
         self.worker_id = cfg.worker_id or f"{socket.gethostname()}:{cfg.port}"
+        self.tokenizer_fields = tokenizer_fields(loaded.path)
         self._stream_lock = asyncio.Lock()
         self._generation = 0  # a new Execute stream supersedes the old one
 
     async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         cfg = self.runner.config
-        tok = self.loaded.tokenizer
+        model = self.loaded.model
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id, model=self.loaded.name, max_model_len=cfg.max_model_len,
             block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-            vocab_size=self.loaded.config.vocab_size, eos_token_ids=self.loaded.eos_token_ids,
-            tokenizer_json=tok.tokenizer_json, chat_template=tok.chat_template or "",
-            bos_token=tok.bos_token or "", eos_token=tok.eos_token or "",
+            vocab_size=self.loaded.hf_config.vocab_size, eos_token_ids=self.loaded.eos_token_ids,
             spec_method=self.cfg.spec_method if self.runner.proposer is not None else "none",
-            num_spec_tokens=self.runner.num_spec_tokens, device=str(self.loaded.device),
-            dtype=str(self.loaded.dtype).removeprefix("torch."), max_num_seqs=cfg.max_num_seqs)
+            num_spec_tokens=self.runner.num_spec_tokens, device=str(model.device),
+            dtype=str(model.dtype).removeprefix("torch."), max_num_seqs=cfg.max_num_seqs,
+            **self.tokenizer_fields)
 
     async def Execute(self, request_iterator, context):
         self._generation += 1

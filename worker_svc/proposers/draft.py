@@ -16,6 +16,7 @@ from kernels.attention import AttentionMetadata
 from kernels.keyed_random import keyed_uniform
 from kernels.slot_mapping import compute_slot_mapping
 from worker_svc.model import allocate_kv_cache
+from worker_svc.runner import SEED_MASK
 from worker_svc.sampler import SamplingTensors, target_probs
 
 # Keyed-noise stream for draft sampling; 0-2 belong to the target's sampler and verifier.
@@ -33,16 +34,16 @@ class DraftModelProposer:
         self.runner = None
 
     def bind(self, runner) -> None:
-        if self.draft.config.vocab_size != runner.loaded.config.vocab_size:
-            raise ValueError(f"draft model vocab {self.draft.config.vocab_size} differs from the "
-                             f"target's {runner.loaded.config.vocab_size}: they must share a tokenizer")
+        if self.draft.hf_config.vocab_size != runner.loaded.hf_config.vocab_size:
+            raise ValueError(f"draft model vocab {self.draft.hf_config.vocab_size} differs from the "
+                             f"target's {runner.loaded.hf_config.vocab_size}: they must share a tokenizer")
         self.runner = runner
         cfg = runner.config
-        self.kv_caches = allocate_kv_cache(self.draft.config, cfg.num_blocks, cfg.block_size,
-                                           self.draft.dtype, runner.device)
+        self.kv_caches = allocate_kv_cache(self.draft.hf_config, cfg.num_blocks, cfg.block_size,
+                                           self.draft.model.dtype, runner.device)
         num_slots = cfg.max_num_seqs
         self.draft_len = torch.zeros(num_slots, dtype=torch.int32, device=runner.device)
-        self.probs = torch.zeros(num_slots, self.k, self.draft.config.vocab_size,
+        self.probs = torch.zeros(num_slots, self.k, self.draft.hf_config.vocab_size,
                                  dtype=torch.float32, device=runner.device)
 
     def admit(self, slot: int, num_cached_tokens: int) -> None:
@@ -97,7 +98,7 @@ class DraftModelProposer:
             rows.append(pages[flat].tolist() + [last[r]])
         infos = [runner.slots_by_index[s].sampling for s in slots.tolist()]
         drafts = torch.zeros(len(rows), self.k, dtype=torch.int32, device=runner.device)
-        probs = torch.zeros(len(rows), self.k, self.draft.config.vocab_size,
+        probs = torch.zeros(len(rows), self.k, self.draft.hf_config.vocab_size,
                             dtype=torch.float32, device=runner.device)
         starts = list(draft_lens)
         tokens = rows
@@ -118,7 +119,7 @@ class DraftModelProposer:
             t = SamplingTensors.from_params(
                 temperatures=[p.temperature for p in infos], top_ks=[p.top_k for p in infos],
                 top_ps=[p.top_p if p.top_p > 0 else 1.0 for p in infos],
-                seeds=[p.seed for p in infos], positions=positions, device=runner.device)
+                seeds=[p.seed & SEED_MASK for p in infos], positions=positions, device=runner.device)
             q = target_probs(logits, t)
             noise = keyed_uniform(t.seeds, positions, q.shape[-1], stream=DRAFT_STREAM)
             gumbel = -torch.log(-torch.log(noise))
