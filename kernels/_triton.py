@@ -7,12 +7,9 @@ imported. On CPU only the interpreter works, which is what the kernel tests use.
 
 from __future__ import annotations
 
-import logging
 from typing import Literal
 
 import torch
-
-logger = logging.getLogger(__name__)
 
 try:
     import triton

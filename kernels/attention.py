@@ -93,7 +93,6 @@ class AttentionPlan:
     that block's scores; a bag per (row, query, head) sums value rows weighted by the softmax.
     """
 
-    num_tokens: int
     # Batched short rows: query tokens padded to [num_rows, max_len] (padding repeats a real token).
     batched_token_index: torch.Tensor | None = None  # [Rb, Qb] int64
     batched_query_pos: torch.Tensor | None = None  # [Rb, Qb] int64
@@ -115,7 +114,7 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: 
     qsl = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     num_requests = len(seq_lens)
-    plan = AttentionPlan(num_tokens=qsl[-1] if qsl else 0)
+    plan = AttentionPlan()
     device = meta.block_tables.device
     short = [r for r in range(num_requests) if 0 < qsl[r + 1] - qsl[r] <= MAX_BATCHED_QUERY_LEN]
     for r in range(num_requests):
@@ -305,6 +304,8 @@ def _write_kv_cache_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     num_tokens, num_kv_heads, head_dim = k.shape
+    # The kernel walks head_dim with unit stride in its inputs (the caches may be strided freely).
+    k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     _write_kv_kernel[(num_tokens,)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -323,9 +324,11 @@ def _paged_attention_triton(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    num_tokens, num_q_heads, head_dim = q.shape
+    num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
     num_requests = meta.seq_lens.shape[0]
+    if q.stride(-1) != 1:  # the kernel walks head_dim with unit stride in q and out
+        q = q.contiguous()
     out = torch.empty_like(q)
     grid = (meta.max_query_len, num_requests, num_kv_heads)
     _paged_attention_kernel[grid](

@@ -28,8 +28,6 @@ from kernels.slot_mapping import compute_slot_mapping  # noqa: E402
 from worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
 from worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
 
-logger = logging.getLogger("bench_model")
-
 BLOCK_SIZE = 16
 
 
@@ -43,18 +41,24 @@ class Result:
     hf_ms: float
 
 
-def median_ms(step: Callable[[], object], num_warmup: int, num_reps: int, reset: Callable[[], None] | None = None) -> float:
-    """Median wall time of ``step`` in ms; ``reset`` runs untimed after every call."""
-    times = []
+def time_pair(
+    ours: Callable[[], object],
+    hf: Callable[[], object],
+    num_warmup: int,
+    num_reps: int,
+    hf_reset: Callable[[], None] | None = None,
+) -> tuple[float, float]:
+    """Median wall ms of ``ours`` and ``hf``, alternated so both see the same machine load."""
+    ours_times, hf_times = [], []
     for i in range(num_warmup + num_reps):
-        started = time.perf_counter()
-        step()
-        elapsed = time.perf_counter() - started
-        if reset is not None:
-            reset()
-        if i >= num_warmup:
-            times.append(elapsed)
-    return statistics.median(times) * 1e3
+        for step, times in ((ours, ours_times), (hf, hf_times)):
+            started = time.perf_counter()
+            step()
+            if i >= num_warmup:
+                times.append(time.perf_counter() - started)
+        if hf_reset is not None:
+            hf_reset()
+    return statistics.median(ours_times) * 1e3, statistics.median(hf_times) * 1e3
 
 
 def ours_decode(model: CausalLM, hf_config: object, batch: int, context: int, dtype: torch.dtype) -> Callable[[], object]:
@@ -145,14 +149,13 @@ def run(dtypes: list[str], batches: list[int], context: int, prefill_tokens: int
         loaded = load_model(EMBEDDED_MODEL_NAME, dtype, "cpu")
         hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
         for batch in batches:
-            ours_ms = median_ms(ours_decode(loaded.model, loaded.hf_config, batch, context, dtype), 2, num_reps)
             hf_step, hf_reset = hf_decode(hf, batch, context, dtype)
-            hf_ms = median_ms(hf_step, 2, num_reps, hf_reset)
+            ours_step = ours_decode(loaded.model, loaded.hf_config, batch, context, dtype)
+            ours_ms, hf_ms = time_pair(ours_step, hf_step, 2, num_reps, hf_reset)
             results.append(Result(dtype_name, f"decode batch={batch} ctx={context}", ours_ms, hf_ms))
             print_row(results[-1])
-        prefill_reps = max(3, num_reps // 2)
-        ours_ms = median_ms(ours_prefill(loaded.model, loaded.hf_config, prefill_tokens, dtype), 1, prefill_reps)
-        hf_ms = median_ms(hf_prefill(hf, prefill_tokens), 1, prefill_reps)
+        ours_step = ours_prefill(loaded.model, loaded.hf_config, prefill_tokens, dtype)
+        ours_ms, hf_ms = time_pair(ours_step, hf_prefill(hf, prefill_tokens), 1, max(3, num_reps // 2))
         results.append(Result(dtype_name, f"prefill {prefill_tokens} tokens", ours_ms, hf_ms))
         print_row(results[-1])
         del hf, loaded
@@ -173,7 +176,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512, help="tokens already cached per decode row")
     parser.add_argument("--prefill-tokens", type=int, default=512)
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case (after warmup)")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    parser.add_argument(
+        "--threads", type=int, default=0,
+        help="torch threads (0 = torch's default); 1 gives stable numbers on a shared machine",
+    )  # fmt: skip
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.threads:

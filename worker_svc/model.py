@@ -302,6 +302,8 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) 
     spec = model_spec(hf_config)
     cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)
     device = torch.device(device)
+    logger.debug("building %s: %d layers, %d/%d heads of %d, %s on %s", spec.model_type, spec.num_layers,
+                 spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dtype, device)  # fmt: skip
     return CausalLM(
         spec=spec,
         dtype=dtype,

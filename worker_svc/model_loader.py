@@ -121,7 +121,7 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torc
     del state_dict
     logger.info("loaded %s (%s, %s) in %.2fs", path, torch_dtype, device, time.perf_counter() - started)
     return LoadedModel(
-        name=EMBEDDED_MODEL_NAME if spec == EMBEDDED_MODEL_NAME else path.name,
+        name=EMBEDDED_MODEL_NAME if spec == EMBEDDED_MODEL_NAME else Path(spec).name,
         path=path,
         hf_config=hf_config,
         model=model,
