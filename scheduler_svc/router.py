@@ -136,12 +136,15 @@ class Router:
         self.owner[req_id] = link
         link.wake()
 
-    def abort(self, req_id: str) -> None:
+    def abort(self, req_id: str) -> RequestEvent | None:
+        """Cancel a request wherever it is; its final event (None if no worker held it)."""
         link = self.owner.pop(req_id, None)
         self.orphans = [r for r in self.orphans if r.req_id != req_id]
+        event = None
         if link is not None and link.scheduler is not None:
-            link.scheduler.abort_request(req_id)
+            event = link.scheduler.abort_request(req_id)
             link.wake()
+        return event
 
     def _place(self, request) -> None:
         link = self.route(request.all_token_ids())

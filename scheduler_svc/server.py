@@ -157,11 +157,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             self.streams.pop(req_id, None)
             if not finished:
-                # Client cancel or deadline: abort and give the KV blocks back.
-                self.router.abort(req_id)
+                # Client cancel or deadline: abort and give the KV blocks back. The tokens it
+                # already generated still count as generated (the counter is tokens out).
+                # Its queue time counts if it had been scheduled (None if it never was).
+                event = self.router.abort(req_id)
                 if self.metrics is not None:
                     self.metrics.record_finished("cancelled", None, time.monotonic() - stream.arrival,
-                                                 None, stream.num_prompt_tokens, 0)
+                                                 event.queue_s if event is not None else None,
+                                                 stream.num_prompt_tokens, stream.num_output_tokens)
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         link = self.router.any_ready()

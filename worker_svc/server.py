@@ -251,6 +251,8 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
         metrics = ServiceMetrics(model=loaded.name, role="worker")
         port = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("worker metrics on :%d/metrics", port)
+        # Announced like the gRPC port, so tests and launchers can find a port picked with 0.
+        print(f"ZEROBUBBLE_METRICS_PORT={port}", flush=True)
     servicer = WorkerServicer(runner, loaded, cfg, metrics)
     server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
