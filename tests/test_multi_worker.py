@@ -1,0 +1,164 @@
+"""One scheduler over two real worker processes: routing spreads requests, and a worker killed
+with SIGKILL mid-generation costs no request, no token and no change in greedy output.
+
+Both workers run n-gram speculation with the default async window, so when one dies it has plans
+in flight and optimistic placeholders outstanding: the re-queued requests must resume from their
+confirmed tokens only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+
+import grpc
+import pytest
+
+from tests.servers import start_scheduler, start_worker, wait_serving
+from tests.test_metrics_e2e import scrape, total
+from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.client import Completion, build_request, complete
+
+pytestmark = pytest.mark.timeout(400)
+
+MAX_TOKENS = 40
+# Chat prompts: SmolLM2's template puts the same system prompt (several KV blocks) in front of
+# each, which is what prefix-affinity routing sees in real traffic.
+QUESTIONS = [
+    "Name three primes and explain why each is prime.",
+    "Describe how a bicycle works in a few sentences.",
+    "Write a short poem about the sea at night.",
+    "List the planets of the solar system in order.",
+]
+
+
+def chat(question: str) -> dict:
+    return dict(messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS,
+                ignore_eos=True)
+
+
+def steps(worker) -> float:
+    """Steps the worker itself has executed (its own /metrics)."""
+    return total(scrape(worker.ports["METRICS"]), "zerobubble_worker_step_duration_seconds_count")
+
+
+def check_stream(c: Completion, replies: list) -> None:
+    """Each message's running count matches the tokens delivered so far: none lost or repeated."""
+    count = 0
+    for reply in replies:
+        count += len(reply.token_ids)
+        assert reply.num_output_tokens == count, (c.request_id, reply.num_output_tokens, count)
+    assert count == len(c.token_ids) == MAX_TOKENS
+    assert c.finish_reason == "max_tokens", (c.finish_reason, c.error)
+
+
+async def run_all(target: str, requests: list[dict], on_response=None, stagger: bool = False):
+    """Send `requests`; with `stagger`, each starts once the previous one streamed a token."""
+    replies: list[list] = [[] for _ in requests]
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        tasks = []
+        for i, r in enumerate(requests):
+            first = asyncio.Event()
+
+            def record(reply, i=i, first=first):
+                replies[i].append(reply)
+                if reply.token_ids:
+                    first.set()
+                if on_response is not None:
+                    on_response(i, reply)
+
+            tasks.append(asyncio.create_task(
+                complete(stub, build_request(**r), timeout=300, on_response=record)))
+            if stagger:
+                await asyncio.wait({tasks[-1], asyncio.create_task(first.wait())},
+                                   return_when=asyncio.FIRST_COMPLETED)
+        completions = await asyncio.gather(*tasks)
+        info = await stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=30)
+    return completions, replies, info
+
+
+@pytest.fixture(scope="module")
+def cluster(smollm2_dir):
+    started = time.monotonic()
+    workers = [start_worker(kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0,
+                            spec_method="ngram", num_spec_tokens=3) for _ in range(2)]
+    scheduler = start_scheduler(workers)
+    try:
+        wait_serving(scheduler.target)
+        # Serving means one worker is connected; wait for both.
+        deadline = time.monotonic() + 60
+        while len({s.labels.get("worker") for s in scrape(scheduler.ports["METRICS"])
+                   if s.name == "zerobubble_inflight_steps"}) < 2:
+            assert time.monotonic() < deadline, "the scheduler did not connect to both workers"
+            time.sleep(0.2)
+        print(f"cluster up in {time.monotonic() - started:.1f}s")
+        yield scheduler, workers
+    finally:
+        scheduler.stop()
+        for w in workers:
+            w.stop()
+
+
+def test_staggered_chat_requests_use_both_workers(cluster):
+    """Requests that arrive one after another, all sharing the chat template's system prompt.
+
+    Once the first worker holds that prefix, affinity alone would send every later request to
+    it while the other worker idles; load must still win when the imbalance grows.
+    """
+    scheduler, workers = cluster
+    before = [steps(w) for w in workers]
+    completions, replies, _ = asyncio.run(
+        run_all(scheduler.target, [chat(q) for q in QUESTIONS], stagger=True))
+    for c, r in zip(completions, replies):
+        check_stream(c, r)
+    moved = [steps(w) - b for w, b in zip(workers, before)]
+    assert all(m > 0 for m in moved), f"steps per worker: {moved}"
+
+
+def test_killed_worker_loses_no_request_and_changes_no_output(cluster):
+    scheduler, workers = cluster
+    requests = [chat(q) for q in QUESTIONS]
+
+    # The run without failure: concurrent requests spread over both workers by load.
+    before = [steps(w) for w in workers]
+    started = time.monotonic()
+    reference, ref_replies, info = asyncio.run(run_all(scheduler.target, requests))
+    print(f"reference run: {time.monotonic() - started:.1f}s")
+    assert info.num_workers == 2
+    moved = [steps(w) - b for w, b in zip(workers, before)]
+    assert all(m > 0 for m in moved), f"steps per worker: {moved}"
+    per_worker = {s.labels["worker"]: s.value for s in scrape(scheduler.ports["METRICS"])
+                  if s.name == "zerobubble_worker_step_duration_seconds_count"}
+    assert len(per_worker) == 2 and all(v > 0 for v in per_worker.values()), per_worker
+    for c, r in zip(reference, ref_replies):
+        check_stream(c, r)
+
+    # The same requests again; the second worker is SIGKILLed once every stream is under way.
+    victim = workers[1]
+    victim_steps = steps(victim)
+    counts = [0] * len(requests)
+    at_kill: list[int] = []
+
+    def maybe_kill(i: int, reply) -> None:
+        counts[i] += len(reply.token_ids)
+        if not at_kill and min(counts) >= 4:
+            at_kill.extend(counts)
+            victim.proc.send_signal(signal.SIGKILL)
+
+    started = time.monotonic()
+    outputs, replies, info = asyncio.run(run_all(scheduler.target, requests, maybe_kill))
+    print(f"run with a killed worker: {time.monotonic() - started:.1f}s")
+    victim.proc.wait(timeout=10)
+    assert at_kill, "the worker was never killed"
+    assert max(at_kill) < MAX_TOKENS, f"a request had already finished at the kill: {at_kill}"
+    log = "".join(scheduler.log)
+    assert "re-queueing" in log, "the killed worker held no request: the test proved nothing"
+    assert victim_steps > 0
+    assert info.num_workers == 1
+
+    for i, (c, r) in enumerate(zip(outputs, replies)):
+        check_stream(c, r)
+        assert c.token_ids == reference[i].token_ids, f"request {i} differs after the failover"
+        assert c.text == reference[i].text
