@@ -1,6 +1,7 @@
 """Routing over several workers (data-parallel replicas, each with its own block pool).
 
-New requests go to the ready worker with the best prefix-cache affinity, then the lightest load.
+New requests go to the ready worker with the best prefix-cache affinity, then the lightest load,
+among the workers that are not much busier than the least-loaded one.
 `dns:///name:port` targets (a headless Service) are re-resolved so pods that come and go are
 picked up. When a worker is lost, its unfinished requests move to the others and resume from
 their confirmed tokens, so client streams go on with no lost or repeated tokens.
@@ -22,14 +23,24 @@ logger = logging.getLogger(__name__)
 
 DNS_PREFIX = "dns:///"
 DNS_REFRESH_S = 10.0
+# A prefix-cache hit saves prefill work, but not at any price: a worker holding more than this
+# many requests above the least-loaded one is passed over for affinity. Without the bound, a
+# prefix every request shares (a chat template's system prompt) pins all traffic to the first
+# worker that cached it while the others idle.
+AFFINITY_MAX_EXTRA_LOAD = 2
 
 
-def resolve_targets(targets: list[str]) -> list[str]:
-    """Expand `dns:///name:port` entries to one `ip:port` per address record."""
-    out: list[str] = []
+def resolve_targets(targets: list[str]) -> dict[str, str | None]:
+    """Expand `dns:///name:port` entries to one `ip:port` per address record.
+
+    Maps each address to the name its TLS certificate is checked against: `name` for an address
+    resolved from `dns:///name:port` (a certificate names the Service, never a pod IP), None
+    for a target given as is (gRPC then checks its own host part).
+    """
+    out: dict[str, str | None] = {}
     for target in targets:
         if not target.startswith(DNS_PREFIX):
-            out.append(target)
+            out.setdefault(target, None)
             continue
         host, _, port = target[len(DNS_PREFIX):].rpartition(":")
         try:
@@ -39,8 +50,8 @@ def resolve_targets(targets: list[str]) -> list[str]:
             continue
         for family, _, _, _, addr in infos:
             ip = f"[{addr[0]}]" if family == socket.AF_INET6 else addr[0]
-            out.append(f"{ip}:{addr[1]}")
-    return sorted(set(out), key=out.index)
+            out.setdefault(f"{ip}:{addr[1]}", host)
+    return out
 
 
 class Router:
@@ -83,13 +94,13 @@ class Router:
             if addresses:  # a failed lookup keeps the links we have
                 self._sync_links(addresses)
 
-    def _sync_links(self, addresses: list[str]) -> None:
+    def _sync_links(self, addresses: dict[str, str | None]) -> None:
         current = {link.address: link for link in self.links}
-        for address in addresses:
+        for address, server_name in addresses.items():
             if address not in current:
                 link = WorkerLink(address, self.config, self.max_inflight_steps,
                                   self._on_link_events, self._on_link_lost, self.creds,
-                                  self._on_step, self.link_ready)
+                                  self._on_step, self.link_ready, server_name=server_name)
                 self.links.append(link)
                 link.start()
                 logger.info("added worker %s", address)
@@ -124,12 +135,15 @@ class Router:
     # -- requests ------------------------------------------------------------------------------
 
     def route(self, prompt_ids: list[int]) -> WorkerLink | None:
-        """The ready link with the most cached prefix blocks, then the lightest load."""
+        """Among the ready links whose load is within `AFFINITY_MAX_EXTRA_LOAD` of the lightest,
+        the one with the most cached prefix blocks, then the lightest load."""
         ready = self.ready_links()
         if not ready:
             return None
-        return max(ready, key=lambda link: (link.scheduler.cached_prefix_blocks(prompt_ids),
-                                            -link.load()))
+        least = min(link.load() for link in ready)
+        candidates = [link for link in ready if link.load() <= least + AFFINITY_MAX_EXTRA_LOAD]
+        return max(candidates, key=lambda link: (link.scheduler.cached_prefix_blocks(prompt_ids),
+                                                 -link.load()))
 
     def submit(self, link: WorkerLink, req_id: str, prompt_ids: list[int], **params) -> None:
         link.scheduler.add_request(req_id, prompt_ids, **params)

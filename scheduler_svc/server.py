@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import logging
 import random
 import time
@@ -301,7 +302,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if not details.method.startswith(f"/{SERVICE_NAME}/"):
             return await continuation(details)
         metadata = dict(details.invocation_metadata or ())
-        if metadata.get("authorization") == self.expected:
+        # Constant-time comparison: an early-exit == leaks how much of a guess was right.
+        given = str(metadata.get("authorization", "")).encode()
+        if hmac.compare_digest(given, self.expected.encode()):
             return await continuation(details)
         return self._deny_stream if details.method.endswith("/Generate") else self._deny
 

@@ -41,8 +41,12 @@ class WorkerLink:
                  on_lost: Callable[["WorkerLink"], None],
                  creds: grpc.ChannelCredentials | None = None,
                  on_step: Callable[["WorkerLink", worker_pb2.StepResult], None] | None = None,
-                 on_ready: Callable[["WorkerLink"], None] | None = None) -> None:
+                 on_ready: Callable[["WorkerLink"], None] | None = None,
+                 server_name: str | None = None) -> None:
         self.address = address
+        # The name the worker's TLS certificate is checked against when `address` is an IP
+        # resolved from a DNS name (None: the host part of `address`).
+        self.server_name = server_name
         self.base_config = config
         self.max_inflight = max(1, max_inflight_steps)
         self.on_events = on_events
@@ -86,7 +90,7 @@ class WorkerLink:
     async def _run(self) -> None:
         backoff = 0.2
         while not self._closing:
-            channel = rpc.aio_channel(self.address, self.creds)
+            channel = rpc.aio_channel(self.address, self.creds, self.server_name)
             try:
                 stub = worker_pb2_grpc.WorkerStub(channel)
                 self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
@@ -102,7 +106,9 @@ class WorkerLink:
                 await self._serve(call)
             except asyncio.CancelledError:
                 raise
-            except (grpc.aio.AioRpcError, ConnectionError) as exc:
+            # InvalidStateError: a write found the call already finished (the worker died
+            # between two plans, before the receiver saw it). It is a lost stream like the others.
+            except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError) as exc:
                 if self.ready:
                     logger.warning("lost worker %s: %s", self.address, exc)
                 else:

@@ -152,7 +152,8 @@ def observed(smollm2_dir):
                     call.cancel()
                     return got
 
-                with Poller(scheduler.ports["METRICS"]) as poller:
+                with Poller(scheduler.ports["METRICS"]) as poller, \
+                        Poller(worker.ports["METRICS"]) as worker_poller:
                     done = await asyncio.gather(
                         *[complete(stub, build_request(**r), timeout=180) for r in REQUESTS],
                         cancelled())
@@ -166,11 +167,13 @@ def observed(smollm2_dir):
                                 and total(s, "zerobubble_inflight_steps") == 0):
                             break
                         await asyncio.sleep(0.1)
-                return info, prompt_lens, completions, done[-1], poller
+                return info, prompt_lens, completions, done[-1], poller, worker_poller
 
-        info, prompt_lens, completions, cancelled_tokens, poller = asyncio.run(scenario())
+        info, prompt_lens, completions, cancelled_tokens, poller, worker_poller = \
+            asyncio.run(scenario())
         result = dict(info=info, prompt_lens=prompt_lens, completions=completions,
                       cancelled_tokens=cancelled_tokens, poller=poller,
+                      worker_poller=worker_poller,
                       sched=scrape(scheduler.ports["METRICS"]),
                       worker=scrape(worker.ports["METRICS"]))
         print(f"metrics scenario: {time.monotonic() - started:.1f}s including service starts")
@@ -319,3 +322,14 @@ def test_gauges_moved_while_running_and_settled_after(observed):
     for name in ("zerobubble_num_requests_running", "zerobubble_num_requests_waiting",
                  "zerobubble_kv_cache_usage_ratio", "zerobubble_inflight_steps"):
         assert values(sched, name) and total(sched, name) == 0, name
+
+
+@pytest.mark.xfail(reason="worker_svc/server.py creates its KV-usage and in-flight series but "
+                   "never sets them, so a worker's own /metrics shows 0 while it is busy "
+                   "(reported to the lead; the scheduler's figures are right)", strict=False)
+def test_worker_gauges_move_on_the_workers_own_port(observed):
+    poller = observed["worker_poller"]
+    assert poller.scrapes >= 5
+    assert not poller.out_of_range, poller.out_of_range
+    assert 0 < poller.max["zerobubble_kv_cache_usage_ratio"] <= 1
+    assert poller.max["zerobubble_inflight_steps"] >= 1

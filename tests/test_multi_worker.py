@@ -33,6 +33,107 @@ QUESTIONS = [
 ]
 
 
+# -- routing policy and link recovery, without processes ------------------------------------------
+
+class FakeScheduler:
+    def __init__(self, load: int, cached: int) -> None:
+        self.load, self.cached = load, cached
+
+    def cached_prefix_blocks(self, token_ids) -> int:
+        return self.cached
+
+
+class FakeLink:
+    def __init__(self, name: str, load: int, cached: int) -> None:
+        self.name, self.ready = name, True
+        self.scheduler = FakeScheduler(load, cached)
+
+    def load(self) -> int:
+        return self.scheduler.load
+
+
+@pytest.mark.parametrize("links, expected", [
+    # Equal load: the prefix-cache hit wins.
+    ([("a", 0, 0), ("b", 0, 3)], "b"),
+    # A little busier is worth a prefix hit...
+    ([("a", 1, 0), ("b", 3, 3)], "b"),
+    # ...but a shared prefix must not pin traffic to a worker far busier than another.
+    ([("a", 0, 0), ("b", 3, 3)], "a"),
+    ([("a", 5, 2), ("b", 9, 40), ("c", 6, 1)], "a"),
+    # No hit anywhere: the lightest load.
+    ([("a", 4, 0), ("b", 2, 0)], "b"),
+])
+def test_route_prefers_prefix_hits_within_a_load_bound(links, expected):
+    from scheduler_svc.router import Router
+    from scheduler_svc.scheduler import SchedulerConfig
+
+    router = Router(SchedulerConfig(), max_inflight_steps=2)
+    router.links = [FakeLink(*spec) for spec in links]
+    assert router.route([1, 2, 3]).name == expected
+
+
+def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2_dir):
+    """A worker can die between two plans: the next `write` then finds the call already done
+    (asyncio.InvalidStateError, not an RpcError). The link must count the worker as lost,
+    hand its requests back, and keep trying to reconnect, instead of dying for good."""
+    from scheduler_svc import worker_link
+    from scheduler_svc.scheduler import SchedulerConfig
+    from worker_svc.server import tokenizer_fields
+    from zerobubble.api import worker_pb2
+
+    info = worker_pb2.WorkerInfo(worker_id="fake", model="m", max_model_len=256, block_size=16,
+                                 num_blocks=64, vocab_size=49152, eos_token_ids=[2],
+                                 max_num_seqs=4, **tokenizer_fields(smollm2_dir))
+    describes: list[float] = []
+
+    class DeadCall:
+        async def write(self, plan):
+            raise asyncio.InvalidStateError("RPC already finished.")
+
+        async def read(self):
+            await asyncio.Event().wait()  # the failure shows up on write first
+
+        def cancel(self):
+            pass
+
+    class Stub:
+        def __init__(self, channel):
+            pass
+
+        async def Describe(self, request, timeout=None):
+            describes.append(time.monotonic())
+            return info
+
+        def Execute(self):
+            return DeadCall()
+
+    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", Stub)
+    lost: list[list[str]] = []
+
+    async def scenario():
+        def on_ready(link):
+            if not lost:
+                link.scheduler.add_request("r1", [1, 2, 3, 4], max_tokens=4)
+
+        def on_lost(link):
+            lost.append([r.req_id for r in link.scheduler.take_unfinished()])
+
+        link = worker_link.WorkerLink("127.0.0.1:1", SchedulerConfig(), 2, lambda *a: None,
+                                      on_lost, on_ready=on_ready)
+        link.start()
+        deadline = time.monotonic() + 10
+        while len(describes) < 2 and time.monotonic() < deadline and not link._task.done():
+            await asyncio.sleep(0.05)
+        crashed = link._task.done() and not link._task.cancelled()
+        await link.close()
+        return crashed
+
+    crashed = asyncio.run(scenario())
+    assert lost and lost[0] == ["r1"], "the request was not handed back"
+    assert not crashed, "the link task died instead of reconnecting"
+    assert len(describes) >= 2, "the link never tried to reconnect"
+
+
 def chat(question: str) -> dict:
     return dict(messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS,
                 ignore_eos=True)
@@ -89,10 +190,11 @@ def cluster(smollm2_dir):
         wait_serving(scheduler.target)
         # Serving means one worker is connected; wait for both.
         deadline = time.monotonic() + 60
-        while len({s.labels.get("worker") for s in scrape(scheduler.ports["METRICS"])
-                   if s.name == "zerobubble_inflight_steps"}) < 2:
-            assert time.monotonic() < deadline, "the scheduler did not connect to both workers"
-            time.sleep(0.2)
+        with grpc.insecure_channel(scheduler.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            while stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).num_workers < 2:
+                assert time.monotonic() < deadline, "the scheduler did not connect to both workers"
+                time.sleep(0.2)
         print(f"cluster up in {time.monotonic() - started:.1f}s")
         yield scheduler, workers
     finally:
@@ -162,3 +264,14 @@ def test_killed_worker_loses_no_request_and_changes_no_output(cluster):
         check_stream(c, r)
         assert c.token_ids == reference[i].token_ids, f"request {i} differs after the failover"
         assert c.text == reference[i].text
+
+    # The dead worker's gauges must not keep its last live values (plans in flight, KV blocks
+    # held): alerts and the autoscaler read them.
+    sched = scrape(scheduler.ports["METRICS"])
+    dead = {s.labels["worker"] for s in sched if s.name == "zerobubble_inflight_steps"
+            and s.labels["worker"].endswith(f":{victim.port}")}
+    assert len(dead) == 1, dead
+    for name in ("zerobubble_inflight_steps", "zerobubble_kv_cache_usage_ratio"):
+        assert total(sched, name, worker=next(iter(dead))) == 0, name
+    assert total(sched, "zerobubble_num_requests_running") == 0
+    assert total(sched, "zerobubble_num_requests_waiting") == 0

@@ -65,11 +65,19 @@ def channel_credentials(ca: str | None, cert: str | None = None,
                                         certificate_chain=_read(cert))
 
 
-def aio_channel(target: str, creds: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
-    """An asyncio channel with our message-size and keepalive settings."""
+def aio_channel(target: str, creds: grpc.ChannelCredentials | None = None,
+                server_name: str | None = None) -> grpc.aio.Channel:
+    """An asyncio channel with our message-size and keepalive settings.
+
+    With TLS, `server_name` is the name the server's certificate must carry when it differs
+    from the host in `target` (an IP address resolved from that name).
+    """
     if creds is None:
         return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-    return grpc.aio.secure_channel(target, creds, options=CHANNEL_OPTIONS)
+    options = list(CHANNEL_OPTIONS)
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(target, creds, options=options)
 
 
 def add_health_and_reflection(server: grpc.aio.Server,
