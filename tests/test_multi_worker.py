@@ -239,7 +239,6 @@ def test_killed_worker_loses_no_request_and_changes_no_output(cluster):
 
     # The same requests again; the second worker is SIGKILLed once every stream is under way.
     victim = workers[1]
-    victim_steps = steps(victim)
     counts = [0] * len(requests)
     at_kill: list[int] = []
 
@@ -257,7 +256,6 @@ def test_killed_worker_loses_no_request_and_changes_no_output(cluster):
     assert max(at_kill) < MAX_TOKENS, f"a request had already finished at the kill: {at_kill}"
     log = "".join(scheduler.log)
     assert "re-queueing" in log, "the killed worker held no request: the test proved nothing"
-    assert victim_steps > 0
     assert info.num_workers == 1
 
     for i, (c, r) in enumerate(zip(outputs, replies)):

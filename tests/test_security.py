@@ -147,8 +147,9 @@ def dns_target(worker) -> str:
 
 @pytest.fixture(scope="module")
 def secure_scheduler(pki, mtls_worker):
-    scheduler = start_scheduler([dns_target(mtls_worker)], tls_cert=pki["server_cert"], tls_key=pki["server_key"],
-                                worker_tls_ca=pki["ca"], worker_tls_cert=pki["client_cert"],
+    scheduler = start_scheduler([dns_target(mtls_worker)], tls_cert=pki["server_cert"],
+                                tls_key=pki["server_key"], worker_tls_ca=pki["ca"],
+                                worker_tls_cert=pki["client_cert"],
                                 worker_tls_key=pki["client_key"], auth_token=TOKEN)
     wait_serving_tls(scheduler.target, pki["ca"])
     yield scheduler
@@ -227,7 +228,7 @@ def test_generate_command_speaks_tls_with_token(secure_scheduler, pki):
 
 # -- scheduler to worker: mutual TLS --------------------------------------------------------------
 
-def _never_serves(scheduler, ca: str | None, seconds: float = 6.0) -> None:
+def _never_serves(scheduler, ca: str | None, seconds: float = 4.0) -> None:
     """The scheduler stays NOT_SERVING and Generate is UNAVAILABLE: no worker accepted it."""
     creds = grpc.ssl_channel_credentials(Path(ca).read_bytes()) if ca else None
     deadline = time.monotonic() + seconds

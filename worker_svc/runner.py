@@ -327,7 +327,9 @@ class ModelRunner:
         want_lp = [bool(r.sampling.logprobs) for r in rows]
         lp = None
         if any(want_lp[i] for i in sampled_rows):
-            lp = token_logprobs(logits, out_tokens.reshape(-1).long()).view(num_s, width)
+            # Rejection sampling leaves -1 after the emitted token; those columns are never
+            # returned, but gathering at -1 would fail the whole step.
+            lp = token_logprobs(logits, out_tokens.reshape(-1).long().clamp(min=0)).view(num_s, width)
 
         # Sequence-length correction, on the device: the true accepted counts, not the plan's.
         acc_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)

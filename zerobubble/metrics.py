@@ -83,7 +83,8 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     MetricSpec("zerobubble_time_to_first_token_seconds", "histogram", MODEL_LABELS,
                "Time from arrival to the first streamed token.", TTFT_BUCKETS),
     MetricSpec("zerobubble_inter_token_latency_seconds", "histogram", MODEL_LABELS,
-               "Gap between consecutive streamed token batches of a request.",
+               "Gap between consecutive streamed tokens of a request (a message carrying n "
+               "tokens counts as n gaps, each 1/n of its delay).",
                INTER_TOKEN_BUCKETS),
     MetricSpec("zerobubble_e2e_request_latency_seconds", "histogram", MODEL_LABELS,
                "Time from arrival to the last token.", REQUEST_BUCKETS),

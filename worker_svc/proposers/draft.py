@@ -47,8 +47,11 @@ class DraftModelProposer:
                                  dtype=torch.float32, device=runner.device)
 
     def admit(self, slot: int, num_cached_tokens: int) -> None:
-        # Prefix-cached blocks carry draft K/V written by the request that filled them.
-        self.draft_len[slot] = num_cached_tokens
+        # Prefix-cached blocks need not carry draft K/V: the scheduler registers a block once the
+        # target's K/V are written, which for a non-sampling prefill chunk is before the draft
+        # ever catches up on it (and its owner may be preempted before it does). So the draft
+        # recomputes the cached prefix in its first catch-up.
+        self.draft_len[slot] = 0
 
     def release(self, slot: int) -> None:
         pass
@@ -90,28 +93,42 @@ class DraftModelProposer:
         last = st.last_token[idx].tolist()
         pages = st.history.view(-1)
         bs = runner.config.block_size
-        rows: list[list[int]] = []
-        for r, slot in enumerate(slots.tolist()):
-            start, end = draft_lens[r], seq_lens[r]
-            pos = torch.arange(start, end, device=runner.device)
+        # Never write past the blocks a request holds. The scheduler only allocates the k
+        # lookahead slots when blocks are free, and after a fully accepted step even the last
+        # token's slot may not be allocated yet. A row without room proposes fewer drafts (none
+        # if its catch-up does not fit) and, for the forwards it still takes part in, re-feeds
+        # one confirmed token at its own position: that rewrites identical K/V, whereas writing
+        # any other token there would corrupt a position `draft_len` vouches for.
+        caps = [runner.slots_by_index[s].num_blocks * bs for s in slots.tolist()]
+
+        def confirmed(slot: int, r: int, lo: int, hi: int) -> list[int]:
+            """Confirmed tokens at positions [lo, hi) (history pages, then the last token)."""
+            pos = torch.arange(lo, min(hi, seq_lens[r]), device=runner.device)
             flat = st.block_table[slot, pos // bs].long() * bs + pos % bs
-            rows.append(pages[flat].tolist() + [last[r]])
+            return pages[flat].tolist() + ([last[r]] if hi > seq_lens[r] else [])
+
+        rows: list[list[int]] = []
+        starts = list(draft_lens)
+        refeed: list[tuple[int, list[int]]] = []
+        num_valid = [self.k] * len(caps)
+        for r, slot in enumerate(slots.tolist()):
+            end = min(seq_lens[r] + 1, caps[r])
+            if end <= seq_lens[r]:
+                num_valid[r] = 0
+                starts[r] = min(draft_lens[r], end - 1)
+            rows.append(confirmed(slot, r, starts[r], end))
+            refeed.append((end - 1, confirmed(slot, r, end - 1, end)))
+        new_draft_lens = [min(n + 1, cap) for n, cap in zip(seq_lens, caps)]
         infos = [runner.slots_by_index[s].sampling for s in slots.tolist()]
         drafts = torch.zeros(len(rows), self.k, dtype=torch.int32, device=runner.device)
         probs = torch.zeros(len(rows), self.k, self.draft.hf_config.vocab_size,
                             dtype=torch.float32, device=runner.device)
-        starts = list(draft_lens)
         tokens = rows
-        # Never write past the blocks a request holds (the scheduler allocates k lookahead
-        # slots, so this only guards memory safety); a row that would is clamped in place and
-        # proposes fewer drafts.
-        caps = [runner.slots_by_index[s].num_blocks * bs for s in slots.tolist()]
-        num_valid = [self.k] * len(rows)
         for j in range(self.k):
             for r in range(len(rows)):
-                if starts[r] + len(tokens[r]) > caps[r]:
+                if j > 0 and (num_valid[r] < j or starts[r] + 1 > caps[r]):
                     num_valid[r] = min(num_valid[r], j)
-                    starts[r] = caps[r] - len(tokens[r])
+                    starts[r], tokens[r] = refeed[r]
             logits = self._forward(slots, tokens, starts)
             # Draft token j sits at absolute position seq_len + 1 + j.
             positions = torch.tensor([s + 1 + j for s in seq_lens], dtype=torch.long,
@@ -129,7 +146,7 @@ class DraftModelProposer:
             starts = [s + len(tok) for s, tok in zip(starts, tokens)]
             tokens = [[x] for x in token.tolist()]
         # Only the confirmed prefix (through the bonus token) is certainly valid next time.
-        self.draft_len[idx] = st.seq_len[idx] + 1
+        self.draft_len[idx] = torch.tensor(new_draft_lens, dtype=torch.int32, device=runner.device)
         st.drafts[idx, : self.k] = drafts
         st.num_drafts[idx] = torch.tensor(num_valid, dtype=torch.int32, device=runner.device)
         self.probs[idx] = probs
