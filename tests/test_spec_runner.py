@@ -163,18 +163,37 @@ class HandRequest:
         return self.prompt + self.outputs
 
 
+def ngram_reference(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup as DESIGN.md describes it, written naively: the longest suffix (max_n down
+    to min_n) that occurred earlier, its most recent occurrence, and up to k tokens after it."""
+    length = len(seq)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = seq[length - n:]
+        for end in range(length - 2, n - 2, -1):  # windows that end before the last token
+            if seq[end - n + 1:end + 1] == suffix:
+                return seq[end + 1:end + 1 + k]
+    return []
+
+
 class HandPlanner:
     """Builds plans without a scheduler and checks every step's model inputs as it goes.
 
     Each admission gets all the blocks it will need up front; decode inputs are predicted from
     the test's own bookkeeping: the request's last token followed by the drafts its proposer
-    wrote after that token was sampled (read from the runner's state right after that step),
-    with any slot beyond them repeating the last token.
+    wrote after that token was sampled, with any slot beyond them repeating the last token.
+    Those drafts are read from the runner's state right after the step, and checked against an
+    independent oracle: a naive n-gram lookup over the request's own tokens, or, for SmolLM2
+    drafting for itself, Hugging Face's greedy continuation (`greedy`, per request id).
     """
 
-    def __init__(self, runner, recorders: Recorders, max_outputs: int = 64) -> None:
+    def __init__(self, runner, recorders: Recorders, max_outputs: int = 64,
+                 greedy: dict[str, list[int]] | None = None, exact: bool = False) -> None:
         self.runner = runner
         self.rec = recorders
+        self.greedy = greedy or {}
+        # exact: blocks only for the slots a step feeds, none spare (the scheduler's allocation
+        # when no block is free for lookahead slots); otherwise everything up front.
+        self.exact = exact
         self.max_outputs = max_outputs
         self.free = list(range(runner.config.num_blocks - 1, -1, -1))
         self.reqs: dict[str, HandRequest] = {}
@@ -200,7 +219,8 @@ class HandPlanner:
         bs = self.runner.config.block_size
         kept = req.blocks
         cached = len(kept) * bs
-        req.blocks = kept + self._blocks(len(known) + self.max_outputs + K + 1 - cached)
+        spare = 0 if self.exact else self.max_outputs + K + 1
+        req.blocks = kept + self._blocks(len(known) + spare - cached)
         req.written = cached
         req.drafts = []
         req.sampled = False
@@ -219,13 +239,19 @@ class HandPlanner:
                                            sample=end == len(known))
 
     def decode(self, req_id: str, k: int = K) -> worker_pb2.ScheduledRequest:
-        return worker_pb2.ScheduledRequest(req_id=req_id, num_draft_slots=k, sample=True)
+        req = self.reqs[req_id]
+        bs = self.runner.config.block_size
+        need = -(-(req.written + 1 + k) // bs) - len(req.blocks)
+        new = self._blocks(need * bs) if need > 0 else []
+        req.blocks += new
+        return worker_pb2.ScheduledRequest(req_id=req_id, num_draft_slots=k, sample=True,
+                                           new_block_ids=new)
 
     def finish(self, req_id: str, keep_blocks: int = 0) -> str:
         """Free the request's blocks except `keep_blocks` leading full ones (kept for a resume
         with a prefix-cache hit); the caller puts the returned id in `finished`."""
         req = self.reqs[req_id]
-        assert keep_blocks * self.runner.config.block_size < req.written
+        assert keep_blocks * self.runner.config.block_size <= req.written
         self.free.extend(req.blocks[keep_blocks:])
         req.blocks = req.blocks[:keep_blocks]
         return req_id
@@ -275,10 +301,42 @@ class HandPlanner:
                 slot = self.runner.slots[entry.req_id].slot
                 num = int(self.runner.state.num_drafts[slot])
                 req.drafts = self.runner.state.drafts[slot, :num].tolist()
+                self._check_proposal(entry.req_id, req)
             else:
                 req.drafts = []
         assert sum(result.accepted_per_pos) == sum(r.num_accepted for r in result.results)
         return result
+
+    def _check_proposal(self, req_id: str, req: HandRequest) -> None:
+        proposer = self.runner.proposer
+        if not proposer.has_draft_probs:
+            expected = ngram_reference(req.seq, proposer.ngram_min, proposer.ngram_max, K)
+            assert req.drafts == expected, f"{req_id}: n-gram drafts {req.drafts}, not {expected}"
+        elif req_id in self.greedy:
+            # Draft j comes from the draft model's logits at position written + j, so it needs
+            # that slot allocated: fewer drafts only when the blocks end sooner.
+            room = len(req.blocks) * self.runner.config.block_size - req.written
+            done = len(req.outputs)
+            expected = self.greedy[req_id][done:done + K]
+            assert len(req.drafts) == max(0, min(K, room)), (req_id, req.drafts, room)
+            assert req.drafts[:len(expected)] == expected[:len(req.drafts)], \
+                f"{req_id}: self-drafts {req.drafts}, greedy continuation {expected}"
+            self._check_draft_cache(req_id, req)
+
+    def _check_draft_cache(self, req_id: str, req: HandRequest) -> None:
+        """SmolLM2 drafting for itself: wherever the draft model's cache claims valid K/V
+        (`draft_len`) and the target's holds confirmed tokens, the two must agree, layer by
+        layer. Stale K/V of another request, or a token written at the wrong position, differ."""
+        proposer = self.runner.proposer
+        bs = self.runner.config.block_size
+        valid = min(int(proposer.draft_len[self.runner.slots[req_id].slot]), req.written)
+        pos = torch.arange(valid)
+        blocks, offsets = torch.tensor(req.blocks)[pos // bs], pos % bs
+        for layer, (target, draft) in enumerate(zip(self.runner.kv_caches, proposer.kv_caches)):
+            for name, t, d in zip("KV", target, draft):
+                diff = (t[blocks, offsets] - d[blocks, offsets]).abs().amax(dim=(1, 2))
+                bad = (diff > 1e-3).nonzero()[:, 0].tolist()
+                assert not bad, f"{req_id}: draft {name} cache differs at positions {bad[:8]} (layer {layer})"
 
 
 def assert_greedy_prefix(name: str, ours: list[int], reference: list[int]) -> None:
@@ -299,7 +357,7 @@ def test_decode_inputs_are_own_state_after_join_skip_finish_and_resume(spec_runn
     runner = spec_runner
     runner.reset()
     with recording(runner) as rec:
-        p = HandPlanner(runner, rec)
+        p = HandPlanner(runner, rec, greedy={"A": reference[a], "B": reference[b], "C": reference[c]})
         p.step(p.new("A", prompts[a]))
         p.step(p.decode("A"), p.new("B", prompts[b]))            # B joins A's drafting decode
         p.step(p.decode("A"), p.decode("B"))
@@ -338,7 +396,7 @@ def test_trimmed_drafts_report_only_the_verified_drafts(spec_runner, smollm2_dir
     prompt = list(range(1000, 1012)) * 4 + list(range(1000, 1004))
     [reference] = hf_greedy(smollm2_dir, [prompt], 48)
     with recording(runner) as rec:
-        p = HandPlanner(runner, rec)
+        p = HandPlanner(runner, rec, greedy={"r": reference})
         p.step(p.new("r", prompt))
         slots = [1, 0, 2, 1, K, 1, 0, 2, 1, 2, 1, 1]
         for k in slots:
@@ -360,6 +418,43 @@ def test_trimmed_drafts_report_only_the_verified_drafts(spec_runner, smollm2_dir
             per_pos = list(p.results[-1].accepted_per_pos)
             assert per_pos == [1 if j < res.num_accepted else 0 for j in range(K)]
     assert p.trimmed >= 3, "the proposer never produced more drafts than the plan allowed"
+
+
+def test_draft_model_cache_follows_confirmed_tokens(draft_runner, grounded):
+    """The draft model keeps its own KV cache over the target's blocks; it must only ever vouch
+    for positions holding confirmed tokens. Two field cases: a resume whose prefix-cache blocks
+    were filled by a prefill chunk the draft never saw, and a fully accepted step whose blocks
+    end exactly at the new last token (no lookahead slots were free). SmolLM2 drafting for
+    itself proposes exactly Hugging Face's greedy continuation when its cache is right, which
+    `HandPlanner` checks after every step."""
+    prompts, reference = grounded
+    row = SHORT_CODE_ROWS[0]
+    runner = draft_runner
+    runner.reset()
+    bs = runner.config.block_size
+    other = SHORT_CODE_ROWS[1]
+    with recording(runner) as rec:
+        p = HandPlanner(runner, rec, greedy={"X": reference[row], "W": reference[other]},
+                        exact=True)
+        # W fills some blocks (target and draft caches) and leaves; X gets them next.
+        p.step(p.new("W", prompts[other]))
+        p.step(p.decode("W"))
+        gone = p.finish("W")
+        # X is preempted after a first chunk that did not sample, then resumed on those 4
+        # blocks as a prefix-cache hit: the draft model has never seen them.
+        p.step(p.new("X", prompts[row], chunk=4 * bs), finished=(gone,))
+        gone = p.finish("X", keep_blocks=4)
+        p.step(p.new("X"), finished=(gone,))
+        # Decodes on exactly allocated blocks; the slot counts shift the phase against the
+        # block boundary so that full acceptance lands on it.
+        tight = 0
+        for k in (K, K, 2, K, K, 1, K, K, K, 2, K, K):
+            if len(p.reqs["X"].outputs) + k + 1 > len(reference[row]):
+                break
+            p.step(p.decode("X", k))
+            tight += p.reqs["X"].written == len(p.reqs["X"].blocks) * bs
+    assert tight > 0, "no step ended exactly on the last allocated slot"
+    assert_greedy_prefix("X", p.reqs["X"].outputs, reference[row])
 
 
 # ---------------------------------------------------------------------- scheduler-driven harness

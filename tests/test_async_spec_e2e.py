@@ -1,0 +1,286 @@
+"""Async scheduling + speculative decoding end to end: scheduler and worker processes over gRPC.
+
+Issue 4's matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,draft}` (draft:
+SmolLM2 drafting for itself, k=3). One worker process per spec method serves every scheduler of
+that method; a worker takes one scheduler stream at a time, so each test starts its own scheduler
+and stops it before the next one connects. Hugging Face greedy `generate` is the oracle for greedy
+outputs; seeded sampling is checked by identity across configurations.
+
+Runtime: the default suite runs every combination on 16 rows (concurrency 16 is really reached)
+capped at 32 new tokens; the full 48-row workload at `TEST_MAX_TOKENS` for all six combinations
+takes over ten minutes on two CPU cores, so it is `@pytest.mark.slow` (`make test-slow`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.e2e import (
+    MIN_IDENTICAL,
+    TEST_MAX_TOKENS,
+    assert_matches_reference,
+    bench_rows,
+    hf_reference,
+    prompt_ids,
+    run_workload,
+)
+from tests.hf_oracle import _load_hf_model
+from tests.servers import Service, start_scheduler, start_worker, wait_serving
+from zerobubble.api import generate_pb2_grpc
+from zerobubble.client import build_request, complete
+
+pytestmark = pytest.mark.timeout(1800)
+
+SPECS = ("none", "ngram", "draft")
+K = 3
+# Every third row or so: code edits (long prompts, n-gram friendly), grounded QA and open chat.
+SUBSET = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 40, 43, 46)
+SUBSET_MAX_TOKENS = 32
+MAX_TOKENS_PREEMPT = 40  # 16 x (about 250 prompt + 40) tokens against about 1040 KV slots
+
+
+class WorkerPool:
+    """One worker process per spec method, started on first use, stopped with the module."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, Service] = {}
+
+    def get(self, spec: str) -> Service:
+        if spec not in self.workers:
+            options = dict(kv_cache_memory_gb=0.5, max_num_seqs=32, spec_method=spec,
+                           num_spec_tokens=K)
+            if spec == "draft":
+                options["draft_model"] = "smollm2-135m"
+            self.workers[spec] = start_worker(**options)
+        return self.workers[spec]
+
+    def stop(self) -> None:
+        for worker in self.workers.values():
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def pool(smollm2_dir) -> Iterator[WorkerPool]:
+    pool = WorkerPool()
+    yield pool
+    pool.stop()
+
+
+@contextlib.contextmanager
+def scheduler_on(worker: Service, **options) -> Iterator[Service]:
+    """A fresh scheduler process on `worker`, stopped (stream closed) on exit."""
+    scheduler = start_scheduler([worker], **options)
+    try:
+        wait_serving(scheduler.target)
+        yield scheduler
+    finally:
+        scheduler.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2_dir, grounded_rows) -> list[list[int]]:
+    """Hugging Face greedy outputs of every grounded row at TEST_MAX_TOKENS (cached on disk)."""
+    return hf_reference(smollm2_dir, grounded_rows)
+
+
+def check_greedy(pool: WorkerPool, spec: str, inflight: int, rows: list[dict], ref: list[list[int]],
+                 max_tokens: int, min_identical: int, model_dir: Path) -> dict:
+    with scheduler_on(pool.get(spec), max_inflight_steps=inflight) as scheduler:
+        report = run_workload(scheduler.target, bench_rows(rows, max_tokens=max_tokens),
+                              concurrency=16)
+    assert_matches_reference(report, [r[:max_tokens] for r in ref], model_dir, rows,
+                             min_identical=min_identical)
+    stats = report["server_stats"]
+    if spec == "none":
+        assert stats["num_draft_tokens"] == 0
+    else:
+        assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0, stats
+    if spec == "draft":
+        # SmolLM2 drafting for itself under greedy agrees with the target, barring float ties.
+        assert stats["num_accepted_tokens"] >= 0.95 * stats["num_draft_tokens"], stats
+    return report
+
+
+COMBINATIONS = [pytest.param(spec, inflight, id=f"{spec}-inflight{inflight}")
+                for spec in SPECS for inflight in (1, 2)]
+
+
+@pytest.mark.parametrize("spec,inflight", COMBINATIONS)
+def test_greedy_matches_hf_on_a_subset(pool, smollm2_dir, grounded_rows, reference, spec, inflight):
+    """Every combination on 16 rows at concurrency 16, 32 new tokens: at most one divergence
+    (the 46-of-48 allowance for float near-ties, scaled down)."""
+    rows = [grounded_rows[i] for i in SUBSET]
+    check_greedy(pool, spec, inflight, rows, [reference[i] for i in SUBSET], SUBSET_MAX_TOKENS,
+                 len(rows) - 1, smollm2_dir)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,inflight", COMBINATIONS)
+def test_greedy_matches_hf_on_the_whole_workload(pool, smollm2_dir, grounded_rows, reference,
+                                                 spec, inflight):
+    """Issue 4's acceptance criterion as stated: all 48 rows at concurrency 16, at least 46
+    token-identical to Hugging Face."""
+    check_greedy(pool, spec, inflight, grounded_rows, reference, TEST_MAX_TOKENS, MIN_IDENTICAL,
+                 smollm2_dir)
+
+
+def test_seeded_sampling_is_identical_across_inflight_spec_and_concurrency(pool, grounded_rows,
+                                                                           reference):
+    """Temperature 0.8 with a seed per request: the same tokens for every combination of
+    `--max-inflight-steps {1,2}`, `--spec-method {none,ngram}` and concurrency 1 vs 16."""
+    indices = (3, 24, 27, 40, 43)  # shorter prompts: the concurrency-1 runs are sequential
+    rows = [dataclasses.replace(row, temperature=0.8, seed=1000 + i)
+            for i, row in zip(indices, bench_rows([grounded_rows[i] for i in indices],
+                                                  max_tokens=16))]
+    runs: dict[tuple, list[list[int]]] = {}
+    for spec in ("none", "ngram"):
+        for inflight in (1, 2):
+            with scheduler_on(pool.get(spec), max_inflight_steps=inflight) as scheduler:
+                for concurrency in (1, 16):
+                    report = run_workload(scheduler.target, rows, concurrency)
+                    assert all(r["finish_reason"] in ("eos", "max_tokens")
+                               for r in report["requests"]), report["requests"]
+                    runs[(spec, inflight, concurrency)] = [r["token_ids"] for r in report["requests"]]
+                    if spec == "ngram":
+                        assert report["server_stats"]["num_draft_tokens"] > 0
+    baseline = runs[("none", 1, 1)]
+    # Sampling really happened (the test could not pass with greedy outputs).
+    assert any(out != reference[i][:len(out)] for out, i in zip(baseline, indices))
+    for config, outputs in runs.items():
+        for i, (ours, base) in enumerate(zip(outputs, baseline)):
+            assert ours == base, f"{config}: row {indices[i]} differs from none/inflight1/c1"
+
+
+def test_max_tokens_1_to_5_with_ngram_drafts(pool, smollm2_dir, grounded_rows, reference):
+    """No token past max_tokens while k=3 drafts are accepted: exact lengths, finish reason
+    max_tokens, Hugging Face's first tokens, with two plans in flight."""
+    indices = (0, 3, 6)
+    prompts = prompt_ids(smollm2_dir, [grounded_rows[i] for i in indices])
+
+    async def run_all(target: str):
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            calls = {(i, n): complete(stub, build_request(token_ids=prompt, max_tokens=n,
+                                                          ignore_eos=True), timeout=120)
+                     for i, prompt in zip(indices, prompts) for n in range(1, 6)}
+            return dict(zip(calls, await asyncio.gather(*calls.values())))
+
+    with scheduler_on(pool.get("ngram"), max_inflight_steps=2) as scheduler:
+        before = scheduler_stats(scheduler)
+        results = asyncio.run(run_all(scheduler.target))
+        after = scheduler_stats(scheduler)
+    for (i, n), completion in results.items():
+        assert completion.finish_reason == "max_tokens", (i, n, completion)
+        assert completion.token_ids == reference[i][:n], (i, n)
+    assert after["accepted"] > before["accepted"], "no draft accepted: the limit was not exercised"
+
+
+def test_cancel_with_steps_in_flight_keeps_others_exact(pool, smollm2_dir, grounded_rows, reference):
+    """A stream cancelled while its steps are in flight (n-gram drafts, two plans ahead): the
+    others stay Hugging Face's, and the scheduler frees every KV block and forgets it."""
+    indices = (0, 3, 6)
+    prompts = prompt_ids(smollm2_dir, [grounded_rows[i] for i in indices])
+
+    async def scenario(target: str):
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            others = [asyncio.create_task(complete(stub, build_request(token_ids=p, max_tokens=48),
+                                                   timeout=120)) for p in prompts[1:]]
+            call = stub.Generate(build_request(token_ids=prompts[0], max_tokens=400,
+                                               ignore_eos=True))
+            got: list[int] = []
+            async for reply in call:
+                got.extend(reply.token_ids)
+                if len(got) >= 6:
+                    break
+            call.cancel()
+            return got, await asyncio.gather(*others)
+
+    with scheduler_on(pool.get("ngram"), max_inflight_steps=2) as scheduler:
+        got, others = asyncio.run(scenario(scheduler.target))
+        port = scheduler.ports["METRICS"]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and (metric(port, "zerobubble_kv_cache_usage_ratio")
+                                               or metric(port, "zerobubble_num_requests_running")):
+            time.sleep(0.2)
+        assert metric(port, "zerobubble_kv_cache_usage_ratio") == 0.0
+        assert metric(port, "zerobubble_num_requests_running") == 0
+        assert metric(port, "zerobubble_request_success_total", finished_reason="cancelled") == 1
+    assert got == reference[indices[0]][:len(got)]
+    for i, completion in zip(indices[1:], others):
+        assert completion.token_ids == reference[i][:48], i
+
+
+def test_logprobs_over_grpc_belong_to_the_accepted_tokens(pool, smollm2_dir, grounded_rows):
+    """With n-gram drafts accepted several at a time, each streamed logprob is log_softmax of
+    Hugging Face's logits for that token at its position."""
+    [prompt] = prompt_ids(smollm2_dir, [grounded_rows[0]])
+
+    async def one(target: str):
+        async with grpc.aio.insecure_channel(target) as channel:
+            return await complete(generate_pb2_grpc.GenerationStub(channel),
+                                  build_request(token_ids=prompt, max_tokens=32, logprobs=True),
+                                  timeout=120)
+
+    with scheduler_on(pool.get("ngram"), max_inflight_steps=2) as scheduler:
+        before = scheduler_stats(scheduler)
+        completion = asyncio.run(one(scheduler.target))
+        after = scheduler_stats(scheduler)
+    assert after["accepted"] > before["accepted"]
+    assert len(completion.logprobs) == len(completion.token_ids) > 0
+    hf = _load_hf_model(Path(smollm2_dir))
+    with torch.inference_mode():
+        logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0].float()
+    expected = logits.log_softmax(-1)[len(prompt) - 1:-1].gather(
+        -1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=2e-3)
+
+
+def test_preemption_with_tiny_kv_chunked_prefill_and_ngram(smollm2_dir, grounded_rows, reference):
+    """About 64 KV blocks for 16 concurrent requests, 128-token steps (chunked prefill), n-gram
+    drafts and two plans in flight: requests are preempted and resumed, outputs stay Hugging
+    Face's greedy ones."""
+    worker = start_worker(kv_cache_memory_gb=0.045, spec_method="ngram", num_spec_tokens=K,
+                          max_num_seqs=16)
+    try:
+        rows = grounded_rows[:16]
+        with scheduler_on(worker, max_inflight_steps=2, max_num_batched_tokens=128) as scheduler:
+            report = run_workload(scheduler.target, bench_rows(rows, max_tokens=MAX_TOKENS_PREEMPT),
+                                  concurrency=16)
+    finally:
+        worker.stop()
+    stats = report["server_stats"]
+    assert stats["num_preemptions"] > 0, stats
+    assert stats["num_accepted_tokens"] > 0, stats
+    assert_matches_reference(report, [r[:MAX_TOKENS_PREEMPT] for r in reference[:16]], smollm2_dir,
+                             rows, min_identical=15)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def scrape(port: int) -> list:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return [s for family in text_string_to_metric_families(text) for s in family.samples]
+
+
+def metric(port: int, name: str, **labels) -> float:
+    return sum(s.value for s in scrape(port)
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def scheduler_stats(scheduler: Service) -> dict[str, float]:
+    port = scheduler.ports["METRICS"]
+    return {"accepted": metric(port, "zerobubble_spec_decode_num_accepted_tokens_total"),
+            "drafted": metric(port, "zerobubble_spec_decode_num_draft_tokens_total")}
