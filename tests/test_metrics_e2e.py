@@ -325,9 +325,6 @@ def test_gauges_moved_while_running_and_settled_after(observed):
         assert values(sched, name) and total(sched, name) == 0, name
 
 
-@pytest.mark.xfail(reason="worker_svc/server.py creates its KV-usage and in-flight series but "
-                   "never sets them, so a worker's own /metrics shows 0 while it is busy "
-                   "(reported to the lead; the scheduler's figures are right)", strict=False)
 def test_worker_gauges_move_on_the_workers_own_port(observed):
     poller = observed["worker_poller"]
     assert poller.scrapes >= 5

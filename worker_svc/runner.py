@@ -66,7 +66,7 @@ class SlotInfo:
     """Host-side bookkeeping of one request's state slot (no device reads needed)."""
 
     slot: int
-    num_blocks: int
+    block_ids: list[int]
     sampling: worker_pb2.SamplingParams
     has_sample: bool = False  # a token has been sampled: decode steps are allowed
 
@@ -182,7 +182,7 @@ class ModelRunner:
             raise PlanError(f"request {entry.req_id}: no free state slot "
                             f"(max_num_seqs={self.config.max_num_seqs})")
         slot = self.free_slots.pop()
-        info = SlotInfo(slot=slot, num_blocks=0, sampling=entry.sampling)
+        info = SlotInfo(slot=slot, block_ids=[], sampling=entry.sampling)
         self.slots[entry.req_id] = info
         self.slots_by_index[slot] = info
         self.state.seq_len[slot] = entry.num_cached_tokens
@@ -195,15 +195,24 @@ class ModelRunner:
         new = list(entry.new_block_ids)
         if not new:
             return
-        end = info.num_blocks + len(new)
+        start = len(info.block_ids)
+        end = start + len(new)
         if end > self.max_blocks_per_seq:
             raise PlanError(f"request {entry.req_id}: block table would hold {end} blocks, "
                             f"more than max_model_len allows ({self.max_blocks_per_seq})")
         if min(new) < 0 or max(new) >= self.config.num_blocks:
             raise PlanError(f"request {entry.req_id}: block id out of range "
                             f"[0, {self.config.num_blocks})")
-        self.state.block_table[info.slot, info.num_blocks:end] = _to_device_list(new, self.device)
-        info.num_blocks = end
+        self.state.block_table[info.slot, start:end] = _to_device_list(new, self.device)
+        info.block_ids.extend(new)
+
+    def kv_usage(self) -> float:
+        """KV blocks held by live requests (shared prefix blocks once) / all blocks."""
+        held = set()
+        # A snapshot: the service thread reads this while the step thread admits requests.
+        for info in list(self.slots.values()):
+            held.update(info.block_ids)
+        return len(held) / self.config.num_blocks
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -260,7 +269,7 @@ class ModelRunner:
             st.last_token, st.drafts, st.num_drafts, st.block_table, st.history,
             self.config.block_size)
         num_sched_t = _to_device_list(num_scheduled, dev)
-        max_blocks = max(r.num_blocks for r in rows)
+        max_blocks = max(len(r.block_ids) for r in rows)
         meta = AttentionMetadata(
             query_start_loc=qsl,
             seq_lens=st.seq_len[req_slots.long()] + num_sched_t,

@@ -152,6 +152,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.tokenizer_fields = tokenizer_fields(loaded.path)
         self._stream_lock = asyncio.Lock()
         self._generation = 0  # a new Execute stream supersedes the old one
+        self._inflight = 0  # plans received and not yet answered
 
     async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         cfg = self.runner.config
@@ -216,6 +217,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 async for plan in request_iterator:
                     if generation != self._generation:
                         break
+                    self._inflight += 1
                     plans.put(plan)
             finally:
                 plans.put(_END)
@@ -228,8 +230,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 item = await results.get()
                 if item is _END:
                     break
-                if self.metrics is not None and not item.error:
-                    self.metrics.record_step_result(self.worker_id, item)
+                self._inflight -= 1
+                if self.metrics is not None:
+                    if not item.error:
+                        self.metrics.record_step_result(self.worker_id, item)
+                    self.metrics.set_inflight(self.worker_id, self._inflight)
+                    self.metrics.set_kv_usage(self.worker_id, self.runner.kv_usage())
                 yield item
         finally:
             reader.cancel()
@@ -237,6 +243,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await asyncio.to_thread(thread.join)
             copier.shutdown(wait=True)
             self.runner.reset()
+            self._inflight = 0
             logger.info("scheduler stream %d closed", generation)
 
 

@@ -99,7 +99,7 @@ class DraftModelProposer:
         # if its catch-up does not fit) and, for the forwards it still takes part in, re-feeds
         # one confirmed token at its own position: that rewrites identical K/V, whereas writing
         # any other token there would corrupt a position `draft_len` vouches for.
-        caps = [runner.slots_by_index[s].num_blocks * bs for s in slots.tolist()]
+        caps = [len(runner.slots_by_index[s].block_ids) * bs for s in slots.tolist()]
 
         def confirmed(slot: int, r: int, lo: int, hi: int) -> list[int]:
             """Confirmed tokens at positions [lo, hi) (history pages, then the last token)."""
