@@ -653,7 +653,9 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
     # A stops on a token that first appears a few tokens in.
     stop_at = next(i for i in range(6, 40) if ref_a[i] not in ref_a[:i])
     stop_token = ref_a[stop_at]
-    scheduler = make_scheduler(runner, max_num_seqs=3)  # D waits for a free slot
+    # D waits for a free sequence slot, and 48 blocks (three requests' worth) leave it only
+    # blocks that A or B held while their last steps were still queued.
+    scheduler = make_scheduler(runner, max_num_seqs=3, num_blocks=48)
     prompts = {f"r{row}": prompts_all[row] for row in (a, b, c, d)}
     scheduler.add_request(f"r{a}", prompts_all[a], max_tokens=40, stop_token_ids=[stop_token])
     for row in (b, c, d):
@@ -691,10 +693,16 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
         notices = [i for i, (plan, _, _) in enumerate(trace.steps) if req_id in plan.finished_req_ids]
         assert len(notices) == 1, (req_id, notices)
         assert max(steps_with(req_id)) < notices[0]
-    # D could only start once a slot was free; it ran on a slot and blocks A or B had held.
+    # D could only start once a slot was free, and it ran on blocks A or B had held.
     first_d = min(steps_with(f"r{d}"))
     assert any(f"r{a}" in plan.finished_req_ids or f"r{b}" in plan.finished_req_ids
                for plan, _, _ in trace.steps[:first_d + 1])
+
+    def blocks_of(req_id: str) -> set[int]:
+        return {b for plan, _, _ in trace.steps for e in plan.requests if e.req_id == req_id
+                for b in e.new_block_ids}
+
+    assert blocks_of(f"r{d}") & (blocks_of(f"r{a}") | blocks_of(f"r{b}"))
     assert not runner.slots.keys() & {f"r{a}", f"r{b}"}
 
 
