@@ -99,8 +99,10 @@ def check_greedy(pool: WorkerPool, spec: str, inflight: int, rows: list[dict], r
     with scheduler_on(pool.get(spec), max_inflight_steps=inflight) as scheduler:
         report = run_workload(scheduler.target, bench_rows(rows, max_tokens=max_tokens),
                               concurrency=16)
-    assert_matches_reference(report, [r[:max_tokens] for r in ref], model_dir, rows,
-                             min_identical=min_identical)
+    identical = assert_matches_reference(report, [r[:max_tokens] for r in ref], model_dir, rows,
+                                         min_identical=min_identical)
+    print(f"{spec} inflight={inflight}: {identical}/{len(rows)} identical to Hugging Face, "
+          f"acceptance {report['acceptance_rate']}, idle {report['worker_idle_fraction']}")
     stats = report["server_stats"]
     if spec == "none":
         assert stats["num_draft_tokens"] == 0

@@ -285,7 +285,10 @@ class HandPlanner:
                 used = req.drafts[:k]
                 self.trimmed += len(req.drafts) > k
                 last = req.seq[-1]
-                expected = [last] + used + [last] * (k - len(used))
+                # Filler slots (no real draft) are fed only where the worker keeps the plan's
+                # shape (CUDA); on the CPU they are skipped, never replaced by stale ids.
+                fillers = 0 if self.runner.trim_empty_drafts else k - len(used)
+                expected = [last] + used + [last] * fillers
                 assert ids == expected, (
                     f"{entry.req_id}: decode inputs {ids}, expected last token + its own drafts "
                     f"{expected} (stale or foreign drafts reached the model)")

@@ -155,6 +155,7 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self.trim_empty_drafts = self.device.type == "cpu"
 
     # -- request state -------------------------------------------------------------------------
 
@@ -244,6 +245,11 @@ class ModelRunner:
                     raise PlanError(f"request {entry.req_id}: {entry.num_draft_slots} draft slots, "
                                     f"worker proposes at most {self.num_spec_tokens}")
                 n = 1 + entry.num_draft_slots
+                if self.trim_empty_drafts:
+                    # Slots without a real draft can only be rejected; on the CPU the draft count
+                    # is already host memory, so skip computing them. (On CUDA reading it would
+                    # stall the host behind the device, so the plan's shape is kept.)
+                    n = 1 + min(entry.num_draft_slots, int(self.state.num_drafts[info.slot]))
                 prefill_ids.extend([0] * n)
             else:
                 n = len(entry.token_ids)
