@@ -105,7 +105,7 @@ def suite_spec(args) -> dict:
 
 
 def suite_hf(args) -> dict:
-    rows = load_dataset(args.dataset, max_tokens_cap=args.max_tokens_cap)
+    rows = load_dataset(args.dataset, limit=args.limit_c16, max_tokens_cap=args.max_tokens_cap)
     worker = start_worker(kv_cache_memory_gb=args.kv_gb)
     try:
         ours = with_scheduler(worker, rows, 16)
@@ -116,7 +116,7 @@ def suite_hf(args) -> dict:
         ours_path, hf_path = Path(tmp) / "ours.json", Path(tmp) / "hf.json"
         ours_path.write_text(json.dumps(ours))
         cmd = [sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), "--dataset", str(args.dataset),
-               "--json", str(hf_path), "--compare", str(ours_path)]
+               "--limit", str(args.limit_c16), "--json", str(hf_path), "--compare", str(ours_path)]
         if args.max_tokens_cap:
             cmd += ["--max-tokens-cap", str(args.max_tokens_cap)]
         subprocess.run(cmd, check=True)
