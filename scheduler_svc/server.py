@@ -23,6 +23,7 @@ from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
+from zerobubble.cli import config_from_args
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -55,9 +56,6 @@ class SchedulerServiceConfig:
     worker_tls_cert: str = ""
     worker_tls_key: str = ""
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "SchedulerServiceConfig":
-        return cls(**{name: getattr(args, name) for name in cls.__slots__ if hasattr(args, name)})
 
 
 class InvalidRequest(ValueError):
@@ -362,7 +360,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
 
 def run_scheduler(args: argparse.Namespace) -> None:
     """Entry point of `zerobubble scheduler`."""
-    cfg = SchedulerServiceConfig.from_args(args)
+    cfg = config_from_args(SchedulerServiceConfig, args)
     if not cfg.workers:
         raise SystemExit("zerobubble scheduler: --workers is required (host:port,... or dns:///name:port)")
     asyncio.run(serve_scheduler(cfg))

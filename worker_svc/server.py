@@ -30,6 +30,7 @@ from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
 from worker_svc.runner import ModelRunner, PlanError, RunnerConfig
 from zerobubble import rpc
+from zerobubble.cli import config_from_args
 from zerobubble.api import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -64,10 +65,6 @@ class WorkerConfig:
     tls_key: str = ""
     tls_client_ca: str = ""
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "WorkerConfig":
-        """Pick the worker's fields out of a parsed CLI namespace."""
-        return cls(**{name: getattr(args, name) for name in cls.__slots__ if hasattr(args, name)})
 
 
 def resolve_device(name: str) -> torch.device:
@@ -286,6 +283,6 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
 
 def run_worker(args: argparse.Namespace) -> None:
     """Entry point of `zerobubble worker`."""
-    cfg = WorkerConfig.from_args(args)
+    cfg = config_from_args(WorkerConfig, args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     asyncio.run(serve_worker(cfg))

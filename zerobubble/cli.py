@@ -12,12 +12,21 @@ start quickly and never import torch.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
+
+_Config = TypeVar("_Config")
+
+
+def config_from_args(cls: type[_Config], args: argparse.Namespace) -> _Config:
+    """A service's config dataclass filled from the parsed flags of the same names."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
 
 ENV_PREFIX = "ZEROBUBBLE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -16,6 +16,7 @@ import sys
 from dataclasses import fields
 
 from scheduler_svc.server import SchedulerServiceConfig, serve_scheduler
+from zerobubble.cli import config_from_args
 from worker_svc.server import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def start_local_worker(args: argparse.Namespace, timeout_s: float = 600.0) -> tu
 
 def run_serve(args: argparse.Namespace) -> None:
     """Entry point of `zerobubble serve`."""
-    cfg = SchedulerServiceConfig.from_args(args)
+    cfg = config_from_args(SchedulerServiceConfig, args)
     proc = None
     if cfg.workers:
         addresses = [a.strip() for a in cfg.workers.split(",") if a.strip()]
