@@ -19,12 +19,12 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import torch
 
+from worker_svc.config import WorkerConfig
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
@@ -37,33 +37,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _END = object()
-
-
-@dataclass(slots=True)
-class WorkerConfig:
-    """Everything `zerobubble worker` is configured with (CLI flags, env fallbacks)."""
-
-    model: str = "smollm2-135m"
-    host: str = "0.0.0.0"
-    port: int = 50061
-    metrics_port: int = -1
-    dtype: str = "auto"
-    device: str = "auto"
-    block_size: int = 16
-    kv_cache_memory_gb: float = 2.0
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_model_len: int = 0
-    spec_method: str = "none"
-    num_spec_tokens: int = 3
-    ngram_min: int = 2
-    ngram_max: int = 4
-    draft_model: str = ""
-    worker_id: str = ""
-    num_threads: int = 0
-    tls_cert: str = ""
-    tls_key: str = ""
-    tls_client_ca: str = ""
 
 
 

@@ -17,7 +17,7 @@ from dataclasses import fields
 
 from scheduler_svc.server import SchedulerServiceConfig, serve_scheduler
 from zerobubble.cli import config_from_args
-from worker_svc.server import WorkerConfig
+from worker_svc.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
