@@ -44,8 +44,9 @@ pytestmark = pytest.mark.timeout(1800)
 
 SPECS = ("none", "ngram", "draft")
 K = 3
-# Every third row or so: code edits (long prompts, n-gram friendly), grounded QA and open chat.
-SUBSET = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 36, 40, 43, 46)
+# 8 code edits (n-gram friendly), 4 grounded QA and 4 open chat rows, the ones with the shorter
+# prompts (prefill dominates on CPU), whose Hugging Face runs go past SUBSET_MAX_TOKENS but one.
+SUBSET = (0, 3, 4, 7, 9, 13, 17, 23, 25, 27, 29, 31, 40, 41, 43, 46)
 SUBSET_MAX_TOKENS = 24
 MAX_TOKENS_PREEMPT = 32  # 16 x (about 250 prompt + 32) tokens against about 1040 KV slots
 
