@@ -287,7 +287,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
 
         # Logits only where a token is sampled or verified: every slot of a decode row, the last
-        # token of a sampling prefill chunk. Padded to K+1 columns per sampled row.
+        # token of a sampling prefill chunk.
         k_max = self.num_spec_tokens
         width = k_max + 1
         sampled_rows = [i for i in range(num_rows) if do_sample[i]]
@@ -298,27 +298,39 @@ class ModelRunner:
             return PendingResult(plan.step_id, req_ids, [], None, None, None, None,
                                  [bool(r.sampling.logprobs) for r in rows], num_tokens,
                                  time.perf_counter() - start)
-        gather_idx: list[int] = []   # flat token index per (sampled row, column)
-        valid_cols: list[int] = []   # columns with a real slot
+        # Logits only for real slots (a trimmed decode row has fewer than K+1); ``pad_index``
+        # then spreads the per-slot results to K+1 columns per row, repeating a row's last slot.
+        gather_idx: list[int] = []   # flat token index of every real slot
+        pad_index: list[int] = []    # (sampled row, column) -> index into gather_idx
+        valid_cols: list[int] = []   # real slots per sampled row
         firsts: list[int] = []       # flat index of each sampled row's first logit
         for i in sampled_rows:
             n = num_scheduled[i] if is_decode[i] else 1
             first = qsl_host[i + 1] - n
-            idx = list(range(first, first + n))
+            base = len(gather_idx)
+            gather_idx.extend(range(first, first + n))
+            pad_index.extend(base + min(c, n - 1) for c in range(width))
             valid_cols.append(n)
             firsts.append(first)
-            gather_idx.extend(idx + [idx[-1]] * (width - n))
         num_s = len(sampled_rows)
         sampled_slots = req_slots[sampled_rows]
-        logits = self.model.compute_logits(hidden[_to_device_list(gather_idx, dev, torch.long)])
+        gather_t = _to_device_list(gather_idx, dev, torch.long)
+        padded = len(gather_idx) < len(pad_index)
+        pad_t = _to_device_list(pad_index, dev, torch.long) if padded else None
+
+        def spread(t: torch.Tensor) -> torch.Tensor:
+            """Per-slot values -> ``[num_s, width, ...]``."""
+            return (t[pad_t] if padded else t).view(num_s, width, *t.shape[1:])
+
+        logits = self.model.compute_logits(hidden[gather_t])
         # Absolute position of each sampled token = input position + 1 (keys the randomness).
-        sample_pos = positions[_to_device_list(gather_idx, dev, torch.long)] + 1
+        sample_pos = positions[gather_t] + 1
         infos = [rows[i].sampling for i in sampled_rows]
         tensors = SamplingTensors.from_params(
-            temperatures=[p.temperature for p in infos for _ in range(width)],
-            top_ks=[p.top_k for p in infos for _ in range(width)],
-            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p in infos for _ in range(width)],
-            seeds=[p.seed & SEED_MASK for p in infos for _ in range(width)],
+            temperatures=[p.temperature for p, n in zip(infos, valid_cols) for _ in range(n)],
+            top_ks=[p.top_k for p, n in zip(infos, valid_cols) for _ in range(n)],
+            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p, n in zip(infos, valid_cols) for _ in range(n)],
+            seeds=[p.seed & SEED_MASK for p, n in zip(infos, valid_cols) for _ in range(n)],
             positions=sample_pos, device=dev)
 
         # Drafts fed this step are the inputs after the first slot of each decode row; only the
@@ -330,13 +342,12 @@ class ModelRunner:
         draft_idx = (row_start[:, None] + 1 + col[None, :k_max]).clamp(max=num_tokens - 1)
         draft_tokens = input_ids[draft_idx] if k_max else input_ids.new_zeros((num_s, 0))
         if self.proposer is not None and self.proposer.has_draft_probs:
-            probs = target_probs(logits, tensors).view(num_s, width, -1)
+            probs = spread(target_probs(logits, tensors))
             q = self.proposer.draft_probs(sampled_slots, k_max)
             out_tokens, num_accepted = rejection_sample(
-                probs, q, draft_tokens, num_verified, tensors.seeds.view(num_s, width)[:, 0],
-                sample_pos.view(num_s, width)[:, 0])
+                probs, q, draft_tokens, num_verified, spread(tensors.seeds)[:, 0], spread(sample_pos)[:, 0])
         else:
-            out_tokens = sample(logits, tensors).view(num_s, width)
+            out_tokens = spread(sample(logits, tensors))
             num_accepted = count_accepted(out_tokens, draft_tokens, num_verified) if k_max else \
                 torch.zeros(num_s, dtype=torch.int32, device=dev)
         want_lp = [bool(r.sampling.logprobs) for r in rows]
@@ -344,7 +355,11 @@ class ModelRunner:
         if any(want_lp[i] for i in sampled_rows):
             # Rejection sampling leaves -1 after the emitted token; those columns are never
             # returned, but gathering at -1 would fail the whole step.
-            lp = token_logprobs(logits, out_tokens.reshape(-1).long().clamp(min=0)).view(num_s, width)
+            tokens = out_tokens.reshape(-1)
+            if padded:  # back to one entry per real slot, in gather_idx order
+                tokens = tokens[_to_device_list([r * width + c for r, n in enumerate(valid_cols)
+                                                 for c in range(n)], dev, torch.long)]
+            lp = spread(token_logprobs(logits, tokens.long().clamp(min=0)))
 
         # Sequence-length correction, on the device: the true accepted counts, not the plan's.
         acc_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)
