@@ -86,9 +86,11 @@ def suite_async(args) -> dict:
 
 def suite_spec(args) -> dict:
     out = {}
-    workers = {"none": start_worker(kv_cache_memory_gb=args.kv_gb),
-               "ngram": start_worker(kv_cache_memory_gb=args.kv_gb, spec_method="ngram",
-                                     num_spec_tokens=3)}
+    workers = {"none": start_worker(kv_cache_memory_gb=args.kv_gb)}
+    for n_min in args.ngram_min:
+        name = "ngram" if len(args.ngram_min) == 1 else f"ngram-min{n_min}"
+        workers[name] = start_worker(kv_cache_memory_gb=args.kv_gb, spec_method="ngram",
+                                     num_spec_tokens=3, ngram_min=n_min)
     try:
         for kind in ("code-edit", "open-chat", "grounded-qa"):
             rows = load_dataset(args.dataset, kind=kind, limit=args.limit_spec,
@@ -96,8 +98,11 @@ def suite_spec(args) -> dict:
             print(f"{kind}: {len(rows)} rows at concurrency 1", flush=True)
             runs = interleave({name: (lambda w=w: with_scheduler(w, rows, 1))
                                for name, w in workers.items()}, args.repeats)
-            out[kind] = {"ngram_over_none": rate(runs["ngram"]) / rate(runs["none"]), "runs": runs}
-            print(f"  ngram / none = {out[kind]['ngram_over_none']:.3f}", flush=True)
+            out[kind] = {f"{name}_over_none": rate(r) / rate(runs["none"])
+                         for name, r in runs.items() if name != "none"}
+            for key, ratio in out[kind].items():
+                print(f"  {key} = {ratio:.3f}", flush=True)
+            out[kind]["runs"] = runs
     finally:
         for w in workers.values():
             w.stop()
@@ -106,7 +111,7 @@ def suite_spec(args) -> dict:
 
 def suite_hf(args) -> dict:
     rows = load_dataset(args.dataset, limit=args.limit_c16, max_tokens_cap=args.max_tokens_cap)
-    worker = start_worker(kv_cache_memory_gb=args.kv_gb)
+    worker = start_worker(kv_cache_memory_gb=args.kv_gb, dtype=args.dtype)
     try:
         ours = with_scheduler(worker, rows, 16)
     finally:
@@ -116,7 +121,8 @@ def suite_hf(args) -> dict:
         ours_path, hf_path = Path(tmp) / "ours.json", Path(tmp) / "hf.json"
         ours_path.write_text(json.dumps(ours))
         cmd = [sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), "--dataset", str(args.dataset),
-               "--limit", str(args.limit_c16), "--json", str(hf_path), "--compare", str(ours_path)]
+               "--limit", str(args.limit_c16), "--json", str(hf_path), "--compare", str(ours_path),
+               "--dtype", args.dtype]
         if args.max_tokens_cap:
             cmd += ["--max-tokens-cap", str(args.max_tokens_cap)]
         subprocess.run(cmd, check=True)
@@ -134,10 +140,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens-cap", type=int, default=0)
     parser.add_argument("--kv-gb", type=float, default=1.0)
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="hf suite: the dtype of both engines")
     parser.add_argument("--limit-c1", type=int, default=4)
     parser.add_argument("--limit-c4", type=int, default=12)
     parser.add_argument("--limit-c16", type=int, default=48)
     parser.add_argument("--limit-spec", type=int, default=4)
+    parser.add_argument("--ngram-min", type=int, nargs="+", default=[2],
+                        help="spec suite: one n-gram worker per value, all against no speculation")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = {"hf": suite_hf, "async": suite_async, "spec": suite_spec}[args.suite](args)

@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.attention import AttentionMetadata  # noqa: E402
 from kernels.slot_mapping import compute_slot_mapping  # noqa: E402
+from worker_svc.config import WorkerConfig  # noqa: E402
 from worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
 from worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
 
-BLOCK_SIZE = 16
 
 
 @dataclass(slots=True)
@@ -61,11 +61,12 @@ def time_pair(
     return statistics.median(ours_times) * 1e3, statistics.median(hf_times) * 1e3
 
 
-def ours_decode(model: CausalLM, hf_config: object, batch: int, context: int, dtype: torch.dtype) -> Callable[[], object]:
+def ours_decode(model: CausalLM, hf_config: object, batch: int, context: int, dtype: torch.dtype,
+                block_size: int) -> Callable[[], object]:
     """A decode step of ``batch`` requests, each with ``context`` tokens already cached."""
-    blocks_per_request = -(-(context + 1) // BLOCK_SIZE)
+    blocks_per_request = -(-(context + 1) // block_size)
     num_blocks = batch * blocks_per_request
-    kv_caches = allocate_kv_cache(hf_config, num_blocks, BLOCK_SIZE, dtype, "cpu")
+    kv_caches = allocate_kv_cache(hf_config, num_blocks, block_size, dtype, "cpu")
     for k_cache, v_cache in kv_caches:
         k_cache.normal_()
         v_cache.normal_()
@@ -79,16 +80,17 @@ def ours_decode(model: CausalLM, hf_config: object, batch: int, context: int, dt
         block_tables=block_tables,
         max_query_len=1,
         max_seq_len=context + 1,
-        slot_mapping=compute_slot_mapping(query_start_loc, positions, block_tables, BLOCK_SIZE),
+        slot_mapping=compute_slot_mapping(query_start_loc, positions, block_tables, block_size),
     )
     input_ids = torch.randint(0, model.spec.vocab_size, (batch,))
     return lambda: model.compute_logits(model(input_ids, positions, meta, kv_caches))
 
 
-def ours_prefill(model: CausalLM, hf_config: object, num_tokens: int, dtype: torch.dtype) -> Callable[[], object]:
+def ours_prefill(model: CausalLM, hf_config: object, num_tokens: int, dtype: torch.dtype,
+                 block_size: int) -> Callable[[], object]:
     """A fresh prefill of one ``num_tokens`` prompt; logits for its last token only."""
-    num_blocks = -(-num_tokens // BLOCK_SIZE)
-    kv_caches = allocate_kv_cache(hf_config, num_blocks, BLOCK_SIZE, dtype, "cpu")
+    num_blocks = -(-num_tokens // block_size)
+    kv_caches = allocate_kv_cache(hf_config, num_blocks, block_size, dtype, "cpu")
     block_tables = torch.randperm(num_blocks).view(1, num_blocks).to(torch.int32)
     query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
     positions = torch.arange(num_tokens)
@@ -98,7 +100,7 @@ def ours_prefill(model: CausalLM, hf_config: object, num_tokens: int, dtype: tor
         block_tables=block_tables,
         max_query_len=num_tokens,
         max_seq_len=num_tokens,
-        slot_mapping=compute_slot_mapping(query_start_loc, positions, block_tables, BLOCK_SIZE),
+        slot_mapping=compute_slot_mapping(query_start_loc, positions, block_tables, block_size),
     )
     input_ids = torch.randint(0, model.spec.vocab_size, (num_tokens,))
     return lambda: model.compute_logits(model(input_ids, positions, meta, kv_caches)[-1:])
@@ -139,7 +141,8 @@ def hf_prefill(hf: torch.nn.Module, num_tokens: int) -> Callable[[], object]:
     return step
 
 
-def run(dtypes: list[str], batches: list[int], context: int, prefill_tokens: int, num_reps: int) -> list[Result]:
+def run(dtypes: list[str], batches: list[int], context: int, prefill_tokens: int, num_reps: int,
+        block_size: int) -> list[Result]:
     """Time every case for every dtype."""
     from transformers import AutoModelForCausalLM
 
@@ -150,11 +153,11 @@ def run(dtypes: list[str], batches: list[int], context: int, prefill_tokens: int
         hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
         for batch in batches:
             hf_step, hf_reset = hf_decode(hf, batch, context, dtype)
-            ours_step = ours_decode(loaded.model, loaded.hf_config, batch, context, dtype)
+            ours_step = ours_decode(loaded.model, loaded.hf_config, batch, context, dtype, block_size)
             ours_ms, hf_ms = time_pair(ours_step, hf_step, 2, num_reps, hf_reset)
             results.append(Result(dtype_name, f"decode batch={batch} ctx={context}", ours_ms, hf_ms))
             print_row(results[-1])
-        ours_step = ours_prefill(loaded.model, loaded.hf_config, prefill_tokens, dtype)
+        ours_step = ours_prefill(loaded.model, loaded.hf_config, prefill_tokens, dtype, block_size)
         ours_ms, hf_ms = time_pair(ours_step, hf_prefill(hf, prefill_tokens), 1, max(3, num_reps // 2))
         results.append(Result(dtype_name, f"prefill {prefill_tokens} tokens", ours_ms, hf_ms))
         print_row(results[-1])
@@ -175,6 +178,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="tokens already cached per decode row")
     parser.add_argument("--prefill-tokens", type=int, default=512)
+    parser.add_argument("--block-size", type=int, default=WorkerConfig().block_size,
+                        help="our KV block size (default: the worker's)")
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case (after warmup)")
     parser.add_argument(
         "--threads", type=int, default=0,
@@ -184,7 +189,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"SmolLM2-135M on CPU, {torch.get_num_threads()} threads, median of {args.reps} steps (ms)")
+    print(f"SmolLM2-135M on CPU, {torch.get_num_threads()} threads, KV block size {args.block_size}, "
+          f"median of {args.reps} steps (ms)")
     print(f"{'dtype':<9} {'case':<26} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
     run(
         [d.strip() for d in args.dtypes.split(",") if d.strip()],
@@ -192,6 +198,7 @@ def main() -> None:
         args.context,
         args.prefill_tokens,
         args.reps,
+        args.block_size,
     )
 
 
