@@ -19,6 +19,7 @@ import pytest
 
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.cli import build_parser, env_name, parse_bool
+from zerobubble.client import request_from_args
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +35,7 @@ SCHEDULER_FLAGS = {
     "--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key",
 }
 CLIENT_FLAGS = {"--target", "--tls-ca", "--tls-cert", "--tls-key", "--auth-token", "--log-level"}
-GENERATE_FLAGS = {"--prompt", "--messages-json", "--max-tokens", "--temperature", "--seed", "--top-k",
+GENERATE_FLAGS = {"--prompt", "--chat", "--messages-json", "--max-tokens", "--temperature", "--seed", "--top-k",
                   "--top-p", "--stop", "--json"}
 BENCH_FLAGS = {"--dataset", "--concurrency", "--kind", "--limit", "--max-tokens-cap", "--json"}
 
@@ -155,6 +156,14 @@ def test_a_bad_env_value_only_matters_to_subcommands_that_use_it(capsys: pytest.
     with pytest.raises(SystemExit):
         parse(["generate", "--prompt", "x"], env)
     assert "ZEROBUBBLE_JSON" in capsys.readouterr().err
+
+
+def test_chat_flag_sends_the_prompt_as_one_user_message() -> None:
+    raw = request_from_args(parse(["generate", "--prompt", "Hello"]))
+    assert raw.WhichOneof("input") == "prompt" and raw.prompt == "Hello"
+    chat = request_from_args(parse(["generate", "--prompt", "Hello", "--chat"]))
+    assert chat.WhichOneof("input") == "messages"
+    assert [(m.role, m.content) for m in chat.messages.messages] == [("user", "Hello")]
 
 
 def test_empty_env_value_means_unset() -> None:

@@ -236,6 +236,8 @@ def add_generate_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     add_flag(inputs, "--prompt", default="", env=env, help="raw prompt text (no chat template)")
     add_flag(inputs, "--messages-json", default="", env=env,
              help='chat messages as JSON: [{"role": "user", "content": "..."}]')
+    add_flag(inputs, "--chat", default=False, env=env,
+             help="send --prompt as one user chat message, so the model's chat template applies")
     sampling = parser.add_argument_group("sampling and stopping")
     add_flag(sampling, "--max-tokens", default=0, type=int, env=env, help="output token limit (0 = server default)")
     add_flag(sampling, "--temperature", default=0.0, type=float, env=env, help="0 = greedy")

@@ -326,8 +326,10 @@ def request_from_args(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         if not isinstance(messages, list) or not all(
                 isinstance(m, dict) and "role" in m and "content" in m for m in messages):
             raise ValueError('--messages-json must be a list of {"role": ..., "content": ...} objects')
+    elif args.chat:
+        messages = [{"role": "user", "content": args.prompt}]
     return build_request(
-        prompt=args.prompt or None,
+        prompt=None if messages is not None else args.prompt,
         messages=messages,
         max_tokens=args.max_tokens or None,
         temperature=args.temperature,
