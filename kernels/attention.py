@@ -85,28 +85,36 @@ class _PrefillRow:
 
 
 @dataclass(slots=True)
-class AttentionPlan:
-    """Host-side bookkeeping for the torch path, derived once per step and shared by all layers.
+class _BatchedGroup:
+    """Short rows of one query length, computed together by two ``embedding_bag`` calls.
 
-    Batched short rows take two ``embedding_bag`` calls over the cache storage: a bag per
-    (row, query, head, block) sums the block's key rows weighted by the query's features, giving
-    that block's scores; a bag per (row, query, head) sums value rows weighted by the softmax.
+    A bag per (row, query, head, block) sums the block's key rows weighted by the query's
+    features, giving that block's scores; a bag per (row, query, head) sums value rows weighted
+    by the softmax. Rows are grouped by query length so that no row is padded: the key bags
+    scale with the number of queries, and a verification row of 1 + k slots beside plain
+    decodes would otherwise make every decode pay for k + 1 queries.
     """
 
-    # Batched short rows: query tokens padded to [num_rows, max_len] (padding repeats a real token).
-    batched_token_index: torch.Tensor | None = None  # [Rb, Qb] int64
-    batched_query_pos: torch.Tensor | None = None  # [Rb, Qb] int64
-    batched_key_bags: torch.Tensor | None = None  # [Rb * Qb * Hq * nblk, D] key storage rows
-    batched_value_bags: torch.Tensor | None = None  # [Rb * Qb * Hq, nblk * block_size] value storage rows
-    batched_num_blocks: int = 0
-    batched_valid: torch.Tensor | None = None  # [Rb * Qb] bool, None when there is no padding
-    batched_out_index: torch.Tensor | None = None  # [num valid] int64, None when rows cover the batch in order
+    token_index: torch.Tensor  # [Rb, Qb] int64: flat token of each (row, query)
+    query_pos: torch.Tensor  # [Rb, Qb] int64
+    key_bags: torch.Tensor  # [Rb * Qb * Hq * nblk, D] key storage rows
+    value_bags: torch.Tensor  # [Rb * Qb * Hq, nblk * block_size] value storage rows
+    num_blocks: int
+    covers_batch: bool  # the group is the whole batch, in order (no scatter needed)
+    masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> additive mask
+
+
+@dataclass(slots=True)
+class AttentionPlan:
+    """Host-side bookkeeping for the torch path, derived once per step and shared by all layers."""
+
+    groups: list[_BatchedGroup] = field(default_factory=list)
     prefill_rows: list[_PrefillRow] = field(default_factory=list)
-    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (row or -1, window) -> mask
+    masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (row, window) -> mask
 
 
 def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> AttentionPlan:
-    """Split the batch into batched short rows and looped long rows (torch path only).
+    """Split the batch into groups of short rows and looped long rows (torch path only).
 
     ``k_cache`` supplies the cache geometry, which every layer's caches must share.
     """
@@ -116,48 +124,42 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: 
     num_requests = len(seq_lens)
     plan = AttentionPlan()
     device = meta.block_tables.device
-    short = [r for r in range(num_requests) if 0 < qsl[r + 1] - qsl[r] <= MAX_BATCHED_QUERY_LEN]
+    by_len: dict[int, list[int]] = {}
     for r in range(num_requests):
-        if qsl[r + 1] - qsl[r] > MAX_BATCHED_QUERY_LEN:
+        q_len = qsl[r + 1] - qsl[r]
+        if q_len > MAX_BATCHED_QUERY_LEN:
             block_ids = meta.block_tables[r, : -(-seq_lens[r] // block_size)].long()
             plan.prefill_rows.append(_PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], block_ids))
-    if not short:
-        return plan
-
-    index = torch.tensor(short, dtype=torch.long, device=device)
-    starts = meta.query_start_loc.long()[index]
-    q_lens = meta.query_start_loc.long()[index + 1] - starts
-    seqs = meta.seq_lens.long()[index]
-    num_rows, max_q = len(short), max(qsl[r + 1] - qsl[r] for r in short)
-    max_blocks = -(-max(seq_lens[r] for r in short) // block_size)
-    # Padding query slots repeat the row's last real token, so every padded row keeps a
-    # non-empty causal window (an all-masked row would make softmax produce NaN).
-    offsets = torch.minimum(torch.arange(max_q, device=device)[None, :], (q_lens - 1)[:, None])
-    plan.batched_token_index = starts[:, None] + offsets
-    plan.batched_query_pos = (seqs - q_lens)[:, None] + offsets
-    tables = meta.block_tables[index, :max_blocks].long()
-    # Table entries past a row's context may be padding (even -1); they are masked anyway.
-    needed = torch.arange(max_blocks, device=device)[None, :] < (-(-seqs // block_size))[:, None]
-    block_ids = torch.where(needed, tables, torch.zeros_like(tables))
-    kv_head = torch.arange(num_q_heads, device=device) // (num_q_heads // num_kv_heads)
-    # (block, KV head) slab of every (row, query head, block): [Rb, 1, Hq, nblk], same for all queries.
-    slabs = (block_ids[:, None, :] * num_kv_heads + kv_head[:, None])[:, None]
-    bag_shape = (num_rows, max_q, num_q_heads, max_blocks)
+        elif q_len > 0:
+            by_len.setdefault(q_len, []).append(r)
     # int32 halves the index traffic; caches too large to address with it keep int64.
     index_dtype = torch.int32 if num_cache_blocks * num_kv_heads * block_size * head_dim < 2**31 else torch.int64
+    kv_head = torch.arange(num_q_heads, device=device) // (num_q_heads // num_kv_heads)
     features = torch.arange(head_dim, device=device)
-    plan.batched_key_bags = (slabs[..., None] * head_dim + features).expand(*bag_shape, head_dim)
-    plan.batched_key_bags = plan.batched_key_bags.reshape(-1, head_dim).to(index_dtype)
     slots = torch.arange(block_size, device=device)
-    plan.batched_value_bags = (slabs[..., None] * block_size + slots).expand(*bag_shape, block_size)
-    plan.batched_value_bags = plan.batched_value_bags.reshape(-1, max_blocks * block_size).to(index_dtype)
-    plan.batched_num_blocks = max_blocks
-    all_full = all(qsl[r + 1] - qsl[r] == max_q for r in short)
-    if not all_full:
-        plan.batched_valid = (torch.arange(max_q, device=device)[None, :] < q_lens[:, None]).reshape(-1)
-    if not (num_rows == num_requests and all_full):
-        token_index = plan.batched_token_index.reshape(-1)
-        plan.batched_out_index = token_index if plan.batched_valid is None else token_index[plan.batched_valid]
+    for q_len, rows in by_len.items():
+        index = torch.tensor(rows, dtype=torch.long, device=device)
+        seqs = meta.seq_lens.long()[index]
+        max_blocks = -(-max(seq_lens[r] for r in rows) // block_size)
+        offsets = torch.arange(q_len, device=device)
+        token_index = meta.query_start_loc.long()[index][:, None] + offsets
+        tables = meta.block_tables[index, :max_blocks].long()
+        # Table entries past a row's context may be padding (even -1); they are masked anyway.
+        needed = torch.arange(max_blocks, device=device)[None, :] < (-(-seqs // block_size))[:, None]
+        block_ids = torch.where(needed, tables, torch.zeros_like(tables))
+        # (block, KV head) slab of every (row, query head, block): [Rb, 1, Hq, nblk], same for all queries.
+        slabs = (block_ids[:, None, :] * num_kv_heads + kv_head[:, None])[:, None]
+        bag_shape = (len(rows), q_len, num_q_heads, max_blocks)
+        key_bags = (slabs[..., None] * head_dim + features).expand(*bag_shape, head_dim)
+        value_bags = (slabs[..., None] * block_size + slots).expand(*bag_shape, block_size)
+        plan.groups.append(_BatchedGroup(
+            token_index=token_index,
+            query_pos=(seqs - q_len)[:, None] + offsets,
+            key_bags=key_bags.reshape(-1, head_dim).to(index_dtype),
+            value_bags=value_bags.reshape(-1, max_blocks * block_size).to(index_dtype),
+            num_blocks=max_blocks,
+            covers_batch=len(rows) == num_requests,
+        ))
     return plan
 
 
@@ -220,37 +222,34 @@ def _batched_attention(
     q: torch.Tensor,
     key_storage: torch.Tensor,
     value_storage: torch.Tensor,
-    plan: AttentionPlan,
+    group: _BatchedGroup,
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """Short rows through the bags of :class:`AttentionPlan` -> ``[Rb, Qb, Hq, D]``."""
-    num_rows, max_q = plan.batched_token_index.shape
+    """One group of short rows through its bags -> ``[Rb, Qb, Hq, D]``."""
+    num_rows, q_len = group.token_index.shape
     num_q_heads, head_dim = q.shape[1:]
-    num_keys = plan.batched_value_bags.shape[1]
-    if plan.batched_out_index is None:
-        rows = q.view(num_rows, max_q, num_q_heads, head_dim)
-    else:
-        rows = q[plan.batched_token_index]
-    weights = (rows * scale).unsqueeze(3).expand(-1, -1, -1, plan.batched_num_blocks, -1)
+    num_keys = group.value_bags.shape[1]
+    rows = q.view(num_rows, q_len, num_q_heads, head_dim) if group.covers_batch else q[group.token_index]
+    weights = (rows * scale).unsqueeze(3).expand(-1, -1, -1, group.num_blocks, -1)
     scores = F.embedding_bag(
-        plan.batched_key_bags,
+        group.key_bags,
         key_storage.view(-1, key_storage.shape[-1]),
         mode="sum",
         per_sample_weights=weights.reshape(-1, head_dim),
-    ).view(num_rows, max_q, num_q_heads, num_keys)
-    mask = plan.masks.get((-1, window))
+    ).view(num_rows, q_len, num_q_heads, num_keys)
+    mask = group.masks.get(window)
     if mask is None:
-        mask = _window_mask(plan.batched_query_pos, num_keys, window, torch.float32).unsqueeze(2)
-        plan.masks[(-1, window)] = mask
+        mask = _window_mask(group.query_pos, num_keys, window, torch.float32).unsqueeze(2)
+        group.masks[window] = mask
     # Softmax in float32 whatever the model dtype, as SDPA does.
     probs = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
     return F.embedding_bag(
-        plan.batched_value_bags,
+        group.value_bags,
         value_storage.view(-1, head_dim),
         mode="sum",
         per_sample_weights=probs.view(-1, num_keys),
-    ).view(num_rows, max_q, num_q_heads, head_dim)
+    ).view(num_rows, q_len, num_q_heads, head_dim)
 
 
 def _paged_attention_torch(
@@ -262,18 +261,12 @@ def _paged_attention_torch(
     window: int,
 ) -> torch.Tensor:
     key_storage, value_storage = _key_storage(k_cache), _value_storage(v_cache)
-    out: torch.Tensor | None = None
-    if plan.batched_token_index is not None:
-        attended = _batched_attention(q, key_storage, value_storage, plan, scale, window)
-        if plan.batched_out_index is None:  # the rows are exactly the batch, in order
-            return attended.view(q.shape)
-        out = torch.empty_like(q)
-        flat = attended.view(-1, *q.shape[1:])
-        if plan.batched_valid is not None:
-            flat = flat[plan.batched_valid]
-        out[plan.batched_out_index] = flat
-    if out is None:
-        out = torch.empty_like(q)
+    if len(plan.groups) == 1 and plan.groups[0].covers_batch:  # all decodes of one length
+        return _batched_attention(q, key_storage, value_storage, plan.groups[0], scale, window).view(q.shape)
+    out = torch.empty_like(q)
+    for group in plan.groups:
+        attended = _batched_attention(q, key_storage, value_storage, group, scale, window)
+        out[group.token_index.reshape(-1)] = attended.view(-1, *q.shape[1:])
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     for i, row in enumerate(plan.prefill_rows):
         num_queries = row.end - row.start
