@@ -1,6 +1,7 @@
 """Side-by-side throughput comparisons, each measured in ONE run on the same machine.
 
     python scripts/bench_matrix.py hf      # ours (async) vs Hugging Face continuous batching, concurrency 16
+    python scripts/bench_matrix.py hf --spec-methods none ngram   # ... with and without n-gram speculation
     python scripts/bench_matrix.py async   # async (2 plans in flight) vs sync (1) at concurrency 1, 4, 16
     python scripts/bench_matrix.py spec    # n-gram k=3 vs no speculation at concurrency 1, by row kind
 
@@ -111,15 +112,18 @@ def suite_spec(args) -> dict:
 
 def suite_hf(args) -> dict:
     rows = load_dataset(args.dataset, limit=args.limit_c16, max_tokens_cap=args.max_tokens_cap)
-    worker = start_worker(kv_cache_memory_gb=args.kv_gb, dtype=args.dtype)
-    try:
-        ours = with_scheduler(worker, rows, 16)
-    finally:
-        worker.stop()
-    print(f"  ours: {ours['output_tokens_per_s']:.1f} tok/s", flush=True)
+    ours: dict[str, dict] = {}
+    for spec in args.spec_methods:
+        flags = {"spec_method": spec, "num_spec_tokens": 3} if spec != "none" else {}
+        worker = start_worker(kv_cache_memory_gb=args.kv_gb, dtype=args.dtype, **flags)
+        try:
+            ours[spec] = with_scheduler(worker, rows, 16)
+        finally:
+            worker.stop()
+        print(f"  ours ({spec}): {ours[spec]['output_tokens_per_s']:.1f} tok/s", flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         ours_path, hf_path = Path(tmp) / "ours.json", Path(tmp) / "hf.json"
-        ours_path.write_text(json.dumps(ours))
+        ours_path.write_text(json.dumps(ours[args.spec_methods[0]]))
         cmd = [sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), "--dataset", str(args.dataset),
                "--limit", str(args.limit_c16), "--json", str(hf_path), "--compare", str(ours_path),
                "--dtype", args.dtype]
@@ -127,10 +131,12 @@ def suite_hf(args) -> dict:
             cmd += ["--max-tokens-cap", str(args.max_tokens_cap)]
         subprocess.run(cmd, check=True)
         hf = json.loads(hf_path.read_text())
-    ratio = ours["output_tokens_per_s"] / hf["output_tokens_per_s"]
-    print(f"  ours / HF = {ratio:.2f}", flush=True)
-    return {"ours": summary(ours), "hf_output_tokens_per_s": hf["output_tokens_per_s"],
-            "hf_wall_s": hf["wall_s"], "ours_over_hf": ratio}
+    out = {"hf_output_tokens_per_s": hf["output_tokens_per_s"], "hf_wall_s": hf["wall_s"]}
+    for spec, report in ours.items():
+        ratio = report["output_tokens_per_s"] / hf["output_tokens_per_s"]
+        print(f"  ours ({spec}) / HF = {ratio:.2f}", flush=True)
+        out[spec] = {"ours": summary(report), "ours_over_hf": ratio}
+    return out
 
 
 def main() -> None:
@@ -140,6 +146,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens-cap", type=int, default=0)
     parser.add_argument("--kv-gb", type=float, default=1.0)
+    parser.add_argument("--spec-methods", nargs="+", default=["none"], choices=("none", "ngram"),
+                        help="hf suite: our configurations, each against the same HF run")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                         help="hf suite: the dtype of both engines")
     parser.add_argument("--limit-c1", type=int, default=4)
