@@ -21,6 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from scripts.hf_baseline import prompt_ids, resolve_model_dir  # noqa: E402
 from zerobubble.bench import load_dataset  # noqa: E402
 
 
@@ -62,17 +63,14 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker_svc.model_loader import resolve_model
-
-    model_dir = resolve_model("smollm2-135m")
+    model_dir = resolve_model_dir("smollm2-135m")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     results = {}
     for kind in args.kinds:
         pairs = []
         for row in load_dataset(args.dataset, kind=kind, limit=args.limit):
-            ids = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)["input_ids"]
+            ids = prompt_ids(tokenizer, row)
             with torch.inference_mode():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=row.max_tokens, do_sample=False)
             pairs.append((list(ids), out[0, len(ids):].tolist()))
