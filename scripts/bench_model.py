@@ -142,14 +142,14 @@ def hf_prefill(hf: torch.nn.Module, num_tokens: int) -> Callable[[], object]:
 
 
 def run(dtypes: list[str], batches: list[int], context: int, prefill_tokens: int, num_reps: int,
-        block_size: int) -> list[Result]:
+        block_size: int, prepack: bool = True) -> list[Result]:
     """Time every case for every dtype."""
     from transformers import AutoModelForCausalLM
 
     results = []
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        loaded = load_model(EMBEDDED_MODEL_NAME, dtype, "cpu")
+        loaded = load_model(EMBEDDED_MODEL_NAME, dtype, "cpu", prepack)
         hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
         for batch in batches:
             hf_step, hf_reset = hf_decode(hf, batch, context, dtype)
@@ -185,12 +185,14 @@ def main() -> None:
         "--threads", type=int, default=0,
         help="torch threads (0 = torch's default); 1 gives stable numbers on a shared machine",
     )  # fmt: skip
+    parser.add_argument("--no-prepack", action="store_true",
+                        help="our linears over plain weights (F.linear), as without the worker's --prepack-weights")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"SmolLM2-135M on CPU, {torch.get_num_threads()} threads, KV block size {args.block_size}, "
-          f"median of {args.reps} steps (ms)")
+          f"weights {'plain' if args.no_prepack else 'prepacked'}, median of {args.reps} steps (ms)")
     print(f"{'dtype':<9} {'case':<26} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
     run(
         [d.strip() for d in args.dtypes.split(",") if d.strip()],
@@ -199,6 +201,7 @@ def main() -> None:
         args.prefill_tokens,
         args.reps,
         args.block_size,
+        not args.no_prepack,
     )
 
 

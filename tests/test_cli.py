@@ -4,6 +4,7 @@ commands run as real processes against a fake scheduler (no model needed)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import asyncio
 import json
 import socket
@@ -17,9 +18,11 @@ import grpc
 import grpc.aio
 import pytest
 
+from worker_svc.config import WorkerConfig
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.cli import build_parser, env_name, parse_bool
 from zerobubble.client import request_from_args
+from zerobubble.serve import worker_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,7 +30,7 @@ LISTEN_FLAGS = {"--host", "--port", "--metrics-port", "--tls-cert", "--tls-key",
 WORKER_FLAGS = {
     "--model", "--dtype", "--device", "--block-size", "--kv-cache-memory-gb", "--gpu-memory-utilization",
     "--max-model-len", "--spec-method", "--num-spec-tokens", "--ngram-min", "--ngram-max", "--draft-model",
-    "--worker-id", "--num-threads",
+    "--worker-id", "--num-threads", "--prepack-weights", "--no-prepack-weights",
 }
 SCHEDULER_FLAGS = {
     "--workers", "--max-inflight-steps", "--max-num-batched-tokens", "--max-waiting",
@@ -86,6 +89,18 @@ def test_defaults_follow_the_contract() -> None:
     assert (worker.dtype, worker.device, worker.max_model_len, worker.kv_cache_memory_gb) == ("auto", "auto", 0, 2.0)
     scheduler = parse(["scheduler"])
     assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens, scheduler.max_waiting) == (64, 512, 1024)
+
+
+@pytest.mark.parametrize("prepack", ["--prepack-weights", "--no-prepack-weights"])
+def test_serve_passes_its_worker_flags_to_the_local_worker(prepack: str) -> None:
+    serve = parse(["serve", "--block-size", "32", "--spec-method", "ngram", prepack])
+    argv = worker_command(serve)
+    worker = parse(argv[argv.index("worker"):])
+    for f in dataclasses.fields(WorkerConfig):
+        # The local worker listens on loopback without TLS whatever serve itself does.
+        if f.name not in ("host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca"):
+            assert getattr(worker, f.name) == getattr(serve, f.name), f.name
+    assert worker.prepack_weights is (prepack == "--prepack-weights")
 
 
 def test_env_name_is_upper_snake_of_the_flag() -> None:

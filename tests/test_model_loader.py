@@ -102,7 +102,7 @@ def test_embedded_model_loads(smollm2_dir: Path) -> None:
     elapsed = time.perf_counter() - started
     assert loaded.name == EMBEDDED_MODEL_NAME and loaded.path == smollm2_dir
     assert loaded.eos_token_ids == [2] and loaded.max_model_len == 8192
-    assert loaded.model.spec.num_layers == 30 and loaded.model.lm_head is loaded.model.embed
+    assert loaded.model.spec.num_layers == 30 and loaded.model.lm_head.dense is loaded.model.embed
     assert elapsed < 10, f"loading the cached model took {elapsed:.1f}s"
 
 

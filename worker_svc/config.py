@@ -28,6 +28,7 @@ class WorkerConfig:
     draft_model: str = ""
     worker_id: str = ""
     num_threads: int = 0
+    prepack_weights: bool = True
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""

@@ -7,7 +7,8 @@ for the rows the caller asks for (:meth:`CausalLM.compute_logits`).
 
 Weights come from a Hugging Face ``*ForCausalLM`` state dict. At load time q/k/v and gate/up
 projections are fused into single matrices and the RoPE cos/sin table is precomputed, so a step is
-a handful of large matmuls per layer. RoPE inverse frequencies and attention scaling come from
+a handful of large matmuls per layer; on CPU their weights are also laid out once for oneDNN
+(:mod:`kernels.linear`). RoPE inverse frequencies and attention scaling come from
 ``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
 """
 
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import use_triton
+from kernels.linear import LinearWeight, linear, prepare_linear
 from kernels.attention import (
     AttentionMetadata,
     AttentionPlan,
@@ -67,15 +69,15 @@ class LayerWeights:
     """One decoder layer's weights, with q/k/v and gate/up fused into single matrices."""
 
     input_norm: torch.Tensor  # [hidden]
-    qkv_weight: torch.Tensor  # [(Hq + 2 Hkv) D, hidden]
+    qkv_weight: LinearWeight  # [(Hq + 2 Hkv) D, hidden]
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: Qwen3's per-head q and k norms side by side
-    o_weight: torch.Tensor  # [hidden, Hq D]
+    o_weight: LinearWeight  # [hidden, Hq D]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up_weight: torch.Tensor  # [2 I, hidden]
+    gate_up_weight: LinearWeight  # [2 I, hidden]
     gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor  # [hidden, I]
+    down_weight: LinearWeight  # [hidden, I]
     down_bias: torch.Tensor | None
 
 
@@ -181,8 +183,9 @@ class CausalLM:
     device: torch.device
     rope_cos: torch.Tensor  # [max_positions, D/2] in dtype
     rope_sin: torch.Tensor
+    prepack: bool = True  # lay linear weights out for oneDNN on CPU (kernels/linear.py)
     embed: torch.Tensor | None = None  # [vocab, hidden]
-    lm_head: torch.Tensor | None = None  # the embedding itself when tied
+    lm_head: LinearWeight | None = None  # over the embedding itself when tied
     final_norm: torch.Tensor | None = None
     layers: list[LayerWeights] = field(default_factory=list)
 
@@ -214,6 +217,9 @@ class CausalLM:
         def fuse(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
             return None if parts[0] is None else torch.cat(parts, dim=0).contiguous()
 
+        def weight(tensor: torch.Tensor) -> LinearWeight:
+            return prepare_linear(tensor, self.prepack)
+
         layers = []
         for i in range(spec.num_layers):
             p = f"model.layers.{i}."
@@ -228,27 +234,26 @@ class CausalLM:
             layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight", (hidden,)),
-                    qkv_weight=fuse([take(p + f"self_attn.{n}_proj.weight", (size, hidden))
-                                     for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]),  # fmt: skip
+                    qkv_weight=weight(fuse([take(p + f"self_attn.{n}_proj.weight", (size, hidden))
+                                            for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))])),  # fmt: skip
                     qkv_bias=fuse([take_optional(p + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias)
                                    for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]),  # fmt: skip
                     qk_norm=qk_norm,
-                    o_weight=take(p + "self_attn.o_proj.weight", (hidden, q_size)),
+                    o_weight=weight(take(p + "self_attn.o_proj.weight", (hidden, q_size))),
                     o_bias=take_optional(p + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
                     post_norm=take(p + "post_attention_layernorm.weight", (hidden,)),
-                    gate_up_weight=fuse([take(p + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")]),
+                    gate_up_weight=weight(fuse([take(p + f"mlp.{n}_proj.weight", (inter, hidden))
+                                                for n in ("gate", "up")])),  # fmt: skip
                     gate_up_bias=fuse([take_optional(p + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias)
                                        for n in ("gate", "up")]),  # fmt: skip
-                    down_weight=take(p + "mlp.down_proj.weight", (hidden, inter)),
+                    down_weight=weight(take(p + "mlp.down_proj.weight", (hidden, inter))),
                     down_bias=take_optional(p + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
                 )
             )
         self.embed = take("model.embed_tokens.weight", (spec.vocab_size, hidden))
         self.final_norm = take("model.norm.weight", (hidden,))
-        if spec.tie_word_embeddings:
-            self.lm_head = self.embed
-        else:
-            self.lm_head = take("lm_head.weight", (spec.vocab_size, hidden))
+        tied = spec.tie_word_embeddings
+        self.lm_head = weight(self.embed if tied else take("lm_head.weight", (spec.vocab_size, hidden)))
         self.layers = layers
 
     @torch.inference_mode()
@@ -273,7 +278,7 @@ class CausalLM:
             plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads)
         x = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
-            qkv = F.linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv_weight, layer.qkv_bias)
+            qkv = linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv_weight, layer.qkv_bias)
             # q and k get the same per-head norm and rotation, so they are processed as one tensor.
             qk = qkv[:, : qk_heads * spec.head_dim].view(num_tokens, qk_heads, spec.head_dim)
             if layer.qk_norm is not None:
@@ -283,10 +288,10 @@ class CausalLM:
             v = qkv[:, qk_heads * spec.head_dim :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
-            x = x + F.linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
-            gate_up = F.linear(rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up_weight, layer.gate_up_bias)
+            x = x + linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            gate_up = linear(rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up_weight, layer.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            x = x + linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
         return rms_norm(x, self.final_norm, spec.rms_norm_eps)
 
     __call__ = forward
@@ -294,11 +299,14 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]``."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) -> CausalLM:
-    """An empty :class:`CausalLM` for ``hf_config``; fill it with :meth:`CausalLM.load_weights`."""
+def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str, prepack: bool = True) -> CausalLM:
+    """An empty :class:`CausalLM` for ``hf_config``; fill it with :meth:`CausalLM.load_weights`.
+
+    ``prepack`` lays the linear weights out for oneDNN on CPU (see :mod:`kernels.linear`).
+    """
     spec = model_spec(hf_config)
     cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)
     device = torch.device(device)
@@ -310,6 +318,7 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str) 
         device=device,
         rope_cos=cos.to(device=device, dtype=dtype),
         rope_sin=sin.to(device=device, dtype=dtype),
+        prepack=prepack,
     )
 
 

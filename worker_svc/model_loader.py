@@ -88,8 +88,11 @@ def resolve_model(spec: str) -> Path:
     raise ModelLoadError(f"model {str(path)!r} is a file but not a .gguf file; pass a Hugging Face directory or a .gguf path")
 
 
-def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu") -> LoadedModel:
+def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
+               prepack: bool = True) -> LoadedModel:
     """Resolve ``spec`` and load its weights into our Llama-family forward.
+
+    ``prepack``: lay linear weights out for oneDNN on CPU (:mod:`kernels.linear`).
 
     Raises:
         ModelLoadError: the model is missing, malformed or of an unsupported family.
@@ -105,7 +108,7 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torc
     except Exception as exc:  # transformers raises many types for a malformed config
         raise ModelLoadError(f"model directory {str(path)!r}: cannot read config.json: {exc}") from exc
     try:
-        model = build_model(hf_config, torch_dtype, torch.device(device))
+        model = build_model(hf_config, torch_dtype, torch.device(device), prepack)
     except ValueError as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: {exc}") from exc
     state_dict: dict[str, torch.Tensor] = {}

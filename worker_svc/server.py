@@ -73,8 +73,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     dtype = resolve_dtype(cfg.dtype, device)
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
-    loaded = load_model(cfg.model, dtype, device)
-    draft = load_model(cfg.draft_model, dtype, device) if cfg.spec_method == "draft" else None
+    loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights)
+    draft = load_model(cfg.draft_model, dtype, device, cfg.prepack_weights) if cfg.spec_method == "draft" else None
     proposer = build_proposer(cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max,
                               draft)
     max_model_len = loaded.max_model_len

@@ -195,6 +195,9 @@ def add_worker_flags(group: argparse._ActionsContainer, env: Mapping[str, str] |
              help="name in metrics and logs (empty = hostname:port)")
     add_flag(group, "--num-threads", default=0, type=int, env=env,
              help="torch CPU threads (0 = torch default)")
+    add_flag(group, "--prepack-weights", default=True, env=env,
+             help="CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
+                  "batches; float32 weights then take twice the memory)")
 
 
 def add_scheduler_flags(group: argparse._ActionsContainer, env: Mapping[str, str] | None) -> None:

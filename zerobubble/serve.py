@@ -34,7 +34,11 @@ def worker_command(args: argparse.Namespace) -> list[str]:
         value = getattr(args, f.name)
         if value is None or value == "":
             continue
-        cmd += [f"--{f.name.replace('_', '-')}", str(value)]
+        flag = f"--{f.name.replace('_', '-')}"
+        if isinstance(value, bool):  # --flag / --no-flag pairs
+            cmd.append(flag if value else "--no-" + flag[2:])
+        else:
+            cmd += [flag, str(value)]
     return cmd
 
 
