@@ -54,8 +54,20 @@ def prepare_linear(weight: torch.Tensor, prepack: bool = True) -> LinearWeight:
     return LinearWeight(None, packed, 0)
 
 
-def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large enough."""
+def linear(
+    x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x @ weight.T + bias (+ residual)`` for ``x`` ``[N, in]``, through the packed weight when
+    ``N`` is large enough.
+
+    For float32 oneDNN adds ``residual`` as it writes the output: the same sum, without a pass of
+    its own. Lower precisions add it separately, because the fused sum would skip the rounding of
+    the product that Hugging Face's ``residual + linear(x)`` does.
+    """
     if weight.packed is not None and x.shape[0] >= weight.min_packed_rows:
-        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
-    return F.linear(x, weight.dense, bias)
+        if residual is not None and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight.packed, bias, "add")
+        out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    else:
+        out = F.linear(x, weight.dense, bias)
+    return out if residual is None else residual + out

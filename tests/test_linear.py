@@ -35,6 +35,17 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, num_rows: int, with_
 
 
 @needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_rows", [2, 16])
+def test_fused_residual_is_the_same_sum(dtype: torch.dtype, num_rows: int) -> None:
+    """``linear(..., residual=r)`` equals ``r + linear(...)`` bit for bit, packed or plain."""
+    weight, bias = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype)
+    x, residual = torch.randn(num_rows, 24).to(dtype), torch.randn(num_rows, 40).to(dtype)
+    prepared = prepare_linear(weight)
+    assert torch.equal(linear(x, prepared, bias, residual=residual), residual + linear(x, prepared, bias))
+
+
+@needs_onednn
 def test_float32_keeps_the_plain_weight_for_few_rows() -> None:
     """1-3 float32 rows go through MKL's gemv on the plain weight: bit-identical to F.linear."""
     weight = torch.randn(64, 48)

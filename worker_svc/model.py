@@ -168,10 +168,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` by ``cos``/``sin`` ``[T, 1, D/2]`` (half-split layout, as in HF)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    """Rotate ``x`` ``[T, H, D]`` in the half-split layout, as in HF, by ``[T, 1, D]`` tables holding
+    ``(cos, cos)`` and ``(-sin, sin)``: ``(x1 cos - x2 sin, x2 cos + x1 sin)`` in four ops, bit for bit."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
 @dataclass(slots=True, eq=False)
@@ -181,8 +180,8 @@ class CausalLM:
     spec: ModelSpec
     dtype: torch.dtype
     device: torch.device
-    rope_cos: torch.Tensor  # [max_positions, D/2] in dtype
-    rope_sin: torch.Tensor
+    rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
+    rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see apply_rope
     prepack: bool = True  # lay linear weights out for oneDNN on CPU (kernels/linear.py)
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
@@ -288,10 +287,10 @@ class CausalLM:
             v = qkv[:, qk_heads * spec.head_dim :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
-            x = x + linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias)
+            x = linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias, residual=x)
             gate_up = linear(rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up_weight, layer.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down_weight, layer.down_bias)
+            x = linear(F.silu(gate) * up, layer.down_weight, layer.down_bias, residual=x)
         return rms_norm(x, self.final_norm, spec.rms_norm_eps)
 
     __call__ = forward
@@ -316,8 +315,8 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str, 
         spec=spec,
         dtype=dtype,
         device=device,
-        rope_cos=cos.to(device=device, dtype=dtype),
-        rope_sin=sin.to(device=device, dtype=dtype),
+        rope_cos=torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
+        rope_sin=torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype),
         prepack=prepack,
     )
 
