@@ -45,6 +45,9 @@ def prepare_linear(weight: torch.Tensor, prepack: bool = True) -> LinearWeight:
             and torch.backends.mkldnn.is_available()):  # fmt: skip
         return LinearWeight(weight)
     try:
+        # Without native bfloat16 instructions oneDNN would emulate them; plain F.linear is no worse.
+        if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            return LinearWeight(weight)
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
     except (AttributeError, RuntimeError) as exc:  # a torch build without this oneDNN op or ISA
         logger.warning("oneDNN weight packing unavailable, using plain F.linear: %s", exc)
