@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from kernels._triton import use_triton
-from kernels.linear import LinearWeight, linear, prepare_linear
 from kernels.attention import (
     AttentionMetadata,
     AttentionPlan,
@@ -32,6 +31,7 @@ from kernels.attention import (
     plan_attention,
     write_kv_cache,
 )
+from kernels.linear import LinearWeight, linear, prepare_linear
 
 logger = logging.getLogger(__name__)
 
