@@ -47,7 +47,8 @@ class Service:
         self.stop(signal.SIGKILL)
 
 
-def _flags(options: dict) -> list[str]:
+def command_flags(options: dict) -> list[str]:
+    """``{"block_size": 32, "prepack_weights": False}`` -> ``["--block-size", "32", "--no-prepack-weights"]``."""
     out: list[str] = []
     for name, value in options.items():
         flag = "--" + name.replace("_", "-")
@@ -61,7 +62,7 @@ def _flags(options: dict) -> list[str]:
 def start(command: str, wait_for: tuple[str, ...], timeout: float = 300.0,
           env: dict | None = None, **options) -> Service:
     """Start `zerobubble <command>` and wait until it announced every port in `wait_for`."""
-    cmd = [sys.executable, "-m", "zerobubble.cli", command, *_flags(options)]
+    cmd = [sys.executable, "-m", "zerobubble.cli", command, *command_flags(options)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     service = Service(proc)

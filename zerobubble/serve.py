@@ -17,6 +17,7 @@ from dataclasses import fields
 
 from scheduler_svc.server import SchedulerServiceConfig, serve_scheduler
 from zerobubble.cli import config_from_args
+from zerobubble.launch import command_flags
 from worker_svc.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
@@ -28,18 +29,9 @@ def worker_command(args: argparse.Namespace) -> list[str]:
            "--port", str(getattr(args, "worker_port", 0) or 0), "--metrics-port", "-1",
            "--log-level", getattr(args, "log_level", "INFO") or "INFO"]
     skip = {"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca"}
-    for f in fields(WorkerConfig):
-        if f.name in skip or not hasattr(args, f.name):
-            continue
-        value = getattr(args, f.name)
-        if value is None or value == "":
-            continue
-        flag = f"--{f.name.replace('_', '-')}"
-        if isinstance(value, bool):  # --flag / --no-flag pairs
-            cmd.append(flag if value else "--no-" + flag[2:])
-        else:
-            cmd += [flag, str(value)]
-    return cmd
+    options = {f.name: getattr(args, f.name) for f in fields(WorkerConfig)
+               if f.name not in skip and hasattr(args, f.name)}
+    return cmd + command_flags({name: value for name, value in options.items() if value not in (None, "")})
 
 
 def start_local_worker(args: argparse.Namespace, timeout_s: float = 600.0) -> tuple[subprocess.Popen, int]:
