@@ -29,6 +29,8 @@ class WorkerConfig:
     worker_id: str = ""
     num_threads: int = 0
     prepack_weights: bool = True
+    simulate_device_ms: float = -1.0  # >= 0: no model, a simulated device (worker_svc/simulated.py)
+    simulate_acceptance_rate: float = 0.6
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""

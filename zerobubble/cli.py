@@ -198,6 +198,13 @@ def add_worker_flags(group: argparse._ActionsContainer, env: Mapping[str, str] |
     add_flag(group, "--prepack-weights", default=True, env=env,
              help="CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
                   "batches; float32 weights then take twice the memory)")
+    add_flag(group, "--simulate-device-ms", default=-1.0, type=float, env=env,
+             help="no model: each step is a wait of this many ms on a simulated device, tokens come "
+                  "from a deterministic function (load-test a scheduler, measure host cost; "
+                  "-1 = off)")
+    add_flag(group, "--simulate-acceptance-rate", default=0.6, type=float, env=env,
+             help="with --simulate-device-ms: probability that a token repeats earlier text, i.e. "
+                  "that an n-gram draft is accepted once the previous one was")
 
 
 def add_scheduler_flags(group: argparse._ActionsContainer, env: Mapping[str, str] | None) -> None:
