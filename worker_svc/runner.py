@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -25,17 +25,13 @@ from kernels.verify import count_accepted, rejection_sample
 from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
 from worker_svc.proposers import Proposer
-from worker_svc.sampler import SamplingTensors, sample, target_probs, token_logprobs
+from worker_svc.sampler import SEED_MASK, SamplingTensors, sample, target_probs, token_logprobs
 from zerobubble.api import worker_pb2
-
-if TYPE_CHECKING:  # the simulated device imports this module, never the other way round
-    from worker_svc.simulated import SimulatedDevice
+from zerobubble.config import WorkerConfig, default_of
 
 logger = logging.getLogger(__name__)
 
 
-# Seeds are uint64 on the wire; the keyed-noise kernels take int64.
-SEED_MASK = (1 << 63) - 1
 
 
 class PlanError(ValueError):
@@ -47,8 +43,8 @@ class RunnerConfig:
     """Capacity and speculation settings of one runner."""
 
     num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
+    block_size: int = default_of(WorkerConfig, "block_size")
+    max_num_seqs: int = default_of(WorkerConfig, "max_num_seqs")
     max_model_len: int = 2048
     num_spec_tokens: int = 0  # K: the most draft slots any decode may carry
 
@@ -180,6 +176,14 @@ class PendingResult:
         return result
 
 
+class SimulatedStep(Protocol):
+    """Stands in for `run_model` + `sample` (`worker_svc.simulated.SimulatedDevice`)."""
+
+    def step(self, runner: ModelRunner, batch: StepBatch) -> PendingResult:
+        """Tokens and verification for ``batch``, then ``runner.advance``; the result."""
+        ...
+
+
 def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
     # One host-to-device copy per list; pinned staging is not worth it at these sizes.
     return torch.tensor(values, dtype=dtype, device=device)
@@ -196,7 +200,7 @@ class ModelRunner:
 
     def __init__(self, loaded: LoadedModel, config: RunnerConfig,
                  proposer: Proposer | None = None,
-                 simulator: SimulatedDevice | None = None) -> None:
+                 simulator: SimulatedStep | None = None) -> None:
         """``simulator``: run on a simulated device instead of the model (``loaded.model`` may
         then be None; no KV cache is allocated)."""
         self.loaded = loaded

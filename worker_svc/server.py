@@ -9,7 +9,6 @@ reported with every result.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -23,15 +22,14 @@ from pathlib import Path
 import grpc
 import torch
 
-from worker_svc.config import WorkerConfig
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
 from worker_svc.runner import ModelRunner, PlanError, RunnerConfig
 from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
-from zerobubble.cli import config_from_args
 from zerobubble.api import worker_pb2, worker_pb2_grpc
+from zerobubble.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +68,7 @@ def kv_capacity_blocks(cfg: WorkerConfig, loaded: LoadedModel, device: torch.dev
 
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     """Load the model (and draft model) and size the KV cache."""
-    if cfg.simulate_device_ms >= 0:
+    if cfg.simulated:
         # The host path runs small ops only; a parallel team would just spin on shared cores.
         torch.set_num_threads(cfg.num_threads if cfg.num_threads > 0 else 1)
         return build_simulated_runner(cfg)
@@ -99,17 +97,13 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
 def build_simulated_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     """A runner on a simulated device (`worker_svc/simulated.py`): the model's config and
     tokenizer, no weights; KV capacity as if the cache were allocated on the CPU."""
-    if cfg.spec_method not in ("none", "ngram"):
-        raise ValueError(f"--simulate-device-ms supports --spec-method none or ngram, "
-                         f"not {cfg.spec_method!r}")
     loaded = load_model(cfg.model, weights=False)
-    speculate = cfg.spec_method == "ngram" and cfg.num_spec_tokens > 0
-    num_spec_tokens = cfg.num_spec_tokens if speculate else 0
+    num_spec_tokens = cfg.num_spec_tokens if cfg.speculative else 0
     special = json.loads(tokenizer_fields(loaded.path)["tokenizer_json"]).get("added_tokens", [])
     simulator = SimulatedDevice(
         cfg.simulate_device_ms, cfg.simulate_acceptance_rate, loaded.hf_config.vocab_size,
         [t["id"] for t in special if t.get("special")] + loaded.eos_token_ids, num_spec_tokens)
-    proposer = LagNgramProposer(num_spec_tokens, cfg.ngram_min) if speculate else None
+    proposer = LagNgramProposer(num_spec_tokens, cfg.ngram_min) if cfg.speculative else None
     max_model_len = loaded.max_model_len
     if cfg.max_model_len > 0:
         max_model_len = min(max_model_len, cfg.max_model_len)
@@ -183,6 +177,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=self.loaded.hf_config.vocab_size, eos_token_ids=self.loaded.eos_token_ids,
             spec_method=self.cfg.spec_method if self.runner.proposer is not None else "none",
             num_spec_tokens=self.runner.num_spec_tokens, device=device, dtype=dtype,
+            num_lookahead_slots=self.runner.proposer.num_lookahead_slots if self.runner.proposer else 0,
             max_num_seqs=cfg.max_num_seqs,
             **self.tokenizer_fields)
 
@@ -299,8 +294,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=5.0)
 
 
-def run_worker(args: argparse.Namespace) -> None:
+def run_worker(cfg: WorkerConfig) -> None:
     """Entry point of `zerobubble worker`."""
-    cfg = config_from_args(WorkerConfig, args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     asyncio.run(serve_worker(cfg))

@@ -130,6 +130,7 @@ class LagNgramProposer:
     """N-gram drafts for the simulated device's token function (see the module docstring)."""
 
     has_draft_probs = False
+    num_lookahead_slots = 0  # proposals are read from history; nothing is written
 
     def __init__(self, num_spec_tokens: int, ngram_min: int) -> None:
         self.k = num_spec_tokens
