@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from zerobubble.bench import BenchRow, run_bench_async  # noqa: E402
-from zerobubble.launch import Service, start_scheduler, start_worker, wait_serving  # noqa: E402
+from zerobubble.tools.launch import Service, start_scheduler, start_worker, wait_serving  # noqa: E402
 
 TOPICS = ("rivers", "compilers", "bread", "volcanoes", "chess", "bridges", "owls", "tides")
 
