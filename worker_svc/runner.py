@@ -183,6 +183,10 @@ class SimulatedStep(Protocol):
         """Tokens and verification for ``batch``, then ``runner.advance``; the result."""
         ...
 
+    def reset(self) -> None:
+        """The runner forgot every request (a new scheduler stream)."""
+        ...
+
 
 def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
     # One host-to-device copy per list; pinned staging is not worth it at these sizes.
@@ -236,7 +240,8 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-        self.trim_empty_drafts = self.device.type == "cpu"
+        # A simulated device stands for an accelerator: the host never reads device state.
+        self.trim_empty_drafts = self.device.type == "cpu" and simulator is None
 
     # -- request state -------------------------------------------------------------------------
 
@@ -244,6 +249,8 @@ class ModelRunner:
         """Forget every request (a new scheduler stream starts from scratch)."""
         for req_id in list(self.slots):
             self.release(req_id)
+        if self.simulator is not None:
+            self.simulator.reset()
 
     def release(self, req_id: str) -> None:
         """Drop a request's state slot; unknown ids are ignored (finish may race a preempt)."""
