@@ -86,8 +86,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         self.metrics.observe_ttft(now - stream.arrival)
                 elif self.metrics is not None:
                     gap = (now - stream.last_token_at) / len(ev.token_ids)
-                    for _ in ev.token_ids:
-                        self.metrics.observe_inter_token(gap)
+                    self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
             stream.queue.put_nowait(ev)
