@@ -65,7 +65,8 @@ def run(worker: Service, num_requests: int, window: int, device_ms: float,
                                 max_num_batched_tokens=2048)
     try:
         wait_serving(scheduler.target)
-        window_stats = asyncio.run(steady_state(scheduler.target, num_requests, args.max_tokens))
+        max_tokens = args.max_tokens or 128 + num_requests // 2
+        window_stats = asyncio.run(steady_state(scheduler.target, num_requests, max_tokens))
     finally:
         scheduler.stop()
     first, last, tokens, wall = window_stats
@@ -164,7 +165,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", help="running requests (default: host "
                         "1 16 64 256, bubble 16 64 256)")
     parser.add_argument("--device-ms", type=float, nargs="+", default=[2, 5, 10, 20])
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="per request (0: 128 + N/2, so that the steady-state window outlasts "
+                             "the admission ramp of N requests)")
     parser.add_argument("--repeats", type=int, default=2, help="host suite: runs per figure (best kept)")
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
     parser.add_argument("--kv-gb", type=float, default=16.0,
