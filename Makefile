@@ -46,7 +46,7 @@ prometheus:
 	if [ -d /run/systemd/system ]; then $$sudo systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
 
 serve: setup
-	$(PY) -m zerobubble.cli serve $(SERVE_ARGS)
+	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
 test: setup prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -55,7 +55,7 @@ test-slow: setup prometheus
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 proto: setup
-	$(PY) -m zerobubble.protogen
+	$(PY) -m zerobubble.tools.protogen
 
 deploy-check: setup prometheus
 	$(PY) -m deploy.check
