@@ -128,14 +128,19 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path,
             [RULES], interval_s=SCRAPE_S)
         prom.wait_targets_up(2)
         phases.append(("prometheus", time.monotonic()))
-        generated = f'sum(zerobubble_generation_tokens_total{{job="{SCHED_JOB}"}})'
+        counter = f'zerobubble_generation_tokens_total{{job="{SCHED_JOB}"}}'
+        generated = f"sum({counter})"
 
         warm = (asyncio.run(_generate(scheduler.target, scenario.warmup))[1]
                 if scenario.warmup else [])
         warm_tokens = sum(len(c.token_ids) for c in warm)
         prom.wait_until(lambda: prom.scalar_sum(generated) == warm_tokens, 30,
                         f"{generated} == {warm_tokens}")
-        time.sleep(1.5 * SCRAPE_S)  # one more sample of the flat baseline before t0
+        # When the baseline was first scraped: a rate window that starts later sees only the
+        # requests below. Two more samples of it before t0 keep one inside such a window.
+        (recent,) = prom.query(f"{counter}[1m]")["result"]
+        baseline_since = min(float(t) for t, v in recent["values"] if float(v) == warm_tokens)
+        time.sleep(max(0.0, baseline_since + 2.5 * SCRAPE_S - time.time()))
         phases.append(("warm-up", time.monotonic()))
         t0 = time.time()
         model, completions = asyncio.run(_generate(scheduler.target, scenario.requests))
@@ -163,7 +168,8 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path,
             f"{name} {t - prev:.1f}s" for (name, t), prev in zip(phases, marks))
             + f"; failed scrapes {failed_scrapes}")
         yield dict(prom=prom, model=model, completions=completions, warm_tokens=warm_tokens,
-                   streamed=streamed, t0=t0, t1=t1, rules=before_kill, after_kill=after_kill,
+                   streamed=streamed, baseline_since=baseline_since, t0=t0, t1=t1,
+                   rules=before_kill, after_kill=after_kill,
                    active_alerts=active_alerts)
     finally:
         if prom is not None:
@@ -172,7 +178,7 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path,
         worker.stop()
 
 
-# --- families and labels ---------------------------------------------------------------------------
+# --- families and labels --------------------------------------------------------------------------
 
 def _series(live: dict[str, Any], job: str) -> list[dict[str, str]]:
     prom: PrometheusServer = live["prom"]
@@ -230,7 +236,7 @@ def test_label_values_name_the_model_and_one_worker(live: dict[str, Any]) -> Non
     assert len(workers) == 1, workers
 
 
-# --- counters against what the clients saw ---------------------------------------------------------
+# --- counters against what the clients saw --------------------------------------------------------
 
 def test_generation_rate_agrees_with_the_tokens_received(live: dict[str, Any]) -> None:
     prom: PrometheusServer = live["prom"]
@@ -240,19 +246,21 @@ def test_generation_rate_agrees_with_the_tokens_received(live: dict[str, Any]) -
     # The counter itself, read back from Prometheus's storage, is exact.
     assert prom.scalar_sum(f"sum({counter})", at=t0) == live["warm_tokens"]
     assert prom.scalar_sum(f"sum({counter})", at=t1) == live["warm_tokens"] + streamed
-    # rate() over a window reaching back before t0 sees exactly the `streamed` increase between
-    # its first and last raw sample (the counter is flat before t0 and after the requests),
-    # then extrapolates towards the window's edges, never beyond them. So rate * W lies between
-    # `streamed` and `streamed * W / (last - first sample time)`, whatever the scrape jitter.
-    window = math.ceil(t1 - t0) + 2
+    # A window that starts after the baseline was first scraped and before t0 holds samples of
+    # the flat baseline, then of the requests, then of the flat total: its raw increase is
+    # exactly `streamed`. rate() extrapolates that towards the window's edges, never beyond
+    # them, so rate * W lies between `streamed` and `streamed * W / (last - first sample time)`
+    # whatever the scrape jitter.
+    window = math.floor(t1 - live["baseline_since"])
     raw = prom.query(f"{counter}[{window}s]", at=t1)
     assert raw["resultType"] == "matrix" and len(raw["result"]) == 1, raw
-    stamps = [float(t) for t, _ in raw["result"][0]["values"]]
-    span = stamps[-1] - stamps[0]
-    assert span > window / 2, f"too few scrapes: {len(stamps)} samples over {span:.1f}s"
+    samples = [(float(t), float(v)) for t, v in raw["result"][0]["values"]]
+    assert samples[0][1] == live["warm_tokens"] and samples[-1][1] == live["warm_tokens"] + streamed
+    span = samples[-1][0] - samples[0][0]
+    assert span > window / 2, f"too few scrapes: {len(samples)} samples over {span:.1f}s"
     low, high = streamed / window, streamed / span
     rate = prom.scalar_sum(f"sum(rate({counter}[{window}s]))", at=t1)
-    assert rate is not None and low * 0.999 <= rate <= high * 1.001, (rate, low, high, stamps)
+    assert rate is not None and low * 0.999 <= rate <= high * 1.001, (rate, low, high, samples)
     increase = prom.scalar_sum(f"sum(increase({counter}[{window}s]))", at=t1)
     assert increase is not None
     assert streamed * 0.999 <= increase <= streamed * window / span * 1.001, (increase, streamed)
@@ -273,7 +281,7 @@ def test_accepted_tokens_per_position_add_up(live: dict[str, Any]) -> None:
     assert counts == sorted(counts, reverse=True), counts
 
 
-# --- every expression we ship ----------------------------------------------------------------------
+# --- every expression we ship ---------------------------------------------------------------------
 
 def _dashboard_targets() -> list[tuple[str, str, str]]:
     """(panel title, expr, legendFormat) of every panel target, nested rows included."""
@@ -408,7 +416,7 @@ def test_readme_scrape_config_and_queries(live: dict[str, Any]) -> None:
     assert len(fractions) == 1 and 0 <= fractions[0][1] <= 1, fractions
 
 
-# --- alerts ----------------------------------------------------------------------------------------
+# --- alerts ---------------------------------------------------------------------------------------
 
 def test_a_killed_worker_makes_its_alert_pending(live: dict[str, Any]) -> None:
     assert live["after_kill"]["ZerobubbleWorkerDown"] in ("pending", "firing")
