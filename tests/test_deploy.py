@@ -27,9 +27,8 @@ RULES = "prometheus/zerobubble-rules.yaml"
 PROMETHEUS_RULE = "k8s/components/monitoring/prometheusrule.yaml"
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def kubectl() -> str:
-    """Every test here renders overlays."""
     return require("kubectl")
 
 
@@ -52,6 +51,7 @@ def _edit(root: Path, rel: str, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_repository_deploy_tree_passes(promtool: str) -> None:
     result = deploy_check.check(DEPLOY, promtool=promtool)
     assert result.problems == []
@@ -61,6 +61,7 @@ def test_repository_deploy_tree_passes(promtool: str) -> None:
                for n in result.notes), result.notes
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_module_entry_point_passes(promtool: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "deploy.check", "--overlay", "cpu-demo"],
                           cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
@@ -177,6 +178,7 @@ BROKEN = [
 ]
 
 
+@pytest.mark.usefixtures("kubectl")
 @pytest.mark.parametrize(("rel", "old", "new", "overlay", "expected"), BROKEN)
 def test_broken_manifest_is_reported(tmp_path: Path, rel: str, old: str, new: str,
                                      overlay: str, expected: str) -> None:
@@ -186,6 +188,7 @@ def test_broken_manifest_is_reported(tmp_path: Path, rel: str, old: str, new: st
     assert any(expected in p for p in result.problems), "\n".join(result.problems)
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_rules_file_and_prometheusrule_must_agree(tmp_path: Path) -> None:
     root = _copy_deploy(tmp_path)
     _edit(root, "prometheus/zerobubble-rules.yaml", "> 50", "> 80")
@@ -194,6 +197,7 @@ def test_rules_file_and_prometheusrule_must_agree(tmp_path: Path) -> None:
                for p in result.problems), result.problems
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_every_secret_flag_must_be_reachable_from_some_overlay(tmp_path: Path) -> None:
     root = _copy_deploy(tmp_path)
     shutil.rmtree(root / "k8s" / "overlays" / "gpu-tls")
@@ -202,6 +206,7 @@ def test_every_secret_flag_must_be_reachable_from_some_overlay(tmp_path: Path) -
                for p in result.problems), result.problems
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_main_exits_non_zero_with_a_summary(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     root = _copy_deploy(tmp_path)
@@ -221,6 +226,7 @@ def _edit_rules(root: Path, old: str, new: str) -> None:
     _edit(root, PROMETHEUS_RULE, old, new)
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_promql_that_does_not_parse_is_reported(tmp_path: Path, promtool: str) -> None:
     root = _copy_deploy(tmp_path)
     _edit_rules(root, '> 50', '> > 50')
@@ -231,6 +237,7 @@ def test_promql_that_does_not_parse_is_reported(tmp_path: Path, promtool: str) -
     assert any("overlays/gpu: PrometheusRule zerobubble/zerobubble" in p for p in failed)
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_an_alert_that_no_longer_fires_as_tested_is_reported(tmp_path: Path,
                                                                promtool: str) -> None:
     # The backlog test queues 60 requests; with a threshold of 100 the alert stays silent.
@@ -242,6 +249,7 @@ def test_an_alert_that_no_longer_fires_as_tested_is_reported(tmp_path: Path,
                for p in result.problems), result.problems
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_every_alert_needs_a_firing_and_a_silent_test_case(tmp_path: Path,
                                                            promtool: str) -> None:
     root = _copy_deploy(tmp_path)
