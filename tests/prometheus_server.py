@@ -2,7 +2,9 @@
 its HTTP API (https://prometheus.io/docs/prometheus/latest/querying/api/).
 
 The server comes from the Debian/Ubuntu package ``prometheus`` (``tests.tools.require``). Each
-server gets its own config, data directory and port, so runs never share state.
+server gets its own config, data directory and port, so runs never share state. Scrape targets
+are file-based service discovery, so the server can start (which takes seconds) while the
+services it will scrape are still loading, and learns their ports when they announce them.
 """
 
 from __future__ import annotations
@@ -42,11 +44,19 @@ class ScrapeJob:
 
 @dataclass(slots=True)
 class PrometheusServer:
-    """A running ``prometheus`` process and its API address."""
+    """A running ``prometheus`` process, its API address and its service-discovery files."""
 
     proc: subprocess.Popen
     url: str
     log_path: Path
+    sd_dir: Path
+
+    def set_targets(self, job: ScrapeJob) -> None:
+        """Point scrape job ``job.name`` at ``job.targets`` (Prometheus rereads the file)."""
+        path = self.sd_dir / f"{job.name}.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps([{"targets": job.targets, "labels": job.labels}]))
+        tmp.replace(path)  # atomic: Prometheus never reads half a file
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")[-6000:]
@@ -115,19 +125,22 @@ class PrometheusServer:
         self.wait_until(up, timeout, f"{num_targets} targets up")
 
 
-def start_prometheus(directory: Path, jobs: list[ScrapeJob], rule_files: list[Path],
+def start_prometheus(directory: Path, job_names: list[str], rule_files: list[Path],
                      interval_s: float = 1.0, timeout: float = 60.0) -> PrometheusServer:
-    """Start ``prometheus`` scraping ``jobs`` and evaluating ``rule_files`` every ``interval_s``."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Start ``prometheus`` with one scrape job per name (targets come later, from
+    :meth:`PrometheusServer.set_targets`), evaluating ``rule_files`` every ``interval_s``."""
+    sd_dir = directory / "targets"
+    sd_dir.mkdir(parents=True, exist_ok=True)
     interval = f"{int(interval_s * 1000)}ms"
     config = {
         "global": {"scrape_interval": interval, "scrape_timeout": interval,
                    "evaluation_interval": interval},
         "rule_files": [str(p.resolve()) for p in rule_files],
         "scrape_configs": [
-            {"job_name": job.name,
-             "static_configs": [{"targets": job.targets, "labels": job.labels}]}
-            for job in jobs
+            {"job_name": name,
+             "file_sd_configs": [{"files": [str(sd_dir / f"{name}.json")],
+                                  "refresh_interval": interval}]}
+            for name in job_names
         ],
     }
     config_path = directory / "prometheus.yml"
@@ -141,7 +154,7 @@ def start_prometheus(directory: Path, jobs: list[ScrapeJob], rule_files: list[Pa
                  f"--storage.tsdb.path={directory / 'data'}",
                  f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
                 stdout=log, stderr=subprocess.STDOUT)
-        server = PrometheusServer(proc, f"http://127.0.0.1:{port}", log_path)
+        server = PrometheusServer(proc, f"http://127.0.0.1:{port}", log_path, sd_dir)
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:
             try:

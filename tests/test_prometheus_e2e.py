@@ -112,22 +112,23 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path,
     require("prometheus")
     scenario = SCENARIOS[request.param]
     started = time.monotonic()
-    worker = start_worker(kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0,
-                          spec_method="ngram", num_spec_tokens=3)
-    scheduler = start_scheduler([worker], max_num_seqs=4)
-    phases = [("services", time.monotonic())]
-    prom: PrometheusServer | None = None
+    # Prometheus starts (seconds) while the worker loads its model.
+    prom = start_prometheus(tmp_path_factory.mktemp("prometheus"), [SCHED_JOB, WORKER_JOB],
+                            [RULES], interval_s=SCRAPE_S)
+    phases = [("prometheus", time.monotonic())]
+    worker = scheduler = None
     try:
+        worker = start_worker(kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0,
+                              spec_method="ngram", num_spec_tokens=3)
+        scheduler = start_scheduler([worker], max_num_seqs=4)
         wait_serving(scheduler.target)
-        prom = start_prometheus(
-            tmp_path_factory.mktemp("prometheus"),
-            [ScrapeJob(SCHED_JOB, [f"127.0.0.1:{scheduler.ports['METRICS']}"],
-                       {"namespace": NAMESPACE, "pod": "zerobubble-scheduler-0"}),
-             ScrapeJob(WORKER_JOB, [f"127.0.0.1:{worker.ports['METRICS']}"],
-                       {"namespace": NAMESPACE, "pod": "zerobubble-worker-0"})],
-            [RULES], interval_s=SCRAPE_S)
+        phases.append(("services", time.monotonic()))
+        prom.set_targets(ScrapeJob(SCHED_JOB, [f"127.0.0.1:{scheduler.ports['METRICS']}"],
+                                   {"namespace": NAMESPACE, "pod": "zerobubble-scheduler-0"}))
+        prom.set_targets(ScrapeJob(WORKER_JOB, [f"127.0.0.1:{worker.ports['METRICS']}"],
+                                   {"namespace": NAMESPACE, "pod": "zerobubble-worker-0"}))
         prom.wait_targets_up(2)
-        phases.append(("prometheus", time.monotonic()))
+        phases.append(("targets up", time.monotonic()))
         counter = f'zerobubble_generation_tokens_total{{job="{SCHED_JOB}"}}'
         generated = f"sum({counter})"
 
@@ -172,10 +173,10 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path,
                    rules=before_kill, after_kill=after_kill,
                    active_alerts=active_alerts)
     finally:
-        if prom is not None:
-            prom.stop()
-        scheduler.stop()
-        worker.stop()
+        prom.stop()
+        for service in (scheduler, worker):
+            if service is not None:
+                service.stop()
 
 
 # --- families and labels --------------------------------------------------------------------------
