@@ -18,9 +18,15 @@ import yaml
 Obj = dict[str, Any]
 
 DEFAULT_KUBECTL = "kubectl"
-WORKLOAD_KINDS: frozenset[str] = frozenset({
-    "Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job",
-})
+WORKLOAD_KINDS: frozenset[str] = frozenset(
+    {
+        "Deployment",
+        "StatefulSet",
+        "DaemonSet",
+        "ReplicaSet",
+        "Job",
+    }
+)
 
 
 class RenderError(Exception):
@@ -34,7 +40,8 @@ def find_kubectl(kubectl: str = DEFAULT_KUBECTL) -> str:
         raise RenderError(
             f"{kubectl!r} not found on PATH: overlays are rendered with `kubectl kustomize` "
             "(exactly what `kubectl apply -k` sends); install kubectl "
-            "(https://kubernetes.io/docs/tasks/tools/) or pass --kubectl PATH")
+            "(https://kubernetes.io/docs/tasks/tools/) or pass --kubectl PATH"
+        )
     return path
 
 
@@ -42,8 +49,7 @@ def render(overlay: Path, kubectl: str = DEFAULT_KUBECTL, timeout: float = 120.0
     """Every object ``kubectl apply -k overlay`` would send, in kustomize's output order."""
     command = [find_kubectl(kubectl), "kustomize", str(overlay)]
     try:
-        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout,
-                              check=False)
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise RenderError(f"{kubectl} kustomize {overlay}: {exc}") from exc
     if proc.returncode != 0:

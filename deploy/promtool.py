@@ -36,7 +36,8 @@ def find_promtool(promtool: str = DEFAULT_PROMTOOL) -> str:
         raise PromtoolMissing(
             f"{promtool!r} not found on PATH: install the {PACKAGE!r} package "
             f"(apt-get install {PACKAGE}; `make test` does it when run as root) or a Prometheus "
-            "release from https://prometheus.io/download/, or pass --promtool PATH")
+            "release from https://prometheus.io/download/, or pass --promtool PATH"
+        )
     return path
 
 
@@ -50,8 +51,7 @@ class RuleFile:
 
 def _run(command: Sequence[str], cwd: Path | None = None) -> tuple[bool, str]:
     try:
-        proc = subprocess.run(list(command), capture_output=True, text=True, timeout=120,
-                              cwd=cwd, check=False)
+        proc = subprocess.run(list(command), capture_output=True, text=True, timeout=120, cwd=cwd, check=False)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return False, str(exc)
     return proc.returncode == 0, (proc.stdout + proc.stderr).strip()
@@ -66,8 +66,9 @@ def check_rules(promtool: str, files: Sequence[RuleFile]) -> list[str]:
             path.write_text(yaml.safe_dump({"groups": rule_file.groups}, sort_keys=False))
             ok, output = _run([promtool, "check", "rules", str(path)])
             if not ok:
-                problems.append(f"{rule_file.where}: promtool check rules failed:\n"
-                                f"{output.replace(str(path), rule_file.where)}")
+                problems.append(
+                    f"{rule_file.where}: promtool check rules failed:\n{output.replace(str(path), rule_file.where)}"
+                )
     return problems
 
 
@@ -84,8 +85,12 @@ def run_rule_tests(promtool: str, test_files: Sequence[Path]) -> list[str]:
 
 def alert_names(groups: Sequence[Any]) -> list[str]:
     """The alert names defined by rule groups, in file order."""
-    return [str(rule["alert"]) for group in groups for rule in group.get("rules") or []
-            if isinstance(rule, dict) and "alert" in rule]
+    return [
+        str(rule["alert"])
+        for group in groups
+        for rule in group.get("rules") or []
+        if isinstance(rule, dict) and "alert" in rule
+    ]
 
 
 def untested_alerts(groups: Sequence[Any], test_docs: Sequence[Any]) -> list[str]:
@@ -103,9 +108,7 @@ def untested_alerts(groups: Sequence[Any], test_docs: Sequence[Any]) -> list[str
                 (fires if check.get("exp_alerts") else silent).add(name)
     problems = []
     for name in alert_names(groups):
-        missing = [what for what, seen in (("fires", fires), ("stays silent", silent))
-                   if name not in seen]
+        missing = [what for what, seen in (("fires", fires), ("stays silent", silent)) if name not in seen]
         if missing:
-            problems.append(f"alert {name} has no promtool test case where it "
-                            f"{' or where it '.join(missing)}")
+            problems.append(f"alert {name} has no promtool test case where it {' or where it '.join(missing)}")
     return problems

@@ -75,8 +75,8 @@ class PrometheusServer:
     def api(self, path: str, **params: Any) -> Any:
         """GET ``/api/v1/<path>`` and return its ``data``; list values repeat the parameter."""
         query = urllib.parse.urlencode(
-            [(k, v) for k, vs in params.items() for v in (vs if isinstance(vs, list) else [vs])
-             if v is not None])
+            [(k, v) for k, vs in params.items() for v in (vs if isinstance(vs, list) else [vs]) if v is not None]
+        )
         url = f"{self.url}/api/v1/{path}" + (f"?{query}" if query else "")
         try:
             with urllib.request.urlopen(url, timeout=30) as reply:
@@ -118,6 +118,7 @@ class PrometheusServer:
 
     def wait_targets_up(self, num_targets: int, timeout: float = 30.0) -> None:
         """Block until ``num_targets`` active targets have been scraped successfully."""
+
         def up() -> bool:
             active = self.api("targets", state="active")["activeTargets"]
             return sum(t["health"] == "up" for t in active) >= num_targets
@@ -125,21 +126,22 @@ class PrometheusServer:
         self.wait_until(up, timeout, f"{num_targets} targets up")
 
 
-def start_prometheus(directory: Path, job_names: list[str], rule_files: list[Path],
-                     interval_s: float = 1.0, timeout: float = 60.0) -> PrometheusServer:
+def start_prometheus(
+    directory: Path, job_names: list[str], rule_files: list[Path], interval_s: float = 1.0, timeout: float = 60.0
+) -> PrometheusServer:
     """Start ``prometheus`` with one scrape job per name (targets come later, from
     :meth:`PrometheusServer.set_targets`), evaluating ``rule_files`` every ``interval_s``."""
     sd_dir = directory / "targets"
     sd_dir.mkdir(parents=True, exist_ok=True)
     interval = f"{int(interval_s * 1000)}ms"
     config = {
-        "global": {"scrape_interval": interval, "scrape_timeout": interval,
-                   "evaluation_interval": interval},
+        "global": {"scrape_interval": interval, "scrape_timeout": interval, "evaluation_interval": interval},
         "rule_files": [str(p.resolve()) for p in rule_files],
         "scrape_configs": [
-            {"job_name": name,
-             "file_sd_configs": [{"files": [str(sd_dir / f"{name}.json")],
-                                  "refresh_interval": interval}]}
+            {
+                "job_name": name,
+                "file_sd_configs": [{"files": [str(sd_dir / f"{name}.json")], "refresh_interval": interval}],
+            }
             for name in job_names
         ],
     }
@@ -150,10 +152,16 @@ def start_prometheus(directory: Path, job_names: list[str], rule_files: list[Pat
         port = _free_port()
         with log_path.open("w") as log:
             proc = subprocess.Popen(
-                ["prometheus", f"--config.file={config_path}",
-                 f"--storage.tsdb.path={directory / 'data'}",
-                 f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
-                stdout=log, stderr=subprocess.STDOUT)
+                [
+                    "prometheus",
+                    f"--config.file={config_path}",
+                    f"--storage.tsdb.path={directory / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                    "--storage.tsdb.retention.time=1h",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         server = PrometheusServer(proc, f"http://127.0.0.1:{port}", log_path, sd_dir)
         deadline = time.monotonic() + timeout
         while proc.poll() is None and time.monotonic() < deadline:

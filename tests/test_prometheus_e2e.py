@@ -76,16 +76,13 @@ SCENARIOS: dict[str, Scenario] = {
         warmup=[dict(prompt="1, 2, 3, 4, 5, 6, 7, 8,", max_tokens=8)],
         requests=[
             dict(prompt=COUNTING, max_tokens=32),
-            dict(prompt="The cat sat on the mat. The dog sat on the log. The cat sat on the",
-                 max_tokens=24),
-            dict(messages=[{"role": "user", "content": "What is the capital of France?"}],
-                 max_tokens=32),
-            dict(prompt="def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return",
-                 max_tokens=24),
+            dict(prompt="The cat sat on the mat. The dog sat on the log. The cat sat on the", max_tokens=24),
+            dict(messages=[{"role": "user", "content": "What is the capital of France?"}], max_tokens=32),
+            dict(prompt="def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return", max_tokens=24),
             dict(prompt="red, green, blue, red, green, blue, red, green,", max_tokens=24),
-            dict(messages=[{"role": "user", "content": "Name three colours."}],
-                 max_tokens=24),
-        ]),
+            dict(messages=[{"role": "user", "content": "Name three colours."}], max_tokens=24),
+        ],
+    ),
 }
 
 
@@ -93,8 +90,7 @@ async def _generate(target: str, requests: list[dict[str, Any]]) -> tuple[str, l
     async with grpc.aio.insecure_channel(target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         info = await stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=30)
-        done = await asyncio.gather(*[complete(stub, build_request(**r), timeout=180)
-                                      for r in requests])
+        done = await asyncio.gather(*[complete(stub, build_request(**r), timeout=180) for r in requests])
     return info.model, list(done)
 
 
@@ -104,39 +100,47 @@ def _alert_states(prom: PrometheusServer) -> dict[str, str]:
     return {r["name"]: r["state"] for g in groups for r in g["rules"]}
 
 
-@pytest.fixture(scope="module",
-                params=["quick", pytest.param("full", marks=pytest.mark.slow)])
-def live(request: pytest.FixtureRequest, smollm2_dir: Path,
-         tmp_path_factory: pytest.TempPathFactory) -> Any:
+@pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.slow)])
+def live(request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Services, Prometheus and one round of traffic; then the worker is killed (provoked alert)."""
     require("prometheus")
     scenario = SCENARIOS[request.param]
     started = time.monotonic()
     # Prometheus starts (seconds) while the worker loads its model.
-    prom = start_prometheus(tmp_path_factory.mktemp("prometheus"), [SCHED_JOB, WORKER_JOB],
-                            [RULES], interval_s=SCRAPE_S)
+    prom = start_prometheus(
+        tmp_path_factory.mktemp("prometheus"), [SCHED_JOB, WORKER_JOB], [RULES], interval_s=SCRAPE_S
+    )
     phases = [("prometheus", time.monotonic())]
     worker = scheduler = None
     try:
-        worker = start_worker(kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0,
-                              spec_method="ngram", num_spec_tokens=3)
+        worker = start_worker(
+            kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0, spec_method="ngram", num_spec_tokens=3
+        )
         scheduler = start_scheduler([worker], max_num_seqs=4)
         wait_serving(scheduler.target)
         phases.append(("services", time.monotonic()))
-        prom.set_targets(ScrapeJob(SCHED_JOB, [f"127.0.0.1:{scheduler.ports['METRICS']}"],
-                                   {"namespace": NAMESPACE, "pod": "zerobubble-scheduler-0"}))
-        prom.set_targets(ScrapeJob(WORKER_JOB, [f"127.0.0.1:{worker.ports['METRICS']}"],
-                                   {"namespace": NAMESPACE, "pod": "zerobubble-worker-0"}))
+        prom.set_targets(
+            ScrapeJob(
+                SCHED_JOB,
+                [f"127.0.0.1:{scheduler.ports['METRICS']}"],
+                {"namespace": NAMESPACE, "pod": "zerobubble-scheduler-0"},
+            )
+        )
+        prom.set_targets(
+            ScrapeJob(
+                WORKER_JOB,
+                [f"127.0.0.1:{worker.ports['METRICS']}"],
+                {"namespace": NAMESPACE, "pod": "zerobubble-worker-0"},
+            )
+        )
         prom.wait_targets_up(2)
         phases.append(("targets up", time.monotonic()))
         counter = f'zerobubble_generation_tokens_total{{job="{SCHED_JOB}"}}'
         generated = f"sum({counter})"
 
-        warm = (asyncio.run(_generate(scheduler.target, scenario.warmup))[1]
-                if scenario.warmup else [])
+        warm = asyncio.run(_generate(scheduler.target, scenario.warmup))[1] if scenario.warmup else []
         warm_tokens = sum(len(c.token_ids) for c in warm)
-        prom.wait_until(lambda: prom.scalar_sum(generated) == warm_tokens, 30,
-                        f"{generated} == {warm_tokens}")
+        prom.wait_until(lambda: prom.scalar_sum(generated) == warm_tokens, 30, f"{generated} == {warm_tokens}")
         # When the baseline was first scraped: a rate window that starts later sees only the
         # requests below. Two more samples of it before t0 keep one inside such a window.
         (recent,) = prom.query(f"{counter}[1m]")["result"]
@@ -147,31 +151,45 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path,
         model, completions = asyncio.run(_generate(scheduler.target, scenario.requests))
         streamed = sum(len(c.token_ids) for c in completions)
         phases.append(("generation", time.monotonic()))
-        prom.wait_until(lambda: prom.scalar_sum(generated) == warm_tokens + streamed, 30,
-                        f"{generated} == {warm_tokens + streamed}")
+        prom.wait_until(
+            lambda: prom.scalar_sum(generated) == warm_tokens + streamed, 30, f"{generated} == {warm_tokens + streamed}"
+        )
         time.sleep(1.5 * SCRAPE_S)
         t1 = time.time()
         before_kill = prom.api("rules")["groups"]
         span = f"{math.ceil(t1 - t0) + 10}s"
-        failed_scrapes = prom.vector(
-            f"sum by (job) (count_over_time(up[{span}]) - sum_over_time(up[{span}]))", at=t1)
+        failed_scrapes = prom.vector(f"sum by (job) (count_over_time(up[{span}]) - sum_over_time(up[{span}]))", at=t1)
         phases.append(("scraped", time.monotonic()))
 
         # The provoked condition: the worker process dies, its scrape fails.
         worker.kill()
-        prom.wait_until(lambda: _alert_states(prom).get("ZerobubbleWorkerDown") != "inactive",
-                        30, "ZerobubbleWorkerDown leaving inactive")
+        prom.wait_until(
+            lambda: _alert_states(prom).get("ZerobubbleWorkerDown") != "inactive",
+            30,
+            "ZerobubbleWorkerDown leaving inactive",
+        )
         after_kill = _alert_states(prom)
         active_alerts = prom.api("alerts")["alerts"]
         phases.append(("alert pending", time.monotonic()))
         marks = [started] + [t for _, t in phases]
-        print(f"prometheus e2e setup ({request.param}): " + ", ".join(
-            f"{name} {t - prev:.1f}s" for (name, t), prev in zip(phases, marks))
-            + f"; failed scrapes {failed_scrapes}")
-        yield dict(prom=prom, model=model, completions=completions, warm_tokens=warm_tokens,
-                   streamed=streamed, baseline_since=baseline_since, t0=t0, t1=t1,
-                   rules=before_kill, after_kill=after_kill,
-                   active_alerts=active_alerts)
+        print(
+            f"prometheus e2e setup ({request.param}): "
+            + ", ".join(f"{name} {t - prev:.1f}s" for (name, t), prev in zip(phases, marks))
+            + f"; failed scrapes {failed_scrapes}"
+        )
+        yield dict(
+            prom=prom,
+            model=model,
+            completions=completions,
+            warm_tokens=warm_tokens,
+            streamed=streamed,
+            baseline_since=baseline_since,
+            t0=t0,
+            t1=t1,
+            rules=before_kill,
+            after_kill=after_kill,
+            active_alerts=active_alerts,
+        )
     finally:
         prom.stop()
         for service in (scheduler, worker):
@@ -181,10 +199,15 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path,
 
 # --- families and labels --------------------------------------------------------------------------
 
+
 def _series(live: dict[str, Any], job: str) -> list[dict[str, str]]:
     prom: PrometheusServer = live["prom"]
-    return prom.api("series", **{"match[]": f'{{__name__=~"zerobubble_.+", job="{job}"}}'},
-                    start=f"{live['t0']:.3f}", end=f"{live['t1']:.3f}")
+    return prom.api(
+        "series",
+        **{"match[]": f'{{__name__=~"zerobubble_.+", job="{job}"}}'},
+        start=f"{live['t0']:.3f}",
+        end=f"{live['t1']:.3f}",
+    )
 
 
 def _family_labels(series: list[dict[str, str]]) -> dict[str, set[frozenset[str]]]:
@@ -228,16 +251,15 @@ def test_the_worker_exports_its_own_figures(live: dict[str, Any]) -> None:
 def test_label_values_name_the_model_and_one_worker(live: dict[str, Any]) -> None:
     prom: PrometheusServer = live["prom"]
     window = dict(start=f"{live['t0']:.3f}", end=f"{live['t1']:.3f}")
-    models = prom.api("label/model/values", **{"match[]": '{__name__=~"zerobubble_.+"}'},
-                      **window)
+    models = prom.api("label/model/values", **{"match[]": '{__name__=~"zerobubble_.+"}'}, **window)
     assert models == [live["model"]]
     # The scheduler labels a worker's figures with the id the worker uses for its own.
-    workers = prom.api("label/worker/values", **{"match[]": '{__name__=~"zerobubble_.+"}'},
-                       **window)
+    workers = prom.api("label/worker/values", **{"match[]": '{__name__=~"zerobubble_.+"}'}, **window)
     assert len(workers) == 1, workers
 
 
 # --- counters against what the clients saw --------------------------------------------------------
+
 
 def test_generation_rate_agrees_with_the_tokens_received(live: dict[str, Any]) -> None:
     prom: PrometheusServer = live["prom"]
@@ -271,10 +293,9 @@ def test_accepted_tokens_per_position_add_up(live: dict[str, Any]) -> None:
     prom: PrometheusServer = live["prom"]
     job = f'job="{SCHED_JOB}"'
     per_pos = prom.vector(
-        f"sum by (position) (zerobubble_spec_decode_num_accepted_tokens_per_pos_total{{{job}}})",
-        at=live["t1"])
-    total = prom.scalar_sum(f"sum(zerobubble_spec_decode_num_accepted_tokens_total{{{job}}})",
-                            at=live["t1"])
+        f"sum by (position) (zerobubble_spec_decode_num_accepted_tokens_per_pos_total{{{job}}})", at=live["t1"]
+    )
+    total = prom.scalar_sum(f"sum(zerobubble_spec_decode_num_accepted_tokens_total{{{job}}})", at=live["t1"])
     assert total and total > 0, "n-gram speculation accepted nothing on repetitive prompts"
     assert sum(v for _, v in per_pos) == total
     # A draft token is accepted only if every earlier one was: counts fall with position.
@@ -284,6 +305,7 @@ def test_accepted_tokens_per_position_add_up(live: dict[str, Any]) -> None:
 
 # --- every expression we ship ---------------------------------------------------------------------
 
+
 def _dashboard_targets() -> list[tuple[str, str, str]]:
     """(panel title, expr, legendFormat) of every panel target, nested rows included."""
     out: list[tuple[str, str, str]] = []
@@ -291,8 +313,7 @@ def _dashboard_targets() -> list[tuple[str, str, str]]:
     def walk(panels: list[Any]) -> None:
         for panel in panels:
             for target in panel.get("targets") or []:
-                out.append((panel.get("title", ""), target["expr"],
-                            target.get("legendFormat", "")))
+                out.append((panel.get("title", ""), target["expr"], target.get("legendFormat", "")))
             walk(panel.get("panels") or [])
 
     walk(json.loads(DASHBOARD.read_text())["panels"])
@@ -301,8 +322,12 @@ def _dashboard_targets() -> list[tuple[str, str, str]]:
 
 def _grafana(expr: str, model: str) -> str:
     """Substitute the dashboard's variables as Grafana would for our namespace and job."""
-    return (expr.replace("$namespace", NAMESPACE).replace("$job", SCHED_JOB)
-            .replace("$model", model).replace("$__rate_interval", RATE_INTERVAL))
+    return (
+        expr.replace("$namespace", NAMESPACE)
+        .replace("$job", SCHED_JOB)
+        .replace("$model", model)
+        .replace("$__rate_interval", RATE_INTERVAL)
+    )
 
 
 def test_every_dashboard_panel_returns_its_series(live: dict[str, Any]) -> None:
@@ -327,8 +352,9 @@ def test_dashboard_variables_list_our_namespace_job_and_model(live: dict[str, An
         match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["definition"])
         assert match, variable["definition"]
         selector, label = _grafana(match[1], live["model"]), match[2]
-        values = prom.api(f"label/{label}/values", **{"match[]": selector},
-                          start=f"{live['t0']:.3f}", end=f"{live['t1']:.3f}")
+        values = prom.api(
+            f"label/{label}/values", **{"match[]": selector}, start=f"{live['t0']:.3f}", end=f"{live['t1']:.3f}"
+        )
         assert expected[variable["name"]] in values, (variable["name"], values)
 
 
@@ -342,15 +368,16 @@ def test_autoscaler_queries_return_one_value_per_namespace(live: dict[str, Any])
     for metric in hpa["spec"]["metrics"]:
         external = metric["external"]["metric"]
         rule = published[external["name"]]
-        assert prom.api("series", **{"match[]": rule["seriesQuery"]},
-                        start=f"{live['t0']:.3f}", end=f"{live['t1']:.3f}"), rule["seriesQuery"]
+        assert prom.api(
+            "series", **{"match[]": rule["seriesQuery"]}, start=f"{live['t0']:.3f}", end=f"{live['t1']:.3f}"
+        ), rule["seriesQuery"]
         matchers = {**external["selector"]["matchLabels"], "namespace": NAMESPACE}
-        expr = (rule["metricsQuery"]
-                .replace("<<.Series>>", re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*",
-                                                  rule["seriesQuery"])[0])
-                .replace("<<.LabelMatchers>>",
-                         ",".join(f'{k}="{v}"' for k, v in sorted(matchers.items())))
-                .replace("<<.GroupBy>>", "namespace"))
+        expr = (
+            rule["metricsQuery"]
+            .replace("<<.Series>>", re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["seriesQuery"])[0])
+            .replace("<<.LabelMatchers>>", ",".join(f'{k}="{v}"' for k, v in sorted(matchers.items())))
+            .replace("<<.GroupBy>>", "namespace")
+        )
         samples = prom.vector(expr, at=live["t1"])
         assert [labels for labels, _ in samples] == [{"namespace": NAMESPACE}], (expr, samples)
         value = samples[0][1]
@@ -372,8 +399,7 @@ def _as_bool(expr: str) -> str:
 
 def test_every_alert_expression_selects_live_series(live: dict[str, Any]) -> None:
     prom: PrometheusServer = live["prom"]
-    rules = [rule for group in yaml.safe_load(RULES.read_text())["groups"]
-             for rule in group["rules"]]
+    rules = [rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]]
     assert len(rules) == 11
     for rule in rules:
         samples = prom.vector(_as_bool(rule["expr"]), at=live["t1"])
@@ -394,8 +420,8 @@ def test_prometheus_evaluated_every_rule_without_error(live: dict[str, Any]) -> 
 
 def _readme_blocks(language: str) -> list[str]:
     text = README.read_text()
-    section = text[text.index("\n## Scrape\n"):]
-    section = section[:section.index("\n## ", 1)]
+    section = text[text.index("\n## Scrape\n") :]
+    section = section[: section.index("\n## ", 1)]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 
 
@@ -405,8 +431,7 @@ def test_readme_scrape_config_and_queries(live: dict[str, Any]) -> None:
     jobs = yaml.safe_load(config)["scrape_configs"]
     assert [job["job_name"] for job in jobs] == [SCHED_JOB]
     (block,) = _readme_blocks("promql")
-    throughput, acceptance, idle = [line for line in block.splitlines()
-                                    if line.strip() and not line.startswith("#")]
+    throughput, acceptance, idle = [line for line in block.splitlines() if line.strip() and not line.startswith("#")]
     [(labels, tokens_per_s)] = prom.vector(throughput, at=live["t1"])
     assert labels == {"model": live["model"]} and tokens_per_s > 0
     per_pos = prom.vector(acceptance, at=live["t1"])
@@ -419,14 +444,13 @@ def test_readme_scrape_config_and_queries(live: dict[str, Any]) -> None:
 
 # --- alerts ---------------------------------------------------------------------------------------
 
+
 def test_a_killed_worker_makes_its_alert_pending(live: dict[str, Any]) -> None:
     assert live["after_kill"]["ZerobubbleWorkerDown"] in ("pending", "firing")
-    (alert,) = [a for a in live["active_alerts"]
-                if a["labels"]["alertname"] == "ZerobubbleWorkerDown"]
+    (alert,) = [a for a in live["active_alerts"] if a["labels"]["alertname"] == "ZerobubbleWorkerDown"]
     assert alert["labels"]["job"] == WORKER_JOB and alert["labels"]["pod"] == "zerobubble-worker-0"
     assert alert["labels"]["namespace"] == NAMESPACE
-    assert alert["annotations"]["summary"] == (
-        f"zerobubble worker {NAMESPACE}/zerobubble-worker-0 is not scraped")
+    assert alert["annotations"]["summary"] == (f"zerobubble worker {NAMESPACE}/zerobubble-worker-0 is not scraped")
 
 
 def test_alerts_not_provoked_stay_inactive(live: dict[str, Any]) -> None:

@@ -16,9 +16,9 @@ import pytest
 SOURCES: dict[str, str] = {
     "kubectl": "install kubectl (https://kubernetes.io/docs/tasks/tools/)",
     "promtool": "install the Debian/Ubuntu package 'prometheus' (apt-get install prometheus; "
-                "`make test` does it as root)",
+    "`make test` does it as root)",
     "prometheus": "install the Debian/Ubuntu package 'prometheus' (apt-get install prometheus; "
-                  "`make test` does it as root)",
+    "`make test` does it as root)",
 }
 
 
