@@ -372,9 +372,11 @@ def test_autoscaler_queries_return_one_value_per_namespace(live: dict[str, Any])
             "series", **{"match[]": rule["seriesQuery"]}, start=f"{live['t0']:.3f}", end=f"{live['t1']:.3f}"
         ), rule["seriesQuery"]
         matchers = {**external["selector"]["matchLabels"], "namespace": NAMESPACE}
+        series = re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["seriesQuery"])
+        assert series, rule["seriesQuery"]
         expr = (
             rule["metricsQuery"]
-            .replace("<<.Series>>", re.match(r"[a-zA-Z_:][a-zA-Z0-9_:]*", rule["seriesQuery"])[0])
+            .replace("<<.Series>>", series[0])
             .replace("<<.LabelMatchers>>", ",".join(f'{k}="{v}"' for k, v in sorted(matchers.items())))
             .replace("<<.GroupBy>>", "namespace")
         )
