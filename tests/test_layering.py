@@ -74,17 +74,16 @@ def test_scheduler_side_never_imports_torch(graph: dict[str, set[str]]) -> None:
 
 
 def test_internals_package_map_lists_every_module(graph: dict[str, set[str]]) -> None:
-    """docs/INTERNALS.md's package map names every module (a directory entry covers its files)."""
+    """docs/INTERNALS.md's package map names every module by its path (packages as `dir/`;
+    the generated stubs are covered by `zerobubble/api/`)."""
     text = (ROOT / "docs" / "INTERNALS.md").read_text()
     table = text[text.index("## Package map"):]
     table = table[: table.index("\n## ", 3)]
     missing = []
     for name in graph:
         path = name.replace(".", "/")
-        parent = path.rpartition("/")[0]
-        if name.endswith("__init__") or f"`{path}.py`" in table or f"`{path}/`" in table:
-            continue
-        if f"`{parent}/`" in table or any(f"`{path}" in cell for cell in table.split("|")):
-            continue
-        missing.append(name)
+        is_package = (ROOT / path / "__init__.py").is_file()
+        wanted = f"`{path}/`" if is_package else f"`{path}.py`"
+        if wanted not in table and not (name.startswith("zerobubble.api.") and "`zerobubble/api/`" in table):
+            missing.append(wanted)
     assert missing == []
