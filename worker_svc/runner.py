@@ -22,8 +22,8 @@ from kernels.attention import AttentionMetadata
 from kernels.inputs import assemble_inputs
 from kernels.seq_lens import update_state
 from kernels.verify import count_accepted, rejection_sample
-from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
+from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import Proposer
 from worker_svc.sampler import SEED_MASK, SamplingTensors, sample, target_probs, token_logprobs
 from zerobubble.api import worker_pb2
@@ -214,6 +214,7 @@ class ModelRunner:
         self.proposer = proposer
         self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
         if simulator is None:
+            assert loaded.model is not None, "a runner without a simulator needs the model"
             self.device = loaded.model.device
             self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks,
                                                config.block_size, loaded.model.dtype, self.device)
@@ -466,6 +467,7 @@ class ModelRunner:
     def run_model(self, batch: StepBatch) -> torch.Tensor | None:
         """The forward over the flat batch (writes K/V) and the logits of the sampled slots
         (``[G, vocab]``; None when no row samples)."""
+        assert self.model is not None
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
         if batch.sampled is None:
             return None
