@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hmac
 import logging
 import random
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -44,6 +46,7 @@ class SchedulerServiceConfig:
     host: str = "0.0.0.0"
     port: int = 50051
     metrics_port: int = 9090
+    http_port: int = 8000
     max_inflight_steps: int = 2
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
@@ -60,6 +63,31 @@ class SchedulerServiceConfig:
 
 class InvalidRequest(ValueError):
     """A client field is invalid; the message names the field."""
+
+
+class UnknownModel(InvalidRequest):
+    """The request names a model this server does not serve (HTTP answers 404)."""
+
+
+class RequestError(Exception):
+    """A request refused before it was queued: the gRPC status and a message naming the cause.
+
+    gRPC aborts with it as is; the HTTP front maps the status to an HTTP one.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, unknown_model: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.unknown_model = unknown_model
+
+
+@dataclass(slots=True, frozen=True)
+class Submission:
+    """A queued request: its id and the stream its events arrive on."""
+
+    req_id: str
+    stream: Stream
 
 
 @dataclass(slots=True)
@@ -112,22 +140,28 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+    def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
+        """Validate, tokenize, route and queue one request: the one path gRPC and HTTP share.
+
+        Raises:
+            RequestError: the request was refused (the status says why; nothing was queued).
+        """
         link = self.router.any_ready()
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         try:
             prompt_ids = self._prompt_ids(request, link)
             params = self._validate(request, link, len(prompt_ids))
+        except UnknownModel as exc:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc), unknown_model=True) from exc
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
         if req_id in self.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id {req_id!r} is already running")
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req_id!r} is already running")
         link = self.router.route(prompt_ids)
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         stream = Stream(queue=asyncio.Queue(), arrival=time.monotonic(),
                         num_prompt_tokens=len(prompt_ids))
         self.streams[req_id] = stream
@@ -135,7 +169,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self.router.submit(link, req_id, prompt_ids, **params)
         except QueueFullError as exc:
             self.streams.pop(req_id, None)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        return Submission(req_id, stream)
+
+    async def responses(self, submission: Submission) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        """The reply messages of a submitted request, the last one with its finish reason.
+
+        Leaving early (client cancel, deadline, a closed HTTP connection) aborts the request and
+        gives its KV blocks back.
+        """
+        req_id, stream = submission.req_id, submission.stream
         finished = False
         try:
             while True:
@@ -164,6 +207,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.record_finished("cancelled", None, time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
                                                  stream.num_prompt_tokens, stream.num_output_tokens)
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        try:
+            submission = self.submit(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        async with contextlib.aclosing(self.responses(submission)) as replies:
+            async for reply in replies:
+                yield reply
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         link = self.router.any_ready()
@@ -237,9 +289,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def _validate(self, request: generate_pb2.GenerateRequest, link: WorkerLink,
                   num_prompt: int) -> dict:
         info = link.info
-        if request.model:
-            _check(request.model == info.model,
-                   f"model: unknown model {request.model!r}; this server serves {info.model!r}")
+        if request.model and request.model != info.model:
+            raise UnknownModel(f"model: unknown model {request.model!r}; this server serves {info.model!r}")
         max_len = info.max_model_len
         _check(num_prompt < max_len,
                f"input: prompt is {num_prompt} tokens, the model length is {max_len} "
@@ -349,11 +400,23 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
     if bound is not None:
         bound.append(("grpc", port))
+    http = None
+    if cfg.http_port >= 0:
+        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+
+        http = await start_http(servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token,
+                                tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
+        print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
+        if bound is not None:
+            bound.append(("http", http.port))
     if ready is not None:
         ready.set()
     stop = stop or asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
+    if http is not None:
+        await http.stop(grace_s=10.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)
     await router.close()
 

@@ -213,7 +213,9 @@ def add_scheduler_flags(group: argparse._ActionsContainer, env: Mapping[str, str
     add_flag(group, "--enable-prefix-caching", default=True, env=env,
              help="share KV blocks of identical prompt prefixes")
     add_flag(group, "--auth-token", default="", env=env,
-             help="bearer token clients must send (empty = no auth)")
+             help="bearer token clients must send, on gRPC and HTTP (empty = no auth)")
+    add_flag(group, "--http-port", default=8000, type=int, env=env,
+             help="OpenAI-compatible HTTP port on --host (-1 = off, 0 = pick a free port)")
     add_flag(group, "--worker-tls-ca", default="", env=env,
              help="PEM CA that signed the workers' certificates; TLS to workers is on when set")
     add_flag(group, "--worker-tls-cert", default="", env=env, help="PEM client certificate for mutual TLS to workers")
