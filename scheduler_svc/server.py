@@ -320,6 +320,20 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             _check(0 < len(text) <= 256, f"stopping.stop[{i}]: must be 1 to 256 characters")
         for i, tid in enumerate(st.stop_token_ids):
             _check(0 <= tid < info.vocab_size, f"stopping.stop_token_ids[{i}]: {tid} is outside the vocabulary")
+        # Ranges of the sampling controls of issue 12 (the device side may still ignore them).
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(s, name)
+            _check(-2.0 <= value <= 2.0, f"sampling.{name}: must be in [-2, 2], got {value:g}")
+        if s.HasField("repetition_penalty"):
+            _check(s.repetition_penalty > 0.0,
+                   f"sampling.repetition_penalty: must be > 0, got {s.repetition_penalty:g}")
+        _check(0.0 <= s.min_p <= 1.0, f"sampling.min_p: must be in [0, 1], got {s.min_p:g}")
+        _check(s.n >= 0, f"sampling.n: must be >= 1, got {s.n}")
+        for tid, bias in s.logit_bias.items():
+            _check(0 <= tid < info.vocab_size, f"sampling.logit_bias: {tid} is outside the vocabulary")
+            _check(-100.0 <= bias <= 100.0, f"sampling.logit_bias: bias of {tid} must be in [-100, 100], got {bias:g}")
+        top_logprobs = request.response.top_logprobs
+        _check(0 <= top_logprobs <= 20, f"response.top_logprobs: must be in [0, 20], got {top_logprobs}")
         return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     max_tokens=max_tokens, min_tokens=st.min_tokens, stop=list(st.stop),
                     stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
