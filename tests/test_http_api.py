@@ -250,3 +250,23 @@ def test_full_queue_is_429(base_url) -> None:
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["type"] == "rate_limit_error"
     assert "waiting" in refused.json()["error"]["message"]
+
+
+def test_bench_openai_backend_sees_what_the_grpc_backend_sees(base_url, scheduler, grounded_rows) -> None:
+    """`zerobubble bench --backend openai` on our HTTP front: the same greedy texts and output
+    token counts as `--backend grpc` on the same rows, at a Poisson rate."""
+    from tests.e2e import bench_rows
+    from zerobubble.bench import run_bench_async
+    from zerobubble.bench_openai import run_openai_bench_async
+
+    rows = bench_rows([grounded_rows[i] for i in (3, 13, 43)], max_tokens=12)
+    over_http = asyncio.run(run_openai_bench_async(base_url + "/v1", rows, 3, request_rate=5.0))
+    over_grpc = asyncio.run(run_bench_async(scheduler.target, rows, 3))
+    assert over_http["backend"] == "openai" and over_http["model"] == MODEL and over_http["num_errors"] == 0
+    assert over_http["request_rate"] == 5.0 and over_http["acceptance_rate"] is None
+    assert [r["text"] for r in over_http["requests"]] == [r["text"] for r in over_grpc["requests"]]
+    assert [r["num_output_tokens"] for r in over_http["requests"]] == \
+        [len(r["token_ids"]) for r in over_grpc["requests"]]
+    assert [r["finish_reason"] for r in over_http["requests"]] == [r["finish_reason"] for r in over_grpc["requests"]]
+    assert over_http["output_tokens"] == over_grpc["output_tokens"]
+    assert all(r["ttft_s"] is not None for r in over_http["requests"])
