@@ -145,3 +145,13 @@ def test_validator_messages_name_the_openai_field() -> None:
     assert openai_param("messages[2].role: unknown role 'x'", chat)[0] == "messages[2].role"
     completion = CompletionBody.model_validate({"prompt": [1]})
     assert openai_param("token_ids: 99999 is outside the vocabulary", completion)[0] == "prompt"
+
+
+def test_http_port_flag_on_serve_and_scheduler_with_env_fallback() -> None:
+    from zerobubble.cli import build_parser
+
+    for command in ("serve", "scheduler"):
+        assert build_parser(env={}).parse_args([command]).http_port == 8000
+        assert build_parser(env={"ZEROBUBBLE_HTTP_PORT": "-1"}).parse_args([command]).http_port == -1
+        assert build_parser(env={}).parse_args([command, "--http-port", "0"]).http_port == 0
+    assert not hasattr(build_parser(env={}).parse_args(["worker"]), "http_port")
