@@ -21,7 +21,7 @@ FLOOR_PINS := grpcio==1.75.1 protobuf==6.31.1 httpx==0.27.0 tqdm==4.60.0 grpcio-
 	pytest==8.3.5 pytest-timeout==2.3.1
 FLOOR_TESTS := tests/test_client_light.py tests/test_proto_current.py tests/test_bench.py
 
-.PHONY: setup setup-floor serve test test-floor test-slow proto proto-lint deploy-check bench-model bench clean
+.PHONY: setup setup-floor serve test test-floor test-slow lint proto proto-lint deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -44,7 +44,7 @@ $(FLOOR_STAMP): Makefile
 	touch $@
 
 serve: setup
-	$(PY) -m zerobubble.cli serve $(SERVE_ARGS)
+	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
 test: setup test-floor
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -57,7 +57,7 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 proto: setup-floor
-	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m zerobubble.protogen
+	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m zerobubble.tools.protogen
 
 # buf ships as an npm package (a binary inside it); lint only, the files are not reformatted.
 proto-lint:
@@ -68,6 +68,16 @@ deploy-check: setup
 
 bench-model: setup
 	$(PY) scripts/bench_model.py
+
+# Async (2 plans in flight) vs sync (1) on the real model, configurations interleaved in one run.
+bench: setup
+	$(PY) scripts/bench_matrix.py async $(BENCH_ARGS)
+
+# Lint, format check and type check; `.ci/run` runs it before the tests.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info

@@ -35,7 +35,7 @@ def test_plot_command_writes_a_png(tmp_path: Path) -> None:
     a, b, out = tmp_path / "grpc.json", tmp_path / "openai.json", tmp_path / "out.png"
     write_report(a, 0.1)
     write_report(b, 0.2)
-    done = subprocess.run([sys.executable, "-m", "zerobubble.cli", "bench", "plot", str(a), str(b), "-o", str(out)],
+    done = subprocess.run([sys.executable, "-m", "zerobubble", "bench", "plot", str(a), str(b), "-o", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
@@ -46,6 +46,6 @@ def test_plot_rejects_a_file_that_is_not_a_report(tmp_path: Path) -> None:
     bad.write_text("{}")
     with pytest.raises(ValueError, match="not a `zerobubble bench --json` report"):
         load_report(bad)
-    done = subprocess.run([sys.executable, "-m", "zerobubble.cli", "bench", "plot", str(bad), "-o",
+    done = subprocess.run([sys.executable, "-m", "zerobubble", "bench", "plot", str(bad), "-o",
                            str(tmp_path / "o.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "not a `zerobubble bench --json` report" in done.stderr

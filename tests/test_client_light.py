@@ -26,7 +26,7 @@ def imported_after(code: str) -> set[str]:
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_client_commands_import_nothing_heavy(command: str) -> None:
-    code = ("from zerobubble.cli import build_parser, dispatch\n"
+    code = ("from zerobubble.entrypoints.cli import build_parser, dispatch\n"
             f"args = build_parser(env={{}}).parse_args([{command!r}])\n"
             "import zerobubble.client, zerobubble.bench")
     assert not imported_after(code) & set(HEAVY)

@@ -17,7 +17,8 @@ from scheduler_svc.http_api import build_app
 from scheduler_svc.openai_protocol import ChatCompletionBody, CompletionBody, build_requests, openai_param
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import SchedulerConfig
-from scheduler_svc.server import GenerationServicer, SchedulerServiceConfig
+from scheduler_svc.server import GenerationServicer
+from zerobubble.config import SchedulerServiceConfig
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -148,7 +149,7 @@ def test_validator_messages_name_the_openai_field() -> None:
 
 
 def test_http_port_flag_on_serve_and_scheduler_with_env_fallback() -> None:
-    from zerobubble.cli import build_parser
+    from zerobubble.entrypoints.cli import build_parser
 
     for command in ("serve", "scheduler"):
         assert build_parser(env={}).parse_args([command]).http_port == 8000

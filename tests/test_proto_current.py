@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from zerobubble.protogen import GRPCIO_TOOLS_VERSION, ROOT, generate
+from zerobubble.tools.protogen import GRPCIO_TOOLS_VERSION, ROOT, generate
 
 
 def _grpcio_tools_version() -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
 # Released 2025-09; its protoc emits protobuf 6.31.1 gencode. Floors in pyproject.toml follow it.
 GRPCIO_TOOLS_VERSION = "1.75.1"
