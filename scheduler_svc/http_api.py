@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP front of the scheduler: FastAPI app served by uvicorn.
 
 It runs inside the scheduler process, as one more task on the scheduler's asyncio event loop,
-so a request goes through exactly the gRPC path (`GenerationServicer.submit` / `responses`:
+so a request goes through exactly the gRPC path (`Frontend.submit` / `responses`:
 one validator, one router, one set of metrics) with no extra hop or thread. FastAPI + uvicorn
 is the stack vLLM and SGLang serve their OpenAI APIs with; uvicorn's `Server.serve()` is a
 plain coroutine, so it shares the loop instead of owning one.
@@ -22,7 +22,7 @@ import re
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler_svc import openai_protocol as oa
-from scheduler_svc.server import GenerationServicer, RequestError
+from scheduler_svc.submission import Frontend, RequestError, Submission
 from zerobubble.api import generate_pb2
 
 logger = logging.getLogger(__name__)
@@ -183,7 +183,8 @@ class Exchange:
         return out
 
 
-async def _merged(servicer: GenerationServicer, submissions: Sequence) -> AsyncIterator[tuple[int, generate_pb2.GenerateResponse]]:
+async def _merged(servicer: Frontend,
+                  submissions: Sequence[Submission]) -> AsyncGenerator[tuple[int, generate_pb2.GenerateResponse], None]:
     """(prompt index, reply) from every submission as they arrive; leaving early aborts them all."""
     if len(submissions) == 1:
         async with contextlib.aclosing(servicer.responses(submissions[0])) as replies:
@@ -192,7 +193,7 @@ async def _merged(servicer: GenerationServicer, submissions: Sequence) -> AsyncI
         return
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(i: int, submission) -> None:
+    async def pump(i: int, submission: Submission) -> None:
         try:
             async with contextlib.aclosing(servicer.responses(submission)) as replies:
                 async for reply in replies:
@@ -219,7 +220,7 @@ def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def build_app(servicer: GenerationServicer, auth_token: str = "") -> FastAPI:
+def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
     """The FastAPI app over a scheduler servicer; `auth_token` guards `/v1/*` like gRPC's."""
     app = FastAPI(title="zerobubble", docs_url=None, redoc_url=None, openapi_url=None)
     expected = f"Bearer {auth_token}".encode()
@@ -233,7 +234,7 @@ def build_app(servicer: GenerationServicer, auth_token: str = "") -> FastAPI:
         return error_response(exc.status_code, str(exc.detail))
 
     @app.middleware("http")
-    async def authenticate(request: Request, call_next):  # type: ignore[no-untyped-def]
+    async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if auth_token and request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "").encode()
             # Constant-time comparison, as on the gRPC port.
@@ -313,7 +314,7 @@ def build_app(servicer: GenerationServicer, auth_token: str = "") -> FastAPI:
         result["usage"] = exchange.usage()
         return JSONResponse(result)
 
-    async def _stream(exchange: Exchange, submissions: list) -> AsyncIterator[str]:
+    async def _stream(exchange: Exchange, submissions: list[Submission]) -> AsyncIterator[str]:
         body = exchange.body
         include_usage = body.stream_options is not None and body.stream_options.include_usage
         extra = {"usage": None} if include_usage else {}
@@ -364,7 +365,7 @@ class _EmbeddedServer(uvicorn.Server):
         pass
 
     @contextlib.contextmanager
-    def capture_signals(self):  # type: ignore[no-untyped-def]  # uvicorn >= 0.29
+    def capture_signals(self) -> Iterator[None]:  # uvicorn >= 0.29
         yield
 
 
@@ -384,7 +385,7 @@ class HTTPFront:
             await self.task
 
 
-async def start_http(servicer: GenerationServicer, host: str, port: int, *, auth_token: str = "",
+async def start_http(servicer: Frontend, host: str, port: int, *, auth_token: str = "",
                      tls_cert: str = "", tls_key: str = "") -> HTTPFront:
     """Bind `host:port` (0 = a free port) and serve the app on the running event loop."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

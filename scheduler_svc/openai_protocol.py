@@ -128,7 +128,7 @@ def _prompts(body: CompletionBody) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
     if prompt and isinstance(prompt[0], int):
-        return [list(prompt)]  # type: ignore[arg-type]
+        return [list(prompt)]
     if not prompt:
         raise ParamError("prompt", "must not be empty")
     if len(prompt) > MAX_PROMPTS:

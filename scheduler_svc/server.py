@@ -14,14 +14,14 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 
 import grpc
 
 from scheduler_svc.request import InvalidRequest, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
+from scheduler_svc.submission import RequestError, Stream, Submission
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
@@ -57,40 +57,6 @@ def check_sampling_controls(request: generate_pb2.GenerateRequest, vocab_size: i
                 f"sampling.logit_bias: bias of {tid} must be in [-100, 100], got {bias:g}")
     top = request.response.top_logprobs
     require(0 <= top <= 20, f"response.top_logprobs: must be in [0, 20], got {top}")
-
-
-class RequestError(Exception):
-    """A request refused before it was queued: the gRPC status and a message naming the cause.
-
-    gRPC aborts with it as is; the HTTP front maps the status to an HTTP one.
-    """
-
-    def __init__(self, code: grpc.StatusCode, message: str, unknown_model: bool = False) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.unknown_model = unknown_model
-
-
-@dataclass(slots=True, frozen=True)
-class Submission:
-    """A queued request: its id and the stream its events arrive on."""
-
-    req_id: str
-    stream: Stream
-
-
-@dataclass(slots=True)
-class Stream:
-    """The client side of one request: where its events go, and timing for metrics."""
-
-    queue: asyncio.Queue
-    arrival: float
-    num_prompt_tokens: int
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -162,7 +128,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
         return Submission(req_id, stream)
 
-    async def responses(self, submission: Submission) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
         """The reply messages of a submitted request, the last one with its finish reason.
 
         Leaving early (client cancel, deadline, a closed HTTP connection) aborts the request and

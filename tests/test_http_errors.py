@@ -8,7 +8,6 @@ The answers that need a worker are in tests/test_http_api.py.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import httpx
 import pytest

@@ -18,7 +18,6 @@ otherwise idle server.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
@@ -287,7 +286,8 @@ def format_summary(report: Mapping[str, Any]) -> str:
         f"model        {report['model'] or '?'} via {report.get('backend', 'grpc')} (spec "
         f"{report['spec_method'] or '?'}, inflight steps {report['max_inflight_steps'] or '?'})",
         f"requests     {report['num_requests']} ({report['num_errors']} errors) at concurrency "
-        f"{report['concurrency']}" + (f", {report['request_rate']:g} req/s Poisson" if report.get("request_rate") else "")
+        f"{report['concurrency']}"
+        + (f", {report['request_rate']:g} req/s Poisson" if report.get("request_rate") else "")
         + f" in {report['wall_s']:.2f} s",
         f"throughput   {report['output_tokens_per_s']:.1f} output tok/s, {report['requests_per_s']:.2f} req/s "
         f"({report['output_tokens']} output tokens)",
