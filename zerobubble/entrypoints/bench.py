@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -36,6 +37,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     try:
         if args.backend == "openai":
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
             try:
                 report = asyncio.run(run_openai_bench_async(
                     args.base_url, rows, args.concurrency, request_rate=args.request_rate,
