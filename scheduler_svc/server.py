@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import logging
 import time
@@ -34,6 +35,20 @@ FINISH = generate_pb2.FinishReason
 # Our own input limits: far below the transport cap so oversized input gets a clear message.
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
+
+
+def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> RequestEvent:
+    """`ev` merged with the events already waiting behind it, oldest first.
+
+    When the scheduler confirms tokens faster than a stream is written (many streams, a busy
+    loop), one message then carries several steps' tokens: the number of writes per step
+    adapts to the load instead of every step costing one write per stream.
+    """
+    while not queue.empty() and ev.finish_reason is None:
+        nxt: RequestEvent = queue.get_nowait()
+        ev = dataclasses.replace(nxt, token_ids=ev.token_ids + nxt.token_ids, text=ev.text + nxt.text,
+                                 logprobs=ev.logprobs + nxt.logprobs)
+    return ev
 
 
 def check_sampling_controls(request: generate_pb2.GenerateRequest, vocab_size: int) -> None:
@@ -83,8 +98,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         self.metrics.observe_ttft(now - stream.arrival)
                 elif self.metrics is not None:
                     gap = (now - stream.last_token_at) / len(ev.token_ids)
-                    for _ in ev.token_ids:
-                        self.metrics.observe_inter_token(gap)
+                    self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
             stream.queue.put_nowait(ev)
@@ -138,7 +152,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finished = False
         try:
             while True:
-                ev: RequestEvent = await stream.queue.get()
+                ev = merge_pending(await stream.queue.get(), stream.queue)
                 reply = generate_pb2.GenerateResponse(
                     request_id=req_id, text=ev.text, token_ids=ev.token_ids,
                     logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
@@ -160,7 +174,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 # Its queue time counts if it had been scheduled (None if it never was).
                 event = self.router.abort(req_id)
                 if self.metrics is not None:
-                    self.metrics.record_finished("cancelled", None, time.monotonic() - stream.arrival,
+                    self.metrics.record_finished("cancelled", time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
                                                  stream.num_prompt_tokens, stream.num_output_tokens)
 
@@ -263,9 +277,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.metrics is None:
             return
         now = time.monotonic()
-        ttft = stream.first_token_at - stream.arrival if stream.first_token_at else None
         reason = FINISH.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
-        self.metrics.record_finished(reason, ttft, now - stream.arrival, ev.queue_s,
+        self.metrics.record_finished(reason, now - stream.arrival, ev.queue_s,
                                      stream.num_prompt_tokens, stream.num_output_tokens)
 
 
@@ -292,10 +305,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_stream if details.method.endswith("/Generate") else self._deny
 
 
-async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
-                          ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                          bound: list | None = None) -> None:
-    """Run the scheduler service until `stop` (or SIGTERM)."""
+async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None) -> None:
+    """Run the scheduler service until SIGTERM or SIGINT."""
     from zerobubble.metrics import ServiceMetrics, start_metrics_server
 
     metrics = ServiceMetrics(model="", role="scheduler")
@@ -303,8 +314,6 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("scheduler metrics on :%d/metrics", mport)
         print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
-        if bound is not None:
-            bound.append(("metrics", mport))
     sched_cfg = SchedulerConfig.from_service(cfg)
     creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
                                     cfg.worker_tls_key or None)
@@ -328,8 +337,6 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
-    if bound is not None:
-        bound.append(("grpc", port))
     http = None
     if cfg.http_port >= 0:
         from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
@@ -338,11 +345,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
                                 tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
         logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
         print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
-        if bound is not None:
-            bound.append(("http", http.port))
-    if ready is not None:
-        ready.set()
-    stop = stop or asyncio.Event()
+    stop = asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
     if http is not None:

@@ -11,7 +11,6 @@ runtimes load the stubs too. `make proto` runs in the floor environment that has
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,4 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()
