@@ -36,11 +36,11 @@ class WorkerLink:
     """Connects to one worker, keeps its plan window full and routes its results."""
 
     def __init__(self, address: str, config: SchedulerConfig, max_inflight_steps: int,
-                 on_events: Callable[[WorkerLink, list[RequestEvent]], None],
-                 on_lost: Callable[[WorkerLink], None],
+                 on_events: Callable[["WorkerLink", list[RequestEvent]], None],
+                 on_lost: Callable[["WorkerLink"], None],
                  creds: grpc.ChannelCredentials | None = None,
-                 on_step: Callable[[WorkerLink, worker_pb2.StepResult], None] | None = None,
-                 on_ready: Callable[[WorkerLink], None] | None = None,
+                 on_step: Callable[["WorkerLink", worker_pb2.StepResult], None] | None = None,
+                 on_ready: Callable[["WorkerLink"], None] | None = None,
                  server_name: str | None = None) -> None:
         self.address = address
         # The name the worker's TLS certificate is checked against when `address` is an IP
