@@ -48,6 +48,7 @@ def plot_reports(paths: Sequence[str | Path], out: str | Path, title: str = "") 
 
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter
 
     reports = [(label_of(p, r), r) for p, r in ((p, load_report(p)) for p in paths)]
     fig, (ax_tp, ax_ttft, ax_itl) = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -73,8 +74,9 @@ def plot_reports(paths: Sequence[str | Path], out: str | Path, title: str = "") 
         ax.set_ylabel("fraction of " + ("requests" if key == "ttft_s" else "gaps"))
         ax.set_title(name + " (CDF)")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(NullFormatter())  # minor labels collide on a short log axis
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
+        ax.legend(fontsize="small", loc="lower right")
     if title:
         fig.suptitle(title)
     fig.tight_layout()
