@@ -124,8 +124,8 @@ def grpc_reference(scheduler: Service, **kwargs: Any) -> Any:
 
 
 def test_stream_concatenates_to_the_whole_reply_and_usage_equals_grpc(client, scheduler) -> None:
-    whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=20, temperature=0,
+    whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -134,7 +134,7 @@ def test_stream_concatenates_to_the_whole_reply_and_usage_equals_grpc(client, sc
     usage = chunks[-1].usage
     assert not chunks[-1].choices and usage is not None
     assert all(c.usage is None for c in chunks[:-1])
-    ref = grpc_reference(scheduler, messages=HELLO, max_tokens=20, temperature=0.0)
+    ref = grpc_reference(scheduler, messages=HELLO, max_tokens=12, temperature=0.0)
     assert ref.text == streamed
     for u in (usage, whole.usage):
         assert u.prompt_tokens == ref.num_prompt_tokens
@@ -151,7 +151,7 @@ def test_completions_take_text_and_token_ids(base_url, scheduler) -> None:
             return list(reply.token_ids)
 
     ids = asyncio.run(tokenize())
-    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "logprobs": 0}
     replies = [httpx.post(f"{base_url}/v1/completions", json={**body, "prompt": p}, timeout=300).json()
                for p in (prompt, ids, [prompt, prompt])]
     text = replies[0]["choices"][0]["text"]
@@ -163,12 +163,12 @@ def test_completions_take_text_and_token_ids(base_url, scheduler) -> None:
     assert "".join(logprobs["tokens"]) == text
     assert len(logprobs["token_logprobs"]) == replies[0]["usage"]["completion_tokens"]
     assert logprobs["text_offset"][0] == 0 and all(lp <= 0 for lp in logprobs["token_logprobs"])
-    ref = grpc_reference(scheduler, prompt=prompt, max_tokens=12, temperature=0.0)
+    ref = grpc_reference(scheduler, prompt=prompt, max_tokens=8, temperature=0.0)
     assert ref.text == text
 
 
 def test_chat_logprobs_follow_the_tokens(client) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=10, temperature=0,
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
                                            logprobs=True, top_logprobs=2)
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens
@@ -181,7 +181,7 @@ def test_chat_logprobs_follow_the_tokens(client) -> None:
 
 
 def test_n_choices_are_indexed(client) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=1.0,
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=1.0,
                                            seed=7, n=2)
     if len(reply.choices) == 1:
         pytest.skip("the scheduler does not run n > 1 yet (issue 12 item 3)")
@@ -259,7 +259,7 @@ def test_bench_openai_backend_sees_what_the_grpc_backend_sees(base_url, schedule
     from zerobubble.bench import run_bench_async
     from zerobubble.bench_openai import run_openai_bench_async
 
-    rows = bench_rows([grounded_rows[i] for i in (3, 13, 43)], max_tokens=12)
+    rows = bench_rows([grounded_rows[i] for i in (3, 13, 43)], max_tokens=8)
     over_http = asyncio.run(run_openai_bench_async(base_url + "/v1", rows, 3, request_rate=5.0))
     over_grpc = asyncio.run(run_bench_async(scheduler.target, rows, 3))
     assert over_http["backend"] == "openai" and over_http["model"] == MODEL and over_http["num_errors"] == 0
