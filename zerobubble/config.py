@@ -167,6 +167,10 @@ class WorkerConfig(ServiceConfig):
     prepack_weights: bool = setting(
         True, "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
               "batches; float32 weights then take twice the memory)")
+    # Off until a GPU run confirms it (scripts/device_check.sh; the README says whether one has).
+    cuda_graphs: bool = setting(
+        False, "CUDA: capture decode-only steps as CUDA graphs at start-up (one per padded batch "
+               "size x draft width) and replay them; prefill and mixed steps run eagerly")
 
     @property
     def speculative(self) -> bool:
