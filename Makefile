@@ -12,7 +12,7 @@ endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-slow proto deploy-check bench-model bench clean
+.PHONY: setup serve test test-slow lint proto deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,16 @@ deploy-check: setup
 
 bench-model: setup
 	$(PY) scripts/bench_model.py
+
+# Async (2 plans in flight) vs sync (1) on the real model, configurations interleaved in one run.
+bench: setup
+	$(PY) scripts/bench_matrix.py async $(BENCH_ARGS)
+
+# Lint, format check and type check; `.ci/run` runs it before the tests.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

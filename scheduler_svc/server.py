@@ -133,7 +133,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 # Its queue time counts if it had been scheduled (None if it never was).
                 event = self.router.abort(req_id)
                 if self.metrics is not None:
-                    self.metrics.record_finished("cancelled", None, time.monotonic() - stream.arrival,
+                    self.metrics.record_finished("cancelled", time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
                                                  stream.num_prompt_tokens, stream.num_output_tokens)
 
@@ -227,9 +227,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.metrics is None:
             return
         now = time.monotonic()
-        ttft = stream.first_token_at - stream.arrival if stream.first_token_at else None
         reason = FINISH.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
-        self.metrics.record_finished(reason, ttft, now - stream.arrival, ev.queue_s,
+        self.metrics.record_finished(reason, now - stream.arrival, ev.queue_s,
                                      stream.num_prompt_tokens, stream.num_output_tokens)
 
 
@@ -256,10 +255,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_stream if details.method.endswith("/Generate") else self._deny
 
 
-async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
-                          ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                          bound: list | None = None) -> None:
-    """Run the scheduler service until `stop` (or SIGTERM)."""
+async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None) -> None:
+    """Run the scheduler service until SIGTERM or SIGINT."""
     from zerobubble.metrics import ServiceMetrics, start_metrics_server
 
     metrics = ServiceMetrics(model="", role="scheduler")
@@ -267,8 +264,6 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("scheduler metrics on :%d/metrics", mport)
         print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
-        if bound is not None:
-            bound.append(("metrics", mport))
     sched_cfg = SchedulerConfig.from_service(cfg)
     creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
                                     cfg.worker_tls_key or None)
@@ -292,11 +287,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
-    if bound is not None:
-        bound.append(("grpc", port))
-    if ready is not None:
-        ready.set()
-    stop = stop or asyncio.Event()
+    stop = asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)

@@ -167,10 +167,22 @@ class WorkerConfig(ServiceConfig):
     prepack_weights: bool = setting(
         True, "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
               "batches; float32 weights then take twice the memory)")
+    simulate_device_ms: float = setting(
+        -1.0, "no model: every step takes this many ms on a simulated device and tokens come from a "
+              "deterministic function of the sequence (load-test a scheduler or measure host cost "
+              "without an accelerator; -1 = off)")
+    simulate_acceptance_rate: float = setting(
+        0.6, "with --simulate-device-ms: probability that a token repeats the text 32 tokens "
+             "earlier, i.e. that an n-gram draft is accepted when the one before it was")
     # Off until a GPU run confirms it (scripts/device_check.sh; the README says whether one has).
     cuda_graphs: bool = setting(
         False, "CUDA: capture decode-only steps as CUDA graphs at start-up (one per padded batch "
                "size x draft width) and replay them; prefill and mixed steps run eagerly")
+
+    @property
+    def simulated(self) -> bool:
+        """Whether this worker runs on a simulated device instead of a model."""
+        return self.simulate_device_ms >= 0
 
     @property
     def speculative(self) -> bool:
@@ -189,6 +201,15 @@ class WorkerConfig(ServiceConfig):
             _require(1 <= self.ngram_min <= self.ngram_max,
                      f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: "
                      "need 1 <= --ngram-min <= --ngram-max")
+        _require(self.simulate_device_ms >= 0 or self.simulate_device_ms == -1,
+                 "--simulate-device-ms must be >= 0 (or -1: off)")
+        if self.simulated:
+            _require(self.spec_method in ("none", "ngram"),
+                     "--simulate-device-ms works with --spec-method none or ngram")
+            _require(0 <= self.simulate_acceptance_rate <= 1,
+                     "--simulate-acceptance-rate must be in [0, 1]")
+            _require(self.num_spec_tokens <= 30 or not self.speculative,
+                     "--simulate-device-ms supports at most 30 --num-spec-tokens")
         if self.spec_method == "draft":
             _require(bool(self.draft_model),
                      "--spec-method draft needs --draft-model (a smaller model with the same "
