@@ -25,6 +25,7 @@ from kernels.verify import count_accepted, rejection_sample
 from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
 from worker_svc.proposers import Proposer
+from worker_svc import staging
 from worker_svc.sampler import SEED_MASK, SamplingTensors, sample, target_probs, token_logprobs
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
@@ -185,8 +186,8 @@ class SimulatedStep(Protocol):
 
 
 def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
-    # One host-to-device copy per list; pinned staging is not worth it at these sizes.
-    return torch.tensor(values, dtype=dtype, device=device)
+    # Pinned staging and an async copy: a pageable copy would wait for the previous step.
+    return staging.to_device(values, dtype, device)
 
 
 class ModelRunner:
@@ -236,7 +237,9 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-        self.trim_empty_drafts = self.device.type == "cpu"
+        # Off the CPU the host never reads device values during a step (see worker_svc/staging.py).
+        self.accelerator = staging.is_accelerator(self.device)
+        self.trim_empty_drafts = not self.accelerator
 
     # -- request state -------------------------------------------------------------------------
 
@@ -319,7 +322,7 @@ class ModelRunner:
 
     def _append_blocks(self, info: SlotInfo, new: list[int]) -> None:
         start = len(info.block_ids)
-        self.state.block_table[info.slot, start:start + len(new)] = _to_device_list(new, self.device)
+        staging.write(self.state.block_table[info.slot, start:start + len(new)], new)
         info.block_ids.extend(new)
 
     # -- one step ------------------------------------------------------------------------------
@@ -382,7 +385,7 @@ class ModelRunner:
             qsl_host.append(qsl_host[-1] + n)
         req_slots = _to_device_list([r.slot for r in rows], dev)
         qsl = _to_device_list(qsl_host, dev)
-        is_decode_t = torch.tensor(is_decode, dtype=torch.bool, device=dev)
+        is_decode_t = _to_device_list(is_decode, dev, torch.bool)
         st = self.state
         input_ids, positions, slot_mapping = assemble_inputs(
             req_slots, qsl, is_decode_t, _to_device_list(prefill_ids, dev), st.seq_len,
@@ -405,7 +408,7 @@ class ModelRunner:
         return StepBatch(
             step_id=plan.step_id, req_ids=req_ids, rows=rows, num_tokens=qsl_host[-1],
             req_slots=req_slots, is_decode=is_decode_t, num_scheduled=num_sched_t,
-            do_sample=torch.tensor(do_sample, dtype=torch.bool, device=dev),
+            do_sample=_to_device_list(do_sample, dev, torch.bool),
             input_ids=input_ids, positions=positions, meta=meta, want_logprobs=want_logprobs,
             sampled=sampled)
 
@@ -439,10 +442,12 @@ class ModelRunner:
             top_ps=[p.top_p if p.top_p > 0 else 1.0 for p, n in zip(params, valid_cols) for _ in range(n)],
             seeds=[p.seed & SEED_MASK for p, n in zip(params, valid_cols) for _ in range(n)],
             positions=sample_pos, device=dev)
+        rows_t = _to_device_list(sampled_rows, dev, torch.long)
         return SampledRows(
             rows=sampled_rows,
-            rows_t=_to_device_list(sampled_rows, dev, torch.long),
-            slots=req_slots[sampled_rows],
+            rows_t=rows_t,
+            # Indexing with the Python list would copy it to the device from pageable memory.
+            slots=req_slots[rows_t],
             gather=gather,
             pad=_to_device_list(pad_index, dev, torch.long) if padded else None,
             num_cols=_to_device_list(valid_cols, dev),
@@ -537,19 +542,28 @@ class ModelRunner:
         return pending
 
     def _start_copy(self, pending: PendingResult) -> None:
-        """Start the device-to-host copy of a step's outputs without blocking the next step."""
-        if self._copy_stream is None:
+        """Start the device-to-host copy of a step's outputs without blocking the next step.
+
+        On CUDA the copy runs on a side stream after the step's kernels and `materialize`
+        (on the copier thread) waits for its event; the step thread never waits.
+        """
+        if not self.accelerator:
             return  # CPU tensors are already on the host; materialize() just reads them
+        names = ("out_tokens", "num_accepted", "num_drafts", "logprobs")
+        if self._copy_stream is None:  # an accelerator without streams (the fake test device)
+            for name in names:
+                t = getattr(pending, name)
+                if t is not None:
+                    setattr(pending, name, staging.to_host(t))
+            return
         main = torch.cuda.current_stream()
         self._copy_stream.wait_stream(main)
         with torch.cuda.stream(self._copy_stream):
-            for name in ("out_tokens", "num_accepted", "num_drafts", "logprobs"):
+            for name in names:
                 t = getattr(pending, name)
                 if t is not None:
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host.copy_(t, non_blocking=True)
                     t.record_stream(self._copy_stream)
-                    setattr(pending, name, host)
+                    setattr(pending, name, staging.to_host(t))
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         pending.ready = event
