@@ -465,6 +465,8 @@ class ModelRunner:
         """The forward over the flat batch (writes K/V) and the logits of the sampled slots
         (``[G, vocab]``; None when no row samples)."""
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        if self.proposer is not None:
+            self.proposer.observe(batch)
         if batch.sampled is None:
             return None
         return self.model.compute_logits(hidden[batch.sampled.gather])
@@ -534,7 +536,7 @@ class ModelRunner:
         for i in s.rows:
             batch.rows[i].has_sample = True
         if self.proposer is not None:
-            self.proposer.propose(s.slots)
+            self.proposer.propose(s.slots, batch)
         pending = PendingResult(batch.step_id, batch.req_ids, s.rows, out.tokens, out.num_accepted,
                                 out.num_verified, out.logprobs, batch.want_logprobs,
                                 batch.num_tokens, 0.0)
