@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -26,6 +26,7 @@ from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
 from worker_svc.proposers import Proposer
 from worker_svc import staging
+from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
 from worker_svc.sampler import SEED_MASK, SamplingTensors, sample, target_probs, token_logprobs
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
@@ -48,6 +49,9 @@ class RunnerConfig:
     max_num_seqs: int = default_of(WorkerConfig, "max_num_seqs")
     max_model_len: int = 2048
     num_spec_tokens: int = 0  # K: the most draft slots any decode may carry
+    # Replay decode-only steps through CUDA graphs (worker_svc/cuda_graphs.py); emulated with
+    # the same padded buffers off CUDA (tests).
+    cuda_graphs: bool = False
 
 
 @dataclass(slots=True)
@@ -115,6 +119,8 @@ class StepBatch:
     meta: AttentionMetadata
     want_logprobs: list[bool]     # per row
     sampled: SampledRows | None   # None when no row samples
+    row_widths: list[int] = field(default_factory=list)  # host copy of num_scheduled
+    all_decode: bool = False      # every row is a decode (a CUDA graph may replay it)
 
 
 @dataclass(slots=True)
@@ -210,16 +216,20 @@ class ModelRunner:
         self.simulator = simulator
         self.proposer = proposer
         self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
+        # Room for the lookahead slots a step may feed past max_model_len's last block.
+        self.max_blocks_per_seq = -(-(config.max_model_len + config.num_spec_tokens + 1)
+                                    // config.block_size) + 1
+        widths = draft_widths(self.num_spec_tokens)
+        # Padding rows of graphed steps write into blocks past the scheduler's (never handed out).
+        num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
         if simulator is None:
             self.device = loaded.model.device
-            self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks,
+            self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks + num_scratch,
                                                config.block_size, loaded.model.dtype, self.device)
         else:
             self.device = torch.device("cpu")
             self.kv_caches = []
-        # Room for the lookahead slots a step may feed past max_model_len's last block.
-        max_blocks = -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
-        self.max_blocks_per_seq = max_blocks
+        max_blocks = self.max_blocks_per_seq
         num_slots = config.max_num_seqs
         k = max(self.num_spec_tokens, 1)
         z = dict(dtype=torch.int32, device=self.device)
@@ -240,6 +250,13 @@ class ModelRunner:
         # Off the CPU the host never reads device values during a step (see worker_svc/staging.py).
         self.accelerator = staging.is_accelerator(self.device)
         self.trim_empty_drafts = not self.accelerator
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and simulator is None:
+            self.graphs = DecodeGraphs(self._forward_logits, self.device,
+                                       batch_buckets(config.max_num_seqs), widths, config.block_size,
+                                       config.num_blocks, max_blocks,
+                                       capture=self.device.type == "cuda")
+            self.graphs.capture_all()
 
     # -- request state -------------------------------------------------------------------------
 
@@ -410,7 +427,7 @@ class ModelRunner:
             req_slots=req_slots, is_decode=is_decode_t, num_scheduled=num_sched_t,
             do_sample=_to_device_list(do_sample, dev, torch.bool),
             input_ids=input_ids, positions=positions, meta=meta, want_logprobs=want_logprobs,
-            sampled=sampled)
+            sampled=sampled, row_widths=num_scheduled, all_decode=all(is_decode))
 
     def _sampled_rows(self, sampled_rows: list[int], rows: list[SlotInfo], req_slots: torch.Tensor,
                       positions: torch.Tensor, qsl_host: list[int], num_scheduled: list[int],
@@ -461,9 +478,25 @@ class ModelRunner:
             want_logprobs=any_logprobs,
         )
 
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of every token (what a decode graph captures)."""
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
+
     def run_model(self, batch: StepBatch) -> torch.Tensor | None:
         """The forward over the flat batch (writes K/V) and the logits of the sampled slots
-        (``[G, vocab]``; None when no row samples)."""
+        (``[G, vocab]``; None when no row samples). Pure-decode steps replay a CUDA graph
+        when one was captured for their shape."""
+        key = None
+        if self.graphs is not None and batch.all_decode:
+            key = self.graphs.choose(batch.row_widths, [True] * len(batch.row_widths))
+        if key is not None:
+            # Every token of a decode row is sampled, in order: the logits are already [G, vocab].
+            logits = self.graphs.run(key, batch.input_ids, batch.positions, batch.meta,
+                                     self.state.block_table.index_select(0, batch.req_slots.long()))
+            if self.proposer is not None:
+                self.proposer.observe(batch)
+            return logits
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
         if self.proposer is not None:
             self.proposer.observe(batch)
