@@ -8,12 +8,12 @@ scheduler`) and this script as the gRPC client, so a step's figure covers the wh
 protobuf -> gRPC -> worker (plan decoding, slots, input assembly, proposer bookkeeping, result)
 -> gRPC -> reconcile -> detokenize -> client streams.
 
-Every request is decoding for most of a run: N short chat prompts, all sent at once, each with
-the same `max_tokens` (the simulated tokens never include EOS). Fixed costs (connecting,
-tokenizing prompts, prefill, the last request's tail) are removed by running every
-configuration at two lengths and taking differences: ms per step = d(wall) / d(steps), and
-throughput = d(tokens) / d(wall). Configurations that are compared are run back to back (sync,
-async, sync, async ...) because the machine is shared.
+A run sends N short chat prompts at once, each with the same `max_tokens` (the simulated tokens
+never include EOS). Figures cover the steady state only: the window from the moment every
+request has streamed its first token (all N are decoding) to the moment the first one finishes;
+the scheduler's step and worker counters (`ModelInfo.stats`) are read at both ends. So ms per
+step = window / steps in it, throughput = tokens streamed in it / window. Configurations that
+are compared are run back to back (sync, async, sync, async ...) because the machine is shared.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import json
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -29,7 +30,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zerobubble.bench import BenchRow, run_bench_async  # noqa: E402
+import grpc  # noqa: E402
+
+from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
+from zerobubble.bench import BenchRow  # noqa: E402
+from zerobubble.client import build_request  # noqa: E402
 from zerobubble.tools.launch import Service, start_scheduler, start_worker, wait_serving  # noqa: E402
 
 TOPICS = ("rivers", "compilers", "bread", "volcanoes", "chess", "bridges", "owls", "tides")
@@ -53,46 +58,68 @@ def sim_worker(device_ms: float, spec: str, args: argparse.Namespace) -> Iterato
         worker.stop()
 
 
-def run(worker: Service, num_requests: int, max_tokens: int, window: int) -> dict:
-    """One bench through a fresh scheduler in front of `worker`."""
+def run(worker: Service, num_requests: int, window: int, device_ms: float,
+        args: argparse.Namespace) -> dict:
+    """One run through a fresh scheduler in front of `worker`; steady-state figures."""
     scheduler = start_scheduler([worker], max_inflight_steps=window, max_num_seqs=256,
                                 max_num_batched_tokens=2048)
     try:
         wait_serving(scheduler.target)
-        report = asyncio.run(run_bench_async(scheduler.target, rows(num_requests, max_tokens),
-                                             num_requests, request_timeout=600))
+        max_tokens = args.max_tokens or 128 + num_requests // 2
+        window_stats = asyncio.run(steady_state(scheduler.target, num_requests, max_tokens))
     finally:
         scheduler.stop()
-    if report["num_errors"]:
-        raise RuntimeError(f"{report['num_errors']} requests failed: {report['finish_reasons']}")
-    stats = report["server_stats"]
-    return {"wall_s": report["wall_s"], "output_tokens": report["output_tokens"],
-            "num_steps": stats["num_steps"], "worker_busy_s": stats["worker_busy_s"],
-            "worker_idle_s": stats["worker_idle_s"], "acceptance_rate": report["acceptance_rate"]}
-
-
-def marginal(short: dict, long: dict, device_ms: float) -> dict:
-    """Figures of the extra decode steps of the long run over the short one."""
-    wall = long["wall_s"] - short["wall_s"]
-    steps = long["num_steps"] - short["num_steps"]
-    idle = long["worker_idle_s"] - short["worker_idle_s"]
-    busy = long["worker_busy_s"] - short["worker_busy_s"]
+    first, last, tokens, wall = window_stats
+    steps = last.num_steps - first.num_steps
+    idle = last.worker_idle_s - first.worker_idle_s
+    busy = last.worker_busy_s - first.worker_busy_s
+    drafts = last.num_draft_tokens - first.num_draft_tokens
     return {
         "ms_per_step": 1000 * wall / steps,
-        "tokens_per_s": (long["output_tokens"] - short["output_tokens"]) / wall,
-        "tokens_per_step": (long["output_tokens"] - short["output_tokens"]) / steps,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_step": tokens / steps,
         # Share of the wall time the device was computing: 1.0 is the device-bound rate.
         "device_busy_fraction": steps * device_ms / 1000 / wall,
         "worker_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0,
-        "acceptance_rate": long["acceptance_rate"],
+        "acceptance_rate": (last.num_accepted_tokens - first.num_accepted_tokens) / drafts
+        if drafts else None,
+        "num_steps": steps,
     }
 
 
-def measure(worker: Service, num_requests: int, window: int, device_ms: float,
-            args: argparse.Namespace) -> dict:
-    short = run(worker, num_requests, args.short_tokens, window)
-    long = run(worker, num_requests, args.long_tokens, window)
-    return marginal(short, long, device_ms)
+async def steady_state(target: str, num_requests: int, max_tokens: int):
+    """Stream every request; ModelInfo stats when all have started and when the first ends."""
+    started, tokens = set(), [0]
+    all_started, first_done = asyncio.Event(), asyncio.Event()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        marks: list = []
+
+        async def one(i: int, row: BenchRow) -> None:
+            request = build_request(messages=row.messages, max_tokens=max_tokens)
+            async for reply in stub.Generate(request):
+                tokens[0] += len(reply.token_ids)
+                if reply.token_ids and i not in started:
+                    started.add(i)
+                    if len(started) == num_requests:
+                        all_started.set()
+                if reply.finish_reason:
+                    if reply.error:
+                        raise RuntimeError(reply.error)
+                    first_done.set()
+
+        async def mark(event: asyncio.Event) -> None:
+            await event.wait()
+            count = tokens[0]
+            info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+            marks.append((info.stats, count, time.perf_counter()))
+
+        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(rows(num_requests, max_tokens))]
+        await asyncio.gather(mark(all_started), mark(first_done), *tasks)
+    (first, tokens0, t0), (last, tokens1, t1) = marks
+    if not all_started.is_set() or last.num_steps <= first.num_steps:
+        raise RuntimeError("no steady-state window: raise --max-tokens")
+    return first, last, tokens1 - tokens0, t1 - t0
 
 
 def suite_host(args: argparse.Namespace) -> dict:
@@ -101,7 +128,7 @@ def suite_host(args: argparse.Namespace) -> dict:
         k = 3 if spec == "ngram" else 0
         with sim_worker(0.0, spec, args) as worker:
             for n in args.requests:
-                figures = [measure(worker, n, 2, 0.0, args) for _ in range(args.repeats)]
+                figures = [run(worker, n, 2, 0.0, args) for _ in range(args.repeats)]
                 best = min(figures, key=lambda f: f["ms_per_step"])
                 out[f"k{k}/n{n}"] = {"ms_per_step": best["ms_per_step"],
                                      "all_ms_per_step": [f["ms_per_step"] for f in figures],
@@ -119,8 +146,8 @@ def suite_bubble(args: argparse.Namespace) -> dict:
         for spec in ("none", "ngram"):
             with sim_worker(device_ms, spec, args) as worker:
                 for n in args.requests:
-                    sync = measure(worker, n, 1, device_ms, args)
-                    async_ = measure(worker, n, 2, device_ms, args)
+                    sync = run(worker, n, 1, device_ms, args)
+                    async_ = run(worker, n, 2, device_ms, args)
                     key = f"{device_ms:g}ms/{spec}/n{n}"
                     out[key] = {"sync": sync, "async": async_,
                                 "async_over_sync": async_["tokens_per_s"] / sync["tokens_per_s"]}
@@ -138,8 +165,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, nargs="+", help="running requests (default: host "
                         "1 16 64 256, bubble 16 64 256)")
     parser.add_argument("--device-ms", type=float, nargs="+", default=[2, 5, 10, 20])
-    parser.add_argument("--short-tokens", type=int, default=48)
-    parser.add_argument("--long-tokens", type=int, default=144)
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="per request (0: 128 + N/2, so that the steady-state window outlasts "
+                             "the admission ramp of N requests)")
     parser.add_argument("--repeats", type=int, default=2, help="host suite: runs per figure (best kept)")
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
     parser.add_argument("--kv-gb", type=float, default=16.0,

@@ -190,6 +190,10 @@ class SimulatedStep(Protocol):
         """Tokens and verification for ``batch``, then ``runner.advance``; the result."""
         ...
 
+    def reset(self) -> None:
+        """The runner forgot every request (a new scheduler stream)."""
+        ...
+
 
 def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
     # Pinned staging and an async copy: a pageable copy would wait for the previous step.
@@ -249,7 +253,8 @@ class ModelRunner:
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         # Off the CPU the host never reads device values during a step (see worker_svc/staging.py).
         self.accelerator = staging.is_accelerator(self.device)
-        self.trim_empty_drafts = not self.accelerator
+        # A simulated device stands for an accelerator too: the host never reads device state.
+        self.trim_empty_drafts = not self.accelerator and simulator is None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and simulator is None:
             self.graphs = DecodeGraphs(self._forward_logits, self.device,
@@ -264,6 +269,8 @@ class ModelRunner:
         """Forget every request (a new scheduler stream starts from scratch)."""
         for req_id in list(self.slots):
             self.release(req_id)
+        if self.simulator is not None:
+            self.simulator.reset()
 
     def release(self, req_id: str) -> None:
         """Drop a request's state slot; unknown ids are ignored (finish may race a preempt)."""

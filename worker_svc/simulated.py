@@ -33,7 +33,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.keyed_random import keyed_uniform
 from kernels.verify import count_accepted
 from worker_svc.runner import ModelRunner, PendingResult, StepBatch, StepOutputs
 
@@ -41,8 +40,18 @@ logger = logging.getLogger(__name__)
 
 COPY_LAG = 32
 """A copied token repeats the one this many positions earlier (more than any draft width)."""
-# Keyed-noise stream of the token function (0-3 belong to the sampler, verifier and draft model).
-SIM_STREAM = 7
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A cheap avalanche of 32-bit words held in int64 (multiplier < 2**31: no overflow).
+
+    The token function stands for device work, so it is kept to a few ops; it needs to be
+    deterministic and well mixed, not the sampler's counter-based noise.
+    """
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
 
 
 @dataclass(slots=True)
@@ -102,6 +111,9 @@ class SimulatedDevice:
         pending.ready = SimulatedEvent(self.busy_until)
         return pending
 
+    def reset(self) -> None:
+        self.live = False
+
     def next_tokens(self, runner: ModelRunner, batch: StepBatch) -> torch.Tensor:
         """The token after every sampled slot (``[G]`` int64), from the sequence up to it."""
         s = batch.sampled
@@ -110,11 +122,13 @@ class SimulatedDevice:
         previous = batch.input_ids[s.gather].to(torch.int64)
         seeds = torch.where(s.sampling.temperature > 0, s.sampling.seeds, 0)
         # The previous token keys the hash too: the function reads the sequence, not a counter.
-        u = keyed_uniform(seeds, positions | (previous << 32), 2, SIM_STREAM)
+        key = (seeds ^ (seeds >> 32)) & _MASK32
+        h = _hash32(key ^ _hash32(positions & _MASK32 ^ _hash32(previous)))
         slots = torch.repeat_interleave(s.slots.to(torch.int64), s.num_cols.to(torch.int64))
         source = self.history_tokens(runner, slots, positions - COPY_LAG)
-        copy = (positions >= COPY_LAG) & (u[:, 0] < self.acceptance_rate) & self.allowed[source]
-        fresh = self.allowed_ids[(u[:, 1] * len(self.allowed_ids)).to(torch.int64)]
+        copy = (positions >= COPY_LAG) & ((h & 0xFFFF) < int(self.acceptance_rate * 65536))
+        copy &= self.allowed[source]
+        fresh = self.allowed_ids[((h >> 16) * len(self.allowed_ids)) >> 16]
         return torch.where(copy, source, fresh)
 
     @staticmethod

@@ -77,7 +77,7 @@ def parse_bool(text: str) -> bool:
 
 def parse_setting(f: dataclasses.Field, raw: str) -> Any:
     """A setting's value from its text form (an environment variable); ``ValueError`` if bad."""
-    kind = type(f.default)
+    kind: Any = type(f.default)
     value = parse_bool(raw) if kind is bool else kind(raw)
     choices = setting_info(f).choices
     if choices is not None and isinstance(value, str):
@@ -286,7 +286,8 @@ def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
     if command == "scheduler":
         return [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
     if command == "serve":
-        out = [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
+        out: list[tuple[type, dataclasses.Field]] = [
+            (SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
         taken = {f.name for _, f in out} | SERVE_WORKER_HIDDEN
         out += [(WorkerConfig, f) for f in dataclasses.fields(WorkerConfig) if f.name not in taken]
         out += [(ServeConfig, f) for f in dataclasses.fields(ServeConfig) if "setting" in f.metadata]

@@ -382,9 +382,12 @@ class ServiceMetrics:
         """Account the time from a request's arrival to its first streamed token."""
         self.time_to_first_token.labels(model=self.model).observe(seconds)
 
-    def observe_inter_token(self, seconds: float) -> None:
-        """Account the gap between two consecutive streamed tokens of one request."""
-        self.inter_token_latency.labels(model=self.model).observe(seconds)
+    def observe_inter_token(self, seconds: float, count: int = 1) -> None:
+        """Account ``count`` gaps of ``seconds`` between consecutive streamed tokens of one request
+        (tokens confirmed together share the step's gap)."""
+        child = self.inter_token_latency.labels(model=self.model)
+        for _ in range(count):
+            child.observe(seconds)
 
     def set_queues(self, running: int, waiting: int) -> None:
         """Publish the scheduler's queue lengths (the autoscaler reads ``waiting``)."""
