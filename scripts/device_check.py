@@ -530,11 +530,8 @@ def build_runner(loaded: Any, spec: str, cuda_graphs: bool, num_blocks: int, max
 
     proposer = build_proposer(spec, 3)
     config = RunnerConfig(num_blocks=num_blocks, block_size=16, max_num_seqs=max_num_seqs,
-                          max_model_len=1024, num_spec_tokens=3 if proposer is not None else 0)
-    if "cuda_graphs" in RunnerConfig.__slots__:
-        config.cuda_graphs = cuda_graphs
-    elif cuda_graphs:
-        raise RuntimeError("this runner has no CUDA graph support")
+                          max_model_len=1024, num_spec_tokens=3 if proposer is not None else 0,
+                          cuda_graphs=cuda_graphs)
     return ModelRunner(loaded, config, proposer)
 
 
