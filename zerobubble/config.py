@@ -174,6 +174,10 @@ class WorkerConfig(ServiceConfig):
     simulate_acceptance_rate: float = setting(
         0.6, "with --simulate-device-ms: probability that a token repeats the text 32 tokens "
              "earlier, i.e. that an n-gram draft is accepted when the one before it was")
+    # Off until a GPU run confirms it (scripts/device_check.sh; the README says whether one has).
+    cuda_graphs: bool = setting(
+        False, "CUDA: capture decode-only steps as CUDA graphs at start-up (one per padded batch "
+               "size x draft width) and replay them; prefill and mixed steps run eagerly")
 
     @property
     def simulated(self) -> bool:
