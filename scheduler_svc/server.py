@@ -9,18 +9,20 @@ cancel or deadline aborts it and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 
 import grpc
 
 from scheduler_svc.request import InvalidRequest, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
+from scheduler_svc.submission import RequestError, Stream, Submission
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
@@ -49,17 +51,27 @@ def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> RequestEvent:
     return ev
 
 
-@dataclass(slots=True)
-class Stream:
-    """The client side of one request: where its events go, and timing for metrics."""
+def check_sampling_controls(request: generate_pb2.GenerateRequest, vocab_size: int) -> None:
+    """Ranges of the issue-12 sampling controls (penalties, min_p, logit_bias, n, top_logprobs).
 
-    queue: asyncio.Queue
-    arrival: float
-    num_prompt_tokens: int
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
+    Transitional: these fields are not in `SamplingOptions` yet, so `validate_options` cannot
+    see them; when the sampling work carries them there, its checks replace this function.
+    """
+    s = request.sampling
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        require(-2.0 <= value <= 2.0, f"sampling.{name}: must be in [-2, 2], got {value:g}")
+    if s.HasField("repetition_penalty"):
+        require(s.repetition_penalty > 0.0,
+                f"sampling.repetition_penalty: must be > 0, got {s.repetition_penalty:g}")
+    require(0.0 <= s.min_p <= 1.0, f"sampling.min_p: must be in [0, 1], got {s.min_p:g}")
+    require(s.n >= 0, f"sampling.n: must be >= 1, got {s.n}")
+    for tid, bias in s.logit_bias.items():
+        require(0 <= tid < vocab_size, f"sampling.logit_bias: {tid} is outside the vocabulary")
+        require(-100.0 <= bias <= 100.0,
+                f"sampling.logit_bias: bias of {tid} must be in [-100, 100], got {bias:g}")
+    top = request.response.top_logprobs
+    require(0 <= top <= 20, f"response.top_logprobs: must be in [0, 20], got {top}")
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -93,24 +105,30 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+    def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
+        """Validate, tokenize, route and queue one request: the one path gRPC and HTTP share.
+
+        Raises:
+            RequestError: the request was refused (the status says why; nothing was queued).
+        """
         link = self.router.any_ready()
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         if request.model and request.model != link.info.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
-                                f"{request.model!r}; this server serves {link.info.model!r}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
+                               f"{request.model!r}; this server serves {link.info.model!r}",
+                               unknown_model=True)
         try:
             prompt_ids = self._prompt_ids(request, link)
+            check_sampling_controls(request, link.info.vocab_size)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
         if req_id in self.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id {req_id!r} is already running")
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req_id!r} is already running")
         link = self.router.route(prompt_ids)
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         stream = Stream(queue=asyncio.Queue(), arrival=time.monotonic(),
                         num_prompt_tokens=len(prompt_ids))
         self.streams[req_id] = stream
@@ -118,10 +136,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             self.router.submit(link, req_id, prompt_ids, **self._params(request))
         except InvalidRequest as exc:
             self.streams.pop(req_id, None)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         except QueueFullError as exc:
             self.streams.pop(req_id, None)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        return Submission(req_id, stream)
+
+    async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+        """The reply messages of a submitted request, the last one with its finish reason.
+
+        Leaving early (client cancel, deadline, a closed HTTP connection) aborts the request and
+        gives its KV blocks back.
+        """
+        req_id, stream = submission.req_id, submission.stream
         finished = False
         try:
             while True:
@@ -150,6 +177,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.record_finished("cancelled", time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
                                                  stream.num_prompt_tokens, stream.num_output_tokens)
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        try:
+            submission = self.submit(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        async with contextlib.aclosing(self.responses(submission)) as replies:
+            async for reply in replies:
+                yield reply
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         link = self.router.any_ready()
@@ -301,9 +337,19 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
+    http = None
+    if cfg.http_port >= 0:
+        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+
+        http = await start_http(servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token,
+                                tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
+        print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
     stop = asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
+    if http is not None:
+        await http.stop(grace_s=10.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)
     await router.close()
 
