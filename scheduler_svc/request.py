@@ -37,6 +37,12 @@ class SamplingOptions:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: bool = False
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int = 0  # also the N most likely tokens per emitted token
 
 
 @dataclass(slots=True)
@@ -78,6 +84,8 @@ class Request:
     # Identifies the current admission; 0 while not running. Results of steps planned under
     # another value are stale (planned before a preemption) and are discarded.
     admission_id: int = 0
+    # While deferred behind the first sequence of its n > 1 request: that request's id.
+    waits_for: str | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
     finish_reason: int = 0  # generate_pb2.FinishReason; UNSPECIFIED while not finished

@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import hmac
 import logging
+import math
 import random
 import time
 import uuid
@@ -34,6 +35,9 @@ FINISH = generate_pb2.FinishReason
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
 MAX_STOP_STRINGS = 16
+MAX_N = 16  # sequences per request (n); each holds its own KV blocks past the shared prompt
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries in sampling.logit_bias
 
 
 @dataclass(slots=True)
@@ -73,11 +77,56 @@ class Stream:
     last_token_at: float | None = None
     num_output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
+    index: int = 0  # which of the request's n sequences
+
+
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index`` of a request: ``seed`` itself for the first, then distinct
+    well-mixed 64-bit keys (splitmix64), so the n sequences draw independent noise and a request
+    with n = 1 samples exactly as before."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
 
 
 def _check(cond: bool, message: str) -> None:
     if not cond:
         raise InvalidRequest(message)
+
+
+def validate_sampling_controls(request: generate_pb2.GenerateRequest, vocab_size: int) -> dict:
+    """Penalties, min_p, logit_bias, n and top_logprobs: checked ranges, as scheduler kwargs.
+
+    `InvalidRequest` naming the field. Ranges follow OpenAI (penalties in [-2, 2], logit_bias
+    values in [-100, 100], top_logprobs up to 20) and vLLM for the extras (repetition_penalty
+    > 0, min_p in [0, 1]).
+    """
+    s = request.sampling
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        _check(-2.0 <= value <= 2.0, f"sampling.{name}: must be in [-2, 2], got {value}")
+    repetition_penalty = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
+    _check(0.0 < repetition_penalty and math.isfinite(repetition_penalty),
+           f"sampling.repetition_penalty: must be > 0, got {repetition_penalty}")
+    _check(0.0 <= s.min_p <= 1.0, f"sampling.min_p: must be in [0, 1], got {s.min_p}")
+    _check(len(s.logit_bias) <= MAX_LOGIT_BIAS,
+           f"sampling.logit_bias: {len(s.logit_bias)} entries, limit is {MAX_LOGIT_BIAS}")
+    for token_id, bias in sorted(s.logit_bias.items()):
+        _check(0 <= token_id < vocab_size,
+               f"sampling.logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        _check(-100.0 <= bias <= 100.0,
+               f"sampling.logit_bias[{token_id}]: must be in [-100, 100], got {bias}")
+    n = s.n or 1
+    _check(1 <= n <= MAX_N, f"sampling.n: must be in [1, {MAX_N}], got {s.n}")
+    top_logprobs = request.response.top_logprobs
+    _check(0 <= top_logprobs <= MAX_TOP_LOGPROBS,
+           f"response.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    return dict(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                repetition_penalty=repetition_penalty, min_p=s.min_p,
+                logit_bias=dict(s.logit_bias), top_logprobs=top_logprobs, n=n)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -122,44 +171,63 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req_id = request.request_id or uuid.uuid4().hex
-        if req_id in self.streams:
+        n = params.pop("n")
+        # n > 1: n scheduler requests (one per sequence, each with its own seed stream) on one
+        # worker; the later ones wait for the first one's prompt blocks and share them.
+        seq_ids = [req_id] if n == 1 else [f"{req_id}#{i}" for i in range(n)]
+        if any(seq_id in self.streams for seq_id in seq_ids):
             await context.abort(grpc.StatusCode.ALREADY_EXISTS,
                                 f"request_id {req_id!r} is already running")
         link = self.router.route(prompt_ids)
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        stream = Stream(queue=asyncio.Queue(), arrival=time.monotonic(),
-                        num_prompt_tokens=len(prompt_ids))
-        self.streams[req_id] = stream
+        queue: asyncio.Queue = asyncio.Queue()
+        streams = [Stream(queue=queue, arrival=time.monotonic(), num_prompt_tokens=len(prompt_ids),
+                          index=i) for i in range(n)]
+        for seq_id, stream in zip(seq_ids, streams):
+            self.streams[seq_id] = stream
+        submitted: list[str] = []
         try:
-            self.router.submit(link, req_id, prompt_ids, **params)
+            for i, seq_id in enumerate(seq_ids):
+                self.router.submit(link, seq_id, prompt_ids,
+                                   **dict(params, seed=sequence_seed(params["seed"], i)),
+                                   share_prompt_with=seq_ids[0] if i > 0 else None)
+                submitted.append(seq_id)
         except QueueFullError as exc:
-            self.streams.pop(req_id, None)
+            for seq_id in seq_ids:
+                self.streams.pop(seq_id, None)
+            for seq_id in submitted:
+                self.router.abort(seq_id)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        finished = False
+        finished: set[int] = set()
         try:
-            while True:
-                ev: RequestEvent = await stream.queue.get()
+            while len(finished) < n:
+                ev: RequestEvent = await queue.get()
+                stream = self.streams.get(ev.req_id)
+                if stream is None:
+                    continue
                 reply = generate_pb2.GenerateResponse(
                     request_id=req_id, text=ev.text, token_ids=ev.token_ids,
                     logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
                     num_output_tokens=ev.num_output_tokens,
-                    num_cached_prompt_tokens=ev.num_cached_tokens)
+                    num_cached_prompt_tokens=ev.num_cached_tokens, index=stream.index)
+                for ids, lps in ev.top_logprobs:
+                    reply.top_logprobs.add(token_ids=ids, logprobs=lps)
                 if ev.finish_reason is not None:
                     reply.finish_reason = ev.finish_reason
                     reply.error = ev.error or ""
-                    finished = True
+                    finished.add(stream.index)
                     self._record_finished(stream, ev)
                 yield reply
-                if finished:
-                    return
         finally:
-            self.streams.pop(req_id, None)
-            if not finished:
+            for seq_id, stream in zip(seq_ids, streams):
+                self.streams.pop(seq_id, None)
+                if stream.index in finished:
+                    continue
                 # Client cancel or deadline: abort and give the KV blocks back. The tokens it
                 # already generated still count as generated (the counter is tokens out).
                 # Its queue time counts if it had been scheduled (None if it never was).
-                event = self.router.abort(req_id)
+                event = self.router.abort(seq_id)
                 if self.metrics is not None:
                     self.metrics.record_finished("cancelled", None, time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
@@ -272,7 +340,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                     max_tokens=max_tokens, min_tokens=st.min_tokens, stop=list(st.stop),
                     stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
-                    logprobs=request.response.logprobs)
+                    logprobs=request.response.logprobs,
+                    **validate_sampling_controls(request, info.vocab_size))
 
     def _record_finished(self, stream: Stream, ev: RequestEvent) -> None:
         if self.metrics is None:

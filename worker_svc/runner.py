@@ -24,7 +24,16 @@ from kernels.verify import count_accepted, rejection_sample
 from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
 from worker_svc.proposers import Proposer
-from worker_svc.sampler import SamplingTensors, sample, target_probs, token_logprobs
+from worker_svc.sampler import (
+    LogitBias,
+    Penalties,
+    SamplingTensors,
+    context_token_counts,
+    sample,
+    target_probs,
+    token_logprobs,
+    top_logprobs,
+)
 from zerobubble.api import worker_pb2
 
 logger = logging.getLogger(__name__)
@@ -87,6 +96,10 @@ class PendingResult:
     forward_s: float
     ready: object | None = None      # CUDA event after the async device-to-host copy
     extra: dict = field(default_factory=dict)
+    # Top-N logprobs: [num_sampled, K+1, N] ids and values, N per sampled row (0 = none).
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    num_top: list[int] = field(default_factory=list)
 
     def materialize(self, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
         """Wait for the copy (if any) and build the wire result."""
@@ -100,6 +113,8 @@ class PendingResult:
         accepted = self.num_accepted.tolist() if self.num_accepted is not None else []
         drafted = self.num_drafts.tolist() if self.num_drafts is not None else []
         logprobs = self.logprobs.tolist() if self.logprobs is not None else []
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else []
+        top_lps = self.top_logprobs.tolist() if self.top_logprobs is not None else []
         for row, req_id in enumerate(self.req_ids):
             entry = result.results.add(req_id=req_id)
             i = by_row.get(row)
@@ -111,10 +126,21 @@ class PendingResult:
             entry.num_accepted = num_acc
             if self.want_logprobs[row]:
                 entry.logprobs.extend(logprobs[i][: num_acc + 1])
+            if top_ids and self.num_top[i] > 0:
+                # Column c holds the distribution the token at column c was drawn from.
+                n = self.num_top[i]
+                for col in range(num_acc + 1):
+                    entry.top_logprobs.add(token_ids=top_ids[i][col][:n],
+                                           logprobs=top_lps[i][col][:n])
             for pos in range(num_acc):
                 accepted_per_pos[pos] += 1
         result.accepted_per_pos.extend(accepted_per_pos)
         return result
+
+
+def _has_penalty(p: worker_pb2.SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty
+                or p.repetition_penalty not in (0.0, 1.0))
 
 
 def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
@@ -325,13 +351,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[gather_t])
         # Absolute position of each sampled token = input position + 1 (keys the randomness).
         sample_pos = positions[gather_t] + 1
-        infos = [rows[i].sampling for i in sampled_rows]
-        tensors = SamplingTensors.from_params(
-            temperatures=[p.temperature for p, n in zip(infos, valid_cols) for _ in range(n)],
-            top_ks=[p.top_k for p, n in zip(infos, valid_cols) for _ in range(n)],
-            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p, n in zip(infos, valid_cols) for _ in range(n)],
-            seeds=[p.seed & SEED_MASK for p, n in zip(infos, valid_cols) for _ in range(n)],
-            positions=sample_pos, device=dev)
+        tensors = self._sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos,
+                                         logits.shape[-1])
 
         # Drafts fed this step are the inputs after the first slot of each decode row; only the
         # ones the proposer really produced count (the rest were filler and must be rejected).
@@ -360,6 +381,11 @@ class ModelRunner:
                 tokens = tokens[_to_device_list([r * width + c for r, n in enumerate(valid_cols)
                                                  for c in range(n)], dev, torch.long)]
             lp = spread(token_logprobs(logits, tokens.long().clamp(min=0)))
+        num_top = [int(rows[i].sampling.top_logprobs) for i in sampled_rows]
+        top = None
+        if max(num_top) > 0:
+            top_ids, top_lps = top_logprobs(logits, max(num_top))
+            top = (spread(top_ids), spread(top_lps))
 
         # Sequence-length correction, on the device: the true accepted counts, not the plan's.
         acc_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)
@@ -377,9 +403,66 @@ class ModelRunner:
 
         pending = PendingResult(plan.step_id, req_ids, sampled_rows, out_tokens, num_accepted,
                                 num_verified, lp, want_lp, num_tokens, 0.0)
+        if top is not None:
+            pending.top_ids, pending.top_logprobs = top
+            pending.num_top = num_top
         self._start_copy(pending)
         pending.forward_s = time.perf_counter() - start
         return pending
+
+    def _sampling_tensors(self, infos: list[SlotInfo], valid_cols: list[int],
+                          sample_pos: torch.Tensor, vocab_size: int) -> SamplingTensors:
+        """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to ``infos[i]``.
+
+        Penalty counts are taken over each logits row's own context read from the token
+        history (``sample_pos`` = its context length, on the device), so the row of draft j in a
+        verification sees drafts 0..j-1 of the same row and nothing that was rejected before.
+        """
+        dev = self.device
+        params = [info.sampling for info in infos]
+        per_row = [(info, p) for info, p, n in zip(infos, params, valid_cols) for _ in range(n)]
+        pen_rows: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for g, (_, p) in enumerate(per_row):
+            if _has_penalty(p):
+                pen_rows.append(g)
+            for token_id, value in p.logit_bias.items():
+                bias_rows.append(g)
+                bias_ids.append(token_id)
+                bias_values.append(value)
+        penalties = None
+        if pen_rows:
+            pens = [per_row[g][1] for g in pen_rows]
+            slots = [per_row[g][0].slot for g in pen_rows]
+            num_blocks = max(len(per_row[g][0].block_ids) for g in pen_rows)
+            rep = [p.repetition_penalty if p.repetition_penalty > 0 else 1.0 for p in pens]
+            need_counts = any(p.frequency_penalty or p.presence_penalty for p in pens)
+            rows_t = _to_device_list(pen_rows, dev, torch.long)
+            counts, seen = context_token_counts(
+                self.state.history,
+                self.state.block_table[_to_device_list(slots, dev, torch.long), :num_blocks],
+                sample_pos[rows_t], _to_device_list([p.num_prompt_tokens for p in pens], dev),
+                vocab_size, need_counts=need_counts,
+                need_seen=any(r != 1.0 for r in rep))
+            penalties = Penalties(
+                rows=rows_t, repetition=_to_device_list(rep, dev, torch.float32),
+                frequency=_to_device_list([p.frequency_penalty for p in pens], dev, torch.float32),
+                presence=_to_device_list([p.presence_penalty for p in pens], dev, torch.float32),
+                output_counts=counts, seen=seen)
+        bias = None
+        if bias_rows:
+            bias = LogitBias(rows=_to_device_list(bias_rows, dev, torch.long),
+                             token_ids=_to_device_list(bias_ids, dev, torch.long),
+                             values=_to_device_list(bias_values, dev, torch.float32))
+        return SamplingTensors.from_params(
+            temperatures=[p.temperature for _, p in per_row],
+            top_ks=[p.top_k for _, p in per_row],
+            top_ps=[p.top_p if p.top_p > 0 else 1.0 for _, p in per_row],
+            seeds=[p.seed & SEED_MASK for _, p in per_row],
+            positions=sample_pos, device=dev,
+            min_ps=[p.min_p for _, p in per_row], penalties=penalties, logit_bias=bias)
 
     def _start_copy(self, pending: PendingResult) -> None:
         """Start the device-to-host copy of a step's outputs without blocking the next step."""
@@ -388,7 +471,8 @@ class ModelRunner:
         main = torch.cuda.current_stream()
         self._copy_stream.wait_stream(main)
         with torch.cuda.stream(self._copy_stream):
-            for name in ("out_tokens", "num_accepted", "num_drafts", "logprobs"):
+            for name in ("out_tokens", "num_accepted", "num_drafts", "logprobs", "top_ids",
+                         "top_logprobs"):
                 t = getattr(pending, name)
                 if t is not None:
                     host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
