@@ -8,11 +8,9 @@ cancel or deadline aborts it and frees its KV blocks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import hmac
 import logging
-import math
 import random
 import time
 import uuid
@@ -20,12 +18,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from scheduler_svc.request import InvalidRequest, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
-from zerobubble.cli import config_from_args
 from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.config import SchedulerServiceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -34,36 +33,7 @@ FINISH = generate_pb2.FinishReason
 # Our own input limits: far below the transport cap so oversized input gets a clear message.
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
-MAX_STOP_STRINGS = 16
 MAX_N = 16  # sequences per request (n); each holds its own KV blocks past the shared prompt
-MAX_TOP_LOGPROBS = 20
-MAX_LOGIT_BIAS = 300  # entries in sampling.logit_bias
-
-
-@dataclass(slots=True)
-class SchedulerServiceConfig:
-    """Everything `zerobubble scheduler` is configured with (CLI flags, env fallbacks)."""
-
-    workers: str = ""
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 9090
-    max_inflight_steps: int = 2
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_waiting: int = 1024
-    enable_prefix_caching: bool = True
-    auth_token: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    worker_tls_ca: str = ""
-    worker_tls_cert: str = ""
-    worker_tls_key: str = ""
-
-
-
-class InvalidRequest(ValueError):
-    """A client field is invalid; the message names the field."""
 
 
 @dataclass(slots=True)
@@ -90,43 +60,6 @@ def sequence_seed(seed: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise InvalidRequest(message)
-
-
-def validate_sampling_controls(request: generate_pb2.GenerateRequest, vocab_size: int) -> dict:
-    """Penalties, min_p, logit_bias, n and top_logprobs: checked ranges, as scheduler kwargs.
-
-    `InvalidRequest` naming the field. Ranges follow OpenAI (penalties in [-2, 2], logit_bias
-    values in [-100, 100], top_logprobs up to 20) and vLLM for the extras (repetition_penalty
-    > 0, min_p in [0, 1]).
-    """
-    s = request.sampling
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(s, name)
-        _check(-2.0 <= value <= 2.0, f"sampling.{name}: must be in [-2, 2], got {value}")
-    repetition_penalty = s.repetition_penalty if s.HasField("repetition_penalty") else 1.0
-    _check(0.0 < repetition_penalty and math.isfinite(repetition_penalty),
-           f"sampling.repetition_penalty: must be > 0, got {repetition_penalty}")
-    _check(0.0 <= s.min_p <= 1.0, f"sampling.min_p: must be in [0, 1], got {s.min_p}")
-    _check(len(s.logit_bias) <= MAX_LOGIT_BIAS,
-           f"sampling.logit_bias: {len(s.logit_bias)} entries, limit is {MAX_LOGIT_BIAS}")
-    for token_id, bias in sorted(s.logit_bias.items()):
-        _check(0 <= token_id < vocab_size,
-               f"sampling.logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})")
-        _check(-100.0 <= bias <= 100.0,
-               f"sampling.logit_bias[{token_id}]: must be in [-100, 100], got {bias}")
-    n = s.n or 1
-    _check(1 <= n <= MAX_N, f"sampling.n: must be in [1, {MAX_N}], got {s.n}")
-    top_logprobs = request.response.top_logprobs
-    _check(0 <= top_logprobs <= MAX_TOP_LOGPROBS,
-           f"response.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
-    return dict(presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                repetition_penalty=repetition_penalty, min_p=s.min_p,
-                logit_bias=dict(s.logit_bias), top_logprobs=top_logprobs, n=n)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -165,13 +98,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.any_ready()
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        if request.model and request.model != link.info.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
+                                f"{request.model!r}; this server serves {link.info.model!r}")
         try:
             prompt_ids = self._prompt_ids(request, link)
-            params = self._validate(request, link, len(prompt_ids))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req_id = request.request_id or uuid.uuid4().hex
-        n = params.pop("n")
+        n = request.sampling.n or 1
+        if not 1 <= n <= MAX_N:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"sampling.n: must be in [1, {MAX_N}], got {request.sampling.n}")
         # n > 1: n scheduler requests (one per sequence, each with its own seed stream) on one
         # worker; the later ones wait for the first one's prompt blocks and share them.
         seq_ids = [req_id] if n == 1 else [f"{req_id}#{i}" for i in range(n)]
@@ -181,24 +119,32 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.route(prompt_ids)
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        params = self._params(request)
+        if n > 1 and params["seed"] is None:
+            params["seed"] = random.getrandbits(64)
         queue: asyncio.Queue = asyncio.Queue()
         streams = [Stream(queue=queue, arrival=time.monotonic(), num_prompt_tokens=len(prompt_ids),
                           index=i) for i in range(n)]
         for seq_id, stream in zip(seq_ids, streams):
             self.streams[seq_id] = stream
         submitted: list[str] = []
+        error: tuple[grpc.StatusCode, str] | None = None
         try:
             for i, seq_id in enumerate(seq_ids):
-                self.router.submit(link, seq_id, prompt_ids,
-                                   **dict(params, seed=sequence_seed(params["seed"], i)),
+                seed = params["seed"] if n == 1 else sequence_seed(params["seed"], i)
+                self.router.submit(link, seq_id, prompt_ids, **dict(params, seed=seed),
                                    share_prompt_with=seq_ids[0] if i > 0 else None)
                 submitted.append(seq_id)
+        except InvalidRequest as exc:
+            error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
+            error = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        if error is not None:
             for seq_id in seq_ids:
                 self.streams.pop(seq_id, None)
             for seq_id in submitted:
                 self.router.abort(seq_id)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(*error)
         finished: set[int] = set()
         try:
             while len(finished) < n:
@@ -273,19 +219,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         kind = request.WhichOneof("input")
         tok = link.tokenizer
         if kind == "prompt":
-            _check(len(request.prompt) > 0, "prompt: must not be empty")
-            _check(len(request.prompt) <= MAX_PROMPT_CHARS,
+            require(len(request.prompt) > 0, "prompt: must not be empty")
+            require(len(request.prompt) <= MAX_PROMPT_CHARS,
                    f"prompt: {len(request.prompt)} characters, limit is {MAX_PROMPT_CHARS}")
             ids = tok.encode(request.prompt)
         elif kind == "messages":
             msgs = request.messages.messages
-            _check(len(msgs) > 0, "messages: must not be empty")
-            _check(len(msgs) <= MAX_MESSAGES, f"messages: {len(msgs)} messages, limit is {MAX_MESSAGES}")
+            require(len(msgs) > 0, "messages: must not be empty")
+            require(len(msgs) <= MAX_MESSAGES, f"messages: {len(msgs)} messages, limit is {MAX_MESSAGES}")
             total = sum(len(m.content) for m in msgs)
-            _check(total <= MAX_PROMPT_CHARS,
+            require(total <= MAX_PROMPT_CHARS,
                    f"messages: {total} characters of content, limit is {MAX_PROMPT_CHARS}")
             for i, m in enumerate(msgs):
-                _check(m.role in ("system", "user", "assistant", "tool"),
+                require(m.role in ("system", "user", "assistant", "tool"),
                        f"messages[{i}].role: unknown role {m.role!r}")
             try:
                 ids = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs])
@@ -293,55 +239,36 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequest(f"messages: chat template rejected them: {exc}") from exc
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
-            _check(len(ids) > 0, "token_ids: must not be empty")
+            require(len(ids) > 0, "token_ids: must not be empty")
             vocab = link.info.vocab_size
             bad = [i for i in ids if not 0 <= i < vocab]
-            _check(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
+            require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
         else:
             raise InvalidRequest("input: one of prompt, messages or token_ids is required")
-        _check(len(ids) > 0, "input: tokenizes to no tokens")
+        require(len(ids) > 0, "input: tokenizes to no tokens")
         return ids
 
-    def _validate(self, request: generate_pb2.GenerateRequest, link: WorkerLink,
-                  num_prompt: int) -> dict:
-        info = link.info
-        if request.model:
-            _check(request.model == info.model,
-                   f"model: unknown model {request.model!r}; this server serves {info.model!r}")
-        max_len = info.max_model_len
-        _check(num_prompt < max_len,
-               f"input: prompt is {num_prompt} tokens, the model length is {max_len} "
-               "(at least one token must fit after it)")
+    @staticmethod
+    def _params(request: generate_pb2.GenerateRequest) -> dict:
+        """The request's sampling and stopping fields as `Scheduler.add_request` takes them.
+
+        Unset optional fields keep the scheduler's defaults (an unset seed is drawn there);
+        the scheduler's validator checks them all.
+        """
         s, st = request.sampling, request.stopping
-        temperature = s.temperature if s.HasField("temperature") else 0.0
-        _check(temperature >= 0.0 and temperature == temperature,
-               f"sampling.temperature: must be >= 0, got {temperature}")
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        _check(0.0 < top_p <= 1.0, f"sampling.top_p: must be in (0, 1], got {top_p}")
-        top_k = s.top_k if s.HasField("top_k") else 0
-        _check(top_k >= 0, f"sampling.top_k: must be >= 0, got {top_k}")
-        seed = s.seed if s.HasField("seed") else random.getrandbits(63)
-        if st.HasField("max_tokens"):
-            _check(st.max_tokens > 0, f"stopping.max_tokens: must be > 0, got {st.max_tokens}")
-            _check(st.max_tokens <= max_len,
-                   f"stopping.max_tokens: {st.max_tokens} exceeds the model length {max_len}")
-            max_tokens = st.max_tokens
-        else:
-            max_tokens = max_len - num_prompt
-        _check(st.min_tokens >= 0, f"stopping.min_tokens: must be >= 0, got {st.min_tokens}")
-        _check(st.min_tokens <= max_tokens,
-               f"stopping.min_tokens: {st.min_tokens} exceeds max_tokens {max_tokens}")
-        _check(len(st.stop) <= MAX_STOP_STRINGS,
-               f"stopping.stop: {len(st.stop)} stop strings, limit is {MAX_STOP_STRINGS}")
-        for i, text in enumerate(st.stop):
-            _check(0 < len(text) <= 256, f"stopping.stop[{i}]: must be 1 to 256 characters")
-        for i, tid in enumerate(st.stop_token_ids):
-            _check(0 <= tid < info.vocab_size, f"stopping.stop_token_ids[{i}]: {tid} is outside the vocabulary")
-        return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                    max_tokens=max_tokens, min_tokens=st.min_tokens, stop=list(st.stop),
+        return dict(temperature=s.temperature if s.HasField("temperature") else 0.0,
+                    top_k=s.top_k if s.HasField("top_k") else 0,
+                    top_p=s.top_p if s.HasField("top_p") else 1.0,
+                    seed=s.seed if s.HasField("seed") else None,
+                    max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
+                    min_tokens=st.min_tokens, stop=list(st.stop),
                     stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
                     logprobs=request.response.logprobs,
-                    **validate_sampling_controls(request, info.vocab_size))
+                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                    repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty")
+                                        else 1.0),
+                    min_p=s.min_p, logit_bias=dict(s.logit_bias),
+                    top_logprobs=request.response.top_logprobs)
 
     def _record_finished(self, stream: Stream, ev: RequestEvent) -> None:
         if self.metrics is None:
@@ -389,10 +316,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
         if bound is not None:
             bound.append(("metrics", mport))
-    sched_cfg = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
-                                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                enable_prefix_caching=cfg.enable_prefix_caching,
-                                max_waiting=cfg.max_waiting)
+    sched_cfg = SchedulerConfig.from_service(cfg)
     creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
                                     cfg.worker_tls_key or None)
     server = grpc.aio.server(
@@ -412,8 +336,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     port = rpc.bind(server, cfg.host, cfg.port, server_creds)
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], False)  # until a worker is connected
-    await router.start(worker_addresses if worker_addresses is not None
-                       else [a.strip() for a in cfg.workers.split(",") if a.strip()])
+    await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
     if bound is not None:
@@ -427,9 +350,6 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.close()
 
 
-def run_scheduler(args: argparse.Namespace) -> None:
+def run_scheduler(cfg: SchedulerServiceConfig) -> None:
     """Entry point of `zerobubble scheduler`."""
-    cfg = config_from_args(SchedulerServiceConfig, args)
-    if not cfg.workers:
-        raise SystemExit("zerobubble scheduler: --workers is required (host:port,... or dns:///name:port)")
     asyncio.run(serve_scheduler(cfg))

@@ -18,11 +18,11 @@ import grpc
 import grpc.aio
 import pytest
 
-from worker_svc.config import WorkerConfig
 from zerobubble.api import generate_pb2_grpc
-from zerobubble.cli import build_parser, env_name, parse_bool
+from zerobubble.config import WorkerConfig, env_name, parse_bool, serve_config
+from zerobubble.entrypoints.cli import build_parser
 from zerobubble.client import request_from_args
-from zerobubble.serve import worker_command
+from zerobubble.entrypoints.serve import worker_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,7 +94,7 @@ def test_defaults_follow_the_contract() -> None:
 @pytest.mark.parametrize("prepack", ["--prepack-weights", "--no-prepack-weights"])
 def test_serve_passes_its_worker_flags_to_the_local_worker(prepack: str) -> None:
     serve = parse(["serve", "--block-size", "32", "--spec-method", "ngram", prepack])
-    argv = worker_command(serve)
+    argv = worker_command(serve_config(serve))
     worker = parse(argv[argv.index("worker"):])
     for f in dataclasses.fields(WorkerConfig):
         # The local worker listens on loopback without TLS whatever serve itself does.
@@ -199,8 +199,8 @@ def test_unknown_choice_on_command_line_is_rejected(capsys: pytest.CaptureFixtur
 
 
 def run_cli(*argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """``python -m zerobubble.cli ...`` in a clean child process."""
-    return subprocess.run([sys.executable, "-m", "zerobubble.cli", *argv], cwd=ROOT, capture_output=True,
+    """``python -m zerobubble ...`` in a clean child process."""
+    return subprocess.run([sys.executable, "-m", "zerobubble", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -227,8 +227,8 @@ def test_generate_needs_exactly_one_input() -> None:
 
 
 def test_client_commands_do_not_import_torch() -> None:
-    code = ("import sys, zerobubble.cli, zerobubble.client, zerobubble.bench; "
-            "zerobubble.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, zerobubble.entrypoints.cli, zerobubble.client, zerobubble.bench; "
+            "zerobubble.entrypoints.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler_svc.server import InvalidRequest, sequence_seed, validate_sampling_controls
+from scheduler_svc.request import InvalidRequest, SamplingOptions, validate_sampling_controls
+from scheduler_svc.server import sequence_seed
 from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
     K,
     draft_runner,
@@ -45,40 +46,30 @@ BAD_CONTROLS = [
     (dict(frequency_penalty=-2.01), "sampling.frequency_penalty"),
     (dict(repetition_penalty=0.0), "sampling.repetition_penalty"),
     (dict(repetition_penalty=-1.0), "sampling.repetition_penalty"),
+    (dict(repetition_penalty=float("inf")), "sampling.repetition_penalty"),
     (dict(min_p=1.5), "sampling.min_p"),
     (dict(min_p=-0.1), "sampling.min_p"),
     (dict(logit_bias={10**6: 1.0}), "sampling.logit_bias"),
     (dict(logit_bias={-1: 1.0}), "sampling.logit_bias"),
     (dict(logit_bias={5: 101.0}), "sampling.logit_bias[5]"),
-    (dict(n=17), "sampling.n"),
-    (dict(n=-1), "sampling.n"),
+    (dict(logit_bias={i: 1.0 for i in range(301)}), "sampling.logit_bias"),
     (dict(top_logprobs=21), "response.top_logprobs"),
     (dict(top_logprobs=-1), "response.top_logprobs"),
 ]
 
 
-def _request(**kw) -> generate_pb2.GenerateRequest:
-    from zerobubble.client import build_request
-
-    return build_request(prompt="hi", **kw)
-
-
 @pytest.mark.parametrize("kwargs,field", BAD_CONTROLS)
 def test_bad_sampling_controls_name_the_field(kwargs, field) -> None:
     with pytest.raises(InvalidRequest) as info:
-        validate_sampling_controls(_request(**kwargs), vocab_size=1000)
+        validate_sampling_controls(SamplingOptions(**kwargs), vocab_size=1000)
     assert str(info.value).startswith(field), str(info.value)
 
 
-def test_good_sampling_controls_pass_through() -> None:
-    got = validate_sampling_controls(
-        _request(presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.3, min_p=1.0,
-                 logit_bias={0: -100, 999: 100}, n=16, top_logprobs=20), vocab_size=1000)
-    assert got == dict(presence_penalty=-2, frequency_penalty=2,
-                       repetition_penalty=pytest.approx(1.3), min_p=1.0,
-                       logit_bias={0: -100, 999: 100}, top_logprobs=20, n=16)
-    defaults = validate_sampling_controls(_request(), vocab_size=1000)
-    assert defaults["repetition_penalty"] == 1.0 and defaults["n"] == 1
+def test_good_sampling_controls_pass() -> None:
+    validate_sampling_controls(SamplingOptions(
+        presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.3, min_p=1.0,
+        logit_bias={0: -100, 999: 100}, top_logprobs=20), vocab_size=1000)
+    validate_sampling_controls(SamplingOptions(), vocab_size=1000)
 
 
 def test_sequence_seeds_are_distinct_and_the_first_is_the_request_seed() -> None:
