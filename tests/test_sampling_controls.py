@@ -19,11 +19,11 @@ from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
     K,
     draft_runner,
     drive,
-    grounded,
     make_scheduler,
     ngram_runner,
     recording,
 )
+from tests.e2e import prompt_ids
 from tests.hf_oracle import _load_hf_model
 from worker_svc.sampler import (
     LogitBias,
@@ -216,6 +216,12 @@ MODES = [pytest.param(spec, window, id=f"{spec}-{'async' if window == 2 else 'sy
          for spec in ("none", "ngram", "draft") for window in (1, 2)]
 
 
+@pytest.fixture(scope="module")
+def prompts(smollm2_dir, grounded_rows) -> dict[int, list[int]]:
+    """Prompt ids of ROWS (the shared workload's chat rows through the chat template)."""
+    return dict(zip(ROWS, prompt_ids(smollm2_dir, [grounded_rows[r] for r in ROWS])))
+
+
 def _runner_for(request, spec: str):
     return request.getfixturevalue("draft_runner" if spec == "draft" else "ngram_runner")
 
@@ -243,17 +249,16 @@ class _OpenAIPenalty:
 
 
 @pytest.fixture(scope="module")
-def hf_penalized(smollm2_dir, grounded):
+def hf_penalized(smollm2_dir, prompts):
     """Hugging Face greedy outputs of ROWS with repetition_penalty=1.3, and with OpenAI
     frequency 0.6 / presence 0.4 applied to its logits by a logits processor."""
     from transformers import LogitsProcessorList
 
-    prompts_all, _ = grounded
     model = _load_hf_model(Path(smollm2_dir))
     rep, oa = {}, {}
     with torch.inference_mode():
         for row in ROWS:
-            prompt = torch.tensor([prompts_all[row]])
+            prompt = torch.tensor([prompts[row]])
             common = dict(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
                           pad_token_id=0)
             rep[row] = model.generate(prompt, repetition_penalty=1.3, **common)[0, prompt.shape[1]:].tolist()
@@ -263,19 +268,18 @@ def hf_penalized(smollm2_dir, grounded):
 
 
 @pytest.mark.parametrize("spec,window", MODES)
-def test_penalized_greedy_matches_hf_in_every_mode(request, grounded, hf_penalized, spec, window):
+def test_penalized_greedy_matches_hf_in_every_mode(request, prompts, hf_penalized, spec, window):
     """Greedy with repetition_penalty equals HF `generate(repetition_penalty=1.3)`; greedy with
     frequency/presence penalties equals HF with those penalties applied to its logits; both in
     one batch, for sync/async x none/n-gram/draft. Under speculation the row of draft j counts
     drafts 0..j-1, so accepted drafts prove the counts are per position."""
     runner = _runner_for(request, spec)
-    prompts_all, _ = grounded
     rep_ref, oa_ref = hf_penalized
     requests = {}
     for row in ROWS:
         common = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
-        requests[f"rep{row}"] = (prompts_all[row], dict(repetition_penalty=1.3, **common))
-        requests[f"oa{row}"] = (prompts_all[row], dict(frequency_penalty=0.6, presence_penalty=0.4,
+        requests[f"rep{row}"] = (prompts[row], dict(repetition_penalty=1.3, **common))
+        requests[f"oa{row}"] = (prompts[row], dict(frequency_penalty=0.6, presence_penalty=0.4,
                                                          **common))
     trace, scheduler = _run(runner, spec, window, requests)
     for row in ROWS:
@@ -285,14 +289,14 @@ def test_penalized_greedy_matches_hf_in_every_mode(request, grounded, hf_penaliz
         assert scheduler.stats.num_accepted_tokens > 0, "no draft accepted under penalties"
 
 
-def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(request, grounded):
+def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(request, prompts,
+                                                                             hf_penalized):
     """Temperature 0.9, top-p, min_p, logit_bias and all three penalties with a seed per
     request: the same tokens for sync/async x none/n-gram/draft, batched or alone."""
-    prompts_all, reference_all = grounded
     params = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, top_p=0.95, min_p=0.02,
                   repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
                   logit_bias={13: -5.0, 198: 2.0})
-    requests = {f"s{row}": (prompts_all[row], dict(params, seed=777 + row)) for row in ROWS}
+    requests = {f"s{row}": (prompts[row], dict(params, seed=777 + row)) for row in ROWS}
     runs = {}
     for spec in ("none", "ngram", "draft"):
         for window in (1, 2):
@@ -305,17 +309,17 @@ def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(re
             alone[req_id] = trace.outputs[req_id].token_ids
         runs[(spec, window, "alone")] = alone
     baseline = runs[("none", 1, "batched")]
-    assert any(baseline[f"s{row}"] != reference_all[row][:MAX_TOKENS] for row in ROWS)
+    # Sampling really happened: the seeded outputs are not the greedy (penalized) ones.
+    assert any(baseline[f"s{row}"] != hf_penalized[0][row] for row in ROWS)
     for config, outs in runs.items():
         assert outs == baseline, config
 
 
-def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, grounded):
+def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, prompts):
     """top_logprobs=5 with n-gram drafts accepted several at a time, two plans in flight: the
     N entries at each returned token are Hugging Face's top 5 at that position, and the token's
     own logprob matches."""
-    prompts_all, _ = grounded
-    prompt = prompts_all[ROWS[0]]
+    prompt = prompts[ROWS[0]]
     scheduler = make_scheduler(ngram_runner)
     scheduler.add_request("t", prompt, max_tokens=24, ignore_eos=True, logprobs=True,
                           top_logprobs=5)
@@ -348,12 +352,11 @@ def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, g
                           ref.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=2e-3)
 
 
-def test_n_sequences_share_the_prompt_blocks(ngram_runner, grounded):
+def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):
     """n = 3 (sequences 2 and 3 deferred behind the first, `share_prompt_with`): they reuse the
     first one's prompt blocks from the prefix cache, and each sequence's tokens equal what the
     same seed gives as a lone request."""
-    prompts_all, _ = grounded
-    prompt = prompts_all[ROWS[1]]
+    prompt = prompts[ROWS[1]]
     kw = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=1.0)
     seeds = [sequence_seed(99, i) for i in range(3)]
     scheduler = make_scheduler(ngram_runner)
