@@ -208,12 +208,18 @@ def test_top_logprobs_are_the_raw_log_softmax_top_n() -> None:
 
 # ------------------------------------------------------------------ runner + scheduler, real model
 
-# Short grounded code-edit and QA rows with their prompts; n-gram drafts are plentiful in the
-# code edits, so draft rows that a penalty changes really are verified.
-ROWS = (7, 4, 41)
-MAX_TOKENS = 16
-MODES = [pytest.param(spec, window, id=f"{spec}-{'async' if window == 2 else 'sync'}")
-         for spec in ("none", "ngram", "draft") for window in (1, 2)]
+# Grounded code-edit and QA rows with short prompts; n-gram drafts are plentiful in the code
+# edits, so draft rows that a penalty changes really are verified. The default suite runs FAST
+# (2 rows, 12 tokens); the slow suite FULL.
+FAST_ROWS, FAST_TOKENS = (7, 41), 12
+FULL_ROWS, FULL_TOKENS = (7, 4, 0, 3, 41, 25, 44, 29), 32
+ROWS = tuple(dict.fromkeys(FAST_ROWS + FULL_ROWS))
+MAX_TOKENS = FAST_TOKENS
+MODES = [(spec, window) for spec in ("none", "ngram", "draft") for window in (1, 2)]
+
+
+def _mode_id(spec: str, window: int) -> str:
+    return f"{spec}-{'async' if window == 2 else 'sync'}"
 
 
 @pytest.fixture(scope="module")
@@ -248,71 +254,98 @@ class _OpenAIPenalty:
         return _openai_penalties(scores, [out], self.frequency, self.presence)
 
 
-@pytest.fixture(scope="module")
-def hf_penalized(smollm2_dir, prompts):
-    """Hugging Face greedy outputs of ROWS with repetition_penalty=1.3, and with OpenAI
-    frequency 0.6 / presence 0.4 applied to its logits by a logits processor."""
+REPETITION = 1.3
+FREQUENCY, PRESENCE = 0.6, 0.4
+
+
+def _hf_penalized(smollm2_dir, prompt: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
+    """Hugging Face greedy continuations of `prompt` with repetition_penalty=REPETITION, and
+    with OpenAI's frequency/presence penalties applied to its logits by a logits processor."""
     from transformers import LogitsProcessorList
 
     model = _load_hf_model(Path(smollm2_dir))
-    rep, oa = {}, {}
+    ids = torch.tensor([prompt])
+    common = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
-        for row in ROWS:
-            prompt = torch.tensor([prompts[row]])
-            common = dict(max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-            rep[row] = model.generate(prompt, repetition_penalty=1.3, **common)[0, prompt.shape[1]:].tolist()
-            procs = LogitsProcessorList([_OpenAIPenalty(prompt.shape[1], 0.6, 0.4)])
-            oa[row] = model.generate(prompt, logits_processor=procs, **common)[0, prompt.shape[1]:].tolist()
-    return rep, oa
+        rep = model.generate(ids, repetition_penalty=REPETITION, **common)[0, len(prompt):]
+        procs = LogitsProcessorList([_OpenAIPenalty(len(prompt), FREQUENCY, PRESENCE)])
+        oa = model.generate(ids, logits_processor=procs, **common)[0, len(prompt):]
+    return rep.tolist(), oa.tolist()
 
 
-@pytest.mark.parametrize("spec,window", MODES)
-def test_penalized_greedy_matches_hf_in_every_mode(request, prompts, hf_penalized, spec, window):
-    """Greedy with repetition_penalty equals HF `generate(repetition_penalty=1.3)`; greedy with
-    frequency/presence penalties equals HF with those penalties applied to its logits; both in
-    one batch, for sync/async x none/n-gram/draft. Under speculation the row of draft j counts
-    drafts 0..j-1, so accepted drafts prove the counts are per position."""
+def check_penalized_greedy(request, smollm2_dir, prompts, spec: str, window: int,
+                           rows: tuple[int, ...], max_tokens: int) -> None:
     runner = _runner_for(request, spec)
-    rep_ref, oa_ref = hf_penalized
     requests = {}
-    for row in ROWS:
-        common = dict(max_tokens=MAX_TOKENS, ignore_eos=True)
-        requests[f"rep{row}"] = (prompts[row], dict(repetition_penalty=1.3, **common))
-        requests[f"oa{row}"] = (prompts[row], dict(frequency_penalty=0.6, presence_penalty=0.4,
-                                                         **common))
+    common = dict(max_tokens=max_tokens, ignore_eos=True)
+    for row in rows:
+        requests[f"rep{row}"] = (prompts[row], dict(repetition_penalty=REPETITION, **common))
+        requests[f"oa{row}"] = (prompts[row], dict(frequency_penalty=FREQUENCY,
+                                                   presence_penalty=PRESENCE, **common))
     trace, scheduler = _run(runner, spec, window, requests)
-    for row in ROWS:
-        assert trace.outputs[f"rep{row}"].token_ids == rep_ref[row], ("repetition", row)
-        assert trace.outputs[f"oa{row}"].token_ids == oa_ref[row], ("frequency/presence", row)
+    for row in rows:
+        rep_ref, oa_ref = _hf_penalized(smollm2_dir, prompts[row], max_tokens)
+        assert trace.outputs[f"rep{row}"].token_ids == rep_ref, ("repetition", row)
+        assert trace.outputs[f"oa{row}"].token_ids == oa_ref, ("frequency/presence", row)
     if spec != "none":
         assert scheduler.stats.num_accepted_tokens > 0, "no draft accepted under penalties"
 
 
-def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(request, prompts,
-                                                                             hf_penalized):
-    """Temperature 0.9, top-p, min_p, logit_bias and all three penalties with a seed per
-    request: the same tokens for sync/async x none/n-gram/draft, batched or alone."""
-    params = dict(max_tokens=MAX_TOKENS, ignore_eos=True, temperature=0.9, top_p=0.95, min_p=0.02,
-                  repetition_penalty=1.1, frequency_penalty=0.3, presence_penalty=0.2,
-                  logit_bias={13: -5.0, 198: 2.0})
-    requests = {f"s{row}": (prompts[row], dict(params, seed=777 + row)) for row in ROWS}
+@pytest.mark.parametrize("spec,window", [pytest.param(*m, id=_mode_id(*m)) for m in MODES])
+def test_penalized_greedy_matches_hf_in_every_mode(request, smollm2_dir, prompts, spec, window):
+    """Greedy with repetition_penalty equals HF `generate(repetition_penalty=1.3)`; greedy with
+    frequency/presence penalties equals HF with those penalties applied to its logits; both in
+    one batch, for sync/async x none/n-gram/draft. Under speculation the row of draft j counts
+    drafts 0..j-1, so accepted drafts prove the counts are per position."""
+    check_penalized_greedy(request, smollm2_dir, prompts, spec, window, FAST_ROWS, FAST_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec,window", [pytest.param(*m, id=_mode_id(*m)) for m in MODES])
+def test_penalized_greedy_matches_hf_in_every_mode_full(request, smollm2_dir, prompts, spec,
+                                                        window):
+    """The same on 8 rows (16 requests in one batch) at 32 new tokens."""
+    check_penalized_greedy(request, smollm2_dir, prompts, spec, window, FULL_ROWS, FULL_TOKENS)
+
+
+SEEDED = dict(ignore_eos=True, temperature=0.9, top_p=0.95, min_p=0.02, repetition_penalty=1.1,
+              frequency_penalty=0.3, presence_penalty=0.2, logit_bias={13: -5.0, 198: 2.0})
+
+
+def check_seeded(request, prompts, rows: tuple[int, ...], max_tokens: int,
+                 batched: list[tuple[str, int]], alone: list[tuple[str, int]]) -> None:
+    requests = {f"s{row}": (prompts[row], dict(SEEDED, max_tokens=max_tokens, seed=777 + row))
+                for row in rows}
     runs = {}
-    for spec in ("none", "ngram", "draft"):
-        for window in (1, 2):
-            trace, _ = _run(_runner_for(request, spec), spec, window, requests)
-            runs[(spec, window, "batched")] = {r: o.token_ids for r, o in trace.outputs.items()}
-    for spec, window in (("none", 1), ("ngram", 2)):
-        alone = {}
+    for spec, window in batched:
+        trace, _ = _run(_runner_for(request, spec), spec, window, requests)
+        runs[(spec, window, "batched")] = {r: o.token_ids for r, o in trace.outputs.items()}
+    for spec, window in alone:
+        outs = {}
         for req_id, req in requests.items():
             trace, _ = _run(_runner_for(request, spec), spec, window, {req_id: req})
-            alone[req_id] = trace.outputs[req_id].token_ids
-        runs[(spec, window, "alone")] = alone
-    baseline = runs[("none", 1, "batched")]
-    # Sampling really happened: the seeded outputs are not the greedy (penalized) ones.
-    assert any(baseline[f"s{row}"] != hf_penalized[0][row] for row in ROWS)
+            outs[req_id] = trace.outputs[req_id].token_ids
+        runs[(spec, window, "alone")] = outs
+    baseline = runs[(*batched[0], "batched")]
+    assert all(len(t) == max_tokens for t in baseline.values())
     for config, outs in runs.items():
         assert outs == baseline, config
+
+
+def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(request, prompts):
+    """Temperature 0.9, top-p, min_p, logit_bias and all three penalties with a seed per
+    request: the same tokens without speculation (sync), with n-gram and draft-model
+    speculation (async), and alone (n-gram, async)."""
+    check_seeded(request, prompts, FAST_ROWS, FAST_TOKENS,
+                 batched=[("none", 1), ("ngram", 2), ("draft", 2)], alone=[("ngram", 2)])
+
+
+@pytest.mark.slow
+def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches_full(request,
+                                                                                  prompts):
+    """The same for every mode, batched, and alone for the two extremes, on 8 rows."""
+    check_seeded(request, prompts, FULL_ROWS, FULL_TOKENS, batched=MODES,
+                 alone=[("none", 1), ("ngram", 2)])
 
 
 def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, prompts):
