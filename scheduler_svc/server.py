@@ -9,6 +9,7 @@ cancel or deadline aborts it and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import logging
 import random
@@ -34,6 +35,29 @@ FINISH = generate_pb2.FinishReason
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
 MAX_N = 16  # sequences per request (n); each holds its own KV blocks past the shared prompt
+
+
+def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> list[RequestEvent]:
+    """`ev` and the events already waiting behind it, merged per request (sequence), in order
+    of first appearance.
+
+    When the scheduler confirms tokens faster than a stream is written (many streams, a busy
+    loop), one message then carries several steps' tokens: the number of writes per step
+    adapts to the load instead of every step costing one write per stream. With n > 1 the
+    queue holds the events of every sequence, so only events of the same sequence merge.
+    """
+    merged: dict[str, RequestEvent] = {ev.req_id: ev}
+    while not queue.empty():
+        nxt: RequestEvent = queue.get_nowait()
+        prev = merged.get(nxt.req_id)
+        if prev is None:
+            merged[nxt.req_id] = nxt
+        elif prev.finish_reason is None:  # nothing follows a final event
+            merged[nxt.req_id] = dataclasses.replace(
+                nxt, token_ids=prev.token_ids + nxt.token_ids, text=prev.text + nxt.text,
+                logprobs=prev.logprobs + nxt.logprobs,
+                top_logprobs=prev.top_logprobs + nxt.top_logprobs)
+    return list(merged.values())
 
 
 @dataclass(slots=True)
@@ -86,8 +110,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         self.metrics.observe_ttft(now - stream.arrival)
                 elif self.metrics is not None:
                     gap = (now - stream.last_token_at) / len(ev.token_ids)
-                    for _ in ev.token_ids:
-                        self.metrics.observe_inter_token(gap)
+                    self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
             stream.queue.put_nowait(ev)
@@ -148,23 +171,23 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finished: set[int] = set()
         try:
             while len(finished) < n:
-                ev: RequestEvent = await queue.get()
-                stream = self.streams.get(ev.req_id)
-                if stream is None:
-                    continue
-                reply = generate_pb2.GenerateResponse(
-                    request_id=req_id, text=ev.text, token_ids=ev.token_ids,
-                    logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
-                    num_output_tokens=ev.num_output_tokens,
-                    num_cached_prompt_tokens=ev.num_cached_tokens, index=stream.index)
-                for ids, lps in ev.top_logprobs:
-                    reply.top_logprobs.add(token_ids=ids, logprobs=lps)
-                if ev.finish_reason is not None:
-                    reply.finish_reason = ev.finish_reason
-                    reply.error = ev.error or ""
-                    finished.add(stream.index)
-                    self._record_finished(stream, ev)
-                yield reply
+                for ev in merge_pending(await queue.get(), queue):
+                    stream = self.streams.get(ev.req_id)
+                    if stream is None:
+                        continue
+                    reply = generate_pb2.GenerateResponse(
+                        request_id=req_id, text=ev.text, token_ids=ev.token_ids,
+                        logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
+                        num_output_tokens=ev.num_output_tokens,
+                        num_cached_prompt_tokens=ev.num_cached_tokens, index=stream.index)
+                    for ids, lps in ev.top_logprobs:
+                        reply.top_logprobs.add(token_ids=ids, logprobs=lps)
+                    if ev.finish_reason is not None:
+                        reply.finish_reason = ev.finish_reason
+                        reply.error = ev.error or ""
+                        finished.add(stream.index)
+                        self._record_finished(stream, ev)
+                    yield reply
         finally:
             for seq_id, stream in zip(seq_ids, streams):
                 self.streams.pop(seq_id, None)
@@ -175,7 +198,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 # Its queue time counts if it had been scheduled (None if it never was).
                 event = self.router.abort(seq_id)
                 if self.metrics is not None:
-                    self.metrics.record_finished("cancelled", None, time.monotonic() - stream.arrival,
+                    self.metrics.record_finished("cancelled", time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
                                                  stream.num_prompt_tokens, stream.num_output_tokens)
 
@@ -274,9 +297,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.metrics is None:
             return
         now = time.monotonic()
-        ttft = stream.first_token_at - stream.arrival if stream.first_token_at else None
         reason = FINISH.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
-        self.metrics.record_finished(reason, ttft, now - stream.arrival, ev.queue_s,
+        self.metrics.record_finished(reason, now - stream.arrival, ev.queue_s,
                                      stream.num_prompt_tokens, stream.num_output_tokens)
 
 
@@ -303,10 +325,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return self._deny_stream if details.method.endswith("/Generate") else self._deny
 
 
-async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
-                          ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                          bound: list | None = None) -> None:
-    """Run the scheduler service until `stop` (or SIGTERM)."""
+async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None) -> None:
+    """Run the scheduler service until SIGTERM or SIGINT."""
     from zerobubble.metrics import ServiceMetrics, start_metrics_server
 
     metrics = ServiceMetrics(model="", role="scheduler")
@@ -314,8 +334,6 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("scheduler metrics on :%d/metrics", mport)
         print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
-        if bound is not None:
-            bound.append(("metrics", mport))
     sched_cfg = SchedulerConfig.from_service(cfg)
     creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
                                     cfg.worker_tls_key or None)
@@ -339,11 +357,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
-    if bound is not None:
-        bound.append(("grpc", port))
-    if ready is not None:
-        ready.set()
-    stop = stop or asyncio.Event()
+    stop = asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)

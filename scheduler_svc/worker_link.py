@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -176,6 +175,3 @@ class WorkerLink:
         self.stats.num_steps += 1
         self.stats.busy_s += result.forward_s
         self.stats.idle_s += result.idle_s
-
-    def now(self) -> float:
-        return time.monotonic()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -81,6 +82,64 @@ class SlotInfo:
 
 
 @dataclass(slots=True)
+class SampledRows:
+    """The rows of a step that sample (or verify) tokens, and where their logits come from.
+
+    Logits are computed only for real slots: every fed slot of a decode row, the last token of a
+    sampling prefill chunk. A trimmed decode row has fewer than K+1 slots, so per-slot values are
+    spread back to ``[num_rows, K+1]`` by ``pad`` (which repeats a row's last slot).
+    """
+
+    rows: list[int]                  # indices into the step's rows
+    rows_t: torch.Tensor             # [S] int64, the same on the device
+    slots: torch.Tensor              # [S] int32 state slots
+    gather: torch.Tensor             # [G] int64 flat token index of every real slot
+    pad: torch.Tensor | None         # [S*(K+1)] int64 index into the G slots; None: G == S*(K+1)
+    num_cols: torch.Tensor           # [S] int32 real slots per row
+    row_start: torch.Tensor          # [S] int64 flat index of each row's first slot
+    positions: torch.Tensor          # [G] int64 absolute position of each sampled token
+    sampling: SamplingTensors        # one row per real slot
+    logprob_index: torch.Tensor | None  # [G] int64: ``[S, K+1]`` tokens -> real slots (padded, logprobs wanted)
+    want_logprobs: bool
+    num_top: list[int] = field(default_factory=list)  # top-N logprobs per row; empty: none wants any
+
+    def spread(self, t: torch.Tensor, width: int) -> torch.Tensor:
+        """Per-slot values ``[G, ...]`` -> ``[S, width, ...]``."""
+        return (t[self.pad] if self.pad is not None else t).view(len(self.rows), width, *t.shape[1:])
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One plan as device inputs: built by `prepare`, read by `run_model` and `sample`."""
+
+    step_id: int
+    req_ids: list[str]
+    rows: list[SlotInfo]
+    num_tokens: int
+    req_slots: torch.Tensor       # [R] int32 state slot of each row
+    is_decode: torch.Tensor       # [R] bool
+    num_scheduled: torch.Tensor   # [R] int32 tokens fed per row
+    do_sample: torch.Tensor       # [R] bool
+    input_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    meta: AttentionMetadata
+    want_logprobs: list[bool]     # per row
+    sampled: SampledRows | None   # None when no row samples
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """What sampling and verification produced for the sampled rows (still on the device)."""
+
+    tokens: torch.Tensor          # [S, K+1] sampled tokens; the first num_accepted+1 are emitted
+    num_accepted: torch.Tensor    # [S] accepted drafts
+    num_verified: torch.Tensor    # [S] drafts actually verified (real drafts fed)
+    logprobs: torch.Tensor | None  # [S, K+1]
+    top_ids: torch.Tensor | None = None       # [S, K+1, N] when a row wants top-N logprobs
+    top_logprobs: torch.Tensor | None = None  # [S, K+1, N]
+
+
+@dataclass(slots=True)
 class PendingResult:
     """A step whose outputs may still be on the device; `materialize` copies them to the host."""
 
@@ -95,18 +154,22 @@ class PendingResult:
     num_tokens: int
     forward_s: float
     ready: object | None = None      # CUDA event after the async device-to-host copy
-    extra: dict = field(default_factory=dict)
+    # A simulated device's own idle time before this step; it replaces the step thread's wait
+    # for the plan, which says nothing about a device that runs behind the host.
+    idle_s: float | None = None
     # Top-N logprobs: [num_sampled, K+1, N] ids and values, N per sampled row (0 = none).
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     num_top: list[int] = field(default_factory=list)
 
     def materialize(self, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
-        """Wait for the copy (if any) and build the wire result."""
+        """Wait for the copy (if any) and build the wire result (`idle_s`: the step thread's
+        wait for this plan while requests were live)."""
         if self.ready is not None:
             self.ready.synchronize()
         result = worker_pb2.StepResult(step_id=self.step_id, forward_s=self.forward_s,
-                                       idle_s=idle_s, num_tokens=self.num_tokens)
+                                       idle_s=idle_s if self.idle_s is None else self.idle_s,
+                                       num_tokens=self.num_tokens)
         accepted_per_pos = [0] * num_spec_tokens
         by_row: dict[int, int] = {row: i for i, row in enumerate(self.sampled_rows)}
         tokens = self.out_tokens.tolist() if self.out_tokens is not None else []
@@ -143,24 +206,50 @@ def _has_penalty(p: worker_pb2.SamplingParams) -> bool:
                 or p.repetition_penalty not in (0.0, 1.0))
 
 
+class SimulatedStep(Protocol):
+    """Stands in for `run_model` + `sample` (`worker_svc.simulated.SimulatedDevice`)."""
+
+    def step(self, runner: ModelRunner, batch: StepBatch) -> PendingResult:
+        """Tokens and verification for ``batch``, then ``runner.advance``; the result."""
+        ...
+
+    def reset(self) -> None:
+        """The runner forgot every request (a new scheduler stream)."""
+        ...
+
+
 def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
     # One host-to-device copy per list; pinned staging is not worth it at these sizes.
     return torch.tensor(values, dtype=dtype, device=device)
 
 
 class ModelRunner:
-    """Holds the model, its paged KV cache and the persistent batch state; executes plans."""
+    """Holds the model, its paged KV cache and the persistent batch state; executes plans.
+
+    A step is three calls: `prepare` (admit rows, build inputs, positions, slot mapping,
+    attention metadata and sampling tensors), `run_model` (the forward and the logits of the
+    sampled slots) and `sample` (sample, verify, logprobs, advance the device state, propose
+    the next drafts, start the result copy).
+    """
 
     def __init__(self, loaded: LoadedModel, config: RunnerConfig,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None,
+                 simulator: SimulatedStep | None = None) -> None:
+        """``simulator``: run on a simulated device instead of the model (``loaded.model`` may
+        then be None; no KV cache is allocated)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = config
-        self.device = loaded.model.device
+        self.simulator = simulator
         self.proposer = proposer
         self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
-        self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks, config.block_size,
-                                           loaded.model.dtype, self.device)
+        if simulator is None:
+            self.device = loaded.model.device
+            self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks,
+                                               config.block_size, loaded.model.dtype, self.device)
+        else:
+            self.device = torch.device("cpu")
+            self.kv_caches = []
         # Room for the lookahead slots a step may feed past max_model_len's last block.
         max_blocks = -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
         self.max_blocks_per_seq = max_blocks
@@ -181,7 +270,8 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-        self.trim_empty_drafts = self.device.type == "cpu"
+        # A simulated device stands for an accelerator: the host never reads device state.
+        self.trim_empty_drafts = self.device.type == "cpu" and simulator is None
 
     # -- request state -------------------------------------------------------------------------
 
@@ -189,6 +279,8 @@ class ModelRunner:
         """Forget every request (a new scheduler stream starts from scratch)."""
         for req_id in list(self.slots):
             self.release(req_id)
+        if self.simulator is not None:
+            self.simulator.reset()
 
     def release(self, req_id: str) -> None:
         """Drop a request's state slot; unknown ids are ignored (finish may race a preempt)."""
@@ -198,16 +290,60 @@ class ModelRunner:
         del self.slots_by_index[info.slot]
         self.state.num_drafts[info.slot] = 0
         self.free_slots.append(info.slot)
-        if self.proposer is not None:
-            self.proposer.release(info.slot)
+
+    def kv_usage(self) -> float:
+        """KV blocks held by live requests (shared prefix blocks once) / all blocks."""
+        held = set()
+        # A snapshot: the service thread reads this while the step thread admits requests.
+        for info in list(self.slots.values()):
+            held.update(info.block_ids)
+        return len(held) / self.config.num_blocks
+
+    def _validate(self, plan: worker_pb2.StepPlan) -> None:
+        """Check every entry of a plan against the current state before anything changes.
+
+        Runs after the plan's finish notices are applied and before any admission, so a plan
+        with one bad row leaves no half-admitted slot behind.
+        """
+        num_free = len(self.free_slots)
+        seen: set[str] = set()
+        for entry in plan.requests:
+            req_id = entry.req_id
+            if req_id in seen:
+                raise PlanError(f"request {req_id}: scheduled twice in one plan")
+            seen.add(req_id)
+            info = self.slots.get(req_id)
+            if entry.is_new:
+                # A resumed request whose finish notice was folded into the same plan gives
+                # its old slot back first.
+                num_free += (info is not None) - 1
+                if num_free < 0:
+                    raise PlanError(f"request {req_id}: no free state slot "
+                                    f"(max_num_seqs={self.config.max_num_seqs})")
+                num_held, has_sample = 0, False
+            elif info is None:
+                raise PlanError(f"request {req_id}: unknown to this worker and not is_new")
+            else:
+                num_held, has_sample = len(info.block_ids), info.has_sample
+            new = entry.new_block_ids
+            if new:
+                if num_held + len(new) > self.max_blocks_per_seq:
+                    raise PlanError(f"request {req_id}: block table would hold "
+                                    f"{num_held + len(new)} blocks, more than max_model_len "
+                                    f"allows ({self.max_blocks_per_seq})")
+                if min(new) < 0 or max(new) >= self.config.num_blocks:
+                    raise PlanError(f"request {req_id}: block id out of range "
+                                    f"[0, {self.config.num_blocks})")
+            if not entry.token_ids:  # a decode
+                if not has_sample:
+                    raise PlanError(f"request {req_id}: decode step before any sample")
+                if entry.num_draft_slots > self.num_spec_tokens:
+                    raise PlanError(f"request {req_id}: {entry.num_draft_slots} draft slots, "
+                                    f"worker proposes at most {self.num_spec_tokens}")
 
     def _admit(self, entry: worker_pb2.ScheduledRequest) -> SlotInfo:
-        if entry.req_id in self.slots:
-            # A resumed request whose finish notice was folded into the same plan.
-            self.release(entry.req_id)
-        if not self.free_slots:
-            raise PlanError(f"request {entry.req_id}: no free state slot "
-                            f"(max_num_seqs={self.config.max_num_seqs})")
+        """Give a new (or resumed) request a state slot; `_validate` checked that one is free."""
+        self.release(entry.req_id)
         slot = self.free_slots.pop()
         info = SlotInfo(slot=slot, block_ids=[], sampling=entry.sampling)
         self.slots[entry.req_id] = info
@@ -218,28 +354,10 @@ class ModelRunner:
             self.proposer.admit(slot, entry.num_cached_tokens)
         return info
 
-    def _append_blocks(self, info: SlotInfo, entry: worker_pb2.ScheduledRequest) -> None:
-        new = list(entry.new_block_ids)
-        if not new:
-            return
+    def _append_blocks(self, info: SlotInfo, new: list[int]) -> None:
         start = len(info.block_ids)
-        end = start + len(new)
-        if end > self.max_blocks_per_seq:
-            raise PlanError(f"request {entry.req_id}: block table would hold {end} blocks, "
-                            f"more than max_model_len allows ({self.max_blocks_per_seq})")
-        if min(new) < 0 or max(new) >= self.config.num_blocks:
-            raise PlanError(f"request {entry.req_id}: block id out of range "
-                            f"[0, {self.config.num_blocks})")
-        self.state.block_table[info.slot, start:end] = _to_device_list(new, self.device)
+        self.state.block_table[info.slot, start:start + len(new)] = _to_device_list(new, self.device)
         info.block_ids.extend(new)
-
-    def kv_usage(self) -> float:
-        """KV blocks held by live requests (shared prefix blocks once) / all blocks."""
-        held = set()
-        # A snapshot: the service thread reads this while the step thread admits requests.
-        for info in list(self.slots.values()):
-            held.update(info.block_ids)
-        return len(held) / self.config.num_blocks
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -247,10 +365,25 @@ class ModelRunner:
     def execute(self, plan: worker_pb2.StepPlan) -> PendingResult:
         """Run one plan; returns outputs that may still be on the device."""
         start = time.perf_counter()
+        batch = self.prepare(plan)
+        if batch is None:
+            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0)
+        if self.simulator is not None:
+            return self.simulator.step(self, batch)
+        logits = self.run_model(batch)
+        pending = self.sample(batch, logits)
+        pending.forward_s = time.perf_counter() - start
+        return pending
+
+    def prepare(self, plan: worker_pb2.StepPlan) -> StepBatch | None:
+        """Apply the plan's finish notices and admissions, then build the step's device inputs:
+        input ids (decode rows from the device state), positions, slot mapping, attention
+        metadata and sampling tensors. None when the plan runs nothing."""
         for req_id in plan.finished_req_ids:
             self.release(req_id)
         if not plan.requests:
-            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0)
+            return None
+        self._validate(plan)
 
         rows: list[SlotInfo] = []
         req_ids: list[str] = []
@@ -259,17 +392,11 @@ class ModelRunner:
         do_sample: list[bool] = []
         prefill_ids: list[int] = []
         for entry in plan.requests:
-            info = self._admit(entry) if entry.is_new else self.slots.get(entry.req_id)
-            if info is None:
-                raise PlanError(f"request {entry.req_id}: unknown to this worker and not is_new")
-            self._append_blocks(info, entry)
+            info = self._admit(entry) if entry.is_new else self.slots[entry.req_id]
+            if entry.new_block_ids:
+                self._append_blocks(info, list(entry.new_block_ids))
             decode = len(entry.token_ids) == 0
             if decode:
-                if not info.has_sample:
-                    raise PlanError(f"request {entry.req_id}: decode step before any sample")
-                if entry.num_draft_slots > self.num_spec_tokens:
-                    raise PlanError(f"request {entry.req_id}: {entry.num_draft_slots} draft slots, "
-                                    f"worker proposes at most {self.num_spec_tokens}")
                 n = 1 + entry.num_draft_slots
                 if self.trim_empty_drafts:
                     # Slots without a real draft can only be rejected; on the CPU the draft count
@@ -287,11 +414,9 @@ class ModelRunner:
             do_sample.append(decode or entry.sample)
 
         dev = self.device
-        num_rows = len(rows)
         qsl_host = [0]
         for n in num_scheduled:
             qsl_host.append(qsl_host[-1] + n)
-        num_tokens = qsl_host[-1]
         req_slots = _to_device_list([r.slot for r in rows], dev)
         qsl = _to_device_list(qsl_host, dev)
         is_decode_t = torch.tensor(is_decode, dtype=torch.bool, device=dev)
@@ -310,22 +435,23 @@ class ModelRunner:
             max_seq_len=max_blocks * self.config.block_size,
             slot_mapping=slot_mapping,
         )
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        want_logprobs = [bool(r.sampling.logprobs) for r in rows]
+        sampled_rows = [i for i in range(len(rows)) if do_sample[i]]
+        sampled = self._sampled_rows(sampled_rows, rows, req_slots, positions, qsl_host,
+                                     num_scheduled, is_decode, want_logprobs) if sampled_rows else None
+        return StepBatch(
+            step_id=plan.step_id, req_ids=req_ids, rows=rows, num_tokens=qsl_host[-1],
+            req_slots=req_slots, is_decode=is_decode_t, num_scheduled=num_sched_t,
+            do_sample=torch.tensor(do_sample, dtype=torch.bool, device=dev),
+            input_ids=input_ids, positions=positions, meta=meta, want_logprobs=want_logprobs,
+            sampled=sampled)
 
-        # Logits only where a token is sampled or verified: every slot of a decode row, the last
-        # token of a sampling prefill chunk.
-        k_max = self.num_spec_tokens
-        width = k_max + 1
-        sampled_rows = [i for i in range(num_rows) if do_sample[i]]
-        if not sampled_rows:
-            update_state(req_slots, is_decode_t, num_sched_t, torch.zeros_like(num_sched_t),
-                         torch.zeros(num_rows, dtype=torch.bool, device=dev),
-                         torch.zeros_like(num_sched_t), st.seq_len, st.last_token, st.num_drafts)
-            return PendingResult(plan.step_id, req_ids, [], None, None, None, None,
-                                 [bool(r.sampling.logprobs) for r in rows], num_tokens,
-                                 time.perf_counter() - start)
-        # Logits only for real slots (a trimmed decode row has fewer than K+1); ``pad_index``
-        # then spreads the per-slot results to K+1 columns per row, repeating a row's last slot.
+    def _sampled_rows(self, sampled_rows: list[int], rows: list[SlotInfo], req_slots: torch.Tensor,
+                      positions: torch.Tensor, qsl_host: list[int], num_scheduled: list[int],
+                      is_decode: list[bool], want_logprobs: list[bool]) -> SampledRows:
+        """Index and sampling tensors of the rows that sample this step (see `SampledRows`)."""
+        dev = self.device
+        width = self.num_spec_tokens + 1
         gather_idx: list[int] = []   # flat token index of every real slot
         pad_index: list[int] = []    # (sampled row, column) -> index into gather_idx
         valid_cols: list[int] = []   # real slots per sampled row
@@ -338,80 +464,121 @@ class ModelRunner:
             pad_index.extend(base + min(c, n - 1) for c in range(width))
             valid_cols.append(n)
             firsts.append(first)
-        num_s = len(sampled_rows)
-        sampled_slots = req_slots[sampled_rows]
-        gather_t = _to_device_list(gather_idx, dev, torch.long)
+        gather = _to_device_list(gather_idx, dev, torch.long)
         padded = len(gather_idx) < len(pad_index)
-        pad_t = _to_device_list(pad_index, dev, torch.long) if padded else None
-
-        def spread(t: torch.Tensor) -> torch.Tensor:
-            """Per-slot values -> ``[num_s, width, ...]``."""
-            return (t[pad_t] if padded else t).view(num_s, width, *t.shape[1:])
-
-        logits = self.model.compute_logits(hidden[gather_t])
+        any_logprobs = any(want_logprobs[i] for i in sampled_rows)
         # Absolute position of each sampled token = input position + 1 (keys the randomness).
-        sample_pos = positions[gather_t] + 1
-        tensors = self._sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos,
-                                         logits.shape[-1])
+        sample_pos = positions[gather] + 1
+        tensors = self._sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos)
+        num_top = [int(rows[i].sampling.top_logprobs) for i in sampled_rows]
+        return SampledRows(
+            rows=sampled_rows,
+            rows_t=_to_device_list(sampled_rows, dev, torch.long),
+            slots=req_slots[sampled_rows],
+            gather=gather,
+            pad=_to_device_list(pad_index, dev, torch.long) if padded else None,
+            num_cols=_to_device_list(valid_cols, dev),
+            row_start=_to_device_list(firsts, dev, torch.long),
+            positions=sample_pos,
+            sampling=tensors,
+            # Back from [S, K+1] to one entry per real slot, in gather order.
+            logprob_index=_to_device_list([r * width + c for r, n in enumerate(valid_cols)
+                                           for c in range(n)], dev, torch.long)
+            if padded and any_logprobs else None,
+            want_logprobs=any_logprobs,
+            num_top=num_top if max(num_top) > 0 else [],
+        )
 
-        # Drafts fed this step are the inputs after the first slot of each decode row; only the
-        # ones the proposer really produced count (the rest were filler and must be rejected).
-        ncols = _to_device_list(valid_cols, dev)
-        num_verified = torch.minimum(st.num_drafts[sampled_slots.long()], ncols - 1)
-        col = torch.arange(width, device=dev)
-        row_start = _to_device_list(firsts, dev, torch.long)
-        draft_idx = (row_start[:, None] + 1 + col[None, :k_max]).clamp(max=num_tokens - 1)
-        draft_tokens = input_ids[draft_idx] if k_max else input_ids.new_zeros((num_s, 0))
+    def run_model(self, batch: StepBatch) -> torch.Tensor | None:
+        """The forward over the flat batch (writes K/V) and the logits of the sampled slots
+        (``[G, vocab]``; None when no row samples)."""
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        if batch.sampled is None:
+            return None
+        return self.model.compute_logits(hidden[batch.sampled.gather])
+
+    def sample(self, batch: StepBatch, logits: torch.Tensor | None) -> PendingResult:
+        """Sample and verify the sampled rows, then advance the device state (see `advance`)."""
+        s = batch.sampled
+        if s is None or logits is None:
+            return self.advance(batch, None)
+        k_max = self.num_spec_tokens
+        width = k_max + 1
+        num_s = len(s.rows)
+        draft_tokens, num_verified = self.fed_drafts(batch)
         if self.proposer is not None and self.proposer.has_draft_probs:
-            probs = spread(target_probs(logits, tensors))
-            q = self.proposer.draft_probs(sampled_slots, k_max)
+            probs = s.spread(target_probs(logits, s.sampling), width)
+            q = self.proposer.draft_probs(s.slots, k_max)
             out_tokens, num_accepted = rejection_sample(
-                probs, q, draft_tokens, num_verified, spread(tensors.seeds)[:, 0], spread(sample_pos)[:, 0])
+                probs, q, draft_tokens, num_verified, s.spread(s.sampling.seeds, width)[:, 0],
+                s.spread(s.positions, width)[:, 0])
         else:
-            out_tokens = spread(sample(logits, tensors))
+            out_tokens = s.spread(sample(logits, s.sampling), width)
             num_accepted = count_accepted(out_tokens, draft_tokens, num_verified) if k_max else \
-                torch.zeros(num_s, dtype=torch.int32, device=dev)
-        want_lp = [bool(r.sampling.logprobs) for r in rows]
+                torch.zeros(num_s, dtype=torch.int32, device=self.device)
         lp = None
-        if any(want_lp[i] for i in sampled_rows):
+        if s.want_logprobs:
             # Rejection sampling leaves -1 after the emitted token; those columns are never
             # returned, but gathering at -1 would fail the whole step.
             tokens = out_tokens.reshape(-1)
-            if padded:  # back to one entry per real slot, in gather_idx order
-                tokens = tokens[_to_device_list([r * width + c for r, n in enumerate(valid_cols)
-                                                 for c in range(n)], dev, torch.long)]
-            lp = spread(token_logprobs(logits, tokens.long().clamp(min=0)))
-        num_top = [int(rows[i].sampling.top_logprobs) for i in sampled_rows]
-        top = None
-        if max(num_top) > 0:
-            top_ids, top_lps = top_logprobs(logits, max(num_top))
-            top = (spread(top_ids), spread(top_lps))
+            if s.logprob_index is not None:
+                tokens = tokens[s.logprob_index]
+            lp = s.spread(token_logprobs(logits, tokens.long().clamp(min=0)), width)
+        out = StepOutputs(out_tokens, num_accepted, num_verified, lp)
+        if s.num_top:
+            # Column c holds the distribution the token at column c was drawn from.
+            top_ids, top_lps = top_logprobs(logits, max(s.num_top))
+            out.top_ids, out.top_logprobs = s.spread(top_ids, width), s.spread(top_lps, width)
+        return self.advance(batch, out)
 
-        # Sequence-length correction, on the device: the true accepted counts, not the plan's.
+    def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts fed to the sampled rows (``[S, K]``) and how many of them are real (``[S]``).
+
+        Drafts are the inputs after the first slot of each decode row; only the ones the
+        proposer really produced count (the rest were filler and must be rejected).
+        """
+        s = batch.sampled
+        assert s is not None
+        k_max = self.num_spec_tokens
+        num_verified = torch.minimum(self.state.num_drafts[s.slots.long()], s.num_cols - 1)
+        if not k_max:
+            return batch.input_ids.new_zeros((len(s.rows), 0)), num_verified
+        col = torch.arange(k_max, device=self.device)
+        draft_idx = (s.row_start[:, None] + 1 + col[None, :]).clamp(max=batch.num_tokens - 1)
+        return batch.input_ids[draft_idx], num_verified
+
+    def advance(self, batch: StepBatch, out: StepOutputs | None) -> PendingResult:
+        """Sequence-length correction on the device (the true accepted counts, not the plan's),
+        the next drafts, and the start of the result copy. ``out`` is None when no row sampled."""
+        dev = self.device
+        num_rows = len(batch.rows)
+        st = self.state
         acc_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)
         last_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)
-        rows_t = _to_device_list(sampled_rows, dev, torch.long)
-        acc_all[rows_t] = num_accepted.to(torch.int32)
-        last_all[rows_t] = out_tokens.gather(1, num_accepted.long()[:, None])[:, 0].to(torch.int32)
-        update_state(req_slots, is_decode_t, num_sched_t, acc_all,
-                     torch.tensor(do_sample, dtype=torch.bool, device=dev), last_all,
-                     st.seq_len, st.last_token, st.num_drafts)
-        for i in sampled_rows:
-            rows[i].has_sample = True
+        s = batch.sampled
+        if out is not None and s is not None:
+            acc_all[s.rows_t] = out.num_accepted.to(torch.int32)
+            last_all[s.rows_t] = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0].to(torch.int32)
+        update_state(batch.req_slots, batch.is_decode, batch.num_scheduled, acc_all,
+                     batch.do_sample, last_all, st.seq_len, st.last_token, st.num_drafts)
+        if out is None or s is None:
+            return PendingResult(batch.step_id, batch.req_ids, [], None, None, None, None,
+                                 batch.want_logprobs, batch.num_tokens, 0.0)
+        for i in s.rows:
+            batch.rows[i].has_sample = True
         if self.proposer is not None:
-            self.proposer.propose(sampled_slots, self.kv_caches)
-
-        pending = PendingResult(plan.step_id, req_ids, sampled_rows, out_tokens, num_accepted,
-                                num_verified, lp, want_lp, num_tokens, 0.0)
-        if top is not None:
-            pending.top_ids, pending.top_logprobs = top
-            pending.num_top = num_top
+            self.proposer.propose(s.slots)
+        pending = PendingResult(batch.step_id, batch.req_ids, s.rows, out.tokens, out.num_accepted,
+                                out.num_verified, out.logprobs, batch.want_logprobs,
+                                batch.num_tokens, 0.0)
+        if out.top_ids is not None:
+            pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
+            pending.num_top = [int(batch.rows[i].sampling.top_logprobs) for i in s.rows]
         self._start_copy(pending)
-        pending.forward_s = time.perf_counter() - start
         return pending
 
     def _sampling_tensors(self, infos: list[SlotInfo], valid_cols: list[int],
-                          sample_pos: torch.Tensor, vocab_size: int) -> SamplingTensors:
+                          sample_pos: torch.Tensor) -> SamplingTensors:
         """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to ``infos[i]``.
 
         Penalty counts are taken over each logits row's own context read from the token
@@ -444,7 +611,7 @@ class ModelRunner:
                 self.state.history,
                 self.state.block_table[_to_device_list(slots, dev, torch.long), :num_blocks],
                 sample_pos[rows_t], _to_device_list([p.num_prompt_tokens for p in pens], dev),
-                vocab_size, need_counts=need_counts,
+                int(self.loaded.hf_config.vocab_size), need_counts=need_counts,
                 need_seen=any(r != 1.0 for r in rep))
             penalties = Penalties(
                 rows=rows_t, repetition=_to_device_list(rep, dev, torch.float32),

@@ -77,7 +77,7 @@ def parse_bool(text: str) -> bool:
 
 def parse_setting(f: dataclasses.Field, raw: str) -> Any:
     """A setting's value from its text form (an environment variable); ``ValueError`` if bad."""
-    kind = type(f.default)
+    kind: Any = type(f.default)
     value = parse_bool(raw) if kind is bool else kind(raw)
     choices = setting_info(f).choices
     if choices is not None and isinstance(value, str):
@@ -167,6 +167,18 @@ class WorkerConfig(ServiceConfig):
     prepack_weights: bool = setting(
         True, "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
               "batches; float32 weights then take twice the memory)")
+    simulate_device_ms: float = setting(
+        -1.0, "no model: every step takes this many ms on a simulated device and tokens come from a "
+              "deterministic function of the sequence (load-test a scheduler or measure host cost "
+              "without an accelerator; -1 = off)")
+    simulate_acceptance_rate: float = setting(
+        0.6, "with --simulate-device-ms: probability that a token repeats the text 32 tokens "
+             "earlier, i.e. that an n-gram draft is accepted when the one before it was")
+
+    @property
+    def simulated(self) -> bool:
+        """Whether this worker runs on a simulated device instead of a model."""
+        return self.simulate_device_ms >= 0
 
     @property
     def speculative(self) -> bool:
@@ -185,6 +197,15 @@ class WorkerConfig(ServiceConfig):
             _require(1 <= self.ngram_min <= self.ngram_max,
                      f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: "
                      "need 1 <= --ngram-min <= --ngram-max")
+        _require(self.simulate_device_ms >= 0 or self.simulate_device_ms == -1,
+                 "--simulate-device-ms must be >= 0 (or -1: off)")
+        if self.simulated:
+            _require(self.spec_method in ("none", "ngram"),
+                     "--simulate-device-ms works with --spec-method none or ngram")
+            _require(0 <= self.simulate_acceptance_rate <= 1,
+                     "--simulate-acceptance-rate must be in [0, 1]")
+            _require(self.num_spec_tokens <= 30 or not self.speculative,
+                     "--simulate-device-ms supports at most 30 --num-spec-tokens")
         if self.spec_method == "draft":
             _require(bool(self.draft_model),
                      "--spec-method draft needs --draft-model (a smaller model with the same "
@@ -261,7 +282,8 @@ def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
     if command == "scheduler":
         return [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
     if command == "serve":
-        out = [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
+        out: list[tuple[type, dataclasses.Field]] = [
+            (SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
         taken = {f.name for _, f in out} | SERVE_WORKER_HIDDEN
         out += [(WorkerConfig, f) for f in dataclasses.fields(WorkerConfig) if f.name not in taken]
         out += [(ServeConfig, f) for f in dataclasses.fields(ServeConfig) if "setting" in f.metadata]

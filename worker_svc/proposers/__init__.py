@@ -24,10 +24,7 @@ class Proposer(Protocol):
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         """A request (new or resumed) takes `slot`."""
 
-    def release(self, slot: int) -> None:
-        """The request in `slot` is gone."""
-
-    def propose(self, slots: torch.Tensor, kv_caches: list) -> None:
+    def propose(self, slots: torch.Tensor) -> None:
         """Write drafts for `slots` (requests that sampled this step) into the runner state."""
 
     def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:

@@ -54,9 +54,6 @@ class DraftModelProposer:
         # recomputes the cached prefix in its first catch-up.
         self.draft_len[slot] = 0
 
-    def release(self, slot: int) -> None:
-        pass
-
     def _forward(self, slots: torch.Tensor, token_lists: list[list[int]] | torch.Tensor,
                  starts: list[int]) -> torch.Tensor:
         """Feed rows of tokens at positions starts[r].. and return the last token's logits."""
@@ -84,7 +81,7 @@ class DraftModelProposer:
         last = torch.tensor(qsl_host[1:], dtype=torch.long, device=dev) - 1
         return self.draft.model.compute_logits(hidden[last])
 
-    def propose(self, slots: torch.Tensor, kv_caches: list) -> None:
+    def propose(self, slots: torch.Tensor) -> None:
         runner = self.runner
         st = runner.state
         idx = slots.long()

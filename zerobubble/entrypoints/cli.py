@@ -12,6 +12,7 @@ start quickly and never import torch.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -151,7 +152,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str,
         if info.choices is not None and kind is str:
             kind = str.lower
         add_flag(group, flag_name(f.name), default=f.default, help=info.help, type=kind,
-                 choices=info.choices, env=env, convert=lambda raw, f=f: parse_setting(f, raw))
+                 choices=info.choices, env=env, convert=functools.partial(parse_setting, f))
 
 
 def add_client_flags(group: argparse._ActionsContainer, env: Mapping[str, str] | None) -> None:
@@ -229,15 +230,18 @@ def dispatch(args: argparse.Namespace) -> int | None:
     if args.command == "serve":
         from zerobubble.entrypoints.serve import run_serve
 
-        return run_serve(serve_config(args))
+        run_serve(serve_config(args))
+        return None
     if args.command == "worker":
         from worker_svc.server import run_worker
 
-        return run_worker(from_namespace(WorkerConfig, args))
+        run_worker(from_namespace(WorkerConfig, args))
+        return None
     if args.command == "scheduler":
         from scheduler_svc.server import run_scheduler
 
-        return run_scheduler(from_namespace(SchedulerServiceConfig, args))
+        run_scheduler(from_namespace(SchedulerServiceConfig, args))
+        return None
     if args.command == "generate":
         from zerobubble.client import run_generate
 
