@@ -225,8 +225,8 @@ def test_n_sequences_and_top_logprobs_stream_with_index(services):
         if response.finish_reason:
             finals.append(response.index)
 
-    many = run(one(scheduler.target, on_response=on_response, n=3, **kw))
-    single = run(one(scheduler.target, **kw))
+    many = run(one(scheduler.target, timeout=600, on_response=on_response, n=3, **kw))
+    single = run(one(scheduler.target, timeout=600, **kw))
     assert sorted(finals) == [0, 1, 2]
     assert [len(c.token_ids) for c in many.choices] == [12, 12, 12]
     assert many.choices[0].token_ids == single.token_ids == many.token_ids
