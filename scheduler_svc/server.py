@@ -9,19 +9,21 @@ cancel or deadline aborts it and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hmac
 import logging
 import random
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 
 import grpc
 
 from scheduler_svc.request import InvalidRequest, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
+from scheduler_svc.submission import RequestError, Stream, Submission
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
@@ -60,20 +62,6 @@ def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> list[RequestEvent]:
     return list(merged.values())
 
 
-@dataclass(slots=True)
-class Stream:
-    """The client side of one request: where its events go, and timing for metrics."""
-
-    queue: asyncio.Queue
-    arrival: float
-    num_prompt_tokens: int
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
-    index: int = 0  # which of the request's n sequences
-
-
 def sequence_seed(seed: int, index: int) -> int:
     """The seed of sequence ``index`` of a request: ``seed`` itself for the first, then distinct
     well-mixed 64-bit keys (splitmix64), so the n sequences draw independent noise and a request
@@ -84,6 +72,14 @@ def sequence_seed(seed: int, index: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return x ^ (x >> 31)
+
+
+def num_sequences(request: generate_pb2.GenerateRequest) -> int:
+    """``sampling.n`` (0 means 1); :class:`InvalidRequest` outside [1, MAX_N]. The other
+    sampling controls are checked with every option by `request.validate_options`."""
+    n = request.sampling.n or 1
+    require(1 <= n <= MAX_N, f"sampling.n: must be in [1, {MAX_N}], got {request.sampling.n}")
+    return n
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -117,60 +113,72 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+    def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
+        """Validate, tokenize, route and queue one request: the one path gRPC and HTTP share.
+
+        Raises:
+            RequestError: the request was refused (the status says why; nothing was queued).
+        """
         link = self.router.any_ready()
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         if request.model and request.model != link.info.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
-                                f"{request.model!r}; this server serves {link.info.model!r}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
+                               f"{request.model!r}; this server serves {link.info.model!r}",
+                               unknown_model=True)
         try:
             prompt_ids = self._prompt_ids(request, link)
+            n = num_sequences(request)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
-        n = request.sampling.n or 1
-        if not 1 <= n <= MAX_N:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"sampling.n: must be in [1, {MAX_N}], got {request.sampling.n}")
         # n > 1: n scheduler requests (one per sequence, each with its own seed stream) on one
         # worker; the later ones wait for the first one's prompt blocks and share them.
-        seq_ids = [req_id] if n == 1 else [f"{req_id}#{i}" for i in range(n)]
+        seq_ids = (req_id,) if n == 1 else tuple(f"{req_id}#{i}" for i in range(n))
         if any(seq_id in self.streams for seq_id in seq_ids):
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id {req_id!r} is already running")
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req_id!r} is already running")
         link = self.router.route(prompt_ids)
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         params = self._params(request)
         if n > 1 and params["seed"] is None:
             params["seed"] = random.getrandbits(64)
-        queue: asyncio.Queue = asyncio.Queue()
-        streams = [Stream(queue=queue, arrival=time.monotonic(), num_prompt_tokens=len(prompt_ids),
-                          index=i) for i in range(n)]
+        queue: asyncio.Queue = asyncio.Queue()  # shared: the servicer reads every sequence's events
+        streams = tuple(Stream(queue=queue, arrival=time.monotonic(),
+                               num_prompt_tokens=len(prompt_ids), index=i) for i in range(n))
         for seq_id, stream in zip(seq_ids, streams):
             self.streams[seq_id] = stream
         submitted: list[str] = []
-        error: tuple[grpc.StatusCode, str] | None = None
         try:
             for i, seq_id in enumerate(seq_ids):
                 seed = params["seed"] if n == 1 else sequence_seed(params["seed"], i)
                 self.router.submit(link, seq_id, prompt_ids, **dict(params, seed=seed),
                                    share_prompt_with=seq_ids[0] if i > 0 else None)
                 submitted.append(seq_id)
-        except InvalidRequest as exc:
-            error = (grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFullError as exc:
-            error = (grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        if error is not None:
+        except (InvalidRequest, QueueFullError) as exc:
             for seq_id in seq_ids:
                 self.streams.pop(seq_id, None)
             for seq_id in submitted:
                 self.router.abort(seq_id)
-            await context.abort(*error)
+            code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, InvalidRequest)
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED)
+            raise RequestError(code, str(exc)) from exc
+        return Submission(req_id, streams[0], seq_ids, streams)
+
+    async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+        """The reply messages of a submitted request, each sequence's last one with its finish
+        reason (``index`` tells the n sequences apart).
+
+        Leaving early (client cancel, deadline, a closed HTTP connection) aborts the request and
+        gives its KV blocks back.
+        """
+        req_id = submission.req_id
+        seq_ids = submission.seq_ids or (req_id,)
+        streams = submission.streams or (submission.stream,)
+        queue = streams[0].queue
         finished: set[int] = set()
         try:
-            while len(finished) < n:
+            while len(finished) < len(streams):
                 for ev in merge_pending(await queue.get(), queue):
                     stream = self.streams.get(ev.req_id)
                     if stream is None:
@@ -201,6 +209,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.record_finished("cancelled", time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
                                                  stream.num_prompt_tokens, stream.num_output_tokens)
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        try:
+            submission = self.submit(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        async with contextlib.aclosing(self.responses(submission)) as replies:
+            async for reply in replies:
+                yield reply
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         link = self.router.any_ready()
@@ -357,9 +374,19 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
+    http = None
+    if cfg.http_port >= 0:
+        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+
+        http = await start_http(servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token,
+                                tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
+        print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
     stop = asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
+    if http is not None:
+        await http.stop(grace_s=10.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)
     await router.close()
 

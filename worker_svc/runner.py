@@ -25,6 +25,8 @@ from kernels.verify import count_accepted, rejection_sample
 from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
 from worker_svc.proposers import Proposer
+from worker_svc import staging
+from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
 from worker_svc.sampler import (
     SEED_MASK,
     LogitBias,
@@ -57,6 +59,9 @@ class RunnerConfig:
     max_num_seqs: int = default_of(WorkerConfig, "max_num_seqs")
     max_model_len: int = 2048
     num_spec_tokens: int = 0  # K: the most draft slots any decode may carry
+    # Replay decode-only steps through CUDA graphs (worker_svc/cuda_graphs.py); emulated with
+    # the same padded buffers off CUDA (tests).
+    cuda_graphs: bool = False
 
 
 @dataclass(slots=True)
@@ -125,6 +130,8 @@ class StepBatch:
     meta: AttentionMetadata
     want_logprobs: list[bool]     # per row
     sampled: SampledRows | None   # None when no row samples
+    row_widths: list[int] = field(default_factory=list)  # host copy of num_scheduled
+    all_decode: bool = False      # every row is a decode (a CUDA graph may replay it)
 
 
 @dataclass(slots=True)
@@ -219,8 +226,8 @@ class SimulatedStep(Protocol):
 
 
 def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
-    # One host-to-device copy per list; pinned staging is not worth it at these sizes.
-    return torch.tensor(values, dtype=dtype, device=device)
+    # Pinned staging and an async copy: a pageable copy would wait for the previous step.
+    return staging.to_device(values, dtype, device)
 
 
 class ModelRunner:
@@ -243,16 +250,20 @@ class ModelRunner:
         self.simulator = simulator
         self.proposer = proposer
         self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
+        # Room for the lookahead slots a step may feed past max_model_len's last block.
+        self.max_blocks_per_seq = -(-(config.max_model_len + config.num_spec_tokens + 1)
+                                    // config.block_size) + 1
+        widths = draft_widths(self.num_spec_tokens)
+        # Padding rows of graphed steps write into blocks past the scheduler's (never handed out).
+        num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
         if simulator is None:
             self.device = loaded.model.device
-            self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks,
+            self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks + num_scratch,
                                                config.block_size, loaded.model.dtype, self.device)
         else:
             self.device = torch.device("cpu")
             self.kv_caches = []
-        # Room for the lookahead slots a step may feed past max_model_len's last block.
-        max_blocks = -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
-        self.max_blocks_per_seq = max_blocks
+        max_blocks = self.max_blocks_per_seq
         num_slots = config.max_num_seqs
         k = max(self.num_spec_tokens, 1)
         z = dict(dtype=torch.int32, device=self.device)
@@ -270,8 +281,17 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-        # A simulated device stands for an accelerator: the host never reads device state.
-        self.trim_empty_drafts = self.device.type == "cpu" and simulator is None
+        # Off the CPU the host never reads device values during a step (see worker_svc/staging.py).
+        self.accelerator = staging.is_accelerator(self.device)
+        # A simulated device stands for an accelerator too: the host never reads device state.
+        self.trim_empty_drafts = not self.accelerator and simulator is None
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and simulator is None:
+            self.graphs = DecodeGraphs(self._forward_logits, self.device,
+                                       batch_buckets(config.max_num_seqs), widths, config.block_size,
+                                       config.num_blocks, max_blocks,
+                                       capture=self.device.type == "cuda")
+            self.graphs.capture_all()
 
     # -- request state -------------------------------------------------------------------------
 
@@ -356,7 +376,7 @@ class ModelRunner:
 
     def _append_blocks(self, info: SlotInfo, new: list[int]) -> None:
         start = len(info.block_ids)
-        self.state.block_table[info.slot, start:start + len(new)] = _to_device_list(new, self.device)
+        staging.write(self.state.block_table[info.slot, start:start + len(new)], new)
         info.block_ids.extend(new)
 
     # -- one step ------------------------------------------------------------------------------
@@ -419,7 +439,7 @@ class ModelRunner:
             qsl_host.append(qsl_host[-1] + n)
         req_slots = _to_device_list([r.slot for r in rows], dev)
         qsl = _to_device_list(qsl_host, dev)
-        is_decode_t = torch.tensor(is_decode, dtype=torch.bool, device=dev)
+        is_decode_t = _to_device_list(is_decode, dev, torch.bool)
         st = self.state
         input_ids, positions, slot_mapping = assemble_inputs(
             req_slots, qsl, is_decode_t, _to_device_list(prefill_ids, dev), st.seq_len,
@@ -442,9 +462,9 @@ class ModelRunner:
         return StepBatch(
             step_id=plan.step_id, req_ids=req_ids, rows=rows, num_tokens=qsl_host[-1],
             req_slots=req_slots, is_decode=is_decode_t, num_scheduled=num_sched_t,
-            do_sample=torch.tensor(do_sample, dtype=torch.bool, device=dev),
+            do_sample=_to_device_list(do_sample, dev, torch.bool),
             input_ids=input_ids, positions=positions, meta=meta, want_logprobs=want_logprobs,
-            sampled=sampled)
+            sampled=sampled, row_widths=num_scheduled, all_decode=all(is_decode))
 
     def _sampled_rows(self, sampled_rows: list[int], rows: list[SlotInfo], req_slots: torch.Tensor,
                       positions: torch.Tensor, qsl_host: list[int], num_scheduled: list[int],
@@ -471,10 +491,12 @@ class ModelRunner:
         sample_pos = positions[gather] + 1
         tensors = self._sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos)
         num_top = [int(rows[i].sampling.top_logprobs) for i in sampled_rows]
+        rows_t = _to_device_list(sampled_rows, dev, torch.long)
         return SampledRows(
             rows=sampled_rows,
-            rows_t=_to_device_list(sampled_rows, dev, torch.long),
-            slots=req_slots[sampled_rows],
+            rows_t=rows_t,
+            # Indexing with the Python list would copy it to the device from pageable memory.
+            slots=req_slots[rows_t],
             gather=gather,
             pad=_to_device_list(pad_index, dev, torch.long) if padded else None,
             num_cols=_to_device_list(valid_cols, dev),
@@ -489,10 +511,28 @@ class ModelRunner:
             num_top=num_top if max(num_top) > 0 else [],
         )
 
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of every token (what a decode graph captures)."""
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
+
     def run_model(self, batch: StepBatch) -> torch.Tensor | None:
         """The forward over the flat batch (writes K/V) and the logits of the sampled slots
-        (``[G, vocab]``; None when no row samples)."""
+        (``[G, vocab]``; None when no row samples). Pure-decode steps replay a CUDA graph
+        when one was captured for their shape."""
+        key = None
+        if self.graphs is not None and batch.all_decode:
+            key = self.graphs.choose(batch.row_widths, [True] * len(batch.row_widths))
+        if key is not None:
+            # Every token of a decode row is sampled, in order: the logits are already [G, vocab].
+            logits = self.graphs.run(key, batch.input_ids, batch.positions, batch.meta,
+                                     self.state.block_table.index_select(0, batch.req_slots.long()))
+            if self.proposer is not None:
+                self.proposer.observe(batch)
+            return logits
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        if self.proposer is not None:
+            self.proposer.observe(batch)
         if batch.sampled is None:
             return None
         return self.model.compute_logits(hidden[batch.sampled.gather])
@@ -567,7 +607,7 @@ class ModelRunner:
         for i in s.rows:
             batch.rows[i].has_sample = True
         if self.proposer is not None:
-            self.proposer.propose(s.slots)
+            self.proposer.propose(s.slots, batch)
         pending = PendingResult(batch.step_id, batch.req_ids, s.rows, out.tokens, out.num_accepted,
                                 out.num_verified, out.logprobs, batch.want_logprobs,
                                 batch.num_tokens, 0.0)
@@ -632,20 +672,28 @@ class ModelRunner:
             min_ps=[p.min_p for _, p in per_row], penalties=penalties, logit_bias=bias)
 
     def _start_copy(self, pending: PendingResult) -> None:
-        """Start the device-to-host copy of a step's outputs without blocking the next step."""
-        if self._copy_stream is None:
+        """Start the device-to-host copy of a step's outputs without blocking the next step.
+
+        On CUDA the copy runs on a side stream after the step's kernels and `materialize`
+        (on the copier thread) waits for its event; the step thread never waits.
+        """
+        if not self.accelerator:
             return  # CPU tensors are already on the host; materialize() just reads them
+        names = ("out_tokens", "num_accepted", "num_drafts", "logprobs", "top_ids", "top_logprobs")
+        if self._copy_stream is None:  # an accelerator without streams (the fake test device)
+            for name in names:
+                t = getattr(pending, name)
+                if t is not None:
+                    setattr(pending, name, staging.to_host(t))
+            return
         main = torch.cuda.current_stream()
         self._copy_stream.wait_stream(main)
         with torch.cuda.stream(self._copy_stream):
-            for name in ("out_tokens", "num_accepted", "num_drafts", "logprobs", "top_ids",
-                         "top_logprobs"):
+            for name in names:
                 t = getattr(pending, name)
                 if t is not None:
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host.copy_(t, non_blocking=True)
                     t.record_stream(self._copy_stream)
-                    setattr(pending, name, host)
+                    setattr(pending, name, staging.to_host(t))
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         pending.ready = event

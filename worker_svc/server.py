@@ -84,10 +84,13 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     if cfg.max_model_len > 0:
         max_model_len = min(max_model_len, cfg.max_model_len)
     num_blocks = kv_capacity_blocks(cfg, loaded, device, dtype, 2 if draft is not None else 1)
+    if cfg.cuda_graphs and device.type != "cuda":
+        logger.warning("--cuda-graphs ignored: the model runs on %s", device)
     runner = ModelRunner(loaded, RunnerConfig(
         num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
         max_model_len=max_model_len,
-        num_spec_tokens=cfg.num_spec_tokens if proposer is not None else 0), proposer)
+        num_spec_tokens=cfg.num_spec_tokens if proposer is not None else 0,
+        cuda_graphs=cfg.cuda_graphs and device.type == "cuda"), proposer)
     logger.info("worker ready: model=%s device=%s dtype=%s blocks=%d x %d spec=%s k=%d",
                 loaded.name, device, dtype, num_blocks, cfg.block_size, cfg.spec_method,
                 runner.num_spec_tokens)

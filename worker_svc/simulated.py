@@ -157,7 +157,10 @@ class LagNgramProposer:
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         pass  # all state lives in the runner's history pages
 
-    def propose(self, slots: torch.Tensor) -> None:
+    def observe(self, batch: object) -> None:
+        pass
+
+    def propose(self, slots: torch.Tensor, batch: object = None) -> None:
         runner = self.runner
         assert runner is not None
         st = runner.state

@@ -174,6 +174,10 @@ class WorkerConfig(ServiceConfig):
     simulate_acceptance_rate: float = setting(
         0.6, "with --simulate-device-ms: probability that a token repeats the text 32 tokens "
              "earlier, i.e. that an n-gram draft is accepted when the one before it was")
+    # Off until a GPU run confirms it (scripts/device_check.sh; the README says whether one has).
+    cuda_graphs: bool = setting(
+        False, "CUDA: capture decode-only steps as CUDA graphs at start-up (one per padded batch "
+               "size x draft width) and replay them; prefill and mixed steps run eagerly")
 
     @property
     def simulated(self) -> bool:
@@ -226,7 +230,9 @@ class SchedulerServiceConfig(ServiceConfig):
     max_num_batched_tokens: int = setting(512, "token budget of one step (prefill chunks + decode slots)")
     max_waiting: int = setting(1024, "queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
     enable_prefix_caching: bool = setting(True, "share KV blocks of identical prompt prefixes")
-    auth_token: str = setting("", "bearer token clients must send (empty = no auth)", secret=True)
+    auth_token: str = setting("", "bearer token clients must send, on gRPC and HTTP (empty = no auth)",
+                              secret=True)
+    http_port: int = setting(8000, "OpenAI-compatible HTTP port on --host (-1 = off, 0 = pick a free port)")
     worker_tls_ca: str = setting(
         "", "PEM CA that signed the workers' certificates; TLS to workers is on when set",
         secret=True)
@@ -242,6 +248,7 @@ class SchedulerServiceConfig(ServiceConfig):
         _require(self.max_inflight_steps >= 1, "--max-inflight-steps must be >= 1 (1 = synchronous)")
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         _require(self.max_waiting >= 1, "--max-waiting must be >= 1")
+        _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
         _require(bool(self.worker_tls_cert) == bool(self.worker_tls_key),
                  "--worker-tls-cert and --worker-tls-key go together")
         _require(not self.worker_tls_cert or bool(self.worker_tls_ca),

@@ -39,7 +39,7 @@ class SamplingParams(_message.Message):
     logit_bias: _containers.ScalarMap[int, float]
     top_logprobs: int
     num_prompt_tokens: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: bool = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ScheduledRequest(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_draft_slots", "new_block_ids", "is_new", "num_cached_tokens", "sample", "sampling")
@@ -59,7 +59,7 @@ class ScheduledRequest(_message.Message):
     num_cached_tokens: int
     sample: bool
     sampling: SamplingParams
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_new: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_new: bool = ..., num_cached_tokens: _Optional[int] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "requests", "finished_req_ids")
