@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from scheduler_svc.scheduler import RequestEvent, SchedulerConfig
+from scheduler_svc.scheduler import RequestEvent, SchedulerConfig, fail_unplaced
 from scheduler_svc.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ class Router:
         self._targets: list[str] = []
         self._refresh_task: asyncio.Task | None = None
         self._serving = False
-        self._exported: dict[int, tuple[int, int, int, int]] = {}
+        self._exported: dict[int, tuple] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -160,12 +160,25 @@ class Router:
             link.wake()
         return event
 
-    def _place(self, request) -> None:
+    def _place(self, request, lost: WorkerLink | None = None) -> None:
+        """Queue a moved request on the best ready link (or keep it until one is ready).
+
+        One that no ready worker can take (longer than its model length) ends with ERROR and a
+        message right away: a client must never wait for a placement that cannot happen.
+        """
         link = self.route(request.all_token_ids())
         if link is None:
             self.orphans.append(request)
             return
-        link.scheduler.adopt(request)
+        try:
+            link.scheduler.adopt(request)
+        except ValueError as exc:
+            logger.error("cannot move request %s to worker %s: %s", request.req_id,
+                         link.worker_id, exc)
+            self.owner.pop(request.req_id, None)
+            self.on_events(lost or link, [fail_unplaced(
+                request, f"its worker was lost and it cannot be resumed elsewhere: {exc}")])
+            return
         self.owner[request.req_id] = link
         link.wake()
 
@@ -182,13 +195,24 @@ class Router:
     def _on_step(self, link: WorkerLink, result) -> None:
         if self.metrics is None:
             return
-        self.metrics.record_step_result(link.worker_id, result, link.inflight)
         # Scheduler counters are cumulative per scheduler instance; export the increments.
+        # Speculation figures come from the scheduler too, not from the raw result: it counts
+        # only rows it applied (not those of preempted, aborted or finished requests).
         sched = link.scheduler
         s, pc = sched.stats, sched.prefix_cache_counters
-        now = (s.num_rolled_back_tokens, s.num_preemptions, pc.num_query_tokens, pc.num_hit_tokens)
-        last = self._exported.get(id(sched), (0, 0, 0, 0))
-        self._exported[id(sched)] = now
+        now = (s.num_rolled_back_tokens, s.num_preemptions, pc.num_query_tokens, pc.num_hit_tokens,
+               s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))
+        # Keyed by link and checked by identity: a reconnect builds a new scheduler whose
+        # counters start from zero (an id() could be reused and give negative increments).
+        seen_sched, last = self._exported.get(link.address, (None, (0, 0, 0, 0, 0, 0, 0, ())))
+        if seen_sched is not sched:
+            last = (0, 0, 0, 0, 0, 0, 0, ())
+        self._exported[link.address] = (sched, now)
+        per_pos = [n - (last[7][i] if i < len(last[7]) else 0) for i, n in enumerate(now[7])]
+        self.metrics.record_step(link.worker_id, float(result.forward_s), float(result.idle_s),
+                                 num_drafts=now[4] - last[4], num_draft_tokens=now[5] - last[5],
+                                 num_accepted=now[6] - last[6], accepted_per_pos=per_pos)
+        self.metrics.set_inflight(link.worker_id, link.inflight)
         self.metrics.add_rolled_back(now[0] - last[0])
         self.metrics.add_preemptions(now[1] - last[1])
         self.metrics.add_prefix_cache(now[2] - last[2], now[3] - last[3])
@@ -202,7 +226,7 @@ class Router:
                                link.worker_id)
             for request in moved:
                 self.owner.pop(request.req_id, None)
-                self._place(request)
+                self._place(request, link)
         self._update_readiness()
 
     def link_ready(self, link: WorkerLink) -> None:

@@ -157,6 +157,24 @@ def _sampling_params(sampling: SamplingOptions) -> worker_pb2.SamplingParams:
     )
 
 
+def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.monotonic
+                  ) -> RequestEvent:
+    """End a request that no scheduler holds (taken with `take_unfinished`, not adoptable)
+    with ERROR; returns its final event, so its client stream ends instead of waiting."""
+    req.status = RequestStatus.FINISHED
+    req.finish_reason = FINISH_ERROR
+    req.error = error
+    req.finish_time = clock()
+    queue_s = None
+    if req.first_scheduled_time is not None:
+        queue_s = req.first_scheduled_time - req.arrival_time
+    return RequestEvent(req_id=req.req_id, token_ids=[], text="", logprobs=[],
+                        finish_reason=FINISH_ERROR, num_prompt_tokens=req.num_prompt_tokens,
+                        num_output_tokens=req.num_output_tokens,
+                        num_cached_tokens=req.num_cached_prompt_tokens, error=error,
+                        queue_s=queue_s)
+
+
 class Scheduler:
     """Owns requests, KV block accounting and plan building for one worker."""
 
@@ -611,7 +629,6 @@ class Scheduler:
         if result.error:
             self.stats.num_failed_steps += 1
             logger.error("step %d failed on the worker: %s", result.step_id, result.error)
-        self._count_speculation(result)
         by_id = {r.req_id: r for r in result.results}
         events: list[RequestEvent] = []
         for req_id, rec in records.items():
@@ -634,6 +651,9 @@ class Scheduler:
                 self._finish(req, FINISH_ERROR, error)
                 events.append(self._event(req, [], "", []))
                 continue
+            # Counted here, after the stale filter: figures for preempted, aborted or already
+            # finished requests would describe drafts nobody used.
+            self._count_speculation(res)
             events.append(self._reconcile(req, rec, res))
         return events
 
@@ -641,18 +661,25 @@ class Scheduler:
         """Finish the requests of a failed step with ERROR (same as an error `StepResult`)."""
         return self.on_step_result(worker_pb2.StepResult(step_id=step_id, error=error))
 
-    def _count_speculation(self, result: worker_pb2.StepResult) -> None:
+    def _count_speculation(self, res: worker_pb2.RequestResult) -> None:
+        """Account the drafts one applied result verified.
+
+        Accepted drafts are a prefix of the proposed ones, so a row with `a` accepted adds one
+        to each of the positions 0..a-1 (what the worker's step-level `accepted_per_pos` sums
+        over all rows, stale ones included).
+        """
+        if res.num_draft_tokens <= 0:
+            return
         stats = self.stats
-        for res in result.results:
-            if res.num_draft_tokens > 0:
-                stats.num_drafts += 1
-                stats.num_draft_tokens += res.num_draft_tokens
-                stats.num_accepted_tokens += res.num_accepted
+        num_accepted = min(max(res.num_accepted, 0), res.num_draft_tokens)
+        stats.num_drafts += 1
+        stats.num_draft_tokens += res.num_draft_tokens
+        stats.num_accepted_tokens += num_accepted
         per_pos = stats.accepted_per_pos
-        if len(per_pos) < len(result.accepted_per_pos):
-            per_pos.extend([0] * (len(result.accepted_per_pos) - len(per_pos)))
-        for pos, num_accepted in enumerate(result.accepted_per_pos):
-            per_pos[pos] += num_accepted
+        if len(per_pos) < num_accepted:
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def _reconcile(
         self, req: Request, rec: _Scheduled, res: worker_pb2.RequestResult

@@ -113,13 +113,22 @@ class WorkerLink:
                     logger.warning("lost worker %s: %s", self.address, exc)
                 else:
                     logger.debug("worker %s not reachable: %s", self.address, exc)
+            except Exception:
+                # A bug or a bad result in the receive path (reconciliation, detokenizer,
+                # callbacks) must not end this task: that would lose the worker until restart.
+                # Reset the link like a lost stream; its requests resume from confirmed tokens.
+                logger.exception("worker link %s failed; resetting it", self.address)
             finally:
                 was_ready = self.ready
                 self.ready = False
                 self.inflight = 0
                 await channel.close(grace=None)
                 if was_ready:
-                    self.on_lost(self)
+                    try:
+                        self.on_lost(self)
+                    except Exception:
+                        logger.exception("re-queueing the requests of worker %s failed",
+                                         self.address)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
