@@ -654,7 +654,15 @@ class Scheduler:
             # Counted here, after the stale filter: figures for preempted, aborted or already
             # finished requests would describe drafts nobody used.
             self._count_speculation(res)
-            events.append(self._reconcile(req, rec, res))
+            try:
+                events.append(self._reconcile(req, rec, res))
+            except Exception as exc:
+                # One request's bad result (a counter check, the detokenizer) ends that request
+                # only; the step's other rows and the worker link go on.
+                logger.exception("request %s: applying step %d failed", req_id, result.step_id)
+                if req.status is not RequestStatus.FINISHED:
+                    self._finish(req, FINISH_ERROR, f"applying a step result failed: {exc}")
+                events.append(self._event(req, [], "", []))
         return events
 
     def fail_step(self, step_id: int, error: str) -> list[RequestEvent]:
