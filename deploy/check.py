@@ -65,7 +65,7 @@ NON_FLAG_ENV: dict[str, str] = {
 # Credentials and key material: never in a ConfigMap, which any reader of the namespace sees.
 SECRET_FLAGS: frozenset[str] = frozenset({
     "auth-token", "tls-cert", "tls-key", "tls-client-ca", "worker-tls-ca", "worker-tls-cert",
-    "worker-tls-key",
+    "worker-tls-key", "worker-auth-token",
 })
 ENV_PREFIX = "ZEROBUBBLE_"
 # Labels Prometheus (with the Operator's ServiceMonitor) attaches to every scraped series.
@@ -485,7 +485,7 @@ def _check_secret_flag(flag: str, name: str, value: EnvValue, pod: Obj, containe
                        cname: str, where: str, result: Result) -> None:
     if value.source == "configmap":
         result.fail(where, f"{cname}: {name} is a secret and must not come from a ConfigMap")
-    elif flag == "auth-token" and value.source != "secret":
+    elif flag in ("auth-token", "worker-auth-token") and value.source != "secret":
         result.fail(where, f"{cname}: {name} must come from a secretKeyRef")
     elif value.source == "value":
         # TLS flags hold file paths; the files themselves must come from a Secret volume.

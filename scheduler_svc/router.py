@@ -58,8 +58,10 @@ class Router:
     """Owns the worker links and which link each request lives on."""
 
     def __init__(self, config: SchedulerConfig, max_inflight_steps: int,
-                 creds: grpc.ChannelCredentials | None = None, metrics=None) -> None:
+                 creds: grpc.ChannelCredentials | None = None, metrics=None,
+                 worker_auth_token: str = "") -> None:
         self.config = config
+        self.worker_auth_token = worker_auth_token
         self.max_inflight_steps = max_inflight_steps
         self.creds = creds
         self.metrics = metrics
@@ -100,7 +102,8 @@ class Router:
             if address not in current:
                 link = WorkerLink(address, self.config, self.max_inflight_steps,
                                   self._on_link_events, self._on_link_lost, self.creds,
-                                  self._on_step, self.link_ready, server_name=server_name)
+                                  self._on_step, self.link_ready, server_name=server_name,
+                                  auth_token=self.worker_auth_token)
                 self.links.append(link)
                 link.start()
                 logger.info("added worker %s", address)

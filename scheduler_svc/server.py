@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import random
 import time
@@ -55,6 +54,9 @@ class SchedulerServiceConfig:
     worker_tls_ca: str = ""
     worker_tls_cert: str = ""
     worker_tls_key: str = ""
+    worker_auth_token: str = ""  # sent to the workers; not the clients' auth_token
+    step_deadline: float = 0.0  # 0: derived from recent step times
+    drain_timeout: float = 60.0
 
 
 
@@ -284,29 +286,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                      stream.num_prompt_tokens, stream.num_output_tokens)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` on the client API (health stays open for probes)."""
-
-    def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}"
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    async def intercept_service(self, continuation, details):
-        if not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        # Constant-time comparison: an early-exit == leaks how much of a guess was right.
-        given = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(given, self.expected.encode()):
-            return await continuation(details)
-        return self._deny_stream if details.method.endswith("/Generate") else self._deny
-
-
 async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
                           ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                           bound: list | None = None) -> None:
@@ -328,9 +307,12 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
                                     cfg.worker_tls_key or None)
     server = grpc.aio.server(
         options=rpc.SERVER_OPTIONS,
-        interceptors=[AuthInterceptor(cfg.auth_token)] if cfg.auth_token else None)
+        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME,
+                                                {"Generate": "unary_stream"})]
+        if cfg.auth_token else None)
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
-    router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics)
+    router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics,
+                    worker_auth_token=cfg.worker_auth_token)
     servicer = GenerationServicer(cfg, router, metrics)
     router.on_events = servicer.on_events
 

@@ -42,8 +42,9 @@ class WorkerLink:
                  creds: grpc.ChannelCredentials | None = None,
                  on_step: Callable[["WorkerLink", worker_pb2.StepResult], None] | None = None,
                  on_ready: Callable[["WorkerLink"], None] | None = None,
-                 server_name: str | None = None) -> None:
+                 server_name: str | None = None, auth_token: str = "") -> None:
         self.address = address
+        self._metadata = rpc.bearer_metadata(auth_token)
         # The name the worker's TLS certificate is checked against when `address` is an IP
         # resolved from a DNS name (None: the host part of `address`).
         self.server_name = server_name
@@ -93,9 +94,10 @@ class WorkerLink:
             channel = rpc.aio_channel(self.address, self.creds, self.server_name)
             try:
                 stub = worker_pb2_grpc.WorkerStub(channel)
-                self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
+                self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10,
+                                                metadata=self._metadata)
                 self._configure(self.info)
-                call = stub.Execute()
+                call = stub.Execute(metadata=self._metadata)
                 self.ready = True
                 if self.on_ready is not None:
                     self.on_ready(self)
@@ -109,7 +111,11 @@ class WorkerLink:
             # InvalidStateError: a write found the call already finished (the worker died
             # between two plans, before the receiver saw it). It is a lost stream like the others.
             except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError) as exc:
-                if self.ready:
+                if isinstance(exc, grpc.aio.AioRpcError) and (
+                        exc.code() == grpc.StatusCode.UNAUTHENTICATED):
+                    logger.error("worker %s refused our token (--worker-auth-token must equal "
+                                 "the worker's --auth-token): %s", self.address, exc.details())
+                elif self.ready:
                     logger.warning("lost worker %s: %s", self.address, exc)
                 else:
                     logger.debug("worker %s not reachable: %s", self.address, exc)

@@ -69,11 +69,11 @@ def sim_stub(describes: list[float], max_model_len: int = 128):
         def __init__(self, channel) -> None:
             pass
 
-        async def Describe(self, request, timeout=None):
+        async def Describe(self, request, timeout=None, metadata=None):
             describes.append(time.monotonic())
             return toy_info("sim", max_model_len)
 
-        def Execute(self):
+        def Execute(self, metadata=None):
             return SimCall(max_model_len)
 
     return Stub

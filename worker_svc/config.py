@@ -32,3 +32,5 @@ class WorkerConfig:
     tls_cert: str = ""
     tls_key: str = ""
     tls_client_ca: str = ""
+    auth_token: str = ""  # what the scheduler must send (its --worker-auth-token)
+    drain_timeout: float = 30.0

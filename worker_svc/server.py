@@ -243,7 +243,11 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
         # Announced like the gRPC port, so tests and launchers can find a port picked with 0.
         print(f"ZEROBUBBLE_METRICS_PORT={port}", flush=True)
     servicer = WorkerServicer(runner, loaded, cfg, metrics, device)
-    server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
+    interceptors = None
+    if cfg.auth_token:
+        interceptors = [rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME,
+                                                  {"Execute": "stream_stream"})]
+    server = grpc.aio.server(options=rpc.SERVER_OPTIONS, interceptors=interceptors)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
     creds = rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None,

@@ -214,6 +214,12 @@ def add_scheduler_flags(group: argparse._ActionsContainer, env: Mapping[str, str
              help="share KV blocks of identical prompt prefixes")
     add_flag(group, "--auth-token", default="", env=env,
              help="bearer token clients must send (empty = no auth)")
+    add_flag(group, "--worker-auth-token", default="", env=env,
+             help="token sent to the workers' --auth-token (a different secret from the "
+                  "clients' --auth-token; empty = none)")
+    add_flag(group, "--step-deadline", default=0.0, type=float, env=env,
+             help="seconds a worker may take to answer a step before it is declared lost and "
+                  "its requests move (0 = max(10 s, 20 x p99 of its recent steps))")
     add_flag(group, "--worker-tls-ca", default="", env=env,
              help="PEM CA that signed the workers' certificates; TLS to workers is on when set")
     add_flag(group, "--worker-tls-cert", default="", env=env, help="PEM client certificate for mutual TLS to workers")
@@ -276,18 +282,29 @@ def build_parser(env: Mapping[str, str] | None = None) -> Parser:
              help="port of the local worker (0 = pick a free port); its metrics go to the scheduler's port")
     add_worker_flags(serve.add_argument_group("worker"), env)
     add_scheduler_flags(serve.add_argument_group("scheduler"), env)
+    add_flag(serve, "--drain-timeout", default=60.0, type=float, env=env,
+             help="seconds SIGTERM lets running requests finish before cancelling the rest")
 
     worker = sub.add_parser("worker", help="one worker service (a model replica)")
     add_logging_flags(worker, env)
     add_listen_flags(worker.add_argument_group("server"), port=50061, metrics_port=9091, env=env)
     add_flag(worker, "--tls-client-ca", default="", env=env,
              help="PEM CA for client certificates; when set, clients must present one (mutual TLS)")
+    add_flag(worker, "--auth-token", default="", env=env,
+             help="token the scheduler must send (its --worker-auth-token) to use Execute and "
+                  "Describe; health stays open (empty = no auth)")
+    add_flag(worker, "--drain-timeout", default=30.0, type=float, env=env,
+             help="seconds SIGTERM waits for the running steps before ending the stream "
+                  "(the manifests' grace period is 30 s)")
     add_worker_flags(worker.add_argument_group("worker"), env)
 
     scheduler = sub.add_parser("scheduler", help="the scheduler service (client API)")
     add_logging_flags(scheduler, env)
     add_listen_flags(scheduler.add_argument_group("server"), port=50051, metrics_port=9090, env=env)
     add_scheduler_flags(scheduler.add_argument_group("scheduler"), env)
+    add_flag(scheduler, "--drain-timeout", default=60.0, type=float, env=env,
+             help="seconds SIGTERM lets running requests finish before cancelling the rest "
+                  "(the manifests' grace period is 60 s)")
 
     generate = sub.add_parser("generate", help="send one request and stream the reply")
     add_logging_flags(generate, env)
