@@ -68,7 +68,7 @@ def test_strangers_are_refused_and_the_running_stream_is_untouched(closed_cluste
         async with grpc.aio.insecure_channel(scheduler.target) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
             first = asyncio.Event()
-            request = build_request(prompt="Count from one to fifty: one, two,", max_tokens=48,
+            request = build_request(prompt="Count from one to fifty: one, two,", max_tokens=12,
                                     ignore_eos=True)
             task = asyncio.create_task(complete(
                 stub, request, timeout=120,
