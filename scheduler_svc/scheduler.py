@@ -636,14 +636,16 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or req.admission_id != rec.admission_id:
                 self.stats.num_stale_results += 1
                 continue
-            if result.error:
-                self._finish(req, FINISH_ERROR, f"worker step failed: {result.error}")
+            res = by_id.get(req_id)
+            error = result.error or (res.error if res is not None else "")
+            if error:
+                # A per-request error ends that request only; the step's other rows are valid.
+                self._finish(req, FINISH_ERROR, f"worker step failed: {error}")
                 events.append(self._event(req, [], "", []))
                 continue
             if not rec.sample:
                 self._register_confirmed(req, rec.num_computed_after)
                 continue
-            res = by_id.get(req_id)
             num_returned = len(res.token_ids) if res is not None else 0
             if not 1 <= num_returned <= rec.num_draft_slots + 1:
                 error = f"worker returned {num_returned} tokens for {rec.num_draft_slots} drafts"

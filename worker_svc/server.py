@@ -27,7 +27,7 @@ from worker_svc.config import WorkerConfig
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
-from worker_svc.runner import ModelRunner, PlanError, RunnerConfig
+from worker_svc.runner import ModelRunner, PendingResult, PlanError, RunnerConfig
 from zerobubble import rpc
 from zerobubble.cli import config_from_args
 from zerobubble.api import worker_pb2, worker_pb2_grpc
@@ -108,6 +108,26 @@ def tokenizer_fields(model_dir: Path) -> dict[str, str]:
                 eos_token=token_str(config.get("eos_token")))
 
 
+def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | worker_pb2.StepResult:
+    """Execute one plan; a step that raises becomes an error result and the worker goes on.
+
+    The failed step's requests lose their state (none stays half admitted) and are remembered,
+    so plans already sent that hold rows for them answer those rows with a per-request error
+    instead of failing as a whole; their co-batched requests in those plans are unaffected.
+    """
+    try:
+        return runner.execute(plan)
+    except Exception as exc:
+        if isinstance(exc, PlanError):
+            logger.error("step %d rejected: %s", plan.step_id, exc)
+            error = str(exc)
+        else:
+            logger.exception("step %d failed", plan.step_id)
+            error = f"step failed: {exc}"
+        runner.fail_requests([e.req_id for e in plan.requests], error)
+        return worker_pb2.StepResult(step_id=plan.step_id, error=error)
+
+
 def device_thread() -> ThreadPoolExecutor:
     """The one thread that runs every torch computation of a worker: loading, then all steps.
 
@@ -178,17 +198,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if plan is _END:
                     copier.submit(deliver, _END)
                     return
-                try:
-                    pending = self.runner.execute(plan)
-                except PlanError as exc:
-                    logger.error("step %d rejected: %s", plan.step_id, exc)
-                    copier.submit(deliver, worker_pb2.StepResult(step_id=plan.step_id,
-                                                                 error=str(exc)))
-                    continue
-                except Exception as exc:  # keep serving; the scheduler fails the step's requests
-                    logger.exception("step %d failed", plan.step_id)
-                    copier.submit(deliver, worker_pb2.StepResult(step_id=plan.step_id,
-                                                                 error=f"step failed: {exc}"))
+                pending = run_step(self.runner, plan)
+                if isinstance(pending, worker_pb2.StepResult):
+                    copier.submit(deliver, pending)
                     continue
                 # The host copy overlaps the next step: it happens on the copier thread.
                 copier.submit(lambda p=pending, i=idle: deliver(

@@ -51,18 +51,20 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
-    __slots__ = ("req_id", "token_ids", "num_draft_tokens", "num_accepted", "logprobs")
+    __slots__ = ("req_id", "token_ids", "num_draft_tokens", "num_accepted", "logprobs", "error")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: int
     num_accepted: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
+    error: str
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "results", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error")
