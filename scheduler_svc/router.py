@@ -59,8 +59,9 @@ class Router:
 
     def __init__(self, config: SchedulerConfig, max_inflight_steps: int,
                  creds: grpc.ChannelCredentials | None = None, metrics=None,
-                 worker_auth_token: str = "") -> None:
+                 worker_auth_token: str = "", step_deadline_s: float = 0.0) -> None:
         self.config = config
+        self.step_deadline_s = step_deadline_s
         self.worker_auth_token = worker_auth_token
         self.max_inflight_steps = max_inflight_steps
         self.creds = creds
@@ -103,7 +104,8 @@ class Router:
                 link = WorkerLink(address, self.config, self.max_inflight_steps,
                                   self._on_link_events, self._on_link_lost, self.creds,
                                   self._on_step, self.link_ready, server_name=server_name,
-                                  auth_token=self.worker_auth_token)
+                                  auth_token=self.worker_auth_token,
+                                  step_deadline_s=self.step_deadline_s)
                 self.links.append(link)
                 link.start()
                 logger.info("added worker %s", address)

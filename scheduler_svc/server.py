@@ -312,7 +312,8 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         if cfg.auth_token else None)
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
     router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics,
-                    worker_auth_token=cfg.worker_auth_token)
+                    worker_auth_token=cfg.worker_auth_token,
+                    step_deadline_s=cfg.step_deadline)
     servicer = GenerationServicer(cfg, router, metrics)
     router.on_events = servicer.on_events
 

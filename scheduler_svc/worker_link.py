@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,30 @@ from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+# A worker that does not answer a step within the deadline is declared lost (a stuck driver, a
+# long GC pause, SIGSTOP: alive, sockets open, silent). Without a --step-deadline it is derived
+# from the latencies of its recent steps (plan sent to result back, window included).
+MIN_STEP_DEADLINE_S = 10.0
+STEP_DEADLINE_P99_FACTOR = 20.0
+# Until this many steps were seen (the first big prefills, warm-up), a more lenient deadline.
+NUM_WARMUP_STEPS = 20
+WARMUP_STEP_DEADLINE_S = 60.0
+NUM_LATENCY_SAMPLES = 256
+
+
+class WorkerHung(ConnectionError):
+    """The worker did not answer a step within the deadline."""
+
+
+def derived_step_deadline(latencies: "deque[float]") -> float:
+    """max(10 s, 20 x p99 of the recent step latencies); lenient until enough are known."""
+    if len(latencies) < NUM_WARMUP_STEPS:
+        return WARMUP_STEP_DEADLINE_S
+    ordered = sorted(latencies)
+    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99)
 
 
 @dataclass(slots=True)
@@ -42,8 +67,13 @@ class WorkerLink:
                  creds: grpc.ChannelCredentials | None = None,
                  on_step: Callable[["WorkerLink", worker_pb2.StepResult], None] | None = None,
                  on_ready: Callable[["WorkerLink"], None] | None = None,
-                 server_name: str | None = None, auth_token: str = "") -> None:
+                 server_name: str | None = None, auth_token: str = "",
+                 step_deadline_s: float = 0.0) -> None:
+        """`step_deadline_s` 0: derived from recent step latencies (`derived_step_deadline`)."""
         self.address = address
+        self.step_deadline_s = step_deadline_s
+        self._sent: deque[float] = deque()  # send times of the plans in flight, oldest first
+        self._latencies: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
         self._metadata = rpc.bearer_metadata(auth_token)
         # The name the worker's TLS certificate is checked against when `address` is an IP
         # resolved from a DNS name (None: the host part of `address`).
@@ -146,7 +176,12 @@ class WorkerLink:
                                        info.eos_token)
         self.scheduler = Scheduler(cfg, self.tokenizer)
 
+    def step_deadline(self) -> float:
+        """Seconds the oldest plan in flight may wait for its result."""
+        return self.step_deadline_s or derived_step_deadline(self._latencies)
+
     async def _serve(self, call) -> None:
+        self._sent.clear()
         receiver = asyncio.create_task(self._receive(call))
         try:
             while True:
@@ -155,15 +190,25 @@ class WorkerLink:
                     if plan is None:
                         break
                     self.inflight += 1
+                    self._sent.append(time.monotonic())
                     await call.write(plan)
                 self._wake.clear()
                 waiter = asyncio.create_task(self._wake.wait())
-                done, _ = await asyncio.wait({waiter, receiver},
+                timeout = None
+                if self._sent:
+                    deadline = self.step_deadline()
+                    timeout = max(0.0, self._sent[0] + deadline - time.monotonic())
+                done, _ = await asyncio.wait({waiter, receiver}, timeout=timeout,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if receiver in done:
                     waiter.cancel()
                     receiver.result()  # raises the stream error
                     raise ConnectionError("worker closed the stream")
+                if not done:
+                    waiter.cancel()
+                    if self._sent and time.monotonic() - self._sent[0] >= deadline:
+                        raise WorkerHung(f"no answer to a step for {deadline:.1f}s "
+                                         "(the step deadline)")
         finally:
             receiver.cancel()
             call.cancel()
@@ -174,6 +219,8 @@ class WorkerLink:
             if result is grpc.aio.EOF:
                 raise ConnectionError("worker closed the stream")
             self.inflight -= 1
+            if self._sent:
+                self._latencies.append(time.monotonic() - self._sent.popleft())
             self._account(result)
             if result.error:
                 logger.error("worker %s step %d failed: %s", self.worker_id, result.step_id,

@@ -187,3 +187,95 @@ def test_a_bad_result_for_one_request_ends_only_that_request() -> None:
     assert_matches_reference(case, got)
     assert all(got[r].finish_reason == FINISH_MAX_TOKENS for r in case.prompts)
     assert case.scheduler.block_pool.num_used == 0
+
+
+class FakeChannel:
+    """Stands in for the gRPC channel: the stub reads which worker it is from `address`."""
+
+    def __init__(self, address: str, *args, **kwargs) -> None:
+        self.address = address
+
+    async def close(self, grace=None) -> None:
+        pass
+
+
+class HangingCall(SimCall):
+    """A worker that stops answering after `num_answers` plans (alive, stream open, silent)."""
+
+    def __init__(self, max_model_len: int, num_answers: int) -> None:
+        super().__init__(max_model_len)
+        self.num_answers = num_answers
+
+    async def write(self, plan: worker_pb2.StepPlan) -> None:
+        if self.num_answers > 0:
+            self.num_answers -= 1
+            await super().write(plan)
+
+
+def test_a_hung_worker_is_declared_lost_at_the_step_deadline(monkeypatch, caplog) -> None:
+    """A worker that stops answering mid-generation is dropped once the oldest plan in flight
+    is older than the step deadline; its requests finish on the other worker, unchanged."""
+    calls: dict[str, int] = {}
+
+    class Stub:
+        def __init__(self, channel: FakeChannel) -> None:
+            self.address = channel.address
+
+        async def Describe(self, request, timeout=None, metadata=None):
+            calls[self.address] = calls.get(self.address, 0) + 1
+            if self.address.startswith("hang") and calls[self.address] > 1:
+                await asyncio.sleep(3600)  # still hung when the link tries to reconnect
+            return toy_info(self.address)
+
+        def Execute(self, metadata=None):
+            if self.address.startswith("hang"):
+                return HangingCall(128, num_answers=4)
+            return SimCall(128)
+
+    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", Stub)
+    monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
+    ps = prompts(8, seed=7)
+    streams: dict[str, list[int]] = {}
+    finished: dict[str, RequestEvent] = {}
+
+    def on_events(link, events: list[RequestEvent]) -> None:
+        for ev in events:
+            streams.setdefault(ev.req_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                finished[ev.req_id] = ev
+
+    async def scenario() -> float:
+        router = Router(SchedulerConfig(max_num_batched_tokens=32), max_inflight_steps=2,
+                        step_deadline_s=0.5)
+        router.on_events = on_events
+        await router.start(["good:1", "hang:1"])
+        await wait_for(lambda: all(link.ready for link in router.links))
+        good, hung = router.links
+        started = time.monotonic()
+        for i, (req_id, prompt) in enumerate(ps.items()):
+            router.submit(router.links[i % 2], req_id, prompt, seed=1000 + i, max_tokens=30)
+        await wait_for(lambda: len(finished) == len(ps))
+        elapsed = time.monotonic() - started
+        assert not hung.ready and good.ready
+        await router.close()
+        return elapsed
+
+    elapsed = asyncio.run(scenario())
+    assert "step deadline" in caplog.text
+    assert elapsed < 5.0, elapsed
+    for i, (req_id, prompt) in enumerate(ps.items()):
+        expected = reference_generate(TOY, prompt, 1000 + i, StoppingOptions(max_tokens=30),
+                                      max_model_len=128)
+        assert streams[req_id] == expected.token_ids, req_id
+        assert finished[req_id].finish_reason == expected.finish_reason
+
+
+def test_derived_step_deadline() -> None:
+    from collections import deque
+
+    lat = deque([0.05] * 5)
+    assert worker_link.derived_step_deadline(lat) == worker_link.WARMUP_STEP_DEADLINE_S
+    lat = deque([0.05] * 99 + [0.2])
+    assert worker_link.derived_step_deadline(lat) == worker_link.MIN_STEP_DEADLINE_S
+    lat = deque([0.05] * 90 + [2.0] * 10)
+    assert worker_link.derived_step_deadline(lat) == pytest.approx(40.0)
