@@ -106,6 +106,7 @@ class Router:
                                   self._on_step, self.link_ready, server_name=server_name,
                                   auth_token=self.worker_auth_token,
                                   step_deadline_s=self.step_deadline_s)
+                link.on_draining = self._on_link_draining
                 self.links.append(link)
                 link.start()
                 logger.info("added worker %s", address)
@@ -121,7 +122,7 @@ class Router:
     # -- readiness -----------------------------------------------------------------------------
 
     def ready_links(self) -> list[WorkerLink]:
-        return [link for link in self.links if link.ready]
+        return [link for link in self.links if link.ready and not link.draining]
 
     def any_ready(self) -> WorkerLink | None:
         ready = self.ready_links()
@@ -230,6 +231,14 @@ class Router:
                 logger.warning("re-queueing %d requests from lost worker %s", len(moved),
                                link.worker_id)
             for request in moved:
+                self.owner.pop(request.req_id, None)
+                self._place(request, link)
+        self._update_readiness()
+
+    def _on_link_draining(self, link: WorkerLink) -> None:
+        """A worker is shutting down: its queued requests go elsewhere, the running finish."""
+        if link.scheduler is not None:
+            for request in link.scheduler.take_waiting():
                 self.owner.pop(request.req_id, None)
                 self._place(request, link)
         self._update_readiness()

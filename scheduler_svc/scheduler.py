@@ -314,6 +314,15 @@ class Scheduler:
             del self._requests[req.req_id]
         return moved
 
+    def take_waiting(self) -> list[Request]:
+        """Remove the requests that wait for admission (they hold no blocks), to move them to
+        another scheduler with `adopt` (their worker is shutting down)."""
+        moved = list(self._waiting)
+        self._waiting.clear()
+        for req in moved:
+            del self._requests[req.req_id]
+        return moved
+
     def adopt(self, req: Request) -> None:
         """Queue a request taken from another scheduler of the same model (`take_unfinished`).
 

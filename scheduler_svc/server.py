@@ -90,6 +90,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.router = router
         self.metrics = metrics
         self.streams: dict[str, Stream] = {}
+        self.draining = False
 
     # -- events from worker links --------------------------------------------------------------
 
@@ -114,7 +115,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
+    async def drain(self, timeout_s: float) -> None:
+        """Shutdown: refuse new requests, let running ones finish for up to `timeout_s`, then
+        end the rest with CANCELLED (their clients get a final message, not a reset)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.streams:
+            logger.warning("drain timeout: cancelling %d running requests", len(self.streams))
+        for req_id, stream in list(self.streams.items()):
+            event = self.router.abort(req_id)
+            if event is None:  # held by no worker (an orphan): build its final event here
+                event = RequestEvent(req_id=req_id, token_ids=[], text="", logprobs=[],
+                                     finish_reason=FINISH.FINISH_REASON_CANCELLED,
+                                     num_prompt_tokens=stream.num_prompt_tokens,
+                                     num_output_tokens=stream.num_output_tokens,
+                                     num_cached_tokens=0)
+            event.error = "the server is shutting down"
+            stream.queue.put_nowait(event)
+        while self.streams and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.05)  # the final messages go out
+
     async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         link = self.router.any_ready()
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
@@ -337,7 +362,13 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     stop = stop or asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
-    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)
+    # Health first (load balancers stop routing), then the running requests get the drain time.
+    router.on_readiness = None
+    await rpc.set_serving(health, [SERVICE_NAME], False)
+    logger.info("shutting down: draining %d requests for up to %.0fs", len(servicer.streams),
+                cfg.drain_timeout)
+    await servicer.drain(cfg.drain_timeout)
+    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=2.0)
     await router.close()
 
 

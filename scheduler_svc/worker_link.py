@@ -40,6 +40,10 @@ class WorkerHung(ConnectionError):
     """The worker did not answer a step within the deadline."""
 
 
+class WorkerDrained(ConnectionError):
+    """A draining worker finished its requests; the link closes its stream."""
+
+
 def derived_step_deadline(latencies: "deque[float]") -> float:
     """max(10 s, 20 x p99 of the recent step latencies); lenient until enough are known."""
     if len(latencies) < NUM_WARMUP_STEPS:
@@ -89,6 +93,8 @@ class WorkerLink:
         self.scheduler: Scheduler | None = None
         self.tokenizer: Tokenizer | None = None
         self.ready = False
+        self.draining = False  # the worker is shutting down: no new requests for it
+        self.on_draining: Callable[["WorkerLink"], None] | None = None
         self.inflight = 0
         self.stats = LinkStats()
         self._wake = asyncio.Event()
@@ -127,6 +133,7 @@ class WorkerLink:
                 self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10,
                                                 metadata=self._metadata)
                 self._configure(self.info)
+                self.draining = False
                 call = stub.Execute(metadata=self._metadata)
                 self.ready = True
                 if self.on_ready is not None:
@@ -145,6 +152,8 @@ class WorkerLink:
                         exc.code() == grpc.StatusCode.UNAUTHENTICATED):
                     logger.error("worker %s refused our token (--worker-auth-token must equal "
                                  "the worker's --auth-token): %s", self.address, exc.details())
+                elif isinstance(exc, WorkerDrained):
+                    logger.info("worker %s drained: %s", self.address, exc)
                 elif self.ready:
                     logger.warning("lost worker %s: %s", self.address, exc)
                 else:
@@ -204,6 +213,9 @@ class WorkerLink:
                     waiter.cancel()
                     receiver.result()  # raises the stream error
                     raise ConnectionError("worker closed the stream")
+                if self.draining and self.inflight == 0 and not self.scheduler.has_unfinished():
+                    waiter.cancel()
+                    raise WorkerDrained("the worker is shutting down and holds no request")
                 if not done:
                     waiter.cancel()
                     if self._sent and time.monotonic() - self._sent[0] >= deadline:
@@ -218,6 +230,15 @@ class WorkerLink:
             result = await call.read()
             if result is grpc.aio.EOF:
                 raise ConnectionError("worker closed the stream")
+            if result.draining and not self.draining:
+                logger.info("worker %s is shutting down: no new requests for it",
+                            self.worker_id)
+                self.draining = True
+                if self.on_draining is not None:
+                    self.on_draining(self)
+            if result.step_id == 0:  # a notice, not the answer to a plan
+                self.wake()
+                continue
             self.inflight -= 1
             if self._sent:
                 self._latencies.append(time.monotonic() - self._sent.popleft())

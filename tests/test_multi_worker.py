@@ -45,7 +45,7 @@ class FakeScheduler:
 
 class FakeLink:
     def __init__(self, name: str, load: int, cached: int) -> None:
-        self.name, self.ready = name, True
+        self.name, self.ready, self.draining = name, True, False
         self.scheduler = FakeScheduler(load, cached)
 
     def load(self) -> int:

@@ -155,8 +155,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_lock = asyncio.Lock()
         self._generation = 0  # a new Execute stream supersedes the old one
         self._inflight = 0  # plans received and not yet answered
+        # Shutdown: no new streams; the open one is told (a step_id 0 notice, then a flag on
+        # every result) so the scheduler sends no new requests and closes it once it is done.
+        self.draining = False
+        self.num_streams = 0
+        self._notify: list = []  # puts an item into the open stream's result queue
 
     async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
+        if self.draining:  # a scheduler must not (re)connect to a worker that is leaving
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         cfg = self.runner.config
         model = self.loaded.model
         return worker_pb2.WorkerInfo(
@@ -168,7 +175,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             dtype=str(model.dtype).removeprefix("torch."), max_num_seqs=cfg.max_num_seqs,
             **self.tokenizer_fields)
 
+    def start_draining(self) -> None:
+        """SIGTERM: refuse new streams and tell the open one (see `draining` in worker.proto)."""
+        self.draining = True
+        for notify in self._notify:
+            notify(worker_pb2.StepResult(step_id=0, draining=True))
+
     async def Execute(self, request_iterator, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         self._generation += 1
         generation = self._generation
         async with self._stream_lock:  # the previous stream (if any) has fully stopped
@@ -187,6 +202,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
         def deliver(item) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
+
+        self._notify.append(deliver)
+        self.num_streams += 1
+        if self.draining:
+            deliver(worker_pb2.StepResult(step_id=0, draining=True))
 
         def step_loop() -> None:
             while True:
@@ -223,6 +243,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 item = await results.get()
                 if item is _END:
                     break
+                item.draining = self.draining
+                if item.step_id == 0:  # a draining notice, not the answer to a plan
+                    yield item
+                    continue
                 self._inflight -= 1
                 if self.metrics is not None:
                     if not item.error:
@@ -237,6 +261,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             copier.shutdown(wait=True)
             self.runner.reset()
             self._inflight = 0
+            self._notify.remove(deliver)
+            self.num_streams -= 1
             logger.info("scheduler stream %d closed", generation)
 
 
@@ -279,7 +305,15 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
     stop = stop or asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
-    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=5.0)
+    # Probes and the scheduler see it first; the scheduler lets its requests here finish and
+    # then closes the stream, or the drain timeout ends it (the scheduler moves the rest).
+    await rpc.set_serving(health, [SERVICE_NAME], False)
+    servicer.start_draining()
+    logger.info("shutting down: draining for up to %.0fs", cfg.drain_timeout)
+    deadline = time.monotonic() + cfg.drain_timeout
+    while servicer.num_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=1.0)
 
 
 def run_worker(args: argparse.Namespace) -> None:

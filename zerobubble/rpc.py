@@ -148,8 +148,12 @@ def bind(server: grpc.aio.Server, host: str, port: int,
          creds: grpc.ServerCredentials | None) -> int:
     """Listen on host:port (0 = a free port); returns the bound port."""
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, creds) if creds is not None
-             else server.add_insecure_port(address))
+    try:
+        bound = (server.add_secure_port(address, creds) if creds is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError as exc:  # grpcio reports a failed bind this way
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is "
+                      f"not available ({exc})") from exc
     if bound == 0:
         raise OSError(f"cannot listen on {address}: the port is in use or the address is "
                       "not available")
