@@ -164,6 +164,8 @@ class Router:
         if link is not None and link.scheduler is not None:
             event = link.scheduler.abort_request(req_id)
             link.wake()
+            if self.metrics is not None:  # its blocks are free now, not at the next result
+                self._export_gauges()
         return event
 
     def _place(self, request, lost: WorkerLink | None = None) -> None:

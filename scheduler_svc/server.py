@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -64,11 +65,52 @@ class InvalidRequest(ValueError):
     """A client field is invalid; the message names the field."""
 
 
+class EventBuffer:
+    """A stream's events not yet sent to its client, merged into one pending event.
+
+    The scheduler only appends here and never waits, so a client that stops reading slows no
+    one else; what it holds is one event whose tokens grow at most to its own request's
+    remaining output (bounded by max_tokens), not one object per step.
+    """
+
+    __slots__ = ("_pending", "_ready")
+
+    def __init__(self) -> None:
+        self._pending: RequestEvent | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, ev: RequestEvent) -> None:
+        pending = self._pending
+        if pending is None:
+            self._pending = dataclasses.replace(ev, token_ids=list(ev.token_ids),
+                                                logprobs=list(ev.logprobs))
+        else:
+            pending.token_ids.extend(ev.token_ids)
+            pending.logprobs.extend(ev.logprobs)
+            pending.text += ev.text
+            pending.finish_reason = ev.finish_reason
+            pending.num_output_tokens = ev.num_output_tokens
+            pending.num_cached_tokens = ev.num_cached_tokens
+            pending.error = ev.error
+            pending.queue_s = ev.queue_s
+        self._ready.set()
+
+    def num_pending_tokens(self) -> int:
+        return len(self._pending.token_ids) if self._pending is not None else 0
+
+    async def get(self) -> RequestEvent:
+        await self._ready.wait()
+        ev, self._pending = self._pending, None
+        self._ready.clear()
+        assert ev is not None
+        return ev
+
+
 @dataclass(slots=True)
 class Stream:
     """The client side of one request: where its events go, and timing for metrics."""
 
-    queue: asyncio.Queue
+    queue: EventBuffer
     arrival: float
     num_prompt_tokens: int
     first_token_at: float | None = None
@@ -111,7 +153,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         self.metrics.observe_inter_token(gap)
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
-            stream.queue.put_nowait(ev)
+            stream.queue.put(ev)
 
     # -- RPCs ----------------------------------------------------------------------------------
 
@@ -133,7 +175,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                      num_output_tokens=stream.num_output_tokens,
                                      num_cached_tokens=0)
             event.error = "the server is shutting down"
-            stream.queue.put_nowait(event)
+            stream.queue.put(event)
         while self.streams and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.05)  # the final messages go out
 
@@ -155,7 +197,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.route(prompt_ids)
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        stream = Stream(queue=asyncio.Queue(), arrival=time.monotonic(),
+        stream = Stream(queue=EventBuffer(), arrival=time.monotonic(),
                         num_prompt_tokens=len(prompt_ids))
         self.streams[req_id] = stream
         try:

@@ -109,3 +109,75 @@ def test_registries_carry_process_and_gc_collectors(role: str) -> None:
     text = generate_latest(ServiceMetrics(model="m", role=role).registry).decode()
     assert "process_resident_memory_bytes" in text
     assert "python_gc_collections_total" in text
+
+
+def test_client_deadline_frees_blocks_and_a_stalled_reader_gets_everything(monkeypatch) -> None:
+    """A deadline aborts the request and returns its KV blocks; a client that stops reading
+    does not hold up another stream, and when it reads again it gets every token exactly once
+    in a few merged messages (its buffer is one pending event, not one per step)."""
+    from tests.test_metrics_e2e import scrape, total
+
+    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", SlowStub)
+    monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
+    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=0, drain_timeout=0.1)
+
+    def request(max_tokens: int):
+        return build_request(token_ids=[120, 121, 122, 32, 97], max_tokens=max_tokens,
+                             ignore_eos=True, seed=11)
+
+    async def scenario():
+        stop, ready, bound = asyncio.Event(), asyncio.Event(), []
+        server = asyncio.create_task(serve_scheduler(cfg, ["slow:1"], ready, stop, bound))
+        await ready.wait()
+        ports = dict(bound)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{ports['grpc']}") as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            while True:
+                try:
+                    await stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=5)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.02)
+            with pytest.raises(grpc.aio.AioRpcError) as expired:
+                await complete(stub, request(100), timeout=0.3)
+            await asyncio.sleep(0.2)
+            kv = total(await asyncio.to_thread(scrape, ports["metrics"]),
+                       "zerobubble_kv_cache_usage_ratio")
+            reference = await complete(stub, request(60), timeout=30)
+            stalled = stub.Generate(request(60), timeout=30)
+            first = await stalled.read()  # then it stops reading
+            other = await complete(stub, build_request(token_ids=[97, 98], max_tokens=20,
+                                                       ignore_eos=True, seed=3), timeout=30)
+            await asyncio.sleep(1.0)  # the stalled request finishes meanwhile
+            replies = [first]
+            while (reply := await stalled.read()) is not grpc.aio.EOF:
+                replies.append(reply)
+        stop.set()
+        await asyncio.wait_for(server, 10)
+        return expired.value, kv, reference, replies, other
+
+    expired, kv, reference, replies, other = asyncio.run(scenario())
+    assert expired.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert kv == 0.0
+    assert other.finish_reason == "max_tokens" and len(other.token_ids) == 20
+    tokens = [t for r in replies for t in r.token_ids]
+    assert tokens == reference.token_ids and len(tokens) == 60
+    assert replies[-1].num_output_tokens == 60
+
+
+def test_event_buffer_merges_what_the_client_has_not_read() -> None:
+    """Once gRPC's flow-control window is full, a non-reading client's events pile up here:
+    they merge into one pending event (bounded by the request's own output)."""
+    from scheduler_svc.scheduler import FINISH_MAX_TOKENS, RequestEvent
+    from scheduler_svc.server import EventBuffer
+
+    buf = EventBuffer()
+    for i in range(1000):
+        done = FINISH_MAX_TOKENS if i == 999 else None
+        buf.put(RequestEvent(req_id="a", token_ids=[i], text=f"{i},", logprobs=[], finish_reason=done,
+                             num_prompt_tokens=3, num_output_tokens=i + 1, num_cached_tokens=0))
+    assert buf.num_pending_tokens() == 1000
+    ev = asyncio.run(buf.get())
+    assert ev.token_ids == list(range(1000)) and ev.text == "".join(f"{i}," for i in range(1000))
+    assert ev.finish_reason == FINISH_MAX_TOKENS and ev.num_output_tokens == 1000
+    assert buf.num_pending_tokens() == 0
