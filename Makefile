@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	touch $@
 
 serve: setup
-	$(PY) -m zerobubble.cli serve $(SERVE_ARGS)
+	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
@@ -36,7 +36,7 @@ test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 proto: setup
-	$(PY) -m zerobubble.protogen
+	$(PY) -m zerobubble.tools.protogen
 
 deploy-check: setup
 	$(PY) -m deploy.check

@@ -21,9 +21,7 @@ Exit status 0 when everything holds, 1 with one line per problem otherwise.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import difflib
-import io
 import json
 import re
 import shutil
@@ -39,6 +37,17 @@ import kubernetes_validate
 import referencing
 import yaml
 
+from zerobubble.config import (
+    ENV_PREFIX,
+    ConfigError,
+    SchedulerServiceConfig,
+    WorkerConfig,
+    env_name,
+    flag_name,
+    from_env,
+    secret_settings,
+    service_settings,
+)
 from deploy.kustomize import (
     KustomizeError,
     Obj,
@@ -55,19 +64,15 @@ DEFAULT_ROOT = Path(__file__).resolve().parent
 # and unhealthyPodEvictionPolicy (1.31 GA) are both older.
 DEFAULT_K8S_VERSION = "1.33"
 
-# The services the manifests run; their flags are read from the CLI's own parser (cli_flags),
-# so the checker cannot drift from `zerobubble worker --help`.
+# The services the manifests run; their flags are read from `zerobubble.config` (cli_flags),
+# the module the CLI generates them from, so the checker cannot drift from `--help`.
 SERVICES: tuple[str, ...] = ("worker", "scheduler")
 # ZEROBUBBLE_* variables that are read by the code rather than the CLI, and what reads them.
 NON_FLAG_ENV: dict[str, str] = {
     "ZEROBUBBLE_CACHE_DIR": "worker_svc.model_loader (converted-model cache root)",
 }
 # Credentials and key material: never in a ConfigMap, which any reader of the namespace sees.
-SECRET_FLAGS: frozenset[str] = frozenset({
-    "auth-token", "tls-cert", "tls-key", "tls-client-ca", "worker-tls-ca", "worker-tls-cert",
-    "worker-tls-key", "worker-auth-token",
-})
-ENV_PREFIX = "ZEROBUBBLE_"
+SECRET_FLAGS: frozenset[str] = frozenset(flag_name(n)[2:] for n in secret_settings())
 # Labels Prometheus (with the Operator's ServiceMonitor) attaches to every scraped series.
 TARGET_LABELS: frozenset[str] = frozenset({
     "job", "instance", "namespace", "pod", "service", "endpoint", "container",
@@ -89,11 +94,6 @@ class Result:
 
     def fail(self, where: str, message: str) -> None:
         self.problems.append(f"{where}: {message}")
-
-
-def env_name(flag: str) -> str:
-    """``--max-inflight-steps`` -> ``ZEROBUBBLE_MAX_INFLIGHT_STEPS``."""
-    return ENV_PREFIX + flag.upper().replace("-", "_")
 
 
 def _describe(obj: Obj) -> str:
@@ -371,37 +371,19 @@ def _secret_mounts(pod: Obj, container: Obj) -> list[str]:
 
 
 def cli_flags() -> dict[str, tuple[str, ...]]:
-    """Long flags (without ``--``) of each service subcommand, from ``zerobubble.cli``."""
-    from zerobubble.cli import build_parser
-
-    parser = build_parser(env={})
-    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    flags: dict[str, tuple[str, ...]] = {}
-    for service in SERVICES:
-        names = []
-        for action in subparsers.choices[service]._actions:
-            # BooleanOptionalAction lists --x and --no-x; the first is the flag's own name.
-            longs = [o for o in action.option_strings if o.startswith("--") and o != "--help"]
-            if longs:
-                names.append(longs[0][2:])
-        flags[service] = tuple(names)
-    return flags
+    """Long flags (without ``--``) of each service command, from `zerobubble.config`."""
+    return {service: tuple(flag_name(f.name)[2:] for _, f in service_settings(service))
+            for service in SERVICES}
 
 
-def parse_with_cli(service: str, env: dict[str, str]) -> tuple[argparse.Namespace | None, str]:
-    """Parse ``zerobubble <service>`` with only ``env`` set, as the container would start.
-
-    Returns the parsed flags, or None and the CLI's usage error (a bad choice, a non-number).
-    """
-    from zerobubble.cli import build_parser
-
-    stderr = io.StringIO()
+def parse_with_cli(service: str, env: dict[str, str]) -> tuple[object | None, str]:
+    """The config ``zerobubble <service>`` would build with only ``env`` set, as the container
+    starts; or None and the reason (a bad choice, a non-number, a bad flag combination)."""
+    cls = {"worker": WorkerConfig, "scheduler": SchedulerServiceConfig}[service]
     try:
-        with contextlib.redirect_stderr(stderr):
-            return build_parser(env=env).parse_args([service]), ""
-    except SystemExit:
-        lines = stderr.getvalue().strip().splitlines()
-        return None, lines[-1] if lines else "usage error"
+        return from_env(cls, env), ""
+    except (ConfigError, TypeError) as exc:
+        return None, str(exc)
 
 
 def _stand_in(value: EnvValue) -> str | None:
@@ -415,7 +397,7 @@ def check_flags(objects: Sequence[Obj], where: str, result: Result,
                 reachable: dict[str, set[str]], service_flags: dict[str, tuple[str, ...]]) -> None:
     """ZEROBUBBLE_* variables against the CLI flags; adds what each service can reach."""
     by_id = {object_id(o): o for o in objects}
-    parsed: dict[str, list[tuple[str, argparse.Namespace]]] = {}
+    parsed: dict[str, list[tuple[str, Any]]] = {}
     for obj, template in _workloads(objects):
         ns = _ns(obj)
         configmaps = {o["metadata"]["name"]: o for o in objects
@@ -722,7 +704,7 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
     try:
         service_flags = cli_flags()
     except Exception as exc:  # any import or parser error means the same: no flags to check
-        result.fail("zerobubble.cli", f"cannot read the CLI's flags: {type(exc).__name__}: {exc}")
+        result.fail("zerobubble.config", f"cannot read the settings: {type(exc).__name__}: {exc}")
         return result
     reachable: dict[str, set[str]] = {}
     # The "reachable from some overlay" check below needs every overlay's flags.

@@ -14,6 +14,7 @@ every in-flight step is answered, which is what limits how far ahead it may be s
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 from scheduler_svc.block_pool import BlockHash
@@ -48,6 +49,57 @@ class StoppingOptions:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+
+
+# Our own input limits: far below the transport cap so oversized input gets a clear message.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+class InvalidRequest(ValueError):
+    """A client field is invalid; the message names the field (INVALID_ARGUMENT, HTTP 400)."""
+
+
+def require(cond: bool, message: str) -> None:
+    """:class:`InvalidRequest` with ``message`` unless ``cond``."""
+    if not cond:
+        raise InvalidRequest(message)
+
+
+def validate_options(prompt: list[int], sampling: SamplingOptions, stopping: StoppingOptions, *,
+                     vocab_size: int, max_len: int) -> None:
+    """The one validator of a request's prompt and options; :class:`InvalidRequest` names the
+    field as the client API spells it (``sampling.top_p``, ``stopping.max_tokens``, ...).
+
+    ``max_len`` is the longest sequence the request may reach (model length, capped by the
+    KV cache so that a preempted request can always be resumed).
+    """
+    require(len(prompt) > 0, "input: tokenizes to no tokens")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab_size})")
+    require(len(prompt) < max_len, f"input: prompt is {len(prompt)} tokens, the model length is "
+           f"{max_len} (at least one token must fit after it)")
+    t = sampling.temperature
+    require(math.isfinite(t) and t >= 0, f"sampling.temperature: must be >= 0, got {t}")
+    require(sampling.top_k >= 0, f"sampling.top_k: must be >= 0, got {sampling.top_k}")
+    require(0 < sampling.top_p <= 1, f"sampling.top_p: must be in (0, 1], got {sampling.top_p}")
+    require(sampling.seed is None or 0 <= sampling.seed < 2**64,
+           f"sampling.seed: must fit in 64 unsigned bits, got {sampling.seed}")
+    if stopping.max_tokens is not None:
+        require(stopping.max_tokens > 0, f"stopping.max_tokens: must be > 0, got {stopping.max_tokens}")
+        require(stopping.max_tokens <= max_len,
+               f"stopping.max_tokens: {stopping.max_tokens} exceeds the model length {max_len}")
+    require(stopping.min_tokens >= 0, f"stopping.min_tokens: must be >= 0, got {stopping.min_tokens}")
+    if stopping.max_tokens is not None:
+        require(stopping.min_tokens <= stopping.max_tokens,
+               f"stopping.min_tokens: {stopping.min_tokens} exceeds max_tokens {stopping.max_tokens}")
+    require(len(stopping.stop) <= MAX_STOP_STRINGS,
+           f"stopping.stop: {len(stopping.stop)} stop strings, limit is {MAX_STOP_STRINGS}")
+    for i, text in enumerate(stopping.stop):
+        require(0 < len(text) <= MAX_STOP_CHARS,
+               f"stopping.stop[{i}]: must be 1 to {MAX_STOP_CHARS} characters")
+    for i, tid in enumerate(stopping.stop_token_ids):
+        require(0 <= tid < vocab_size, f"stopping.stop_token_ids[{i}]: {tid} is outside the vocabulary")
 
 
 @dataclass(slots=True)

@@ -36,9 +36,11 @@ from scheduler_svc.request import (
     RequestStatus,
     SamplingOptions,
     StoppingOptions,
+    validate_options,
 )
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble.api import generate_pb2, worker_pb2
+from zerobubble.config import SchedulerServiceConfig, default_of
 
 logger = logging.getLogger(__name__)
 
@@ -57,22 +59,29 @@ class QueueFullError(Exception):
 class SchedulerConfig:
     """Capacity and policy of one scheduler (one worker's KV cache).
 
-    The worker-given fields (capacity, k, EOS ids, vocabulary) are usually filled from the
-    worker's `Describe` answer with `with_worker`; the policy fields come from flags.
+    The worker-given fields (capacity, k, lookahead, EOS ids, vocabulary) are filled from the
+    worker's `Describe` answer with `with_worker`; the policy fields come from the service's
+    settings (`from_service`), whose defaults are also theirs.
     """
 
     num_blocks: int = 0
     block_size: int = 0
     max_model_len: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048  # token budget of one step
+    max_num_seqs: int = default_of(SchedulerServiceConfig, "max_num_seqs")
+    max_num_batched_tokens: int = default_of(SchedulerServiceConfig, "max_num_batched_tokens")
     num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
     # Extra slots allocated past each step (a draft model writes its k-token chain there).
     num_lookahead_slots: int = 0
-    enable_prefix_caching: bool = True
-    max_waiting: int = 4096
+    enable_prefix_caching: bool = default_of(SchedulerServiceConfig, "enable_prefix_caching")
+    max_waiting: int = default_of(SchedulerServiceConfig, "max_waiting")
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int = 0  # valid prompt ids are below it; 0 = the tokenizer's vocabulary
+
+    @classmethod
+    def from_service(cls, cfg: SchedulerServiceConfig) -> SchedulerConfig:
+        """The policy part of the scheduler service's settings (capacity comes from a worker)."""
+        return cls(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   enable_prefix_caching=cfg.enable_prefix_caching, max_waiting=cfg.max_waiting)
 
     def with_worker(self, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
         """A copy completed with a worker's capacity, speculation, EOS ids and vocabulary."""
@@ -86,7 +95,7 @@ class SchedulerConfig:
             max_model_len=info.max_model_len,
             max_num_seqs=max_num_seqs,
             num_spec_tokens=info.num_spec_tokens,
-            num_lookahead_slots=info.num_spec_tokens if info.spec_method == "draft" else 0,
+            num_lookahead_slots=info.num_lookahead_slots,
             eos_token_ids=tuple(info.eos_token_ids),
             vocab_size=info.vocab_size,
         )
@@ -224,7 +233,8 @@ class Scheduler:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
     ) -> Request:
-        """Queue a request. `ValueError` on bad fields, `QueueFullError` when the queue is full.
+        """Queue a request. `InvalidRequest` (a `ValueError` naming the field) on bad fields,
+        `QueueFullError` when the queue is full.
 
         `seed` None: the scheduler draws one. `max_tokens` None or larger than what fits:
         up to the model length.
@@ -238,7 +248,7 @@ class Scheduler:
         stopping = StoppingOptions(
             max_tokens, min_tokens, list(stop), list(stop_token_ids), ignore_eos
         )
-        self._validate(prompt, sampling, stopping)
+        validate_options(prompt, sampling, stopping, vocab_size=self._vocab_size, max_len=self._max_len)
         if sampling.seed is None:
             # Every request is keyed, so its randomness never depends on batching.
             sampling.seed = self._rng.getrandbits(64)
@@ -256,37 +266,6 @@ class Scheduler:
         self._requests[req_id] = req
         self._waiting.append(req)
         return req
-
-    def _validate(
-        self, prompt: list[int], sampling: SamplingOptions, stopping: StoppingOptions
-    ) -> None:
-        vocab_size = self._vocab_size
-        if not prompt:
-            raise ValueError("the prompt is empty")
-        if any(not 0 <= t < vocab_size for t in prompt):
-            raise ValueError(f"prompt token ids must be in [0, {vocab_size})")
-        if len(prompt) >= self._max_len:
-            raise ValueError(
-                f"the prompt has {len(prompt)} tokens; at most {self._max_len - 1} fit"
-            )
-        if not (math.isfinite(sampling.temperature) and sampling.temperature >= 0):
-            raise ValueError("temperature must be >= 0")
-        if sampling.top_k < 0:
-            raise ValueError("top_k must be >= 0")
-        if not 0 < sampling.top_p <= 1:
-            raise ValueError("top_p must be in (0, 1]")
-        if sampling.seed is not None and not 0 <= sampling.seed < 2**64:
-            raise ValueError("seed must fit in 64 unsigned bits")
-        if stopping.max_tokens is not None and stopping.max_tokens < 1:
-            raise ValueError("max_tokens must be >= 1")
-        if stopping.min_tokens < 0:
-            raise ValueError("min_tokens must be >= 0")
-        if stopping.max_tokens is not None and stopping.min_tokens > stopping.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
-        if any(not s for s in stopping.stop):
-            raise ValueError("stop strings must be non-empty")
-        if any(t < 0 for t in stopping.stop_token_ids):
-            raise ValueError("stop_token_ids must be >= 0")
 
     def abort_request(self, req_id: str) -> RequestEvent | None:
         """Cancel a request (client gone); returns its final event, or None if not active."""

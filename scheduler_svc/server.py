@@ -8,23 +8,22 @@ cancel or deadline aborts it and frees its KV blocks.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import logging
-import random
 import time
 import uuid
 from dataclasses import dataclass, field
 
 import grpc
 
+from scheduler_svc.request import InvalidRequest, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
-from zerobubble.cli import config_from_args
 from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.config import SchedulerServiceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,36 +32,6 @@ FINISH = generate_pb2.FinishReason
 # Our own input limits: far below the transport cap so oversized input gets a clear message.
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
-MAX_STOP_STRINGS = 16
-
-
-@dataclass(slots=True)
-class SchedulerServiceConfig:
-    """Everything `zerobubble scheduler` is configured with (CLI flags, env fallbacks)."""
-
-    workers: str = ""
-    host: str = "0.0.0.0"
-    port: int = 50051
-    metrics_port: int = 9090
-    max_inflight_steps: int = 2
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    max_waiting: int = 1024
-    enable_prefix_caching: bool = True
-    auth_token: str = ""
-    tls_cert: str = ""
-    tls_key: str = ""
-    worker_tls_ca: str = ""
-    worker_tls_cert: str = ""
-    worker_tls_key: str = ""
-    worker_auth_token: str = ""  # sent to the workers; not the clients' auth_token
-    step_deadline: float = 0.0  # 0: derived from recent step times
-    drain_timeout: float = 60.0
-
-
-
-class InvalidRequest(ValueError):
-    """A client field is invalid; the message names the field."""
 
 
 class EventBuffer:
@@ -117,11 +86,6 @@ class Stream:
     last_token_at: float | None = None
     num_output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise InvalidRequest(message)
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -185,9 +149,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.any_ready()
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        if request.model and request.model != link.info.model:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
+                                f"{request.model!r}; this server serves {link.info.model!r}")
         try:
             prompt_ids = self._prompt_ids(request, link)
-            params = self._validate(request, link, len(prompt_ids))
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         req_id = request.request_id or uuid.uuid4().hex
@@ -201,7 +167,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         num_prompt_tokens=len(prompt_ids))
         self.streams[req_id] = stream
         try:
-            self.router.submit(link, req_id, prompt_ids, **params)
+            self.router.submit(link, req_id, prompt_ids, **self._params(request))
+        except InvalidRequest as exc:
+            self.streams.pop(req_id, None)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFullError as exc:
             self.streams.pop(req_id, None)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
@@ -274,19 +243,19 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         kind = request.WhichOneof("input")
         tok = link.tokenizer
         if kind == "prompt":
-            _check(len(request.prompt) > 0, "prompt: must not be empty")
-            _check(len(request.prompt) <= MAX_PROMPT_CHARS,
+            require(len(request.prompt) > 0, "prompt: must not be empty")
+            require(len(request.prompt) <= MAX_PROMPT_CHARS,
                    f"prompt: {len(request.prompt)} characters, limit is {MAX_PROMPT_CHARS}")
             ids = tok.encode(request.prompt)
         elif kind == "messages":
             msgs = request.messages.messages
-            _check(len(msgs) > 0, "messages: must not be empty")
-            _check(len(msgs) <= MAX_MESSAGES, f"messages: {len(msgs)} messages, limit is {MAX_MESSAGES}")
+            require(len(msgs) > 0, "messages: must not be empty")
+            require(len(msgs) <= MAX_MESSAGES, f"messages: {len(msgs)} messages, limit is {MAX_MESSAGES}")
             total = sum(len(m.content) for m in msgs)
-            _check(total <= MAX_PROMPT_CHARS,
+            require(total <= MAX_PROMPT_CHARS,
                    f"messages: {total} characters of content, limit is {MAX_PROMPT_CHARS}")
             for i, m in enumerate(msgs):
-                _check(m.role in ("system", "user", "assistant", "tool"),
+                require(m.role in ("system", "user", "assistant", "tool"),
                        f"messages[{i}].role: unknown role {m.role!r}")
             try:
                 ids = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs])
@@ -294,52 +263,29 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 raise InvalidRequest(f"messages: chat template rejected them: {exc}") from exc
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
-            _check(len(ids) > 0, "token_ids: must not be empty")
+            require(len(ids) > 0, "token_ids: must not be empty")
             vocab = link.info.vocab_size
             bad = [i for i in ids if not 0 <= i < vocab]
-            _check(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
+            require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
         else:
             raise InvalidRequest("input: one of prompt, messages or token_ids is required")
-        _check(len(ids) > 0, "input: tokenizes to no tokens")
+        require(len(ids) > 0, "input: tokenizes to no tokens")
         return ids
 
-    def _validate(self, request: generate_pb2.GenerateRequest, link: WorkerLink,
-                  num_prompt: int) -> dict:
-        info = link.info
-        if request.model:
-            _check(request.model == info.model,
-                   f"model: unknown model {request.model!r}; this server serves {info.model!r}")
-        max_len = info.max_model_len
-        _check(num_prompt < max_len,
-               f"input: prompt is {num_prompt} tokens, the model length is {max_len} "
-               "(at least one token must fit after it)")
+    @staticmethod
+    def _params(request: generate_pb2.GenerateRequest) -> dict:
+        """The request's sampling and stopping fields as `Scheduler.add_request` takes them.
+
+        Unset optional fields keep the scheduler's defaults (an unset seed is drawn there);
+        the scheduler's validator checks them all.
+        """
         s, st = request.sampling, request.stopping
-        temperature = s.temperature if s.HasField("temperature") else 0.0
-        _check(temperature >= 0.0 and temperature == temperature,
-               f"sampling.temperature: must be >= 0, got {temperature}")
-        top_p = s.top_p if s.HasField("top_p") else 1.0
-        _check(0.0 < top_p <= 1.0, f"sampling.top_p: must be in (0, 1], got {top_p}")
-        top_k = s.top_k if s.HasField("top_k") else 0
-        _check(top_k >= 0, f"sampling.top_k: must be >= 0, got {top_k}")
-        seed = s.seed if s.HasField("seed") else random.getrandbits(63)
-        if st.HasField("max_tokens"):
-            _check(st.max_tokens > 0, f"stopping.max_tokens: must be > 0, got {st.max_tokens}")
-            _check(st.max_tokens <= max_len,
-                   f"stopping.max_tokens: {st.max_tokens} exceeds the model length {max_len}")
-            max_tokens = st.max_tokens
-        else:
-            max_tokens = max_len - num_prompt
-        _check(st.min_tokens >= 0, f"stopping.min_tokens: must be >= 0, got {st.min_tokens}")
-        _check(st.min_tokens <= max_tokens,
-               f"stopping.min_tokens: {st.min_tokens} exceeds max_tokens {max_tokens}")
-        _check(len(st.stop) <= MAX_STOP_STRINGS,
-               f"stopping.stop: {len(st.stop)} stop strings, limit is {MAX_STOP_STRINGS}")
-        for i, text in enumerate(st.stop):
-            _check(0 < len(text) <= 256, f"stopping.stop[{i}]: must be 1 to 256 characters")
-        for i, tid in enumerate(st.stop_token_ids):
-            _check(0 <= tid < info.vocab_size, f"stopping.stop_token_ids[{i}]: {tid} is outside the vocabulary")
-        return dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                    max_tokens=max_tokens, min_tokens=st.min_tokens, stop=list(st.stop),
+        return dict(temperature=s.temperature if s.HasField("temperature") else 0.0,
+                    top_k=s.top_k if s.HasField("top_k") else 0,
+                    top_p=s.top_p if s.HasField("top_p") else 1.0,
+                    seed=s.seed if s.HasField("seed") else None,
+                    max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
+                    min_tokens=st.min_tokens, stop=list(st.stop),
                     stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
                     logprobs=request.response.logprobs)
 
@@ -366,10 +312,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
         if bound is not None:
             bound.append(("metrics", mport))
-    sched_cfg = SchedulerConfig(max_num_seqs=cfg.max_num_seqs,
-                                max_num_batched_tokens=cfg.max_num_batched_tokens,
-                                enable_prefix_caching=cfg.enable_prefix_caching,
-                                max_waiting=cfg.max_waiting)
+    sched_cfg = SchedulerConfig.from_service(cfg)
     creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
                                     cfg.worker_tls_key or None)
     server = grpc.aio.server(
@@ -393,8 +336,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     port = rpc.bind(server, cfg.host, cfg.port, server_creds)
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], False)  # until a worker is connected
-    await router.start(worker_addresses if worker_addresses is not None
-                       else [a.strip() for a in cfg.workers.split(",") if a.strip()])
+    await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
     if bound is not None:
@@ -414,9 +356,6 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.close()
 
 
-def run_scheduler(args: argparse.Namespace) -> None:
+def run_scheduler(cfg: SchedulerServiceConfig) -> None:
     """Entry point of `zerobubble scheduler`."""
-    cfg = config_from_args(SchedulerServiceConfig, args)
-    if not cfg.workers:
-        raise SystemExit("zerobubble scheduler: --workers is required (host:port,... or dns:///name:port)")
     asyncio.run(serve_scheduler(cfg))

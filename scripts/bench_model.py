@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.attention import AttentionMetadata  # noqa: E402
 from kernels.slot_mapping import compute_slot_mapping  # noqa: E402
-from worker_svc.config import WorkerConfig  # noqa: E402
+from zerobubble.config import WorkerConfig  # noqa: E402
 from worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
 from worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
 

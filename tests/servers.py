@@ -1,5 +1,5 @@
-"""Test-side names for the service launcher (see zerobubble/launch.py)."""
+"""Test-side names for the service launcher (see zerobubble/tools/launch.py)."""
 
-from zerobubble.launch import Service, start, start_scheduler, start_worker, wait_serving
+from zerobubble.tools.launch import Service, start, start_scheduler, start_worker, wait_serving
 
 __all__ = ["Service", "start", "start_scheduler", "start_worker", "wait_serving"]

@@ -18,11 +18,11 @@ import grpc
 import grpc.aio
 import pytest
 
-from worker_svc.config import WorkerConfig
 from zerobubble.api import generate_pb2_grpc
-from zerobubble.cli import build_parser, env_name, parse_bool
+from zerobubble.config import WorkerConfig, env_name, parse_bool, serve_config
+from zerobubble.entrypoints.cli import build_parser
 from zerobubble.client import request_from_args
-from zerobubble.serve import worker_command
+from zerobubble.entrypoints.serve import worker_command
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -68,7 +68,7 @@ def test_parser_builds_with_all_subcommands() -> None:
 
 @pytest.mark.parametrize(("command", "present", "absent"), [
     ("worker", LISTEN_FLAGS | WORKER_FLAGS | {"--tls-client-ca", "--auth-token", "--drain-timeout"},
-     SCHEDULER_FLAGS - {"--auth-token"} | {"--worker-port"}),
+     SCHEDULER_FLAGS - {"--auth-token"} | {"--worker-port", "--worker-auth-token"}),
     ("scheduler", LISTEN_FLAGS | SCHEDULER_FLAGS, WORKER_FLAGS | {"--tls-client-ca", "--worker-port"}),
     ("serve", LISTEN_FLAGS | WORKER_FLAGS | SCHEDULER_FLAGS | {"--worker-port"}, {"--tls-client-ca"}),
     ("generate", CLIENT_FLAGS | GENERATE_FLAGS, WORKER_FLAGS | SCHEDULER_FLAGS - {"--auth-token"}),
@@ -95,12 +95,12 @@ def test_defaults_follow_the_contract() -> None:
 @pytest.mark.parametrize("prepack", ["--prepack-weights", "--no-prepack-weights"])
 def test_serve_passes_its_worker_flags_to_the_local_worker(prepack: str) -> None:
     serve = parse(["serve", "--block-size", "32", "--spec-method", "ngram", prepack])
-    argv = worker_command(serve)
-    assert "--auth-token" not in argv  # a secret goes through the environment
+    argv = worker_command(serve_config(serve))
+    assert "--auth-token" not in argv  # its token is a fresh secret, passed in the environment
     worker = parse(argv[argv.index("worker"):])
     for f in dataclasses.fields(WorkerConfig):
-        # The local worker listens on loopback without TLS whatever serve itself does; its
-        # auth token is a fresh secret of serve's (the clients' --auth-token is another one).
+        # The local worker listens on loopback without TLS whatever serve itself does; serve's
+        # --auth-token is the clients' token, not the worker's.
         if f.name not in ("host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca",
                           "auth_token"):
             assert getattr(worker, f.name) == getattr(serve, f.name), f.name
@@ -203,8 +203,8 @@ def test_unknown_choice_on_command_line_is_rejected(capsys: pytest.CaptureFixtur
 
 
 def run_cli(*argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
-    """``python -m zerobubble.cli ...`` in a clean child process."""
-    return subprocess.run([sys.executable, "-m", "zerobubble.cli", *argv], cwd=ROOT, capture_output=True,
+    """``python -m zerobubble ...`` in a clean child process."""
+    return subprocess.run([sys.executable, "-m", "zerobubble", *argv], cwd=ROOT, capture_output=True,
                           text=True, timeout=timeout)
 
 
@@ -231,8 +231,8 @@ def test_generate_needs_exactly_one_input() -> None:
 
 
 def test_client_commands_do_not_import_torch() -> None:
-    code = ("import sys, zerobubble.cli, zerobubble.client, zerobubble.bench; "
-            "zerobubble.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    code = ("import sys, zerobubble.entrypoints.cli, zerobubble.client, zerobubble.bench; "
+            "zerobubble.entrypoints.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 

@@ -16,11 +16,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
 from scheduler_svc import worker_link
-from scheduler_svc.server import SchedulerServiceConfig, serve_scheduler
+from scheduler_svc.server import serve_scheduler
 from tests.test_reliability import FakeChannel, SimCall, toy_info
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.client import build_request, complete
+from zerobubble.config import SchedulerServiceConfig
 from zerobubble.metrics import ServiceMetrics
 
 STEP_S = 0.03

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from zerobubble.protogen import ROOT, generate
+from zerobubble.tools.protogen import ROOT, generate
 
 
 def test_generated_stubs_are_current(tmp_path: Path) -> None:

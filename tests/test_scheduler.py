@@ -639,8 +639,10 @@ def test_add_request_validation_and_queue_limit() -> None:
     for prompt, kwargs in bad:
         with pytest.raises(ValueError):
             scheduler.add_request("x", prompt, **kwargs)
-    first = scheduler.add_request("a", [1, 2], max_tokens=1000)
-    assert first.max_tokens == 30  # capped by the model length
+    with pytest.raises(ValueError, match="stopping.max_tokens: 1000 exceeds the model length 32"):
+        scheduler.add_request("x", [1, 2], max_tokens=1000)
+    first = scheduler.add_request("a", [1, 2], max_tokens=32)
+    assert first.max_tokens == 30  # capped by what fits after the prompt
     assert first.sampling.seed is not None  # every request is keyed
     with pytest.raises(ValueError):
         scheduler.add_request("a", [1])

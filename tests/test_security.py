@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.servers import start_scheduler, start_worker
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import ChannelSettings, build_request, complete, open_channel
-from zerobubble.launch import ROOT
+from zerobubble.tools.launch import ROOT
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -215,7 +215,7 @@ def test_missing_or_wrong_token_is_unauthenticated(secure_scheduler, pki, token)
 
 def test_generate_command_speaks_tls_with_token(secure_scheduler, pki):
     """`zerobubble generate` with --tls-ca/--auth-token, and its clear failure without a token."""
-    base = [sys.executable, "-m", "zerobubble.cli", "generate", "--target", secure_scheduler.target,
+    base = [sys.executable, "-m", "zerobubble", "generate", "--target", secure_scheduler.target,
             "--tls-ca", pki["ca"], "--prompt", "1, 2, 3,", "--max-tokens", "4", "--json"]
     ok = subprocess.run(base + ["--auth-token", TOKEN], cwd=ROOT, capture_output=True, text=True,
                         timeout=120)

@@ -25,14 +25,13 @@ from kernels.verify import count_accepted, rejection_sample
 from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
 from worker_svc.proposers import Proposer
-from worker_svc.sampler import SamplingTensors, sample, target_probs, token_logprobs
+from worker_svc.sampler import SEED_MASK, SamplingTensors, sample, target_probs, token_logprobs
 from zerobubble.api import worker_pb2
+from zerobubble.config import WorkerConfig, default_of
 
 logger = logging.getLogger(__name__)
 
 
-# Seeds are uint64 on the wire; the keyed-noise kernels take int64.
-SEED_MASK = (1 << 63) - 1
 
 
 class PlanError(ValueError):
@@ -44,8 +43,8 @@ class RunnerConfig:
     """Capacity and speculation settings of one runner."""
 
     num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
+    block_size: int = default_of(WorkerConfig, "block_size")
+    max_num_seqs: int = default_of(WorkerConfig, "max_num_seqs")
     max_model_len: int = 2048
     num_spec_tokens: int = 0  # K: the most draft slots any decode may carry
 

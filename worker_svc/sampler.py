@@ -17,6 +17,9 @@ from torch import Tensor
 
 from kernels.keyed_random import STREAM_SAMPLE, keyed_uniform
 
+# Seeds are uint64 on the wire; the keyed-noise kernels take int64.
+SEED_MASK = (1 << 63) - 1
+
 
 @dataclass(slots=True)
 class SamplingTensors:

@@ -9,7 +9,6 @@ reported with every result.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -23,14 +22,13 @@ from pathlib import Path
 import grpc
 import torch
 
-from worker_svc.config import WorkerConfig
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
 from worker_svc.runner import ModelRunner, PendingResult, PlanError, RunnerConfig
 from zerobubble import rpc
-from zerobubble.cli import config_from_args
 from zerobubble.api import worker_pb2, worker_pb2_grpc
+from zerobubble.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +170,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             vocab_size=self.loaded.hf_config.vocab_size, eos_token_ids=self.loaded.eos_token_ids,
             spec_method=self.cfg.spec_method if self.runner.proposer is not None else "none",
             num_spec_tokens=self.runner.num_spec_tokens, device=str(model.device),
+            num_lookahead_slots=self.runner.proposer.num_lookahead_slots if self.runner.proposer else 0,
             dtype=str(model.dtype).removeprefix("torch."), max_num_seqs=cfg.max_num_seqs,
             **self.tokenizer_fields)
 
@@ -316,8 +315,7 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=1.0)
 
 
-def run_worker(args: argparse.Namespace) -> None:
+def run_worker(cfg: WorkerConfig) -> None:
     """Entry point of `zerobubble worker`."""
-    cfg = config_from_args(WorkerConfig, args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     asyncio.run(serve_worker(cfg))

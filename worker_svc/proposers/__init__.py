@@ -14,6 +14,9 @@ class Proposer(Protocol):
     # True when proposals come with a draft distribution (rejection sampling verifies them);
     # False for deterministic proposals (verified by keyed sample-and-compare).
     has_draft_probs: bool
+    # KV slots the proposer writes past a step's tokens; the scheduler must allocate them
+    # (reported to it in `WorkerInfo.num_lookahead_slots`).
+    num_lookahead_slots: int
 
     def bind(self, runner: object) -> None:
         """Attach to the runner whose device state the proposer reads and writes."""

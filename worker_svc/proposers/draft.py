@@ -16,8 +16,7 @@ from kernels.attention import AttentionMetadata
 from kernels.keyed_random import keyed_uniform
 from kernels.slot_mapping import compute_slot_mapping
 from worker_svc.model import allocate_kv_cache
-from worker_svc.runner import SEED_MASK
-from worker_svc.sampler import SamplingTensors, target_probs
+from worker_svc.sampler import SEED_MASK, SamplingTensors, target_probs
 
 # Keyed-noise stream for draft sampling; 0-2 belong to the target's sampler and verifier.
 DRAFT_STREAM = 3
@@ -31,6 +30,8 @@ class DraftModelProposer:
     def __init__(self, draft, num_spec_tokens: int) -> None:
         self.draft = draft  # a worker_svc.model_loader.LoadedModel
         self.k = num_spec_tokens
+        # The draft model writes its k-token chain into the KV slots past the step's tokens.
+        self.num_lookahead_slots = num_spec_tokens
         self.runner = None
 
     def bind(self, runner) -> None:

@@ -20,6 +20,7 @@ class NgramProposer:
         if not 1 <= ngram_min <= ngram_max:
             raise ValueError(f"need 1 <= --ngram-min ({ngram_min}) <= --ngram-max ({ngram_max})")
         self.k = num_spec_tokens
+        self.num_lookahead_slots = 0  # proposals are read from history; nothing is written
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
         self.runner = None

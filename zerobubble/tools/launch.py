@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @dataclass(slots=True)
@@ -62,7 +62,7 @@ def command_flags(options: dict) -> list[str]:
 def start(command: str, wait_for: tuple[str, ...], timeout: float = 300.0,
           env: dict | None = None, **options) -> Service:
     """Start `zerobubble <command>` and wait until it announced every port in `wait_for`."""
-    cmd = [sys.executable, "-m", "zerobubble.cli", command, *command_flags(options)]
+    cmd = [sys.executable, "-m", "zerobubble", command, *command_flags(options)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     service = Service(proc)

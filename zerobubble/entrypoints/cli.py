@@ -12,42 +12,27 @@ start quickly and never import torch.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-_Config = TypeVar("_Config")
-
-
-def config_from_args(cls: type[_Config], args: argparse.Namespace) -> _Config:
-    """A service's config dataclass filled from the parsed flags of the same names."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
-
-
-ENV_PREFIX = "ZEROBUBBLE_"
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
-
-
-def env_name(flag: str) -> str:
-    """Environment variable that backs ``flag`` (``--max-num-seqs`` -> ``ZEROBUBBLE_MAX_NUM_SEQS``)."""
-    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()
-
-
-def parse_bool(text: str) -> bool:
-    """Read a boolean the way people write it in environment files."""
-    word = text.strip().lower()
-    if word in _TRUE_WORDS:
-        return True
-    if word in _FALSE_WORDS:
-        return False
-    raise ValueError(f"expected one of 1/true/yes/0/false/no, got {text!r}")
-
+from zerobubble.config import (
+    ConfigError,
+    LOG_LEVELS,
+    SchedulerServiceConfig,
+    WorkerConfig,
+    env_name,
+    flag_name,
+    from_namespace,
+    parse_bool,
+    parse_setting,
+    serve_config,
+    service_settings,
+    setting_info,
+)
 
 @dataclass(frozen=True, slots=True)
 class EnvDefault:
@@ -125,15 +110,17 @@ def add_flag(
     choices: Sequence[Any] | None = None,
     repeat: bool = False,
     env: Mapping[str, str] | None = None,
+    convert: Callable[[str], Any] | None = None,
 ) -> None:
     """Add ``flag`` with its ``ZEROBUBBLE_*`` environment fallback (the parser must be a :class:`Parser`).
 
     A bool ``default`` makes a ``--flag/--no-flag`` pair; ``repeat`` a list flag given once per
     value. An empty variable counts as unset. ``env`` replaces ``os.environ`` (tests).
+    ``convert`` reads the variable (default: from ``type``, ``choices`` and ``repeat``).
     """
     name = env_name(flag)
     raw = (os.environ if env is None else env).get(name, "")
-    value: Any = EnvDefault(name, raw, env_converter(default, type, choices, repeat)) if raw else default
+    value: Any = EnvDefault(name, raw, convert or env_converter(default, type, choices, repeat)) if raw else default
     shown = repr(raw) if raw else "on" if default is True else "off" if default is False else repr(default)
     # argparse %-formats help strings.
     full_help = f"{help} [env {name}; default {shown.replace('%', '%%')}]"
@@ -152,78 +139,19 @@ def add_logging_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | 
              help="logging verbosity")
 
 
-def add_listen_flags(group: argparse._ActionsContainer, *, port: int, metrics_port: int,
-                     env: Mapping[str, str] | None) -> None:
-    """Where a service listens and how it secures its gRPC port.
-
-    Defined once because worker and scheduler both listen; only the default ports differ.
-    """
-    add_flag(group, "--host", default="0.0.0.0", env=env, help="address to bind the gRPC server to")
-    add_flag(group, "--port", default=port, type=int, env=env, help="gRPC port (0 = pick a free port)")
-    add_flag(group, "--metrics-port", default=metrics_port, type=int, env=env,
-             help="Prometheus /metrics port (-1 = off, 0 = pick a free port)")
-    add_flag(group, "--tls-cert", default="", env=env, help="PEM server certificate; TLS is on when set")
-    add_flag(group, "--tls-key", default="", env=env, help="PEM private key of --tls-cert")
-    # The worker sizes its state slots and the scheduler its batches from the same number, so
-    # `serve` must not be able to give them two different values.
-    add_flag(group, "--max-num-seqs", default=64, type=int, env=env,
-             help="most requests running at once")
-
-
-def add_worker_flags(group: argparse._ActionsContainer, env: Mapping[str, str] | None) -> None:
-    """The model, device, KV cache and speculation flags of a worker."""
-    add_flag(group, "--model", default="smollm2-135m", env=env,
-             help="'smollm2-135m' (embedded), a Hugging Face directory or a .gguf file")
-    add_flag(group, "--dtype", default="auto", choices=("auto", "float32", "bfloat16"), env=env,
-             help="weights and KV dtype (auto = float32 on CPU, bfloat16 on CUDA)")
-    add_flag(group, "--device", default="auto", choices=("auto", "cpu", "cuda"), env=env,
-             help="where the model runs (auto = cuda when available)")
-    add_flag(group, "--block-size", default=16, type=int, env=env, help="tokens per KV cache block")
-    add_flag(group, "--kv-cache-memory-gb", default=2.0, type=float, env=env,
-             help="KV cache budget on CPU, in GiB")
-    add_flag(group, "--gpu-memory-utilization", default=0.9, type=float, env=env,
-             help="fraction of GPU memory the worker may fill (weights + KV cache)")
-    add_flag(group, "--max-model-len", default=0, type=int, env=env,
-             help="longest sequence in tokens (0 = from the model config, capped at 8192)")
-    add_flag(group, "--spec-method", default="none", choices=("none", "ngram", "draft"), env=env,
-             help="speculative decoding proposer")
-    add_flag(group, "--num-spec-tokens", default=3, type=int, env=env, help="draft tokens per decode step")
-    add_flag(group, "--ngram-min", default=2, type=int, env=env, help="shortest n-gram the proposer matches")
-    add_flag(group, "--ngram-max", default=4, type=int, env=env, help="longest n-gram the proposer matches")
-    add_flag(group, "--draft-model", default="", env=env, help="draft model for --spec-method draft")
-    add_flag(group, "--worker-id", default="", env=env,
-             help="name in metrics and logs (empty = hostname:port)")
-    add_flag(group, "--num-threads", default=0, type=int, env=env,
-             help="torch CPU threads (0 = torch default)")
-    add_flag(group, "--prepack-weights", default=True, env=env,
-             help="CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
-                  "batches; float32 weights then take twice the memory)")
-
-
-def add_scheduler_flags(group: argparse._ActionsContainer, env: Mapping[str, str] | None) -> None:
-    """Admission, batching, worker links and client auth flags of the scheduler."""
-    add_flag(group, "--workers", default="", env=env,
-             help="workers to drive: 'host:port,host:port' or 'dns:///name:port'")
-    add_flag(group, "--max-inflight-steps", default=2, type=int, env=env,
-             help="plans sent ahead of their results per worker (1 = synchronous)")
-    add_flag(group, "--max-num-batched-tokens", default=512, type=int, env=env,
-             help="token budget of one step (prefill chunks + decode slots)")
-    add_flag(group, "--max-waiting", default=1024, type=int, env=env,
-             help="queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
-    add_flag(group, "--enable-prefix-caching", default=True, env=env,
-             help="share KV blocks of identical prompt prefixes")
-    add_flag(group, "--auth-token", default="", env=env,
-             help="bearer token clients must send (empty = no auth)")
-    add_flag(group, "--worker-auth-token", default="", env=env,
-             help="token sent to the workers' --auth-token (a different secret from the "
-                  "clients' --auth-token; empty = none)")
-    add_flag(group, "--step-deadline", default=0.0, type=float, env=env,
-             help="seconds a worker may take to answer a step before it is declared lost and "
-                  "its requests move (0 = max(10 s, 20 x p99 of its recent steps))")
-    add_flag(group, "--worker-tls-ca", default="", env=env,
-             help="PEM CA that signed the workers' certificates; TLS to workers is on when set")
-    add_flag(group, "--worker-tls-cert", default="", env=env, help="PEM client certificate for mutual TLS to workers")
-    add_flag(group, "--worker-tls-key", default="", env=env, help="PEM private key of --worker-tls-cert")
+def add_setting_flags(parser: argparse.ArgumentParser, command: str,
+                      env: Mapping[str, str] | None) -> None:
+    """The flags of a service command, generated from its settings in `zerobubble.config`."""
+    groups: dict[type, argparse._ActionsContainer] = {}
+    for cls, f in service_settings(command):
+        title = cls.__name__.removesuffix("Config").removesuffix("Service").lower() or "settings"
+        group = groups.get(cls) or groups.setdefault(cls, parser.add_argument_group(title))
+        info = setting_info(f)
+        kind: Callable[[str], Any] = type(f.default)
+        if info.choices is not None and kind is str:
+            kind = str.lower
+        add_flag(group, flag_name(f.name), default=f.default, help=info.help, type=kind,
+                 choices=info.choices, env=env, convert=lambda raw, f=f: parse_setting(f, raw))
 
 
 def add_client_flags(group: argparse._ActionsContainer, env: Mapping[str, str] | None) -> None:
@@ -275,36 +203,10 @@ def build_parser(env: Mapping[str, str] | None = None) -> Parser:
     parser = Parser(prog="zerobubble", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = sub.add_parser("serve", help="scheduler + one local worker (or --workers) in one process")
-    add_logging_flags(serve, env)
-    add_listen_flags(serve.add_argument_group("scheduler server"), port=50051, metrics_port=9090, env=env)
-    add_flag(serve, "--worker-port", default=0, type=int, env=env,
-             help="port of the local worker (0 = pick a free port); its metrics go to the scheduler's port")
-    add_worker_flags(serve.add_argument_group("worker"), env)
-    add_scheduler_flags(serve.add_argument_group("scheduler"), env)
-    add_flag(serve, "--drain-timeout", default=60.0, type=float, env=env,
-             help="seconds SIGTERM lets running requests finish before cancelling the rest")
-
-    worker = sub.add_parser("worker", help="one worker service (a model replica)")
-    add_logging_flags(worker, env)
-    add_listen_flags(worker.add_argument_group("server"), port=50061, metrics_port=9091, env=env)
-    add_flag(worker, "--tls-client-ca", default="", env=env,
-             help="PEM CA for client certificates; when set, clients must present one (mutual TLS)")
-    add_flag(worker, "--auth-token", default="", env=env,
-             help="token the scheduler must send (its --worker-auth-token) to use Execute and "
-                  "Describe; health stays open (empty = no auth)")
-    add_flag(worker, "--drain-timeout", default=30.0, type=float, env=env,
-             help="seconds SIGTERM waits for the running steps before ending the stream "
-                  "(the manifests' grace period is 30 s)")
-    add_worker_flags(worker.add_argument_group("worker"), env)
-
-    scheduler = sub.add_parser("scheduler", help="the scheduler service (client API)")
-    add_logging_flags(scheduler, env)
-    add_listen_flags(scheduler.add_argument_group("server"), port=50051, metrics_port=9090, env=env)
-    add_scheduler_flags(scheduler.add_argument_group("scheduler"), env)
-    add_flag(scheduler, "--drain-timeout", default=60.0, type=float, env=env,
-             help="seconds SIGTERM lets running requests finish before cancelling the rest "
-                  "(the manifests' grace period is 60 s)")
+    for command, help in (("serve", "scheduler + one local worker (or --workers) in one process"),
+                          ("worker", "one worker service (a model replica)"),
+                          ("scheduler", "the scheduler service (client API)")):
+        add_setting_flags(sub.add_parser(command, help=help), command, env)
 
     generate = sub.add_parser("generate", help="send one request and stream the reply")
     add_logging_flags(generate, env)
@@ -319,19 +221,23 @@ def build_parser(env: Mapping[str, str] | None = None) -> Parser:
 
 
 def dispatch(args: argparse.Namespace) -> int | None:
-    """Run the chosen subcommand; its return value is the exit status (None = 0)."""
-    if args.command == "serve":
-        from zerobubble.serve import run_serve
+    """Run the chosen subcommand; its return value is the exit status (None = 0).
 
-        return run_serve(args)
+    Service configs are built and validated here, so a bad combination of flags is a usage
+    error naming them, before any model is loaded.
+    """
+    if args.command == "serve":
+        from zerobubble.entrypoints.serve import run_serve
+
+        return run_serve(serve_config(args))
     if args.command == "worker":
         from worker_svc.server import run_worker
 
-        return run_worker(args)
+        return run_worker(from_namespace(WorkerConfig, args))
     if args.command == "scheduler":
         from scheduler_svc.server import run_scheduler
 
-        return run_scheduler(args)
+        return run_scheduler(from_namespace(SchedulerServiceConfig, args))
     if args.command == "generate":
         from zerobubble.client import run_generate
 
@@ -343,9 +249,27 @@ def dispatch(args: argparse.Namespace) -> int | None:
     raise AssertionError(f"unhandled command {args.command!r}")
 
 
+def check_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Validate a service command's config; a bad combination is a usage error (exit 2)."""
+    try:
+        if args.command == "serve":
+            serve_config(args).validate()
+        elif args.command == "worker":
+            from_namespace(WorkerConfig, args).validate()
+        elif args.command == "scheduler":
+            cfg = from_namespace(SchedulerServiceConfig, args)
+            cfg.validate()
+            if not cfg.workers:
+                raise ConfigError("--workers is required (host:port,... or dns:///name:port)")
+    except ConfigError as exc:
+        parser.error(f"{args.command}: {exc}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_config(parser, args)
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,0 +1,309 @@
+"""Every setting of the two services, in one torch-free module.
+
+Each service's configuration is a dataclass whose fields carry their help text, choices and
+secret-ness as field metadata (:func:`setting`). The CLI builds its flags and ``ZEROBUBBLE_*``
+environment fallbacks from these fields, the deploy check reads them to verify that every
+setting is reachable from the manifests, and the inner configs (``SchedulerConfig``,
+``RunnerConfig``) take their defaults from here. A default therefore exists exactly once.
+
+Flag combinations are checked by each config's ``validate()``, with an error that names the
+flags, so a bad command line fails before a model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+ENV_PREFIX = "ZEROBUBBLE_"
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+_Config = TypeVar("_Config")
+
+
+class ConfigError(ValueError):
+    """A combination of settings that cannot work; the message names the flags."""
+
+
+@dataclass(frozen=True, slots=True)
+class SettingInfo:
+    """What the CLI and the deploy check need to know about one setting."""
+
+    help: str
+    choices: tuple[Any, ...] | None = None
+    # Credentials and key material (file paths included): manifests take them from a Secret,
+    # never a ConfigMap, which any reader of the namespace sees.
+    secret: bool = False
+
+
+def setting(default: Any, help: str, *, choices: Sequence[Any] | None = None,
+            secret: bool = False) -> Any:
+    """A dataclass field with its documentation attached (see the module docstring)."""
+    info = SettingInfo(help, tuple(choices) if choices is not None else None, secret)
+    return dataclasses.field(default=default, metadata={"setting": info})
+
+
+def setting_info(f: dataclasses.Field) -> SettingInfo:
+    """The :class:`SettingInfo` of a field declared with :func:`setting`."""
+    return f.metadata["setting"]
+
+
+def flag_name(field_name: str) -> str:
+    """``max_num_seqs`` -> ``--max-num-seqs``."""
+    return "--" + field_name.replace("_", "-")
+
+
+def env_name(flag_or_field: str) -> str:
+    """Environment variable backing a flag (``--max-num-seqs`` -> ``ZEROBUBBLE_MAX_NUM_SEQS``)."""
+    return ENV_PREFIX + flag_or_field.lstrip("-").replace("-", "_").upper()
+
+
+_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
+
+
+def parse_bool(text: str) -> bool:
+    """Read a boolean the way people write it in environment files."""
+    word = text.strip().lower()
+    if word in _TRUE_WORDS:
+        return True
+    if word in _FALSE_WORDS:
+        return False
+    raise ValueError(f"expected one of 1/true/yes/0/false/no, got {text!r}")
+
+
+def parse_setting(f: dataclasses.Field, raw: str) -> Any:
+    """A setting's value from its text form (an environment variable); ``ValueError`` if bad."""
+    kind = type(f.default)
+    value = parse_bool(raw) if kind is bool else kind(raw)
+    choices = setting_info(f).choices
+    if choices is not None and isinstance(value, str):
+        value = value.lower()  # choices are lower-case words; `DEBUG` means `debug`
+    if choices is not None and value not in choices:
+        raise ValueError(f"choose from {', '.join(map(str, choices))}")
+    return value
+
+
+def from_env(cls: type[_Config], env: Mapping[str, str]) -> _Config:
+    """A config from ``ZEROBUBBLE_*`` variables alone, as a container would start; validated.
+
+    :class:`ConfigError` names the variable whose value cannot be read.
+    """
+    values: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        raw = env.get(env_name(f.name), "")
+        if raw:
+            try:
+                values[f.name] = parse_setting(f, raw)
+            except ValueError as exc:
+                raise ConfigError(f"{env_name(f.name)}={raw!r}: {exc}") from exc
+    config = cls(**values)
+    config.validate()  # type: ignore[attr-defined]
+    return config
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The declared default of setting ``name`` of config class ``cls``."""
+    return next(f.default for f in dataclasses.fields(cls) if f.name == name)
+
+
+def from_namespace(cls: type[_Config], args: argparse.Namespace) -> _Config:
+    """A config filled from parsed flags of the same names (missing ones keep their default)."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+                  if hasattr(args, f.name)})
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    """Where a service listens and how it secures its port; shared by worker and scheduler."""
+
+    log_level: str = setting("info", "logging verbosity", choices=LOG_LEVELS)
+    host: str = setting("0.0.0.0", "address to bind the gRPC server to")
+    port: int = setting(0, "gRPC port (0 = pick a free port)")
+    metrics_port: int = setting(-1, "Prometheus /metrics port (-1 = off, 0 = pick a free port)")
+    tls_cert: str = setting("", "PEM server certificate; TLS is on when set", secret=True)
+    tls_key: str = setting("", "PEM private key of --tls-cert", secret=True)
+    # The worker sizes its state slots and the scheduler its batches from the same number, so
+    # `serve` gives both one value.
+    max_num_seqs: int = setting(64, "most requests running at once")
+
+    def validate(self) -> None:
+        """:class:`ConfigError` naming the flags when a setting or a combination cannot work."""
+        _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
+        _require(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")
+        _require(-1 <= self.metrics_port <= 65535, "--metrics-port must be -1 (off) or a port")
+        _require(0 <= self.port <= 65535, "--port must be a port number (0 = pick one)")
+
+
+@dataclass(slots=True)
+class WorkerConfig(ServiceConfig):
+    """Everything `zerobubble worker` is configured with."""
+
+    port: int = setting(50061, "gRPC port (0 = pick a free port)")
+    metrics_port: int = setting(9091, "Prometheus /metrics port (-1 = off, 0 = pick a free port)")
+    tls_client_ca: str = setting(
+        "", "PEM CA for client certificates; when set, clients must present one (mutual TLS)",
+        secret=True)
+    model: str = setting("smollm2-135m", "'smollm2-135m' (embedded), a Hugging Face directory or a .gguf file")
+    dtype: str = setting("auto", "weights and KV dtype (auto = float32 on CPU, bfloat16 on CUDA)",
+                         choices=("auto", "float32", "bfloat16"))
+    device: str = setting("auto", "where the model runs (auto = cuda when available)",
+                          choices=("auto", "cpu", "cuda"))
+    block_size: int = setting(16, "tokens per KV cache block")
+    kv_cache_memory_gb: float = setting(2.0, "KV cache budget on CPU, in GiB")
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of GPU memory the worker may fill (weights + KV cache)")
+    max_model_len: int = setting(0, "longest sequence in tokens (0 = from the model config, capped at 8192)")
+    spec_method: str = setting("none", "speculative decoding proposer", choices=("none", "ngram", "draft"))
+    num_spec_tokens: int = setting(3, "draft tokens per decode step")
+    ngram_min: int = setting(2, "shortest n-gram the proposer matches")
+    ngram_max: int = setting(4, "longest n-gram the proposer matches")
+    draft_model: str = setting("", "draft model for --spec-method draft (same tokenizer as --model)")
+    worker_id: str = setting("", "name in metrics and logs (empty = hostname:port)")
+    num_threads: int = setting(0, "torch CPU threads (0 = torch default)")
+    prepack_weights: bool = setting(
+        True, "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
+              "batches; float32 weights then take twice the memory)")
+    auth_token: str = setting(
+        "", "token the scheduler must send (its --worker-auth-token) to use Execute and "
+            "Describe; health stays open (empty = no auth)", secret=True)
+    drain_timeout: float = setting(
+        30.0, "seconds SIGTERM lets the scheduler finish this worker's requests before the "
+              "stream closes (the manifests' grace period is 30 s)")
+
+    @property
+    def speculative(self) -> bool:
+        """Whether this worker proposes drafts (the one place that decides it)."""
+        return self.spec_method != "none" and self.num_spec_tokens > 0
+
+    def validate(self) -> None:
+        ServiceConfig.validate(self)
+        _require(self.block_size >= 1, "--block-size must be >= 1")
+        _require(self.kv_cache_memory_gb > 0, "--kv-cache-memory-gb must be > 0")
+        _require(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
+        _require(self.max_model_len >= 0, "--max-model-len must be >= 0 (0 = from the model)")
+        _require(self.num_spec_tokens >= 0, "--num-spec-tokens must be >= 0")
+        _require(self.num_threads >= 0, "--num-threads must be >= 0")
+        _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        if self.spec_method == "ngram":
+            _require(1 <= self.ngram_min <= self.ngram_max,
+                     f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: "
+                     "need 1 <= --ngram-min <= --ngram-max")
+        if self.spec_method == "draft":
+            _require(bool(self.draft_model),
+                     "--spec-method draft needs --draft-model (a smaller model with the same "
+                     "tokenizer as --model)")
+        elif self.draft_model:
+            raise ConfigError(f"--draft-model is set but --spec-method is {self.spec_method!r}; "
+                              "use --spec-method draft")
+
+
+@dataclass(slots=True)
+class SchedulerServiceConfig(ServiceConfig):
+    """Everything `zerobubble scheduler` is configured with."""
+
+    port: int = setting(50051, "gRPC port (0 = pick a free port)")
+    metrics_port: int = setting(9090, "Prometheus /metrics port (-1 = off, 0 = pick a free port)")
+    workers: str = setting("", "workers to drive: 'host:port,host:port' or 'dns:///name:port'")
+    max_inflight_steps: int = setting(2, "plans sent ahead of their results per worker (1 = synchronous)")
+    max_num_batched_tokens: int = setting(512, "token budget of one step (prefill chunks + decode slots)")
+    max_waiting: int = setting(1024, "queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
+    enable_prefix_caching: bool = setting(True, "share KV blocks of identical prompt prefixes")
+    auth_token: str = setting("", "bearer token clients must send (empty = no auth)", secret=True)
+    worker_tls_ca: str = setting(
+        "", "PEM CA that signed the workers' certificates; TLS to workers is on when set",
+        secret=True)
+    worker_tls_cert: str = setting("", "PEM client certificate for mutual TLS to workers", secret=True)
+    worker_tls_key: str = setting("", "PEM private key of --worker-tls-cert", secret=True)
+    worker_auth_token: str = setting(
+        "", "token sent to the workers' --auth-token (a different secret from the clients' "
+            "--auth-token; empty = none)", secret=True)
+    step_deadline: float = setting(
+        0.0, "seconds a worker may take to answer a step before it is declared lost and its "
+             "requests move (0 = max(10 s, 20 x p99 of its recent steps))")
+    drain_timeout: float = setting(
+        60.0, "seconds SIGTERM lets running requests finish before cancelling the rest (the "
+              "manifests' grace period is 60 s)")
+
+    def worker_addresses(self) -> list[str]:
+        """``--workers`` split into its addresses."""
+        return [a.strip() for a in self.workers.split(",") if a.strip()]
+
+    def validate(self) -> None:
+        ServiceConfig.validate(self)
+        _require(self.max_inflight_steps >= 1, "--max-inflight-steps must be >= 1 (1 = synchronous)")
+        _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
+        _require(self.max_waiting >= 1, "--max-waiting must be >= 1")
+        _require(self.step_deadline >= 0, "--step-deadline must be >= 0 (0 = derived)")
+        _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        _require(bool(self.worker_tls_cert) == bool(self.worker_tls_key),
+                 "--worker-tls-cert and --worker-tls-key go together")
+        _require(not self.worker_tls_cert or bool(self.worker_tls_ca),
+                 "--worker-tls-cert needs --worker-tls-ca (mutual TLS is on top of TLS)")
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """`zerobubble serve`: a scheduler and, unless ``--workers`` is given, one local worker.
+
+    The worker's listening settings are not flags of `serve`: it listens on loopback, on
+    ``worker_port``, without TLS, and its figures reach the scheduler's metrics port.
+    """
+
+    scheduler: SchedulerServiceConfig
+    worker: WorkerConfig
+    worker_port: int = setting(0, "port of the local worker (0 = pick a free port); its metrics "
+                                  "go to the scheduler's port")
+
+    def validate(self) -> None:
+        self.scheduler.validate()
+        if not self.scheduler.workers:
+            self.worker.validate()
+
+
+# Settings of a worker that `serve` does not expose: the local worker's own listener, and its
+# auth token (serve makes a fresh one per run; `--auth-token` on serve is the clients' token).
+SERVE_WORKER_HIDDEN = frozenset({"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca",
+                                 "auth_token"})
+
+
+def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
+    """The settings of a service command as ``(config class, field)``, each name once.
+
+    For ``serve`` the scheduler's come first and the worker's follow, minus those the two
+    share (``--max-num-seqs`` is one flag for both) and the local worker's listener.
+    """
+    if command == "worker":
+        return [(WorkerConfig, f) for f in dataclasses.fields(WorkerConfig)]
+    if command == "scheduler":
+        return [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
+    if command == "serve":
+        out = [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
+        taken = {f.name for _, f in out} | SERVE_WORKER_HIDDEN
+        out += [(WorkerConfig, f) for f in dataclasses.fields(WorkerConfig) if f.name not in taken]
+        out += [(ServeConfig, f) for f in dataclasses.fields(ServeConfig) if "setting" in f.metadata]
+        return out
+    raise ValueError(f"not a service command: {command!r}")
+
+
+def secret_settings() -> frozenset[str]:
+    """Names of the settings that manifests must take from a Secret."""
+    return frozenset(f.name for cls in (WorkerConfig, SchedulerServiceConfig)
+                     for f in dataclasses.fields(cls) if setting_info(f).secret)
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The `serve` config from its parsed flags; the local worker listens on loopback."""
+    worker = from_namespace(WorkerConfig, args)
+    worker.host, worker.port, worker.metrics_port = "127.0.0.1", args.worker_port, -1
+    worker.tls_cert = worker.tls_key = worker.tls_client_ca = worker.auth_token = ""
+    return ServeConfig(scheduler=from_namespace(SchedulerServiceConfig, args), worker=worker,
+                       worker_port=args.worker_port)
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)

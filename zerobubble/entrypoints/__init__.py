@@ -1,0 +1,1 @@
+"""The roof: the `zerobubble` console script and `serve`. Nothing below imports this package."""
