@@ -12,7 +12,7 @@ endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: setup serve test test-slow proto deploy-check bench-model bench clean
+.PHONY: setup serve test test-slow chaos proto deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,11 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Fault injection against real processes (slow): prints the fault-class table. The soak's length
+# is ZEROBUBBLE_SOAK_S seconds (default 120; 1800 for the full 30-minute soak).
+chaos: setup
+	$(PY) -m pytest -q -s -m slow tests/test_chaos.py $(PYTEST_ARGS)
 
 proto: setup
 	$(PY) -m zerobubble.tools.protogen

@@ -126,6 +126,30 @@ def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | 
         return worker_pb2.StepResult(step_id=plan.step_id, error=error)
 
 
+# Test-only fault injection for the chaos suite (tests/test_chaos.py), never set in manifests:
+# every N-th decode row fails (its request ends with ERROR, the rest of its step runs).
+TEST_FAULT_ENV = "ZEROBUBBLE_TEST_FAIL_EVERY_NTH_DECODE_ROW"
+
+
+def injected_fault_hook_from_env(env: dict[str, str]):
+    """The runner's `test_fault_hook` asked for by `TEST_FAULT_ENV` (None when unset)."""
+    every = int(env.get(TEST_FAULT_ENV, "0") or 0)
+    if every <= 0:
+        return None
+    count = [0]
+
+    def hook(plan: worker_pb2.StepPlan, entry: worker_pb2.ScheduledRequest | None) -> None:
+        if entry is None or entry.token_ids:
+            return
+        count[0] += 1
+        if count[0] % every == 0:
+            raise RuntimeError(f"injected test fault (every {every}th decode row)")
+
+    logger.warning("TEST FAULT INJECTION ON: every %dth decode row fails (%s)", every,
+                   TEST_FAULT_ENV)
+    return hook
+
+
 def device_thread() -> ThreadPoolExecutor:
     """The one thread that runs every torch computation of a worker: loading, then all steps.
 
@@ -270,6 +294,7 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
     """Run the worker service until `stop` (or SIGTERM)."""
     device = device_thread()
     runner, loaded = await asyncio.get_running_loop().run_in_executor(device, build_runner, cfg)
+    runner.test_fault_hook = injected_fault_hook_from_env(dict(os.environ))
     metrics = None
     if cfg.metrics_port >= 0:
         from zerobubble.metrics import ServiceMetrics, start_metrics_server
