@@ -99,3 +99,32 @@ def test_scheduler_without_the_worker_token_is_refused(closed_cluster, caplog):
     finally:
         wrong.stop()
     assert "refused our token" in "".join(wrong.log)
+
+
+def test_a_new_stream_supersedes_an_idle_one(closed_cluster):
+    """A restarted scheduler (here: a peer with the token) gets the worker at once even though
+    the current scheduler's stream is idle and sends nothing that would end it; the current
+    scheduler then reconnects and serves again."""
+    scheduler, worker = closed_cluster
+
+    async def scenario():
+        md = (("authorization", f"Bearer {WORKER_TOKEN}"),)
+        async with grpc.aio.insecure_channel(worker.target) as channel:
+            call = worker_pb2_grpc.WorkerStub(channel).Execute(metadata=md)
+            await call.write(worker_pb2.StepPlan(step_id=1))
+            result = await asyncio.wait_for(call.read(), 20)
+            call.cancel()
+        async with grpc.aio.insecure_channel(scheduler.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            for _ in range(100):
+                try:
+                    done = await complete(stub, build_request(prompt="Hello", max_tokens=3),
+                                          timeout=60)
+                    break
+                except grpc.aio.AioRpcError:
+                    await asyncio.sleep(0.2)  # between its link's reconnect attempts
+        return result, done
+
+    result, done = asyncio.run(scenario())
+    assert result.step_id == 1 and not result.error
+    assert done.finish_reason in ("max_tokens", "eos"), (done.finish_reason, done.error)

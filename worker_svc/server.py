@@ -209,6 +209,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         self._generation += 1
         generation = self._generation
+        # End the open stream now, even if its scheduler is idle and sends no plan that would
+        # let it notice (a restarted scheduler must not wait for a stream nobody feeds).
+        for notify in list(self._notify):
+            notify(_END)
         async with self._stream_lock:  # the previous stream (if any) has fully stopped
             if generation != self._generation:
                 return
