@@ -44,13 +44,29 @@ class WorkerDrained(ConnectionError):
     """A draining worker finished its requests; the link closes its stream."""
 
 
-def derived_step_deadline(latencies: "deque[float]") -> float:
-    """max(10 s, 20 x p99 of the recent step latencies); lenient until enough are known."""
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def derived_step_deadline(latencies: "deque[tuple[float, int]]", num_tokens: int = 1) -> float:
+    """How long a plan of `num_tokens` may wait for its result, from recent (latency, tokens).
+
+    max(10 s, 20 x p99 latency, 20 x p99 per-token latency x num_tokens): the last term keeps a
+    long prefill after a run of small decodes from passing for a hang. Lenient until enough
+    steps are known (the first big prefills, warm-up).
+    """
     if len(latencies) < NUM_WARMUP_STEPS:
         return WARMUP_STEP_DEADLINE_S
-    ordered = sorted(latencies)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99)
+    p99 = _p99([lat for lat, _ in latencies])
+    per_token = _p99([lat / max(1, n) for lat, n in latencies])
+    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99,
+               STEP_DEADLINE_P99_FACTOR * per_token * num_tokens)
+
+
+def plan_tokens(plan: worker_pb2.StepPlan) -> int:
+    """Tokens a plan feeds the model (prefill chunks, 1 + drafts per decode)."""
+    return sum(len(e.token_ids) or 1 + e.num_draft_slots for e in plan.requests)
 
 
 @dataclass(slots=True)
@@ -76,8 +92,13 @@ class WorkerLink:
         """`step_deadline_s` 0: derived from recent step latencies (`derived_step_deadline`)."""
         self.address = address
         self.step_deadline_s = step_deadline_s
-        self._sent: deque[float] = deque()  # send times of the plans in flight, oldest first
-        self._latencies: deque[float] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        # (send time, tokens) of the plans in flight, oldest first; (latency, tokens) of recent.
+        self._sent: deque[tuple[float, int]] = deque()
+        self._latencies: deque[tuple[float, int]] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        # Each deadline miss doubles the next deadline (reset after a run of answered steps),
+        # so a worker that is merely slow cannot be dropped and re-added in a loop.
+        self._num_misses = 0
+        self._num_answered = 0
         self._metadata = rpc.bearer_metadata(auth_token)
         # The name the worker's TLS certificate is checked against when `address` is an IP
         # resolved from a DNS name (None: the host part of `address`).
@@ -185,9 +206,10 @@ class WorkerLink:
                                        info.eos_token)
         self.scheduler = Scheduler(cfg, self.tokenizer)
 
-    def step_deadline(self) -> float:
-        """Seconds the oldest plan in flight may wait for its result."""
-        return self.step_deadline_s or derived_step_deadline(self._latencies)
+    def step_deadline(self, num_tokens: int = 1) -> float:
+        """Seconds the oldest plan in flight (of `num_tokens`) may wait for its result."""
+        base = self.step_deadline_s or derived_step_deadline(self._latencies, num_tokens)
+        return base * 2 ** min(self._num_misses, 5)
 
     async def _serve(self, call) -> None:
         self._sent.clear()
@@ -199,14 +221,15 @@ class WorkerLink:
                     if plan is None:
                         break
                     self.inflight += 1
-                    self._sent.append(time.monotonic())
+                    self._sent.append((time.monotonic(), plan_tokens(plan)))
                     await call.write(plan)
                 self._wake.clear()
                 waiter = asyncio.create_task(self._wake.wait())
                 timeout = None
                 if self._sent:
-                    deadline = self.step_deadline()
-                    timeout = max(0.0, self._sent[0] + deadline - time.monotonic())
+                    sent_at, num_tokens = self._sent[0]
+                    deadline = self.step_deadline(num_tokens)
+                    timeout = max(0.0, sent_at + deadline - time.monotonic())
                 done, _ = await asyncio.wait({waiter, receiver}, timeout=timeout,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if receiver in done:
@@ -218,7 +241,9 @@ class WorkerLink:
                     raise WorkerDrained("the worker is shutting down and holds no request")
                 if not done:
                     waiter.cancel()
-                    if self._sent and time.monotonic() - self._sent[0] >= deadline:
+                    if self._sent and time.monotonic() - self._sent[0][0] >= deadline:
+                        self._num_misses += 1
+                        self._num_answered = 0
                         raise WorkerHung(f"no answer to a step for {deadline:.1f}s "
                                          "(the step deadline)")
         finally:
@@ -241,7 +266,11 @@ class WorkerLink:
                 continue
             self.inflight -= 1
             if self._sent:
-                self._latencies.append(time.monotonic() - self._sent.popleft())
+                sent_at, num_tokens = self._sent.popleft()
+                self._latencies.append((time.monotonic() - sent_at, num_tokens))
+                self._num_answered += 1
+                if self._num_answered >= NUM_LATENCY_SAMPLES:
+                    self._num_misses = 0
             self._account(result)
             if result.error:
                 logger.error("worker %s step %d failed: %s", self.worker_id, result.step_id,

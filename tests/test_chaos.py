@@ -180,6 +180,9 @@ class Cluster:
     def stop(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
+            # Kept for diagnosis (the scheduler logs every loss, re-queue and deadline miss).
+            Path(os.environ.get("ZEROBUBBLE_CHAOS_LOG", "/tmp/zerobubble-chaos-scheduler.log")
+                 ).write_text("".join(self.scheduler.log))
         for w in self.workers:
             w.stop()
 

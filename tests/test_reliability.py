@@ -273,9 +273,9 @@ def test_a_hung_worker_is_declared_lost_at_the_step_deadline(monkeypatch, caplog
 def test_derived_step_deadline() -> None:
     from collections import deque
 
-    lat = deque([0.05] * 5)
-    assert worker_link.derived_step_deadline(lat) == worker_link.WARMUP_STEP_DEADLINE_S
-    lat = deque([0.05] * 99 + [0.2])
-    assert worker_link.derived_step_deadline(lat) == worker_link.MIN_STEP_DEADLINE_S
-    lat = deque([0.05] * 90 + [2.0] * 10)
-    assert worker_link.derived_step_deadline(lat) == pytest.approx(40.0)
+    derive = worker_link.derived_step_deadline
+    assert derive(deque([(0.05, 8)] * 5)) == worker_link.WARMUP_STEP_DEADLINE_S
+    assert derive(deque([(0.05, 8)] * 99 + [(0.2, 8)]), 8) == worker_link.MIN_STEP_DEADLINE_S
+    assert derive(deque([(0.05, 8)] * 90 + [(2.0, 8)] * 10), 8) == pytest.approx(40.0)
+    # A 2,048-token prefill after fast 8-token decodes gets time in proportion to its tokens.
+    assert derive(deque([(0.08, 8)] * 100), 2048) == pytest.approx(20 * 0.01 * 2048)
