@@ -49,6 +49,9 @@ QUESTIONS = [
     "Why is the sky blue?",
 ]
 WORKER_OPTS = dict(kv_cache_memory_gb=0.3, max_num_seqs=32, spec_method="ngram", num_spec_tokens=3)
+# Streams per faulted run and in the flood; smaller values for a quick run on a shared machine.
+NUM_STREAMS = int(os.environ.get("ZEROBUBBLE_CHAOS_STREAMS", "16"))
+NUM_FLOOD = int(os.environ.get("ZEROBUBBLE_CHAOS_FLOOD", "1000"))
 TABLE: list[dict] = []
 
 
@@ -202,7 +205,7 @@ def reference(cluster) -> dict[int, list[int]]:
     return {i: o.tokens for i, o in enumerate(outcomes)}
 
 
-def faulted_run(cluster, reference, name: str, fault, num_requests: int = 16,
+def faulted_run(cluster, reference, name: str, fault, num_requests: int = NUM_STREAMS,
                 notes: str = "") -> dict:
     """Run `num_requests` streams; `fault()` fires once every stream has 3+ tokens."""
     requests = [chat(i) for i in range(num_requests)]
@@ -265,14 +268,14 @@ def test_scheduler_sigkill_and_restart(cluster, reference):
 
 def test_flood_of_1000_streams(cluster, reference):
     before = rss_mb(cluster.scheduler.proc.pid)
-    requests = [dict(chat(i), max_tokens=4) for i in range(1000)]
+    requests = [dict(chat(i), max_tokens=4) for i in range(NUM_FLOOD)]
     started = time.monotonic()
     outcomes = asyncio.run(run_streams(cluster.scheduler.target, requests, timeout=1800))
     after = rss_mb(cluster.scheduler.proc.pid)
     lost = sum(1 for o in outcomes if o.finish != "max_tokens")
     changed = sum(1 for i, o in enumerate(outcomes)
                   if o.finish == "max_tokens" and o.tokens != reference[i % len(QUESTIONS)][:4])
-    row = dict(fault="flood: 1,000 streams", requests=1000, lost=lost,
+    row = dict(fault=f"flood: {NUM_FLOOD:,} streams", requests=NUM_FLOOD, lost=lost,
                repeated=sum(o.repeated for o in outcomes), changed=changed,
                recover_s=time.monotonic() - started,
                notes=f"scheduler RSS {before:.0f} -> {after:.0f} MB; time = all done")
@@ -301,11 +304,12 @@ def test_injected_step_failures(smollm2_dir, reference):
     try:
         wait_serving(scheduler.target)
         started = time.monotonic()
-        outcomes = asyncio.run(run_streams(scheduler.target, [chat(i) for i in range(16)]))
+        outcomes = asyncio.run(run_streams(scheduler.target,
+                                           [chat(i) for i in range(NUM_STREAMS)]))
         errors = [o for o in outcomes if o.finish == "error"]
         assert errors and all("injected test fault" in o.error for o in errors)
         row = score("injected row failures (every 29th decode row)", outcomes, reference,
-                    list(range(16)), time.monotonic() - started,
+                    list(range(NUM_STREAMS)), time.monotonic() - started,
                     f"{len(errors)} requests hit by a fault ended with ERROR (by design)",
                     expected_errors=len(errors))
         assert row["lost"] == row["repeated"] == row["changed"] == 0, row
