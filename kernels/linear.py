@@ -72,5 +72,6 @@ def linear(
             return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight.packed, bias, "add")
         out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
     else:
+        assert weight.dense is not None, "a weight without its plain copy is always packed"
         out = F.linear(x, weight.dense, bias)
     return out if residual is None else residual + out

@@ -28,12 +28,20 @@ def _ngram_torch(
     slots = req_slots.to(torch.int64)
     held = seq_len.to(torch.int64)[slots]
     lengths = held + 1
-    starts = torch.cumsum(lengths, 0) - lengths
-    # The ragged batch is flattened: memory is proportional to the tokens held. Sizing it needs
-    # one host sync; the CUDA path (Triton) has none.
-    num_flat = int(lengths.sum())
-    row = torch.repeat_interleave(torch.arange(num_reqs, device=device), lengths,
-                                  output_size=num_flat)
+    if device.type == "cpu":
+        # The ragged batch is flattened: memory is proportional to the tokens held. Sizing it
+        # reads the lengths, which on the CPU are host memory already.
+        starts = torch.cumsum(lengths, 0) - lengths
+        num_flat = int(lengths.sum())
+        row = torch.repeat_interleave(torch.arange(num_reqs, device=device), lengths,
+                                      output_size=num_flat)
+    else:
+        # Off the CPU a host read would stall the host behind the device: a static grid of
+        # [rows, longest possible sequence], the entries past each row's length masked below.
+        max_len = block_table.shape[1] * block_size + 1
+        starts = torch.arange(num_reqs, device=device) * max_len
+        num_flat = num_reqs * max_len
+        row = torch.arange(num_reqs, device=device).repeat_interleave(max_len)
     flat = torch.arange(num_flat, device=device)
     idx = flat - starts[row]
 
@@ -54,7 +62,7 @@ def _ngram_torch(
 
     best_n = torch.zeros(num_reqs, dtype=torch.int64, device=device)
     best_n.scatter_reduce_(0, row, suffix_len, reduce="amax")
-    ends = torch.where(suffix_len >= best_n[row], idx, -1)
+    ends = torch.where((suffix_len >= best_n[row]) & (idx < lengths[row]), idx, -1)
     best_end = torch.full((num_reqs,), -1, dtype=torch.int64, device=device)
     best_end.scatter_reduce_(0, row, ends, reduce="amax")
 

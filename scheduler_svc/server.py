@@ -9,17 +9,19 @@ cancel or deadline aborts it and frees its KV blocks.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator
 
 import grpc
 
 from scheduler_svc.request import InvalidRequest, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
+from scheduler_svc.submission import RequestError, Stream, Submission
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
@@ -34,58 +36,41 @@ MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
 
 
-class EventBuffer:
-    """A stream's events not yet sent to its client, merged into one pending event.
+def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> RequestEvent:
+    """`ev` merged with the events already waiting behind it, oldest first.
 
-    The scheduler only appends here and never waits, so a client that stops reading slows no
-    one else; what it holds is one event whose tokens grow at most to its own request's
-    remaining output (bounded by max_tokens), not one object per step.
+    When the scheduler confirms tokens faster than a stream is written (many streams, a busy
+    loop), one message then carries several steps' tokens: the number of writes per step
+    adapts to the load instead of every step costing one write per stream.
     """
-
-    __slots__ = ("_pending", "_ready")
-
-    def __init__(self) -> None:
-        self._pending: RequestEvent | None = None
-        self._ready = asyncio.Event()
-
-    def put(self, ev: RequestEvent) -> None:
-        pending = self._pending
-        if pending is None:
-            self._pending = dataclasses.replace(ev, token_ids=list(ev.token_ids),
-                                                logprobs=list(ev.logprobs))
-        else:
-            pending.token_ids.extend(ev.token_ids)
-            pending.logprobs.extend(ev.logprobs)
-            pending.text += ev.text
-            pending.finish_reason = ev.finish_reason
-            pending.num_output_tokens = ev.num_output_tokens
-            pending.num_cached_tokens = ev.num_cached_tokens
-            pending.error = ev.error
-            pending.queue_s = ev.queue_s
-        self._ready.set()
-
-    def num_pending_tokens(self) -> int:
-        return len(self._pending.token_ids) if self._pending is not None else 0
-
-    async def get(self) -> RequestEvent:
-        await self._ready.wait()
-        ev, self._pending = self._pending, None
-        self._ready.clear()
-        assert ev is not None
-        return ev
+    while not queue.empty() and ev.finish_reason is None:
+        nxt: RequestEvent = queue.get_nowait()
+        ev = dataclasses.replace(nxt, token_ids=ev.token_ids + nxt.token_ids, text=ev.text + nxt.text,
+                                 logprobs=ev.logprobs + nxt.logprobs)
+    return ev
 
 
-@dataclass(slots=True)
-class Stream:
-    """The client side of one request: where its events go, and timing for metrics."""
+def check_sampling_controls(request: generate_pb2.GenerateRequest, vocab_size: int) -> None:
+    """Ranges of the issue-12 sampling controls (penalties, min_p, logit_bias, n, top_logprobs).
 
-    queue: EventBuffer
-    arrival: float
-    num_prompt_tokens: int
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    num_output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
+    Transitional: these fields are not in `SamplingOptions` yet, so `validate_options` cannot
+    see them; when the sampling work carries them there, its checks replace this function.
+    """
+    s = request.sampling
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(s, name)
+        require(-2.0 <= value <= 2.0, f"sampling.{name}: must be in [-2, 2], got {value:g}")
+    if s.HasField("repetition_penalty"):
+        require(s.repetition_penalty > 0.0,
+                f"sampling.repetition_penalty: must be > 0, got {s.repetition_penalty:g}")
+    require(0.0 <= s.min_p <= 1.0, f"sampling.min_p: must be in [0, 1], got {s.min_p:g}")
+    require(s.n >= 0, f"sampling.n: must be >= 1, got {s.n}")
+    for tid, bias in s.logit_bias.items():
+        require(0 <= tid < vocab_size, f"sampling.logit_bias: {tid} is outside the vocabulary")
+        require(-100.0 <= bias <= 100.0,
+                f"sampling.logit_bias: bias of {tid} must be in [-100, 100], got {bias:g}")
+    top = request.response.top_logprobs
+    require(0 <= top <= 20, f"response.top_logprobs: must be in [0, 20], got {top}")
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -113,8 +98,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                         self.metrics.observe_ttft(now - stream.arrival)
                 elif self.metrics is not None:
                     gap = (now - stream.last_token_at) / len(ev.token_ids)
-                    for _ in ev.token_ids:
-                        self.metrics.observe_inter_token(gap)
+                    self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
             stream.queue.put(ev)
@@ -139,45 +123,60 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                      num_output_tokens=stream.num_output_tokens,
                                      num_cached_tokens=0)
             event.error = "the server is shutting down"
-            stream.queue.put(event)
+            stream.queue.put_nowait(event)
         while self.streams and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.05)  # the final messages go out
 
-    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+    def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
+        """Validate, tokenize, route and queue one request: the one path gRPC and HTTP share.
+
+        Raises:
+            RequestError: the request was refused (the status says why; nothing was queued).
+        """
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         link = self.router.any_ready()
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         if request.model and request.model != link.info.model:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
-                                f"{request.model!r}; this server serves {link.info.model!r}")
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
+                               f"{request.model!r}; this server serves {link.info.model!r}",
+                               unknown_model=True)
         try:
             prompt_ids = self._prompt_ids(request, link)
+            check_sampling_controls(request, link.info.vocab_size)
         except InvalidRequest as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
         if req_id in self.streams:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS,
-                                f"request_id {req_id!r} is already running")
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req_id!r} is already running")
         link = self.router.route(prompt_ids)
         if link is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        stream = Stream(queue=EventBuffer(), arrival=time.monotonic(),
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+        stream = Stream(queue=asyncio.Queue(), arrival=time.monotonic(),
                         num_prompt_tokens=len(prompt_ids))
         self.streams[req_id] = stream
         try:
             self.router.submit(link, req_id, prompt_ids, **self._params(request))
         except InvalidRequest as exc:
             self.streams.pop(req_id, None)
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         except QueueFullError as exc:
             self.streams.pop(req_id, None)
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
+        return Submission(req_id, stream)
+
+    async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+        """The reply messages of a submitted request, the last one with its finish reason.
+
+        Leaving early (client cancel, deadline, a closed HTTP connection) aborts the request and
+        gives its KV blocks back.
+        """
+        req_id, stream = submission.req_id, submission.stream
         finished = False
         try:
             while True:
-                ev: RequestEvent = await stream.queue.get()
+                ev = merge_pending(await stream.queue.get(), stream.queue)
                 reply = generate_pb2.GenerateResponse(
                     request_id=req_id, text=ev.text, token_ids=ev.token_ids,
                     logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
@@ -199,9 +198,18 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 # Its queue time counts if it had been scheduled (None if it never was).
                 event = self.router.abort(req_id)
                 if self.metrics is not None:
-                    self.metrics.record_finished("cancelled", None, time.monotonic() - stream.arrival,
+                    self.metrics.record_finished("cancelled", time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
                                                  stream.num_prompt_tokens, stream.num_output_tokens)
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        try:
+            submission = self.submit(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+        async with contextlib.aclosing(self.responses(submission)) as replies:
+            async for reply in replies:
+                yield reply
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
         link = self.router.any_ready()
@@ -293,16 +301,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if self.metrics is None:
             return
         now = time.monotonic()
-        ttft = stream.first_token_at - stream.arrival if stream.first_token_at else None
         reason = FINISH.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
-        self.metrics.record_finished(reason, ttft, now - stream.arrival, ev.queue_s,
+        self.metrics.record_finished(reason, now - stream.arrival, ev.queue_s,
                                      stream.num_prompt_tokens, stream.num_output_tokens)
 
 
 async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
                           ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
                           bound: list | None = None) -> None:
-    """Run the scheduler service until `stop` (or SIGTERM)."""
+    """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports."""
     from zerobubble.metrics import ServiceMetrics, start_metrics_server
 
     metrics = ServiceMetrics(model="", role="scheduler")
@@ -341,6 +348,14 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
     if bound is not None:
         bound.append(("grpc", port))
+    http = None
+    if cfg.http_port >= 0:
+        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+
+        http = await start_http(servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token,
+                                tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
+        print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
     if ready is not None:
         ready.set()
     stop = stop or asyncio.Event()
@@ -352,6 +367,8 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     logger.info("shutting down: draining %d requests for up to %.0fs", len(servicer.streams),
                 cfg.drain_timeout)
     await servicer.drain(cfg.drain_timeout)
+    if http is not None:
+        await http.stop(grace_s=2.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=2.0)
     await router.close()
 

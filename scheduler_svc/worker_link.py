@@ -288,6 +288,3 @@ class WorkerLink:
         self.stats.num_steps += 1
         self.stats.busy_s += result.forward_s
         self.stats.idle_s += result.idle_s
-
-    def now(self) -> float:
-        return time.monotonic()

@@ -314,3 +314,48 @@ def test_hf_compare_ratio_and_agreement() -> None:
     assert (result["agreeing"], result["compared"]) == (1, 2)
     assert result["mismatches"] == [{"index": 1, "first_divergence": 1, "ours_len": 3, "hf_len": 3}]
     assert "1/2 greedy requests agree" in hf_baseline.format_comparison(result)
+
+
+# --- open-loop arrivals --------------------------------------------------------------------------
+
+def test_arrival_times_are_a_seeded_poisson_process() -> None:
+    from zerobubble.bench import arrival_times
+
+    assert arrival_times(5, 0.0) == [0.0] * 5
+    times = arrival_times(4000, 20.0)
+    assert times == arrival_times(4000, 20.0) and times[0] == 0.0
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert all(g >= 0 for g in gaps)
+    mean = sum(gaps) / len(gaps)
+    # Exponential gaps: mean 1/rate, standard deviation 1/rate; 4000 gaps put the mean within
+    # about 0.0008 s of 0.05 (one standard error), so 0.004 is five of them.
+    assert abs(mean - 0.05) < 0.004
+    assert abs(sum(g > 0.05 for g in gaps) / len(gaps) - math.exp(-1)) < 0.04  # P(gap > mean) = 1/e
+
+
+def test_open_loop_starts_no_request_before_its_arrival_and_caps_concurrency() -> None:
+    from zerobubble.bench import arrival_times, drive
+
+    rows = [BenchRow(index=i, kind="", max_tokens=1, prompt="p") for i in range(12)]
+    starts: dict[int, float] = {}
+    in_flight = peak = 0
+
+    async def send(row: BenchRow) -> Completion:
+        nonlocal in_flight, peak
+        starts[row.index] = asyncio.get_running_loop().time()
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await asyncio.sleep(0.05)
+        in_flight -= 1
+        return Completion(token_ids=[row.index])
+
+    async def run() -> tuple[list[Completion], float, float]:
+        t0 = asyncio.get_running_loop().time()
+        done, wall = await drive(rows, send, 2, request_rate=40.0)
+        return done, wall, t0
+
+    done, wall, t0 = asyncio.run(run())
+    assert [c.token_ids for c in done] == [[i] for i in range(12)]
+    arrivals = arrival_times(12, 40.0)
+    assert all(starts[i] - t0 >= arrivals[i] - 0.01 for i in range(12))
+    assert peak <= 2 and wall >= arrivals[-1]

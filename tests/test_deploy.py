@@ -1,27 +1,40 @@
-"""deploy.check passes on the repository and catches what would break a real rollout."""
+"""deploy.check passes on the repository and catches what would break a real rollout.
+
+Overlays are rendered by ``kubectl kustomize`` and the alert rules are checked by ``promtool``;
+tests that need either find it through ``tests.tools.require`` (skipped with the package to
+install when missing, a failure under CI).
+"""
 
 from __future__ import annotations
 
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
 
 from deploy import check as deploy_check
-from deploy.kustomize import (
-    KustomizeError,
-    apply_json6902,
-    render,
-    strategic_merge,
-)
+from deploy import promtool as prom
+from tests.tools import require
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
+RULES = "prometheus/zerobubble-rules.yaml"
+PROMETHEUS_RULE = "k8s/components/monitoring/prometheusrule.yaml"
+
+
+@pytest.fixture
+def kubectl() -> str:
+    return require("kubectl")
+
+
+@pytest.fixture
+def promtool() -> str:
+    return require("promtool")
 
 
 def _copy_deploy(tmp_path: Path) -> Path:
@@ -38,24 +51,68 @@ def _edit(root: Path, rel: str, old: str, new: str) -> None:
     path.write_text(text.replace(old, new))
 
 
-def test_repository_deploy_tree_passes() -> None:
-    result = deploy_check.check(DEPLOY, kustomize_cmd=None)
+@pytest.mark.usefixtures("kubectl")
+def test_repository_deploy_tree_passes(promtool: str) -> None:
+    result = deploy_check.check(DEPLOY, promtool=promtool)
     assert result.problems == []
     assert any("overlays/gpu:" in n and "objects" in n for n in result.notes)
+    # The plain rules file and the PrometheusRule of both monitoring overlays.
+    assert any("promtool: 3 rule document(s) checked, 11 alerts unit-tested" in n
+               for n in result.notes), result.notes
 
 
-def test_module_entry_point_passes() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "deploy.check", "--kustomize", "builtin"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
+@pytest.mark.usefixtures("kubectl")
+def test_module_entry_point_passes(promtool: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "deploy.check", "--overlay", "cpu-demo"],
+                          cwd=REPO, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
-    assert "deploy check passed" in proc.stdout
+    assert "deploy check passed (rendered with kubectl kustomize" in proc.stdout
 
 
-@pytest.mark.skipif(deploy_check.find_kustomize() is None, reason="no kubectl/kustomize here")
-def test_builtin_renderer_matches_real_kustomize() -> None:
-    result = deploy_check.check(DEPLOY, kustomize_cmd=deploy_check.find_kustomize())
-    assert result.problems == []
+def test_what_is_checked_is_what_kubectl_prints(tmp_path: Path, kubectl: str) -> None:
+    # A kubectl that renders with the real one and then changes one image: the checker must
+    # see the change, i.e. it validates kubectl's output and nothing of its own.
+    fake = tmp_path / "kubectl"
+    fake.write_text(textwrap.dedent(f"""\
+        #!{sys.executable}
+        import subprocess, sys
+        out = subprocess.run([{kubectl!r}, *sys.argv[1:]], capture_output=True, text=True,
+                             check=True).stdout
+        print(out.replace("ghcr.io/zerobubble/zerobubble:0.1.0", "ghcr.io/x/zerobubble:latest"))
+    """))
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    result = deploy_check.check(DEPLOY, overlays=["cpu-demo"], kubectl=str(fake), promtool=None)
+    assert any("image 'ghcr.io/x/zerobubble:latest' is not a pinned registry image" in p
+               for p in result.problems), result.problems
+
+
+def test_generated_configmap_names_are_kubectls(kubectl: str) -> None:
+    # The hash suffix kubectl gives a generated ConfigMap is what the pods reference; the
+    # checker's objects carry exactly those names.
+    out = subprocess.run([kubectl, "kustomize", str(DEPLOY / "k8s/overlays/cpu-demo")],
+                         capture_output=True, text=True, check=True).stdout
+    theirs = {d["metadata"]["name"] for d in yaml.safe_load_all(out) if d and
+              d["kind"] == "ConfigMap"}
+    from deploy.manifests import render
+
+    objects = render(DEPLOY / "k8s/overlays/cpu-demo")
+    ours = {o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"}
+    assert ours == theirs and all(len(n.rsplit("-", 1)[-1]) == 10 for n in ours), ours
+    refs = {src["configMapRef"]["name"] for o in objects if o["kind"] in ("Deployment",
+            "StatefulSet") for c in o["spec"]["template"]["spec"]["containers"]
+            for src in c.get("envFrom") or [] if "configMapRef" in src}
+    assert refs <= ours, (refs, ours)
+
+
+def test_missing_tools_are_named(tmp_path: Path) -> None:
+    result = deploy_check.check(DEPLOY, kubectl=str(tmp_path / "kubectl"),
+                                promtool=str(tmp_path / "promtool"))
+    text = "\n".join(result.problems)
+    assert "kubectl: " in text and "not found on PATH" in text and "install kubectl" in text
+    assert "install the 'prometheus' package" in text
+    status = deploy_check.main(["--kubectl", str(tmp_path / "kubectl"),
+                                "--promtool", str(tmp_path / "promtool")])
+    assert status == 1
 
 
 BROKEN = [
@@ -100,9 +157,9 @@ BROKEN = [
     pytest.param("k8s/overlays/gpu/kustomization.yaml", "patches:",
                  "replicas:\n  - name: zerobubble-worker\n    count: 2\npatches:", "gpu",
                  "sets spec.replicas", id="replicas-fight-hpa"),
-    pytest.param("k8s/overlays/cpu-demo/kustomization.yaml", "namespace: zerobubble-demo",
-                 "namespace: zerobubble-demo\nnamePrefix: demo-", "cpu-demo",
-                 "unsupported kustomization field(s) ['namePrefix']", id="unsupported-kustomize"),
+    pytest.param("k8s/overlays/cpu-demo/kustomization.yaml", "  - namespace.yaml",
+                 "  - namespace.yaml\n  - missing.yaml", "cpu-demo",
+                 "render failed: kubectl kustomize", id="kustomize-error"),
     pytest.param("k8s/overlays/cpu-demo/worker.env", "ZEROBUBBLE_DTYPE=float32",
                  "ZEROBUBBLE_DTYPE=float16", "cpu-demo",
                  "`zerobubble worker` rejects its environment: ", id="value-the-cli-rejects"),
@@ -121,172 +178,98 @@ BROKEN = [
 ]
 
 
+@pytest.mark.usefixtures("kubectl")
 @pytest.mark.parametrize(("rel", "old", "new", "overlay", "expected"), BROKEN)
 def test_broken_manifest_is_reported(tmp_path: Path, rel: str, old: str, new: str,
                                      overlay: str, expected: str) -> None:
     root = _copy_deploy(tmp_path)
     _edit(root, rel, old, new)
-    result = deploy_check.check(root, overlays=[overlay], kustomize_cmd=None)
+    result = deploy_check.check(root, overlays=[overlay], promtool=None)
     assert any(expected in p for p in result.problems), "\n".join(result.problems)
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_rules_file_and_prometheusrule_must_agree(tmp_path: Path) -> None:
     root = _copy_deploy(tmp_path)
     _edit(root, "prometheus/zerobubble-rules.yaml", "> 50", "> 80")
-    result = deploy_check.check(root, overlays=["gpu"], kustomize_cmd=None)
+    result = deploy_check.check(root, overlays=["gpu"], promtool=None)
     assert any("spec.groups differ from prometheus/zerobubble-rules.yaml" in p
                for p in result.problems), result.problems
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_every_secret_flag_must_be_reachable_from_some_overlay(tmp_path: Path) -> None:
     root = _copy_deploy(tmp_path)
     shutil.rmtree(root / "k8s" / "overlays" / "gpu-tls")
-    result = deploy_check.check(root, kustomize_cmd=None)
+    result = deploy_check.check(root, promtool=None)
     assert any("--tls-client-ca of `zerobubble worker` is not reachable from any overlay" in p
                for p in result.problems), result.problems
 
 
+@pytest.mark.usefixtures("kubectl")
 def test_main_exits_non_zero_with_a_summary(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     root = _copy_deploy(tmp_path)
     _edit(root, "k8s/base/worker.yaml", "containerPort: 50061", "containerPort: grpc")
-    status = deploy_check.main(["--root", str(root), "--overlay", "cpu-demo",
-                                "--kustomize", "builtin"])
+    status = deploy_check.main(["--root", str(root), "--overlay", "cpu-demo"])
     err = capsys.readouterr().err
     assert status == 1
     assert "containerPort: 'grpc' is not of type 'integer'" in err
     assert "deploy check FAILED" in err
 
 
-def test_external_kustomize_output_is_cross_checked(tmp_path: Path) -> None:
-    # A stand-in for `kubectl kustomize` that renders with our renderer but loses an object:
-    # the checker must notice the two renderings disagree.
-    fake = tmp_path / "fake_kustomize.py"
-    fake.write_text(textwrap.dedent(f"""
-        import sys, yaml
-        sys.path.insert(0, {str(REPO)!r})
-        from pathlib import Path
-        from deploy.kustomize import render
-        objs = [o for o in render(Path(sys.argv[1])) if o["kind"] != "PodDisruptionBudget"]
-        print(yaml.safe_dump_all(objs))
-    """))
-    result = deploy_check.check(DEPLOY, overlays=["cpu-demo"],
-                                kustomize_cmd=[sys.executable, str(fake)])
-    assert any("disagree" in p and "PodDisruptionBudget" in p for p in result.problems)
+# --- alert rules with promtool ------------------------------------------------------------------
+
+def _edit_rules(root: Path, old: str, new: str) -> None:
+    """Edit the plain rules file and the PrometheusRule alike (they must stay equal)."""
+    _edit(root, RULES, old, new)
+    _edit(root, PROMETHEUS_RULE, old, new)
 
 
-# --- the renderer on its own ---------------------------------------------------------------------
-
-def test_strategic_merge_follows_kubernetes_merge_keys() -> None:
-    base: dict[str, Any] = {"spec": {"containers": [
-        {"name": "a", "image": "x", "env": [{"name": "A", "value": "1"}],
-         "ports": [{"containerPort": 1, "name": "p"}], "readinessProbe": {"grpc": {"port": 1}}},
-        {"name": "b", "image": "y"},
-    ], "tolerations": [{"key": "k"}]}}
-    patch: dict[str, Any] = {"spec": {"containers": [
-        {"name": "a", "env": [{"name": "B", "value": "2"}, {"name": "A", "value": "3"}],
-         "readinessProbe": {"grpc": None, "tcpSocket": {"port": 1}}},
-        {"name": "b", "$patch": "delete"},
-    ], "tolerations": [{"key": "other"}]}}
-    merged = strategic_merge(base, patch)
-    (container,) = merged["spec"]["containers"]
-    assert container["image"] == "x"
-    assert container["env"] == [{"name": "B", "value": "2"}, {"name": "A", "value": "3"}]
-    assert container["readinessProbe"] == {"tcpSocket": {"port": 1}}
-    assert container["ports"] == [{"containerPort": 1, "name": "p"}]
-    assert merged["spec"]["tolerations"] == [{"key": "other"}]  # no merge key: replaced
-    assert base["spec"]["containers"][1]["name"] == "b"  # inputs are not mutated
+@pytest.mark.usefixtures("kubectl")
+def test_promql_that_does_not_parse_is_reported(tmp_path: Path, promtool: str) -> None:
+    root = _copy_deploy(tmp_path)
+    _edit_rules(root, '> 50', '> > 50')
+    result = deploy_check.check(root, overlays=["gpu"], promtool=promtool)
+    failed = [p for p in result.problems if "promtool check rules failed" in p]
+    # The plain file and the PrometheusRule rendered in the gpu overlay, each by name.
+    assert any(p.startswith(f"promtool: {RULES}:") for p in failed), result.problems
+    assert any("overlays/gpu: PrometheusRule zerobubble/zerobubble" in p for p in failed)
 
 
-def test_json6902_operations() -> None:
-    doc = {"spec": {"items": [1, 2], "name": "a"}}
-    out = apply_json6902(doc, [
-        {"op": "test", "path": "/spec/name", "value": "a"},
-        {"op": "add", "path": "/spec/items/-", "value": 3},
-        {"op": "replace", "path": "/spec/name", "value": "b"},
-        {"op": "remove", "path": "/spec/items/0"},
-        {"op": "add", "path": "/spec/a~1b", "value": True},
-    ], "inline")
-    assert out == {"spec": {"items": [2, 3], "name": "b", "a/b": True}}
-    with pytest.raises(KustomizeError, match="does not exist"):
-        apply_json6902(doc, [{"op": "replace", "path": "/spec/missing", "value": 1}], "inline")
+@pytest.mark.usefixtures("kubectl")
+def test_an_alert_that_no_longer_fires_as_tested_is_reported(tmp_path: Path,
+                                                               promtool: str) -> None:
+    # The backlog test queues 60 requests; with a threshold of 100 the alert stays silent.
+    root = _copy_deploy(tmp_path)
+    _edit_rules(root, "zerobubble_num_requests_waiting{job=\"zerobubble-scheduler\"}) > 50",
+                "zerobubble_num_requests_waiting{job=\"zerobubble-scheduler\"}) > 100")
+    result = deploy_check.check(root, overlays=["cpu-demo"], promtool=promtool)
+    assert any("promtool test rules failed" in p and "ZerobubbleQueueBacklog" in p
+               for p in result.problems), result.problems
 
 
-def _write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(textwrap.dedent(text).lstrip())
+@pytest.mark.usefixtures("kubectl")
+def test_every_alert_needs_a_firing_and_a_silent_test_case(tmp_path: Path,
+                                                           promtool: str) -> None:
+    root = _copy_deploy(tmp_path)
+    _edit(root, RULES, "  - name: zerobubble.efficiency\n    rules:\n",
+          "  - name: zerobubble.efficiency\n    rules:\n"
+          "      - alert: ZerobubbleNoTraffic\n"
+          "        expr: sum(rate(zerobubble_generation_tokens_total[5m])) == 0\n"
+          "        for: 1h\n")
+    result = deploy_check.check(root, overlays=["cpu-demo"], promtool=promtool)
+    assert ("prometheus: alert ZerobubbleNoTraffic has no promtool test case where it fires or "
+            "where it stays silent") in result.problems, result.problems
 
 
-def test_generated_configmap_is_hashed_and_references_follow(tmp_path: Path) -> None:
-    _write(tmp_path / "base/kustomization.yaml", """
-        resources: [deploy.yaml]
-        configMapGenerator:
-          - name: cfg
-            literals: [A=1]
-          - name: fixed
-            literals: [B=2]
-            options: {disableNameSuffixHash: true}
-    """)
-    _write(tmp_path / "base/deploy.yaml", """
-        apiVersion: apps/v1
-        kind: Deployment
-        metadata: {name: d}
-        spec:
-          selector: {matchLabels: {app: d}}
-          template:
-            metadata: {labels: {app: d}}
-            spec:
-              containers:
-                - name: c
-                  image: r/i:1
-                  envFrom: [{configMapRef: {name: cfg}}]
-              volumes: [{name: v, configMap: {name: fixed}}]
-    """)
-    _write(tmp_path / "overlay/kustomization.yaml", """
-        namespace: ns
-        resources: [../base]
-        configMapGenerator:
-          - name: cfg
-            behavior: merge
-            literals: [A=2]
-        patches:
-          - target: {kind: Deployment, name: d}
-            patch: |
-              - op: replace
-                path: /spec/template/spec/containers/0/image
-                value: r/i:2
-    """)
-    base = {o["kind"]: o for o in render(tmp_path / "base")}
-    overlay = render(tmp_path / "overlay")
-    cms = {o["metadata"]["name"].split("-")[0]: o for o in overlay if o["kind"] == "ConfigMap"}
-    deployment = next(o for o in overlay if o["kind"] == "Deployment")
-    pod = deployment["spec"]["template"]["spec"]
-    assert cms["cfg"]["data"] == {"A": "2"}
-    assert cms["fixed"]["metadata"]["name"] == "fixed"
-    assert pod["containers"][0]["envFrom"][0]["configMapRef"]["name"] == \
-        cms["cfg"]["metadata"]["name"]
-    assert pod["containers"][0]["image"] == "r/i:2"
-    assert deployment["metadata"]["namespace"] == "ns"
-    # A changed value changes the name, which is what rolls the pods.
-    base_ref = base["Deployment"]["spec"]["template"]["spec"]["containers"][0]["envFrom"][0]
-    assert base_ref["configMapRef"]["name"] != cms["cfg"]["metadata"]["name"]
-    assert "annotations" not in cms["cfg"]["metadata"]  # internal marker removed
-
-
-def test_files_outside_the_kustomization_are_refused(tmp_path: Path) -> None:
-    _write(tmp_path / "secret.env", "A=1\n")
-    _write(tmp_path / "k/kustomization.yaml", """
-        configMapGenerator:
-          - name: cfg
-            envs: [../secret.env]
-    """)
-    with pytest.raises(KustomizeError, match="outside the kustomization directory"):
-        render(tmp_path / "k")
-
-
-def test_rendered_overlays_are_plain_yaml_objects() -> None:
-    # kubectl apply needs real YAML; anything our renderer leaves behind must serialize.
-    for overlay in ("cpu-demo", "gpu", "gpu-tls"):
-        objects = render(DEPLOY / "k8s" / "overlays" / overlay)
-        assert yaml.safe_load_all(yaml.safe_dump_all(objects))
-        assert not any("zerobubble.internal" in str(o) for o in objects)
+def test_untested_alerts_counts_firing_and_silent_cases_separately() -> None:
+    groups = [{"name": "g", "rules": [{"alert": "A", "expr": "1"}, {"alert": "B", "expr": "1"},
+                                      {"record": "r", "expr": "1"}]}]
+    tests = [{"tests": [{"alert_rule_test": [
+        {"alertname": "A", "eval_time": "1m", "exp_alerts": [{"exp_labels": {}}]},
+        {"alertname": "A", "eval_time": "2m", "exp_alerts": []},
+        {"alertname": "B", "eval_time": "1m"},
+    ]}]}]
+    assert prom.untested_alerts(groups, tests) == [
+        "alert B has no promtool test case where it fires"]

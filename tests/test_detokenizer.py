@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,26 +16,12 @@ from tests.sim_worker import EOS_ID, make_toy_tokenizer, make_toy_tokenizer_json
 TOY = make_toy_tokenizer()
 
 
-def _smollm_dir() -> Path | None:
-    """The converted SmolLM2 directory, if some earlier step produced it."""
-    cache = Path(os.environ.get("ZEROBUBBLE_CACHE_DIR") or Path.home() / ".cache" / "zerobubble")
-    for candidate in (cache / "models" / "smollm2-135m", Path("/tmp/smol")):
-        if (candidate / "tokenizer.json").is_file() and (
-            candidate / "chat_template.jinja"
-        ).is_file():
-            return candidate
-    return None
-
-
-SMOL_DIR = _smollm_dir()
-needs_smollm = pytest.mark.skipif(SMOL_DIR is None, reason="converted SmolLM2 model not present")
-
-
-def _smol_tokenizer() -> Tokenizer:
-    assert SMOL_DIR is not None
+@pytest.fixture(scope="module")
+def smol_tokenizer(smollm2_dir: Path) -> Tokenizer:
+    """Our tokenizer over the embedded SmolLM2 files (converted once by the session fixture)."""
     return Tokenizer(
-        (SMOL_DIR / "tokenizer.json").read_text(),
-        (SMOL_DIR / "chat_template.jinja").read_text(),
+        (smollm2_dir / "tokenizer.json").read_text(),
+        (smollm2_dir / "chat_template.jinja").read_text(),
         "<|im_start|>",
         "<|im_end|>",
     )
@@ -94,13 +79,13 @@ def test_chat_template_is_sandboxed() -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer() -> Any:
+def hf_tokenizer(smollm2_dir: Path) -> Any:
     """transformers' tokenizer for the same directory (tests may import transformers)."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(SMOL_DIR))
+    import transformers
+
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_dir))
 
 
-@needs_smollm
 @pytest.mark.parametrize(
     "messages",
     [
@@ -115,10 +100,10 @@ def hf_tokenizer() -> Any:
     ],
 )
 def test_chat_template_matches_transformers(
-    messages: list[dict[str, str]], hf_tokenizer: Any
+    messages: list[dict[str, str]], hf_tokenizer: Any, smol_tokenizer: Tokenizer
 ) -> None:
     hf = hf_tokenizer
-    ours = _smol_tokenizer()
+    ours = smol_tokenizer
     for add_generation_prompt in (True, False):
         expected = hf.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=True
@@ -128,10 +113,9 @@ def test_chat_template_matches_transformers(
         assert ours.apply_chat_template(messages, add_generation_prompt) == expected
 
 
-@needs_smollm
-def test_smollm_encode_decode_match_transformers(hf_tokenizer: Any) -> None:
+def test_smollm_encode_decode_match_transformers(hf_tokenizer: Any, smol_tokenizer: Tokenizer) -> None:
     hf = hf_tokenizer
-    ours = _smol_tokenizer()
+    ours = smol_tokenizer
     text = "  Hello, wörld! 😀 日本語 <|im_end|> tab\tend"
     ids = ours.encode(text)
     assert ids == hf(text, add_special_tokens=False)["input_ids"]
@@ -169,10 +153,9 @@ def test_special_tokens_are_skipped_or_kept() -> None:
     assert "".join(detok.append(t)[0] for t in ids) + detok.flush() == "h<|eos|>i"
 
 
-@needs_smollm
 @pytest.mark.parametrize("text", ["😀👍🏽 fine", "日本語のテキスト", "naïve café — ok", " a  b\n\nc"])
-def test_smollm_incremental_matches_decode(text: str) -> None:
-    tok = _smol_tokenizer()
+def test_smollm_incremental_matches_decode(text: str, smol_tokenizer: Tokenizer) -> None:
+    tok = smol_tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     ids = tok.encode(text)
     chunks, _ = _stream(tok, prompt, ids, [])

@@ -49,7 +49,8 @@ class SlowStub:
 def test_sigterm_drains_running_requests_then_cancels_the_rest(monkeypatch) -> None:
     monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", SlowStub)
     monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
-    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, drain_timeout=0.6)
+    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1,
+                                 drain_timeout=0.6)
 
     async def scenario():
         stop, ready, bound = asyncio.Event(), asyncio.Event(), []
@@ -115,12 +116,13 @@ def test_registries_carry_process_and_gc_collectors(role: str) -> None:
 def test_client_deadline_frees_blocks_and_a_stalled_reader_gets_everything(monkeypatch) -> None:
     """A deadline aborts the request and returns its KV blocks; a client that stops reading
     does not hold up another stream, and when it reads again it gets every token exactly once
-    in a few merged messages (its buffer is one pending event, not one per step)."""
+    (the events waiting behind a blocked write go out merged, see `merge_pending`)."""
     from tests.test_metrics_e2e import scrape, total
 
     monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", SlowStub)
     monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
-    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=0, drain_timeout=0.1)
+    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=0, http_port=-1,
+                                 drain_timeout=0.1)
 
     def request(max_tokens: int):
         return build_request(token_ids=[120, 121, 122, 32, 97], max_tokens=max_tokens,
@@ -164,21 +166,3 @@ def test_client_deadline_frees_blocks_and_a_stalled_reader_gets_everything(monke
     tokens = [t for r in replies for t in r.token_ids]
     assert tokens == reference.token_ids and len(tokens) == 60
     assert replies[-1].num_output_tokens == 60
-
-
-def test_event_buffer_merges_what_the_client_has_not_read() -> None:
-    """Once gRPC's flow-control window is full, a non-reading client's events pile up here:
-    they merge into one pending event (bounded by the request's own output)."""
-    from scheduler_svc.scheduler import FINISH_MAX_TOKENS, RequestEvent
-    from scheduler_svc.server import EventBuffer
-
-    buf = EventBuffer()
-    for i in range(1000):
-        done = FINISH_MAX_TOKENS if i == 999 else None
-        buf.put(RequestEvent(req_id="a", token_ids=[i], text=f"{i},", logprobs=[], finish_reason=done,
-                             num_prompt_tokens=3, num_output_tokens=i + 1, num_cached_tokens=0))
-    assert buf.num_pending_tokens() == 1000
-    ev = asyncio.run(buf.get())
-    assert ev.token_ids == list(range(1000)) and ev.text == "".join(f"{i}," for i in range(1000))
-    assert ev.finish_reason == FINISH_MAX_TOKENS and ev.num_output_tokens == 1000
-    assert buf.num_pending_tokens() == 0

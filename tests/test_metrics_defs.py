@@ -54,7 +54,7 @@ def _record_everything(m: ServiceMetrics, worker: str = "w0") -> None:
     m.record_step(worker, forward_s=0.004, idle_s=0.0005, num_drafts=2, num_draft_tokens=8,
                   num_accepted=5, accepted_per_pos=[2, 2, 1, 0])
     m.observe_ttft(0.05)
-    m.record_finished("eos", ttft_s=0.05, e2e_s=1.2, queue_s=0.01, num_prompt_tokens=17,
+    m.record_finished("eos", e2e_s=1.2, queue_s=0.01, num_prompt_tokens=17,
                       num_generation_tokens=40)
     m.observe_inter_token(0.02)
     m.add_rolled_back(3)
@@ -151,10 +151,10 @@ def test_two_instances_do_not_share_state() -> None:
 
 def test_finished_reason_accepts_proto_names_and_rejects_unknown() -> None:
     m = ServiceMetrics(model="m")
-    m.record_finished("FINISH_REASON_MAX_TOKENS", ttft_s=0.5, e2e_s=1.0, queue_s=0.0,
+    m.record_finished("FINISH_REASON_MAX_TOKENS", e2e_s=1.0, queue_s=0.0,
                       num_prompt_tokens=1, num_generation_tokens=1)
     # Cancelled while queued: no queue time to record, and no TTFT either.
-    m.record_finished("cancelled", None, 2.0, None, 5, 0)
+    m.record_finished("cancelled", 2.0, None, 5, 0)
     s = _scrape(m)
     assert _value(s, "zerobubble_request_success_total", finished_reason="max_tokens") == 1
     assert _value(s, "zerobubble_request_success_total", finished_reason="cancelled") == 1
@@ -169,8 +169,8 @@ def test_unknown_finished_reason_is_counted_as_error_and_logged(
         caplog: pytest.LogCaptureFixture) -> None:
     m = ServiceMetrics(model="m")
     with caplog.at_level(logging.WARNING, logger="zerobubble.metrics"):
-        m.record_finished("timeout", None, 1.0, 0.0, 1, 1)
-        m.record_finished("FINISH_REASON_UNSPECIFIED", None, 1.0, 0.0, 1, 1)
+        m.record_finished("timeout", 1.0, 0.0, 1, 1)
+        m.record_finished("FINISH_REASON_UNSPECIFIED", 1.0, 0.0, 1, 1)
     s = _scrape(m)
     # Bounded label values only: no 'timeout' series appears.
     reasons = {lab["finished_reason"] for _, lab, _ in s["zerobubble_request_success_total"]}

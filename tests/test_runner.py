@@ -9,45 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.tokenizer import Tokenizer
+from tests.drive import run_job
 from tests.e2e import TEST_MAX_TOKENS, hf_reference, prompt_ids
 from tests.hf_oracle import report_divergence
-from worker_svc.server import WorkerConfig, build_runner, tokenizer_fields
+from worker_svc.runner import PlanError
+from worker_svc.server import WorkerConfig, build_runner
 from zerobubble.api import worker_pb2
 
 pytestmark = pytest.mark.timeout(900)
-
-
-def run_job(runner, requests: list[tuple[str, list[int], dict]], *, window: int = 2,
-            max_num_batched_tokens: int = 256, max_num_seqs: int = 64) -> dict[str, list[int]]:
-    """Run requests to completion through Scheduler + runner; returns req_id -> output ids."""
-    cfg = runner.config
-    info = worker_pb2.WorkerInfo(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                                 max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                 num_spec_tokens=runner.num_spec_tokens,
-                                 eos_token_ids=runner.loaded.eos_token_ids,
-                                 vocab_size=runner.loaded.hf_config.vocab_size)
-    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                             max_num_seqs=max_num_seqs).with_worker(info)
-    fields = tokenizer_fields(runner.loaded.path)
-    scheduler = Scheduler(config, Tokenizer(fields["tokenizer_json"], fields["chat_template"],
-                                            fields["bos_token"], fields["eos_token"]))
-    runner.reset()
-    for req_id, ids, params in requests:
-        scheduler.add_request(req_id, ids, **params)
-    outputs: dict[str, list[int]] = {req_id: [] for req_id, _, _ in requests}
-    inflight = []
-    while scheduler.has_unfinished() or inflight:
-        while len(inflight) < window and (plan := scheduler.schedule()) is not None:
-            inflight.append(runner.execute(plan))
-        if not inflight:
-            break
-        result = inflight.pop(0).materialize(0.0, runner.num_spec_tokens)
-        assert not result.error, result.error
-        for ev in scheduler.on_step_result(result):
-            outputs[ev.req_id].extend(ev.token_ids)
-    return outputs
 
 
 @pytest.fixture(scope="module")
@@ -85,3 +54,31 @@ def test_seeded_sampling_is_independent_of_batch_size_and_order(runner, smollm2_
     assert len({tuple(v) for v in batched.values()}) == len(batched)
     greedy = run_job(runner, [(f"g{i}", p, dict(max_tokens=24)) for i, p in enumerate(prompts)])
     assert any(greedy[f"g{i}"] != batched[f"r{i}"] for i in range(len(prompts)))
+
+
+@pytest.mark.parametrize("bad", ["block_out_of_range", "unknown", "decode_first", "too_many_drafts",
+                                 "twice"])
+def test_a_bad_row_leaves_no_half_admitted_slot(runner, bad: str):
+    """The whole plan is checked before any admission: a plan rejected for its last row admits
+    nothing, so its first (valid, new) row does not keep a state slot or blocks."""
+    runner.reset()
+    good = worker_pb2.ScheduledRequest(req_id="good", token_ids=[1, 2, 3], new_block_ids=[0],
+                                       is_new=True, sample=True)
+    bad_row = {
+        "block_out_of_range": worker_pb2.ScheduledRequest(
+            req_id="bad", token_ids=[1], new_block_ids=[runner.config.num_blocks], is_new=True),
+        "unknown": worker_pb2.ScheduledRequest(req_id="bad", token_ids=[1]),
+        "decode_first": worker_pb2.ScheduledRequest(req_id="bad", is_new=True, new_block_ids=[1]),
+        "too_many_drafts": worker_pb2.ScheduledRequest(
+            req_id="bad", is_new=True, new_block_ids=[1], num_draft_slots=runner.num_spec_tokens + 1),
+        "twice": good,
+    }[bad]
+    free_before = list(runner.free_slots)
+    with pytest.raises(PlanError, match="request (bad|good)"):
+        runner.execute(worker_pb2.StepPlan(step_id=1, requests=[good, bad_row]))
+    assert runner.slots == {} and runner.slots_by_index == {}
+    assert runner.free_slots == free_before
+    # The runner still executes the valid row on its own.
+    result = runner.execute(worker_pb2.StepPlan(step_id=2, requests=[good])).materialize(0.0, 0)
+    assert len(result.results[0].token_ids) == 1
+    runner.reset()

@@ -273,7 +273,8 @@ class CausalLM:
         cos = self.rope_cos[positions].unsqueeze(1)
         sin = self.rope_sin[positions].unsqueeze(1)
         plan: AttentionPlan | None = None
-        if not use_triton(input_ids, None) and num_tokens > 0:
+        # The torch path's plan reads host values: only on the CPU, where they are host memory.
+        if not use_triton(input_ids, None) and input_ids.device.type == "cpu" and num_tokens > 0:
             plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads)
         x = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):

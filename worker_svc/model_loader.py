@@ -51,7 +51,7 @@ class LoadedModel:
     name: str
     path: Path
     hf_config: Any
-    model: CausalLM
+    model: CausalLM | None  # None when loaded without weights (a simulated device)
     tokenizer_file: Path
     eos_token_ids: list[int]
     max_model_len: int
@@ -89,10 +89,11 @@ def resolve_model(spec: str) -> Path:
 
 
 def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               prepack: bool = True) -> LoadedModel:
+               prepack: bool = True, weights: bool = True) -> LoadedModel:
     """Resolve ``spec`` and load its weights into our Llama-family forward.
 
     ``prepack``: lay linear weights out for oneDNN on CPU (:mod:`kernels.linear`).
+    ``weights=False``: config, tokenizer and EOS ids only (``model`` is None).
 
     Raises:
         ModelLoadError: the model is missing, malformed or of an unsupported family.
@@ -107,6 +108,17 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torc
         hf_config = AutoConfig.from_pretrained(path)
     except Exception as exc:  # transformers raises many types for a malformed config
         raise ModelLoadError(f"model directory {str(path)!r}: cannot read config.json: {exc}") from exc
+    loaded = LoadedModel(
+        name=EMBEDDED_MODEL_NAME if spec == EMBEDDED_MODEL_NAME else Path(spec).name,
+        path=path,
+        hf_config=hf_config,
+        model=None,
+        tokenizer_file=path / "tokenizer.json",
+        eos_token_ids=_eos_token_ids(path, hf_config),
+        max_model_len=int(hf_config.max_position_embeddings),
+    )
+    if not weights:
+        return loaded
     try:
         model = build_model(hf_config, torch_dtype, torch.device(device), prepack)
     except ValueError as exc:
@@ -123,15 +135,8 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torc
         raise ModelLoadError(f"model directory {str(path)!r}: weights do not match config.json: {exc}") from exc
     del state_dict
     logger.info("loaded %s (%s, %s) in %.2fs", path, torch_dtype, device, time.perf_counter() - started)
-    return LoadedModel(
-        name=EMBEDDED_MODEL_NAME if spec == EMBEDDED_MODEL_NAME else Path(spec).name,
-        path=path,
-        hf_config=hf_config,
-        model=model,
-        tokenizer_file=path / "tokenizer.json",
-        eos_token_ids=_eos_token_ids(path, hf_config),
-        max_model_len=int(hf_config.max_position_embeddings),
-    )
+    loaded.model = model
+    return loaded
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:

@@ -15,6 +15,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -25,6 +26,8 @@ from kernels.verify import count_accepted, rejection_sample
 from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
 from worker_svc.proposers import Proposer
+from worker_svc import staging
+from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
 from worker_svc.sampler import SEED_MASK, SamplingTensors, sample, target_probs, token_logprobs
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
@@ -47,6 +50,9 @@ class RunnerConfig:
     max_num_seqs: int = default_of(WorkerConfig, "max_num_seqs")
     max_model_len: int = 2048
     num_spec_tokens: int = 0  # K: the most draft slots any decode may carry
+    # Replay decode-only steps through CUDA graphs (worker_svc/cuda_graphs.py); emulated with
+    # the same padded buffers off CUDA (tests).
+    cuda_graphs: bool = False
 
 
 @dataclass(slots=True)
@@ -72,6 +78,63 @@ class SlotInfo:
 
 
 @dataclass(slots=True)
+class SampledRows:
+    """The rows of a step that sample (or verify) tokens, and where their logits come from.
+
+    Logits are computed only for real slots: every fed slot of a decode row, the last token of a
+    sampling prefill chunk. A trimmed decode row has fewer than K+1 slots, so per-slot values are
+    spread back to ``[num_rows, K+1]`` by ``pad`` (which repeats a row's last slot).
+    """
+
+    rows: list[int]                  # indices into the step's rows
+    rows_t: torch.Tensor             # [S] int64, the same on the device
+    slots: torch.Tensor              # [S] int32 state slots
+    gather: torch.Tensor             # [G] int64 flat token index of every real slot
+    pad: torch.Tensor | None         # [S*(K+1)] int64 index into the G slots; None: G == S*(K+1)
+    num_cols: torch.Tensor           # [S] int32 real slots per row
+    row_start: torch.Tensor          # [S] int64 flat index of each row's first slot
+    positions: torch.Tensor          # [G] int64 absolute position of each sampled token
+    sampling: SamplingTensors        # one row per real slot
+    logprob_index: torch.Tensor | None  # [G] int64: ``[S, K+1]`` tokens -> real slots (padded, logprobs wanted)
+    want_logprobs: bool
+
+    def spread(self, t: torch.Tensor, width: int) -> torch.Tensor:
+        """Per-slot values ``[G, ...]`` -> ``[S, width, ...]``."""
+        return (t[self.pad] if self.pad is not None else t).view(len(self.rows), width, *t.shape[1:])
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """One plan as device inputs: built by `prepare`, read by `run_model` and `sample`."""
+
+    step_id: int
+    req_ids: list[str]
+    rows: list[SlotInfo]
+    num_tokens: int
+    req_slots: torch.Tensor       # [R] int32 state slot of each row
+    is_decode: torch.Tensor       # [R] bool
+    num_scheduled: torch.Tensor   # [R] int32 tokens fed per row
+    do_sample: torch.Tensor       # [R] bool
+    input_ids: torch.Tensor       # [T]
+    positions: torch.Tensor       # [T]
+    meta: AttentionMetadata
+    want_logprobs: list[bool]     # per row
+    sampled: SampledRows | None   # None when no row samples
+    row_widths: list[int] = field(default_factory=list)  # host copy of num_scheduled
+    all_decode: bool = False      # every row is a decode (a CUDA graph may replay it)
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """What sampling and verification produced for the sampled rows (still on the device)."""
+
+    tokens: torch.Tensor          # [S, K+1] sampled tokens; the first num_accepted+1 are emitted
+    num_accepted: torch.Tensor    # [S] accepted drafts
+    num_verified: torch.Tensor    # [S] drafts actually verified (real drafts fed)
+    logprobs: torch.Tensor | None  # [S, K+1]
+
+
+@dataclass(slots=True)
 class PendingResult:
     """A step whose outputs may still be on the device; `materialize` copies them to the host."""
 
@@ -86,15 +149,19 @@ class PendingResult:
     num_tokens: int
     forward_s: float
     ready: object | None = None      # CUDA event after the async device-to-host copy
-    extra: dict = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # rows left out: req_id -> why
+    # A simulated device's own idle time before this step; it replaces the step thread's wait
+    # for the plan, which says nothing about a device that runs behind the host.
+    idle_s: float | None = None
 
     def materialize(self, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
-        """Wait for the copy (if any) and build the wire result."""
+        """Wait for the copy (if any) and build the wire result (`idle_s`: the step thread's
+        wait for this plan while requests were live)."""
         if self.ready is not None:
             self.ready.synchronize()
         result = worker_pb2.StepResult(step_id=self.step_id, forward_s=self.forward_s,
-                                       idle_s=idle_s, num_tokens=self.num_tokens)
+                                       idle_s=idle_s if self.idle_s is None else self.idle_s,
+                                       num_tokens=self.num_tokens)
         accepted_per_pos = [0] * num_spec_tokens
         by_row: dict[int, int] = {row: i for i, row in enumerate(self.sampled_rows)}
         tokens = self.out_tokens.tolist() if self.out_tokens is not None else []
@@ -120,27 +187,57 @@ class PendingResult:
         return result
 
 
+class SimulatedStep(Protocol):
+    """Stands in for `run_model` + `sample` (`worker_svc.simulated.SimulatedDevice`)."""
+
+    def step(self, runner: ModelRunner, batch: StepBatch) -> PendingResult:
+        """Tokens and verification for ``batch``, then ``runner.advance``; the result."""
+        ...
+
+    def reset(self) -> None:
+        """The runner forgot every request (a new scheduler stream)."""
+        ...
+
+
 def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
-    # One host-to-device copy per list; pinned staging is not worth it at these sizes.
-    return torch.tensor(values, dtype=dtype, device=device)
+    # Pinned staging and an async copy: a pageable copy would wait for the previous step.
+    return staging.to_device(values, dtype, device)
 
 
 class ModelRunner:
-    """Holds the model, its paged KV cache and the persistent batch state; executes plans."""
+    """Holds the model, its paged KV cache and the persistent batch state; executes plans.
+
+    A step is three calls: `prepare` (admit rows, build inputs, positions, slot mapping,
+    attention metadata and sampling tensors), `run_model` (the forward and the logits of the
+    sampled slots) and `sample` (sample, verify, logprobs, advance the device state, propose
+    the next drafts, start the result copy).
+    """
 
     def __init__(self, loaded: LoadedModel, config: RunnerConfig,
-                 proposer: Proposer | None = None) -> None:
+                 proposer: Proposer | None = None,
+                 simulator: SimulatedStep | None = None) -> None:
+        """``simulator``: run on a simulated device instead of the model (``loaded.model`` may
+        then be None; no KV cache is allocated)."""
         self.loaded = loaded
         self.model = loaded.model
         self.config = config
-        self.device = loaded.model.device
+        self.simulator = simulator
         self.proposer = proposer
         self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
-        self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks, config.block_size,
-                                           loaded.model.dtype, self.device)
         # Room for the lookahead slots a step may feed past max_model_len's last block.
-        max_blocks = -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
-        self.max_blocks_per_seq = max_blocks
+        self.max_blocks_per_seq = -(-(config.max_model_len + config.num_spec_tokens + 1)
+                                    // config.block_size) + 1
+        widths = draft_widths(self.num_spec_tokens)
+        # Padding rows of graphed steps write into blocks past the scheduler's (never handed out).
+        num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
+        if simulator is None:
+            self.device = loaded.model.device
+            self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks + num_scratch,
+                                               config.block_size, loaded.model.dtype, self.device)
+        else:
+            self.device = torch.device("cpu")
+            self.kv_caches = []
+        max_blocks = self.max_blocks_per_seq
         num_slots = config.max_num_seqs
         k = max(self.num_spec_tokens, 1)
         z = dict(dtype=torch.int32, device=self.device)
@@ -169,7 +266,17 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-        self.trim_empty_drafts = self.device.type == "cpu"
+        # Off the CPU the host never reads device values during a step (see worker_svc/staging.py).
+        self.accelerator = staging.is_accelerator(self.device)
+        # A simulated device stands for an accelerator too: the host never reads device state.
+        self.trim_empty_drafts = not self.accelerator and simulator is None
+        self.graphs: DecodeGraphs | None = None
+        if config.cuda_graphs and simulator is None:
+            self.graphs = DecodeGraphs(self._forward_logits, self.device,
+                                       batch_buckets(config.max_num_seqs), widths, config.block_size,
+                                       config.num_blocks, max_blocks,
+                                       capture=self.device.type == "cuda")
+            self.graphs.capture_all()
 
     # -- request state -------------------------------------------------------------------------
 
@@ -177,6 +284,8 @@ class ModelRunner:
         """Forget every request (a new scheduler stream starts from scratch)."""
         for req_id in list(self.slots):
             self.release(req_id)
+        if self.simulator is not None:
+            self.simulator.reset()
         self.failed.clear()
 
     def fail_requests(self, req_ids: list[str], error: str) -> None:
@@ -194,16 +303,60 @@ class ModelRunner:
         del self.slots_by_index[info.slot]
         self.state.num_drafts[info.slot] = 0
         self.free_slots.append(info.slot)
-        if self.proposer is not None:
-            self.proposer.release(info.slot)
+
+    def kv_usage(self) -> float:
+        """KV blocks held by live requests (shared prefix blocks once) / all blocks."""
+        held = set()
+        # A snapshot: the service thread reads this while the step thread admits requests.
+        for info in list(self.slots.values()):
+            held.update(info.block_ids)
+        return len(held) / self.config.num_blocks
+
+    def _validate(self, plan: worker_pb2.StepPlan) -> None:
+        """Check every entry of a plan against the current state before anything changes.
+
+        Runs after the plan's finish notices are applied and before any admission, so a plan
+        with one bad row leaves no half-admitted slot behind.
+        """
+        num_free = len(self.free_slots)
+        seen: set[str] = set()
+        for entry in plan.requests:
+            req_id = entry.req_id
+            if req_id in seen:
+                raise PlanError(f"request {req_id}: scheduled twice in one plan")
+            seen.add(req_id)
+            info = self.slots.get(req_id)
+            if entry.is_new:
+                # A resumed request whose finish notice was folded into the same plan gives
+                # its old slot back first.
+                num_free += (info is not None) - 1
+                if num_free < 0:
+                    raise PlanError(f"request {req_id}: no free state slot "
+                                    f"(max_num_seqs={self.config.max_num_seqs})")
+                num_held, has_sample = 0, False
+            elif info is None:
+                raise PlanError(f"request {req_id}: unknown to this worker and not is_new")
+            else:
+                num_held, has_sample = len(info.block_ids), info.has_sample
+            new = entry.new_block_ids
+            if new:
+                if num_held + len(new) > self.max_blocks_per_seq:
+                    raise PlanError(f"request {req_id}: block table would hold "
+                                    f"{num_held + len(new)} blocks, more than max_model_len "
+                                    f"allows ({self.max_blocks_per_seq})")
+                if min(new) < 0 or max(new) >= self.config.num_blocks:
+                    raise PlanError(f"request {req_id}: block id out of range "
+                                    f"[0, {self.config.num_blocks})")
+            if not entry.token_ids:  # a decode
+                if not has_sample:
+                    raise PlanError(f"request {req_id}: decode step before any sample")
+                if entry.num_draft_slots > self.num_spec_tokens:
+                    raise PlanError(f"request {req_id}: {entry.num_draft_slots} draft slots, "
+                                    f"worker proposes at most {self.num_spec_tokens}")
 
     def _admit(self, entry: worker_pb2.ScheduledRequest) -> SlotInfo:
-        if entry.req_id in self.slots:
-            # A resumed request whose finish notice was folded into the same plan.
-            self.release(entry.req_id)
-        if not self.free_slots:
-            raise PlanError(f"request {entry.req_id}: no free state slot "
-                            f"(max_num_seqs={self.config.max_num_seqs})")
+        """Give a new (or resumed) request a state slot; `_validate` checked that one is free."""
+        self.release(entry.req_id)
         slot = self.free_slots.pop()
         info = SlotInfo(slot=slot, block_ids=[], sampling=entry.sampling)
         self.slots[entry.req_id] = info
@@ -214,28 +367,10 @@ class ModelRunner:
             self.proposer.admit(slot, entry.num_cached_tokens)
         return info
 
-    def _append_blocks(self, info: SlotInfo, entry: worker_pb2.ScheduledRequest) -> None:
-        new = list(entry.new_block_ids)
-        if not new:
-            return
+    def _append_blocks(self, info: SlotInfo, new: list[int]) -> None:
         start = len(info.block_ids)
-        end = start + len(new)
-        if end > self.max_blocks_per_seq:
-            raise PlanError(f"request {entry.req_id}: block table would hold {end} blocks, "
-                            f"more than max_model_len allows ({self.max_blocks_per_seq})")
-        if min(new) < 0 or max(new) >= self.config.num_blocks:
-            raise PlanError(f"request {entry.req_id}: block id out of range "
-                            f"[0, {self.config.num_blocks})")
-        self.state.block_table[info.slot, start:end] = _to_device_list(new, self.device)
+        staging.write(self.state.block_table[info.slot, start:start + len(new)], new)
         info.block_ids.extend(new)
-
-    def kv_usage(self) -> float:
-        """KV blocks held by live requests (shared prefix blocks once) / all blocks."""
-        held = set()
-        # A snapshot: the service thread reads this while the step thread admits requests.
-        for info in list(self.slots.values()):
-            held.update(info.block_ids)
-        return len(held) / self.config.num_blocks
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -275,8 +410,8 @@ class ModelRunner:
                 return (f"request {req_id}: {entry.num_draft_slots} draft slots, worker "
                         f"proposes at most {self.num_spec_tokens}")
         else:
-            vocab_size = self.loaded.hf_config.vocab_size
-            if min(entry.token_ids) < 0 or max(entry.token_ids) >= vocab_size:
+            vocab_size = getattr(getattr(self.loaded, "hf_config", None), "vocab_size", 0)
+            if vocab_size and (min(entry.token_ids) < 0 or max(entry.token_ids) >= vocab_size):
                 return f"request {req_id}: token id outside the vocabulary [0, {vocab_size})"
         return None
 
@@ -321,9 +456,31 @@ class ModelRunner:
         if self.test_fault_hook is not None:
             self.test_fault_hook(plan, None)
         entries, errors = self._runnable(plan)
-        if not entries:
+        if errors:  # run the others as if the bad rows had never been planned
+            plan = worker_pb2.StepPlan(step_id=plan.step_id, requests=entries)
+        batch = self.prepare(plan)
+        if batch is None:
             return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0,
                                  errors=errors)
+        if self.simulator is not None:
+            pending = self.simulator.step(self, batch)
+            pending.errors = errors
+            return pending
+        logits = self.run_model(batch)
+        pending = self.sample(batch, logits)
+        pending.forward_s = time.perf_counter() - start
+        pending.errors = errors
+        return pending
+
+    def prepare(self, plan: worker_pb2.StepPlan) -> StepBatch | None:
+        """Apply the plan's finish notices and admissions, then build the step's device inputs:
+        input ids (decode rows from the device state), positions, slot mapping, attention
+        metadata and sampling tensors. None when the plan runs nothing."""
+        for req_id in plan.finished_req_ids:
+            self.release(req_id)
+        if not plan.requests:
+            return None
+        self._validate(plan)
 
         rows: list[SlotInfo] = []
         req_ids: list[str] = []
@@ -331,18 +488,12 @@ class ModelRunner:
         is_decode: list[bool] = []
         do_sample: list[bool] = []
         prefill_ids: list[int] = []
-        for entry in entries:
-            info = self._admit(entry) if entry.is_new else self.slots.get(entry.req_id)
-            if info is None:
-                raise PlanError(f"request {entry.req_id}: unknown to this worker and not is_new")
-            self._append_blocks(info, entry)
+        for entry in plan.requests:
+            info = self._admit(entry) if entry.is_new else self.slots[entry.req_id]
+            if entry.new_block_ids:
+                self._append_blocks(info, list(entry.new_block_ids))
             decode = len(entry.token_ids) == 0
             if decode:
-                if not info.has_sample:
-                    raise PlanError(f"request {entry.req_id}: decode step before any sample")
-                if entry.num_draft_slots > self.num_spec_tokens:
-                    raise PlanError(f"request {entry.req_id}: {entry.num_draft_slots} draft slots, "
-                                    f"worker proposes at most {self.num_spec_tokens}")
                 n = 1 + entry.num_draft_slots
                 if self.trim_empty_drafts:
                     # Slots without a real draft can only be rejected; on the CPU the draft count
@@ -360,14 +511,12 @@ class ModelRunner:
             do_sample.append(decode or entry.sample)
 
         dev = self.device
-        num_rows = len(rows)
         qsl_host = [0]
         for n in num_scheduled:
             qsl_host.append(qsl_host[-1] + n)
-        num_tokens = qsl_host[-1]
         req_slots = _to_device_list([r.slot for r in rows], dev)
         qsl = _to_device_list(qsl_host, dev)
-        is_decode_t = torch.tensor(is_decode, dtype=torch.bool, device=dev)
+        is_decode_t = _to_device_list(is_decode, dev, torch.bool)
         st = self.state
         input_ids, positions, slot_mapping = assemble_inputs(
             req_slots, qsl, is_decode_t, _to_device_list(prefill_ids, dev), st.seq_len,
@@ -383,22 +532,23 @@ class ModelRunner:
             max_seq_len=max_blocks * self.config.block_size,
             slot_mapping=slot_mapping,
         )
-        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        want_logprobs = [bool(r.sampling.logprobs) for r in rows]
+        sampled_rows = [i for i in range(len(rows)) if do_sample[i]]
+        sampled = self._sampled_rows(sampled_rows, rows, req_slots, positions, qsl_host,
+                                     num_scheduled, is_decode, want_logprobs) if sampled_rows else None
+        return StepBatch(
+            step_id=plan.step_id, req_ids=req_ids, rows=rows, num_tokens=qsl_host[-1],
+            req_slots=req_slots, is_decode=is_decode_t, num_scheduled=num_sched_t,
+            do_sample=_to_device_list(do_sample, dev, torch.bool),
+            input_ids=input_ids, positions=positions, meta=meta, want_logprobs=want_logprobs,
+            sampled=sampled, row_widths=num_scheduled, all_decode=all(is_decode))
 
-        # Logits only where a token is sampled or verified: every slot of a decode row, the last
-        # token of a sampling prefill chunk.
-        k_max = self.num_spec_tokens
-        width = k_max + 1
-        sampled_rows = [i for i in range(num_rows) if do_sample[i]]
-        if not sampled_rows:
-            update_state(req_slots, is_decode_t, num_sched_t, torch.zeros_like(num_sched_t),
-                         torch.zeros(num_rows, dtype=torch.bool, device=dev),
-                         torch.zeros_like(num_sched_t), st.seq_len, st.last_token, st.num_drafts)
-            return PendingResult(plan.step_id, req_ids, [], None, None, None, None,
-                                 [bool(r.sampling.logprobs) for r in rows], num_tokens,
-                                 time.perf_counter() - start, errors=errors)
-        # Logits only for real slots (a trimmed decode row has fewer than K+1); ``pad_index``
-        # then spreads the per-slot results to K+1 columns per row, repeating a row's last slot.
+    def _sampled_rows(self, sampled_rows: list[int], rows: list[SlotInfo], req_slots: torch.Tensor,
+                      positions: torch.Tensor, qsl_host: list[int], num_scheduled: list[int],
+                      is_decode: list[bool], want_logprobs: list[bool]) -> SampledRows:
+        """Index and sampling tensors of the rows that sample this step (see `SampledRows`)."""
+        dev = self.device
+        width = self.num_spec_tokens + 1
         gather_idx: list[int] = []   # flat token index of every real slot
         pad_index: list[int] = []    # (sampled row, column) -> index into gather_idx
         valid_cols: list[int] = []   # real slots per sampled row
@@ -411,89 +561,158 @@ class ModelRunner:
             pad_index.extend(base + min(c, n - 1) for c in range(width))
             valid_cols.append(n)
             firsts.append(first)
-        num_s = len(sampled_rows)
-        sampled_slots = req_slots[sampled_rows]
-        gather_t = _to_device_list(gather_idx, dev, torch.long)
+        gather = _to_device_list(gather_idx, dev, torch.long)
         padded = len(gather_idx) < len(pad_index)
-        pad_t = _to_device_list(pad_index, dev, torch.long) if padded else None
-
-        def spread(t: torch.Tensor) -> torch.Tensor:
-            """Per-slot values -> ``[num_s, width, ...]``."""
-            return (t[pad_t] if padded else t).view(num_s, width, *t.shape[1:])
-
-        logits = self.model.compute_logits(hidden[gather_t])
+        any_logprobs = any(want_logprobs[i] for i in sampled_rows)
         # Absolute position of each sampled token = input position + 1 (keys the randomness).
-        sample_pos = positions[gather_t] + 1
-        infos = [rows[i].sampling for i in sampled_rows]
+        sample_pos = positions[gather] + 1
+        params = [rows[i].sampling for i in sampled_rows]
         tensors = SamplingTensors.from_params(
-            temperatures=[p.temperature for p, n in zip(infos, valid_cols) for _ in range(n)],
-            top_ks=[p.top_k for p, n in zip(infos, valid_cols) for _ in range(n)],
-            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p, n in zip(infos, valid_cols) for _ in range(n)],
-            seeds=[p.seed & SEED_MASK for p, n in zip(infos, valid_cols) for _ in range(n)],
+            temperatures=[p.temperature for p, n in zip(params, valid_cols) for _ in range(n)],
+            top_ks=[p.top_k for p, n in zip(params, valid_cols) for _ in range(n)],
+            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p, n in zip(params, valid_cols) for _ in range(n)],
+            seeds=[p.seed & SEED_MASK for p, n in zip(params, valid_cols) for _ in range(n)],
             positions=sample_pos, device=dev)
+        rows_t = _to_device_list(sampled_rows, dev, torch.long)
+        return SampledRows(
+            rows=sampled_rows,
+            rows_t=rows_t,
+            # Indexing with the Python list would copy it to the device from pageable memory.
+            slots=req_slots[rows_t],
+            gather=gather,
+            pad=_to_device_list(pad_index, dev, torch.long) if padded else None,
+            num_cols=_to_device_list(valid_cols, dev),
+            row_start=_to_device_list(firsts, dev, torch.long),
+            positions=sample_pos,
+            sampling=tensors,
+            # Back from [S, K+1] to one entry per real slot, in gather order.
+            logprob_index=_to_device_list([r * width + c for r, n in enumerate(valid_cols)
+                                           for c in range(n)], dev, torch.long)
+            if padded and any_logprobs else None,
+            want_logprobs=any_logprobs,
+        )
 
-        # Drafts fed this step are the inputs after the first slot of each decode row; only the
-        # ones the proposer really produced count (the rest were filler and must be rejected).
-        ncols = _to_device_list(valid_cols, dev)
-        num_verified = torch.minimum(st.num_drafts[sampled_slots.long()], ncols - 1)
-        col = torch.arange(width, device=dev)
-        row_start = _to_device_list(firsts, dev, torch.long)
-        draft_idx = (row_start[:, None] + 1 + col[None, :k_max]).clamp(max=num_tokens - 1)
-        draft_tokens = input_ids[draft_idx] if k_max else input_ids.new_zeros((num_s, 0))
+    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                        meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of every token (what a decode graph captures)."""
+        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
+
+    def run_model(self, batch: StepBatch) -> torch.Tensor | None:
+        """The forward over the flat batch (writes K/V) and the logits of the sampled slots
+        (``[G, vocab]``; None when no row samples). Pure-decode steps replay a CUDA graph
+        when one was captured for their shape."""
+        key = None
+        if self.graphs is not None and batch.all_decode:
+            key = self.graphs.choose(batch.row_widths, [True] * len(batch.row_widths))
+        if key is not None:
+            # Every token of a decode row is sampled, in order: the logits are already [G, vocab].
+            logits = self.graphs.run(key, batch.input_ids, batch.positions, batch.meta,
+                                     self.state.block_table.index_select(0, batch.req_slots.long()))
+            if self.proposer is not None:
+                self.proposer.observe(batch)
+            return logits
+        hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
+        if self.proposer is not None:
+            self.proposer.observe(batch)
+        if batch.sampled is None:
+            return None
+        return self.model.compute_logits(hidden[batch.sampled.gather])
+
+    def sample(self, batch: StepBatch, logits: torch.Tensor | None) -> PendingResult:
+        """Sample and verify the sampled rows, then advance the device state (see `advance`)."""
+        s = batch.sampled
+        if s is None or logits is None:
+            return self.advance(batch, None)
+        k_max = self.num_spec_tokens
+        width = k_max + 1
+        num_s = len(s.rows)
+        draft_tokens, num_verified = self.fed_drafts(batch)
         if self.proposer is not None and self.proposer.has_draft_probs:
-            probs = spread(target_probs(logits, tensors))
-            q = self.proposer.draft_probs(sampled_slots, k_max)
+            probs = s.spread(target_probs(logits, s.sampling), width)
+            q = self.proposer.draft_probs(s.slots, k_max)
             out_tokens, num_accepted = rejection_sample(
-                probs, q, draft_tokens, num_verified, spread(tensors.seeds)[:, 0], spread(sample_pos)[:, 0])
+                probs, q, draft_tokens, num_verified, s.spread(s.sampling.seeds, width)[:, 0],
+                s.spread(s.positions, width)[:, 0])
         else:
-            out_tokens = spread(sample(logits, tensors))
+            out_tokens = s.spread(sample(logits, s.sampling), width)
             num_accepted = count_accepted(out_tokens, draft_tokens, num_verified) if k_max else \
-                torch.zeros(num_s, dtype=torch.int32, device=dev)
-        want_lp = [bool(r.sampling.logprobs) for r in rows]
+                torch.zeros(num_s, dtype=torch.int32, device=self.device)
         lp = None
-        if any(want_lp[i] for i in sampled_rows):
+        if s.want_logprobs:
             # Rejection sampling leaves -1 after the emitted token; those columns are never
             # returned, but gathering at -1 would fail the whole step.
             tokens = out_tokens.reshape(-1)
-            if padded:  # back to one entry per real slot, in gather_idx order
-                tokens = tokens[_to_device_list([r * width + c for r, n in enumerate(valid_cols)
-                                                 for c in range(n)], dev, torch.long)]
-            lp = spread(token_logprobs(logits, tokens.long().clamp(min=0)))
+            if s.logprob_index is not None:
+                tokens = tokens[s.logprob_index]
+            lp = s.spread(token_logprobs(logits, tokens.long().clamp(min=0)), width)
+        return self.advance(batch, StepOutputs(out_tokens, num_accepted, num_verified, lp))
 
-        # Sequence-length correction, on the device: the true accepted counts, not the plan's.
+    def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafts fed to the sampled rows (``[S, K]``) and how many of them are real (``[S]``).
+
+        Drafts are the inputs after the first slot of each decode row; only the ones the
+        proposer really produced count (the rest were filler and must be rejected).
+        """
+        s = batch.sampled
+        assert s is not None
+        k_max = self.num_spec_tokens
+        num_verified = torch.minimum(self.state.num_drafts[s.slots.long()], s.num_cols - 1)
+        if not k_max:
+            return batch.input_ids.new_zeros((len(s.rows), 0)), num_verified
+        col = torch.arange(k_max, device=self.device)
+        draft_idx = (s.row_start[:, None] + 1 + col[None, :]).clamp(max=batch.num_tokens - 1)
+        return batch.input_ids[draft_idx], num_verified
+
+    def advance(self, batch: StepBatch, out: StepOutputs | None) -> PendingResult:
+        """Sequence-length correction on the device (the true accepted counts, not the plan's),
+        the next drafts, and the start of the result copy. ``out`` is None when no row sampled."""
+        dev = self.device
+        num_rows = len(batch.rows)
+        st = self.state
         acc_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)
         last_all = torch.zeros(num_rows, dtype=torch.int32, device=dev)
-        rows_t = _to_device_list(sampled_rows, dev, torch.long)
-        acc_all[rows_t] = num_accepted.to(torch.int32)
-        last_all[rows_t] = out_tokens.gather(1, num_accepted.long()[:, None])[:, 0].to(torch.int32)
-        update_state(req_slots, is_decode_t, num_sched_t, acc_all,
-                     torch.tensor(do_sample, dtype=torch.bool, device=dev), last_all,
-                     st.seq_len, st.last_token, st.num_drafts)
-        for i in sampled_rows:
-            rows[i].has_sample = True
+        s = batch.sampled
+        if out is not None and s is not None:
+            acc_all[s.rows_t] = out.num_accepted.to(torch.int32)
+            last_all[s.rows_t] = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0].to(torch.int32)
+        update_state(batch.req_slots, batch.is_decode, batch.num_scheduled, acc_all,
+                     batch.do_sample, last_all, st.seq_len, st.last_token, st.num_drafts)
+        if out is None or s is None:
+            return PendingResult(batch.step_id, batch.req_ids, [], None, None, None, None,
+                                 batch.want_logprobs, batch.num_tokens, 0.0)
+        for i in s.rows:
+            batch.rows[i].has_sample = True
         if self.proposer is not None:
-            self.proposer.propose(sampled_slots, self.kv_caches)
-
-        pending = PendingResult(plan.step_id, req_ids, sampled_rows, out_tokens, num_accepted,
-                                num_verified, lp, want_lp, num_tokens, 0.0, errors=errors)
+            self.proposer.propose(s.slots, batch)
+        pending = PendingResult(batch.step_id, batch.req_ids, s.rows, out.tokens, out.num_accepted,
+                                out.num_verified, out.logprobs, batch.want_logprobs,
+                                batch.num_tokens, 0.0)
         self._start_copy(pending)
-        pending.forward_s = time.perf_counter() - start
         return pending
 
     def _start_copy(self, pending: PendingResult) -> None:
-        """Start the device-to-host copy of a step's outputs without blocking the next step."""
-        if self._copy_stream is None:
+        """Start the device-to-host copy of a step's outputs without blocking the next step.
+
+        On CUDA the copy runs on a side stream after the step's kernels and `materialize`
+        (on the copier thread) waits for its event; the step thread never waits.
+        """
+        if not self.accelerator:
             return  # CPU tensors are already on the host; materialize() just reads them
+        names = ("out_tokens", "num_accepted", "num_drafts", "logprobs")
+        if self._copy_stream is None:  # an accelerator without streams (the fake test device)
+            for name in names:
+                t = getattr(pending, name)
+                if t is not None:
+                    setattr(pending, name, staging.to_host(t))
+            return
         main = torch.cuda.current_stream()
         self._copy_stream.wait_stream(main)
         with torch.cuda.stream(self._copy_stream):
-            for name in ("out_tokens", "num_accepted", "num_drafts", "logprobs"):
+            for name in names:
                 t = getattr(pending, name)
                 if t is not None:
-                    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                    host.copy_(t, non_blocking=True)
                     t.record_stream(self._copy_stream)
-                    setattr(pending, name, host)
+                    setattr(pending, name, staging.to_host(t))
             event = torch.cuda.Event()
             event.record(self._copy_stream)
         pending.ready = event

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from kernels.keyed_random import STREAM_SAMPLE, keyed_uniform
+from worker_svc.staging import to_device
 
 # Seeds are uint64 on the wire; the keyed-noise kernels take int64.
 SEED_MASK = (1 << 63) - 1
@@ -49,12 +50,16 @@ class SamplingTensors:
         num_rows = len(temperatures)
         if not all(len(v) == num_rows for v in (top_ks, top_ps, seeds, positions)):
             raise ValueError("all per-row sampling sequences must have the same length")
+        device = torch.device(device)
+        if not isinstance(positions, Tensor):
+            positions = to_device(positions, torch.int64, device)
+        # Pinned staging and async copies: the host never waits for the device here.
         return cls(
-            temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
-            top_k=torch.tensor(top_ks, dtype=torch.int32, device=device),
-            top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            seeds=torch.tensor(seeds, dtype=torch.int64, device=device),
-            positions=torch.as_tensor(positions, device=device).to(torch.int64),
+            temperature=to_device(temperatures, torch.float32, device),
+            top_k=to_device(top_ks, torch.int32, device),
+            top_p=to_device(top_ps, torch.float32, device),
+            seeds=to_device(seeds, torch.int64, device),
+            positions=positions.to(torch.int64),
             all_greedy=all(temp <= 0 for temp in temperatures),
             any_filter=any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps),
         )

@@ -26,6 +26,7 @@ from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
 from worker_svc.runner import ModelRunner, PendingResult, PlanError, RunnerConfig
+from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
 from zerobubble.config import WorkerConfig
@@ -49,12 +50,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def kv_capacity_blocks(cfg: WorkerConfig, loaded: LoadedModel, num_models: int = 1) -> int:
+def kv_capacity_blocks(cfg: WorkerConfig, loaded: LoadedModel, device: torch.device,
+                       dtype: torch.dtype, num_models: int = 1) -> int:
     """KV blocks that fit: a memory budget on CPU, free memory on CUDA."""
-    per_block = kv_cache_bytes_per_block(loaded.hf_config, cfg.block_size,
-                                         loaded.model.dtype) * num_models
-    if loaded.model.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(loaded.model.device)
+    per_block = kv_cache_bytes_per_block(loaded.hf_config, cfg.block_size, dtype) * num_models
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - cfg.gpu_memory_utilization) * total
     else:
         budget = cfg.kv_cache_memory_gb * (1 << 30)
@@ -67,10 +68,14 @@ def kv_capacity_blocks(cfg: WorkerConfig, loaded: LoadedModel, num_models: int =
 
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     """Load the model (and draft model) and size the KV cache."""
-    device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
+    if cfg.simulated:
+        # The host path runs small ops only; a parallel team would just spin on shared cores.
+        torch.set_num_threads(cfg.num_threads if cfg.num_threads > 0 else 1)
+        return build_simulated_runner(cfg)
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights)
     draft = load_model(cfg.draft_model, dtype, device, cfg.prepack_weights) if cfg.spec_method == "draft" else None
     proposer = build_proposer(cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max,
@@ -78,14 +83,42 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     max_model_len = loaded.max_model_len
     if cfg.max_model_len > 0:
         max_model_len = min(max_model_len, cfg.max_model_len)
-    num_blocks = kv_capacity_blocks(cfg, loaded, 2 if draft is not None else 1)
+    num_blocks = kv_capacity_blocks(cfg, loaded, device, dtype, 2 if draft is not None else 1)
+    if cfg.cuda_graphs and device.type != "cuda":
+        logger.warning("--cuda-graphs ignored: the model runs on %s", device)
     runner = ModelRunner(loaded, RunnerConfig(
         num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
         max_model_len=max_model_len,
-        num_spec_tokens=cfg.num_spec_tokens if proposer is not None else 0), proposer)
+        num_spec_tokens=cfg.num_spec_tokens if proposer is not None else 0,
+        cuda_graphs=cfg.cuda_graphs and device.type == "cuda"), proposer)
     logger.info("worker ready: model=%s device=%s dtype=%s blocks=%d x %d spec=%s k=%d",
                 loaded.name, device, dtype, num_blocks, cfg.block_size, cfg.spec_method,
                 runner.num_spec_tokens)
+    return runner, loaded
+
+
+def build_simulated_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
+    """A runner on a simulated device (`worker_svc/simulated.py`): the model's config and
+    tokenizer, no weights; KV capacity as if the cache were allocated on the CPU."""
+    loaded = load_model(cfg.model, weights=False)
+    num_spec_tokens = cfg.num_spec_tokens if cfg.speculative else 0
+    special = json.loads(tokenizer_fields(loaded.path)["tokenizer_json"]).get("added_tokens", [])
+    simulator = SimulatedDevice(
+        cfg.simulate_device_ms, cfg.simulate_acceptance_rate, loaded.hf_config.vocab_size,
+        [t["id"] for t in special if t.get("special")] + loaded.eos_token_ids, num_spec_tokens)
+    proposer = LagNgramProposer(num_spec_tokens, cfg.ngram_min) if cfg.speculative else None
+    max_model_len = loaded.max_model_len
+    if cfg.max_model_len > 0:
+        max_model_len = min(max_model_len, cfg.max_model_len)
+    num_blocks = kv_capacity_blocks(cfg, loaded, torch.device("cpu"),
+                                    resolve_dtype(cfg.dtype, torch.device("cpu")))
+    runner = ModelRunner(loaded, RunnerConfig(
+        num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+        max_model_len=max_model_len, num_spec_tokens=num_spec_tokens), proposer, simulator)
+    logger.info("worker ready on a SIMULATED device (%.1f ms per step, acceptance rate %.2f): "
+                "model=%s blocks=%d x %d spec=%s k=%d", cfg.simulate_device_ms,
+                cfg.simulate_acceptance_rate, loaded.name, num_blocks, cfg.block_size,
+                cfg.spec_method, num_spec_tokens)
     return runner, loaded
 
 
@@ -188,14 +221,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         cfg = self.runner.config
         model = self.loaded.model
+        if model is None:
+            device, dtype = f"simulated ({self.cfg.simulate_device_ms:g} ms per step)", "none"
+        else:
+            device, dtype = str(model.device), str(model.dtype).removeprefix("torch.")
         return worker_pb2.WorkerInfo(
             worker_id=self.worker_id, model=self.loaded.name, max_model_len=cfg.max_model_len,
             block_size=cfg.block_size, num_blocks=cfg.num_blocks,
             vocab_size=self.loaded.hf_config.vocab_size, eos_token_ids=self.loaded.eos_token_ids,
             spec_method=self.cfg.spec_method if self.runner.proposer is not None else "none",
-            num_spec_tokens=self.runner.num_spec_tokens, device=str(model.device),
+            num_spec_tokens=self.runner.num_spec_tokens, device=device, dtype=dtype,
             num_lookahead_slots=self.runner.proposer.num_lookahead_slots if self.runner.proposer else 0,
-            dtype=str(model.dtype).removeprefix("torch."), max_num_seqs=cfg.max_num_seqs,
+            max_num_seqs=cfg.max_num_seqs,
             **self.tokenizer_fields)
 
     def start_draining(self) -> None:
@@ -293,9 +330,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             logger.info("scheduler stream %d closed", generation)
 
 
-async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
-                       stop: asyncio.Event | None = None, bound: list | None = None) -> None:
-    """Run the worker service until `stop` (or SIGTERM)."""
+async def serve_worker(cfg: WorkerConfig) -> None:
+    """Run the worker service until SIGTERM or SIGINT."""
     device = device_thread()
     runner, loaded = await asyncio.get_running_loop().run_in_executor(device, build_runner, cfg)
     runner.test_fault_hook = injected_fault_hook_from_env(dict(os.environ))
@@ -326,11 +362,7 @@ async def serve_worker(cfg: WorkerConfig, ready: asyncio.Event | None = None,
     logger.info("worker %s listening on %s:%d", servicer.worker_id, cfg.host, port)
     # The port line is parsed by `zerobubble serve` when it starts a local worker.
     print(f"ZEROBUBBLE_WORKER_PORT={port}", flush=True)
-    if bound is not None:
-        bound.append(port)
-    if ready is not None:
-        ready.set()
-    stop = stop or asyncio.Event()
+    stop = asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
     # Probes and the scheduler see it first; the scheduler lets its requests here finish and

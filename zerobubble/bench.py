@@ -1,27 +1,34 @@
-"""``zerobubble bench``: replay a JSONL dataset against a scheduler at a fixed concurrency.
+"""``zerobubble bench``: replay a JSONL dataset against a server, closed-loop at a fixed
+concurrency or open-loop at a Poisson request rate.
+
+Two backends send the same rows: ``grpc`` (our scheduler's ``Generate``) and ``openai`` (any
+OpenAI-compatible HTTP server: ours, vLLM, llama.cpp's ``llama-server``; see
+:mod:`zerobubble.bench_openai`), so peers are measured with the same tool and figures.
+``zerobubble bench plot`` (:mod:`zerobubble.bench_plot`) draws several reports side by side.
 
 Each dataset row is one request: ``messages`` (chat, template applied by the server) or
 ``prompt`` (raw text), ``max_tokens``, and optionally ``kind`` (for ``--kind`` filtering),
 ``temperature``, ``seed`` and ``ignore_eos``. Rows are greedy unless they say otherwise.
 
 Throughput and latencies are measured here, on the client. Speculation and worker-idle figures
-come from the difference of two reads of ``ModelInfo.stats``, the server's cumulative counters,
-so they include any other traffic the server handled meanwhile: benchmark an otherwise idle server.
+(gRPC backend only) come from the difference of two reads of ``ModelInfo.stats``, the server's
+cumulative counters, so they include any other traffic the server handled meanwhile: benchmark an
+otherwise idle server.
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import dataclasses
 import json
 import logging
 import math
+import random
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,9 +189,9 @@ def idle_fraction(delta: generate_pb2.ServerStats) -> float | None:
 
 def time_per_output_token(completion: Completion) -> float | None:
     """Decode time per token after the first, which credits speculation's multi-token messages."""
-    if completion.ttft_s is None or len(completion.token_ids) < 2:
+    if completion.ttft_s is None or completion.output_len < 2:
         return None
-    return (completion.e2e_s - completion.ttft_s) / (len(completion.token_ids) - 1)
+    return (completion.e2e_s - completion.ttft_s) / (completion.output_len - 1)
 
 
 def request_record(row: BenchRow, completion: Completion) -> dict[str, Any]:
@@ -197,7 +204,9 @@ def request_record(row: BenchRow, completion: Completion) -> dict[str, Any]:
         "finish_reason": completion.finish_reason,
         "ttft_s": completion.ttft_s,
         "e2e_s": completion.e2e_s,
+        "itl_s": completion.itl,
         "num_prompt_tokens": completion.num_prompt_tokens,
+        "num_output_tokens": completion.output_len,
     }
     if completion.error:
         record["error"] = completion.error
@@ -210,15 +219,19 @@ def summarize(
     *,
     wall_s: float,
     concurrency: int,
-    delta: generate_pb2.ServerStats,
+    delta: generate_pb2.ServerStats | None = None,
     model_info: generate_pb2.ModelInfoResponse | None = None,
+    request_rate: float = 0.0,
+    backend: str = "grpc",
+    model: str = "",
 ) -> dict[str, Any]:
     """The benchmark report (the ``--json`` file): totals, percentiles, server figures, requests.
 
     Latency figures cover requests that did not fail; token counts cover everything received.
+    Without ``delta`` (a server with no stats, e.g. over HTTP) the server figures are None.
     """
     ok = [c for c in completions if c.finish_reason != "error"]
-    output_tokens = sum(len(c.token_ids) for c in completions)
+    output_tokens = sum(c.output_len for c in completions)
     series: dict[str, list[float]] = {
         "ttft": [c.ttft_s for c in ok if c.ttft_s is not None],
         "itl": [gap for c in ok for gap in c.itl],
@@ -226,11 +239,13 @@ def summarize(
         "tpot": [t for c in ok if (t := time_per_output_token(c)) is not None],
     }
     report: dict[str, Any] = {
-        "model": model_info.model if model_info is not None else "",
+        "backend": backend,
+        "model": model_info.model if model_info is not None else model,
         "spec_method": model_info.spec_method if model_info is not None else "",
         "num_spec_tokens": model_info.num_spec_tokens if model_info is not None else 0,
         "max_inflight_steps": model_info.max_inflight_steps if model_info is not None else 0,
         "concurrency": concurrency,
+        "request_rate": request_rate,
         "num_requests": len(completions),
         "num_errors": len(completions) - len(ok),
         "finish_reasons": dict(Counter(c.finish_reason for c in completions)),
@@ -245,10 +260,11 @@ def summarize(
             report[f"{name}_p{q}_s"] = percentile(series[name], q)
     report["e2e_p50_s"] = percentile(series["e2e"], 50)
     report["tpot_p50_s"] = percentile(series["tpot"], 50)
-    report["acceptance_rate"] = acceptance_rate(delta)
-    report["mean_accepted_length"] = mean_accepted_length(delta)
-    report["worker_idle_fraction"] = idle_fraction(delta)
-    report["server_stats"] = {d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields}
+    report["acceptance_rate"] = acceptance_rate(delta) if delta is not None else None
+    report["mean_accepted_length"] = mean_accepted_length(delta) if delta is not None else None
+    report["worker_idle_fraction"] = idle_fraction(delta) if delta is not None else None
+    report["server_stats"] = ({d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields}
+                              if delta is not None else None)
     report["requests"] = [request_record(row, c) for row, c in zip(rows, completions)]
     return report
 
@@ -262,15 +278,17 @@ def format_summary(report: Mapping[str, Any]) -> str:
     def ratio(value: float | None, fmt: str = "{:.3f}") -> str:
         return "n/a" if value is None else fmt.format(value)
 
-    spec = "off (no drafts)"
+    spec = "off (no drafts)" if report.get("server_stats") is not None else "n/a (server reports no stats)"
     if report["acceptance_rate"] is not None:
         spec = (f"acceptance {ratio(report['acceptance_rate'])}, "
                 f"mean accepted length {ratio(report['mean_accepted_length'], '{:.2f}')}")
     lines = [
-        f"model        {report['model'] or '?'} (spec {report['spec_method'] or '?'}, "
-        f"inflight steps {report['max_inflight_steps']})",
+        f"model        {report['model'] or '?'} via {report.get('backend', 'grpc')} (spec "
+        f"{report['spec_method'] or '?'}, inflight steps {report['max_inflight_steps'] or '?'})",
         f"requests     {report['num_requests']} ({report['num_errors']} errors) at concurrency "
-        f"{report['concurrency']} in {report['wall_s']:.2f} s",
+        f"{report['concurrency']}"
+        + (f", {report['request_rate']:g} req/s Poisson" if report.get("request_rate") else "")
+        + f" in {report['wall_s']:.2f} s",
         f"throughput   {report['output_tokens_per_s']:.1f} output tok/s, {report['requests_per_s']:.2f} req/s "
         f"({report['output_tokens']} output tokens)",
         "TTFT         " + "  ".join(f"p{q} {ms(report[f'ttft_p{q}_s'])}" for q in PERCENTILES),
@@ -309,6 +327,67 @@ async def _run_one(stub: generate_pb2_grpc.GenerationStub, row: BenchRow, timeou
         return Completion(finish_reason="error", error=format_rpc_error(exc))
 
 
+def arrival_times(num_requests: int, request_rate: float, seed: int = 0) -> list[float]:
+    """Start offsets (s) of a Poisson process at ``request_rate`` per second; all 0 when the rate
+    is 0 (closed loop). Seeded, so two runs (or two servers) see the same arrivals."""
+    if request_rate <= 0:
+        return [0.0] * num_requests
+    rng = random.Random(seed)
+    times, now = [], 0.0
+    for _ in range(num_requests):
+        times.append(now)
+        now += rng.expovariate(request_rate)
+    return times
+
+
+async def drive(rows: Sequence[BenchRow], send: Callable[[BenchRow], Awaitable[Completion]], concurrency: int,
+                *, request_rate: float = 0.0, progress: bool = False) -> tuple[list[Completion], float]:
+    """Send every row with at most ``concurrency`` in flight, each no earlier than its arrival
+    time (:func:`arrival_times`); returns the completions in dataset order and the wall time.
+
+    Closed loop (rate 0): the first ``concurrency`` rows start together and each next row starts
+    as soon as a slot frees. Open loop: a row that arrives while all slots are busy waits for one,
+    and that wait counts in its latency, as it would for a real client.
+
+    Raises:
+        ValueError: ``concurrency`` < 1 or a negative rate.
+    """
+    if concurrency < 1:
+        raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    if request_rate < 0:
+        raise ValueError(f"request rate must be >= 0, got {request_rate}")
+    completions: list[Completion | None] = [None] * len(rows)
+    arrivals = arrival_times(len(rows), request_rate)
+    slots = asyncio.Semaphore(concurrency)
+    with progress_bar(len(rows), progress) as advance:
+        started = time.perf_counter()
+
+        async def one(position: int, row: BenchRow) -> None:
+            delay = started + arrivals[position] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            async with slots:
+                completions[position] = await send(row)
+            advance()
+
+        if request_rate > 0:
+            await asyncio.gather(*(one(i, row) for i, row in enumerate(rows)))
+        else:
+            # Closed loop in dataset order: `concurrency` workers over one iterator.
+            pending = iter(enumerate(rows))
+
+            async def worker() -> None:
+                for position, row in pending:  # one event loop: next() needs no lock
+                    completions[position] = await send(row)
+                    advance()
+
+            await asyncio.gather(*(worker() for _ in range(min(concurrency, max(len(rows), 1)))))
+        wall_s = time.perf_counter() - started
+    finished = [c for c in completions if c is not None]
+    assert len(finished) == len(rows), "every row gets a completion (failures included)"
+    return finished, wall_s
+
+
 async def run_bench_async(
     target: str | ChannelSettings,
     rows: Sequence[BenchRow],
@@ -317,11 +396,9 @@ async def run_bench_async(
     progress: bool = False,
     request_timeout: float | None = None,
     connect_timeout: float = 10.0,
+    request_rate: float = 0.0,
 ) -> dict[str, Any]:
-    """Run ``rows`` with ``concurrency`` requests in flight and return the report (see :func:`summarize`).
-
-    Workers take rows in dataset order, so the first ``concurrency`` rows start together and each
-    next row starts as soon as a slot frees.
+    """Run ``rows`` against a scheduler over gRPC and return the report (see :func:`summarize`).
 
     Raises:
         ValueError: ``concurrency`` < 1.
@@ -330,60 +407,15 @@ async def run_bench_async(
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
     settings = ChannelSettings(target=target) if isinstance(target, str) else target
-    completions: list[Completion | None] = [None] * len(rows)
     async with open_channel(settings) as channel:
         await wait_connected(channel, connect_timeout)
         stub = generate_pb2_grpc.GenerationStub(channel)
         info_before = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
-        pending = iter(enumerate(rows))
-
-        async def worker(advance: Callable[[], None]) -> None:
-            # Single-threaded event loop: next() on the shared iterator needs no lock.
-            for position, row in pending:
-                completions[position] = await _run_one(stub, row, request_timeout)
-                advance()
-
-        with progress_bar(len(rows), progress) as advance:
-            started = time.perf_counter()
-            await asyncio.gather(*(worker(advance) for _ in range(min(concurrency, max(len(rows), 1)))))
-            wall_s = time.perf_counter() - started
+        completions, wall_s = await drive(rows, lambda row: _run_one(stub, row, request_timeout), concurrency,
+                                          request_rate=request_rate, progress=progress)
         info_after = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
-    finished = [c for c in completions if c is not None]
-    assert len(finished) == len(rows), "every row gets a completion (failures included)"
     return summarize(
-        rows, finished,
-        wall_s=wall_s, concurrency=concurrency,
+        rows, completions,
+        wall_s=wall_s, concurrency=concurrency, request_rate=request_rate,
         delta=stats_delta(info_before.stats, info_after.stats), model_info=info_after,
     )
-
-
-def run_bench(args: argparse.Namespace) -> int:
-    """Entry point of ``zerobubble bench``; returns the exit status (1 when any request failed)."""
-    if not args.dataset:
-        print("error: --dataset is required", file=sys.stderr)
-        return 2
-    try:
-        rows = load_dataset(args.dataset, kind=args.kind, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not rows:
-        print(f"error: no rows selected from {args.dataset}" + (f" with kind {args.kind!r}" if args.kind else ""),
-              file=sys.stderr)
-        return 2
-    try:
-        report = asyncio.run(run_bench_async(
-            ChannelSettings.from_args(args), rows, args.concurrency,
-            progress=args.progress, connect_timeout=args.connect_timeout,
-        ))
-    except grpc.aio.AioRpcError as exc:
-        print(f"error: {format_rpc_error(exc)}", file=sys.stderr)
-        return 1
-    except (OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 1
-    print(format_summary(report))
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-        print(f"report written to {args.json}")
-    return 1 if report["num_errors"] else 0

@@ -86,6 +86,14 @@ class Completion:
     num_cached_prompt_tokens: int = 0
     request_id: str = ""
     error: str = ""
+    # Output tokens as the server counted them; HTTP replies carry text only, so there it is the
+    # usage figure and `token_ids` stays empty.
+    num_output_tokens: int = 0
+
+    @property
+    def output_len(self) -> int:
+        """Output tokens, from ids when the server sent them, else from its usage count."""
+        return len(self.token_ids) or self.num_output_tokens
 
 
 def _with_bearer_token(details: grpc.aio.ClientCallDetails, token: str) -> grpc.aio.ClientCallDetails:
@@ -291,6 +299,7 @@ async def complete(
         completion.num_prompt_tokens = response.num_prompt_tokens or completion.num_prompt_tokens
         completion.num_cached_prompt_tokens = (response.num_cached_prompt_tokens
                                                or completion.num_cached_prompt_tokens)
+        completion.num_output_tokens = response.num_output_tokens or completion.num_output_tokens
         if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             completion.finish_reason = finish_reason_name(response.finish_reason)
             completion.error = response.error

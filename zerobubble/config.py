@@ -77,7 +77,7 @@ def parse_bool(text: str) -> bool:
 
 def parse_setting(f: dataclasses.Field, raw: str) -> Any:
     """A setting's value from its text form (an environment variable); ``ValueError`` if bad."""
-    kind = type(f.default)
+    kind: Any = type(f.default)
     value = parse_bool(raw) if kind is bool else kind(raw)
     choices = setting_info(f).choices
     if choices is not None and isinstance(value, str):
@@ -173,6 +173,22 @@ class WorkerConfig(ServiceConfig):
     drain_timeout: float = setting(
         30.0, "seconds SIGTERM lets the scheduler finish this worker's requests before the "
               "stream closes (the manifests' grace period is 30 s)")
+    simulate_device_ms: float = setting(
+        -1.0, "no model: every step takes this many ms on a simulated device and tokens come from a "
+              "deterministic function of the sequence (load-test a scheduler or measure host cost "
+              "without an accelerator; -1 = off)")
+    simulate_acceptance_rate: float = setting(
+        0.6, "with --simulate-device-ms: probability that a token repeats the text 32 tokens "
+             "earlier, i.e. that an n-gram draft is accepted when the one before it was")
+    # Off until a GPU run confirms it (scripts/device_check.sh; the README says whether one has).
+    cuda_graphs: bool = setting(
+        False, "CUDA: capture decode-only steps as CUDA graphs at start-up (one per padded batch "
+               "size x draft width) and replay them; prefill and mixed steps run eagerly")
+
+    @property
+    def simulated(self) -> bool:
+        """Whether this worker runs on a simulated device instead of a model."""
+        return self.simulate_device_ms >= 0
 
     @property
     def speculative(self) -> bool:
@@ -192,6 +208,15 @@ class WorkerConfig(ServiceConfig):
             _require(1 <= self.ngram_min <= self.ngram_max,
                      f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: "
                      "need 1 <= --ngram-min <= --ngram-max")
+        _require(self.simulate_device_ms >= 0 or self.simulate_device_ms == -1,
+                 "--simulate-device-ms must be >= 0 (or -1: off)")
+        if self.simulated:
+            _require(self.spec_method in ("none", "ngram"),
+                     "--simulate-device-ms works with --spec-method none or ngram")
+            _require(0 <= self.simulate_acceptance_rate <= 1,
+                     "--simulate-acceptance-rate must be in [0, 1]")
+            _require(self.num_spec_tokens <= 30 or not self.speculative,
+                     "--simulate-device-ms supports at most 30 --num-spec-tokens")
         if self.spec_method == "draft":
             _require(bool(self.draft_model),
                      "--spec-method draft needs --draft-model (a smaller model with the same "
@@ -212,7 +237,9 @@ class SchedulerServiceConfig(ServiceConfig):
     max_num_batched_tokens: int = setting(512, "token budget of one step (prefill chunks + decode slots)")
     max_waiting: int = setting(1024, "queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
     enable_prefix_caching: bool = setting(True, "share KV blocks of identical prompt prefixes")
-    auth_token: str = setting("", "bearer token clients must send (empty = no auth)", secret=True)
+    auth_token: str = setting("", "bearer token clients must send, on gRPC and HTTP (empty = no auth)",
+                              secret=True)
+    http_port: int = setting(8000, "OpenAI-compatible HTTP port on --host (-1 = off, 0 = pick a free port)")
     worker_tls_ca: str = setting(
         "", "PEM CA that signed the workers' certificates; TLS to workers is on when set",
         secret=True)
@@ -239,6 +266,7 @@ class SchedulerServiceConfig(ServiceConfig):
         _require(self.max_waiting >= 1, "--max-waiting must be >= 1")
         _require(self.step_deadline >= 0, "--step-deadline must be >= 0 (0 = derived)")
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
         _require(bool(self.worker_tls_cert) == bool(self.worker_tls_key),
                  "--worker-tls-cert and --worker-tls-key go together")
         _require(not self.worker_tls_cert or bool(self.worker_tls_ca),
@@ -281,7 +309,8 @@ def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
     if command == "scheduler":
         return [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
     if command == "serve":
-        out = [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
+        out: list[tuple[type, dataclasses.Field]] = [
+            (SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
         taken = {f.name for _, f in out} | SERVE_WORKER_HIDDEN
         out += [(WorkerConfig, f) for f in dataclasses.fields(WorkerConfig) if f.name not in taken]
         out += [(ServeConfig, f) for f in dataclasses.fields(ServeConfig) if "setting" in f.metadata]

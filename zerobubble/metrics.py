@@ -364,7 +364,6 @@ class ServiceMetrics:
     def record_finished(
         self,
         reason: str,
-        ttft_s: float | None,
         e2e_s: float,
         queue_s: float | None,
         num_prompt_tokens: int,
@@ -373,12 +372,10 @@ class ServiceMetrics:
         """Account a request that left the system for ``reason`` (e.g. ``"eos"``).
 
         TTFT is not observed here but by :meth:`observe_ttft` when the first token streams, so
-        the histogram is current while long requests are still running and nothing is counted
-        twice; ``ttft_s`` stays in the signature for callers that have it at hand. ``queue_s``
+        the histogram is current while long requests are still running. ``queue_s``
         is None for a request cancelled before it was ever scheduled: it has no queue time, and
         recording its age instead would bend the distribution.
         """
-        del ttft_s  # observed by observe_ttft(); see the docstring
         labels = {"model": self.model}
         finished_reason = normalize_finished_reason(reason)
         if finished_reason is None:
@@ -397,9 +394,12 @@ class ServiceMetrics:
         """Account the time from a request's arrival to its first streamed token."""
         self.time_to_first_token.labels(model=self.model).observe(seconds)
 
-    def observe_inter_token(self, seconds: float) -> None:
-        """Account the gap between two consecutive streamed tokens of one request."""
-        self.inter_token_latency.labels(model=self.model).observe(seconds)
+    def observe_inter_token(self, seconds: float, count: int = 1) -> None:
+        """Account ``count`` gaps of ``seconds`` between consecutive streamed tokens of one request
+        (tokens confirmed together share the step's gap)."""
+        child = self.inter_token_latency.labels(model=self.model)
+        for _ in range(count):
+            child.observe(seconds)
 
     def set_queues(self, running: int, waiting: int) -> None:
         """Publish the scheduler's queue lengths (the autoscaler reads ``waiting``)."""

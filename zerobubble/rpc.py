@@ -118,7 +118,7 @@ def aio_channel(target: str, creds: grpc.ChannelCredentials | None = None,
     """
     if creds is None:
         return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-    options = list(CHANNEL_OPTIONS)
+    options: list[tuple[str, int | str]] = list(CHANNEL_OPTIONS)
     if server_name:
         options.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(target, creds, options=options)

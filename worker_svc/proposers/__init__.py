@@ -24,11 +24,11 @@ class Proposer(Protocol):
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         """A request (new or resumed) takes `slot`."""
 
-    def release(self, slot: int) -> None:
-        """The request in `slot` is gone."""
+    def observe(self, batch: object) -> None:
+        """See every step's target inputs (`StepBatch`) right after the target forward."""
 
-    def propose(self, slots: torch.Tensor, kv_caches: list) -> None:
-        """Write drafts for `slots` (requests that sampled this step) into the runner state."""
+    def propose(self, slots: torch.Tensor, batch: object) -> None:
+        """Write drafts for `slots` (the rows of `batch` that sampled) into the runner state."""
 
     def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:
         """[len(slots), k, vocab] draft distributions of the current drafts."""

@@ -31,10 +31,10 @@ class NgramProposer:
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         pass  # all state lives in the runner's history pages
 
-    def release(self, slot: int) -> None:
-        pass
+    def observe(self, batch: object) -> None:
+        pass  # the history pages are written by input assembly
 
-    def propose(self, slots: torch.Tensor, kv_caches: list) -> None:
+    def propose(self, slots: torch.Tensor, batch: object = None) -> None:
         st = self.runner.state
         drafts, num = ngram_propose(slots, st.seq_len, st.last_token, st.block_table, st.history,
                                     self.runner.config.block_size, self.ngram_min,

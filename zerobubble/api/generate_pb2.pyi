@@ -85,7 +85,7 @@ class StoppingCriteria(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: bool = ...) -> None: ...
 
 class ResponseOptions(_message.Message):
     __slots__ = ("logprobs", "top_logprobs")
@@ -93,7 +93,7 @@ class ResponseOptions(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     logprobs: bool
     top_logprobs: int
-    def __init__(self, logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    def __init__(self, logprobs: bool = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "stopping", "response", "model")

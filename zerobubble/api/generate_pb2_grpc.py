@@ -5,7 +5,7 @@ import warnings
 
 from zerobubble.api import generate_pb2 as zerobubble_dot_api_dot_generate__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.75.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in zerobubble/api/generate_pb2_grpc.py depends on'
+        + f' but the generated code in zerobubble/api/generate_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class GenerationStub:
+class GenerationStub(object):
     """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
@@ -51,7 +51,7 @@ class GenerationStub:
                 _registered_method=True)
 
 
-class GenerationServicer:
+class GenerationServicer(object):
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
@@ -100,7 +100,7 @@ def add_GenerationServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Generation:
+class Generation(object):
     """Missing associated documentation comment in .proto file."""
 
     @staticmethod

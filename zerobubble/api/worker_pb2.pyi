@@ -18,7 +18,7 @@ class SamplingParams(_message.Message):
     top_p: float
     seed: int
     logprobs: bool
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: _Optional[bool] = ...) -> None: ...
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: bool = ...) -> None: ...
 
 class ScheduledRequest(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_draft_slots", "new_block_ids", "is_new", "num_cached_tokens", "sample", "sampling")
@@ -38,7 +38,7 @@ class ScheduledRequest(_message.Message):
     num_cached_tokens: int
     sample: bool
     sampling: SamplingParams
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_new: _Optional[bool] = ..., num_cached_tokens: _Optional[int] = ..., sample: _Optional[bool] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_new: bool = ..., num_cached_tokens: _Optional[int] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "requests", "finished_req_ids")
@@ -84,7 +84,7 @@ class StepResult(_message.Message):
     num_tokens: int
     error: str
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: _Optional[bool] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -5,7 +5,7 @@ import warnings
 
 from zerobubble.api import worker_pb2 as zerobubble_dot_api_dot_worker__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.75.1'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -18,14 +18,14 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in zerobubble/api/worker_pb2_grpc.py depends on'
+        + f' but the generated code in zerobubble/api/worker_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
 
 
-class WorkerStub:
+class WorkerStub(object):
     """A worker owns one model replica and executes the scheduler's plans strictly in order.
     """
 
@@ -47,7 +47,7 @@ class WorkerStub:
                 _registered_method=True)
 
 
-class WorkerServicer:
+class WorkerServicer(object):
     """A worker owns one model replica and executes the scheduler's plans strictly in order.
     """
 
@@ -87,7 +87,7 @@ def add_WorkerServicer_to_server(servicer, server):
 
 
  # This class is part of an EXPERIMENTAL API.
-class Worker:
+class Worker(object):
     """A worker owns one model replica and executes the scheduler's plans strictly in order.
     """
 

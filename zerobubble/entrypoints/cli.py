@@ -12,6 +12,7 @@ start quickly and never import torch.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import sys
@@ -151,7 +152,7 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str,
         if info.choices is not None and kind is str:
             kind = str.lower
         add_flag(group, flag_name(f.name), default=f.default, help=info.help, type=kind,
-                 choices=info.choices, env=env, convert=lambda raw, f=f: parse_setting(f, raw))
+                 choices=info.choices, env=env, convert=functools.partial(parse_setting, f))
 
 
 def add_client_flags(group: argparse._ActionsContainer, env: Mapping[str, str] | None) -> None:
@@ -190,7 +191,16 @@ def add_generate_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] |
 def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     """Dataset and load flags of ``bench``."""
     add_flag(parser, "--dataset", default="", env=env, help="JSONL file: messages|prompt, max_tokens, kind, ...")
-    add_flag(parser, "--concurrency", default=8, type=int, env=env, help="requests in flight at once")
+    add_flag(parser, "--concurrency", default=8, type=int, env=env,
+             help="requests in flight at once (with --request-rate: the most in flight)")
+    add_flag(parser, "--request-rate", default=0.0, type=float, env=env,
+             help="open loop: Poisson arrivals at this many requests/s (0 = closed loop at --concurrency)")
+    add_flag(parser, "--backend", default="grpc", choices=("grpc", "openai"), env=env,
+             help="grpc: our scheduler at --target; openai: any OpenAI-compatible server at --base-url")
+    add_flag(parser, "--base-url", default="http://localhost:8000/v1", env=env,
+             help="OpenAI-compatible API root for --backend openai")
+    add_flag(parser, "--model-name", default="", env=env,
+             help="model to ask for with --backend openai (empty = the first of /v1/models)")
     add_flag(parser, "--kind", default="", env=env, help="only rows whose 'kind' equals this")
     add_flag(parser, "--limit", default=0, type=int, env=env, help="first N rows after --kind (0 = all)")
     add_flag(parser, "--max-tokens-cap", default=0, type=int, env=env, help="cap every row's max_tokens (0 = off)")
@@ -217,6 +227,12 @@ def build_parser(env: Mapping[str, str] | None = None) -> Parser:
     add_logging_flags(bench, env)
     add_client_flags(bench.add_argument_group("connection"), env)
     add_bench_flags(bench, env)
+    # `zerobubble bench plot A.json B.json -o OUT.png`; plain `zerobubble bench` runs a benchmark.
+    bench_sub = bench.add_subparsers(dest="bench_command", required=False, metavar="{plot}")
+    plot = bench_sub.add_parser("plot", help="draw throughput and TTFT / inter-token CDFs of bench reports")
+    plot.add_argument("reports", nargs="+", help="bench --json reports (the file name labels the run)")
+    plot.add_argument("-o", "--output", required=True, help="image to write (.png, .svg, .pdf)")
+    plot.add_argument("--title", default="", help="figure title")
     return parser
 
 
@@ -229,21 +245,24 @@ def dispatch(args: argparse.Namespace) -> int | None:
     if args.command == "serve":
         from zerobubble.entrypoints.serve import run_serve
 
-        return run_serve(serve_config(args))
+        run_serve(serve_config(args))
+        return None
     if args.command == "worker":
         from worker_svc.server import run_worker
 
-        return run_worker(from_namespace(WorkerConfig, args))
+        run_worker(from_namespace(WorkerConfig, args))
+        return None
     if args.command == "scheduler":
         from scheduler_svc.server import run_scheduler
 
-        return run_scheduler(from_namespace(SchedulerServiceConfig, args))
+        run_scheduler(from_namespace(SchedulerServiceConfig, args))
+        return None
     if args.command == "generate":
         from zerobubble.client import run_generate
 
         return run_generate(args)
     if args.command == "bench":
-        from zerobubble.bench import run_bench
+        from zerobubble.entrypoints.bench import run_bench
 
         return run_bench(args)
     raise AssertionError(f"unhandled command {args.command!r}")

@@ -98,7 +98,9 @@ def start_scheduler(workers: list[Service] | list[str], **options) -> Service:
     options.setdefault("port", 0)
     options.setdefault("host", "127.0.0.1")
     options.setdefault("metrics_port", 0)
-    return start("scheduler", ("SCHEDULER", "METRICS"), workers=",".join(targets), **options)
+    options.setdefault("http_port", 0)  # never the fixed default: tests run side by side
+    wait_for = ("SCHEDULER", "METRICS") + (("HTTP",) if options["http_port"] >= 0 else ())
+    return start("scheduler", wait_for, workers=",".join(targets), **options)
 
 
 def wait_serving(target: str, timeout: float = 120.0) -> None:

@@ -2,15 +2,21 @@
 
 The `.proto` files are the single source of truth; the stubs are committed so that an install
 needs no protoc, and `tests/test_proto_current.py` fails when they are stale.
+
+The stubs are generated with an old grpcio-tools on purpose: generated code requires a runtime
+at least as new as the generator (grpcio >= its version, protobuf >= the protoc it bundles), so
+this pin sets the grpcio/protobuf floors of every application that embeds our client. Newer
+runtimes load the stubs too. `make proto` runs in the floor environment that has it.
 """
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_DIR = ROOT / "proto"
+# Released 2025-09; its protoc emits protobuf 6.31.1 gencode. Floors in pyproject.toml follow it.
+GRPCIO_TOOLS_VERSION = "1.75.1"
 
 
 def generate(out_dir: Path) -> list[Path]:
@@ -34,4 +40,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

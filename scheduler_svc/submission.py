@@ -1,0 +1,66 @@
+"""What a front end (gRPC `Generate`, the HTTP API) holds while a request runs, and what the
+servicer gives it: the request's event stream, and `RequestError` for a request refused before
+it was queued.
+
+A module of its own so that the HTTP front can depend on these without importing the servicer
+module, which starts the HTTP front (no import cycle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import grpc
+
+from zerobubble.api import generate_pb2
+
+if TYPE_CHECKING:
+    from scheduler_svc.router import Router
+
+
+class RequestError(Exception):
+    """A request refused before it was queued: the gRPC status and a message naming the cause.
+
+    gRPC aborts with it as is; the HTTP front maps the status to an HTTP one.
+    """
+
+    def __init__(self, code: grpc.StatusCode, message: str, unknown_model: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.unknown_model = unknown_model
+
+
+@dataclass(slots=True, frozen=True)
+class Submission:
+    """A queued request: its id and the stream its events arrive on."""
+
+    req_id: str
+    stream: Stream
+
+
+@dataclass(slots=True)
+class Stream:
+    """The client side of one request: where its events go, and timing for metrics."""
+
+    queue: asyncio.Queue
+    arrival: float
+    num_prompt_tokens: int
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    num_output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+
+
+class Frontend(Protocol):
+    """The servicer as a front end sees it (`GenerationServicer` is one)."""
+
+    router: Router
+    streams: dict[str, Stream]
+
+    def submit(self, request: generate_pb2.GenerateRequest) -> Submission: ...
+
+    def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]: ...

@@ -1,0 +1,186 @@
+"""Host cost per step and the bubble, measured against a simulated device (no model, no GPU).
+
+    python scripts/bench_sim.py host     # host ms per step, zero-time device: 1/16/64/256 requests, k=0 and k=3
+    python scripts/bench_sim.py bubble   # device 2/5/10/20 ms x 16/64/256 requests x n-gram on/off: async / sync
+
+Both run the real services as processes (`zerobubble worker --simulate-device-ms MS`, `zerobubble
+scheduler`) and this script as the gRPC client, so a step's figure covers the whole path: plan ->
+protobuf -> gRPC -> worker (plan decoding, slots, input assembly, proposer bookkeeping, result)
+-> gRPC -> reconcile -> detokenize -> client streams.
+
+A run sends N short chat prompts at once, each with the same `max_tokens` (the simulated tokens
+never include EOS). Figures cover the steady state only: the window from the moment every
+request has streamed its first token (all N are decoding) to the moment the first one finishes;
+the scheduler's step and worker counters (`ModelInfo.stats`) are read at both ends. So ms per
+step = window / steps in it, throughput = tokens streamed in it / window. Configurations that
+are compared are run back to back (sync, async, sync, async ...) because the machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import grpc  # noqa: E402
+
+from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
+from zerobubble.bench import BenchRow  # noqa: E402
+from zerobubble.client import build_request  # noqa: E402
+from zerobubble.tools.launch import Service, start_scheduler, start_worker, wait_serving  # noqa: E402
+
+TOPICS = ("rivers", "compilers", "bread", "volcanoes", "chess", "bridges", "owls", "tides")
+
+
+def rows(num_requests: int, max_tokens: int) -> list[BenchRow]:
+    """Short, distinct chat prompts (about 40 tokens with SmolLM2's template)."""
+    return [BenchRow(index=i, kind="sim", max_tokens=max_tokens, messages=[
+        {"role": "user", "content": f"Request {i}: write a long essay about {TOPICS[i % len(TOPICS)]}."}])
+        for i in range(num_requests)]
+
+
+@contextmanager
+def sim_worker(device_ms: float, spec: str, args: argparse.Namespace) -> Iterator[Service]:
+    worker = start_worker(simulate_device_ms=device_ms, spec_method=spec, num_spec_tokens=3,
+                          max_num_seqs=256, kv_cache_memory_gb=args.kv_gb,
+                          simulate_acceptance_rate=args.acceptance_rate)
+    try:
+        yield worker
+    finally:
+        worker.stop()
+
+
+def run(worker: Service, num_requests: int, window: int, device_ms: float,
+        args: argparse.Namespace) -> dict:
+    """One run through a fresh scheduler in front of `worker`; steady-state figures."""
+    scheduler = start_scheduler([worker], max_inflight_steps=window, max_num_seqs=256,
+                                max_num_batched_tokens=2048)
+    try:
+        wait_serving(scheduler.target)
+        max_tokens = args.max_tokens or 128 + num_requests // 2
+        window_stats = asyncio.run(steady_state(scheduler.target, num_requests, max_tokens))
+    finally:
+        scheduler.stop()
+    first, last, tokens, wall = window_stats
+    steps = last.num_steps - first.num_steps
+    idle = last.worker_idle_s - first.worker_idle_s
+    busy = last.worker_busy_s - first.worker_busy_s
+    drafts = last.num_draft_tokens - first.num_draft_tokens
+    return {
+        "ms_per_step": 1000 * wall / steps,
+        "tokens_per_s": tokens / wall,
+        "tokens_per_step": tokens / steps,
+        # Share of the wall time the device was computing: 1.0 is the device-bound rate.
+        "device_busy_fraction": steps * device_ms / 1000 / wall,
+        "worker_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0,
+        "acceptance_rate": (last.num_accepted_tokens - first.num_accepted_tokens) / drafts
+        if drafts else None,
+        "num_steps": steps,
+    }
+
+
+async def steady_state(target: str, num_requests: int, max_tokens: int):
+    """Stream every request; ModelInfo stats when all have started and when the first ends."""
+    started, tokens = set(), [0]
+    all_started, first_done = asyncio.Event(), asyncio.Event()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        marks: list = []
+
+        async def one(i: int, row: BenchRow) -> None:
+            request = build_request(messages=row.messages, max_tokens=max_tokens)
+            async for reply in stub.Generate(request):
+                tokens[0] += len(reply.token_ids)
+                if reply.token_ids and i not in started:
+                    started.add(i)
+                    if len(started) == num_requests:
+                        all_started.set()
+                if reply.finish_reason:
+                    if reply.error:
+                        raise RuntimeError(reply.error)
+                    first_done.set()
+
+        async def mark(event: asyncio.Event) -> None:
+            await event.wait()
+            count = tokens[0]
+            info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+            marks.append((info.stats, count, time.perf_counter()))
+
+        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(rows(num_requests, max_tokens))]
+        await asyncio.gather(mark(all_started), mark(first_done), *tasks)
+    (first, tokens0, t0), (last, tokens1, t1) = marks
+    if not all_started.is_set() or last.num_steps <= first.num_steps:
+        raise RuntimeError("no steady-state window: raise --max-tokens")
+    return first, last, tokens1 - tokens0, t1 - t0
+
+
+def suite_host(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    for spec in ("none", "ngram"):
+        k = 3 if spec == "ngram" else 0
+        with sim_worker(0.0, spec, args) as worker:
+            for n in args.requests:
+                figures = [run(worker, n, 2, 0.0, args) for _ in range(args.repeats)]
+                best = min(figures, key=lambda f: f["ms_per_step"])
+                out[f"k{k}/n{n}"] = {"ms_per_step": best["ms_per_step"],
+                                     "all_ms_per_step": [f["ms_per_step"] for f in figures],
+                                     "tokens_per_step": best["tokens_per_step"],
+                                     "acceptance_rate": best["acceptance_rate"]}
+                print(f"k={k} n={n:4d}: {best['ms_per_step']:.2f} ms/step "
+                      f"({', '.join(f'{f:.2f}' for f in out[f'k{k}/n{n}']['all_ms_per_step'])}), "
+                      f"{best['tokens_per_step']:.2f} tokens/step", flush=True)
+    return out
+
+
+def suite_bubble(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    for device_ms in args.device_ms:
+        for spec in ("none", "ngram"):
+            with sim_worker(device_ms, spec, args) as worker:
+                for n in args.requests:
+                    sync = run(worker, n, 1, device_ms, args)
+                    async_ = run(worker, n, 2, device_ms, args)
+                    key = f"{device_ms:g}ms/{spec}/n{n}"
+                    out[key] = {"sync": sync, "async": async_,
+                                "async_over_sync": async_["tokens_per_s"] / sync["tokens_per_s"]}
+                    print(f"{key:>18}: async/sync {out[key]['async_over_sync']:.2f}  "
+                          f"device busy sync {sync['device_busy_fraction']:.2f} async "
+                          f"{async_['device_busy_fraction']:.2f}  idle sync "
+                          f"{sync['worker_idle_fraction']:.3f} async {async_['worker_idle_fraction']:.3f}"
+                          f"  host {sync['ms_per_step'] - device_ms:.2f} ms", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("suite", choices=("host", "bubble"))
+    parser.add_argument("--requests", type=int, nargs="+", help="running requests (default: host "
+                        "1 16 64 256, bubble 16 64 256)")
+    parser.add_argument("--device-ms", type=float, nargs="+", default=[2, 5, 10, 20])
+    parser.add_argument("--max-tokens", type=int, default=0,
+                        help="per request (0: 128 + N/2, so that the steady-state window outlasts "
+                             "the admission ramp of N requests)")
+    parser.add_argument("--repeats", type=int, default=2, help="host suite: runs per figure (best kept)")
+    parser.add_argument("--acceptance-rate", type=float, default=0.6)
+    parser.add_argument("--kv-gb", type=float, default=16.0,
+                        help="KV budget the simulated worker sizes its block pool with (not allocated)")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.requests is None:
+        args.requests = [1, 16, 64, 256] if args.suite == "host" else [16, 64, 256]
+    result = {"host": suite_host, "bubble": suite_bubble}[args.suite](args)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,724 @@
+"""One-shot accelerator check (issue 10): everything a GPU run must confirm, in one command.
+
+``scripts/device_check.sh OUT_DIR`` (or ``python scripts/device_check.py OUT_DIR``) runs, on CUDA:
+
+1. ``kernels``: every Triton kernel compiled for CUDA against its torch twin on random inputs;
+2. ``families``: our forward against Hugging Face's for Llama, Qwen2, Qwen3 and Mistral (tiny
+   random configs), float32 and bfloat16;
+3. ``service``: greedy output of the real service (``zerobubble serve``, gRPC on loopback) on a
+   tiny random Llama against Hugging Face ``generate`` on the same device;
+4. ``sync_free``: steady-state steps (n-gram decodes, prefill chunks) under
+   ``torch.cuda.set_sync_debug_mode("error")``, so any host synchronisation raises;
+5. ``throughput``: async ÷ sync and n-gram ÷ none at 2 / 8 / 16 prompts on a Qwen3-1.7B-shaped
+   random-weight model in bfloat16, CUDA graphs on and off, with the GPU busy fraction measured
+   from CUDA events (the share of the run's GPU timeline covered by steps).
+
+Nothing is downloaded: models are random weights of the named shapes, and tokenizers are
+generated word-level vocabularies. It writes ``device_check.json`` and ``device_check.md`` to
+OUT_DIR. ``--dry-run`` runs the same code on the CPU at tiny shapes (Triton under its
+interpreter); parts that need CUDA are reported as skipped. A default-suite test runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# Runnable as `python scripts/device_check.py` from a checkout that is not pip-installed.
+sys.path.insert(0, str(REPO_ROOT))
+# Triton decides between compiling and interpreting when a kernel is defined, so the interpreter
+# must be chosen before `kernels` is imported (only the CPU dry run uses it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+logger = logging.getLogger("device_check")
+
+PASS, FAIL, SKIP = "pass", "fail", "skip"
+
+
+@dataclass(slots=True)
+class Record:
+    """One line of the report."""
+
+    section: str
+    name: str
+    status: str
+    detail: str = ""
+    values: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+@dataclass(slots=True)
+class Context:
+    """What every section gets: the device, the shapes to use, where to write."""
+
+    device: torch.device
+    dry_run: bool
+    out_dir: Path
+    records: list[Record] = field(default_factory=list)
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def add(self, section: str, name: str, status: str, detail: str = "", **values: Any) -> None:
+        self.records.append(Record(section, name, status, detail, values))
+        logger.info("%-10s %-40s %s %s", section, name, status.upper(), detail)
+
+
+# ----------------------------------------------------------------------------------- helpers
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4, rtol: float = 1e-4) -> tuple[bool, str]:
+    if a.shape != b.shape:
+        return False, f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+    if not a.is_floating_point():
+        diff = int((a != b).sum())
+        return diff == 0, f"{diff} of {a.numel()} differ"
+    err = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
+    ok = bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol))
+    return ok, f"max abs diff {err:.2e}"
+
+
+def word_tokenizer_json(vocab_size: int) -> str:
+    """A real `tokenizers` JSON whose ids 0..vocab_size-1 are the words ``t0``, ``t1``, ...
+
+    Random-weight models emit any id of their vocabulary; every one of them must detokenize.
+    The last id is the EOS token.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"t{i}": i for i in range(vocab_size - 1)}
+    vocab["<eos>"] = vocab_size - 1
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok.to_str()
+
+
+def random_state_dict(hf_config: Any, device: torch.device, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Random weights of the shapes Hugging Face's class for ``hf_config`` declares.
+
+    Built on the target device without instantiating the HF module, so a 1.7B-parameter model
+    costs a second, not a minute of CPU initialisation.
+    """
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        shapes = {name: (tuple(p.shape), name.endswith("norm.weight"))
+                  for name, p in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = {}
+    for name, (shape, is_norm) in shapes.items():
+        if is_norm:
+            out[name] = 1.0 + 0.1 * torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        else:
+            out[name] = 0.02 * torch.randn(shape, generator=gen, device=device, dtype=torch.float32)
+        out[name] = out[name].to(dtype)
+    return out
+
+
+def write_model_dir(path: Path, hf_model: Any, vocab_size: int) -> Path:
+    """A Hugging Face directory the worker can load: weights, config, generated tokenizer."""
+    hf_model.save_pretrained(path, safe_serialization=True)
+    (path / "tokenizer.json").write_text(word_tokenizer_json(vocab_size))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
+    return path
+
+
+def in_memory_model(hf_config: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
+    """A `LoadedModel` with random weights of ``hf_config``'s shape (no files)."""
+    from worker_svc.model import build_model
+    from worker_svc.model_loader import LoadedModel
+
+    model = build_model(hf_config, dtype, device)
+    model.load_weights(random_state_dict(hf_config, device, dtype, seed))
+    return LoadedModel(name="random", path=Path("."), hf_config=hf_config, model=model,
+                       tokenizer_file=Path("tokenizer.json"), eos_token_ids=[hf_config.vocab_size - 1],
+                       max_model_len=int(hf_config.max_position_embeddings))
+
+
+def tiny_config(family: str, **overrides: Any) -> Any:
+    """A 2-layer random config of one family (the families of tests/test_model_families.py)."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common.update(overrides)
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
+           "mistral": MistralConfig}[family]
+    extra = {"mistral": dict(sliding_window=24), "qwen3": dict(head_dim=16)}.get(family, {})
+    return cls(**common, **extra)
+
+
+def qwen3_1p7b_config(dry_run: bool) -> Any:
+    """Qwen3-1.7B's shape (28 layers, hidden 2048, 16/8 heads of 128, vocab 151936); tiny in a dry run."""
+    from transformers import Qwen3Config
+
+    if dry_run:
+        return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           max_position_embeddings=1024, tie_word_embeddings=True)
+    return Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
+                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
+                       rms_norm_eps=1e-6, tie_word_embeddings=True)
+
+
+# ----------------------------------------------------------------------------------- 1. kernels
+
+
+def check_kernels(ctx: Context) -> None:
+    """Each Triton kernel against its torch twin on the same random inputs."""
+    from kernels._triton import HAS_TRITON
+
+    section = "kernels"
+    if not HAS_TRITON:
+        ctx.add(section, "triton", SKIP, "triton is not installed")
+        return
+    from kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+    from kernels.inputs import assemble_inputs
+    from kernels.keyed_random import keyed_uniform
+    from kernels.ngram import ngram_propose
+    from kernels.seq_lens import update_state
+    from kernels.slot_mapping import compute_slot_mapping
+    from kernels.verify import count_accepted, rejection_sample
+    from worker_svc.model import allocate_kv_cache
+
+    dev = ctx.device
+    gen = torch.Generator().manual_seed(1)
+    small = ctx.dry_run
+    num_reqs, block_size, num_blocks = (3, 4, 48) if small else (16, 16, 1024)
+    max_blocks, k, vocab = (6, 3, 64) if small else (48, 3, 32000)
+    num_slots = num_reqs + 2
+
+    def ints(lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int32).to(dev)
+
+    # Distinct blocks per slot; contexts that fit their tables; a mix of prefill and decode rows.
+    perm = torch.randperm(num_blocks, generator=gen)[: num_slots * max_blocks].view(num_slots, max_blocks)
+    block_table = perm.to(torch.int32).to(dev)
+    seq_len = ints(1, (max_blocks - 2) * block_size, num_slots)
+    last_token = ints(0, vocab, num_slots)
+    drafts = ints(0, vocab, num_slots, k)
+    num_drafts = ints(0, k + 1, num_slots)
+    history = ints(0, 8, num_blocks, block_size)  # small alphabet: n-grams repeat
+    req_slots = torch.randperm(num_slots, generator=gen)[:num_reqs].to(torch.int32).to(dev)
+    is_decode = (torch.arange(num_reqs) % 2 == 0).to(dev)
+    q_lens = torch.where(is_decode.cpu(), 1 + k, torch.tensor(block_size + 3))
+    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32).to(dev)
+    num_tokens = int(q_lens.sum())
+    prefill_ids = ints(0, vocab, num_tokens)
+
+    def case(name: str, run: Callable[[str], Any]) -> None:
+        started = time.perf_counter()
+        try:
+            ref, out = run("torch"), run("triton")
+            ref = ref if isinstance(ref, tuple) else (ref,)
+            out = out if isinstance(out, tuple) else (out,)
+            results = [_close(a, b) for a, b in zip(ref, out)]
+            ok = all(r[0] for r in results)
+            ctx.add(section, name, PASS if ok else FAIL, "; ".join(r[1] for r in results))
+        except Exception as exc:  # a kernel that fails to compile is a finding, not a crash
+            ctx.add(section, name, FAIL, f"{type(exc).__name__}: {exc}")
+        ctx.records[-1].seconds = time.perf_counter() - started
+
+    positions = (seq_len[req_slots.long()].repeat_interleave(q_lens.to(dev), output_size=num_tokens).long()
+                 + torch.cat([torch.arange(int(n)) for n in q_lens]).to(dev))
+    case("slot_mapping", lambda impl: compute_slot_mapping(
+        qsl, positions, block_table[req_slots.long()], block_size, impl=impl))
+
+    def assemble(impl: str) -> tuple:
+        hist = history.clone()
+        out = assemble_inputs(req_slots, qsl, is_decode, prefill_ids, seq_len, last_token, drafts,
+                              num_drafts, block_table, hist, block_size, impl=impl)
+        return (*out, hist)
+
+    case("assemble_inputs", assemble)
+
+    accepted, sampled = ints(0, k + 1, num_reqs), ints(0, vocab, num_reqs)
+
+    def update(impl: str) -> tuple:
+        state = [seq_len.clone(), last_token.clone(), num_drafts.clone()]
+        update_state(req_slots, is_decode, q_lens.to(torch.int32).to(dev), accepted,
+                     torch.ones(num_reqs, dtype=torch.bool, device=dev), sampled, *state, impl=impl)
+        return tuple(state)
+
+    case("update_state", update)
+    case("ngram_propose", lambda impl: ngram_propose(req_slots, seq_len, last_token, block_table,
+                                                     history, block_size, 2, 4, k, impl=impl))
+    seeds = torch.randint(0, 2**62, (num_reqs,), generator=gen).to(dev)
+    pos = seq_len[req_slots.long()].long()
+    case("keyed_uniform", lambda impl: keyed_uniform(seeds, pos, vocab, impl=impl))
+    targets = ints(0, vocab, num_reqs, k + 1)
+    case("count_accepted", lambda impl: count_accepted(targets, drafts[req_slots.long()], num_drafts[req_slots.long()], impl=impl))
+    p = torch.softmax(torch.randn(num_reqs, k + 1, vocab, generator=gen), -1).to(dev)
+    q = torch.softmax(torch.randn(num_reqs, k, vocab, generator=gen), -1).to(dev)
+    draft_tok = torch.multinomial(q.view(-1, vocab).cpu(), 1, generator=gen).view(num_reqs, k).to(dev)
+    case("rejection_sample", lambda impl: rejection_sample(p, q, draft_tok, num_drafts[req_slots.long()],
+                                                           seeds, pos, impl=impl))
+
+    from transformers import LlamaConfig
+
+    heads, kv_heads, head_dim = (4, 2, 16) if small else (16, 8, 128)
+    cfg = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                      num_hidden_layers=1, vocab_size=vocab, intermediate_size=64)
+    for dtype in (torch.float32, torch.bfloat16):
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+
+        def attention(impl: str, dtype: torch.dtype = dtype) -> tuple:
+            torch.manual_seed(3)
+            (k_cache, v_cache), = allocate_kv_cache(cfg, num_blocks, block_size, dtype, dev)
+            k_cache.copy_(torch.randn(k_cache.shape, dtype=dtype).to(dev))
+            v_cache.copy_(torch.randn(v_cache.shape, dtype=dtype).to(dev))
+            new_k = torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype).to(dev)
+            new_v = torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype).to(dev)
+            q_in = torch.randn(num_tokens, heads, head_dim, dtype=dtype).to(dev)
+            slots = compute_slot_mapping(qsl, positions, block_table[req_slots.long()], block_size)
+            write_kv_cache(new_k, new_v, k_cache, v_cache, slots, impl=impl)
+            meta = AttentionMetadata(query_start_loc=qsl, seq_lens=(positions.view(-1)[qsl[1:].long() - 1] + 1).to(torch.int32),
+                                     block_tables=block_table[req_slots.long()], max_query_len=int(q_lens.max()),
+                                     max_seq_len=max_blocks * block_size, slot_mapping=slots)
+            out = paged_attention(q_in, k_cache, v_cache, meta, head_dim**-0.5, impl=impl)
+            return out, k_cache, v_cache
+
+        started = time.perf_counter()
+        try:
+            ref, out = attention("torch"), attention("triton")
+            results = [_close(a, b, atol=tol, rtol=tol) for a, b in zip(ref, out)]
+            ok = all(r[0] for r in results)
+            ctx.add(section, f"write_kv_cache + paged_attention {str(dtype)[6:]}", PASS if ok else FAIL,
+                    "; ".join(r[1] for r in results))
+        except Exception as exc:
+            ctx.add(section, f"write_kv_cache + paged_attention {str(dtype)[6:]}", FAIL, f"{type(exc).__name__}: {exc}")
+        ctx.records[-1].seconds = time.perf_counter() - started
+
+
+# ----------------------------------------------------------------------------------- 2. families
+
+
+def check_families(ctx: Context) -> None:
+    """Our paged forward vs Hugging Face's on a prompt and continued decodes, per family and dtype."""
+    from kernels.attention import AttentionMetadata
+    from kernels.slot_mapping import compute_slot_mapping
+    from transformers import AutoModelForCausalLM
+    from worker_svc.model import allocate_kv_cache, build_model
+
+    dev = ctx.device
+    block_size, num_blocks, length = 16, 64, 40
+    for family in ("llama", "qwen2", "qwen3", "mistral"):
+        cfg = tiny_config(family)
+        torch.manual_seed(4)
+        hf = AutoModelForCausalLM.from_config(cfg).to(dev).eval()
+        for dtype in (torch.float32, torch.bfloat16):
+            name = f"{family} {str(dtype)[6:]}"
+            started = time.perf_counter()
+            try:
+                ref_model = hf.to(dtype)
+                ours = build_model(cfg, dtype, dev)
+                ours.load_weights(ref_model.state_dict())
+                ids = torch.randint(0, cfg.vocab_size, (length,), generator=torch.Generator().manual_seed(5)).to(dev)
+                with torch.inference_mode():
+                    ref = ref_model(ids[None]).logits[0].float()
+                    kv = allocate_kv_cache(cfg, num_blocks, block_size, dtype, dev)
+                    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(6))[None, :8]
+                    table = table.to(torch.int32).to(dev)
+                    logits = []
+                    # A prefill chunk, a second chunk on top of it, then single-token decodes.
+                    for lo, hi in ((0, 25), (25, 36), (36, 37), (37, 38), (38, 39), (39, 40)):
+                        qsl = torch.tensor([0, hi - lo], dtype=torch.int32, device=dev)
+                        pos = torch.arange(lo, hi, device=dev)
+                        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=torch.tensor([hi], dtype=torch.int32, device=dev),
+                                                 block_tables=table, max_query_len=hi - lo, max_seq_len=8 * block_size,
+                                                 slot_mapping=compute_slot_mapping(qsl, pos, table, block_size))
+                        logits.append(ours.compute_logits(ours(ids[lo:hi], pos, meta, kv)))
+                    got = torch.cat(logits)
+                tol = 5e-2 if dtype == torch.bfloat16 else 2e-4
+                scale = ref.abs().max().item()
+                err = (got - ref).abs().max().item() / max(scale, 1e-6)
+                agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+                ok = err <= tol
+                ctx.add("families", name, PASS if ok else FAIL,
+                        f"max |diff| / max |logit| = {err:.1e} (tolerance {tol:.0e}); argmax agreement {agree:.3f}",
+                        rel_err=err, argmax_agreement=agree)
+            except Exception as exc:
+                ctx.add("families", name, FAIL, f"{type(exc).__name__}: {exc}")
+            ctx.records[-1].seconds = time.perf_counter() - started
+
+
+# ----------------------------------------------------------------------------------- 3. service
+
+
+def check_service(ctx: Context) -> None:
+    """Greedy tokens of `zerobubble serve` on this device against Hugging Face `generate`."""
+    import asyncio
+    import socket
+    import subprocess
+
+    import grpc
+    from transformers import GenerationConfig, LlamaForCausalLM
+
+    from zerobubble.client import build_request, complete
+
+    cfg = tiny_config("llama", vocab_size=512)
+    torch.manual_seed(7)
+    hf = LlamaForCausalLM(cfg).eval()
+    num_prompts, max_tokens = 4, 24
+    gen = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, cfg.vocab_size - 1, (int(n),), generator=gen).tolist() for n in (5, 17, 33, 60)]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(Path(tmp) / "tiny-llama", hf, cfg.vocab_size)
+        hf = hf.to(ctx.device)
+        expected = []
+        with torch.inference_mode():
+            for prompt in prompts:
+                ids = torch.tensor([prompt], device=ctx.device)
+                out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
+                    max_new_tokens=max_tokens, do_sample=False, eos_token_id=cfg.vocab_size - 1,
+                    pad_token_id=cfg.vocab_size - 1))
+                expected.append(out[0, len(prompt):].tolist())
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        # The dry run starts one server (the n-gram path covers the plain one's code as well).
+        for spec in ("ngram",) if ctx.dry_run else ("none", "ngram"):
+            cmd = [sys.executable, "-m", "zerobubble", "serve", "--model", str(model_dir),
+                   "--device", ctx.device.type, "--dtype", "float32", "--port", str(port),
+                   "--metrics-port", "-1", "--spec-method", spec,
+                   "--max-num-seqs", "8", "--log-level", "warning"]
+            if ctx.device.type == "cpu":
+                cmd += ["--kv-cache-memory-gb", "0.05"]
+            else:
+                cmd += ["--gpu-memory-utilization", "0.5"]
+            proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            name = f"greedy vs HF, spec={spec}"
+            try:
+                async def run() -> list[list[int]]:
+                    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                        deadline = time.monotonic() + 180
+                        while True:  # ready, or fail at once if the server died
+                            try:
+                                await asyncio.wait_for(channel.channel_ready(), 1)
+                                break
+                            except asyncio.TimeoutError:
+                                if proc.poll() is not None or time.monotonic() > deadline:
+                                    raise RuntimeError("the server did not come up") from None
+                        done = await asyncio.gather(*(complete(channel, build_request(
+                            token_ids=p, max_tokens=max_tokens, temperature=0.0), timeout=120) for p in prompts))
+                        return [list(c.token_ids) for c in done]
+
+                got = asyncio.run(run())
+                mismatches = [i for i in range(num_prompts) if got[i] != expected[i]]
+                ctx.add("service", name, FAIL if mismatches else PASS,
+                        f"{num_prompts - len(mismatches)}/{num_prompts} prompts identical"
+                        + (f"; first differing prompt {mismatches[0]}" if mismatches else ""))
+            except Exception as exc:
+                proc.terminate()
+                output = proc.communicate(timeout=30)[0][-2000:]
+                ctx.add("service", name, FAIL, f"{type(exc).__name__}: {exc}; server output: {output}")
+            finally:
+                if proc.poll() is None:
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+            ctx.records[-1].seconds = time.perf_counter() - started
+            started = time.perf_counter()
+
+
+# --------------------------------------------------------------------------- 4/5. steps driven
+
+
+def make_scheduler(runner: Any, vocab_size: int) -> Any:
+    """The real scheduler, configured from the runner's capacity, with a word-level tokenizer."""
+    from scheduler_svc.scheduler import Scheduler, SchedulerConfig
+    from scheduler_svc.tokenizer import Tokenizer
+
+    cfg = runner.config
+    config = SchedulerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                             max_num_batched_tokens=2048, num_spec_tokens=runner.num_spec_tokens,
+                             num_lookahead_slots=runner.proposer.num_lookahead_slots if runner.proposer else 0,
+                             eos_token_ids=(), vocab_size=vocab_size)
+    return Scheduler(config, Tokenizer(word_tokenizer_json(vocab_size)))
+
+
+@dataclass(slots=True)
+class RunStats:
+    """One driven workload."""
+
+    output_tokens: int = 0
+    wall_s: float = 0.0
+    num_steps: int = 0
+    gpu_busy_fraction: float | None = None
+
+
+def drive(runner: Any, prompts: list[list[int]], max_tokens: int, window: int,
+          around_step: Callable[[int], Any] | None = None) -> RunStats:
+    """Serve ``prompts`` (greedy, ignore EOS) keeping up to ``window`` plans ahead of results.
+
+    This is the worker link's loop without gRPC: plan until the window is full, execute each
+    plan at once, then hand the oldest result back. ``window=1`` is the synchronous baseline.
+    On CUDA each step is bracketed by events; the busy fraction is the sum of the steps'
+    GPU-timeline spans over the whole run's span (gaps are the device waiting for the host).
+    ``around_step(i)`` returns a context manager wrapped around the i-th execute.
+    """
+    import contextlib
+
+    scheduler = make_scheduler(runner, runner.loaded.hf_config.vocab_size)
+    runner.reset()
+    for i, prompt in enumerate(prompts):
+        scheduler.add_request(f"r{i}", prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=i)
+    stats = RunStats()
+    cuda = runner.device.type == "cuda"
+    events: list[tuple[Any, Any]] = []
+    inflight: deque = deque()
+    if cuda:
+        torch.cuda.synchronize()
+    started = time.perf_counter()
+    while scheduler.has_unfinished() or inflight:
+        while len(inflight) < window:
+            plan = scheduler.schedule()
+            if plan is None:
+                break
+            guard = around_step(stats.num_steps) if around_step else contextlib.nullcontext()
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+            with guard:
+                inflight.append(runner.execute(plan))
+            if cuda:
+                end.record()
+                events.append((begin, end))
+            stats.num_steps += 1
+        if not inflight:
+            raise RuntimeError("scheduler stalled with unfinished requests and nothing in flight")
+        result = inflight.popleft().materialize(0.0, runner.num_spec_tokens)
+        if result.error:
+            raise RuntimeError(result.error)
+        for event in scheduler.on_step_result(result):
+            stats.output_tokens += len(event.token_ids)
+    if cuda:
+        torch.cuda.synchronize()
+        busy = sum(b.elapsed_time(e) for b, e in events)
+        span = events[0][0].elapsed_time(events[-1][1]) if events else 0.0
+        stats.gpu_busy_fraction = busy / span if span > 0 else None
+    stats.wall_s = time.perf_counter() - started
+    return stats
+
+
+def build_runner(loaded: Any, spec: str, cuda_graphs: bool, num_blocks: int, max_num_seqs: int = 16) -> Any:
+    """A runner over an already loaded model (several runners may share one model)."""
+    from worker_svc.proposers import build_proposer
+    from worker_svc.runner import ModelRunner, RunnerConfig
+
+    proposer = build_proposer(spec, 3)
+    config = RunnerConfig(num_blocks=num_blocks, block_size=16, max_num_seqs=max_num_seqs,
+                          max_model_len=1024, num_spec_tokens=3 if proposer is not None else 0,
+                          cuda_graphs=cuda_graphs)
+    return ModelRunner(loaded, config, proposer)
+
+
+def repetitive_prompts(num: int, length: int, vocab_size: int, seed: int) -> list[list[int]]:
+    """Prompts with repeated phrases, so prompt lookup finds drafts as it does on code and chat."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num):
+        phrases = [torch.randint(0, vocab_size - 1, (8,), generator=gen).tolist() for _ in range(4)]
+        order = torch.randint(0, 4, (length // 8 + 1,), generator=gen).tolist()
+        out.append([t for i in order for t in phrases[i]][:length])
+    return out
+
+
+def check_sync_free(ctx: Context) -> None:
+    """Steady-state steps may not synchronise the host with the device (CUDA only)."""
+    if not ctx.cuda:
+        ctx.add("sync_free", "set_sync_debug_mode('error') around steps", SKIP, "needs CUDA")
+        return
+    import contextlib
+
+    cfg = tiny_config("llama", vocab_size=512, max_position_embeddings=2048)
+    loaded = in_memory_model(cfg, ctx.device, torch.bfloat16)
+    prompts = repetitive_prompts(6, 100, cfg.vocab_size, 9)
+    for spec in ("none", "ngram"):
+        for graphs in (False, True):
+            name = f"spec={spec} cuda_graphs={graphs}"
+            started = time.perf_counter()
+            try:
+                runner = build_runner(loaded, spec, graphs, num_blocks=512)
+                drive(runner, prompts, 8, 2)  # warm-up: allocator, Triton compiles, graphs
+
+                @contextlib.contextmanager
+                def strict(step: int):
+                    torch.cuda.set_sync_debug_mode("error")
+                    try:
+                        yield
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+
+                stats = drive(runner, prompts, 48, 2, around_step=strict)
+                ctx.add("sync_free", name, PASS, f"{stats.num_steps} steps without a host sync")
+            except Exception as exc:
+                ctx.add("sync_free", name, FAIL, f"{type(exc).__name__}: {exc}",
+                        traceback=traceback.format_exc()[-3000:])
+            ctx.records[-1].seconds = time.perf_counter() - started
+
+
+def check_throughput(ctx: Context) -> None:
+    """async ÷ sync and n-gram ÷ none at 2 / 8 / 16 prompts, CUDA graphs on and off."""
+    cfg = qwen3_1p7b_config(ctx.dry_run or not ctx.cuda)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    loaded = in_memory_model(cfg, ctx.device, dtype)
+    prompt_len, max_tokens = (16, 4) if ctx.dry_run else (256, 128)
+    # The dry run exercises the code, not the machine: one run per configuration.
+    windows = (1, 2) if ctx.dry_run else (1, 2, 1, 2)  # interleaved: A B A B
+    num_blocks = (16 * (prompt_len + max_tokens + 32)) // 16 + 64
+    graph_modes = (False, True) if ctx.cuda else (False,)
+    if not ctx.cuda:
+        ctx.add("throughput", "cuda_graphs=True", SKIP, "CUDA graphs need CUDA")
+    runners = {}
+    for graphs in graph_modes:
+        for spec in ("none", "ngram"):
+            try:
+                runners[graphs, spec] = build_runner(loaded, spec, graphs, num_blocks)
+            except Exception as exc:
+                ctx.add("throughput", f"runner spec={spec} cuda_graphs={graphs}", FAIL, f"{type(exc).__name__}: {exc}")
+    table: dict[str, dict[str, float | None]] = {}
+    for num_prompts in (2, 8, 16):
+        prompts = repetitive_prompts(num_prompts, prompt_len, cfg.vocab_size, num_prompts)
+        for (graphs, spec), runner in runners.items():
+            drive(runner, prompts[:2], 4, 2)  # warm-up at this shape
+            rates = {}
+            for window in windows:
+                try:
+                    stats = drive(runner, prompts, max_tokens, window)
+                except Exception as exc:
+                    ctx.add("throughput", f"n={num_prompts} spec={spec} graphs={graphs} window={window}",
+                            FAIL, f"{type(exc).__name__}: {exc}")
+                    continue
+                key = "async" if window == 2 else "sync"
+                rates.setdefault(key, []).append((stats.output_tokens / stats.wall_s, stats.gpu_busy_fraction,
+                                                  stats.num_steps))
+            for key, runs in rates.items():
+                tok_s = max(r[0] for r in runs)
+                busy = [r[1] for r in runs if r[1] is not None]
+                table[f"n={num_prompts} spec={spec} graphs={graphs} {key}"] = {
+                    "tok_s": tok_s, "gpu_busy": max(busy) if busy else None, "steps": runs[0][2]}
+    for num_prompts in (2, 8, 16):
+        for graphs in graph_modes:
+            row = {k: v for k, v in table.items() if k.startswith(f"n={num_prompts} ") and f"graphs={graphs}" in k}
+
+            def rate(spec: str, mode: str) -> float | None:
+                entry = row.get(f"n={num_prompts} spec={spec} graphs={graphs} {mode}")
+                return entry["tok_s"] if entry else None
+
+            values = {f"{spec}_{mode}_tok_s": rate(spec, mode) for spec in ("none", "ngram") for mode in ("sync", "async")}
+            values.update({f"{spec}_{mode}_gpu_busy": (row.get(f"n={num_prompts} spec={spec} graphs={graphs} {mode}") or {}).get("gpu_busy")
+                           for spec in ("none", "ngram") for mode in ("sync", "async")})
+
+            def ratio(a: float | None, b: float | None) -> float | None:
+                return a / b if a and b else None
+
+            values["async_over_sync_none"] = ratio(values["none_async_tok_s"], values["none_sync_tok_s"])
+            values["async_over_sync_ngram"] = ratio(values["ngram_async_tok_s"], values["ngram_sync_tok_s"])
+            values["ngram_over_none_async"] = ratio(values["ngram_async_tok_s"], values["none_async_tok_s"])
+            values["ngram_over_none_sync"] = ratio(values["ngram_sync_tok_s"], values["none_sync_tok_s"])
+            status = PASS if all(v is not None for k, v in values.items() if k.endswith("tok_s")) else FAIL
+            ctx.add("throughput", f"{num_prompts} prompts, cuda_graphs={graphs}", status,
+                    "measured" if status == PASS else "some configurations failed", **values)
+
+
+SECTIONS: dict[str, Callable[[Context], None]] = {
+    "kernels": check_kernels,
+    "families": check_families,
+    "service": check_service,
+    "sync_free": check_sync_free,
+    "throughput": check_throughput,
+}
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "–"
+    if isinstance(v, float):
+        return f"{v:.3f}" if abs(v) < 100 else f"{v:.1f}"
+    return str(v)
+
+
+def markdown(ctx: Context, meta: dict[str, Any]) -> str:
+    """The report as markdown: environment, one table of checks, one table of throughput."""
+    lines = [f"# device check ({'dry run, ' if ctx.dry_run else ''}{meta['device_name']})", "",
+             f"torch {meta['torch']}, triton {meta['triton']}, {meta['when']}, {meta['total_s']:.0f} s", "",
+             "| section | check | status | detail |", "|---|---|---|---|"]
+    for r in ctx.records:
+        if r.section != "throughput" or r.status != PASS:
+            lines.append(f"| {r.section} | {r.name} | {r.status.upper()} | {r.detail.replace('|', '/')[:300]} |")
+    rows = [r for r in ctx.records if r.section == "throughput" and r.status == PASS]
+    if rows:
+        cols = ["none_sync_tok_s", "none_async_tok_s", "ngram_sync_tok_s", "ngram_async_tok_s",
+                "async_over_sync_none", "async_over_sync_ngram", "ngram_over_none_async",
+                "none_async_gpu_busy", "ngram_async_gpu_busy", "none_sync_gpu_busy"]
+        lines += ["", "| workload | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+        for r in rows:
+            lines.append(f"| {r.name} | " + " | ".join(_fmt(r.values.get(c)) for c in cols) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out_dir", type=Path, help="folder for device_check.json and device_check.md")
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU; CUDA-only parts are skipped")
+    parser.add_argument("--only", default="", help="comma-separated sections (default: all): " + ", ".join(SECTIONS))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    cuda = torch.cuda.is_available() and not args.dry_run
+    ctx = Context(device=torch.device("cuda" if cuda else "cpu"), dry_run=args.dry_run or not cuda,
+                  out_dir=args.out_dir)
+    if not cuda and not args.dry_run:
+        logger.warning("no CUDA device: running the dry run instead")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    selected = [s for s in args.only.split(",") if s] or list(SECTIONS)
+    for name in selected:
+        section_started = time.perf_counter()
+        try:
+            SECTIONS[name](ctx)
+        except Exception as exc:  # one broken section must not hide the others' findings
+            ctx.add(name, "section", FAIL, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:])
+        logger.info("section %s took %.1f s", name, time.perf_counter() - section_started)
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "absent"
+    meta = dict(device_name=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__,
+                triton=triton_version, python=platform.python_version(),
+                when=time.strftime("%Y-%m-%d %H:%M:%S %Z"), dry_run=ctx.dry_run,
+                total_s=time.perf_counter() - started)
+    failed = [r for r in ctx.records if r.status == FAIL]
+    report = dict(meta, ok=not failed, records=[asdict(r) for r in ctx.records])
+    (args.out_dir / "device_check.json").write_text(json.dumps(report, indent=2))
+    (args.out_dir / "device_check.md").write_text(markdown(ctx, meta))
+    logger.info("%d checks, %d failed; report in %s", len(ctx.records), len(failed), args.out_dir)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

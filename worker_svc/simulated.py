@@ -1,0 +1,184 @@
+"""A simulated accelerator (`--simulate-device-ms MS`): the worker's whole host path, no model.
+
+The runner still decodes plans, admits rows, keeps slots and block tables, assembles inputs,
+writes the token history pages, corrects sequence lengths, runs its proposer's bookkeeping and
+builds results. What a GPU would compute is replaced by:
+
+- **time**: each step occupies a simulated device for MS milliseconds on a timeline of its own.
+  The step thread only "launches" the step (as with CUDA, it does not wait); the result copy
+  waits in `time.sleep` until the step's end, which holds the GIL no longer than a CUDA event
+  wait and uses no core. A step launched while the device is still busy queues behind it; the
+  gap between the end of one step and the start of the next is the device's idle time, which
+  the worker reports as its bubble (`idle_s`).
+- **tokens**: a deterministic function of (seed, sequence), `next_tokens`. With probability
+  `acceptance_rate` the token at position p repeats the token at p - `COPY_LAG` (text copied from
+  earlier, as in code edits and quoting); otherwise it is a "fresh" token hashed from
+  (seed, p, previous token). Greedy rows use seed 0, so greedy output depends on the prompt only
+  and is identical sync or async, with or without speculation. Special tokens (EOS included)
+  are never produced, so requests end at `max_tokens` or a stop string.
+- **drafts**: `LagNgramProposer`, prompt lookup at the one offset where the token function
+  repeats text: if the last `ngram_min` tokens equal those `COPY_LAG` positions earlier, the k
+  tokens that followed them are proposed. Where the full lookup would find a match it finds the
+  same one (barring chance repeats), in O(batch) instead of the O(tokens held) of the device
+  kernel it stands for. Once a match exists, each draft is accepted with probability
+  `acceptance_rate` given the previous one was, so a row with k = 3 drafts accepts
+  `r + r^2 + r^3` of them on average.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kernels.verify import count_accepted
+from worker_svc.runner import ModelRunner, PendingResult, StepBatch, StepOutputs
+
+logger = logging.getLogger(__name__)
+
+COPY_LAG = 32
+"""A copied token repeats the one this many positions earlier (more than any draft width)."""
+_MASK32 = 0xFFFFFFFF
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """A cheap avalanche of 32-bit words held in int64 (multiplier < 2**31: no overflow).
+
+    The token function stands for device work, so it is kept to a few ops; it needs to be
+    deterministic and well mixed, not the sampler's counter-based noise.
+    """
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+@dataclass(slots=True)
+class SimulatedEvent:
+    """Stands for the CUDA event after a step's result copy: ready at the step's end."""
+
+    done_at: float
+
+    def synchronize(self) -> None:
+        delay = self.done_at - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
+class SimulatedDevice:
+    """The simulated accelerator of one runner: its timeline and its token function."""
+
+    def __init__(self, device_ms: float, acceptance_rate: float, vocab_size: int,
+                 special_ids: list[int], max_draft_tokens: int) -> None:
+        if device_ms < 0:
+            raise ValueError(f"--simulate-device-ms must be >= 0, got {device_ms}")
+        if not 0.0 <= acceptance_rate <= 1.0:
+            raise ValueError(f"--simulate-acceptance-rate must be in [0, 1], got {acceptance_rate}")
+        if max_draft_tokens + 2 > COPY_LAG:
+            raise ValueError(f"a simulated device supports at most {COPY_LAG - 2} draft tokens")
+        self.device_s = device_ms / 1000.0
+        self.acceptance_rate = acceptance_rate
+        self.allowed = torch.ones(vocab_size, dtype=torch.bool)
+        self.allowed[[i for i in special_ids if 0 <= i < vocab_size]] = False
+        self.allowed_ids = self.allowed.nonzero().flatten()
+        self.busy_until = 0.0
+        self.live = False  # requests were live when the device finished its last step
+
+    def step(self, runner: ModelRunner, batch: StepBatch) -> PendingResult:
+        """Stands for `run_model` + `sample`: tokens, verification, then the runner's real
+        `advance`; the step then occupies the device timeline for `device_s`."""
+        s = batch.sampled
+        out = None
+        if s is not None:
+            width = runner.num_spec_tokens + 1
+            draft_tokens, num_verified = runner.fed_drafts(batch)
+            tokens = s.spread(self.next_tokens(runner, batch), width)
+            if runner.num_spec_tokens:
+                num_accepted = count_accepted(tokens, draft_tokens, num_verified)
+            else:
+                num_accepted = torch.zeros(len(s.rows), dtype=torch.int32)
+            # The token function is certain of its tokens: log-probability 0.
+            logprobs = torch.zeros(tokens.shape) if s.want_logprobs else None
+            out = StepOutputs(tokens, num_accepted, num_verified, logprobs)
+        pending = runner.advance(batch, out)
+        now = time.perf_counter()
+        start = max(now, self.busy_until)
+        pending.idle_s = start - self.busy_until if self.live else 0.0
+        self.busy_until = start + self.device_s
+        self.live = bool(runner.slots)
+        pending.forward_s = self.device_s
+        pending.ready = SimulatedEvent(self.busy_until)
+        return pending
+
+    def reset(self) -> None:
+        self.live = False
+
+    def next_tokens(self, runner: ModelRunner, batch: StepBatch) -> torch.Tensor:
+        """The token after every sampled slot (``[G]`` int64), from the sequence up to it."""
+        s = batch.sampled
+        assert s is not None
+        positions = s.positions                          # absolute position of each new token
+        previous = batch.input_ids[s.gather].to(torch.int64)
+        seeds = torch.where(s.sampling.temperature > 0, s.sampling.seeds, 0)
+        # The previous token keys the hash too: the function reads the sequence, not a counter.
+        key = (seeds ^ (seeds >> 32)) & _MASK32
+        h = _hash32(key ^ _hash32(positions & _MASK32 ^ _hash32(previous)))
+        slots = torch.repeat_interleave(s.slots.to(torch.int64), s.num_cols.to(torch.int64))
+        source = self.history_tokens(runner, slots, positions - COPY_LAG)
+        copy = (positions >= COPY_LAG) & ((h & 0xFFFF) < int(self.acceptance_rate * 65536))
+        copy &= self.allowed[source]
+        fresh = self.allowed_ids[((h >> 16) * len(self.allowed_ids)) >> 16]
+        return torch.where(copy, source, fresh)
+
+    @staticmethod
+    def history_tokens(runner: ModelRunner, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Tokens at ``positions`` (< the slot's written length) of the requests in ``slots``."""
+        bs = runner.config.block_size
+        positions = positions.clamp(min=0)
+        blocks = runner.state.block_table[slots, positions // bs].to(torch.int64)
+        return runner.state.history.view(-1)[blocks * bs + positions % bs].to(torch.int64)
+
+
+class LagNgramProposer:
+    """N-gram drafts for the simulated device's token function (see the module docstring)."""
+
+    has_draft_probs = False
+    num_lookahead_slots = 0  # proposals are read from history; nothing is written
+
+    def __init__(self, num_spec_tokens: int, ngram_min: int) -> None:
+        self.k = num_spec_tokens
+        self.ngram_min = ngram_min
+        self.runner: ModelRunner | None = None
+
+    def bind(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def admit(self, slot: int, num_cached_tokens: int) -> None:
+        pass  # all state lives in the runner's history pages
+
+    def observe(self, batch: object) -> None:
+        pass
+
+    def propose(self, slots: torch.Tensor, batch: object = None) -> None:
+        runner = self.runner
+        assert runner is not None
+        st = runner.state
+        idx = slots.to(torch.int64)
+        last_pos = st.seq_len[idx].to(torch.int64)     # position of the last sampled token
+        last = st.last_token[idx].to(torch.int64)
+        n = self.ngram_min
+        match = last_pos >= COPY_LAG + n - 1
+        for i in range(n):
+            pos = last_pos - i
+            here = last if i == 0 else SimulatedDevice.history_tokens(runner, idx, pos)
+            match &= here == SimulatedDevice.history_tokens(runner, idx, pos - COPY_LAG)
+        cols = torch.arange(self.k)
+        follow = (last_pos - COPY_LAG + 1)[:, None] + cols[None, :]
+        drafts = SimulatedDevice.history_tokens(runner, idx.repeat_interleave(self.k),
+                                                follow.flatten()).view(-1, self.k)
+        st.drafts[idx, : self.k] = drafts.to(torch.int32)
+        st.num_drafts[idx] = torch.where(match, self.k, 0).to(torch.int32)
+
+    def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:
+        raise NotImplementedError("n-gram drafts have no distribution")

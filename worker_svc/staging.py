@@ -1,0 +1,55 @@
+"""Host-built step inputs onto the device without stalling the host, and results back.
+
+A ``torch.tensor(values, device="cuda")`` copies from pageable memory: CUDA stages it through a
+driver buffer and the call returns only once the copy ran, i.e. after every kernel queued before
+it: the host waits for the previous step. Here values are written into page-locked (pinned) host
+memory and copied with ``non_blocking=True``, which only enqueues the copy. Each upload gets a
+fresh pinned tensor from torch's caching host allocator, which records the copy's stream and does
+not hand the block out again before the copy has run, so a later step can never overwrite values
+an earlier, still-queued copy has yet to read.
+
+On the CPU the values are already where they are used: a plain tensor, no copy. Any other device
+is treated as an accelerator (the sync-free test runs the step path on a fake ``meta`` device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def is_accelerator(device: torch.device) -> bool:
+    """Whether tensors on ``device`` live apart from the host (reading them would synchronise)."""
+    return device.type != "cpu"
+
+
+def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """``values`` as a 1-D tensor on ``device``, through pinned memory and an async copy."""
+    if not is_accelerator(device):
+        return torch.tensor(values, dtype=dtype)
+    out = torch.empty(len(values), dtype=dtype, device=device)
+    write(out, values)
+    return out
+
+
+def write(dst: torch.Tensor, values: Sequence[int] | Sequence[float] | Sequence[bool]) -> None:
+    """``dst[:] = values`` for a 1-D device view (a block-table row), without a sync."""
+    if not is_accelerator(dst.device):
+        dst.copy_(torch.tensor(values, dtype=dst.dtype))
+        return
+    host = torch.empty(len(values), dtype=dst.dtype, pin_memory=True)
+    host.copy_(torch.tensor(values, dtype=dst.dtype))
+    dst.copy_(host, non_blocking=True)
+
+
+def to_host(t: torch.Tensor) -> torch.Tensor:
+    """Start copying ``t`` into fresh pinned host memory; valid once the stream reaches it.
+
+    The caller records an event after it (on the stream the copy was issued on) and waits for
+    that event on another thread before reading the values.
+    """
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    return host

@@ -1,0 +1,63 @@
+"""Entry point of ``zerobubble bench``: load the rows, run them on the chosen backend, print and
+write the report; ``zerobubble bench plot`` draws reports (see :mod:`zerobubble.bench_plot`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from pathlib import Path
+
+import grpc.aio
+
+from zerobubble.bench import format_summary, load_dataset, run_bench_async
+from zerobubble.bench_openai import OpenAIBackendError, run_openai_bench_async
+from zerobubble.client import ChannelSettings, format_rpc_error
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Entry point of ``zerobubble bench``; returns the exit status (1 when any request failed)."""
+    if getattr(args, "bench_command", None) == "plot":
+        from zerobubble.bench_plot import run_plot  # matplotlib only for plots
+
+        return run_plot(args)
+    if not args.dataset:
+        print("error: --dataset is required", file=sys.stderr)
+        return 2
+    try:
+        rows = load_dataset(args.dataset, kind=args.kind, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not rows:
+        print(f"error: no rows selected from {args.dataset}" + (f" with kind {args.kind!r}" if args.kind else ""),
+              file=sys.stderr)
+        return 2
+    try:
+        if args.backend == "openai":
+            logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
+            try:
+                report = asyncio.run(run_openai_bench_async(
+                    args.base_url, rows, args.concurrency, request_rate=args.request_rate,
+                    model=args.model_name, api_key=args.auth_token, progress=args.progress))
+            except OpenAIBackendError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 1
+        else:
+            report = asyncio.run(run_bench_async(
+                ChannelSettings.from_args(args), rows, args.concurrency, request_rate=args.request_rate,
+                progress=args.progress, connect_timeout=args.connect_timeout,
+            ))
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {format_rpc_error(exc)}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(format_summary(report))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+        print(f"report written to {args.json}")
+    return 1 if report["num_errors"] else 0
