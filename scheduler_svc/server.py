@@ -101,7 +101,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
-            stream.queue.put(ev)
+            stream.queue.put_nowait(ev)
 
     # -- RPCs ----------------------------------------------------------------------------------
 
