@@ -104,7 +104,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     stream.first_token_at = now
                     if self.metrics is not None:
                         self.metrics.observe_ttft(now - stream.arrival)
-                elif self.metrics is not None:
+                elif self.metrics is not None and stream.last_token_at is not None:
                     gap = (now - stream.last_token_at) / len(ev.token_ids)
                     self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
@@ -146,9 +146,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.any_ready()
         if link is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        if request.model and request.model != link.info.model:
+        info, _ = link.described()
+        if request.model and request.model != info.model:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
-                               f"{request.model!r}; this server serves {link.info.model!r}",
+                               f"{request.model!r}; this server serves {info.model!r}",
                                unknown_model=True)
         try:
             prompt_ids = self._prompt_ids(request, link)
@@ -215,7 +216,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     for ids, lps in ev.top_logprobs:
                         reply.top_logprobs.add(token_ids=ids, logprobs=lps)
                     if ev.finish_reason is not None:
-                        reply.finish_reason = ev.finish_reason
+                        reply.finish_reason = ev.finish_reason  # type: ignore[assignment]
                         reply.error = ev.error or ""
                         finished.add(stream.index)
                         self._record_finished(stream, ev)
@@ -247,12 +248,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.any_ready()
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            return None  # abort raises; this tells the type checker
         try:
             ids = self._prompt_ids(request, link)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return generate_pb2.TokenizeResponse(token_ids=ids,
-                                             tokens=[link.tokenizer.id_to_token(i) or "" for i in ids])
+        _, tok = link.described()
+        return generate_pb2.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def ModelInfo(self, request, context):
         link = self.router.any_ready()
@@ -281,7 +283,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def _prompt_ids(self, request, link: WorkerLink) -> list[int]:
         kind = request.WhichOneof("input")
-        tok = link.tokenizer
+        info, tok = link.described()
         if kind == "prompt":
             require(len(request.prompt) > 0, "prompt: must not be empty")
             require(len(request.prompt) <= MAX_PROMPT_CHARS,
@@ -304,7 +306,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
             require(len(ids) > 0, "token_ids: must not be empty")
-            vocab = link.info.vocab_size
+            vocab = info.vocab_size
             bad = [i for i in ids if not 0 <= i < vocab]
             require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
         else:
