@@ -31,7 +31,7 @@ import grpc
 import pytest
 
 from tests.servers import start_scheduler, start_worker, wait_serving
-from tests.test_metrics_e2e import scrape, total
+from tests.metrics_scrape import scrape, total
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from zerobubble.client import build_request, complete
 

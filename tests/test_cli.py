@@ -4,8 +4,8 @@ commands run as real processes against a fake scheduler (no model needed)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import asyncio
+import dataclasses
 import json
 import socket
 import subprocess
@@ -19,9 +19,9 @@ import grpc.aio
 import pytest
 
 from zerobubble.api import generate_pb2_grpc
+from zerobubble.client import request_from_args
 from zerobubble.config import WorkerConfig, env_name, parse_bool, serve_config
 from zerobubble.entrypoints.cli import build_parser
-from zerobubble.client import request_from_args
 from zerobubble.entrypoints.serve import worker_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -239,7 +239,7 @@ def test_client_commands_do_not_import_torch() -> None:
 @pytest.fixture
 def fake_target() -> Iterator[str]:
     """A fake scheduler (see ``test_bench.FakeGeneration``) on its own event-loop thread."""
-    from tests.test_bench import FakeGeneration
+    from tests.fake_generation import FakeGeneration
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

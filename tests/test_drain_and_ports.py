@@ -117,7 +117,7 @@ def test_client_deadline_frees_blocks_and_a_stalled_reader_gets_everything(monke
     """A deadline aborts the request and returns its KV blocks; a client that stops reading
     does not hold up another stream, and when it reads again it gets every token exactly once
     (the events waiting behind a blocked write go out merged, see `merge_pending`)."""
-    from tests.test_metrics_e2e import scrape, total
+    from tests.metrics_scrape import scrape, total
 
     monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", SlowStub)
     monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)

@@ -15,8 +15,8 @@ import time
 import grpc
 import pytest
 
+from tests.metrics_scrape import scrape, total
 from tests.servers import start_scheduler, start_worker, wait_serving
-from tests.test_metrics_e2e import scrape, total
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import Completion, build_request, complete
 
