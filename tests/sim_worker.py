@@ -22,6 +22,7 @@ past the limits it was told about) and logs every KV block write and every plan.
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from scheduler_svc.scheduler import (
     FINISH_STOP_SEQUENCE,
     RequestEvent,
     Scheduler,
+    SchedulerConfig,
 )
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble.api import worker_pb2
@@ -609,3 +611,71 @@ def add_requests(
         )
         worker.limits[req_id] = (len(prompt), req.max_tokens)
     return seeds
+
+
+@dataclass(slots=True)
+class Case:
+    """One scheduler + simulated worker + queued requests."""
+
+    scheduler: Scheduler
+    worker: SimWorker
+    prompts: dict[str, list[int]]
+    seeds: dict[str, int]
+    stopping: dict[str, StoppingOptions]
+    max_len: int
+    eos_per_mille: int
+
+
+def make_case(
+    *,
+    num_requests: int = 10,
+    prompt_len: tuple[int, int] = (3, 30),
+    stopping: StoppingOptions | dict[str, StoppingOptions] | None = None,
+    num_blocks: int = 200,
+    block_size: int = 4,
+    max_model_len: int = 128,
+    max_num_seqs: int = 8,
+    max_num_batched_tokens: int = 32,
+    num_spec_tokens: int = 3,
+    enable_prefix_caching: bool = True,
+    eos_per_mille: int = 15,
+    logprobs: bool = False,
+    prompts: dict[str, list[int]] | None = None,
+    tokenizer: Tokenizer | None = None,
+    prompt_seed: int = 5,
+) -> Case:
+    config = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        num_spec_tokens=num_spec_tokens,
+        enable_prefix_caching=enable_prefix_caching,
+        eos_token_ids=(EOS_ID,),
+    )
+    scheduler = Scheduler(config, tokenizer or make_toy_tokenizer(), rng=random.Random(0))
+    worker = SimWorker(num_blocks, block_size, max_model_len, eos_per_mille=eos_per_mille)
+    if prompts is None:
+        rng = random.Random(prompt_seed)
+        prompts = {
+            f"r{i}": [rng.choice(b"abc xyz") for _ in range(rng.randint(*prompt_len))]
+            for i in range(num_requests)
+        }
+    stopping = stopping or StoppingOptions(max_tokens=40)
+    per_req = stopping if isinstance(stopping, dict) else {r: stopping for r in prompts}
+    seeds = add_requests(scheduler, worker, prompts, per_req, logprobs=logprobs)
+    max_len = min(max_model_len, num_blocks * block_size)
+    return Case(scheduler, worker, prompts, seeds, per_req, max_len, eos_per_mille)
+
+
+def assert_matches_reference(case: Case, got: dict[str, Collected]) -> None:
+    for req_id, prompt in case.prompts.items():
+        expected = reference_generate(
+            make_toy_tokenizer(), prompt, case.seeds[req_id], case.stopping[req_id],
+            max_model_len=case.max_len, eos_per_mille=case.eos_per_mille,
+        )
+        out = got[req_id]
+        assert out.token_ids == expected.token_ids, req_id
+        assert out.text == expected.text, req_id
+        assert out.finish_reason == expected.finish_reason, req_id

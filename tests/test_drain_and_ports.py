@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from scheduler_svc import worker_link
 from scheduler_svc.server import serve_scheduler
-from tests.test_reliability import FakeChannel, SimCall, toy_info
+from tests.sim_link import FakeChannel, SimCall, toy_info
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.client import build_request, complete

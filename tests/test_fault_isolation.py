@@ -13,8 +13,8 @@ import pytest
 from scheduler_svc.scheduler import FINISH_ERROR, Scheduler, SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer
 from worker_svc.server import build_runner, run_step, tokenizer_fields
-from zerobubble.config import WorkerConfig
 from zerobubble.api import worker_pb2
+from zerobubble.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(600)
 

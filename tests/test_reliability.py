@@ -11,7 +11,6 @@ import asyncio
 import random
 import time
 
-import grpc
 import pytest
 
 from scheduler_svc import worker_link
@@ -23,67 +22,14 @@ from scheduler_svc.scheduler import (
     RequestEvent,
     SchedulerConfig,
 )
+from tests.sim_link import FakeChannel, SimCall, sim_stub, toy_info, wait_for
 from tests.sim_worker import (
-    EOS_ID,
-    TOY_CHAT_TEMPLATE,
-    SimWorker,
     make_toy_tokenizer,
-    make_toy_tokenizer_json,
     reference_generate,
 )
 from zerobubble.api import worker_pb2
 
 TOY = make_toy_tokenizer()
-BLOCK_SIZE = 4
-NUM_BLOCKS = 200
-
-
-def toy_info(name: str, max_model_len: int = 128) -> worker_pb2.WorkerInfo:
-    return worker_pb2.WorkerInfo(
-        worker_id=name, model="toy", max_model_len=max_model_len, block_size=BLOCK_SIZE,
-        num_blocks=NUM_BLOCKS, vocab_size=258, eos_token_ids=[EOS_ID], max_num_seqs=8,
-        spec_method="ngram", num_spec_tokens=3, tokenizer_json=make_toy_tokenizer_json(),
-        chat_template=TOY_CHAT_TEMPLATE, bos_token="<|bos|>", eos_token="<|eos|>")
-
-
-class SimCall:
-    """The scheduler's end of one `Execute` stream, answered by a fresh `SimWorker`
-    (a real worker resets its state when a new stream supersedes the old one)."""
-
-    def __init__(self, max_model_len: int) -> None:
-        self.worker = SimWorker(NUM_BLOCKS, BLOCK_SIZE, max_model_len)
-        self.results: asyncio.Queue = asyncio.Queue()
-
-    async def write(self, plan: worker_pb2.StepPlan) -> None:
-        self.results.put_nowait(self.worker.execute(plan))
-
-    async def read(self):
-        return await self.results.get()
-
-    def cancel(self) -> None:
-        self.results.put_nowait(grpc.aio.EOF)
-
-
-def sim_stub(describes: list[float], max_model_len: int = 128):
-    class Stub:
-        def __init__(self, channel) -> None:
-            pass
-
-        async def Describe(self, request, timeout=None, metadata=None):
-            describes.append(time.monotonic())
-            return toy_info("sim", max_model_len)
-
-        def Execute(self, metadata=None):
-            return SimCall(max_model_len)
-
-    return Stub
-
-
-async def wait_for(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
 
 
 def prompts(n: int, seed: int = 3) -> dict[str, list[int]]:
@@ -167,8 +113,7 @@ def test_migration_that_cannot_place_a_request_ends_it_with_error() -> None:
 def test_a_bad_result_for_one_request_ends_only_that_request() -> None:
     """An exception while applying one row (here its detokenizer) ends that request with ERROR;
     the step's other rows apply normally and their outputs are unchanged."""
-    from tests.test_scheduler import assert_matches_reference, make_case
-    from tests.sim_worker import drive
+    from tests.sim_worker import assert_matches_reference, drive, make_case
 
     case = make_case(num_requests=4, stopping=StoppingOptions(max_tokens=20), eos_per_mille=0)
     victim = case.scheduler.get_request("r1")
@@ -187,16 +132,6 @@ def test_a_bad_result_for_one_request_ends_only_that_request() -> None:
     assert_matches_reference(case, got)
     assert all(got[r].finish_reason == FINISH_MAX_TOKENS for r in case.prompts)
     assert case.scheduler.block_pool.num_used == 0
-
-
-class FakeChannel:
-    """Stands in for the gRPC channel: the stub reads which worker it is from `address`."""
-
-    def __init__(self, address: str, *args, **kwargs) -> None:
-        self.address = address
-
-    async def close(self, grace=None) -> None:
-        pass
 
 
 class HangingCall(SimCall):

@@ -15,6 +15,8 @@ import torch
 
 from scheduler_svc.request import InvalidRequest, SamplingOptions, validate_sampling_controls
 from scheduler_svc.server import sequence_seed
+from tests.e2e import prompt_ids
+from tests.hf_oracle import load_hf_model
 from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
     K,
     draft_runner,
@@ -23,8 +25,6 @@ from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
     ngram_runner,
     recording,
 )
-from tests.e2e import prompt_ids
-from tests.hf_oracle import load_hf_model
 from worker_svc.sampler import (
     LogitBias,
     Penalties,
@@ -34,7 +34,6 @@ from worker_svc.sampler import (
     target_probs,
     top_logprobs,
 )
-from zerobubble.api import generate_pb2
 
 pytestmark = pytest.mark.timeout(900)
 

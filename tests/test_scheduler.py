@@ -12,7 +12,6 @@ import random
 import subprocess
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -33,10 +32,10 @@ from scheduler_svc.tokenizer import Tokenizer
 from tests.sim_worker import (
     EOS_ID,
     Collected,
-    SimWorker,
-    add_requests,
+    assert_matches_reference,
     collect,
     drive,
+    make_case,
     make_toy_tokenizer,
     make_toy_tokenizer_json,
     reference_generate,
@@ -45,74 +44,6 @@ from tests.sim_worker import (
 from zerobubble.api import worker_pb2
 
 TOY = make_toy_tokenizer()
-
-
-@dataclass(slots=True)
-class Case:
-    """One scheduler + simulated worker + queued requests."""
-
-    scheduler: Scheduler
-    worker: SimWorker
-    prompts: dict[str, list[int]]
-    seeds: dict[str, int]
-    stopping: dict[str, StoppingOptions]
-    max_len: int
-    eos_per_mille: int
-
-
-def make_case(
-    *,
-    num_requests: int = 10,
-    prompt_len: tuple[int, int] = (3, 30),
-    stopping: StoppingOptions | dict[str, StoppingOptions] | None = None,
-    num_blocks: int = 200,
-    block_size: int = 4,
-    max_model_len: int = 128,
-    max_num_seqs: int = 8,
-    max_num_batched_tokens: int = 32,
-    num_spec_tokens: int = 3,
-    enable_prefix_caching: bool = True,
-    eos_per_mille: int = 15,
-    logprobs: bool = False,
-    prompts: dict[str, list[int]] | None = None,
-    tokenizer: Tokenizer = TOY,
-    prompt_seed: int = 5,
-) -> Case:
-    config = SchedulerConfig(
-        num_blocks=num_blocks,
-        block_size=block_size,
-        max_model_len=max_model_len,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=max_num_batched_tokens,
-        num_spec_tokens=num_spec_tokens,
-        enable_prefix_caching=enable_prefix_caching,
-        eos_token_ids=(EOS_ID,),
-    )
-    scheduler = Scheduler(config, tokenizer, rng=random.Random(0))
-    worker = SimWorker(num_blocks, block_size, max_model_len, eos_per_mille=eos_per_mille)
-    if prompts is None:
-        rng = random.Random(prompt_seed)
-        prompts = {
-            f"r{i}": [rng.choice(b"abc xyz") for _ in range(rng.randint(*prompt_len))]
-            for i in range(num_requests)
-        }
-    stopping = stopping or StoppingOptions(max_tokens=40)
-    per_req = stopping if isinstance(stopping, dict) else {r: stopping for r in prompts}
-    seeds = add_requests(scheduler, worker, prompts, per_req, logprobs=logprobs)
-    max_len = min(max_model_len, num_blocks * block_size)
-    return Case(scheduler, worker, prompts, seeds, per_req, max_len, eos_per_mille)
-
-
-def assert_matches_reference(case: Case, got: dict[str, Collected]) -> None:
-    for req_id, prompt in case.prompts.items():
-        expected = reference_generate(
-            TOY, prompt, case.seeds[req_id], case.stopping[req_id],
-            max_model_len=case.max_len, eos_per_mille=case.eos_per_mille,
-        )
-        out = got[req_id]
-        assert out.token_ids == expected.token_ids, req_id
-        assert out.text == expected.text, req_id
-        assert out.finish_reason == expected.finish_reason, req_id
 
 
 def check_request_counters(scheduler: Scheduler, _events: Sequence[RequestEvent] = ()) -> None:
