@@ -49,8 +49,9 @@ def resolve_targets(targets: list[str]) -> dict[str, str | None]:
             logger.warning("cannot resolve %s: %s", target, exc)
             continue
         for family, _, _, _, addr in infos:
-            ip = f"[{addr[0]}]" if family == socket.AF_INET6 else addr[0]
-            out.setdefault(f"{ip}:{addr[1]}", host)
+            host_ip = str(addr[0])
+            ip = f"[{host_ip}]" if family == socket.AF_INET6 else host_ip
+            out.setdefault(f"{ip}:{addr[1]!s}", host)
     return out
 
 
@@ -74,7 +75,7 @@ class Router:
         self._targets: list[str] = []
         self._refresh_task: asyncio.Task | None = None
         self._serving = False
-        self._exported: dict[int, tuple] = {}
+        self._exported: dict[str, tuple] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -148,11 +149,11 @@ class Router:
             return None
         least = min(link.load() for link in ready)
         candidates = [link for link in ready if link.load() <= least + AFFINITY_MAX_EXTRA_LOAD]
-        return max(candidates, key=lambda link: (link.scheduler.cached_prefix_blocks(prompt_ids),
+        return max(candidates, key=lambda link: (link.sched.cached_prefix_blocks(prompt_ids),
                                                  -link.load()))
 
     def submit(self, link: WorkerLink, req_id: str, prompt_ids: list[int], **params) -> None:
-        link.scheduler.add_request(req_id, prompt_ids, **params)
+        link.sched.add_request(req_id, prompt_ids, **params)
         self.owner[req_id] = link
         link.wake()
 
@@ -179,7 +180,7 @@ class Router:
             self.orphans.append(request)
             return
         try:
-            link.scheduler.adopt(request)
+            link.sched.adopt(request)
         except ValueError as exc:
             logger.error("cannot move request %s to worker %s: %s", request.req_id,
                          link.worker_id, exc)
@@ -206,7 +207,7 @@ class Router:
         # Scheduler counters are cumulative per scheduler instance; export the increments.
         # Speculation figures come from the scheduler too, not from the raw result: it counts
         # only rows it applied (not those of preempted, aborted or finished requests).
-        sched = link.scheduler
+        sched = link.sched
         s, pc = sched.stats, sched.prefix_cache_counters
         now = (s.num_rolled_back_tokens, s.num_preemptions, pc.num_query_tokens, pc.num_hit_tokens,
                s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))

@@ -124,6 +124,8 @@ class RequestEvent:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     error: str = ""
     queue_s: float | None = None  # on the finishing event: arrival to first scheduling
+    # One (token ids, logprobs) per token id, most likely first, when top_logprobs > 0.
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -156,13 +158,20 @@ class _Scheduled:
     num_computed_after: int  # known tokens covered once a prefill chunk is done
 
 
-def _sampling_params(sampling: SamplingOptions) -> worker_pb2.SamplingParams:
+def _sampling_params(sampling: SamplingOptions, num_prompt_tokens: int) -> worker_pb2.SamplingParams:
     return worker_pb2.SamplingParams(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         seed=sampling.seed or 0,
         logprobs=sampling.logprobs,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        min_p=sampling.min_p,
+        logit_bias=sampling.logit_bias,
+        top_logprobs=sampling.top_logprobs,
+        num_prompt_tokens=num_prompt_tokens,
     )
 
 
@@ -212,6 +221,9 @@ class Scheduler:
         self._running: list[Request] = []  # admission order: the last one is preempted first
         self._inflight: dict[int, dict[str, _Scheduled]] = {}
         self._pending_finished: list[str] = []
+        # Sequences 2..n of an n > 1 request, by the id of the first: they are queued once its
+        # prompt blocks are in the prefix cache, so they share them instead of recomputing.
+        self._deferred: dict[str, list[Request]] = {}
         self._next_step_id = 1
         self._next_admission_id = 1
 
@@ -227,24 +239,35 @@ class Scheduler:
         top_p: float = 1.0,
         seed: int | None = None,
         logprobs: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        top_logprobs: int = 0,
         max_tokens: int | None = None,
         min_tokens: int = 0,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        share_prompt_with: str | None = None,
     ) -> Request:
         """Queue a request. `InvalidRequest` (a `ValueError` naming the field) on bad fields,
         `QueueFullError` when the queue is full.
 
         `seed` None: the scheduler draws one. `max_tokens` None or larger than what fits:
-        up to the model length.
+        up to the model length. `share_prompt_with`: the id of an active request with the same
+        prompt (the first sequence of an n > 1 request); this one waits until that one's prompt
+        is computed and then takes its KV blocks from the prefix cache.
         """
         if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting")
         prompt = list(prompt_token_ids)
-        sampling = SamplingOptions(temperature, top_k, top_p, seed, logprobs)
+        sampling = SamplingOptions(temperature, top_k, top_p, seed, logprobs, presence_penalty,
+                                   frequency_penalty, repetition_penalty, min_p,
+                                   dict(logit_bias or {}), top_logprobs)
         stopping = StoppingOptions(
             max_tokens, min_tokens, list(stop), list(stop_token_ids), ignore_eos
         )
@@ -264,8 +287,23 @@ class Scheduler:
             arrival_time=self._clock(),
         )
         self._requests[req_id] = req
-        self._waiting.append(req)
+        leader = self._requests.get(share_prompt_with) if share_prompt_with else None
+        if (leader is not None and self.config.enable_prefix_caching
+                and leader.status is not RequestStatus.FINISHED and not leader.output_token_ids
+                and leader.prompt_token_ids == prompt):
+            req.waits_for = leader.req_id
+            self._deferred.setdefault(leader.req_id, []).append(req)
+        else:
+            self._waiting.append(req)
         return req
+
+    def _release_siblings(self, leader: Request) -> None:
+        """Queue the requests deferred behind `leader` (its prompt is computed, or it is gone)."""
+        siblings = self._deferred.pop(leader.req_id, None)
+        for req in reversed(siblings or ()):
+            req.waits_for = None
+            # They arrived with the leader, so they go ahead of anything queued after it.
+            self._waiting.appendleft(req)
 
     def abort_request(self, req_id: str) -> RequestEvent | None:
         """Cancel a request (client gone); returns its final event, or None if not active."""
@@ -284,7 +322,11 @@ class Scheduler:
         """
         self._inflight.clear()
         self._pending_finished.clear()
-        moved = list(self._running) + list(self._waiting)
+        deferred = [req for reqs in self._deferred.values() for req in reqs]
+        self._deferred.clear()
+        for req in deferred:
+            req.waits_for = None
+        moved = list(self._running) + list(self._waiting) + deferred
         for req in self._running:
             self._reset_admission(req)
         self._running.clear()
@@ -338,12 +380,12 @@ class Scheduler:
         return len(self._running)
 
     def num_waiting(self) -> int:
-        """Requests queued (new or preempted)."""
-        return len(self._waiting)
+        """Requests queued (new or preempted, or deferred behind a sibling)."""
+        return len(self._waiting) + sum(len(reqs) for reqs in self._deferred.values())
 
     def num_unfinished(self) -> int:
         """Waiting plus running requests (a worker's load, for routing)."""
-        return len(self._running) + len(self._waiting)
+        return len(self._running) + self.num_waiting()
 
     def num_inflight_steps(self) -> int:
         """Plans returned by `schedule` whose results have not arrived."""
@@ -374,7 +416,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._deferred)
 
     # -------------------------------------------------------------------------- planning
 
@@ -533,7 +575,7 @@ class Scheduler:
             sample=sample,
         )
         if is_new:
-            entry.sampling.CopyFrom(_sampling_params(req.sampling))
+            entry.sampling.CopyFrom(_sampling_params(req.sampling, req.num_prompt_tokens))
         plan.requests.append(entry)
         records[req.req_id] = _Scheduled(
             request=req,
@@ -695,8 +737,12 @@ class Scheduler:
         logprobs = list(res.logprobs) if req.sampling.logprobs else []
         if len(logprobs) != len(token_ids):
             logprobs = []
+        tops = list(res.top_logprobs) if req.sampling.top_logprobs else []
+        if len(tops) != len(token_ids):
+            tops = []
         new_ids: list[int] = []
         new_logprobs: list[float] = []
+        new_tops: list[tuple[list[int], list[float]]] = []
         text_parts: list[str] = []
         finish_reason: int | None = None
         for i, token_id in enumerate(token_ids):
@@ -705,6 +751,8 @@ class Scheduler:
             if logprobs:
                 req.output_logprobs.append(logprobs[i])
                 new_logprobs.append(logprobs[i])
+            if tops:
+                new_tops.append((list(tops[i].token_ids), list(tops[i].logprobs)))
             finish_reason = self._check_stop(req, token_id, text_parts)
             if finish_reason is not None:
                 break  # tokens after a stop are dropped
@@ -715,9 +763,12 @@ class Scheduler:
         self.stats.num_generation_tokens += len(new_ids)
         # The newest token's K/V is written by the next step; everything before it is done.
         self._register_confirmed(req, req.num_tokens - 1)
+        self._release_siblings(req)
         if finish_reason is not None:
             self._finish(req, finish_reason)
-        return self._event(req, new_ids, text, new_logprobs)
+        event = self._event(req, new_ids, text, new_logprobs)
+        event.top_logprobs = new_tops
+        return event
 
     def _check_stop(self, req: Request, token_id: int, text_parts: list[str]) -> int | None:
         """Stop conditions after appending one confirmed token; streams its text if it stays."""
@@ -755,7 +806,14 @@ class Scheduler:
             self._running.remove(req)
             self._pending_finished.append(req.req_id)
         elif req.status is RequestStatus.WAITING:
-            self._waiting.remove(req)
+            if req.waits_for is not None:
+                self._deferred[req.waits_for].remove(req)
+                if not self._deferred[req.waits_for]:
+                    del self._deferred[req.waits_for]
+                req.waits_for = None
+            else:
+                self._waiting.remove(req)
+        self._release_siblings(req)
         self._pool.free(req.block_ids)
         req.block_ids = []
         req.admission_id = 0

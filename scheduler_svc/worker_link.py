@@ -123,6 +123,18 @@ class WorkerLink:
         self._closing = False
 
     @property
+    def sched(self) -> Scheduler:
+        """The scheduler of a configured link (every ready link has one)."""
+        assert self.scheduler is not None, f"worker link {self.address} is not configured yet"
+        return self.scheduler
+
+    def described(self) -> tuple[worker_pb2.WorkerInfo, Tokenizer]:
+        """The worker's facts and tokenizer, read when the link connected (ready links only)."""
+        assert self.info is not None and self.tokenizer is not None, \
+            f"worker link {self.address} is not configured yet"
+        return self.info, self.tokenizer
+
+    @property
     def worker_id(self) -> str:
         return self.info.worker_id if self.info is not None else self.address
 
@@ -217,7 +229,7 @@ class WorkerLink:
         try:
             while True:
                 while self.inflight < self.max_inflight:
-                    plan = self.scheduler.schedule()
+                    plan = self.sched.schedule()
                     if plan is None:
                         break
                     self.inflight += 1
@@ -236,7 +248,7 @@ class WorkerLink:
                     waiter.cancel()
                     receiver.result()  # raises the stream error
                     raise ConnectionError("worker closed the stream")
-                if self.draining and self.inflight == 0 and not self.scheduler.has_unfinished():
+                if self.draining and self.inflight == 0 and not self.sched.has_unfinished():
                     waiter.cancel()
                     raise WorkerDrained("the worker is shutting down and holds no request")
                 if not done:
@@ -275,9 +287,9 @@ class WorkerLink:
             if result.error:
                 logger.error("worker %s step %d failed: %s", self.worker_id, result.step_id,
                              result.error)
-                events = self.scheduler.fail_step(result.step_id, result.error)
+                events = self.sched.fail_step(result.step_id, result.error)
             else:
-                events = self.scheduler.on_step_result(result)
+                events = self.sched.on_step_result(result)
             if self.on_step is not None:
                 self.on_step(self, result)
             if events:

@@ -23,12 +23,22 @@ from kernels.attention import AttentionMetadata
 from kernels.inputs import assemble_inputs
 from kernels.seq_lens import update_state
 from kernels.verify import count_accepted, rejection_sample
-from worker_svc.model_loader import LoadedModel
 from worker_svc.model import allocate_kv_cache
+from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import Proposer
 from worker_svc import staging
 from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
-from worker_svc.sampler import SEED_MASK, SamplingTensors, sample, target_probs, token_logprobs
+from worker_svc.sampler import (
+    SEED_MASK,
+    LogitBias,
+    Penalties,
+    SamplingTensors,
+    context_token_counts,
+    sample,
+    target_probs,
+    token_logprobs,
+    top_logprobs,
+)
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
 
@@ -97,6 +107,7 @@ class SampledRows:
     sampling: SamplingTensors        # one row per real slot
     logprob_index: torch.Tensor | None  # [G] int64: ``[S, K+1]`` tokens -> real slots (padded, logprobs wanted)
     want_logprobs: bool
+    num_top: list[int] = field(default_factory=list)  # top-N logprobs per row; empty: none wants any
 
     def spread(self, t: torch.Tensor, width: int) -> torch.Tensor:
         """Per-slot values ``[G, ...]`` -> ``[S, width, ...]``."""
@@ -132,6 +143,8 @@ class StepOutputs:
     num_accepted: torch.Tensor    # [S] accepted drafts
     num_verified: torch.Tensor    # [S] drafts actually verified (real drafts fed)
     logprobs: torch.Tensor | None  # [S, K+1]
+    top_ids: torch.Tensor | None = None       # [S, K+1, N] when a row wants top-N logprobs
+    top_logprobs: torch.Tensor | None = None  # [S, K+1, N]
 
 
 @dataclass(slots=True)
@@ -153,6 +166,10 @@ class PendingResult:
     # A simulated device's own idle time before this step; it replaces the step thread's wait
     # for the plan, which says nothing about a device that runs behind the host.
     idle_s: float | None = None
+    # Top-N logprobs: [num_sampled, K+1, N] ids and values, N per sampled row (0 = none).
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    num_top: list[int] = field(default_factory=list)
 
     def materialize(self, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
         """Wait for the copy (if any) and build the wire result (`idle_s`: the step thread's
@@ -168,6 +185,8 @@ class PendingResult:
         accepted = self.num_accepted.tolist() if self.num_accepted is not None else []
         drafted = self.num_drafts.tolist() if self.num_drafts is not None else []
         logprobs = self.logprobs.tolist() if self.logprobs is not None else []
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else []
+        top_lps = self.top_logprobs.tolist() if self.top_logprobs is not None else []
         for row, req_id in enumerate(self.req_ids):
             entry = result.results.add(req_id=req_id)
             i = by_row.get(row)
@@ -179,12 +198,23 @@ class PendingResult:
             entry.num_accepted = num_acc
             if self.want_logprobs[row]:
                 entry.logprobs.extend(logprobs[i][: num_acc + 1])
+            if top_ids and self.num_top[i] > 0:
+                # Column c holds the distribution the token at column c was drawn from.
+                n = self.num_top[i]
+                for col in range(num_acc + 1):
+                    entry.top_logprobs.add(token_ids=top_ids[i][col][:n],
+                                           logprobs=top_lps[i][col][:n])
             for pos in range(num_acc):
                 accepted_per_pos[pos] += 1
         for req_id, error in self.errors.items():
             result.results.add(req_id=req_id, error=error)
         result.accepted_per_pos.extend(accepted_per_pos)
         return result
+
+
+def _has_penalty(p: worker_pb2.SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty
+                or p.repetition_penalty not in (0.0, 1.0))
 
 
 class SimulatedStep(Protocol):
@@ -231,6 +261,7 @@ class ModelRunner:
         # Padding rows of graphed steps write into blocks past the scheduler's (never handed out).
         num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
         if simulator is None:
+            assert loaded.model is not None, "a runner without a simulator needs the model"
             self.device = loaded.model.device
             self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks + num_scratch,
                                                config.block_size, loaded.model.dtype, self.device)
@@ -566,13 +597,8 @@ class ModelRunner:
         any_logprobs = any(want_logprobs[i] for i in sampled_rows)
         # Absolute position of each sampled token = input position + 1 (keys the randomness).
         sample_pos = positions[gather] + 1
-        params = [rows[i].sampling for i in sampled_rows]
-        tensors = SamplingTensors.from_params(
-            temperatures=[p.temperature for p, n in zip(params, valid_cols) for _ in range(n)],
-            top_ks=[p.top_k for p, n in zip(params, valid_cols) for _ in range(n)],
-            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p, n in zip(params, valid_cols) for _ in range(n)],
-            seeds=[p.seed & SEED_MASK for p, n in zip(params, valid_cols) for _ in range(n)],
-            positions=sample_pos, device=dev)
+        tensors = self._sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos)
+        num_top = [int(rows[i].sampling.top_logprobs) for i in sampled_rows]
         rows_t = _to_device_list(sampled_rows, dev, torch.long)
         return SampledRows(
             rows=sampled_rows,
@@ -590,6 +616,7 @@ class ModelRunner:
                                            for c in range(n)], dev, torch.long)
             if padded and any_logprobs else None,
             want_logprobs=any_logprobs,
+            num_top=num_top if max(num_top) > 0 else [],
         )
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -645,7 +672,12 @@ class ModelRunner:
             if s.logprob_index is not None:
                 tokens = tokens[s.logprob_index]
             lp = s.spread(token_logprobs(logits, tokens.long().clamp(min=0)), width)
-        return self.advance(batch, StepOutputs(out_tokens, num_accepted, num_verified, lp))
+        out = StepOutputs(out_tokens, num_accepted, num_verified, lp)
+        if s.num_top:
+            # Column c holds the distribution the token at column c was drawn from.
+            top_ids, top_lps = top_logprobs(logits, max(s.num_top))
+            out.top_ids, out.top_logprobs = s.spread(top_ids, width), s.spread(top_lps, width)
+        return self.advance(batch, out)
 
     def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts fed to the sampled rows (``[S, K]``) and how many of them are real (``[S]``).
@@ -687,8 +719,65 @@ class ModelRunner:
         pending = PendingResult(batch.step_id, batch.req_ids, s.rows, out.tokens, out.num_accepted,
                                 out.num_verified, out.logprobs, batch.want_logprobs,
                                 batch.num_tokens, 0.0)
+        if out.top_ids is not None:
+            pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
+            pending.num_top = [int(batch.rows[i].sampling.top_logprobs) for i in s.rows]
         self._start_copy(pending)
         return pending
+
+    def _sampling_tensors(self, infos: list[SlotInfo], valid_cols: list[int],
+                          sample_pos: torch.Tensor) -> SamplingTensors:
+        """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to ``infos[i]``.
+
+        Penalty counts are taken over each logits row's own context read from the token
+        history (``sample_pos`` = its context length, on the device), so the row of draft j in a
+        verification sees drafts 0..j-1 of the same row and nothing that was rejected before.
+        """
+        dev = self.device
+        params = [info.sampling for info in infos]
+        per_row = [(info, p) for info, p, n in zip(infos, params, valid_cols) for _ in range(n)]
+        pen_rows: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for g, (_, p) in enumerate(per_row):
+            if _has_penalty(p):
+                pen_rows.append(g)
+            for token_id, value in p.logit_bias.items():
+                bias_rows.append(g)
+                bias_ids.append(token_id)
+                bias_values.append(value)
+        penalties = None
+        if pen_rows:
+            pens = [per_row[g][1] for g in pen_rows]
+            slots = [per_row[g][0].slot for g in pen_rows]
+            num_blocks = max(len(per_row[g][0].block_ids) for g in pen_rows)
+            rep = [p.repetition_penalty if p.repetition_penalty > 0 else 1.0 for p in pens]
+            need_counts = any(p.frequency_penalty or p.presence_penalty for p in pens)
+            rows_t = _to_device_list(pen_rows, dev, torch.long)
+            counts, seen = context_token_counts(
+                self.state.history,
+                self.state.block_table[_to_device_list(slots, dev, torch.long), :num_blocks],
+                sample_pos[rows_t], _to_device_list([p.num_prompt_tokens for p in pens], dev),
+                int(self.loaded.hf_config.vocab_size), need_counts=need_counts,
+                need_seen=any(r != 1.0 for r in rep))
+            penalties = Penalties(
+                rows=rows_t, repetition=_to_device_list(rep, dev, torch.float32),
+                frequency=_to_device_list([p.frequency_penalty for p in pens], dev, torch.float32),
+                presence=_to_device_list([p.presence_penalty for p in pens], dev, torch.float32),
+                output_counts=counts, seen=seen)
+        bias = None
+        if bias_rows:
+            bias = LogitBias(rows=_to_device_list(bias_rows, dev, torch.long),
+                             token_ids=_to_device_list(bias_ids, dev, torch.long),
+                             values=_to_device_list(bias_values, dev, torch.float32))
+        return SamplingTensors.from_params(
+            temperatures=[p.temperature for _, p in per_row],
+            top_ks=[p.top_k for _, p in per_row],
+            top_ps=[p.top_p if p.top_p > 0 else 1.0 for _, p in per_row],
+            seeds=[p.seed & SEED_MASK for _, p in per_row],
+            positions=sample_pos, device=dev,
+            min_ps=[p.min_p for _, p in per_row], penalties=penalties, logit_bias=bias)
 
     def _start_copy(self, pending: PendingResult) -> None:
         """Start the device-to-host copy of a step's outputs without blocking the next step.
@@ -698,7 +787,7 @@ class ModelRunner:
         """
         if not self.accelerator:
             return  # CPU tensors are already on the host; materialize() just reads them
-        names = ("out_tokens", "num_accepted", "num_drafts", "logprobs")
+        names = ("out_tokens", "num_accepted", "num_drafts", "logprobs", "top_ids", "top_logprobs")
         if self._copy_stream is None:  # an accelerator without streams (the fake test device)
             for name in names:
                 t = getattr(pending, name)

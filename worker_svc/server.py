@@ -267,6 +267,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         def deliver(item) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
 
+        def materialize_and_deliver(pending, idle_s: float) -> None:
+            deliver(pending.materialize(idle_s, self.runner.num_spec_tokens))
+
         self._notify.append(deliver)
         self.num_streams += 1
         if self.draining:
@@ -287,8 +290,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     copier.submit(deliver, pending)
                     continue
                 # The host copy overlaps the next step: it happens on the copier thread.
-                copier.submit(lambda p=pending, i=idle: deliver(
-                    p.materialize(i, self.runner.num_spec_tokens)))
+                copier.submit(materialize_and_deliver, pending, idle)
 
         async def read_plans() -> None:
             try:
