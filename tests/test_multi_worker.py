@@ -47,6 +47,7 @@ class FakeLink:
     def __init__(self, name: str, load: int, cached: int) -> None:
         self.name, self.ready, self.draining = name, True, False
         self.scheduler = FakeScheduler(load, cached)
+        self.sched = self.scheduler  # WorkerLink.sched: the scheduler of a configured link
 
     def load(self) -> int:
         return self.scheduler.load
