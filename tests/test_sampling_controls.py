@@ -15,6 +15,8 @@ import torch
 
 from scheduler_svc.request import InvalidRequest, SamplingOptions, validate_sampling_controls
 from scheduler_svc.server import sequence_seed
+from tests.e2e import prompt_ids
+from tests.hf_oracle import _load_hf_model
 from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
     K,
     draft_runner,
@@ -23,8 +25,6 @@ from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
     ngram_runner,
     recording,
 )
-from tests.e2e import prompt_ids
-from tests.hf_oracle import _load_hf_model
 from worker_svc.sampler import (
     LogitBias,
     Penalties,
@@ -34,7 +34,6 @@ from worker_svc.sampler import (
     target_probs,
     top_logprobs,
 )
-from zerobubble.api import generate_pb2
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -359,7 +358,7 @@ def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches_fu
                  alone=[("none", 1), ("ngram", 2), ("draft", 2)])
 
 
-def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, prompts):
+def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, prompts):  # noqa: F811
     """top_logprobs=5 with n-gram drafts accepted several at a time, two plans in flight: the
     N entries at each returned token are Hugging Face's top 5 at that position, and the token's
     own logprob matches."""
@@ -396,7 +395,7 @@ def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, p
                           ref.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=2e-3)
 
 
-def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):
+def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):  # noqa: F811
     """n = 3 (sequences 2 and 3 deferred behind the first, `share_prompt_with`): they reuse the
     first one's prompt blocks from the prefix cache, and each sequence's tokens equal what the
     same seed gives as a lone request."""

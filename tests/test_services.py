@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e import assert_matches_reference, bench_rows, hf_reference, run_workload
 from tests.servers import start_scheduler, start_worker, wait_serving
-from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
 
 pytestmark = pytest.mark.timeout(900)
