@@ -313,13 +313,14 @@ SEEDED = dict(ignore_eos=True, temperature=0.9, top_p=0.95, min_p=0.02, repetiti
 
 def check_seeded(request, prompts, rows: tuple[int, ...], max_tokens: int,
                  batched: list[tuple[str, int]], alone: list[tuple[str, int]]) -> None:
-    """Seeded outputs are identical within each group of modes that draw the same tokens.
+    """Seeded outputs are identical across the given modes and batch compositions.
 
     No speculation and n-gram speculation verify with the sampler's own keyed noise, so they
-    give the same tokens. Draft-model speculation uses standard rejection sampling (a token is
-    accepted with min(1, p/q) and a rejected position is redrawn from the residual): the same
-    distribution, not the same tokens, so draft-model runs are compared with each other (sync,
-    async, batched, alone).
+    draw the same tokens. Draft-model speculation is left out: standard rejection sampling
+    (accept with min(1, p/q), redraw a rejected position from the residual) matches the
+    distribution, not the tokens, and with penalties the draft's q (no penalties) differs from p,
+    so drafts get rejected and the tokens depend on where verification rows start, which differs
+    between sync and async. Its greedy exactness is checked above.
     """
     requests = {f"s{row}": (prompts[row], dict(SEEDED, max_tokens=max_tokens, seed=777 + row))
                 for row in rows}
@@ -333,29 +334,26 @@ def check_seeded(request, prompts, rows: tuple[int, ...], max_tokens: int,
             trace, _ = _run(_runner_for(request, spec), spec, window, {req_id: req})
             outs[req_id] = trace.outputs[req_id].token_ids
         runs[(spec, window, "alone")] = outs
-    for group in ({"none", "ngram"}, {"draft"}):
-        configs = [c for c in runs if c[0] in group]
-        baseline = runs[configs[0]]
-        assert all(len(t) == max_tokens for t in baseline.values())
-        for config in configs[1:]:
-            assert runs[config] == baseline, (config, configs[0])
+    baseline = runs[(*batched[0], "batched")]
+    assert all(len(t) == max_tokens for t in baseline.values())
+    for config, outs in runs.items():
+        assert outs == baseline, config
 
 
 def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(request, prompts):
     """Temperature 0.9, top-p, min_p, logit_bias and all three penalties with a seed per
-    request: the same tokens without speculation (sync) and with n-gram speculation (async,
-    batched and alone); draft-model speculation gives the same tokens sync and async."""
-    check_seeded(request, prompts, FAST_ROWS, FAST_TOKENS,
-                 batched=[("none", 1), ("ngram", 2), ("draft", 1), ("draft", 2)],
+    request: the same tokens without speculation (sync) and with n-gram speculation (async),
+    batched and alone."""
+    check_seeded(request, prompts, FAST_ROWS, FAST_TOKENS, batched=[("none", 1), ("ngram", 2)],
                  alone=[("ngram", 2)])
 
 
 @pytest.mark.slow
 def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches_full(request,
                                                                                   prompts):
-    """The same for every mode, batched, and alone for n-gram and draft-model (async), on 8 rows."""
-    check_seeded(request, prompts, FULL_ROWS, FULL_TOKENS, batched=MODES,
-                 alone=[("none", 1), ("ngram", 2), ("draft", 2)])
+    """The same for sync/async x none/n-gram, batched, and alone for the two extremes, on 8 rows."""
+    check_seeded(request, prompts, FULL_ROWS, FULL_TOKENS,
+                 batched=[m for m in MODES if m[0] != "draft"], alone=[("none", 1), ("ngram", 2)])
 
 
 def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, prompts):  # noqa: F811
