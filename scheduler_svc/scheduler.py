@@ -174,6 +174,24 @@ def _sampling_params(sampling: SamplingOptions, num_prompt_tokens: int) -> worke
     )
 
 
+def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.monotonic
+                  ) -> RequestEvent:
+    """End a request that no scheduler holds (taken with `take_unfinished`, not adoptable)
+    with ERROR; returns its final event, so its client stream ends instead of waiting."""
+    req.status = RequestStatus.FINISHED
+    req.finish_reason = FINISH_ERROR
+    req.error = error
+    req.finish_time = clock()
+    queue_s = None
+    if req.first_scheduled_time is not None:
+        queue_s = req.first_scheduled_time - req.arrival_time
+    return RequestEvent(req_id=req.req_id, token_ids=[], text="", logprobs=[],
+                        finish_reason=FINISH_ERROR, num_prompt_tokens=req.num_prompt_tokens,
+                        num_output_tokens=req.num_output_tokens,
+                        num_cached_tokens=req.num_cached_prompt_tokens, error=error,
+                        queue_s=queue_s)
+
+
 class Scheduler:
     """Owns requests, KV block accounting and plan building for one worker."""
 
@@ -311,6 +329,15 @@ class Scheduler:
         for req in self._running:
             self._reset_admission(req)
         self._running.clear()
+        self._waiting.clear()
+        for req in moved:
+            del self._requests[req.req_id]
+        return moved
+
+    def take_waiting(self) -> list[Request]:
+        """Remove the requests that wait for admission (they hold no blocks), to move them to
+        another scheduler with `adopt` (their worker is shutting down)."""
+        moved = list(self._waiting)
         self._waiting.clear()
         for req in moved:
             del self._requests[req.req_id]
@@ -631,7 +658,6 @@ class Scheduler:
         if result.error:
             self.stats.num_failed_steps += 1
             logger.error("step %d failed on the worker: %s", result.step_id, result.error)
-        self._count_speculation(result)
         by_id = {r.req_id: r for r in result.results}
         events: list[RequestEvent] = []
         for req_id, rec in records.items():
@@ -639,14 +665,16 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or req.admission_id != rec.admission_id:
                 self.stats.num_stale_results += 1
                 continue
-            if result.error:
-                self._finish(req, FINISH_ERROR, f"worker step failed: {result.error}")
+            res = by_id.get(req_id)
+            error = result.error or (res.error if res is not None else "")
+            if error:
+                # A per-request error ends that request only; the step's other rows are valid.
+                self._finish(req, FINISH_ERROR, f"worker step failed: {error}")
                 events.append(self._event(req, [], "", []))
                 continue
             if not rec.sample:
                 self._register_confirmed(req, rec.num_computed_after)
                 continue
-            res = by_id.get(req_id)
             num_returned = len(res.token_ids) if res is not None else 0
             if not 1 <= num_returned <= rec.num_draft_slots + 1:
                 error = f"worker returned {num_returned} tokens for {rec.num_draft_slots} drafts"
@@ -654,25 +682,43 @@ class Scheduler:
                 self._finish(req, FINISH_ERROR, error)
                 events.append(self._event(req, [], "", []))
                 continue
-            events.append(self._reconcile(req, rec, res))
+            # Counted here, after the stale filter: figures for preempted, aborted or already
+            # finished requests would describe drafts nobody used.
+            self._count_speculation(res)
+            try:
+                events.append(self._reconcile(req, rec, res))
+            except Exception as exc:
+                # One request's bad result (a counter check, the detokenizer) ends that request
+                # only; the step's other rows and the worker link go on.
+                logger.exception("request %s: applying step %d failed", req_id, result.step_id)
+                if req.status is not RequestStatus.FINISHED:
+                    self._finish(req, FINISH_ERROR, f"applying a step result failed: {exc}")
+                events.append(self._event(req, [], "", []))
         return events
 
     def fail_step(self, step_id: int, error: str) -> list[RequestEvent]:
         """Finish the requests of a failed step with ERROR (same as an error `StepResult`)."""
         return self.on_step_result(worker_pb2.StepResult(step_id=step_id, error=error))
 
-    def _count_speculation(self, result: worker_pb2.StepResult) -> None:
+    def _count_speculation(self, res: worker_pb2.RequestResult) -> None:
+        """Account the drafts one applied result verified.
+
+        Accepted drafts are a prefix of the proposed ones, so a row with `a` accepted adds one
+        to each of the positions 0..a-1 (what the worker's step-level `accepted_per_pos` sums
+        over all rows, stale ones included).
+        """
+        if res.num_draft_tokens <= 0:
+            return
         stats = self.stats
-        for res in result.results:
-            if res.num_draft_tokens > 0:
-                stats.num_drafts += 1
-                stats.num_draft_tokens += res.num_draft_tokens
-                stats.num_accepted_tokens += res.num_accepted
+        num_accepted = min(max(res.num_accepted, 0), res.num_draft_tokens)
+        stats.num_drafts += 1
+        stats.num_draft_tokens += res.num_draft_tokens
+        stats.num_accepted_tokens += num_accepted
         per_pos = stats.accepted_per_pos
-        if len(per_pos) < len(result.accepted_per_pos):
-            per_pos.extend([0] * (len(result.accepted_per_pos) - len(per_pos)))
-        for pos, num_accepted in enumerate(result.accepted_per_pos):
-            per_pos[pos] += num_accepted
+        if len(per_pos) < num_accepted:
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def _reconcile(
         self, req: Request, rec: _Scheduled, res: worker_pb2.RequestResult

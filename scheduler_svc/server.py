@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
 import random
 import time
@@ -90,6 +89,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.router = router
         self.metrics = metrics
         self.streams: dict[str, Stream] = {}
+        self.draining = False
 
     # -- events from worker links --------------------------------------------------------------
 
@@ -104,7 +104,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     stream.first_token_at = now
                     if self.metrics is not None:
                         self.metrics.observe_ttft(now - stream.arrival)
-                elif self.metrics is not None:
+                elif self.metrics is not None and stream.last_token_at is not None:
                     gap = (now - stream.last_token_at) / len(ev.token_ids)
                     self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
@@ -113,18 +113,43 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
+    async def drain(self, timeout_s: float) -> None:
+        """Shutdown: refuse new requests, let running ones finish for up to `timeout_s`, then
+        end the rest with CANCELLED (their clients get a final message, not a reset)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.streams:
+            logger.warning("drain timeout: cancelling %d running requests", len(self.streams))
+        for req_id, stream in list(self.streams.items()):
+            event = self.router.abort(req_id)
+            if event is None:  # held by no worker (an orphan): build its final event here
+                event = RequestEvent(req_id=req_id, token_ids=[], text="", logprobs=[],
+                                     finish_reason=FINISH.FINISH_REASON_CANCELLED,
+                                     num_prompt_tokens=stream.num_prompt_tokens,
+                                     num_output_tokens=stream.num_output_tokens,
+                                     num_cached_tokens=0)
+            event.error = "the server is shutting down"
+            stream.queue.put_nowait(event)
+        while self.streams and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.05)  # the final messages go out
+
     def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
         """Validate, tokenize, route and queue one request: the one path gRPC and HTTP share.
 
         Raises:
             RequestError: the request was refused (the status says why; nothing was queued).
         """
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         link = self.router.any_ready()
         if link is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        if request.model and request.model != link.info.model:
+        info, _ = link.described()
+        if request.model and request.model != info.model:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
-                               f"{request.model!r}; this server serves {link.info.model!r}",
+                               f"{request.model!r}; this server serves {info.model!r}",
                                unknown_model=True)
         try:
             prompt_ids = self._prompt_ids(request, link)
@@ -191,7 +216,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     for ids, lps in ev.top_logprobs:
                         reply.top_logprobs.add(token_ids=ids, logprobs=lps)
                     if ev.finish_reason is not None:
-                        reply.finish_reason = ev.finish_reason
+                        reply.finish_reason = ev.finish_reason  # type: ignore[assignment]
                         reply.error = ev.error or ""
                         finished.add(stream.index)
                         self._record_finished(stream, ev)
@@ -223,12 +248,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.any_ready()
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            return None  # abort raises; this tells the type checker
         try:
             ids = self._prompt_ids(request, link)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return generate_pb2.TokenizeResponse(token_ids=ids,
-                                             tokens=[link.tokenizer.id_to_token(i) or "" for i in ids])
+        _, tok = link.described()
+        return generate_pb2.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def ModelInfo(self, request, context):
         link = self.router.any_ready()
@@ -257,7 +283,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def _prompt_ids(self, request, link: WorkerLink) -> list[int]:
         kind = request.WhichOneof("input")
-        tok = link.tokenizer
+        info, tok = link.described()
         if kind == "prompt":
             require(len(request.prompt) > 0, "prompt: must not be empty")
             require(len(request.prompt) <= MAX_PROMPT_CHARS,
@@ -280,7 +306,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
             require(len(ids) > 0, "token_ids: must not be empty")
-            vocab = link.info.vocab_size
+            vocab = info.vocab_size
             bad = [i for i in ids if not 0 <= i < vocab]
             require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
         else:
@@ -319,31 +345,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                      stream.num_prompt_tokens, stream.num_output_tokens)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` on the client API (health stays open for probes)."""
-
-    def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}"
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    async def intercept_service(self, continuation, details):
-        if not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        # Constant-time comparison: an early-exit == leaks how much of a guess was right.
-        given = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(given, self.expected.encode()):
-            return await continuation(details)
-        return self._deny_stream if details.method.endswith("/Generate") else self._deny
-
-
-async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None) -> None:
-    """Run the scheduler service until SIGTERM or SIGINT."""
+async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
+                          ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                          bound: list | None = None) -> None:
+    """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports."""
     from zerobubble.metrics import ServiceMetrics, start_metrics_server
 
     metrics = ServiceMetrics(model="", role="scheduler")
@@ -351,14 +356,20 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("scheduler metrics on :%d/metrics", mport)
         print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
+        if bound is not None:
+            bound.append(("metrics", mport))
     sched_cfg = SchedulerConfig.from_service(cfg)
     creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
                                     cfg.worker_tls_key or None)
     server = grpc.aio.server(
         options=rpc.SERVER_OPTIONS,
-        interceptors=[AuthInterceptor(cfg.auth_token)] if cfg.auth_token else None)
+        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME,
+                                                {"Generate": "unary_stream"})]
+        if cfg.auth_token else None)
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
-    router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics)
+    router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics,
+                    worker_auth_token=cfg.worker_auth_token,
+                    step_deadline_s=cfg.step_deadline)
     servicer = GenerationServicer(cfg, router, metrics)
     router.on_events = servicer.on_events
 
@@ -374,6 +385,8 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
+    if bound is not None:
+        bound.append(("grpc", port))
     http = None
     if cfg.http_port >= 0:
         from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
@@ -382,12 +395,20 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
                                 tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
         logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
         print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
-    stop = asyncio.Event()
+    if ready is not None:
+        ready.set()
+    stop = stop or asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
+    # Health first (load balancers stop routing), then the running requests get the drain time.
+    router.on_readiness = None
+    await rpc.set_serving(health, [SERVICE_NAME], False)
+    logger.info("shutting down: draining %d requests for up to %.0fs", len(servicer.streams),
+                cfg.drain_timeout)
+    await servicer.drain(cfg.drain_timeout)
     if http is not None:
-        await http.stop(grace_s=10.0)
-    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)
+        await http.stop(grace_s=2.0)
+    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=2.0)
     await router.close()
 
 

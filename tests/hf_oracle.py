@@ -34,7 +34,7 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: i
         return json.loads(cache_file.read_text())["outputs"]
     from transformers import GenerationConfig
 
-    model = _load_hf_model(model_dir)
+    model = load_hf_model(model_dir)
     eos_ids = _eos_token_ids(model)
     generation_config = GenerationConfig(
         max_new_tokens=max_new_tokens,
@@ -59,7 +59,7 @@ def report_divergence(model_dir: str | Path, prompt: list[int], ours: list[int],
     position = next((i for i, (a, b) in enumerate(zip(ours, ref)) if a != b), min(len(ours), len(ref)))
     if position == len(ours) == len(ref):
         return f"no divergence: {len(ours)} identical tokens"
-    model = _load_hf_model(Path(model_dir))
+    model = load_hf_model(Path(model_dir))
     with torch.inference_mode():
         logits = model(torch.tensor([prompt + ref[:position]], dtype=torch.long)).logits[0, -1].float()
     top = logits.topk(2)
@@ -93,7 +93,7 @@ def _cache_key(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -
 
 
 @functools.lru_cache(maxsize=2)
-def _load_hf_model(model_dir: Path) -> Any:
+def load_hf_model(model_dir: Path) -> Any:
     from transformers import AutoModelForCausalLM
 
     logger.info("loading Hugging Face reference model from %s", model_dir)

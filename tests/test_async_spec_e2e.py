@@ -35,7 +35,7 @@ from tests.e2e import (
     prompt_ids,
     run_workload,
 )
-from tests.hf_oracle import _load_hf_model
+from tests.hf_oracle import load_hf_model
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
@@ -242,7 +242,7 @@ def test_logprobs_over_grpc_belong_to_the_accepted_tokens(pool, smollm2_dir, gro
         after = scheduler_stats(scheduler)
     assert after["accepted"] > before["accepted"]
     assert len(completion.logprobs) == len(completion.token_ids) > 0
-    hf = _load_hf_model(Path(smollm2_dir))
+    hf = load_hf_model(Path(smollm2_dir))
     with torch.inference_mode():
         logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0].float()
     expected = logits.log_softmax(-1)[len(prompt) - 1:-1].gather(

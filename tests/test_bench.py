@@ -11,7 +11,6 @@ import asyncio
 import importlib.util
 import json
 import math
-from collections.abc import AsyncIterator
 from pathlib import Path
 from types import ModuleType
 
@@ -19,6 +18,7 @@ import grpc
 import grpc.aio
 import pytest
 
+from tests.fake_generation import FakeGeneration
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.bench import (
     BenchRow,
@@ -180,51 +180,6 @@ def test_build_request_needs_exactly_one_input() -> None:
 
 
 # --- client and bench against a fake scheduler ---------------------------------------------------
-
-class FakeGeneration(generate_pb2_grpc.GenerationServicer):
-    """Replies ``max_tokens`` tokens (two per message, like accepted drafts) and counts stats."""
-
-    def __init__(self, token: str = "") -> None:
-        self.token = token
-        self.in_flight = 0
-        self.max_in_flight = 0
-        self.stats = generate_pb2.ServerStats()
-
-    async def _check_auth(self, context: grpc.aio.ServicerContext) -> None:
-        if self.token and ("authorization", f"Bearer {self.token}") not in tuple(context.invocation_metadata()):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
-
-    async def Generate(self, request: generate_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
-        await self._check_auth(context)
-        if request.WhichOneof("input") == "prompt" and request.prompt == "fail":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "told to fail")
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            n = request.stopping.max_tokens
-            for start in range(0, n, 2):
-                await asyncio.sleep(0.002)
-                ids = list(range(start, min(start + 2, n)))
-                self.stats.num_generation_tokens += len(ids)
-                self.stats.num_drafts += 1
-                self.stats.num_draft_tokens += 2
-                self.stats.num_accepted_tokens += len(ids) - 1
-                yield generate_pb2.GenerateResponse(
-                    request_id="r", text="".join(f"<{i}>" for i in ids), token_ids=ids, num_prompt_tokens=3,
-                    num_output_tokens=start + len(ids))
-            yield generate_pb2.GenerateResponse(request_id="r", finish_reason=generate_pb2.FINISH_REASON_MAX_TOKENS,
-                                                num_prompt_tokens=3, num_output_tokens=n)
-        finally:
-            self.in_flight -= 1
-
-    async def ModelInfo(self, request: generate_pb2.ModelInfoRequest,
-                        context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfoResponse:
-        await self._check_auth(context)
-        response = generate_pb2.ModelInfoResponse(model="fake", spec_method="ngram", max_inflight_steps=2)
-        response.stats.CopyFrom(self.stats)
-        return response
-
 
 async def with_fake_server(servicer: FakeGeneration, body) -> object:  # noqa: ANN001 - a coroutine factory
     """Run ``body(target)`` against ``servicer`` served on a free loopback port."""

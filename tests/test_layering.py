@@ -87,3 +87,18 @@ def test_internals_package_map_lists_every_module(graph: dict[str, set[str]]) ->
         if wanted not in table and not (name.startswith("zerobubble.api.") and "`zerobubble/api/`" in table):
             missing.append(wanted)
     assert missing == []
+
+
+def test_test_modules_share_helpers_through_helper_modules() -> None:
+    """Tests import shared code from helper modules (tests/*.py without `test_`), never from
+    another test module or a helper's private name."""
+    import ast
+
+    bad = []
+    for path in sorted((ROOT / "tests").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
+                if node.module.split(".")[1].startswith("test_"):
+                    bad.append(f"{path.name}: from {node.module}")
+                bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert bad == []

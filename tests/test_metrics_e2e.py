@@ -13,13 +13,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import urllib.request
 from collections import defaultdict
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
+from tests.metrics_scrape import scrape, total
 from tests.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import Completion, build_request, complete
@@ -43,18 +42,6 @@ CANCELLED = dict(prompt="Tell me a long story about a dragon.", max_tokens=200, 
 
 
 # -- scraping --------------------------------------------------------------------------------------
-
-def scrape(port: int) -> list:
-    """Every sample of one /metrics scrape (prometheus_client's parser: name, labels, value)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return [s for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def total(samples: list, name: str, **labels) -> float:
-    """Sum of the samples called `name` whose labels include `labels`."""
-    return sum(s.value for s in samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
 
 def values(samples: list, name: str) -> list:
     return [s for s in samples if s.name == name]
@@ -104,7 +91,7 @@ class Poller:
             self.scrapes += 1
             self._stop.wait(0.05)
 
-    def __enter__(self) -> "Poller":
+    def __enter__(self) -> Poller:
         self._thread.start()
         return self
 

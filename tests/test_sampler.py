@@ -10,27 +10,11 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+from tests.stats import chi_square_pvalue  # noqa: E402
 from worker_svc.sampler import SamplingTensors, sample, target_probs, token_logprobs  # noqa: E402
 
 VOCAB = 6
 LOGITS = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.5, -1.0])
-
-
-def chi_square_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> float:
-    """Pearson chi-square p-value of ``counts`` against ``expected_probs`` (cells with zero
-    expected probability must have zero counts; they are left out)."""
-    counts = counts.double().flatten()
-    probs = expected_probs.double().flatten()
-    assert float(counts[probs == 0].sum()) == 0, "a cell with probability 0 was observed"
-    counts, probs = counts[probs > 0], probs[probs > 0]
-    expected = probs / probs.sum() * counts.sum()
-    statistic = float(((counts - expected) ** 2 / expected).sum())
-    dof = counts.numel() - 1
-    if dof == 0:
-        return 1.0
-    # Survival function of chi-square(dof) = regularized upper incomplete gamma.
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
 
 
 def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int,

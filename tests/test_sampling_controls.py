@@ -15,8 +15,6 @@ import torch
 
 from scheduler_svc.request import InvalidRequest, SamplingOptions, validate_sampling_controls
 from scheduler_svc.server import sequence_seed
-from tests.e2e import prompt_ids
-from tests.hf_oracle import _load_hf_model
 from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
     K,
     draft_runner,
@@ -25,6 +23,8 @@ from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
     ngram_runner,
     recording,
 )
+from tests.e2e import prompt_ids
+from tests.hf_oracle import load_hf_model
 from worker_svc.sampler import (
     LogitBias,
     Penalties,
@@ -262,7 +262,7 @@ def _hf_penalized(smollm2_dir, prompt: list[int], max_tokens: int) -> tuple[list
     with OpenAI's frequency/presence penalties applied to its logits by a logits processor."""
     from transformers import LogitsProcessorList
 
-    model = _load_hf_model(Path(smollm2_dir))
+    model = load_hf_model(Path(smollm2_dir))
     ids = torch.tensor([prompt])
     common = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
@@ -379,7 +379,7 @@ def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, p
     out = trace.outputs["t"]
     assert scheduler.stats.num_accepted_tokens > 0
     assert len(tops) == len(out.token_ids) == len(out.logprobs) == 24
-    hf = _load_hf_model(Path(smollm2_dir))
+    hf = load_hf_model(Path(smollm2_dir))
     with torch.inference_mode():
         logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].float()
     ref = logits.log_softmax(-1)

@@ -36,7 +36,7 @@ from scheduler_svc.scheduler import (
 )
 from scheduler_svc.tokenizer import Tokenizer
 from tests.e2e import hf_reference, prompt_ids
-from tests.hf_oracle import _load_hf_model, hf_greedy
+from tests.hf_oracle import hf_greedy, load_hf_model
 from worker_svc.server import WorkerConfig, build_runner, tokenizer_fields
 from zerobubble.api import worker_pb2
 
@@ -629,7 +629,7 @@ def test_logprobs_belong_to_the_accepted_tokens(request, smollm2_dir, grounded, 
         trace = drive(runner, scheduler, rec, window=2)
     audit(trace, prompts, ngram=spec == "ngram")
     assert scheduler.stats.num_accepted_tokens > 0, "no multi-token step: alignment not tested"
-    hf = _load_hf_model(Path(smollm2_dir))
+    hf = load_hf_model(Path(smollm2_dir))
     for req_id, prompt in prompts.items():
         out = trace.outputs[req_id]
         assert len(out.logprobs) == len(out.token_ids) > 0

@@ -213,8 +213,12 @@ class CausalLM:
         def take_optional(name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
             return take(name, shape) if present else None
 
-        def fuse(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-            return None if parts[0] is None else torch.cat(parts, dim=0).contiguous()
+        def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
+            return torch.cat(parts, dim=0).contiguous()
+
+        def fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+            present = [p for p in parts if p is not None]
+            return fuse(present) if len(present) == len(parts) else None
 
         def weight(tensor: torch.Tensor) -> LinearWeight:
             return prepare_linear(tensor, self.prepack)
@@ -235,7 +239,7 @@ class CausalLM:
                     input_norm=take(p + "input_layernorm.weight", (hidden,)),
                     qkv_weight=weight(fuse([take(p + f"self_attn.{n}_proj.weight", (size, hidden))
                                             for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))])),  # fmt: skip
-                    qkv_bias=fuse([take_optional(p + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias)
+                    qkv_bias=fuse_optional([take_optional(p + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias)
                                    for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]),  # fmt: skip
                     qk_norm=qk_norm,
                     o_weight=weight(take(p + "self_attn.o_proj.weight", (hidden, q_size))),
@@ -243,7 +247,7 @@ class CausalLM:
                     post_norm=take(p + "post_attention_layernorm.weight", (hidden,)),
                     gate_up_weight=weight(fuse([take(p + f"mlp.{n}_proj.weight", (inter, hidden))
                                                 for n in ("gate", "up")])),  # fmt: skip
-                    gate_up_bias=fuse([take_optional(p + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias)
+                    gate_up_bias=fuse_optional([take_optional(p + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias)
                                        for n in ("gate", "up")]),  # fmt: skip
                     down_weight=weight(take(p + "mlp.down_proj.weight", (hidden, inter))),
                     down_bias=take_optional(p + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
@@ -276,6 +280,7 @@ class CausalLM:
         # The torch path's plan reads host values: only on the CPU, where they are host memory.
         if not use_triton(input_ids, None) and input_ids.device.type == "cpu" and num_tokens > 0:
             plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads)
+        assert self.embed is not None and self.final_norm is not None, "load_weights first"
         x = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
             qkv = linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv_weight, layer.qkv_bias)
@@ -299,6 +304,7 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]``."""
+        assert self.lm_head is not None, "load_weights first"
         return linear(hidden, self.lm_head).float()
 
 

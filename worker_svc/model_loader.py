@@ -259,7 +259,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
             f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
         )
     # The weights are dequantized already; saving must not try to re-quantize them.
-    model.hf_quantizer = None
+    model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     model.save_pretrained(out)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -161,6 +162,7 @@ class PendingResult:
     num_tokens: int
     forward_s: float
     ready: object | None = None      # CUDA event after the async device-to-host copy
+    errors: dict[str, str] = field(default_factory=dict)  # rows left out: req_id -> why
     # A simulated device's own idle time before this step; it replaces the step thread's wait
     # for the plan, which says nothing about a device that runs behind the host.
     idle_s: float | None = None
@@ -204,6 +206,8 @@ class PendingResult:
                                            logprobs=top_lps[i][col][:n])
             for pos in range(num_acc):
                 accepted_per_pos[pos] += 1
+        for req_id, error in self.errors.items():
+            result.results.add(req_id=req_id, error=error)
         result.accepted_per_pos.extend(accepted_per_pos)
         return result
 
@@ -257,6 +261,7 @@ class ModelRunner:
         # Padding rows of graphed steps write into blocks past the scheduler's (never handed out).
         num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
         if simulator is None:
+            assert loaded.model is not None, "a runner without a simulator needs the model"
             self.device = loaded.model.device
             self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks + num_scratch,
                                                config.block_size, loaded.model.dtype, self.device)
@@ -277,6 +282,17 @@ class ModelRunner:
         )
         self.slots: dict[str, SlotInfo] = {}
         self.slots_by_index: dict[int, SlotInfo] = {}
+        # Requests whose row failed: their state is dropped, and entries for them in plans
+        # already sent get a per-request error until the scheduler re-admits (is_new) or
+        # finishes them. Without this, a decode row planned before the failure was known would
+        # be a `PlanError` for the whole next plan.
+        self.failed: dict[str, str] = {}
+        # Test-only fault injection (tests/test_fault_isolation.py, the chaos suite): called
+        # with (plan, None) when a step starts, where an exception fails the whole step as a
+        # crash in the model would, then with (plan, entry) for each row, where an exception
+        # fails that row alone.
+        self.test_fault_hook: Callable[[worker_pb2.StepPlan,
+                                        worker_pb2.ScheduledRequest | None], None] | None = None
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         if proposer is not None:
             proposer.bind(self)
@@ -301,9 +317,17 @@ class ModelRunner:
             self.release(req_id)
         if self.simulator is not None:
             self.simulator.reset()
+        self.failed.clear()
+
+    def fail_requests(self, req_ids: list[str], error: str) -> None:
+        """Drop the state of requests whose step failed; later rows for them get `error`."""
+        for req_id in req_ids:
+            self.release(req_id)
+            self.failed[req_id] = error
 
     def release(self, req_id: str) -> None:
         """Drop a request's state slot; unknown ids are ignored (finish may race a preempt)."""
+        self.failed.pop(req_id, None)
         info = self.slots.pop(req_id, None)
         if info is None:
             return
@@ -381,18 +405,102 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def _entry_error(self, plan: worker_pb2.StepPlan, entry: worker_pb2.ScheduledRequest,
+                     seen: set[str], num_free_slots: int) -> str | None:
+        """Why an entry cannot run (None: it can), checked before anything is changed, so a
+        bad row is left out whole instead of half admitted."""
+        req_id = entry.req_id
+        if req_id in seen:
+            return f"request {req_id}: scheduled twice in one plan"
+        if not entry.is_new and req_id in self.failed:
+            return f"request {req_id}: an earlier step failed for it: {self.failed[req_id]}"
+        if self.test_fault_hook is not None:
+            try:
+                self.test_fault_hook(plan, entry)
+            except Exception as exc:
+                return f"request {req_id}: {exc}"
+        info = None if entry.is_new else self.slots.get(req_id)
+        if not entry.is_new and info is None:
+            return f"request {req_id}: unknown to this worker and not is_new"
+        if entry.is_new and num_free_slots < 1:
+            return (f"request {req_id}: no free state slot "
+                    f"(max_num_seqs={self.config.max_num_seqs})")
+        new = list(entry.new_block_ids)
+        if new and (min(new) < 0 or max(new) >= self.config.num_blocks):
+            return f"request {req_id}: block id out of range [0, {self.config.num_blocks})"
+        num_blocks = (0 if info is None else len(info.block_ids)) + len(new)
+        if num_blocks > self.max_blocks_per_seq:
+            return (f"request {req_id}: block table would hold {num_blocks} blocks, more than "
+                    f"max_model_len allows ({self.max_blocks_per_seq})")
+        if len(entry.token_ids) == 0:
+            if entry.is_new:
+                return f"request {req_id}: a new request must start with a prefill chunk"
+            if not info.has_sample:
+                return f"request {req_id}: decode step before any sample"
+            if not 0 <= entry.num_draft_slots <= self.num_spec_tokens:
+                return (f"request {req_id}: {entry.num_draft_slots} draft slots, worker "
+                        f"proposes at most {self.num_spec_tokens}")
+        else:
+            vocab_size = getattr(getattr(self.loaded, "hf_config", None), "vocab_size", 0)
+            if vocab_size and (min(entry.token_ids) < 0 or max(entry.token_ids) >= vocab_size):
+                return f"request {req_id}: token id outside the vocabulary [0, {vocab_size})"
+        return None
+
+    def _runnable(self, plan: worker_pb2.StepPlan) -> tuple[list[worker_pb2.ScheduledRequest],
+                                                           dict[str, str]]:
+        """Split a plan's entries into the ones to run and per-request errors for the rest.
+
+        A failed row drops the request's state (`fail_requests`), so its later rows fail too
+        until the scheduler re-admits or finishes it; the other rows are untouched.
+        """
+        good: list[worker_pb2.ScheduledRequest] = []
+        errors: dict[str, str] = {}
+        seen: set[str] = set()
+        num_free = len(self.free_slots)
+        for entry in plan.requests:
+            error = self._entry_error(plan, entry, seen, num_free)
+            seen.add(entry.req_id)
+            if error is not None:
+                logger.warning("step %d: %s", plan.step_id, error)
+                errors[entry.req_id] = error
+                continue
+            if entry.is_new:
+                # Re-admitting a live request (a folded finish notice) frees its slot first.
+                num_free += (entry.req_id in self.slots) - 1
+            good.append(entry)
+        bad = [r for r in errors if r not in {e.req_id for e in good}]
+        self.fail_requests(bad, "its row was rejected")
+        for req_id in bad:
+            self.failed[req_id] = errors[req_id]
+        return good, errors
+
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> PendingResult:
-        """Run one plan; returns outputs that may still be on the device."""
+        """Run one plan; returns outputs that may still be on the device.
+
+        Rows that cannot run (see `_entry_error`) are left out with a per-request error in the
+        result; the others run as if those rows had never been planned.
+        """
         start = time.perf_counter()
+        for req_id in plan.finished_req_ids:
+            self.release(req_id)
+        if self.test_fault_hook is not None:
+            self.test_fault_hook(plan, None)
+        entries, errors = self._runnable(plan)
+        if errors:  # run the others as if the bad rows had never been planned
+            plan = worker_pb2.StepPlan(step_id=plan.step_id, requests=entries)
         batch = self.prepare(plan)
         if batch is None:
-            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0)
+            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0,
+                                 errors=errors)
         if self.simulator is not None:
-            return self.simulator.step(self, batch)
+            pending = self.simulator.step(self, batch)
+            pending.errors = errors
+            return pending
         logits = self.run_model(batch)
         pending = self.sample(batch, logits)
         pending.forward_s = time.perf_counter() - start
+        pending.errors = errors
         return pending
 
     def prepare(self, plan: worker_pb2.StepPlan) -> StepBatch | None:

@@ -90,7 +90,8 @@ def parse_row(obj: Any, index: int) -> BenchRow:
         kind=str(obj.get("kind", "")),
         max_tokens=max_tokens,
         prompt=str(obj["prompt"]) if has_prompt else None,
-        messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in messages] if has_messages else None,
+        messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in messages or []]
+        if has_messages else None,
         temperature=float(temperature) if temperature is not None else None,
         seed=int(seed) if seed is not None else None,
         ignore_eos=bool(obj.get("ignore_eos", False)),

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from typing import TypeAlias
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ FINISH_REASON_NAMES: dict[int, str] = {
     generate_pb2.FINISH_REASON_ERROR: "error",
 }
 
-StubOrChannel = generate_pb2_grpc.GenerationStub | grpc.aio.Channel
+StubOrChannel: TypeAlias = "generate_pb2_grpc.GenerationStub | grpc.aio.Channel"
 
 
 @dataclass(slots=True)
@@ -115,7 +116,7 @@ class _BearerTokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(_with_bearer_token(client_call_details, self._token), request)
 
 
@@ -125,7 +126,7 @@ class _BearerTokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token
 
-    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(_with_bearer_token(client_call_details, self._token), request)
 
 
