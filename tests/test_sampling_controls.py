@@ -313,6 +313,15 @@ SEEDED = dict(ignore_eos=True, temperature=0.9, top_p=0.95, min_p=0.02, repetiti
 
 def check_seeded(request, prompts, rows: tuple[int, ...], max_tokens: int,
                  batched: list[tuple[str, int]], alone: list[tuple[str, int]]) -> None:
+    """Seeded outputs are identical across the given modes and batch compositions.
+
+    No speculation and n-gram speculation verify with the sampler's own keyed noise, so they
+    draw the same tokens. Draft-model speculation is left out: standard rejection sampling
+    (accept with min(1, p/q), redraw a rejected position from the residual) matches the
+    distribution, not the tokens, and with penalties the draft's q (no penalties) differs from p,
+    so drafts get rejected and the tokens depend on where verification rows start, which differs
+    between sync and async. Its greedy exactness is checked above.
+    """
     requests = {f"s{row}": (prompts[row], dict(SEEDED, max_tokens=max_tokens, seed=777 + row))
                 for row in rows}
     runs = {}
@@ -333,21 +342,21 @@ def check_seeded(request, prompts, rows: tuple[int, ...], max_tokens: int,
 
 def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(request, prompts):
     """Temperature 0.9, top-p, min_p, logit_bias and all three penalties with a seed per
-    request: the same tokens without speculation (sync), with n-gram and draft-model
-    speculation (async), and alone (n-gram, async)."""
-    check_seeded(request, prompts, FAST_ROWS, FAST_TOKENS,
-                 batched=[("none", 1), ("ngram", 2), ("draft", 2)], alone=[("ngram", 2)])
+    request: the same tokens without speculation (sync) and with n-gram speculation (async),
+    batched and alone."""
+    check_seeded(request, prompts, FAST_ROWS, FAST_TOKENS, batched=[("none", 1), ("ngram", 2)],
+                 alone=[("ngram", 2)])
 
 
 @pytest.mark.slow
 def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches_full(request,
                                                                                   prompts):
-    """The same for every mode, batched, and alone for the two extremes, on 8 rows."""
-    check_seeded(request, prompts, FULL_ROWS, FULL_TOKENS, batched=MODES,
-                 alone=[("none", 1), ("ngram", 2)])
+    """The same for sync/async x none/n-gram, batched, and alone for the two extremes, on 8 rows."""
+    check_seeded(request, prompts, FULL_ROWS, FULL_TOKENS,
+                 batched=[m for m in MODES if m[0] != "draft"], alone=[("none", 1), ("ngram", 2)])
 
 
-def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, prompts):
+def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, prompts):  # noqa: F811
     """top_logprobs=5 with n-gram drafts accepted several at a time, two plans in flight: the
     N entries at each returned token are Hugging Face's top 5 at that position, and the token's
     own logprob matches."""
@@ -384,7 +393,7 @@ def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, p
                           ref.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=2e-3)
 
 
-def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):
+def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):  # noqa: F811
     """n = 3 (sequences 2 and 3 deferred behind the first, `share_prompt_with`): they reuse the
     first one's prompt blocks from the prefix cache, and each sequence's tokens equal what the
     same seed gives as a lone request."""

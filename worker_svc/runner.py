@@ -23,11 +23,11 @@ from kernels.attention import AttentionMetadata
 from kernels.inputs import assemble_inputs
 from kernels.seq_lens import update_state
 from kernels.verify import count_accepted, rejection_sample
+from worker_svc import staging
+from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
 from worker_svc.model import allocate_kv_cache
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import Proposer
-from worker_svc import staging
-from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
 from worker_svc.sampler import (
     SEED_MASK,
     LogitBias,

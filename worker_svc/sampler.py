@@ -173,8 +173,8 @@ def _processed_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Biased, penalized, temperature-scaled, top-k/top-p/min-p filtered logits (masked entries
     are -inf), float32.
 
-    Greedy rows become 0 at the argmax of the biased and penalized logits and -inf elsewhere, so one softmax / Gumbel-max over
-    the result serves greedy and random rows alike.
+    Greedy rows become 0 at the argmax of the biased and penalized logits and -inf elsewhere,
+    so one softmax / Gumbel-max over the result serves greedy and random rows alike.
     """
     logits = _raw_logit_stage(logits, t)
     greedy = t.temperature <= 0
