@@ -508,6 +508,8 @@ def check_service(ctx: Context) -> None:
                 str(port),
                 "--metrics-port",
                 "-1",
+                "--http-port",
+                "-1",
                 "--spec-method",
                 spec,
                 "--max-num-seqs",
@@ -797,7 +799,32 @@ def check_throughput(ctx: Context) -> None:
             )
 
 
+# Imported by the service but not among the packages a GPU machine is said to have: bring their
+# wheels (`pip download --no-deps` these, well under 64 MiB together) and `pip install` them there.
+EXTRA_MODULES = {
+    "grpc_health": "grpcio-health-checking",
+    "grpc_reflection": "grpcio-reflection",
+    "jinja2": "jinja2 markupsafe",
+    "safetensors": "safetensors",
+}
+
+
+def check_environment(ctx: Context) -> None:
+    """The packages the other sections need, with the wheels to bring for any that is missing."""
+    import importlib.util
+
+    for module, wheels in EXTRA_MODULES.items():
+        found = importlib.util.find_spec(module) is not None
+        ctx.add(
+            "environment",
+            module,
+            PASS if found else FAIL,
+            "" if found else f"missing: pip download --no-deps {wheels}, then pip install them here",
+        )
+
+
 SECTIONS: dict[str, Callable[[Context], None]] = {
+    "environment": check_environment,
     "kernels": check_kernels,
     "families": check_families,
     "service": check_service,

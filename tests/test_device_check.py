@@ -32,7 +32,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     by_section: dict[str, list[dict]] = {}
     for record in report["records"]:
         by_section.setdefault(record["section"], []).append(record)
-    assert set(by_section) == {"kernels", "families", "service", "sync_free", "throughput"}
+    assert set(by_section) == {"environment", "kernels", "families", "service", "sync_free", "throughput"}
     kernels = {r["name"] for r in by_section["kernels"] if r["status"] == "pass"}
     assert {
         "slot_mapping",
