@@ -119,8 +119,10 @@ def random_state_dict(hf_config: Any, device: torch.device, dtype: torch.dtype, 
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        shapes = {name: (tuple(p.shape), name.endswith("norm.weight"))
-                  for name, p in AutoModelForCausalLM.from_config(hf_config).state_dict().items()}
+        shapes = {
+            name: (tuple(p.shape), name.endswith("norm.weight"))
+            for name, p in AutoModelForCausalLM.from_config(hf_config).state_dict().items()
+        }
     gen = torch.Generator(device=device).manual_seed(seed)
     out = {}
     for name, (shape, is_norm) in shapes.items():
@@ -147,20 +149,32 @@ def in_memory_model(hf_config: Any, device: torch.device, dtype: torch.dtype, se
 
     model = build_model(hf_config, dtype, device)
     model.load_weights(random_state_dict(hf_config, device, dtype, seed))
-    return LoadedModel(name="random", path=Path("."), hf_config=hf_config, model=model,
-                       tokenizer_file=Path("tokenizer.json"), eos_token_ids=[hf_config.vocab_size - 1],
-                       max_model_len=int(hf_config.max_position_embeddings))
+    return LoadedModel(
+        name="random",
+        path=Path("."),
+        hf_config=hf_config,
+        model=model,
+        tokenizer_file=Path("tokenizer.json"),
+        eos_token_ids=[hf_config.vocab_size - 1],
+        max_model_len=int(hf_config.max_position_embeddings),
+    )
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
     """A 2-layer random config of one family (the families of tests/test_model_families.py)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    )
     common.update(overrides)
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config,
-           "mistral": MistralConfig}[family]
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}[family]
     extra = {"mistral": dict(sliding_window=24), "qwen3": dict(head_dim=16)}.get(family, {})
     return cls(**common, **extra)
 
@@ -170,13 +184,30 @@ def qwen3_1p7b_config(dry_run: bool) -> Any:
     from transformers import Qwen3Config
 
     if dry_run:
-        return Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                           max_position_embeddings=1024, tie_word_embeddings=True)
-    return Qwen3Config(vocab_size=151936, hidden_size=2048, intermediate_size=6144,
-                       num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=128, max_position_embeddings=40960, rope_theta=1000000.0,
-                       rms_norm_eps=1e-6, tie_word_embeddings=True)
+        return Qwen3Config(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=1024,
+            tie_word_embeddings=True,
+        )
+    return Qwen3Config(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        rope_theta=1000000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+    )
 
 
 # ----------------------------------------------------------------------------------- 1. kernels
@@ -237,15 +268,30 @@ def check_kernels(ctx: Context) -> None:
             ctx.add(section, name, FAIL, f"{type(exc).__name__}: {exc}")
         ctx.records[-1].seconds = time.perf_counter() - started
 
-    positions = (seq_len[req_slots.long()].repeat_interleave(q_lens.to(dev), output_size=num_tokens).long()
-                 + torch.cat([torch.arange(int(n)) for n in q_lens]).to(dev))
-    case("slot_mapping", lambda impl: compute_slot_mapping(
-        qsl, positions, block_table[req_slots.long()], block_size, impl=impl))
+    positions = seq_len[req_slots.long()].repeat_interleave(q_lens.to(dev), output_size=num_tokens).long() + torch.cat(
+        [torch.arange(int(n)) for n in q_lens]
+    ).to(dev)
+    case(
+        "slot_mapping",
+        lambda impl: compute_slot_mapping(qsl, positions, block_table[req_slots.long()], block_size, impl=impl),
+    )
 
     def assemble(impl: str) -> tuple:
         hist = history.clone()
-        out = assemble_inputs(req_slots, qsl, is_decode, prefill_ids, seq_len, last_token, drafts,
-                              num_drafts, block_table, hist, block_size, impl=impl)
+        out = assemble_inputs(
+            req_slots,
+            qsl,
+            is_decode,
+            prefill_ids,
+            seq_len,
+            last_token,
+            drafts,
+            num_drafts,
+            block_table,
+            hist,
+            block_size,
+            impl=impl,
+        )
         return (*out, hist)
 
     case("assemble_inputs", assemble)
@@ -254,35 +300,56 @@ def check_kernels(ctx: Context) -> None:
 
     def update(impl: str) -> tuple:
         state = [seq_len.clone(), last_token.clone(), num_drafts.clone()]
-        update_state(req_slots, is_decode, q_lens.to(torch.int32).to(dev), accepted,
-                     torch.ones(num_reqs, dtype=torch.bool, device=dev), sampled, *state, impl=impl)
+        update_state(
+            req_slots,
+            is_decode,
+            q_lens.to(torch.int32).to(dev),
+            accepted,
+            torch.ones(num_reqs, dtype=torch.bool, device=dev),
+            sampled,
+            *state,
+            impl=impl,
+        )
         return tuple(state)
 
     case("update_state", update)
-    case("ngram_propose", lambda impl: ngram_propose(req_slots, seq_len, last_token, block_table,
-                                                     history, block_size, 2, 4, k, impl=impl))
+    case(
+        "ngram_propose",
+        lambda impl: ngram_propose(
+            req_slots, seq_len, last_token, block_table, history, block_size, 2, 4, k, impl=impl
+        ),
+    )
     seeds = torch.randint(0, 2**62, (num_reqs,), generator=gen).to(dev)
     pos = seq_len[req_slots.long()].long()
     case("keyed_uniform", lambda impl: keyed_uniform(seeds, pos, vocab, impl=impl))
     targets = ints(0, vocab, num_reqs, k + 1)
-    case("count_accepted", lambda impl: count_accepted(targets, drafts[req_slots.long()], num_drafts[req_slots.long()], impl=impl))
+    fed, num_fed = drafts[req_slots.long()], num_drafts[req_slots.long()]
+    case("count_accepted", lambda impl: count_accepted(targets, fed, num_fed, impl=impl))
     p = torch.softmax(torch.randn(num_reqs, k + 1, vocab, generator=gen), -1).to(dev)
     q = torch.softmax(torch.randn(num_reqs, k, vocab, generator=gen), -1).to(dev)
     draft_tok = torch.multinomial(q.view(-1, vocab).cpu(), 1, generator=gen).view(num_reqs, k).to(dev)
-    case("rejection_sample", lambda impl: rejection_sample(p, q, draft_tok, num_drafts[req_slots.long()],
-                                                           seeds, pos, impl=impl))
+    case(
+        "rejection_sample",
+        lambda impl: rejection_sample(p, q, draft_tok, num_drafts[req_slots.long()], seeds, pos, impl=impl),
+    )
 
     from transformers import LlamaConfig
 
     heads, kv_heads, head_dim = (4, 2, 16) if small else (16, 8, 128)
-    cfg = LlamaConfig(hidden_size=heads * head_dim, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                      num_hidden_layers=1, vocab_size=vocab, intermediate_size=64)
+    cfg = LlamaConfig(
+        hidden_size=heads * head_dim,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        num_hidden_layers=1,
+        vocab_size=vocab,
+        intermediate_size=64,
+    )
     for dtype in (torch.float32, torch.bfloat16):
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
 
         def attention(impl: str, dtype: torch.dtype = dtype) -> tuple:
             torch.manual_seed(3)
-            (k_cache, v_cache), = allocate_kv_cache(cfg, num_blocks, block_size, dtype, dev)
+            ((k_cache, v_cache),) = allocate_kv_cache(cfg, num_blocks, block_size, dtype, dev)
             k_cache.copy_(torch.randn(k_cache.shape, dtype=dtype).to(dev))
             v_cache.copy_(torch.randn(v_cache.shape, dtype=dtype).to(dev))
             new_k = torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype).to(dev)
@@ -290,9 +357,15 @@ def check_kernels(ctx: Context) -> None:
             q_in = torch.randn(num_tokens, heads, head_dim, dtype=dtype).to(dev)
             slots = compute_slot_mapping(qsl, positions, block_table[req_slots.long()], block_size)
             write_kv_cache(new_k, new_v, k_cache, v_cache, slots, impl=impl)
-            meta = AttentionMetadata(query_start_loc=qsl, seq_lens=(positions.view(-1)[qsl[1:].long() - 1] + 1).to(torch.int32),
-                                     block_tables=block_table[req_slots.long()], max_query_len=int(q_lens.max()),
-                                     max_seq_len=max_blocks * block_size, slot_mapping=slots)
+            ends = (positions.view(-1)[qsl[1:].long() - 1] + 1).to(torch.int32)
+            meta = AttentionMetadata(
+                query_start_loc=qsl,
+                seq_lens=ends,
+                block_tables=block_table[req_slots.long()],
+                max_query_len=int(q_lens.max()),
+                max_seq_len=max_blocks * block_size,
+                slot_mapping=slots,
+            )
             out = paged_attention(q_in, k_cache, v_cache, meta, head_dim**-0.5, impl=impl)
             return out, k_cache, v_cache
 
@@ -301,8 +374,12 @@ def check_kernels(ctx: Context) -> None:
             ref, out = attention("torch"), attention("triton")
             results = [_close(a, b, atol=tol, rtol=tol) for a, b in zip(ref, out)]
             ok = all(r[0] for r in results)
-            ctx.add(section, f"write_kv_cache + paged_attention {str(dtype)[6:]}", PASS if ok else FAIL,
-                    "; ".join(r[1] for r in results))
+            ctx.add(
+                section,
+                f"write_kv_cache + paged_attention {str(dtype)[6:]}",
+                PASS if ok else FAIL,
+                "; ".join(r[1] for r in results),
+            )
         except Exception as exc:
             ctx.add(section, f"write_kv_cache + paged_attention {str(dtype)[6:]}", FAIL, f"{type(exc).__name__}: {exc}")
         ctx.records[-1].seconds = time.perf_counter() - started
@@ -313,9 +390,10 @@ def check_kernels(ctx: Context) -> None:
 
 def check_families(ctx: Context) -> None:
     """Our paged forward vs Hugging Face's on a prompt and continued decodes, per family and dtype."""
+    from transformers import AutoModelForCausalLM
+
     from kernels.attention import AttentionMetadata
     from kernels.slot_mapping import compute_slot_mapping
-    from transformers import AutoModelForCausalLM
     from worker_svc.model import allocate_kv_cache, build_model
 
     dev = ctx.device
@@ -342,9 +420,15 @@ def check_families(ctx: Context) -> None:
                     for lo, hi in ((0, 25), (25, 36), (36, 37), (37, 38), (38, 39), (39, 40)):
                         qsl = torch.tensor([0, hi - lo], dtype=torch.int32, device=dev)
                         pos = torch.arange(lo, hi, device=dev)
-                        meta = AttentionMetadata(query_start_loc=qsl, seq_lens=torch.tensor([hi], dtype=torch.int32, device=dev),
-                                                 block_tables=table, max_query_len=hi - lo, max_seq_len=8 * block_size,
-                                                 slot_mapping=compute_slot_mapping(qsl, pos, table, block_size))
+                        seq_lens = torch.tensor([hi], dtype=torch.int32, device=dev)
+                        meta = AttentionMetadata(
+                            query_start_loc=qsl,
+                            seq_lens=seq_lens,
+                            block_tables=table,
+                            max_query_len=hi - lo,
+                            max_seq_len=8 * block_size,
+                            slot_mapping=compute_slot_mapping(qsl, pos, table, block_size),
+                        )
                         logits.append(ours.compute_logits(ours(ids[lo:hi], pos, meta, kv)))
                     got = torch.cat(logits)
                 tol = 5e-2 if dtype == torch.bfloat16 else 2e-4
@@ -352,9 +436,14 @@ def check_families(ctx: Context) -> None:
                 err = (got - ref).abs().max().item() / max(scale, 1e-6)
                 agree = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
                 ok = err <= tol
-                ctx.add("families", name, PASS if ok else FAIL,
-                        f"max |diff| / max |logit| = {err:.1e} (tolerance {tol:.0e}); argmax agreement {agree:.3f}",
-                        rel_err=err, argmax_agreement=agree)
+                ctx.add(
+                    "families",
+                    name,
+                    PASS if ok else FAIL,
+                    f"max |diff| / max |logit| = {err:.1e} (tolerance {tol:.0e}); argmax agreement {agree:.3f}",
+                    rel_err=err,
+                    argmax_agreement=agree,
+                )
             except Exception as exc:
                 ctx.add("families", name, FAIL, f"{type(exc).__name__}: {exc}")
             ctx.records[-1].seconds = time.perf_counter() - started
@@ -388,19 +477,46 @@ def check_service(ctx: Context) -> None:
         with torch.inference_mode():
             for prompt in prompts:
                 ids = torch.tensor([prompt], device=ctx.device)
-                out = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GenerationConfig(
-                    max_new_tokens=max_tokens, do_sample=False, eos_token_id=cfg.vocab_size - 1,
-                    pad_token_id=cfg.vocab_size - 1))
-                expected.append(out[0, len(prompt):].tolist())
+                out = hf.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    generation_config=GenerationConfig(
+                        max_new_tokens=max_tokens,
+                        do_sample=False,
+                        eos_token_id=cfg.vocab_size - 1,
+                        pad_token_id=cfg.vocab_size - 1,
+                    ),
+                )
+                expected.append(out[0, len(prompt) :].tolist())
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         # The dry run starts one server (the n-gram path covers the plain one's code as well).
         for spec in ("ngram",) if ctx.dry_run else ("none", "ngram"):
-            cmd = [sys.executable, "-m", "zerobubble", "serve", "--model", str(model_dir),
-                   "--device", ctx.device.type, "--dtype", "float32", "--port", str(port),
-                   "--metrics-port", "-1", "--spec-method", spec,
-                   "--max-num-seqs", "8", "--log-level", "warning"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "zerobubble",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--device",
+                ctx.device.type,
+                "--dtype",
+                "float32",
+                "--port",
+                str(port),
+                "--metrics-port",
+                "-1",
+                "--http-port",
+                "-1",
+                "--spec-method",
+                spec,
+                "--max-num-seqs",
+                "8",
+                "--log-level",
+                "warning",
+            ]
             if ctx.device.type == "cpu":
                 cmd += ["--kv-cache-memory-gb", "0.05"]
             else:
@@ -408,7 +524,8 @@ def check_service(ctx: Context) -> None:
             proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             name = f"greedy vs HF, spec={spec}"
             try:
-                async def run() -> list[list[int]]:
+
+                async def run(proc: subprocess.Popen = proc) -> list[list[int]]:
                     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
                         deadline = time.monotonic() + 180
                         while True:  # ready, or fail at once if the server died
@@ -418,15 +535,27 @@ def check_service(ctx: Context) -> None:
                             except asyncio.TimeoutError:
                                 if proc.poll() is not None or time.monotonic() > deadline:
                                     raise RuntimeError("the server did not come up") from None
-                        done = await asyncio.gather(*(complete(channel, build_request(
-                            token_ids=p, max_tokens=max_tokens, temperature=0.0), timeout=120) for p in prompts))
+                        done = await asyncio.gather(
+                            *(
+                                complete(
+                                    channel,
+                                    build_request(token_ids=p, max_tokens=max_tokens, temperature=0.0),
+                                    timeout=120,
+                                )
+                                for p in prompts
+                            )
+                        )
                         return [list(c.token_ids) for c in done]
 
                 got = asyncio.run(run())
                 mismatches = [i for i in range(num_prompts) if got[i] != expected[i]]
-                ctx.add("service", name, FAIL if mismatches else PASS,
-                        f"{num_prompts - len(mismatches)}/{num_prompts} prompts identical"
-                        + (f"; first differing prompt {mismatches[0]}" if mismatches else ""))
+                ctx.add(
+                    "service",
+                    name,
+                    FAIL if mismatches else PASS,
+                    f"{num_prompts - len(mismatches)}/{num_prompts} prompts identical"
+                    + (f"; first differing prompt {mismatches[0]}" if mismatches else ""),
+                )
             except Exception as exc:
                 proc.terminate()
                 output = proc.communicate(timeout=30)[0][-2000:]
@@ -451,11 +580,17 @@ def make_scheduler(runner: Any, vocab_size: int) -> Any:
     from scheduler_svc.tokenizer import Tokenizer
 
     cfg = runner.config
-    config = SchedulerConfig(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                             max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                             max_num_batched_tokens=2048, num_spec_tokens=runner.num_spec_tokens,
-                             num_lookahead_slots=runner.proposer.num_lookahead_slots if runner.proposer else 0,
-                             eos_token_ids=(), vocab_size=vocab_size)
+    config = SchedulerConfig(
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=2048,
+        num_spec_tokens=runner.num_spec_tokens,
+        num_lookahead_slots=runner.proposer.num_lookahead_slots if runner.proposer else 0,
+        eos_token_ids=(),
+        vocab_size=vocab_size,
+    )
     return Scheduler(config, Tokenizer(word_tokenizer_json(vocab_size)))
 
 
@@ -469,8 +604,9 @@ class RunStats:
     gpu_busy_fraction: float | None = None
 
 
-def drive(runner: Any, prompts: list[list[int]], max_tokens: int, window: int,
-          around_step: Callable[[int], Any] | None = None) -> RunStats:
+def drive(
+    runner: Any, prompts: list[list[int]], max_tokens: int, window: int, around_step: Callable[[int], Any] | None = None
+) -> RunStats:
     """Serve ``prompts`` (greedy, ignore EOS) keeping up to ``window`` plans ahead of results.
 
     This is the worker link's loop without gRPC: plan until the window is full, execute each
@@ -529,9 +665,14 @@ def build_runner(loaded: Any, spec: str, cuda_graphs: bool, num_blocks: int, max
     from worker_svc.runner import ModelRunner, RunnerConfig
 
     proposer = build_proposer(spec, 3)
-    config = RunnerConfig(num_blocks=num_blocks, block_size=16, max_num_seqs=max_num_seqs,
-                          max_model_len=1024, num_spec_tokens=3 if proposer is not None else 0,
-                          cuda_graphs=cuda_graphs)
+    config = RunnerConfig(
+        num_blocks=num_blocks,
+        block_size=16,
+        max_num_seqs=max_num_seqs,
+        max_model_len=1024,
+        num_spec_tokens=3 if proposer is not None else 0,
+        cuda_graphs=cuda_graphs,
+    )
     return ModelRunner(loaded, config, proposer)
 
 
@@ -575,8 +716,9 @@ def check_sync_free(ctx: Context) -> None:
                 stats = drive(runner, prompts, 48, 2, around_step=strict)
                 ctx.add("sync_free", name, PASS, f"{stats.num_steps} steps without a host sync")
             except Exception as exc:
-                ctx.add("sync_free", name, FAIL, f"{type(exc).__name__}: {exc}",
-                        traceback=traceback.format_exc()[-3000:])
+                ctx.add(
+                    "sync_free", name, FAIL, f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc()[-3000:]
+                )
             ctx.records[-1].seconds = time.perf_counter() - started
 
 
@@ -609,28 +751,36 @@ def check_throughput(ctx: Context) -> None:
                 try:
                     stats = drive(runner, prompts, max_tokens, window)
                 except Exception as exc:
-                    ctx.add("throughput", f"n={num_prompts} spec={spec} graphs={graphs} window={window}",
-                            FAIL, f"{type(exc).__name__}: {exc}")
+                    ctx.add(
+                        "throughput",
+                        f"n={num_prompts} spec={spec} graphs={graphs} window={window}",
+                        FAIL,
+                        f"{type(exc).__name__}: {exc}",
+                    )
                     continue
                 key = "async" if window == 2 else "sync"
-                rates.setdefault(key, []).append((stats.output_tokens / stats.wall_s, stats.gpu_busy_fraction,
-                                                  stats.num_steps))
+                rates.setdefault(key, []).append(
+                    (stats.output_tokens / stats.wall_s, stats.gpu_busy_fraction, stats.num_steps)
+                )
             for key, runs in rates.items():
                 tok_s = max(r[0] for r in runs)
                 busy = [r[1] for r in runs if r[1] is not None]
                 table[f"n={num_prompts} spec={spec} graphs={graphs} {key}"] = {
-                    "tok_s": tok_s, "gpu_busy": max(busy) if busy else None, "steps": runs[0][2]}
+                    "tok_s": tok_s,
+                    "gpu_busy": max(busy) if busy else None,
+                    "steps": runs[0][2],
+                }
     for num_prompts in (2, 8, 16):
         for graphs in graph_modes:
-            row = {k: v for k, v in table.items() if k.startswith(f"n={num_prompts} ") and f"graphs={graphs}" in k}
-
-            def rate(spec: str, mode: str) -> float | None:
-                entry = row.get(f"n={num_prompts} spec={spec} graphs={graphs} {mode}")
-                return entry["tok_s"] if entry else None
-
-            values = {f"{spec}_{mode}_tok_s": rate(spec, mode) for spec in ("none", "ngram") for mode in ("sync", "async")}
-            values.update({f"{spec}_{mode}_gpu_busy": (row.get(f"n={num_prompts} spec={spec} graphs={graphs} {mode}") or {}).get("gpu_busy")
-                           for spec in ("none", "ngram") for mode in ("sync", "async")})
+            entries = {
+                (spec, mode): table.get(f"n={num_prompts} spec={spec} graphs={graphs} {mode}") or {}
+                for spec in ("none", "ngram")
+                for mode in ("sync", "async")
+            }
+            values: dict[str, Any] = {}
+            for (spec, mode), entry in entries.items():
+                values[f"{spec}_{mode}_tok_s"] = entry.get("tok_s")
+                values[f"{spec}_{mode}_gpu_busy"] = entry.get("gpu_busy")
 
             def ratio(a: float | None, b: float | None) -> float | None:
                 return a / b if a and b else None
@@ -640,11 +790,41 @@ def check_throughput(ctx: Context) -> None:
             values["ngram_over_none_async"] = ratio(values["ngram_async_tok_s"], values["none_async_tok_s"])
             values["ngram_over_none_sync"] = ratio(values["ngram_sync_tok_s"], values["none_sync_tok_s"])
             status = PASS if all(v is not None for k, v in values.items() if k.endswith("tok_s")) else FAIL
-            ctx.add("throughput", f"{num_prompts} prompts, cuda_graphs={graphs}", status,
-                    "measured" if status == PASS else "some configurations failed", **values)
+            ctx.add(
+                "throughput",
+                f"{num_prompts} prompts, cuda_graphs={graphs}",
+                status,
+                "measured" if status == PASS else "some configurations failed",
+                **values,
+            )
+
+
+# Imported by the service but not among the packages a GPU machine is said to have: bring their
+# wheels (`pip download --no-deps` these, well under 64 MiB together) and `pip install` them there.
+EXTRA_MODULES = {
+    "grpc_health": "grpcio-health-checking",
+    "grpc_reflection": "grpcio-reflection",
+    "jinja2": "jinja2 markupsafe",
+    "safetensors": "safetensors",
+}
+
+
+def check_environment(ctx: Context) -> None:
+    """The packages the other sections need, with the wheels to bring for any that is missing."""
+    import importlib.util
+
+    for module, wheels in EXTRA_MODULES.items():
+        found = importlib.util.find_spec(module) is not None
+        ctx.add(
+            "environment",
+            module,
+            PASS if found else FAIL,
+            "" if found else f"missing: pip download --no-deps {wheels}, then pip install them here",
+        )
 
 
 SECTIONS: dict[str, Callable[[Context], None]] = {
+    "environment": check_environment,
     "kernels": check_kernels,
     "families": check_families,
     "service": check_service,
@@ -663,17 +843,31 @@ def _fmt(v: Any) -> str:
 
 def markdown(ctx: Context, meta: dict[str, Any]) -> str:
     """The report as markdown: environment, one table of checks, one table of throughput."""
-    lines = [f"# device check ({'dry run, ' if ctx.dry_run else ''}{meta['device_name']})", "",
-             f"torch {meta['torch']}, triton {meta['triton']}, {meta['when']}, {meta['total_s']:.0f} s", "",
-             "| section | check | status | detail |", "|---|---|---|---|"]
+    lines = [
+        f"# device check ({'dry run, ' if ctx.dry_run else ''}{meta['device_name']})",
+        "",
+        f"torch {meta['torch']}, triton {meta['triton']}, {meta['when']}, {meta['total_s']:.0f} s",
+        "",
+        "| section | check | status | detail |",
+        "|---|---|---|---|",
+    ]
     for r in ctx.records:
         if r.section != "throughput" or r.status != PASS:
             lines.append(f"| {r.section} | {r.name} | {r.status.upper()} | {r.detail.replace('|', '/')[:300]} |")
     rows = [r for r in ctx.records if r.section == "throughput" and r.status == PASS]
     if rows:
-        cols = ["none_sync_tok_s", "none_async_tok_s", "ngram_sync_tok_s", "ngram_async_tok_s",
-                "async_over_sync_none", "async_over_sync_ngram", "ngram_over_none_async",
-                "none_async_gpu_busy", "ngram_async_gpu_busy", "none_sync_gpu_busy"]
+        cols = [
+            "none_sync_tok_s",
+            "none_async_tok_s",
+            "ngram_sync_tok_s",
+            "ngram_async_tok_s",
+            "async_over_sync_none",
+            "async_over_sync_ngram",
+            "ngram_over_none_async",
+            "none_async_gpu_busy",
+            "ngram_async_gpu_busy",
+            "none_sync_gpu_busy",
+        ]
         lines += ["", "| workload | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
         for r in rows:
             lines.append(f"| {r.name} | " + " | ".join(_fmt(r.values.get(c)) for c in cols) + " |")
@@ -688,8 +882,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     cuda = torch.cuda.is_available() and not args.dry_run
-    ctx = Context(device=torch.device("cuda" if cuda else "cpu"), dry_run=args.dry_run or not cuda,
-                  out_dir=args.out_dir)
+    ctx = Context(
+        device=torch.device("cuda" if cuda else "cpu"), dry_run=args.dry_run or not cuda, out_dir=args.out_dir
+    )
     if not cuda and not args.dry_run:
         logger.warning("no CUDA device: running the dry run instead")
     args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -708,10 +903,15 @@ def main(argv: list[str] | None = None) -> int:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "absent"
-    meta = dict(device_name=torch.cuda.get_device_name(0) if cuda else "cpu", torch=torch.__version__,
-                triton=triton_version, python=platform.python_version(),
-                when=time.strftime("%Y-%m-%d %H:%M:%S %Z"), dry_run=ctx.dry_run,
-                total_s=time.perf_counter() - started)
+    meta = dict(
+        device_name=torch.cuda.get_device_name(0) if cuda else "cpu",
+        torch=torch.__version__,
+        triton=triton_version,
+        python=platform.python_version(),
+        when=time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        dry_run=ctx.dry_run,
+        total_s=time.perf_counter() - started,
+    )
     failed = [r for r in ctx.records if r.status == FAIL]
     report = dict(meta, ok=not failed, records=[asdict(r) for r in ctx.records])
     (args.out_dir / "device_check.json").write_text(json.dumps(report, indent=2))

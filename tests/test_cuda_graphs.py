@@ -68,21 +68,39 @@ def test_padding_rows_stay_in_scratch_blocks() -> None:
 
 
 def _tiny_loaded() -> LoadedModel:
-    cfg = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(cfg)
     model = build_model(cfg, torch.float32, torch.device("cpu"))
     model.load_weights(hf.state_dict())
-    return LoadedModel(name="tiny", path=Path("."), hf_config=cfg, model=model,
-                       tokenizer_file=Path("tokenizer.json"), eos_token_ids=[95], max_model_len=256)
+    return LoadedModel(
+        name="tiny",
+        path=Path("."),
+        hf_config=cfg,
+        model=model,
+        tokenizer_file=Path("tokenizer.json"),
+        eos_token_ids=[95],
+        max_model_len=256,
+    )
 
 
 def _run(loaded: LoadedModel, spec: str, graphs: bool) -> tuple[list, ModelRunner]:
     proposer = build_proposer(spec, 3)
-    runner = ModelRunner(loaded, RunnerConfig(num_blocks=64, block_size=4, max_num_seqs=8,
-                                              max_model_len=32, num_spec_tokens=3, cuda_graphs=graphs),
-                         proposer)
+    runner = ModelRunner(
+        loaded,
+        RunnerConfig(
+            num_blocks=64, block_size=4, max_num_seqs=8, max_model_len=32, num_spec_tokens=3, cuda_graphs=graphs
+        ),
+        proposer,
+    )
     runner.trim_empty_drafts = False  # the accelerator's shapes: every decode feeds 1 + k slots
     k = runner.num_spec_tokens
     p = Plans(k)

@@ -19,21 +19,33 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 def test_device_check_dry_run(tmp_path: Path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([str(REPO_ROOT / "scripts" / "device_check.sh"), str(tmp_path), "--dry-run"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(REPO_ROOT / "scripts" / "device_check.sh"), str(tmp_path), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
     assert report["ok"] and report["dry_run"]
     by_section: dict[str, list[dict]] = {}
     for record in report["records"]:
         by_section.setdefault(record["section"], []).append(record)
-    assert set(by_section) == {"kernels", "families", "service", "sync_free", "throughput"}
+    assert set(by_section) == {"environment", "kernels", "families", "service", "sync_free", "throughput"}
     kernels = {r["name"] for r in by_section["kernels"] if r["status"] == "pass"}
-    assert {"slot_mapping", "assemble_inputs", "update_state", "ngram_propose", "keyed_uniform",
-            "count_accepted", "rejection_sample"} <= kernels
+    assert {
+        "slot_mapping",
+        "assemble_inputs",
+        "update_state",
+        "ngram_propose",
+        "keyed_uniform",
+        "count_accepted",
+        "rejection_sample",
+    } <= kernels
     assert {r["name"] for r in by_section["families"] if r["status"] == "pass"} == {
-        f"{family} {dtype}" for family in ("llama", "qwen2", "qwen3", "mistral")
-        for dtype in ("float32", "bfloat16")}
+        f"{family} {dtype}" for family in ("llama", "qwen2", "qwen3", "mistral") for dtype in ("float32", "bfloat16")
+    }
     assert all(r["status"] == "pass" for r in by_section["service"])
     assert [r["status"] for r in by_section["sync_free"]] == ["skip"]
     throughput = {r["name"]: r for r in by_section["throughput"]}

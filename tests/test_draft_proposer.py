@@ -31,8 +31,15 @@ K = 3
 def _loaded(hf: LlamaForCausalLM) -> LoadedModel:
     model = build_model(hf.config, torch.float32, torch.device("cpu"))
     model.load_weights(hf.state_dict())
-    return LoadedModel(name="tiny", path=Path("."), hf_config=hf.config, model=model,
-                       tokenizer_file=Path("tokenizer.json"), eos_token_ids=[256], max_model_len=256)
+    return LoadedModel(
+        name="tiny",
+        path=Path("."),
+        hf_config=hf.config,
+        model=model,
+        tokenizer_file=Path("tokenizer.json"),
+        eos_token_ids=[256],
+        max_model_len=256,
+    )
 
 
 def _hf_greedy(hf: LlamaForCausalLM, prompt: list[int], num_tokens: int) -> list[int]:
@@ -40,21 +47,40 @@ def _hf_greedy(hf: LlamaForCausalLM, prompt: list[int], num_tokens: int) -> list
     with torch.inference_mode():
         for _ in range(num_tokens):
             ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 def test_self_drafting_accepts_its_own_greedy_continuation() -> None:
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(0)
     hf = LlamaForCausalLM(cfg).eval()
-    runner = ModelRunner(_loaded(hf), RunnerConfig(num_blocks=160, block_size=4, max_num_seqs=4,
-                                                   max_model_len=128, num_spec_tokens=K),
-                         DraftModelProposer(_loaded(hf), K))
-    scheduler = Scheduler(SchedulerConfig(
-        num_blocks=160, block_size=4, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=24,
-        num_spec_tokens=K, num_lookahead_slots=K, enable_prefix_caching=True, vocab_size=VOCAB),
-        Tokenizer(make_toy_tokenizer_json()))
+    runner = ModelRunner(
+        _loaded(hf),
+        RunnerConfig(num_blocks=160, block_size=4, max_num_seqs=4, max_model_len=128, num_spec_tokens=K),
+        DraftModelProposer(_loaded(hf), K),
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=160,
+            block_size=4,
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=24,
+            num_spec_tokens=K,
+            num_lookahead_slots=K,
+            enable_prefix_caching=True,
+            vocab_size=VOCAB,
+        ),
+        Tokenizer(make_toy_tokenizer_json()),
+    )
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(0, 256, (17,), generator=gen).tolist()
     prompts = {f"r{i}": shared + torch.randint(0, 256, (3 + 9 * i,), generator=gen).tolist() for i in range(5)}

@@ -68,9 +68,12 @@ class TransferAudit(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in (aten.empty.memory_format, aten.empty_strided.default) and kwargs.get("pin_memory"):
             self.pinned[id(out)] = out
-        elif (isinstance(out, torch.Tensor) and func._schema.returns
-              and func._schema.returns[0].alias_info is not None
-              and any(id(a) in self.pinned for a in args if isinstance(a, torch.Tensor))):
+        elif (
+            isinstance(out, torch.Tensor)
+            and func._schema.returns
+            and func._schema.returns[0].alias_info is not None
+            and any(id(a) in self.pinned for a in args if isinstance(a, torch.Tensor))
+        ):
             self.pinned[id(out)] = out  # a view or alias of pinned memory (torch.empty detaches)
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
@@ -89,8 +92,15 @@ class TransferAudit(TorchDispatchMode):
 
 
 def _config(num_layers: int) -> LlamaConfig:
-    return LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=num_layers,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    return LlamaConfig(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
 
 
 def _shapes(cfg: LlamaConfig) -> dict[str, torch.Size]:
@@ -103,8 +113,15 @@ def _tiny_model(seed: int, cfg: LlamaConfig, shapes: dict[str, torch.Size]) -> L
     """A random-weight Llama on the fake device."""
     model = build_model(cfg, torch.float32, torch.device("meta"))
     model.load_weights({k: torch.randn(shape, device="meta") for k, shape in shapes.items()})
-    return LoadedModel(name=f"tiny{seed}", path=Path("."), hf_config=cfg, model=model,
-                       tokenizer_file=Path("tokenizer.json"), eos_token_ids=[95], max_model_len=256)
+    return LoadedModel(
+        name=f"tiny{seed}",
+        path=Path("."),
+        hf_config=cfg,
+        model=model,
+        tokenizer_file=Path("tokenizer.json"),
+        eos_token_ids=[95],
+        max_model_len=256,
+    )
 
 
 class Plans:
@@ -115,14 +132,21 @@ class Plans:
         self.step_id = 0
         self.next_block = 0
 
-    def new(self, req_id: str, tokens: list[int], *, sample: bool, temperature: float = 0.0,
-            logprobs: bool = False) -> worker_pb2.ScheduledRequest:
+    def new(
+        self, req_id: str, tokens: list[int], *, sample: bool, temperature: float = 0.0, logprobs: bool = False
+    ) -> worker_pb2.ScheduledRequest:
         blocks = list(range(self.next_block, self.next_block + BLOCKS_PER_REQUEST))
         self.next_block += BLOCKS_PER_REQUEST
-        sampling = worker_pb2.SamplingParams(temperature=temperature, top_k=20 if temperature else 0,
-                                             top_p=0.9 if temperature else 1.0, seed=7, logprobs=logprobs)
-        return worker_pb2.ScheduledRequest(req_id=req_id, token_ids=tokens, new_block_ids=blocks,
-                                           is_new=True, sample=sample, sampling=sampling)
+        sampling = worker_pb2.SamplingParams(
+            temperature=temperature,
+            top_k=20 if temperature else 0,
+            top_p=0.9 if temperature else 1.0,
+            seed=7,
+            logprobs=logprobs,
+        )
+        return worker_pb2.ScheduledRequest(
+            req_id=req_id, token_ids=tokens, new_block_ids=blocks, is_new=True, sample=sample, sampling=sampling
+        )
 
     @staticmethod
     def chunk(req_id: str, tokens: list[int]) -> worker_pb2.ScheduledRequest:
@@ -163,8 +187,11 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
         target = _tiny_model(0, configs[0], shapes[0])
         draft = _tiny_model(1, configs[1], shapes[1]) if spec == "draft" else None
         proposer = build_proposer(spec, K, draft_model=draft)
-        runner = ModelRunner(target, RunnerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=4,
-                                                  max_model_len=32, num_spec_tokens=K), proposer)
+        runner = ModelRunner(
+            target,
+            RunnerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=32, num_spec_tokens=K),
+            proposer,
+        )
         assert runner.accelerator and not runner.trim_empty_drafts
         audit = TransferAudit()
         pendings = []
@@ -180,8 +207,9 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
     assert downloads and all(c.non_blocking and c.pinned for c in downloads), downloads
     sampled_steps = [p for p in pendings if p.out_tokens is not None]
     assert len(sampled_steps) == len(pendings)
-    num_result_tensors = sum(sum(t is not None for t in (p.out_tokens, p.num_accepted, p.num_drafts, p.logprobs))
-                             for p in pendings)
+    num_result_tensors = sum(
+        sum(t is not None for t in (p.out_tokens, p.num_accepted, p.num_drafts, p.logprobs)) for p in pendings
+    )
     assert len(downloads) == num_result_tensors
     assert all(p.out_tokens.device.type == "cpu" for p in sampled_steps)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,8 +54,9 @@ class GraphKey:
     width: int
 
 
-def choose_graph(row_widths: Sequence[int], is_decode: Sequence[bool], buckets: Sequence[int],
-                 widths: Sequence[int]) -> GraphKey | None:
+def choose_graph(
+    row_widths: Sequence[int], is_decode: Sequence[bool], buckets: Sequence[int], widths: Sequence[int]
+) -> GraphKey | None:
     """The graph to replay for a step, or None to run it eagerly.
 
     Replay iff every row is a decode, all rows have the same width, that width was captured,
@@ -86,8 +88,7 @@ class Padding:
     block_table_row: list[int]  # the same table for every padding row
 
 
-def padding_rows(key: GraphKey, num_real: int, block_size: int, first_scratch_block: int,
-                 max_blocks: int) -> Padding:
+def padding_rows(key: GraphKey, num_real: int, block_size: int, first_scratch_block: int, max_blocks: int) -> Padding:
     """Inputs that turn ``num_real`` decode rows into ``key.num_rows`` rows of ``key.width``.
 
     Each padding row is a fresh ``width``-token sequence at positions ``0..width-1``: it writes
@@ -113,19 +114,19 @@ def padding_rows(key: GraphKey, num_real: int, block_size: int, first_scratch_bl
 class _Graph:
     """Static buffers of one key, the captured graph (None when emulated) and its output."""
 
-    input_ids: torch.Tensor     # [B*w] int64
-    positions: torch.Tensor     # [B*w] int64
+    input_ids: torch.Tensor  # [B*w] int64
+    positions: torch.Tensor  # [B*w] int64
     slot_mapping: torch.Tensor  # [B*w] int64
-    seq_lens: torch.Tensor      # [B] int32
+    seq_lens: torch.Tensor  # [B] int32
     block_tables: torch.Tensor  # [B, max_blocks] int32
     meta: AttentionMetadata
-    pad_ids: torch.Tensor       # padding values for every possible number of real rows:
+    pad_ids: torch.Tensor  # padding values for every possible number of real rows:
     pad_positions: torch.Tensor  # row r's values sit at [r*w, (r+1)*w) like the buffers
     pad_slots: torch.Tensor
     pad_seq_lens: torch.Tensor
     pad_tables: torch.Tensor
-    graph: object | None = None
-    logits: torch.Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None  # the captured forward's output buffer
 
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
@@ -135,9 +136,17 @@ class DecodeGraphs:
     """Captures ``forward`` (ids, positions, meta -> logits of every token) per `GraphKey`
     and replays it for pure-decode steps."""
 
-    def __init__(self, forward: Forward, device: torch.device, buckets: Sequence[int],
-                 widths: Sequence[int], block_size: int, first_scratch_block: int,
-                 max_blocks: int, capture: bool) -> None:
+    def __init__(
+        self,
+        forward: Forward,
+        device: torch.device,
+        buckets: Sequence[int],
+        widths: Sequence[int],
+        block_size: int,
+        first_scratch_block: int,
+        max_blocks: int,
+        capture: bool,
+    ) -> None:
         self.forward = forward
         self.device = device
         self.buckets = tuple(buckets)
@@ -147,7 +156,7 @@ class DecodeGraphs:
         self.max_blocks = max_blocks
         self.capture = capture
         self.graphs: dict[GraphKey, _Graph] = {}
-        self._pool = None
+        self._pool: Any = None  # the graphs' shared memory pool (an opaque handle)
         self.num_replays = 0
 
     def choose(self, row_widths: Sequence[int], is_decode: Sequence[bool]) -> GraphKey | None:
@@ -166,13 +175,25 @@ class DecodeGraphs:
         seq_lens, tables, slots = pad_seq_lens.clone(), pad_tables.clone(), pad_slots.clone()
         qsl = torch.arange(b + 1, dtype=torch.int32, device=dev) * w
         return _Graph(
-            input_ids=pad_ids.clone(), positions=pad_positions.clone(), slot_mapping=slots,
-            seq_lens=seq_lens, block_tables=tables,
-            meta=AttentionMetadata(query_start_loc=qsl, seq_lens=seq_lens, block_tables=tables,
-                                   max_query_len=w, max_seq_len=self.max_blocks * self.block_size,
-                                   slot_mapping=slots),
-            pad_ids=pad_ids, pad_positions=pad_positions, pad_slots=pad_slots,
-            pad_seq_lens=pad_seq_lens, pad_tables=pad_tables)
+            input_ids=pad_ids.clone(),
+            positions=pad_positions.clone(),
+            slot_mapping=slots,
+            seq_lens=seq_lens,
+            block_tables=tables,
+            meta=AttentionMetadata(
+                query_start_loc=qsl,
+                seq_lens=seq_lens,
+                block_tables=tables,
+                max_query_len=w,
+                max_seq_len=self.max_blocks * self.block_size,
+                slot_mapping=slots,
+            ),
+            pad_ids=pad_ids,
+            pad_positions=pad_positions,
+            pad_slots=pad_slots,
+            pad_seq_lens=pad_seq_lens,
+            pad_tables=pad_tables,
+        )
 
     def capture_all(self) -> None:
         """Build the buffers of every key; capture the graphs (largest first, one memory pool)."""
@@ -192,11 +213,22 @@ class DecodeGraphs:
                 self._pool = cuda_graph.pool()
                 g.graph = cuda_graph
             self.graphs[key] = g
-        logger.info("decode graphs %s: %d (batch sizes %s x widths %s)",
-                    "captured" if self.capture else "emulated", len(keys), self.buckets, self.widths)
+        logger.info(
+            "decode graphs %s: %d (batch sizes %s x widths %s)",
+            "captured" if self.capture else "emulated",
+            len(keys),
+            self.buckets,
+            self.widths,
+        )
 
-    def run(self, key: GraphKey, input_ids: torch.Tensor, positions: torch.Tensor,
-            meta: AttentionMetadata, block_table_rows: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        key: GraphKey,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        block_table_rows: torch.Tensor,
+    ) -> torch.Tensor:
         """Logits ``[T, vocab]`` of the step's ``T = rows * width`` tokens, through graph ``key``.
 
         ``block_table_rows``: ``[rows, max_blocks]`` full block-table rows of the step's requests.
@@ -206,15 +238,21 @@ class DecodeGraphs:
         self.num_replays += 1
         num_tokens = input_ids.shape[0]
         num_rows = num_tokens // key.width
-        for buf, real, pad in ((g.input_ids, input_ids, g.pad_ids), (g.positions, positions, g.pad_positions),
-                               (g.slot_mapping, meta.slot_mapping, g.pad_slots)):
+        for buf, real, pad in (
+            (g.input_ids, input_ids, g.pad_ids),
+            (g.positions, positions, g.pad_positions),
+            (g.slot_mapping, meta.slot_mapping, g.pad_slots),
+        ):
             buf[:num_tokens].copy_(real, non_blocking=True)
             buf[num_tokens:].copy_(pad[num_tokens:], non_blocking=True)
-        for buf, real, pad in ((g.seq_lens, meta.seq_lens, g.pad_seq_lens),
-                               (g.block_tables, block_table_rows, g.pad_tables)):
+        for buf, real, pad in (
+            (g.seq_lens, meta.seq_lens, g.pad_seq_lens),
+            (g.block_tables, block_table_rows, g.pad_tables),
+        ):
             buf[:num_rows].copy_(real, non_blocking=True)
             buf[num_rows:].copy_(pad[num_rows:], non_blocking=True)
         if g.graph is None:  # emulated: the same forward on the same padded buffers
             return self.forward(g.input_ids, g.positions, g.meta)[:num_tokens]
         g.graph.replay()
+        assert g.logits is not None
         return g.logits[:num_tokens]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -229,7 +229,8 @@ class SimulatedStep(Protocol):
         ...
 
 
-def _to_device_list(values: list[int], device: torch.device, dtype=torch.int32) -> torch.Tensor:
+def _to_device_list(values: Sequence[int] | Sequence[bool], device: torch.device,
+                    dtype: torch.dtype = torch.int32) -> torch.Tensor:
     # Pinned staging and an async copy: a pageable copy would wait for the previous step.
     return staging.to_device(values, dtype, device)
 
@@ -622,16 +623,18 @@ class ModelRunner:
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
                         meta: AttentionMetadata) -> torch.Tensor:
         """Logits of every token (what a decode graph captures)."""
+        assert self.model is not None
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
 
     def run_model(self, batch: StepBatch) -> torch.Tensor | None:
         """The forward over the flat batch (writes K/V) and the logits of the sampled slots
         (``[G, vocab]``; None when no row samples). Pure-decode steps replay a CUDA graph
         when one was captured for their shape."""
+        assert self.model is not None  # a simulated device never gets here
         key = None
         if self.graphs is not None and batch.all_decode:
             key = self.graphs.choose(batch.row_widths, [True] * len(batch.row_widths))
-        if key is not None:
+        if key is not None and self.graphs is not None:
             # Every token of a decode row is sampled, in order: the logits are already [G, vocab].
             logits = self.graphs.run(key, batch.input_ids, batch.positions, batch.meta,
                                      self.state.block_table.index_select(0, batch.req_slots.long()))

@@ -24,8 +24,9 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
+def to_device(
+    values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
     """``values`` as a 1-D tensor on ``device``, through pinned memory and an async copy."""
     if not is_accelerator(device):
         return torch.tensor(values, dtype=dtype)

@@ -22,6 +22,7 @@ device (and is fit for CUDA graphs):
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -45,21 +46,25 @@ class DraftModelProposer:
         self.k = num_spec_tokens
         # The draft model writes its k-token chain into the KV slots past the step's tokens.
         self.num_lookahead_slots = num_spec_tokens
-        self.runner = None
+        self.runner: Any = None  # the ModelRunner (not imported: it imports the proposers)
 
-    def bind(self, runner) -> None:
+    def bind(self, runner: Any) -> None:
         if self.draft.hf_config.vocab_size != runner.loaded.hf_config.vocab_size:
-            raise ValueError(f"draft model vocab {self.draft.hf_config.vocab_size} differs from the "
-                             f"target's {runner.loaded.hf_config.vocab_size}: they must share a tokenizer")
+            raise ValueError(
+                f"draft model vocab {self.draft.hf_config.vocab_size} differs from the "
+                f"target's {runner.loaded.hf_config.vocab_size}: they must share a tokenizer"
+            )
         self.runner = runner
         cfg = runner.config
         # One block more than the target: the scratch block that takes writes without room.
         self.scratch_block = cfg.num_blocks
-        self.kv_caches = allocate_kv_cache(self.draft.hf_config, cfg.num_blocks + 1, cfg.block_size,
-                                           self.draft.model.dtype, runner.device)
+        self.kv_caches = allocate_kv_cache(
+            self.draft.hf_config, cfg.num_blocks + 1, cfg.block_size, self.draft.model.dtype, runner.device
+        )
         num_slots = cfg.max_num_seqs
-        self.probs = torch.zeros(num_slots, self.k, self.draft.hf_config.vocab_size,
-                                 dtype=torch.float32, device=runner.device)
+        self.probs = torch.zeros(
+            num_slots, self.k, self.draft.hf_config.vocab_size, dtype=torch.float32, device=runner.device
+        )
 
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         pass  # the draft cache follows the target cache block for block (see `observe`)
@@ -82,24 +87,31 @@ class DraftModelProposer:
         tables = st.block_table[idx]
         params = [r.sampling for r in sampled]
         sampling = SamplingTensors.from_params(
-            temperatures=[p.temperature for p in params], top_ks=[p.top_k for p in params],
+            temperatures=[p.temperature for p in params],
+            top_ks=[p.top_k for p in params],
             top_ps=[p.top_p if p.top_p > 0 else 1.0 for p in params],
-            seeds=[p.seed & SEED_MASK for p in params], positions=seq_len, device=dev)
+            seeds=[p.seed & SEED_MASK for p in params],
+            positions=seq_len,
+            device=dev,
+        )
         qsl = torch.arange(num_rows + 1, dtype=torch.int32, device=dev)
         max_seq_len = tables.shape[1] * bs
         token = st.last_token[idx].to(torch.int64)
         drafts = torch.zeros(num_rows, self.k, dtype=torch.int32, device=dev)
-        probs = torch.zeros(num_rows, self.k, self.draft.hf_config.vocab_size,
-                            dtype=torch.float32, device=dev)
+        probs = torch.zeros(num_rows, self.k, self.draft.hf_config.vocab_size, dtype=torch.float32, device=dev)
         for j in range(self.k):
             pos = seq_len + j  # the fed token's position; it drafts position pos + 1
             room = pos < caps
             block = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
-            slot_mapping = torch.where(room, block.to(torch.int64) * bs + pos % bs,
-                                       self.scratch_block * bs + pos % bs)
-            meta = AttentionMetadata(query_start_loc=qsl, seq_lens=(pos + 1).to(torch.int32),
-                                     block_tables=tables, max_query_len=1, max_seq_len=max_seq_len,
-                                     slot_mapping=slot_mapping)
+            slot_mapping = torch.where(room, block.to(torch.int64) * bs + pos % bs, self.scratch_block * bs + pos % bs)
+            meta = AttentionMetadata(
+                query_start_loc=qsl,
+                seq_lens=(pos + 1).to(torch.int32),
+                block_tables=tables,
+                max_query_len=1,
+                max_seq_len=max_seq_len,
+                slot_mapping=slot_mapping,
+            )
             hidden = self.draft.model(token, pos, meta, self.kv_caches)
             logits = self.draft.model.compute_logits(hidden)
             t = dataclasses.replace(sampling, positions=pos + 1)
