@@ -38,3 +38,42 @@ def grounded_rows() -> list[dict[str, Any]]:
         pytest.skip(f"workload file {path} not found")
     with path.open() as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+# --- the worker-runtime harness's runners (tests/runner_harness.py), shared by several modules
+
+
+def _runner(spec: str):
+    # Imported here: the light client's floor environment collects tests without torch.
+    from tests.runner_harness import K
+    from worker_svc.server import WorkerConfig, build_runner
+
+    cfg = WorkerConfig(spec_method=spec, num_spec_tokens=K, kv_cache_memory_gb=0.25,
+                       max_num_seqs=16, draft_model="smollm2-135m" if spec == "draft" else "")
+    runner, _ = build_runner(cfg)
+    return runner
+
+
+@pytest.fixture(scope="module")
+def ngram_runner(smollm2_dir):
+    return _runner("ngram")
+
+
+@pytest.fixture(scope="module")
+def draft_runner(smollm2_dir):
+    # SmolLM2 drafting for itself, as in the issue's matrix: greedy drafts are then always right,
+    # so a rejected draft can only mean that the runner fed or verified the wrong thing.
+    return _runner("draft")
+
+
+@pytest.fixture(params=["ngram", "draft"])
+def spec_runner(request):
+    return request.getfixturevalue(f"{request.param}_runner")
+
+
+@pytest.fixture(scope="module")
+def grounded(smollm2_dir, grounded_rows) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompt ids, Hugging Face greedy outputs capped at 64 tokens) for every grounded row."""
+    from tests.e2e import hf_reference, prompt_ids
+
+    return prompt_ids(smollm2_dir, grounded_rows), hf_reference(smollm2_dir, grounded_rows)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.test_sync_free import Plans
+from tests.hand_plans import Plans
 from worker_svc.cuda_graphs import (
     GraphKey,
     batch_buckets,

@@ -17,12 +17,10 @@ from scheduler_svc.request import InvalidRequest, SamplingOptions, validate_samp
 from scheduler_svc.server import sequence_seed
 from tests.e2e import prompt_ids
 from tests.hf_oracle import load_hf_model
-from tests.test_spec_runner import (  # noqa: F401  (fixtures are used by name)
+from tests.runner_harness import (
     K,
-    draft_runner,
     drive,
     make_scheduler,
-    ngram_runner,
     recording,
 )
 from worker_svc.sampler import (

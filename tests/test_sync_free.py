@@ -32,6 +32,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.hand_plans import Plans
 from worker_svc.model import build_model
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import build_proposer
@@ -41,7 +42,6 @@ from zerobubble.api import worker_pb2
 aten = torch.ops.aten
 K = 3
 BLOCK_SIZE = 4
-BLOCKS_PER_REQUEST = 8
 
 
 @dataclass(slots=True)
@@ -122,42 +122,6 @@ def _tiny_model(seed: int, cfg: LlamaConfig, shapes: dict[str, torch.Size]) -> L
         eos_token_ids=[95],
         max_model_len=256,
     )
-
-
-class Plans:
-    """Hand-built plans: block ids per request, new/prefill/decode entries."""
-
-    def __init__(self, k: int) -> None:
-        self.k = k  # draft slots of a full decode (0 without a proposer)
-        self.step_id = 0
-        self.next_block = 0
-
-    def new(
-        self, req_id: str, tokens: list[int], *, sample: bool, temperature: float = 0.0, logprobs: bool = False
-    ) -> worker_pb2.ScheduledRequest:
-        blocks = list(range(self.next_block, self.next_block + BLOCKS_PER_REQUEST))
-        self.next_block += BLOCKS_PER_REQUEST
-        sampling = worker_pb2.SamplingParams(
-            temperature=temperature,
-            top_k=20 if temperature else 0,
-            top_p=0.9 if temperature else 1.0,
-            seed=7,
-            logprobs=logprobs,
-        )
-        return worker_pb2.ScheduledRequest(
-            req_id=req_id, token_ids=tokens, new_block_ids=blocks, is_new=True, sample=sample, sampling=sampling
-        )
-
-    @staticmethod
-    def chunk(req_id: str, tokens: list[int]) -> worker_pb2.ScheduledRequest:
-        return worker_pb2.ScheduledRequest(req_id=req_id, token_ids=tokens, sample=True)
-
-    def decode(self, req_id: str, num_draft_slots: int = K) -> worker_pb2.ScheduledRequest:
-        return worker_pb2.ScheduledRequest(req_id=req_id, num_draft_slots=min(num_draft_slots, self.k))
-
-    def plan(self, *entries: worker_pb2.ScheduledRequest, finished: tuple[str, ...] = ()) -> worker_pb2.StepPlan:
-        self.step_id += 1
-        return worker_pb2.StepPlan(step_id=self.step_id, requests=list(entries), finished_req_ids=list(finished))
 
 
 def _schedule(k: int) -> list[worker_pb2.StepPlan]:
