@@ -682,6 +682,7 @@ class Scheduler:
                 self._finish(req, FINISH_ERROR, error)
                 events.append(self._event(req, [], "", []))
                 continue
+            assert res is not None  # num_returned >= 1 above
             # Counted here, after the stale filter: figures for preempted, aborted or already
             # finished requests would describe drafts nobody used.
             self._count_speculation(res)

@@ -147,6 +147,12 @@ class StepOutputs:
     top_logprobs: torch.Tensor | None = None  # [S, K+1, N]
 
 
+class CopyDone(Protocol):
+    """What `PendingResult.ready` waits on: a CUDA event, or the simulated device's clock."""
+
+    def synchronize(self) -> None: ...
+
+
 @dataclass(slots=True)
 class PendingResult:
     """A step whose outputs may still be on the device; `materialize` copies them to the host."""
@@ -161,7 +167,7 @@ class PendingResult:
     want_logprobs: list[bool]
     num_tokens: int
     forward_s: float
-    ready: object | None = None      # CUDA event after the async device-to-host copy
+    ready: CopyDone | None = None  # after the async device-to-host copy
     errors: dict[str, str] = field(default_factory=dict)  # rows left out: req_id -> why
     # A simulated device's own idle time before this step; it replaces the step thread's wait
     # for the plan, which says nothing about a device that runs behind the host.
@@ -229,7 +235,7 @@ class SimulatedStep(Protocol):
         ...
 
 
-def _to_device_list(values: Sequence[int] | Sequence[bool], device: torch.device,
+def _to_device_list(values: Sequence[int] | Sequence[float] | Sequence[bool], device: torch.device,
                     dtype: torch.dtype = torch.int32) -> torch.Tensor:
     # Pinned staging and an async copy: a pageable copy would wait for the previous step.
     return staging.to_device(values, dtype, device)
@@ -272,14 +278,14 @@ class ModelRunner:
         max_blocks = self.max_blocks_per_seq
         num_slots = config.max_num_seqs
         k = max(self.num_spec_tokens, 1)
-        z = dict(dtype=torch.int32, device=self.device)
+        i32, dev = torch.int32, self.device
         self.state = DeviceState(
-            seq_len=torch.zeros(num_slots, **z),
-            last_token=torch.zeros(num_slots, **z),
-            drafts=torch.full((num_slots, k), -1, **z),
-            num_drafts=torch.zeros(num_slots, **z),
-            block_table=torch.zeros(num_slots, max_blocks, **z),
-            history=torch.zeros(config.num_blocks, config.block_size, **z),
+            seq_len=torch.zeros(num_slots, dtype=i32, device=dev),
+            last_token=torch.zeros(num_slots, dtype=i32, device=dev),
+            drafts=torch.full((num_slots, k), -1, dtype=i32, device=dev),
+            num_drafts=torch.zeros(num_slots, dtype=i32, device=dev),
+            block_table=torch.zeros(num_slots, max_blocks, dtype=i32, device=dev),
+            history=torch.zeros(config.num_blocks, config.block_size, dtype=i32, device=dev),
         )
         self.slots: dict[str, SlotInfo] = {}
         self.slots_by_index: dict[int, SlotInfo] = {}
@@ -436,6 +442,7 @@ class ModelRunner:
         if len(entry.token_ids) == 0:
             if entry.is_new:
                 return f"request {req_id}: a new request must start with a prefill chunk"
+            assert info is not None  # not new: checked above
             if not info.has_sample:
                 return f"request {req_id}: decode step before any sample"
             if not 0 <= entry.num_draft_slots <= self.num_spec_tokens:
