@@ -22,7 +22,7 @@ FLOOR_PINS := grpcio==1.75.1 protobuf==6.31.1 httpx==0.27.0 tqdm==4.60.0 grpcio-
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-$(shell echo '$(FLOOR_PINS)' | md5sum | cut -c1-12)
 FLOOR_TESTS := tests/test_client_light.py tests/test_proto_current.py tests/test_bench.py
 
-.PHONY: setup setup-floor prometheus serve test test-floor test-slow lint proto proto-lint deploy-check bench-model bench clean
+.PHONY: setup setup-floor prometheus serve test test-floor test-slow chaos lint proto proto-lint deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,11 @@ test-floor: setup-floor
 
 test-slow: setup prometheus
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
+
+# Fault injection against real processes (slow): prints the fault-class table. The soak's length
+# is ZEROBUBBLE_SOAK_S seconds (default 120; 1800 for the full 30-minute soak).
+chaos: setup
+	$(PY) -m pytest -q -s -m slow tests/test_chaos.py $(PYTEST_ARGS)
 
 proto: setup-floor
 	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m zerobubble.tools.protogen

@@ -471,7 +471,7 @@ def _check_secret_flag(flag: str, name: str, value: EnvValue, pod: Obj, containe
                        cname: str, where: str, result: Result) -> None:
     if value.source == "configmap":
         result.fail(where, f"{cname}: {name} is a secret and must not come from a ConfigMap")
-    elif flag == "auth-token" and value.source != "secret":
+    elif flag in ("auth-token", "worker-auth-token") and value.source != "secret":
         result.fail(where, f"{cname}: {name} must come from a secretKeyRef")
     elif value.source == "value":
         # TLS flags hold file paths; the files themselves must come from a Secret volume.

@@ -38,6 +38,12 @@ class SamplingOptions:
     top_p: float = 1.0
     seed: int | None = None
     logprobs: bool = False
+    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens
+    min_p: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    top_logprobs: int = 0  # also the N most likely tokens per emitted token
 
 
 @dataclass(slots=True)
@@ -54,6 +60,8 @@ class StoppingOptions:
 # Our own input limits: far below the transport cap so oversized input gets a clear message.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries in sampling.logit_bias
 
 
 class InvalidRequest(ValueError):
@@ -100,6 +108,33 @@ def validate_options(prompt: list[int], sampling: SamplingOptions, stopping: Sto
                f"stopping.stop[{i}]: must be 1 to {MAX_STOP_CHARS} characters")
     for i, tid in enumerate(stopping.stop_token_ids):
         require(0 <= tid < vocab_size, f"stopping.stop_token_ids[{i}]: {tid} is outside the vocabulary")
+    validate_sampling_controls(sampling, vocab_size)
+
+
+def validate_sampling_controls(sampling: SamplingOptions, vocab_size: int) -> None:
+    """Penalties, min_p, logit_bias and top_logprobs (part of `validate_options`).
+
+    Ranges follow OpenAI (penalties in [-2, 2], logit_bias values in [-100, 100], top_logprobs
+    up to 20) and vLLM for the extras (repetition_penalty > 0, min_p in [0, 1]). NaN fails
+    every range check.
+    """
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(sampling, name)
+        require(-2.0 <= value <= 2.0, f"sampling.{name}: must be in [-2, 2], got {value}")
+    rep = sampling.repetition_penalty
+    require(0.0 < rep and math.isfinite(rep), f"sampling.repetition_penalty: must be > 0, got {rep}")
+    require(0.0 <= sampling.min_p <= 1.0, f"sampling.min_p: must be in [0, 1], got {sampling.min_p}")
+    bias = sampling.logit_bias
+    require(len(bias) <= MAX_LOGIT_BIAS,
+            f"sampling.logit_bias: {len(bias)} entries, limit is {MAX_LOGIT_BIAS}")
+    for token_id, value in sorted(bias.items()):
+        require(0 <= token_id < vocab_size,
+                f"sampling.logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})")
+        require(-100.0 <= value <= 100.0,
+                f"sampling.logit_bias[{token_id}]: must be in [-100, 100], got {value}")
+    top = sampling.top_logprobs
+    require(0 <= top <= MAX_TOP_LOGPROBS,
+            f"response.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
 
 
 @dataclass(slots=True)
@@ -130,6 +165,8 @@ class Request:
     # Identifies the current admission; 0 while not running. Results of steps planned under
     # another value are stale (planned before a preemption) and are discarded.
     admission_id: int = 0
+    # While deferred behind the first sequence of its n > 1 request: that request's id.
+    waits_for: str | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache, first admission
     finish_reason: int = 0  # generate_pb2.FinishReason; UNSPECIFIED while not finished

@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from scheduler_svc.scheduler import RequestEvent, SchedulerConfig
+from scheduler_svc.scheduler import RequestEvent, SchedulerConfig, fail_unplaced
 from scheduler_svc.worker_link import WorkerLink
 
 logger = logging.getLogger(__name__)
@@ -49,8 +49,9 @@ def resolve_targets(targets: list[str]) -> dict[str, str | None]:
             logger.warning("cannot resolve %s: %s", target, exc)
             continue
         for family, _, _, _, addr in infos:
-            ip = f"[{addr[0]}]" if family == socket.AF_INET6 else addr[0]
-            out.setdefault(f"{ip}:{addr[1]}", host)
+            host_ip = str(addr[0])
+            ip = f"[{host_ip}]" if family == socket.AF_INET6 else host_ip
+            out.setdefault(f"{ip}:{addr[1]!s}", host)
     return out
 
 
@@ -58,8 +59,11 @@ class Router:
     """Owns the worker links and which link each request lives on."""
 
     def __init__(self, config: SchedulerConfig, max_inflight_steps: int,
-                 creds: grpc.ChannelCredentials | None = None, metrics=None) -> None:
+                 creds: grpc.ChannelCredentials | None = None, metrics=None,
+                 worker_auth_token: str = "", step_deadline_s: float = 0.0) -> None:
         self.config = config
+        self.step_deadline_s = step_deadline_s
+        self.worker_auth_token = worker_auth_token
         self.max_inflight_steps = max_inflight_steps
         self.creds = creds
         self.metrics = metrics
@@ -71,7 +75,7 @@ class Router:
         self._targets: list[str] = []
         self._refresh_task: asyncio.Task | None = None
         self._serving = False
-        self._exported: dict[int, tuple[int, int, int, int]] = {}
+        self._exported: dict[str, tuple] = {}
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -100,7 +104,10 @@ class Router:
             if address not in current:
                 link = WorkerLink(address, self.config, self.max_inflight_steps,
                                   self._on_link_events, self._on_link_lost, self.creds,
-                                  self._on_step, self.link_ready, server_name=server_name)
+                                  self._on_step, self.link_ready, server_name=server_name,
+                                  auth_token=self.worker_auth_token,
+                                  step_deadline_s=self.step_deadline_s)
+                link.on_draining = self._on_link_draining
                 self.links.append(link)
                 link.start()
                 logger.info("added worker %s", address)
@@ -116,7 +123,7 @@ class Router:
     # -- readiness -----------------------------------------------------------------------------
 
     def ready_links(self) -> list[WorkerLink]:
-        return [link for link in self.links if link.ready]
+        return [link for link in self.links if link.ready and not link.draining]
 
     def any_ready(self) -> WorkerLink | None:
         ready = self.ready_links()
@@ -142,11 +149,11 @@ class Router:
             return None
         least = min(link.load() for link in ready)
         candidates = [link for link in ready if link.load() <= least + AFFINITY_MAX_EXTRA_LOAD]
-        return max(candidates, key=lambda link: (link.scheduler.cached_prefix_blocks(prompt_ids),
+        return max(candidates, key=lambda link: (link.sched.cached_prefix_blocks(prompt_ids),
                                                  -link.load()))
 
     def submit(self, link: WorkerLink, req_id: str, prompt_ids: list[int], **params) -> None:
-        link.scheduler.add_request(req_id, prompt_ids, **params)
+        link.sched.add_request(req_id, prompt_ids, **params)
         self.owner[req_id] = link
         link.wake()
 
@@ -158,14 +165,29 @@ class Router:
         if link is not None and link.scheduler is not None:
             event = link.scheduler.abort_request(req_id)
             link.wake()
+            if self.metrics is not None:  # its blocks are free now, not at the next result
+                self._export_gauges()
         return event
 
-    def _place(self, request) -> None:
+    def _place(self, request, lost: WorkerLink | None = None) -> None:
+        """Queue a moved request on the best ready link (or keep it until one is ready).
+
+        One that no ready worker can take (longer than its model length) ends with ERROR and a
+        message right away: a client must never wait for a placement that cannot happen.
+        """
         link = self.route(request.all_token_ids())
         if link is None:
             self.orphans.append(request)
             return
-        link.scheduler.adopt(request)
+        try:
+            link.sched.adopt(request)
+        except ValueError as exc:
+            logger.error("cannot move request %s to worker %s: %s", request.req_id,
+                         link.worker_id, exc)
+            self.owner.pop(request.req_id, None)
+            self.on_events(lost or link, [fail_unplaced(
+                request, f"its worker was lost and it cannot be resumed elsewhere: {exc}")])
+            return
         self.owner[request.req_id] = link
         link.wake()
 
@@ -182,13 +204,24 @@ class Router:
     def _on_step(self, link: WorkerLink, result) -> None:
         if self.metrics is None:
             return
-        self.metrics.record_step_result(link.worker_id, result, link.inflight)
         # Scheduler counters are cumulative per scheduler instance; export the increments.
-        sched = link.scheduler
+        # Speculation figures come from the scheduler too, not from the raw result: it counts
+        # only rows it applied (not those of preempted, aborted or finished requests).
+        sched = link.sched
         s, pc = sched.stats, sched.prefix_cache_counters
-        now = (s.num_rolled_back_tokens, s.num_preemptions, pc.num_query_tokens, pc.num_hit_tokens)
-        last = self._exported.get(id(sched), (0, 0, 0, 0))
-        self._exported[id(sched)] = now
+        now = (s.num_rolled_back_tokens, s.num_preemptions, pc.num_query_tokens, pc.num_hit_tokens,
+               s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))
+        # Keyed by link and checked by identity: a reconnect builds a new scheduler whose
+        # counters start from zero (an id() could be reused and give negative increments).
+        seen_sched, last = self._exported.get(link.address, (None, (0, 0, 0, 0, 0, 0, 0, ())))
+        if seen_sched is not sched:
+            last = (0, 0, 0, 0, 0, 0, 0, ())
+        self._exported[link.address] = (sched, now)
+        per_pos = [n - (last[7][i] if i < len(last[7]) else 0) for i, n in enumerate(now[7])]
+        self.metrics.record_step(link.worker_id, float(result.forward_s), float(result.idle_s),
+                                 num_drafts=now[4] - last[4], num_draft_tokens=now[5] - last[5],
+                                 num_accepted=now[6] - last[6], accepted_per_pos=per_pos)
+        self.metrics.set_inflight(link.worker_id, link.inflight)
         self.metrics.add_rolled_back(now[0] - last[0])
         self.metrics.add_preemptions(now[1] - last[1])
         self.metrics.add_prefix_cache(now[2] - last[2], now[3] - last[3])
@@ -202,7 +235,15 @@ class Router:
                                link.worker_id)
             for request in moved:
                 self.owner.pop(request.req_id, None)
-                self._place(request)
+                self._place(request, link)
+        self._update_readiness()
+
+    def _on_link_draining(self, link: WorkerLink) -> None:
+        """A worker is shutting down: its queued requests go elsewhere, the running finish."""
+        if link.scheduler is not None:
+            for request in link.scheduler.take_waiting():
+                self.owner.pop(request.req_id, None)
+                self._place(request, link)
         self._update_readiness()
 
     def link_ready(self, link: WorkerLink) -> None:

@@ -124,6 +124,8 @@ class RequestEvent:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     error: str = ""
     queue_s: float | None = None  # on the finishing event: arrival to first scheduling
+    # One (token ids, logprobs) per token id, most likely first, when top_logprobs > 0.
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -156,14 +158,39 @@ class _Scheduled:
     num_computed_after: int  # known tokens covered once a prefill chunk is done
 
 
-def _sampling_params(sampling: SamplingOptions) -> worker_pb2.SamplingParams:
+def _sampling_params(sampling: SamplingOptions, num_prompt_tokens: int) -> worker_pb2.SamplingParams:
     return worker_pb2.SamplingParams(
         temperature=sampling.temperature,
         top_k=sampling.top_k,
         top_p=sampling.top_p,
         seed=sampling.seed or 0,
         logprobs=sampling.logprobs,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty,
+        min_p=sampling.min_p,
+        logit_bias=sampling.logit_bias,
+        top_logprobs=sampling.top_logprobs,
+        num_prompt_tokens=num_prompt_tokens,
     )
+
+
+def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.monotonic
+                  ) -> RequestEvent:
+    """End a request that no scheduler holds (taken with `take_unfinished`, not adoptable)
+    with ERROR; returns its final event, so its client stream ends instead of waiting."""
+    req.status = RequestStatus.FINISHED
+    req.finish_reason = FINISH_ERROR
+    req.error = error
+    req.finish_time = clock()
+    queue_s = None
+    if req.first_scheduled_time is not None:
+        queue_s = req.first_scheduled_time - req.arrival_time
+    return RequestEvent(req_id=req.req_id, token_ids=[], text="", logprobs=[],
+                        finish_reason=FINISH_ERROR, num_prompt_tokens=req.num_prompt_tokens,
+                        num_output_tokens=req.num_output_tokens,
+                        num_cached_tokens=req.num_cached_prompt_tokens, error=error,
+                        queue_s=queue_s)
 
 
 class Scheduler:
@@ -194,6 +221,9 @@ class Scheduler:
         self._running: list[Request] = []  # admission order: the last one is preempted first
         self._inflight: dict[int, dict[str, _Scheduled]] = {}
         self._pending_finished: list[str] = []
+        # Sequences 2..n of an n > 1 request, by the id of the first: they are queued once its
+        # prompt blocks are in the prefix cache, so they share them instead of recomputing.
+        self._deferred: dict[str, list[Request]] = {}
         self._next_step_id = 1
         self._next_admission_id = 1
 
@@ -209,24 +239,35 @@ class Scheduler:
         top_p: float = 1.0,
         seed: int | None = None,
         logprobs: bool = False,
+        presence_penalty: float = 0.0,
+        frequency_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        min_p: float = 0.0,
+        logit_bias: dict[int, float] | None = None,
+        top_logprobs: int = 0,
         max_tokens: int | None = None,
         min_tokens: int = 0,
         stop: Sequence[str] = (),
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
+        share_prompt_with: str | None = None,
     ) -> Request:
         """Queue a request. `InvalidRequest` (a `ValueError` naming the field) on bad fields,
         `QueueFullError` when the queue is full.
 
         `seed` None: the scheduler draws one. `max_tokens` None or larger than what fits:
-        up to the model length.
+        up to the model length. `share_prompt_with`: the id of an active request with the same
+        prompt (the first sequence of an n > 1 request); this one waits until that one's prompt
+        is computed and then takes its KV blocks from the prefix cache.
         """
         if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting")
         prompt = list(prompt_token_ids)
-        sampling = SamplingOptions(temperature, top_k, top_p, seed, logprobs)
+        sampling = SamplingOptions(temperature, top_k, top_p, seed, logprobs, presence_penalty,
+                                   frequency_penalty, repetition_penalty, min_p,
+                                   dict(logit_bias or {}), top_logprobs)
         stopping = StoppingOptions(
             max_tokens, min_tokens, list(stop), list(stop_token_ids), ignore_eos
         )
@@ -246,8 +287,23 @@ class Scheduler:
             arrival_time=self._clock(),
         )
         self._requests[req_id] = req
-        self._waiting.append(req)
+        leader = self._requests.get(share_prompt_with) if share_prompt_with else None
+        if (leader is not None and self.config.enable_prefix_caching
+                and leader.status is not RequestStatus.FINISHED and not leader.output_token_ids
+                and leader.prompt_token_ids == prompt):
+            req.waits_for = leader.req_id
+            self._deferred.setdefault(leader.req_id, []).append(req)
+        else:
+            self._waiting.append(req)
         return req
+
+    def _release_siblings(self, leader: Request) -> None:
+        """Queue the requests deferred behind `leader` (its prompt is computed, or it is gone)."""
+        siblings = self._deferred.pop(leader.req_id, None)
+        for req in reversed(siblings or ()):
+            req.waits_for = None
+            # They arrived with the leader, so they go ahead of anything queued after it.
+            self._waiting.appendleft(req)
 
     def abort_request(self, req_id: str) -> RequestEvent | None:
         """Cancel a request (client gone); returns its final event, or None if not active."""
@@ -266,10 +322,23 @@ class Scheduler:
         """
         self._inflight.clear()
         self._pending_finished.clear()
-        moved = list(self._running) + list(self._waiting)
+        deferred = [req for reqs in self._deferred.values() for req in reqs]
+        self._deferred.clear()
+        for req in deferred:
+            req.waits_for = None
+        moved = list(self._running) + list(self._waiting) + deferred
         for req in self._running:
             self._reset_admission(req)
         self._running.clear()
+        self._waiting.clear()
+        for req in moved:
+            del self._requests[req.req_id]
+        return moved
+
+    def take_waiting(self) -> list[Request]:
+        """Remove the requests that wait for admission (they hold no blocks), to move them to
+        another scheduler with `adopt` (their worker is shutting down)."""
+        moved = list(self._waiting)
         self._waiting.clear()
         for req in moved:
             del self._requests[req.req_id]
@@ -311,12 +380,12 @@ class Scheduler:
         return len(self._running)
 
     def num_waiting(self) -> int:
-        """Requests queued (new or preempted)."""
-        return len(self._waiting)
+        """Requests queued (new or preempted, or deferred behind a sibling)."""
+        return len(self._waiting) + sum(len(reqs) for reqs in self._deferred.values())
 
     def num_unfinished(self) -> int:
         """Waiting plus running requests (a worker's load, for routing)."""
-        return len(self._running) + len(self._waiting)
+        return len(self._running) + self.num_waiting()
 
     def num_inflight_steps(self) -> int:
         """Plans returned by `schedule` whose results have not arrived."""
@@ -347,7 +416,7 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
-        return bool(self._running or self._waiting)
+        return bool(self._running or self._waiting or self._deferred)
 
     # -------------------------------------------------------------------------- planning
 
@@ -506,7 +575,7 @@ class Scheduler:
             sample=sample,
         )
         if is_new:
-            entry.sampling.CopyFrom(_sampling_params(req.sampling))
+            entry.sampling.CopyFrom(_sampling_params(req.sampling, req.num_prompt_tokens))
         plan.requests.append(entry)
         records[req.req_id] = _Scheduled(
             request=req,
@@ -590,7 +659,6 @@ class Scheduler:
         if result.error:
             self.stats.num_failed_steps += 1
             logger.error("step %d failed on the worker: %s", result.step_id, result.error)
-        self._count_speculation(result)
         by_id = {r.req_id: r for r in result.results}
         events: list[RequestEvent] = []
         for req_id, rec in records.items():
@@ -598,14 +666,16 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING or req.admission_id != rec.admission_id:
                 self.stats.num_stale_results += 1
                 continue
-            if result.error:
-                self._finish(req, FINISH_ERROR, f"worker step failed: {result.error}")
+            res = by_id.get(req_id)
+            error = result.error or (res.error if res is not None else "")
+            if error:
+                # A per-request error ends that request only; the step's other rows are valid.
+                self._finish(req, FINISH_ERROR, f"worker step failed: {error}")
                 events.append(self._event(req, [], "", []))
                 continue
             if not rec.sample:
                 self._register_confirmed(req, rec.num_computed_after)
                 continue
-            res = by_id.get(req_id)
             num_returned = len(res.token_ids) if res is not None else 0
             if not 1 <= num_returned <= rec.num_draft_slots + 1:
                 error = f"worker returned {num_returned} tokens for {rec.num_draft_slots} drafts"
@@ -613,25 +683,43 @@ class Scheduler:
                 self._finish(req, FINISH_ERROR, error)
                 events.append(self._event(req, [], "", []))
                 continue
-            events.append(self._reconcile(req, rec, res))
+            # Counted here, after the stale filter: figures for preempted, aborted or already
+            # finished requests would describe drafts nobody used.
+            self._count_speculation(res)
+            try:
+                events.append(self._reconcile(req, rec, res))
+            except Exception as exc:
+                # One request's bad result (a counter check, the detokenizer) ends that request
+                # only; the step's other rows and the worker link go on.
+                logger.exception("request %s: applying step %d failed", req_id, result.step_id)
+                if req.status is not RequestStatus.FINISHED:
+                    self._finish(req, FINISH_ERROR, f"applying a step result failed: {exc}")
+                events.append(self._event(req, [], "", []))
         return events
 
     def fail_step(self, step_id: int, error: str) -> list[RequestEvent]:
         """Finish the requests of a failed step with ERROR (same as an error `StepResult`)."""
         return self.on_step_result(worker_pb2.StepResult(step_id=step_id, error=error))
 
-    def _count_speculation(self, result: worker_pb2.StepResult) -> None:
+    def _count_speculation(self, res: worker_pb2.RequestResult) -> None:
+        """Account the drafts one applied result verified.
+
+        Accepted drafts are a prefix of the proposed ones, so a row with `a` accepted adds one
+        to each of the positions 0..a-1 (what the worker's step-level `accepted_per_pos` sums
+        over all rows, stale ones included).
+        """
+        if res.num_draft_tokens <= 0:
+            return
         stats = self.stats
-        for res in result.results:
-            if res.num_draft_tokens > 0:
-                stats.num_drafts += 1
-                stats.num_draft_tokens += res.num_draft_tokens
-                stats.num_accepted_tokens += res.num_accepted
+        num_accepted = min(max(res.num_accepted, 0), res.num_draft_tokens)
+        stats.num_drafts += 1
+        stats.num_draft_tokens += res.num_draft_tokens
+        stats.num_accepted_tokens += num_accepted
         per_pos = stats.accepted_per_pos
-        if len(per_pos) < len(result.accepted_per_pos):
-            per_pos.extend([0] * (len(result.accepted_per_pos) - len(per_pos)))
-        for pos, num_accepted in enumerate(result.accepted_per_pos):
-            per_pos[pos] += num_accepted
+        if len(per_pos) < num_accepted:
+            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        for pos in range(num_accepted):
+            per_pos[pos] += 1
 
     def _reconcile(
         self, req: Request, rec: _Scheduled, res: worker_pb2.RequestResult
@@ -649,8 +737,12 @@ class Scheduler:
         logprobs = list(res.logprobs) if req.sampling.logprobs else []
         if len(logprobs) != len(token_ids):
             logprobs = []
+        tops = list(res.top_logprobs) if req.sampling.top_logprobs else []
+        if len(tops) != len(token_ids):
+            tops = []
         new_ids: list[int] = []
         new_logprobs: list[float] = []
+        new_tops: list[tuple[list[int], list[float]]] = []
         text_parts: list[str] = []
         finish_reason: int | None = None
         for i, token_id in enumerate(token_ids):
@@ -659,6 +751,8 @@ class Scheduler:
             if logprobs:
                 req.output_logprobs.append(logprobs[i])
                 new_logprobs.append(logprobs[i])
+            if tops:
+                new_tops.append((list(tops[i].token_ids), list(tops[i].logprobs)))
             finish_reason = self._check_stop(req, token_id, text_parts)
             if finish_reason is not None:
                 break  # tokens after a stop are dropped
@@ -669,9 +763,12 @@ class Scheduler:
         self.stats.num_generation_tokens += len(new_ids)
         # The newest token's K/V is written by the next step; everything before it is done.
         self._register_confirmed(req, req.num_tokens - 1)
+        self._release_siblings(req)
         if finish_reason is not None:
             self._finish(req, finish_reason)
-        return self._event(req, new_ids, text, new_logprobs)
+        event = self._event(req, new_ids, text, new_logprobs)
+        event.top_logprobs = new_tops
+        return event
 
     def _check_stop(self, req: Request, token_id: int, text_parts: list[str]) -> int | None:
         """Stop conditions after appending one confirmed token; streams its text if it stays."""
@@ -709,7 +806,14 @@ class Scheduler:
             self._running.remove(req)
             self._pending_finished.append(req.req_id)
         elif req.status is RequestStatus.WAITING:
-            self._waiting.remove(req)
+            if req.waits_for is not None:
+                self._deferred[req.waits_for].remove(req)
+                if not self._deferred[req.waits_for]:
+                    del self._deferred[req.waits_for]
+                req.waits_for = None
+            else:
+                self._waiting.remove(req)
+        self._release_siblings(req)
         self._pool.free(req.block_ids)
         req.block_ids = []
         req.admission_id = 0

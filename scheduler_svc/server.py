@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import hmac
 import logging
+import random
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -35,43 +35,50 @@ FINISH = generate_pb2.FinishReason
 # Our own input limits: far below the transport cap so oversized input gets a clear message.
 MAX_PROMPT_CHARS = 1_000_000
 MAX_MESSAGES = 1024
+MAX_N = 16  # sequences per request (n); each holds its own KV blocks past the shared prompt
 
 
-def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> RequestEvent:
-    """`ev` merged with the events already waiting behind it, oldest first.
+def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> list[RequestEvent]:
+    """`ev` and the events already waiting behind it, merged per request (sequence), in order
+    of first appearance.
 
     When the scheduler confirms tokens faster than a stream is written (many streams, a busy
     loop), one message then carries several steps' tokens: the number of writes per step
-    adapts to the load instead of every step costing one write per stream.
+    adapts to the load instead of every step costing one write per stream. With n > 1 the
+    queue holds the events of every sequence, so only events of the same sequence merge.
     """
-    while not queue.empty() and ev.finish_reason is None:
+    merged: dict[str, RequestEvent] = {ev.req_id: ev}
+    while not queue.empty():
         nxt: RequestEvent = queue.get_nowait()
-        ev = dataclasses.replace(nxt, token_ids=ev.token_ids + nxt.token_ids, text=ev.text + nxt.text,
-                                 logprobs=ev.logprobs + nxt.logprobs)
-    return ev
+        prev = merged.get(nxt.req_id)
+        if prev is None:
+            merged[nxt.req_id] = nxt
+        elif prev.finish_reason is None:  # nothing follows a final event
+            merged[nxt.req_id] = dataclasses.replace(
+                nxt, token_ids=prev.token_ids + nxt.token_ids, text=prev.text + nxt.text,
+                logprobs=prev.logprobs + nxt.logprobs,
+                top_logprobs=prev.top_logprobs + nxt.top_logprobs)
+    return list(merged.values())
 
 
-def check_sampling_controls(request: generate_pb2.GenerateRequest, vocab_size: int) -> None:
-    """Ranges of the issue-12 sampling controls (penalties, min_p, logit_bias, n, top_logprobs).
+def sequence_seed(seed: int, index: int) -> int:
+    """The seed of sequence ``index`` of a request: ``seed`` itself for the first, then distinct
+    well-mixed 64-bit keys (splitmix64), so the n sequences draw independent noise and a request
+    with n = 1 samples exactly as before."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return x ^ (x >> 31)
 
-    Transitional: these fields are not in `SamplingOptions` yet, so `validate_options` cannot
-    see them; when the sampling work carries them there, its checks replace this function.
-    """
-    s = request.sampling
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(s, name)
-        require(-2.0 <= value <= 2.0, f"sampling.{name}: must be in [-2, 2], got {value:g}")
-    if s.HasField("repetition_penalty"):
-        require(s.repetition_penalty > 0.0,
-                f"sampling.repetition_penalty: must be > 0, got {s.repetition_penalty:g}")
-    require(0.0 <= s.min_p <= 1.0, f"sampling.min_p: must be in [0, 1], got {s.min_p:g}")
-    require(s.n >= 0, f"sampling.n: must be >= 1, got {s.n}")
-    for tid, bias in s.logit_bias.items():
-        require(0 <= tid < vocab_size, f"sampling.logit_bias: {tid} is outside the vocabulary")
-        require(-100.0 <= bias <= 100.0,
-                f"sampling.logit_bias: bias of {tid} must be in [-100, 100], got {bias:g}")
-    top = request.response.top_logprobs
-    require(0 <= top <= 20, f"response.top_logprobs: must be in [0, 20], got {top}")
+
+def num_sequences(request: generate_pb2.GenerateRequest) -> int:
+    """``sampling.n`` (0 means 1); :class:`InvalidRequest` outside [1, MAX_N]. The other
+    sampling controls are checked with every option by `request.validate_options`."""
+    n = request.sampling.n or 1
+    require(1 <= n <= MAX_N, f"sampling.n: must be in [1, {MAX_N}], got {request.sampling.n}")
+    return n
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
@@ -82,6 +89,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.router = router
         self.metrics = metrics
         self.streams: dict[str, Stream] = {}
+        self.draining = False
 
     # -- events from worker links --------------------------------------------------------------
 
@@ -96,7 +104,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     stream.first_token_at = now
                     if self.metrics is not None:
                         self.metrics.observe_ttft(now - stream.arrival)
-                elif self.metrics is not None:
+                elif self.metrics is not None and stream.last_token_at is not None:
                     gap = (now - stream.last_token_at) / len(ev.token_ids)
                     self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
@@ -105,74 +113,123 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     # -- RPCs ----------------------------------------------------------------------------------
 
+    async def drain(self, timeout_s: float) -> None:
+        """Shutdown: refuse new requests, let running ones finish for up to `timeout_s`, then
+        end the rest with CANCELLED (their clients get a final message, not a reset)."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self.streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.streams:
+            logger.warning("drain timeout: cancelling %d running requests", len(self.streams))
+        for req_id, stream in list(self.streams.items()):
+            event = self.router.abort(req_id)
+            if event is None:  # held by no worker (an orphan): build its final event here
+                event = RequestEvent(req_id=req_id, token_ids=[], text="", logprobs=[],
+                                     finish_reason=FINISH.FINISH_REASON_CANCELLED,
+                                     num_prompt_tokens=stream.num_prompt_tokens,
+                                     num_output_tokens=stream.num_output_tokens,
+                                     num_cached_tokens=0)
+            event.error = "the server is shutting down"
+            stream.queue.put_nowait(event)
+        while self.streams and time.monotonic() < deadline + 5.0:
+            await asyncio.sleep(0.05)  # the final messages go out
+
     def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
         """Validate, tokenize, route and queue one request: the one path gRPC and HTTP share.
 
         Raises:
             RequestError: the request was refused (the status says why; nothing was queued).
         """
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         link = self.router.any_ready()
         if link is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        if request.model and request.model != link.info.model:
+        info, _ = link.described()
+        if request.model and request.model != info.model:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
-                               f"{request.model!r}; this server serves {link.info.model!r}",
+                               f"{request.model!r}; this server serves {info.model!r}",
                                unknown_model=True)
         try:
             prompt_ids = self._prompt_ids(request, link)
-            check_sampling_controls(request, link.info.vocab_size)
+            n = num_sequences(request)
         except InvalidRequest as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
-        if req_id in self.streams:
+        # n > 1: n scheduler requests (one per sequence, each with its own seed stream) on one
+        # worker; the later ones wait for the first one's prompt blocks and share them.
+        seq_ids = (req_id,) if n == 1 else tuple(f"{req_id}#{i}" for i in range(n))
+        if any(seq_id in self.streams for seq_id in seq_ids):
             raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req_id!r} is already running")
         link = self.router.route(prompt_ids)
         if link is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        stream = Stream(queue=asyncio.Queue(), arrival=time.monotonic(),
-                        num_prompt_tokens=len(prompt_ids))
-        self.streams[req_id] = stream
+        params = self._params(request)
+        if n > 1 and params["seed"] is None:
+            params["seed"] = random.getrandbits(64)
+        queue: asyncio.Queue = asyncio.Queue()  # shared: the servicer reads every sequence's events
+        streams = tuple(Stream(queue=queue, arrival=time.monotonic(),
+                               num_prompt_tokens=len(prompt_ids), index=i) for i in range(n))
+        for seq_id, stream in zip(seq_ids, streams):
+            self.streams[seq_id] = stream
+        submitted: list[str] = []
         try:
-            self.router.submit(link, req_id, prompt_ids, **self._params(request))
-        except InvalidRequest as exc:
-            self.streams.pop(req_id, None)
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
-        except QueueFullError as exc:
-            self.streams.pop(req_id, None)
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from exc
-        return Submission(req_id, stream)
+            for i, seq_id in enumerate(seq_ids):
+                seed = params["seed"] if n == 1 else sequence_seed(params["seed"], i)
+                self.router.submit(link, seq_id, prompt_ids, **dict(params, seed=seed),
+                                   share_prompt_with=seq_ids[0] if i > 0 else None)
+                submitted.append(seq_id)
+        except (InvalidRequest, QueueFullError) as exc:
+            for seq_id in seq_ids:
+                self.streams.pop(seq_id, None)
+            for seq_id in submitted:
+                self.router.abort(seq_id)
+            code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, InvalidRequest)
+                    else grpc.StatusCode.RESOURCE_EXHAUSTED)
+            raise RequestError(code, str(exc)) from exc
+        return Submission(req_id, streams[0], seq_ids, streams)
 
     async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
-        """The reply messages of a submitted request, the last one with its finish reason.
+        """The reply messages of a submitted request, each sequence's last one with its finish
+        reason (``index`` tells the n sequences apart).
 
         Leaving early (client cancel, deadline, a closed HTTP connection) aborts the request and
         gives its KV blocks back.
         """
-        req_id, stream = submission.req_id, submission.stream
-        finished = False
+        req_id = submission.req_id
+        seq_ids = submission.seq_ids or (req_id,)
+        streams = submission.streams or (submission.stream,)
+        queue = streams[0].queue
+        finished: set[int] = set()
         try:
-            while True:
-                ev = merge_pending(await stream.queue.get(), stream.queue)
-                reply = generate_pb2.GenerateResponse(
-                    request_id=req_id, text=ev.text, token_ids=ev.token_ids,
-                    logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
-                    num_output_tokens=ev.num_output_tokens,
-                    num_cached_prompt_tokens=ev.num_cached_tokens)
-                if ev.finish_reason is not None:
-                    reply.finish_reason = ev.finish_reason
-                    reply.error = ev.error or ""
-                    finished = True
-                    self._record_finished(stream, ev)
-                yield reply
-                if finished:
-                    return
+            while len(finished) < len(streams):
+                for ev in merge_pending(await queue.get(), queue):
+                    stream = self.streams.get(ev.req_id)
+                    if stream is None:
+                        continue
+                    reply = generate_pb2.GenerateResponse(
+                        request_id=req_id, text=ev.text, token_ids=ev.token_ids,
+                        logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
+                        num_output_tokens=ev.num_output_tokens,
+                        num_cached_prompt_tokens=ev.num_cached_tokens, index=stream.index)
+                    for ids, lps in ev.top_logprobs:
+                        reply.top_logprobs.add(token_ids=ids, logprobs=lps)
+                    if ev.finish_reason is not None:
+                        reply.finish_reason = ev.finish_reason  # type: ignore[assignment]
+                        reply.error = ev.error or ""
+                        finished.add(stream.index)
+                        self._record_finished(stream, ev)
+                    yield reply
         finally:
-            self.streams.pop(req_id, None)
-            if not finished:
+            for seq_id, stream in zip(seq_ids, streams):
+                self.streams.pop(seq_id, None)
+                if stream.index in finished:
+                    continue
                 # Client cancel or deadline: abort and give the KV blocks back. The tokens it
                 # already generated still count as generated (the counter is tokens out).
                 # Its queue time counts if it had been scheduled (None if it never was).
-                event = self.router.abort(req_id)
+                event = self.router.abort(seq_id)
                 if self.metrics is not None:
                     self.metrics.record_finished("cancelled", time.monotonic() - stream.arrival,
                                                  event.queue_s if event is not None else None,
@@ -191,12 +248,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.any_ready()
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            return None  # abort raises; this tells the type checker
         try:
             ids = self._prompt_ids(request, link)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return generate_pb2.TokenizeResponse(token_ids=ids,
-                                             tokens=[link.tokenizer.id_to_token(i) or "" for i in ids])
+        _, tok = link.described()
+        return generate_pb2.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def ModelInfo(self, request, context):
         link = self.router.any_ready()
@@ -225,7 +283,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def _prompt_ids(self, request, link: WorkerLink) -> list[int]:
         kind = request.WhichOneof("input")
-        tok = link.tokenizer
+        info, tok = link.described()
         if kind == "prompt":
             require(len(request.prompt) > 0, "prompt: must not be empty")
             require(len(request.prompt) <= MAX_PROMPT_CHARS,
@@ -248,7 +306,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         elif kind == "token_ids":
             ids = list(request.token_ids.ids)
             require(len(ids) > 0, "token_ids: must not be empty")
-            vocab = link.info.vocab_size
+            vocab = info.vocab_size
             bad = [i for i in ids if not 0 <= i < vocab]
             require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
         else:
@@ -271,7 +329,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
                     min_tokens=st.min_tokens, stop=list(st.stop),
                     stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
-                    logprobs=request.response.logprobs)
+                    logprobs=request.response.logprobs,
+                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
+                    repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty")
+                                        else 1.0),
+                    min_p=s.min_p, logit_bias=dict(s.logit_bias),
+                    top_logprobs=request.response.top_logprobs)
 
     def _record_finished(self, stream: Stream, ev: RequestEvent) -> None:
         if self.metrics is None:
@@ -282,31 +345,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                                      stream.num_prompt_tokens, stream.num_output_tokens)
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Requires `authorization: Bearer <token>` on the client API (health stays open for probes)."""
-
-    def __init__(self, token: str) -> None:
-        self.expected = f"Bearer {token}"
-
-        async def deny(request, context):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
-
-        self._deny = grpc.unary_unary_rpc_method_handler(deny)
-        self._deny_stream = grpc.unary_stream_rpc_method_handler(deny)
-
-    async def intercept_service(self, continuation, details):
-        if not details.method.startswith(f"/{SERVICE_NAME}/"):
-            return await continuation(details)
-        metadata = dict(details.invocation_metadata or ())
-        # Constant-time comparison: an early-exit == leaks how much of a guess was right.
-        given = str(metadata.get("authorization", "")).encode()
-        if hmac.compare_digest(given, self.expected.encode()):
-            return await continuation(details)
-        return self._deny_stream if details.method.endswith("/Generate") else self._deny
-
-
-async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None) -> None:
-    """Run the scheduler service until SIGTERM or SIGINT."""
+async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
+                          ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
+                          bound: list | None = None) -> None:
+    """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports."""
     from zerobubble.metrics import ServiceMetrics, start_metrics_server
 
     metrics = ServiceMetrics(model="", role="scheduler")
@@ -314,14 +356,20 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("scheduler metrics on :%d/metrics", mport)
         print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
+        if bound is not None:
+            bound.append(("metrics", mport))
     sched_cfg = SchedulerConfig.from_service(cfg)
     creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
                                     cfg.worker_tls_key or None)
     server = grpc.aio.server(
         options=rpc.SERVER_OPTIONS,
-        interceptors=[AuthInterceptor(cfg.auth_token)] if cfg.auth_token else None)
+        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME,
+                                                {"Generate": "unary_stream"})]
+        if cfg.auth_token else None)
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
-    router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics)
+    router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics,
+                    worker_auth_token=cfg.worker_auth_token,
+                    step_deadline_s=cfg.step_deadline)
     servicer = GenerationServicer(cfg, router, metrics)
     router.on_events = servicer.on_events
 
@@ -337,6 +385,8 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
+    if bound is not None:
+        bound.append(("grpc", port))
     http = None
     if cfg.http_port >= 0:
         from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
@@ -345,12 +395,20 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
                                 tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
         logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
         print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
-    stop = asyncio.Event()
+    if ready is not None:
+        ready.set()
+    stop = stop or asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
+    # Health first (load balancers stop routing), then the running requests get the drain time.
+    router.on_readiness = None
+    await rpc.set_serving(health, [SERVICE_NAME], False)
+    logger.info("shutting down: draining %d requests for up to %.0fs", len(servicer.streams),
+                cfg.drain_timeout)
+    await servicer.drain(cfg.drain_timeout)
     if http is not None:
-        await http.stop(grace_s=10.0)
-    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=10.0)
+        await http.stop(grace_s=2.0)
+    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=2.0)
     await router.close()
 
 

@@ -36,10 +36,17 @@ class RequestError(Exception):
 
 @dataclass(slots=True, frozen=True)
 class Submission:
-    """A queued request: its id and the stream its events arrive on."""
+    """A queued request: its id and the stream its events arrive on.
+
+    With n > 1, ``seq_ids`` / ``streams`` hold the n sequences' scheduler ids and streams (they
+    share ``stream.queue``; ``stream`` is the first); empty for n = 1. Dropping a submission
+    means dropping every one of ``seq_ids``.
+    """
 
     req_id: str
     stream: Stream
+    seq_ids: tuple[str, ...] = ()
+    streams: tuple[Stream, ...] = ()
 
 
 @dataclass(slots=True)
@@ -53,6 +60,7 @@ class Stream:
     last_token_at: float | None = None
     num_output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
+    index: int = 0  # which of the request's n sequences
 
 
 class Frontend(Protocol):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -21,6 +23,50 @@ from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+
+# A worker that does not answer a step within the deadline is declared lost (a stuck driver, a
+# long GC pause, SIGSTOP: alive, sockets open, silent). Without a --step-deadline it is derived
+# from the latencies of its recent steps (plan sent to result back, window included).
+MIN_STEP_DEADLINE_S = 10.0
+STEP_DEADLINE_P99_FACTOR = 20.0
+# Until this many steps were seen (the first big prefills, warm-up), a more lenient deadline.
+NUM_WARMUP_STEPS = 20
+WARMUP_STEP_DEADLINE_S = 60.0
+NUM_LATENCY_SAMPLES = 256
+
+
+class WorkerHung(ConnectionError):
+    """The worker did not answer a step within the deadline."""
+
+
+class WorkerDrained(ConnectionError):
+    """A draining worker finished its requests; the link closes its stream."""
+
+
+def _p99(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def derived_step_deadline(latencies: "deque[tuple[float, int]]", num_tokens: int = 1) -> float:
+    """How long a plan of `num_tokens` may wait for its result, from recent (latency, tokens).
+
+    max(10 s, 20 x p99 latency, 20 x p99 per-token latency x num_tokens): the last term keeps a
+    long prefill after a run of small decodes from passing for a hang. Lenient until enough
+    steps are known (the first big prefills, warm-up).
+    """
+    if len(latencies) < NUM_WARMUP_STEPS:
+        return WARMUP_STEP_DEADLINE_S
+    p99 = _p99([lat for lat, _ in latencies])
+    per_token = _p99([lat / max(1, n) for lat, n in latencies])
+    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99,
+               STEP_DEADLINE_P99_FACTOR * per_token * num_tokens)
+
+
+def plan_tokens(plan: worker_pb2.StepPlan) -> int:
+    """Tokens a plan feeds the model (prefill chunks, 1 + drafts per decode)."""
+    return sum(len(e.token_ids) or 1 + e.num_draft_slots for e in plan.requests)
 
 
 @dataclass(slots=True)
@@ -41,8 +87,19 @@ class WorkerLink:
                  creds: grpc.ChannelCredentials | None = None,
                  on_step: Callable[["WorkerLink", worker_pb2.StepResult], None] | None = None,
                  on_ready: Callable[["WorkerLink"], None] | None = None,
-                 server_name: str | None = None) -> None:
+                 server_name: str | None = None, auth_token: str = "",
+                 step_deadline_s: float = 0.0) -> None:
+        """`step_deadline_s` 0: derived from recent step latencies (`derived_step_deadline`)."""
         self.address = address
+        self.step_deadline_s = step_deadline_s
+        # (send time, tokens) of the plans in flight, oldest first; (latency, tokens) of recent.
+        self._sent: deque[tuple[float, int]] = deque()
+        self._latencies: deque[tuple[float, int]] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        # Each deadline miss doubles the next deadline (reset after a run of answered steps),
+        # so a worker that is merely slow cannot be dropped and re-added in a loop.
+        self._num_misses = 0
+        self._num_answered = 0
+        self._metadata = rpc.bearer_metadata(auth_token)
         # The name the worker's TLS certificate is checked against when `address` is an IP
         # resolved from a DNS name (None: the host part of `address`).
         self.server_name = server_name
@@ -57,11 +114,25 @@ class WorkerLink:
         self.scheduler: Scheduler | None = None
         self.tokenizer: Tokenizer | None = None
         self.ready = False
+        self.draining = False  # the worker is shutting down: no new requests for it
+        self.on_draining: Callable[["WorkerLink"], None] | None = None
         self.inflight = 0
         self.stats = LinkStats()
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._closing = False
+
+    @property
+    def sched(self) -> Scheduler:
+        """The scheduler of a configured link (every ready link has one)."""
+        assert self.scheduler is not None, f"worker link {self.address} is not configured yet"
+        return self.scheduler
+
+    def described(self) -> tuple[worker_pb2.WorkerInfo, Tokenizer]:
+        """The worker's facts and tokenizer, read when the link connected (ready links only)."""
+        assert self.info is not None and self.tokenizer is not None, \
+            f"worker link {self.address} is not configured yet"
+        return self.info, self.tokenizer
 
     @property
     def worker_id(self) -> str:
@@ -92,9 +163,11 @@ class WorkerLink:
             channel = rpc.aio_channel(self.address, self.creds, self.server_name)
             try:
                 stub = worker_pb2_grpc.WorkerStub(channel)
-                self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10)
+                self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10,
+                                                metadata=self._metadata)
                 self._configure(self.info)
-                call = stub.Execute()
+                self.draining = False
+                call = stub.Execute(metadata=self._metadata)
                 self.ready = True
                 if self.on_ready is not None:
                     self.on_ready(self)
@@ -108,17 +181,32 @@ class WorkerLink:
             # InvalidStateError: a write found the call already finished (the worker died
             # between two plans, before the receiver saw it). It is a lost stream like the others.
             except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError) as exc:
-                if self.ready:
+                if isinstance(exc, grpc.aio.AioRpcError) and (
+                        exc.code() == grpc.StatusCode.UNAUTHENTICATED):
+                    logger.error("worker %s refused our token (--worker-auth-token must equal "
+                                 "the worker's --auth-token): %s", self.address, exc.details())
+                elif isinstance(exc, WorkerDrained):
+                    logger.info("worker %s drained: %s", self.address, exc)
+                elif self.ready:
                     logger.warning("lost worker %s: %s", self.address, exc)
                 else:
                     logger.debug("worker %s not reachable: %s", self.address, exc)
+            except Exception:
+                # A bug or a bad result in the receive path (reconciliation, detokenizer,
+                # callbacks) must not end this task: that would lose the worker until restart.
+                # Reset the link like a lost stream; its requests resume from confirmed tokens.
+                logger.exception("worker link %s failed; resetting it", self.address)
             finally:
                 was_ready = self.ready
                 self.ready = False
                 self.inflight = 0
                 await channel.close(grace=None)
                 if was_ready:
-                    self.on_lost(self)
+                    try:
+                        self.on_lost(self)
+                    except Exception:
+                        logger.exception("re-queueing the requests of worker %s failed",
+                                         self.address)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -130,24 +218,46 @@ class WorkerLink:
                                        info.eos_token)
         self.scheduler = Scheduler(cfg, self.tokenizer)
 
+    def step_deadline(self, num_tokens: int = 1) -> float:
+        """Seconds the oldest plan in flight (of `num_tokens`) may wait for its result."""
+        base = self.step_deadline_s or derived_step_deadline(self._latencies, num_tokens)
+        return base * 2 ** min(self._num_misses, 5)
+
     async def _serve(self, call) -> None:
+        self._sent.clear()
         receiver = asyncio.create_task(self._receive(call))
         try:
             while True:
                 while self.inflight < self.max_inflight:
-                    plan = self.scheduler.schedule()
+                    plan = self.sched.schedule()
                     if plan is None:
                         break
                     self.inflight += 1
+                    self._sent.append((time.monotonic(), plan_tokens(plan)))
                     await call.write(plan)
                 self._wake.clear()
                 waiter = asyncio.create_task(self._wake.wait())
-                done, _ = await asyncio.wait({waiter, receiver},
+                timeout = None
+                if self._sent:
+                    sent_at, num_tokens = self._sent[0]
+                    deadline = self.step_deadline(num_tokens)
+                    timeout = max(0.0, sent_at + deadline - time.monotonic())
+                done, _ = await asyncio.wait({waiter, receiver}, timeout=timeout,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if receiver in done:
                     waiter.cancel()
                     receiver.result()  # raises the stream error
                     raise ConnectionError("worker closed the stream")
+                if self.draining and self.inflight == 0 and not self.sched.has_unfinished():
+                    waiter.cancel()
+                    raise WorkerDrained("the worker is shutting down and holds no request")
+                if not done:
+                    waiter.cancel()
+                    if self._sent and time.monotonic() - self._sent[0][0] >= deadline:
+                        self._num_misses += 1
+                        self._num_answered = 0
+                        raise WorkerHung(f"no answer to a step for {deadline:.1f}s "
+                                         "(the step deadline)")
         finally:
             receiver.cancel()
             call.cancel()
@@ -157,14 +267,29 @@ class WorkerLink:
             result = await call.read()
             if result is grpc.aio.EOF:
                 raise ConnectionError("worker closed the stream")
+            if result.draining and not self.draining:
+                logger.info("worker %s is shutting down: no new requests for it",
+                            self.worker_id)
+                self.draining = True
+                if self.on_draining is not None:
+                    self.on_draining(self)
+            if result.step_id == 0:  # a notice, not the answer to a plan
+                self.wake()
+                continue
             self.inflight -= 1
+            if self._sent:
+                sent_at, num_tokens = self._sent.popleft()
+                self._latencies.append((time.monotonic() - sent_at, num_tokens))
+                self._num_answered += 1
+                if self._num_answered >= NUM_LATENCY_SAMPLES:
+                    self._num_misses = 0
             self._account(result)
             if result.error:
                 logger.error("worker %s step %d failed: %s", self.worker_id, result.step_id,
                              result.error)
-                events = self.scheduler.fail_step(result.step_id, result.error)
+                events = self.sched.fail_step(result.step_id, result.error)
             else:
-                events = self.scheduler.on_step_result(result)
+                events = self.sched.on_step_result(result)
             if self.on_step is not None:
                 self.on_step(self, result)
             if events:

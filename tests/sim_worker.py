@@ -214,6 +214,9 @@ class SimWorker:
         # Steps to fail: nothing of them is executed and the result carries an error. Their
         # requests are broken from then on (later entries are ignored until they are dropped).
         self.fail_step_ids: set[int] = set()
+        # (step id, request id) rows to fail alone, as the real worker does for a bad row: the
+        # row is left out with a per-request error and the request is broken from then on.
+        self.fail_rows: set[tuple[int, str]] = set()
         self._broken: set[str] = set()
         self._kv: list[list[tuple[int, int, int] | None]] = [
             [None] * block_size for _ in range(num_blocks)
@@ -242,8 +245,15 @@ class SimWorker:
         result = worker_pb2.StepResult(step_id=plan.step_id)
         accepted_per_pos: list[int] = []
         for entry in plan.requests:
+            if entry.is_new:
+                self._broken.discard(entry.req_id)
+            if (plan.step_id, entry.req_id) in self.fail_rows:
+                self._broken.add(entry.req_id)
+                self._reqs.pop(entry.req_id, None)
+                result.results.add(req_id=entry.req_id, error="injected row failure")
+                continue
             if entry.req_id in self._broken:
-                result.results.add(req_id=entry.req_id)
+                result.results.add(req_id=entry.req_id, error="an earlier step failed for it")
                 continue
             req = self._prepare(plan.step_id, entry)
             if entry.token_ids:

@@ -67,7 +67,8 @@ def test_parser_builds_with_all_subcommands() -> None:
 
 
 @pytest.mark.parametrize(("command", "present", "absent"), [
-    ("worker", LISTEN_FLAGS | WORKER_FLAGS | {"--tls-client-ca"}, SCHEDULER_FLAGS | {"--worker-port"}),
+    ("worker", LISTEN_FLAGS | WORKER_FLAGS | {"--tls-client-ca", "--auth-token", "--drain-timeout"},
+     SCHEDULER_FLAGS - {"--auth-token"} | {"--worker-port", "--worker-auth-token"}),
     ("scheduler", LISTEN_FLAGS | SCHEDULER_FLAGS, WORKER_FLAGS | {"--tls-client-ca", "--worker-port"}),
     ("serve", LISTEN_FLAGS | WORKER_FLAGS | SCHEDULER_FLAGS | {"--worker-port"}, {"--tls-client-ca"}),
     ("generate", CLIENT_FLAGS | GENERATE_FLAGS, WORKER_FLAGS | SCHEDULER_FLAGS - {"--auth-token"}),
@@ -95,10 +96,13 @@ def test_defaults_follow_the_contract() -> None:
 def test_serve_passes_its_worker_flags_to_the_local_worker(prepack: str) -> None:
     serve = parse(["serve", "--block-size", "32", "--spec-method", "ngram", prepack])
     argv = worker_command(serve_config(serve))
+    assert "--auth-token" not in argv  # its token is a fresh secret, passed in the environment
     worker = parse(argv[argv.index("worker"):])
     for f in dataclasses.fields(WorkerConfig):
-        # The local worker listens on loopback without TLS whatever serve itself does.
-        if f.name not in ("host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca"):
+        # The local worker listens on loopback without TLS whatever serve itself does; serve's
+        # --auth-token is the clients' token, not the worker's.
+        if f.name not in ("host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca",
+                          "auth_token"):
             assert getattr(worker, f.name) == getattr(serve, f.name), f.name
     assert worker.prepack_weights is (prepack == "--prepack-weights")
 

@@ -45,7 +45,7 @@ class FakeScheduler:
 
 class FakeLink:
     def __init__(self, name: str, load: int, cached: int) -> None:
-        self.name, self.ready = name, True
+        self.name, self.ready, self.draining = name, True, False
         self.scheduler = FakeScheduler(load, cached)
 
     def load(self) -> int:
@@ -100,11 +100,11 @@ def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2
         def __init__(self, channel):
             pass
 
-        async def Describe(self, request, timeout=None):
+        async def Describe(self, request, timeout=None, metadata=None):
             describes.append(time.monotonic())
             return info
 
-        def Execute(self):
+        def Execute(self, metadata=None):
             return DeadCall()
 
     monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", Stub)

@@ -194,6 +194,56 @@ def test_spec_counters_match_what_the_worker_verified() -> None:
     assert len(c.accepted_per_pos) <= 5
 
 
+def test_spec_counters_count_only_applied_results_under_preemption_and_aborts() -> None:
+    """Preempted, aborted and finished requests' in-flight rows are not counted as speculation.
+
+    The oracle sums, over every result handed to the scheduler, the drafts of the rows that
+    produced streamed tokens (the applied ones); the scheduler's figures must equal it and be
+    strictly below what the worker verified in total (stale rows existed).
+    """
+    case = make_case(num_blocks=24, block_size=4, max_num_batched_tokens=10, num_spec_tokens=4,
+                     prompt_len=(15, 40), stopping=StoppingOptions(max_tokens=30),
+                     max_model_len=96, num_requests=10)
+    sched = case.scheduler
+    applied = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
+    applied_per_pos: list[int] = []
+    real_on_step_result = sched.on_step_result
+
+    def on_step_result(result: worker_pb2.StepResult) -> list[RequestEvent]:
+        events = real_on_step_result(result)
+        used = {ev.req_id for ev in events if ev.token_ids}
+        for res in result.results:
+            if res.req_id in used and res.num_draft_tokens > 0:
+                applied["drafts"] += 1
+                applied["draft_tokens"] += res.num_draft_tokens
+                applied["accepted"] += res.num_accepted
+                applied_per_pos.extend([0] * (res.num_accepted - len(applied_per_pos)))
+                for pos in range(res.num_accepted):
+                    applied_per_pos[pos] += 1
+        return events
+
+    sched.on_step_result = on_step_result  # type: ignore[method-assign]
+    num_results = [0]
+
+    def abort_some(s: Scheduler, events: Sequence[RequestEvent]) -> None:
+        # Abort a running request mid-speculation every few results (its rows are in flight).
+        num_results[0] += 1
+        running = [r for r in s.running_requests() if r.num_output_tokens > 2]
+        if num_results[0] % 7 == 0 and running:
+            s.abort_request(running[0].req_id)
+
+    drive(sched, case.worker, 3, after_result=abort_some)
+    c, w = sched.stats, case.worker.stats
+    assert c.num_preemptions > 0 and c.num_stale_results > 0
+    assert applied["drafts"] > 0
+    assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (
+        applied["drafts"], applied["draft_tokens"], applied["accepted"])
+    assert c.accepted_per_pos == applied_per_pos
+    assert c.num_draft_tokens >= c.num_accepted_tokens
+    assert w.num_draft_tokens > c.num_draft_tokens  # the stale rows were really excluded
+    assert sched.block_pool.num_used == 0
+
+
 # ---------------------------------------------------------------------------- limits
 
 

@@ -48,10 +48,10 @@ def run(coro):
     return asyncio.run(coro)
 
 
-async def one(target: str, timeout: float = 120, **kw):
+async def one(target: str, timeout: float = 120, on_response=None, **kw):
     async with grpc.aio.insecure_channel(target) as channel:
         return await complete(generate_pb2_grpc.GenerationStub(channel), build_request(**kw),
-                              timeout=timeout)
+                              timeout=timeout, on_response=on_response)
 
 
 def test_greedy_matches_hf_at_32_concurrent_streams(services, smollm2_dir, grounded_rows):
@@ -134,6 +134,13 @@ BAD_INPUTS = [
     (dict(messages=[{"role": "wizard", "content": "x"}]), "role"),
     (dict(token_ids=[10**8]), "token_ids"),
     (dict(prompt="x" * 1_000_001), "prompt"),
+    (dict(prompt="hi", presence_penalty=3.0), "sampling.presence_penalty"),
+    (dict(prompt="hi", repetition_penalty=0.0), "sampling.repetition_penalty"),
+    (dict(prompt="hi", min_p=2.0), "sampling.min_p"),
+    (dict(prompt="hi", logit_bias={10**7: 1.0}), "sampling.logit_bias"),
+    (dict(prompt="hi", top_logprobs=21), "response.top_logprobs"),
+    (dict(prompt="hi", n=17), "sampling.n"),
+    (dict(prompt="hi", n=3, min_p=2.0), "sampling.min_p"),
 ]
 
 
@@ -204,3 +211,28 @@ def test_preemption_under_tiny_kv_budget_keeps_greedy_outputs(smollm2_dir, groun
     finally:
         scheduler.stop()
         worker.stop()
+
+
+def test_n_sequences_and_top_logprobs_stream_with_index(services):
+    """n = 3 over gRPC: three sequences on one stream told apart by `index`, each finishing once;
+    sequence 0 equals the same seeded request with n = 1; top_logprobs come one per token."""
+    scheduler, _ = services
+    kw = dict(prompt="Write a short poem about the sea.", max_tokens=12, ignore_eos=True,
+              temperature=1.0, seed=31337, logprobs=True, top_logprobs=3)
+    finals: list[int] = []
+
+    def on_response(response):
+        if response.finish_reason:
+            finals.append(response.index)
+
+    many = run(one(scheduler.target, timeout=600, on_response=on_response, n=3, **kw))
+    single = run(one(scheduler.target, timeout=600, **kw))
+    assert sorted(finals) == [0, 1, 2]
+    assert [len(c.token_ids) for c in many.choices] == [12, 12, 12]
+    assert many.choices[0].token_ids == single.token_ids == many.token_ids
+    assert len({tuple(c.token_ids) for c in many.choices}) == 3
+    for c in many.choices:
+        assert len(c.top_logprobs) == len(c.logprobs) == 12
+        assert all(len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] for top in c.top_logprobs)
+        # The sampled token's logprob is at most the most likely one's.
+        assert all(lp <= top[0][1] + 1e-5 for lp, top in zip(c.logprobs, c.top_logprobs))

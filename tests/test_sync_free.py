@@ -137,12 +137,20 @@ class Plans:
     ) -> worker_pb2.ScheduledRequest:
         blocks = list(range(self.next_block, self.next_block + BLOCKS_PER_REQUEST))
         self.next_block += BLOCKS_PER_REQUEST
+        # A random row also carries every logits control: penalties, min-p, logit bias, top-N.
         sampling = worker_pb2.SamplingParams(
             temperature=temperature,
             top_k=20 if temperature else 0,
             top_p=0.9 if temperature else 1.0,
             seed=7,
             logprobs=logprobs,
+            presence_penalty=0.5 if temperature else 0.0,
+            frequency_penalty=0.3 if temperature else 0.0,
+            repetition_penalty=1.2 if temperature else 0.0,
+            min_p=0.05 if temperature else 0.0,
+            logit_bias={3: 2.0, 7: -1.0} if temperature else {},
+            top_logprobs=2 if logprobs else 0,
+            num_prompt_tokens=len(tokens),
         )
         return worker_pb2.ScheduledRequest(
             req_id=req_id, token_ids=tokens, new_block_ids=blocks, is_new=True, sample=sample, sampling=sampling
@@ -208,7 +216,8 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
     sampled_steps = [p for p in pendings if p.out_tokens is not None]
     assert len(sampled_steps) == len(pendings)
     num_result_tensors = sum(
-        sum(t is not None for t in (p.out_tokens, p.num_accepted, p.num_drafts, p.logprobs)) for p in pendings
+        sum(t is not None for t in (p.out_tokens, p.num_accepted, p.num_drafts, p.logprobs, p.top_ids, p.top_logprobs))
+        for p in pendings
     )
     assert len(downloads) == num_result_tensors
     assert all(p.out_tokens.device.type == "cpu" for p in sampled_steps)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -28,7 +28,17 @@ from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, nu
 from worker_svc.model import allocate_kv_cache
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import Proposer
-from worker_svc.sampler import SEED_MASK, SamplingTensors, sample, target_probs, token_logprobs
+from worker_svc.sampler import (
+    SEED_MASK,
+    LogitBias,
+    Penalties,
+    SamplingTensors,
+    context_token_counts,
+    sample,
+    target_probs,
+    token_logprobs,
+    top_logprobs,
+)
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
 
@@ -97,6 +107,7 @@ class SampledRows:
     sampling: SamplingTensors        # one row per real slot
     logprob_index: torch.Tensor | None  # [G] int64: ``[S, K+1]`` tokens -> real slots (padded, logprobs wanted)
     want_logprobs: bool
+    num_top: list[int] = field(default_factory=list)  # top-N logprobs per row; empty: none wants any
 
     def spread(self, t: torch.Tensor, width: int) -> torch.Tensor:
         """Per-slot values ``[G, ...]`` -> ``[S, width, ...]``."""
@@ -132,6 +143,8 @@ class StepOutputs:
     num_accepted: torch.Tensor    # [S] accepted drafts
     num_verified: torch.Tensor    # [S] drafts actually verified (real drafts fed)
     logprobs: torch.Tensor | None  # [S, K+1]
+    top_ids: torch.Tensor | None = None       # [S, K+1, N] when a row wants top-N logprobs
+    top_logprobs: torch.Tensor | None = None  # [S, K+1, N]
 
 
 @dataclass(slots=True)
@@ -149,9 +162,14 @@ class PendingResult:
     num_tokens: int
     forward_s: float
     ready: object | None = None      # CUDA event after the async device-to-host copy
+    errors: dict[str, str] = field(default_factory=dict)  # rows left out: req_id -> why
     # A simulated device's own idle time before this step; it replaces the step thread's wait
     # for the plan, which says nothing about a device that runs behind the host.
     idle_s: float | None = None
+    # Top-N logprobs: [num_sampled, K+1, N] ids and values, N per sampled row (0 = none).
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+    num_top: list[int] = field(default_factory=list)
 
     def materialize(self, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
         """Wait for the copy (if any) and build the wire result (`idle_s`: the step thread's
@@ -167,6 +185,8 @@ class PendingResult:
         accepted = self.num_accepted.tolist() if self.num_accepted is not None else []
         drafted = self.num_drafts.tolist() if self.num_drafts is not None else []
         logprobs = self.logprobs.tolist() if self.logprobs is not None else []
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else []
+        top_lps = self.top_logprobs.tolist() if self.top_logprobs is not None else []
         for row, req_id in enumerate(self.req_ids):
             entry = result.results.add(req_id=req_id)
             i = by_row.get(row)
@@ -178,10 +198,23 @@ class PendingResult:
             entry.num_accepted = num_acc
             if self.want_logprobs[row]:
                 entry.logprobs.extend(logprobs[i][: num_acc + 1])
+            if top_ids and self.num_top[i] > 0:
+                # Column c holds the distribution the token at column c was drawn from.
+                n = self.num_top[i]
+                for col in range(num_acc + 1):
+                    entry.top_logprobs.add(token_ids=top_ids[i][col][:n],
+                                           logprobs=top_lps[i][col][:n])
             for pos in range(num_acc):
                 accepted_per_pos[pos] += 1
+        for req_id, error in self.errors.items():
+            result.results.add(req_id=req_id, error=error)
         result.accepted_per_pos.extend(accepted_per_pos)
         return result
+
+
+def _has_penalty(p: worker_pb2.SamplingParams) -> bool:
+    return bool(p.presence_penalty or p.frequency_penalty
+                or p.repetition_penalty not in (0.0, 1.0))
 
 
 class SimulatedStep(Protocol):
@@ -229,6 +262,7 @@ class ModelRunner:
         # Padding rows of graphed steps write into blocks past the scheduler's (never handed out).
         num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
         if simulator is None:
+            assert loaded.model is not None, "a runner without a simulator needs the model"
             self.device = loaded.model.device
             self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks + num_scratch,
                                                config.block_size, loaded.model.dtype, self.device)
@@ -249,6 +283,17 @@ class ModelRunner:
         )
         self.slots: dict[str, SlotInfo] = {}
         self.slots_by_index: dict[int, SlotInfo] = {}
+        # Requests whose row failed: their state is dropped, and entries for them in plans
+        # already sent get a per-request error until the scheduler re-admits (is_new) or
+        # finishes them. Without this, a decode row planned before the failure was known would
+        # be a `PlanError` for the whole next plan.
+        self.failed: dict[str, str] = {}
+        # Test-only fault injection (tests/test_fault_isolation.py, the chaos suite): called
+        # with (plan, None) when a step starts, where an exception fails the whole step as a
+        # crash in the model would, then with (plan, entry) for each row, where an exception
+        # fails that row alone.
+        self.test_fault_hook: Callable[[worker_pb2.StepPlan,
+                                        worker_pb2.ScheduledRequest | None], None] | None = None
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         if proposer is not None:
             proposer.bind(self)
@@ -273,9 +318,17 @@ class ModelRunner:
             self.release(req_id)
         if self.simulator is not None:
             self.simulator.reset()
+        self.failed.clear()
+
+    def fail_requests(self, req_ids: list[str], error: str) -> None:
+        """Drop the state of requests whose step failed; later rows for them get `error`."""
+        for req_id in req_ids:
+            self.release(req_id)
+            self.failed[req_id] = error
 
     def release(self, req_id: str) -> None:
         """Drop a request's state slot; unknown ids are ignored (finish may race a preempt)."""
+        self.failed.pop(req_id, None)
         info = self.slots.pop(req_id, None)
         if info is None:
             return
@@ -353,18 +406,102 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def _entry_error(self, plan: worker_pb2.StepPlan, entry: worker_pb2.ScheduledRequest,
+                     seen: set[str], num_free_slots: int) -> str | None:
+        """Why an entry cannot run (None: it can), checked before anything is changed, so a
+        bad row is left out whole instead of half admitted."""
+        req_id = entry.req_id
+        if req_id in seen:
+            return f"request {req_id}: scheduled twice in one plan"
+        if not entry.is_new and req_id in self.failed:
+            return f"request {req_id}: an earlier step failed for it: {self.failed[req_id]}"
+        if self.test_fault_hook is not None:
+            try:
+                self.test_fault_hook(plan, entry)
+            except Exception as exc:
+                return f"request {req_id}: {exc}"
+        info = None if entry.is_new else self.slots.get(req_id)
+        if not entry.is_new and info is None:
+            return f"request {req_id}: unknown to this worker and not is_new"
+        if entry.is_new and num_free_slots < 1:
+            return (f"request {req_id}: no free state slot "
+                    f"(max_num_seqs={self.config.max_num_seqs})")
+        new = list(entry.new_block_ids)
+        if new and (min(new) < 0 or max(new) >= self.config.num_blocks):
+            return f"request {req_id}: block id out of range [0, {self.config.num_blocks})"
+        num_blocks = (0 if info is None else len(info.block_ids)) + len(new)
+        if num_blocks > self.max_blocks_per_seq:
+            return (f"request {req_id}: block table would hold {num_blocks} blocks, more than "
+                    f"max_model_len allows ({self.max_blocks_per_seq})")
+        if len(entry.token_ids) == 0:
+            if entry.is_new:
+                return f"request {req_id}: a new request must start with a prefill chunk"
+            if not info.has_sample:
+                return f"request {req_id}: decode step before any sample"
+            if not 0 <= entry.num_draft_slots <= self.num_spec_tokens:
+                return (f"request {req_id}: {entry.num_draft_slots} draft slots, worker "
+                        f"proposes at most {self.num_spec_tokens}")
+        else:
+            vocab_size = getattr(getattr(self.loaded, "hf_config", None), "vocab_size", 0)
+            if vocab_size and (min(entry.token_ids) < 0 or max(entry.token_ids) >= vocab_size):
+                return f"request {req_id}: token id outside the vocabulary [0, {vocab_size})"
+        return None
+
+    def _runnable(self, plan: worker_pb2.StepPlan) -> tuple[list[worker_pb2.ScheduledRequest],
+                                                           dict[str, str]]:
+        """Split a plan's entries into the ones to run and per-request errors for the rest.
+
+        A failed row drops the request's state (`fail_requests`), so its later rows fail too
+        until the scheduler re-admits or finishes it; the other rows are untouched.
+        """
+        good: list[worker_pb2.ScheduledRequest] = []
+        errors: dict[str, str] = {}
+        seen: set[str] = set()
+        num_free = len(self.free_slots)
+        for entry in plan.requests:
+            error = self._entry_error(plan, entry, seen, num_free)
+            seen.add(entry.req_id)
+            if error is not None:
+                logger.warning("step %d: %s", plan.step_id, error)
+                errors[entry.req_id] = error
+                continue
+            if entry.is_new:
+                # Re-admitting a live request (a folded finish notice) frees its slot first.
+                num_free += (entry.req_id in self.slots) - 1
+            good.append(entry)
+        bad = [r for r in errors if r not in {e.req_id for e in good}]
+        self.fail_requests(bad, "its row was rejected")
+        for req_id in bad:
+            self.failed[req_id] = errors[req_id]
+        return good, errors
+
     @torch.inference_mode()
     def execute(self, plan: worker_pb2.StepPlan) -> PendingResult:
-        """Run one plan; returns outputs that may still be on the device."""
+        """Run one plan; returns outputs that may still be on the device.
+
+        Rows that cannot run (see `_entry_error`) are left out with a per-request error in the
+        result; the others run as if those rows had never been planned.
+        """
         start = time.perf_counter()
+        for req_id in plan.finished_req_ids:
+            self.release(req_id)
+        if self.test_fault_hook is not None:
+            self.test_fault_hook(plan, None)
+        entries, errors = self._runnable(plan)
+        if errors:  # run the others as if the bad rows had never been planned
+            plan = worker_pb2.StepPlan(step_id=plan.step_id, requests=entries)
         batch = self.prepare(plan)
         if batch is None:
-            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0)
+            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0,
+                                 errors=errors)
         if self.simulator is not None:
-            return self.simulator.step(self, batch)
+            pending = self.simulator.step(self, batch)
+            pending.errors = errors
+            return pending
         logits = self.run_model(batch)
         pending = self.sample(batch, logits)
         pending.forward_s = time.perf_counter() - start
+        pending.errors = errors
         return pending
 
     def prepare(self, plan: worker_pb2.StepPlan) -> StepBatch | None:
@@ -461,13 +598,8 @@ class ModelRunner:
         any_logprobs = any(want_logprobs[i] for i in sampled_rows)
         # Absolute position of each sampled token = input position + 1 (keys the randomness).
         sample_pos = positions[gather] + 1
-        params = [rows[i].sampling for i in sampled_rows]
-        tensors = SamplingTensors.from_params(
-            temperatures=[p.temperature for p, n in zip(params, valid_cols) for _ in range(n)],
-            top_ks=[p.top_k for p, n in zip(params, valid_cols) for _ in range(n)],
-            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p, n in zip(params, valid_cols) for _ in range(n)],
-            seeds=[p.seed & SEED_MASK for p, n in zip(params, valid_cols) for _ in range(n)],
-            positions=sample_pos, device=dev)
+        tensors = self._sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos)
+        num_top = [int(rows[i].sampling.top_logprobs) for i in sampled_rows]
         rows_t = _to_device_list(sampled_rows, dev, torch.long)
         return SampledRows(
             rows=sampled_rows,
@@ -485,6 +617,7 @@ class ModelRunner:
                                            for c in range(n)], dev, torch.long)
             if padded and any_logprobs else None,
             want_logprobs=any_logprobs,
+            num_top=num_top if max(num_top) > 0 else [],
         )
 
     def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -542,7 +675,12 @@ class ModelRunner:
             if s.logprob_index is not None:
                 tokens = tokens[s.logprob_index]
             lp = s.spread(token_logprobs(logits, tokens.long().clamp(min=0)), width)
-        return self.advance(batch, StepOutputs(out_tokens, num_accepted, num_verified, lp))
+        out = StepOutputs(out_tokens, num_accepted, num_verified, lp)
+        if s.num_top:
+            # Column c holds the distribution the token at column c was drawn from.
+            top_ids, top_lps = top_logprobs(logits, max(s.num_top))
+            out.top_ids, out.top_logprobs = s.spread(top_ids, width), s.spread(top_lps, width)
+        return self.advance(batch, out)
 
     def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts fed to the sampled rows (``[S, K]``) and how many of them are real (``[S]``).
@@ -584,8 +722,65 @@ class ModelRunner:
         pending = PendingResult(batch.step_id, batch.req_ids, s.rows, out.tokens, out.num_accepted,
                                 out.num_verified, out.logprobs, batch.want_logprobs,
                                 batch.num_tokens, 0.0)
+        if out.top_ids is not None:
+            pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
+            pending.num_top = [int(batch.rows[i].sampling.top_logprobs) for i in s.rows]
         self._start_copy(pending)
         return pending
+
+    def _sampling_tensors(self, infos: list[SlotInfo], valid_cols: list[int],
+                          sample_pos: torch.Tensor) -> SamplingTensors:
+        """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to ``infos[i]``.
+
+        Penalty counts are taken over each logits row's own context read from the token
+        history (``sample_pos`` = its context length, on the device), so the row of draft j in a
+        verification sees drafts 0..j-1 of the same row and nothing that was rejected before.
+        """
+        dev = self.device
+        params = [info.sampling for info in infos]
+        per_row = [(info, p) for info, p, n in zip(infos, params, valid_cols) for _ in range(n)]
+        pen_rows: list[int] = []
+        bias_rows: list[int] = []
+        bias_ids: list[int] = []
+        bias_values: list[float] = []
+        for g, (_, p) in enumerate(per_row):
+            if _has_penalty(p):
+                pen_rows.append(g)
+            for token_id, value in p.logit_bias.items():
+                bias_rows.append(g)
+                bias_ids.append(token_id)
+                bias_values.append(value)
+        penalties = None
+        if pen_rows:
+            pens = [per_row[g][1] for g in pen_rows]
+            slots = [per_row[g][0].slot for g in pen_rows]
+            num_blocks = max(len(per_row[g][0].block_ids) for g in pen_rows)
+            rep = [p.repetition_penalty if p.repetition_penalty > 0 else 1.0 for p in pens]
+            need_counts = any(p.frequency_penalty or p.presence_penalty for p in pens)
+            rows_t = _to_device_list(pen_rows, dev, torch.long)
+            counts, seen = context_token_counts(
+                self.state.history,
+                self.state.block_table[_to_device_list(slots, dev, torch.long), :num_blocks],
+                sample_pos[rows_t], _to_device_list([p.num_prompt_tokens for p in pens], dev),
+                int(self.loaded.hf_config.vocab_size), need_counts=need_counts,
+                need_seen=any(r != 1.0 for r in rep))
+            penalties = Penalties(
+                rows=rows_t, repetition=_to_device_list(rep, dev, torch.float32),
+                frequency=_to_device_list([p.frequency_penalty for p in pens], dev, torch.float32),
+                presence=_to_device_list([p.presence_penalty for p in pens], dev, torch.float32),
+                output_counts=counts, seen=seen)
+        bias = None
+        if bias_rows:
+            bias = LogitBias(rows=_to_device_list(bias_rows, dev, torch.long),
+                             token_ids=_to_device_list(bias_ids, dev, torch.long),
+                             values=_to_device_list(bias_values, dev, torch.float32))
+        return SamplingTensors.from_params(
+            temperatures=[p.temperature for _, p in per_row],
+            top_ks=[p.top_k for _, p in per_row],
+            top_ps=[p.top_p if p.top_p > 0 else 1.0 for _, p in per_row],
+            seeds=[p.seed & SEED_MASK for _, p in per_row],
+            positions=sample_pos, device=dev,
+            min_ps=[p.min_p for _, p in per_row], penalties=penalties, logit_bias=bias)
 
     def _start_copy(self, pending: PendingResult) -> None:
         """Start the device-to-host copy of a step's outputs without blocking the next step.
@@ -595,7 +790,7 @@ class ModelRunner:
         """
         if not self.accelerator:
             return  # CPU tensors are already on the host; materialize() just reads them
-        names = ("out_tokens", "num_accepted", "num_drafts", "logprobs")
+        names = ("out_tokens", "num_accepted", "num_drafts", "logprobs", "top_ids", "top_logprobs")
         if self._copy_stream is None:  # an accelerator without streams (the fake test device)
             for name in names:
                 t = getattr(pending, name)

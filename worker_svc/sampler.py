@@ -1,4 +1,11 @@
-"""Keyed sampling: greedy, temperature, top-k, top-p, and log-probabilities.
+"""Keyed sampling: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, logprobs.
+
+The logits of a row go through, in order (vLLM's order for the raw-logit stage, Hugging Face's
+for the warpers): logit_bias (added); repetition penalty (HF/CTRL: over every token of prompt +
+output, positive logits divided, negative multiplied); frequency and presence penalties (OpenAI:
+minus ``frequency * count + presence * [count > 0]`` over output tokens only); then temperature,
+top-k, top-p and min-p. Greedy rows take the argmax after the raw-logit stage. Log-probabilities
+(and top-N) are always of the raw model distribution, as vLLM and OpenAI report them.
 
 Random rows use Gumbel-max with noise from `kernels.keyed_random.keyed_uniform`, keyed by
 (seed, absolute position, token id): exact sampling from the filtered softmax, and the same token
@@ -35,6 +42,9 @@ class SamplingTensors:
     # (the worker must stay ahead of the accelerator). The defaults are always correct, just slower.
     all_greedy: bool = False
     any_filter: bool = True
+    min_p: Tensor | None = None  # [N] float32; None = off for every row
+    penalties: Penalties | None = None
+    logit_bias: LogitBias | None = None
 
     @classmethod
     def from_params(
@@ -45,6 +55,9 @@ class SamplingTensors:
         seeds: Sequence[int],
         positions: Sequence[int] | Tensor,
         device: torch.device | str = "cpu",
+        min_ps: Sequence[float] | None = None,
+        penalties: Penalties | None = None,
+        logit_bias: LogitBias | None = None,
     ) -> SamplingTensors:
         """Build from per-row Python values (``positions`` may already be a device tensor)."""
         num_rows = len(temperatures)
@@ -62,20 +75,114 @@ class SamplingTensors:
             positions=positions.to(torch.int64),
             all_greedy=all(temp <= 0 for temp in temperatures),
             any_filter=any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps),
+            min_p=(to_device(min_ps, torch.float32, device)
+                   if min_ps is not None and any(m > 0 for m in min_ps) else None),
+            penalties=penalties,
+            logit_bias=logit_bias,
         )
 
 
-def _processed_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
-    """Temperature-scaled, top-k/top-p filtered logits (masked entries are -inf), float32.
+@dataclass(slots=True)
+class Penalties:
+    """Repetition / frequency / presence penalties of some logits rows (the others have none).
 
-    Greedy rows become 0 at the raw argmax and -inf elsewhere, so one softmax / Gumbel-max over
+    ``output_counts[i, v]`` is how often token ``v`` occurs among the output tokens of the context
+    of logits row ``rows[i]``; ``seen[i, v]`` whether it occurs anywhere in prompt + output.
+    Either may be None when no row needs it. Build the counts with `context_token_counts`.
+    """
+
+    rows: Tensor  # [P] int64: logits rows these apply to
+    repetition: Tensor  # [P] float32; 1 = off
+    frequency: Tensor  # [P] float32; 0 = off
+    presence: Tensor  # [P] float32; 0 = off
+    output_counts: Tensor | None  # [P, V] int32
+    seen: Tensor | None  # [P, V] bool
+
+
+@dataclass(slots=True)
+class LogitBias:
+    """Sparse additive biases: ``logits[rows[i], token_ids[i]] += values[i]``."""
+
+    rows: Tensor  # [B] int64
+    token_ids: Tensor  # [B] int64
+    values: Tensor  # [B] float32
+
+
+def context_token_counts(
+    history: Tensor, block_tables: Tensor, context_len: Tensor, num_prompt_tokens: Tensor,
+    vocab_size: int, need_counts: bool = True, need_seen: bool = True,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Token counts over each row's context, read from the paged token history.
+
+    ``history [num_blocks, block_size]`` holds the token of every written KV slot;
+    ``block_tables [P, nb]`` the rows' blocks (entries past the context are never counted);
+    ``context_len [P]`` how many leading positions are the context (on the device: the worker's
+    own count, so drafts 0..j-1 of a verification row are in the context of draft j and rejected
+    tokens of earlier steps never are). Returns ``(output_counts [P, V] int32, seen [P, V] bool)``:
+    counts over positions ``num_prompt_tokens <= p < context_len``, and presence over
+    ``p < context_len``.
+    """
+    num_rows = block_tables.shape[0]
+    tokens = history[block_tables.long()].reshape(num_rows, -1).long().clamp_(0, vocab_size - 1)
+    pos = torch.arange(tokens.shape[1], device=tokens.device)
+    in_context = pos[None, :] < context_len.long()[:, None]
+    counts = seen = None
+    if need_counts:
+        is_output = in_context & (pos[None, :] >= num_prompt_tokens.long()[:, None])
+        counts = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=tokens.device)
+        counts.scatter_add_(1, tokens, is_output.to(torch.int32))
+    if need_seen:
+        seen = torch.zeros(num_rows, vocab_size, dtype=torch.int32, device=tokens.device)
+        seen.scatter_add_(1, tokens, in_context.to(torch.int32))
+        seen = seen > 0
+    return counts, seen
+
+
+def _raw_logit_stage(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """float32 logits with logit_bias and penalties applied (a copy when anything applies)."""
+    logits = logits.float()
+    if t.logit_bias is None and t.penalties is None:
+        return logits
+    logits = logits.clone()
+    if t.logit_bias is not None:
+        b = t.logit_bias
+        logits.index_put_((b.rows, b.token_ids), b.values, accumulate=True)
+    if t.penalties is not None:
+        p = t.penalties
+        rows = logits[p.rows]
+        if p.seen is not None:
+            rep = p.repetition[:, None]
+            penalized = torch.where(rows < 0, rows * rep, rows / rep)
+            rows = torch.where(p.seen, penalized, rows)
+        if p.output_counts is not None:
+            counts = p.output_counts.to(torch.float32)
+            rows = rows - p.frequency[:, None] * counts
+            rows = rows - p.presence[:, None] * (counts > 0).to(torch.float32)
+        logits[p.rows] = rows
+    return logits
+
+
+def _min_p(scaled: Tensor, min_p: Tensor) -> Tensor:
+    """Mask tokens whose probability is below ``min_p`` times the row's most likely one."""
+    probs = scaled.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * min_p[:, None]
+    return scaled.masked_fill(probs < threshold, float("-inf"))
+
+
+def _processed_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
+    """Biased, penalized, temperature-scaled, top-k/top-p/min-p filtered logits (masked entries
+    are -inf), float32.
+
+    Greedy rows become 0 at the argmax of the biased and penalized logits and -inf elsewhere, so one softmax / Gumbel-max over
     the result serves greedy and random rows alike.
     """
-    logits = logits.float()
+    logits = _raw_logit_stage(logits, t)
     greedy = t.temperature <= 0
     scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
     if t.any_filter:
         scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
+    if t.min_p is not None:
+        scaled = _min_p(scaled, t.min_p)
     greedy_logits = torch.full_like(scaled, float("-inf"))
     greedy_logits.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
     return torch.where(greedy[:, None], greedy_logits, scaled)
@@ -105,12 +212,12 @@ def _top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
 def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Sample one token per row of ``logits [N, V]``; returns ``[N]`` int64.
 
-    Temperature-0 rows take the argmax of the raw logits (lowest id on ties, like
-    ``torch.argmax`` and HF greedy). Other rows draw exactly from the filtered softmax by
+    Temperature-0 rows take the argmax of the biased and penalized logits (lowest id on ties,
+    like ``torch.argmax`` and HF greedy). Other rows draw exactly from the filtered softmax by
     Gumbel-max with noise keyed by ``(seeds, positions)``.
     """
     if t.all_greedy:
-        return logits.argmax(dim=-1)
+        return _raw_logit_stage(logits, t).argmax(dim=-1)
     processed = _processed_logits(logits, t)
     u = keyed_uniform(t.seeds, t.positions, logits.shape[-1], STREAM_SAMPLE)
     gumbel = -torch.log(-torch.log(u))
@@ -129,3 +236,11 @@ def token_logprobs(logits: Tensor, tokens: Tensor) -> Tensor:
     """``log_softmax`` of the raw logits at ``tokens [N]``; returns ``[N]`` float32."""
     logprobs = logits.float().log_softmax(dim=-1)
     return logprobs.gather(-1, tokens.to(torch.int64)[:, None]).squeeze(-1)
+
+
+def top_logprobs(logits: Tensor, num: int) -> tuple[Tensor, Tensor]:
+    """The ``num`` most likely tokens of the raw ``log_softmax`` per row, most likely first;
+    returns ``(token_ids [N, num] int64, logprobs [N, num] float32)``.
+    """
+    values, ids = logits.float().log_softmax(dim=-1).topk(num, dim=-1, sorted=True)
+    return ids, values

@@ -25,7 +25,7 @@ import torch
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
-from worker_svc.runner import ModelRunner, PlanError, RunnerConfig
+from worker_svc.runner import ModelRunner, PendingResult, PlanError, RunnerConfig
 from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
@@ -139,6 +139,50 @@ def tokenizer_fields(model_dir: Path) -> dict[str, str]:
                 eos_token=token_str(config.get("eos_token")))
 
 
+def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | worker_pb2.StepResult:
+    """Execute one plan; a step that raises becomes an error result and the worker goes on.
+
+    The failed step's requests lose their state (none stays half admitted) and are remembered,
+    so plans already sent that hold rows for them answer those rows with a per-request error
+    instead of failing as a whole; their co-batched requests in those plans are unaffected.
+    """
+    try:
+        return runner.execute(plan)
+    except Exception as exc:
+        if isinstance(exc, PlanError):
+            logger.error("step %d rejected: %s", plan.step_id, exc)
+            error = str(exc)
+        else:
+            logger.exception("step %d failed", plan.step_id)
+            error = f"step failed: {exc}"
+        runner.fail_requests([e.req_id for e in plan.requests], error)
+        return worker_pb2.StepResult(step_id=plan.step_id, error=error)
+
+
+# Test-only fault injection for the chaos suite (tests/test_chaos.py), never set in manifests:
+# every N-th decode row fails (its request ends with ERROR, the rest of its step runs).
+TEST_FAULT_ENV = "ZEROBUBBLE_TEST_FAIL_EVERY_NTH_DECODE_ROW"
+
+
+def injected_fault_hook_from_env(env: dict[str, str]):
+    """The runner's `test_fault_hook` asked for by `TEST_FAULT_ENV` (None when unset)."""
+    every = int(env.get(TEST_FAULT_ENV, "0") or 0)
+    if every <= 0:
+        return None
+    count = [0]
+
+    def hook(plan: worker_pb2.StepPlan, entry: worker_pb2.ScheduledRequest | None) -> None:
+        if entry is None or entry.token_ids:
+            return
+        count[0] += 1
+        if count[0] % every == 0:
+            raise RuntimeError(f"injected test fault (every {every}th decode row)")
+
+    logger.warning("TEST FAULT INJECTION ON: every %dth decode row fails (%s)", every,
+                   TEST_FAULT_ENV)
+    return hook
+
+
 def device_thread() -> ThreadPoolExecutor:
     """The one thread that runs every torch computation of a worker: loading, then all steps.
 
@@ -166,8 +210,15 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self._stream_lock = asyncio.Lock()
         self._generation = 0  # a new Execute stream supersedes the old one
         self._inflight = 0  # plans received and not yet answered
+        # Shutdown: no new streams; the open one is told (a step_id 0 notice, then a flag on
+        # every result) so the scheduler sends no new requests and closes it once it is done.
+        self.draining = False
+        self.num_streams = 0
+        self._notify: list = []  # puts an item into the open stream's result queue
 
     async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
+        if self.draining:  # a scheduler must not (re)connect to a worker that is leaving
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         cfg = self.runner.config
         model = self.loaded.model
         if model is None:
@@ -184,9 +235,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             max_num_seqs=cfg.max_num_seqs,
             **self.tokenizer_fields)
 
+    def start_draining(self) -> None:
+        """SIGTERM: refuse new streams and tell the open one (see `draining` in worker.proto)."""
+        self.draining = True
+        for notify in self._notify:
+            notify(worker_pb2.StepResult(step_id=0, draining=True))
+
     async def Execute(self, request_iterator, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
         self._generation += 1
         generation = self._generation
+        # End the open stream now, even if its scheduler is idle and sends no plan that would
+        # let it notice (a restarted scheduler must not wait for a stream nobody feeds).
+        for notify in list(self._notify):
+            notify(_END)
         async with self._stream_lock:  # the previous stream (if any) has fully stopped
             if generation != self._generation:
                 return
@@ -204,6 +267,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         def deliver(item) -> None:
             loop.call_soon_threadsafe(results.put_nowait, item)
 
+        def materialize_and_deliver(pending, idle_s: float) -> None:
+            deliver(pending.materialize(idle_s, self.runner.num_spec_tokens))
+
+        self._notify.append(deliver)
+        self.num_streams += 1
+        if self.draining:
+            deliver(worker_pb2.StepResult(step_id=0, draining=True))
+
         def step_loop() -> None:
             while True:
                 live = bool(self.runner.slots)
@@ -214,21 +285,12 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if plan is _END:
                     copier.submit(deliver, _END)
                     return
-                try:
-                    pending = self.runner.execute(plan)
-                except PlanError as exc:
-                    logger.error("step %d rejected: %s", plan.step_id, exc)
-                    copier.submit(deliver, worker_pb2.StepResult(step_id=plan.step_id,
-                                                                 error=str(exc)))
-                    continue
-                except Exception as exc:  # keep serving; the scheduler fails the step's requests
-                    logger.exception("step %d failed", plan.step_id)
-                    copier.submit(deliver, worker_pb2.StepResult(step_id=plan.step_id,
-                                                                 error=f"step failed: {exc}"))
+                pending = run_step(self.runner, plan)
+                if isinstance(pending, worker_pb2.StepResult):
+                    copier.submit(deliver, pending)
                     continue
                 # The host copy overlaps the next step: it happens on the copier thread.
-                copier.submit(lambda p=pending, i=idle: deliver(
-                    p.materialize(i, self.runner.num_spec_tokens)))
+                copier.submit(materialize_and_deliver, pending, idle)
 
         async def read_plans() -> None:
             try:
@@ -247,6 +309,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 item = await results.get()
                 if item is _END:
                     break
+                item.draining = self.draining
+                if item.step_id == 0:  # a draining notice, not the answer to a plan
+                    yield item
+                    continue
                 self._inflight -= 1
                 if self.metrics is not None:
                     if not item.error:
@@ -261,6 +327,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             copier.shutdown(wait=True)
             self.runner.reset()
             self._inflight = 0
+            self._notify.remove(deliver)
+            self.num_streams -= 1
             logger.info("scheduler stream %d closed", generation)
 
 
@@ -268,6 +336,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     """Run the worker service until SIGTERM or SIGINT."""
     device = device_thread()
     runner, loaded = await asyncio.get_running_loop().run_in_executor(device, build_runner, cfg)
+    runner.test_fault_hook = injected_fault_hook_from_env(dict(os.environ))
     metrics = None
     if cfg.metrics_port >= 0:
         from zerobubble.metrics import ServiceMetrics, start_metrics_server
@@ -278,7 +347,11 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         # Announced like the gRPC port, so tests and launchers can find a port picked with 0.
         print(f"ZEROBUBBLE_METRICS_PORT={port}", flush=True)
     servicer = WorkerServicer(runner, loaded, cfg, metrics, device)
-    server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
+    interceptors = None
+    if cfg.auth_token:
+        interceptors = [rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME,
+                                                  {"Execute": "stream_stream"})]
+    server = grpc.aio.server(options=rpc.SERVER_OPTIONS, interceptors=interceptors)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
     creds = rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None,
@@ -294,7 +367,15 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     stop = asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()
-    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=5.0)
+    # Probes and the scheduler see it first; the scheduler lets its requests here finish and
+    # then closes the stream, or the drain timeout ends it (the scheduler moves the rest).
+    await rpc.set_serving(health, [SERVICE_NAME], False)
+    servicer.start_draining()
+    logger.info("shutting down: draining for up to %.0fs", cfg.drain_timeout)
+    deadline = time.monotonic() + cfg.drain_timeout
+    while servicer.num_streams and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=1.0)
 
 
 def run_worker(cfg: WorkerConfig) -> None:

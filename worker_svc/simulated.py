@@ -151,7 +151,8 @@ class LagNgramProposer:
         self.ngram_min = ngram_min
         self.runner: ModelRunner | None = None
 
-    def bind(self, runner: ModelRunner) -> None:
+    def bind(self, runner: object) -> None:
+        assert isinstance(runner, ModelRunner)
         self.runner = runner
 
     def admit(self, slot: int, num_cached_tokens: int) -> None:

@@ -12,6 +12,7 @@ import json
 import logging
 import sys
 import time
+from typing import TypeAlias
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,7 +44,7 @@ FINISH_REASON_NAMES: dict[int, str] = {
     generate_pb2.FINISH_REASON_ERROR: "error",
 }
 
-StubOrChannel = generate_pb2_grpc.GenerationStub | grpc.aio.Channel
+StubOrChannel: TypeAlias = "generate_pb2_grpc.GenerationStub | grpc.aio.Channel"
 
 
 @dataclass(slots=True)
@@ -86,6 +87,10 @@ class Completion:
     num_cached_prompt_tokens: int = 0
     request_id: str = ""
     error: str = ""
+    # Per emitted token, the most likely tokens as (token id, logprob), when top_logprobs > 0.
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
+    # With n > 1: one Completion per sequence, by index (this object's own fields are index 0).
+    choices: list[Completion] = field(default_factory=list)
     # Output tokens as the server counted them; HTTP replies carry text only, so there it is the
     # usage figure and `token_ids` stays empty.
     num_output_tokens: int = 0
@@ -111,7 +116,7 @@ class _BearerTokenUnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token
 
-    async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_unary(self, continuation, client_call_details, request):
         return await continuation(_with_bearer_token(client_call_details, self._token), request)
 
 
@@ -121,7 +126,7 @@ class _BearerTokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
     def __init__(self, token: str) -> None:
         self._token = token
 
-    async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
+    async def intercept_unary_stream(self, continuation, client_call_details, request):
         return await continuation(_with_bearer_token(client_call_details, self._token), request)
 
 
@@ -197,6 +202,13 @@ def build_request(
     min_tokens: int = 0,
     ignore_eos: bool = False,
     logprobs: bool = False,
+    top_logprobs: int = 0,
+    presence_penalty: float = 0.0,
+    frequency_penalty: float = 0.0,
+    repetition_penalty: float | None = None,
+    min_p: float = 0.0,
+    logit_bias: Mapping[int, float] | None = None,
+    n: int = 0,
 ) -> generate_pb2.GenerateRequest:
     """A ``GenerateRequest`` from plain Python values; None leaves a field to the server default.
 
@@ -228,6 +240,14 @@ def build_request(
         sampling.top_p = top_p
     if seed is not None:
         sampling.seed = seed
+    sampling.presence_penalty = presence_penalty
+    sampling.frequency_penalty = frequency_penalty
+    if repetition_penalty is not None:
+        sampling.repetition_penalty = repetition_penalty
+    sampling.min_p = min_p
+    for token_id, bias in (logit_bias or {}).items():
+        sampling.logit_bias[token_id] = bias
+    sampling.n = n
     stopping = request.stopping
     if max_tokens is not None:
         stopping.max_tokens = max_tokens
@@ -236,6 +256,7 @@ def build_request(
     stopping.stop_token_ids.extend(stop_token_ids)
     stopping.ignore_eos = ignore_eos
     request.response.logprobs = logprobs
+    request.response.top_logprobs = top_logprobs
     return request
 
 
@@ -278,23 +299,27 @@ async def complete(
     Raises:
         grpc.aio.AioRpcError: the call itself failed.
     """
-    completion = Completion()
     started = time.perf_counter()
-    last_token_at: float | None = None
-    text_parts: list[str] = []
+    # One Completion per sequence index (n > 1 interleaves them on one stream).
+    by_index: dict[int, Completion] = {}
+    last_token_at: dict[int, float] = {}
+    text_parts: dict[int, list[str]] = {}
     async for response in generate_stream(stub_or_channel, request, timeout=timeout, metadata=metadata):
         now = time.perf_counter()
         if on_response is not None:
             on_response(response)
+        completion = by_index.setdefault(response.index, Completion())
         if response.token_ids:
-            if last_token_at is None:
+            if response.index not in last_token_at:
                 completion.ttft_s = now - started
             else:
-                completion.itl.append(now - last_token_at)
-            last_token_at = now
-        text_parts.append(response.text)
+                completion.itl.append(now - last_token_at[response.index])
+            last_token_at[response.index] = now
+        text_parts.setdefault(response.index, []).append(response.text)
         completion.token_ids.extend(response.token_ids)
         completion.logprobs.extend(response.logprobs)
+        completion.top_logprobs.extend(list(zip(top.token_ids, top.logprobs))
+                                       for top in response.top_logprobs)
         completion.request_id = response.request_id or completion.request_id
         completion.num_prompt_tokens = response.num_prompt_tokens or completion.num_prompt_tokens
         completion.num_cached_prompt_tokens = (response.num_cached_prompt_tokens
@@ -303,9 +328,15 @@ async def complete(
         if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             completion.finish_reason = finish_reason_name(response.finish_reason)
             completion.error = response.error
-    completion.e2e_s = time.perf_counter() - started
-    completion.text = "".join(text_parts)
-    return completion
+            completion.e2e_s = now - started
+    for index, completion in by_index.items():
+        completion.text = "".join(text_parts.get(index, []))
+        completion.e2e_s = completion.e2e_s or time.perf_counter() - started
+    first = by_index.get(0, Completion())
+    if len(by_index) > 1:
+        first.choices = [by_index[i] for i in sorted(by_index)]
+    first.e2e_s = time.perf_counter() - started
+    return first
 
 
 def finish_reason_name(value: int) -> str:

@@ -167,6 +167,12 @@ class WorkerConfig(ServiceConfig):
     prepack_weights: bool = setting(
         True, "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
               "batches; float32 weights then take twice the memory)")
+    auth_token: str = setting(
+        "", "token the scheduler must send (its --worker-auth-token) to use Execute and "
+            "Describe; health stays open (empty = no auth)", secret=True)
+    drain_timeout: float = setting(
+        30.0, "seconds SIGTERM lets the scheduler finish this worker's requests before the "
+              "stream closes (the manifests' grace period is 30 s)")
     simulate_device_ms: float = setting(
         -1.0, "no model: every step takes this many ms on a simulated device and tokens come from a "
               "deterministic function of the sequence (load-test a scheduler or measure host cost "
@@ -197,6 +203,7 @@ class WorkerConfig(ServiceConfig):
         _require(self.max_model_len >= 0, "--max-model-len must be >= 0 (0 = from the model)")
         _require(self.num_spec_tokens >= 0, "--num-spec-tokens must be >= 0")
         _require(self.num_threads >= 0, "--num-threads must be >= 0")
+        _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         if self.spec_method == "ngram":
             _require(1 <= self.ngram_min <= self.ngram_max,
                      f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: "
@@ -238,6 +245,15 @@ class SchedulerServiceConfig(ServiceConfig):
         secret=True)
     worker_tls_cert: str = setting("", "PEM client certificate for mutual TLS to workers", secret=True)
     worker_tls_key: str = setting("", "PEM private key of --worker-tls-cert", secret=True)
+    worker_auth_token: str = setting(
+        "", "token sent to the workers' --auth-token (a different secret from the clients' "
+            "--auth-token; empty = none)", secret=True)
+    step_deadline: float = setting(
+        0.0, "seconds a worker may take to answer a step before it is declared lost and its "
+             "requests move (0 = max(10 s, 20 x p99 of its recent steps))")
+    drain_timeout: float = setting(
+        60.0, "seconds SIGTERM lets running requests finish before cancelling the rest (the "
+              "manifests' grace period is 60 s)")
 
     def worker_addresses(self) -> list[str]:
         """``--workers`` split into its addresses."""
@@ -248,6 +264,8 @@ class SchedulerServiceConfig(ServiceConfig):
         _require(self.max_inflight_steps >= 1, "--max-inflight-steps must be >= 1 (1 = synchronous)")
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         _require(self.max_waiting >= 1, "--max-waiting must be >= 1")
+        _require(self.step_deadline >= 0, "--step-deadline must be >= 0 (0 = derived)")
+        _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
         _require(bool(self.worker_tls_cert) == bool(self.worker_tls_key),
                  "--worker-tls-cert and --worker-tls-key go together")
@@ -274,8 +292,10 @@ class ServeConfig:
             self.worker.validate()
 
 
-# Settings of a worker that `serve` does not expose: the local worker's own listener.
-SERVE_WORKER_HIDDEN = frozenset({"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca"})
+# Settings of a worker that `serve` does not expose: the local worker's own listener, and its
+# auth token (serve makes a fresh one per run; `--auth-token` on serve is the clients' token).
+SERVE_WORKER_HIDDEN = frozenset({"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca",
+                                 "auth_token"})
 
 
 def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
@@ -308,7 +328,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The `serve` config from its parsed flags; the local worker listens on loopback."""
     worker = from_namespace(WorkerConfig, args)
     worker.host, worker.port, worker.metrics_port = "127.0.0.1", args.worker_port, -1
-    worker.tls_cert = worker.tls_key = worker.tls_client_ca = ""
+    worker.tls_cert = worker.tls_key = worker.tls_client_ca = worker.auth_token = ""
     return ServeConfig(scheduler=from_namespace(SchedulerServiceConfig, args), worker=worker,
                        worker_port=args.worker_port)
 

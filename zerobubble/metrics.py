@@ -18,7 +18,15 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    ProcessCollector,
+    start_http_server,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,6 +197,10 @@ class ServiceMetrics:
         self.model = model
         self.role = role
         self.registry = registry if registry is not None else CollectorRegistry()
+        # process_* (RSS, CPU, open fds) and python_gc_*: what a leak or a GC pause shows in.
+        # The default registry has them, a private one must add them itself.
+        ProcessCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         specs = {spec.name: spec for spec in METRIC_SPECS}
 
         def gauge(name: str) -> Gauge:

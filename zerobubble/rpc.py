@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 from collections.abc import Iterable
@@ -19,6 +20,9 @@ logger = logging.getLogger(__name__)
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 SERVER_OPTIONS: list[tuple[str, int]] = [
+    # gRPC sets SO_REUSEPORT by default: a second server on a used port would start silently
+    # and take half the connections. Off, binding a used port fails (see `bind`).
+    ("grpc.so_reuseport", 0),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Detect dead peers across a real network: ping idle connections, accept client pings.
@@ -37,6 +41,46 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+
+
+class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
+    """Requires `authorization: Bearer <token>` on one service's methods.
+
+    Other services (grpc.health.v1 for probes, reflection) stay open. A refused call never
+    reaches the servicer, so e.g. a stranger's `Execute` cannot supersede the current stream.
+    `streaming` maps method names to their kind ("unary_stream", "stream_stream"); the rest
+    are unary.
+    """
+
+    def __init__(self, token: str, service_name: str, streaming: dict[str, str]) -> None:
+        self.expected = f"Bearer {token}".encode()
+        self.prefix = f"/{service_name}/"
+
+        async def deny(request, context):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+
+        self._deny = {
+            "unary_unary": grpc.unary_unary_rpc_method_handler(deny),
+            "unary_stream": grpc.unary_stream_rpc_method_handler(deny),
+            "stream_stream": grpc.stream_stream_rpc_method_handler(deny),
+        }
+        self.streaming = streaming
+
+    async def intercept_service(self, continuation, details):
+        if not details.method.startswith(self.prefix):
+            return await continuation(details)
+        metadata = dict(details.invocation_metadata or ())
+        # Constant-time comparison: an early-exit == leaks how much of a guess was right.
+        given = str(metadata.get("authorization", "")).encode()
+        if hmac.compare_digest(given, self.expected):
+            return await continuation(details)
+        method = details.method[len(self.prefix):]
+        return self._deny[self.streaming.get(method, "unary_unary")]
+
+
+def bearer_metadata(token: str) -> tuple[tuple[str, str], ...] | None:
+    """Call metadata that carries `token` (None when there is none)."""
+    return (("authorization", f"Bearer {token}"),) if token else None
 
 
 def _read(path: str | None) -> bytes | None:
@@ -104,10 +148,15 @@ def bind(server: grpc.aio.Server, host: str, port: int,
          creds: grpc.ServerCredentials | None) -> int:
     """Listen on host:port (0 = a free port); returns the bound port."""
     address = f"{host}:{port}"
-    bound = (server.add_secure_port(address, creds) if creds is not None
-             else server.add_insecure_port(address))
+    try:
+        bound = (server.add_secure_port(address, creds) if creds is not None
+                 else server.add_insecure_port(address))
+    except RuntimeError as exc:  # grpcio reports a failed bind this way
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is "
+                      f"not available ({exc})") from exc
     if bound == 0:
-        raise OSError(f"cannot listen on {address}")
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is "
+                      "not available")
     return bound
 
 

@@ -6,6 +6,8 @@ memory grows with tokens actually held rather than with max_num_seqs x max_model
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kernels.ngram import ngram_propose
@@ -23,7 +25,7 @@ class NgramProposer:
         self.num_lookahead_slots = 0  # proposals are read from history; nothing is written
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
-        self.runner = None
+        self.runner: Any = None  # the ModelRunner, set by bind (it imports us)
 
     def bind(self, runner) -> None:
         self.runner = runner

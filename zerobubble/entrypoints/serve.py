@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import secrets
 import subprocess
 import sys
 from dataclasses import fields
@@ -31,9 +32,13 @@ def worker_command(cfg: ServeConfig) -> list[str]:
 
 
 def start_local_worker(cfg: ServeConfig) -> tuple[subprocess.Popen, int]:
-    """Start the worker process and wait for the port line it prints once it listens."""
-    proc = subprocess.Popen(worker_command(cfg), stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    """Start the worker process and wait for the port line it prints once it listens.
+
+    Its auth token (`cfg.worker.auth_token`) goes through the environment, not the command
+    line, which other local users can read.
+    """
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "ZEROBUBBLE_AUTH_TOKEN": cfg.worker.auth_token}
+    proc = subprocess.Popen(worker_command(cfg), stdout=subprocess.PIPE, text=True, env=env)
     assert proc.stdout is not None
     for line in proc.stdout:
         if line.startswith("ZEROBUBBLE_WORKER_PORT="):
@@ -49,6 +54,8 @@ def run_serve(cfg: ServeConfig) -> None:
         addresses = cfg.scheduler.worker_addresses()
     else:
         logger.info("starting the local worker (model %s)", cfg.worker.model)
+        # A fresh secret per run closes the local worker's API to everyone but this scheduler.
+        cfg.worker.auth_token = cfg.scheduler.worker_auth_token = secrets.token_urlsafe(24)
         proc, port = start_local_worker(cfg)
         addresses = [f"127.0.0.1:{port}"]
     try:

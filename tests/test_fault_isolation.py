@@ -1,0 +1,138 @@
+"""Fault isolation inside a step, on the real SmolLM2 runner driven by the real scheduler.
+
+Plans are sent three ahead of their results (as over the network), so when a row fails, later
+plans already hold decode rows for its request. Those rows must be answered with a per-request
+error, not fail the whole plan; the co-batched requests must come out token for token as in a
+fault-free run, and the worker must keep no state for the failed requests.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from scheduler_svc.scheduler import FINISH_ERROR, Scheduler, SchedulerConfig
+from scheduler_svc.tokenizer import Tokenizer
+from worker_svc.server import build_runner, run_step, tokenizer_fields
+from zerobubble.config import WorkerConfig
+from zerobubble.api import worker_pb2
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [
+    "The capital of France is",
+    "List three colours:",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+]
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2_dir):
+    runner, _ = build_runner(WorkerConfig(kv_cache_memory_gb=0.05, max_num_seqs=8,
+                                          spec_method="ngram", num_spec_tokens=3))
+    return runner
+
+
+def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0):
+    """The prompts through Scheduler + runner (results `window - 1` plans late).
+
+    With `late_after_step`, the last prompt joins right after that step was executed (so the
+    plans in flight behind it mix it with the earlier requests). Returns req_id -> (tokens,
+    finish reason, error) and the step-level errors seen.
+    """
+    cfg = runner.config
+    info = worker_pb2.WorkerInfo(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
+                                 max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                                 num_spec_tokens=runner.num_spec_tokens,
+                                 eos_token_ids=runner.loaded.eos_token_ids,
+                                 vocab_size=runner.loaded.hf_config.vocab_size)
+    fields = tokenizer_fields(runner.loaded.path)
+    tok = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"],
+                    fields["eos_token"])
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64).with_worker(info), tok)
+    runner.reset()
+    def add(i: int) -> None:
+        scheduler.add_request(f"r{i}", tok.encode(PROMPTS[i]), max_tokens=MAX_TOKENS,
+                              ignore_eos=True)
+
+    num_early = len(PROMPTS) - 1 if late_after_step else len(PROMPTS)
+    for i in range(num_early):
+        add(i)
+    out: dict[str, list] = {f"r{i}": [[], None, ""] for i in range(len(PROMPTS))}
+    step_errors: list[str] = []
+    inflight = []
+    while scheduler.has_unfinished() or inflight:
+        while len(inflight) < window and (plan := scheduler.schedule()) is not None:
+            if mutate_plan is not None:
+                mutate_plan(plan)
+            inflight.append(run_step(runner, plan))
+            if plan.step_id == late_after_step:
+                add(len(PROMPTS) - 1)
+        pending = inflight.pop(0)
+        result = (pending if isinstance(pending, worker_pb2.StepResult)
+                  else pending.materialize(0.0, runner.num_spec_tokens))
+        if result.error:
+            step_errors.append(result.error)
+        for ev in scheduler.on_step_result(result):
+            out[ev.req_id][0].extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                out[ev.req_id][1:] = [ev.finish_reason, ev.error]
+    # A last (empty) plan would carry the finish notices; release them as it would.
+    for req_id in list(runner.slots):
+        assert req_id not in {"r1", "r2"} or out[req_id][1] != FINISH_ERROR
+    return out, step_errors
+
+
+def test_failed_rows_end_only_their_requests(runner):
+    reference, errors = run(runner)
+    assert not errors and all(len(v[0]) == MAX_TOKENS for v in reference.values())
+
+    seen_decode = {"r1": 0}
+
+    def hook(plan, entry):
+        # r1 fails at its first decode row; the two plans after it already hold rows for it.
+        if entry is not None and entry.req_id == "r1" and not entry.token_ids:
+            seen_decode["r1"] += 1
+            if seen_decode["r1"] == 1:
+                raise RuntimeError("injected row fault")
+
+    def malformed(plan):
+        # r2's first prefill chunk carries an id outside the vocabulary (a malformed entry).
+        for entry in plan.requests:
+            if entry.req_id == "r2" and entry.is_new:
+                entry.token_ids[0] = 10**6
+
+    runner.test_fault_hook = hook
+    try:
+        got, errors = run(runner, malformed)
+    finally:
+        runner.test_fault_hook = None
+    assert not errors, errors  # no step failed as a whole
+    assert got["r1"][1] == FINISH_ERROR and "injected row fault" in got["r1"][2]
+    assert got["r2"][1] == FINISH_ERROR and "vocabulary" in got["r2"][2]
+    assert seen_decode["r1"] == 1, "later rows of the failed request reached the model"
+    for req_id in ("r0", "r3"):
+        assert got[req_id][0] == reference[req_id][0], req_id
+    assert not {"r1", "r2"} & set(runner.slots)
+
+
+def test_a_step_that_raises_fails_its_requests_and_not_the_next_plans(runner):
+    """Step 2 raises as a whole (as a crash in the model would); r3 joins right behind it, so
+    the plans in flight hold r3's prefill next to decode rows of the failed requests."""
+    reference, _ = run(runner, late_after_step=2)
+
+    def hook(plan, entry):
+        if entry is None and plan.step_id == 2:
+            raise RuntimeError("injected step fault")
+
+    runner.test_fault_hook = hook
+    try:
+        got, errors = run(runner, late_after_step=2)
+    finally:
+        runner.test_fault_hook = None
+    assert errors == ["step failed: injected step fault"]
+    for req_id in ("r0", "r1", "r2"):
+        assert got[req_id][1] == FINISH_ERROR and "injected step fault" in got[req_id][2]
+    assert got["r3"][0] == reference["r3"][0] and len(got["r3"][0]) == MAX_TOKENS
+    assert not {"r0", "r1", "r2"} & set(runner.slots)

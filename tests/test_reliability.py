@@ -1,0 +1,281 @@
+"""Fault isolation and supervision on the scheduler side, without model processes.
+
+The worker behind a `WorkerLink` here is `SimWorker` (tests/sim_worker.py, the pure-Python
+worker with the real worker's semantics) answering over a stand-in for the `Execute` call, so
+the link's supervision (reset, re-queue from confirmed tokens, reconnect) runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+
+from scheduler_svc import worker_link
+from scheduler_svc.request import StoppingOptions
+from scheduler_svc.router import Router
+from scheduler_svc.scheduler import (
+    FINISH_ERROR,
+    FINISH_MAX_TOKENS,
+    RequestEvent,
+    SchedulerConfig,
+)
+from tests.sim_worker import (
+    EOS_ID,
+    TOY_CHAT_TEMPLATE,
+    SimWorker,
+    make_toy_tokenizer,
+    make_toy_tokenizer_json,
+    reference_generate,
+)
+from zerobubble.api import worker_pb2
+
+TOY = make_toy_tokenizer()
+BLOCK_SIZE = 4
+NUM_BLOCKS = 200
+
+
+def toy_info(name: str, max_model_len: int = 128) -> worker_pb2.WorkerInfo:
+    return worker_pb2.WorkerInfo(
+        worker_id=name, model="toy", max_model_len=max_model_len, block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS, vocab_size=258, eos_token_ids=[EOS_ID], max_num_seqs=8,
+        spec_method="ngram", num_spec_tokens=3, tokenizer_json=make_toy_tokenizer_json(),
+        chat_template=TOY_CHAT_TEMPLATE, bos_token="<|bos|>", eos_token="<|eos|>")
+
+
+class SimCall:
+    """The scheduler's end of one `Execute` stream, answered by a fresh `SimWorker`
+    (a real worker resets its state when a new stream supersedes the old one)."""
+
+    def __init__(self, max_model_len: int) -> None:
+        self.worker = SimWorker(NUM_BLOCKS, BLOCK_SIZE, max_model_len)
+        self.results: asyncio.Queue = asyncio.Queue()
+
+    async def write(self, plan: worker_pb2.StepPlan) -> None:
+        self.results.put_nowait(self.worker.execute(plan))
+
+    async def read(self):
+        return await self.results.get()
+
+    def cancel(self) -> None:
+        self.results.put_nowait(grpc.aio.EOF)
+
+
+def sim_stub(describes: list[float], max_model_len: int = 128):
+    class Stub:
+        def __init__(self, channel) -> None:
+            pass
+
+        async def Describe(self, request, timeout=None, metadata=None):
+            describes.append(time.monotonic())
+            return toy_info("sim", max_model_len)
+
+        def Execute(self, metadata=None):
+            return SimCall(max_model_len)
+
+    return Stub
+
+
+async def wait_for(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+def prompts(n: int, seed: int = 3) -> dict[str, list[int]]:
+    rng = random.Random(seed)
+    return {f"r{i}": [rng.choice(b"abc xyz") for _ in range(rng.randint(5, 20))] for i in range(n)}
+
+
+def test_link_survives_an_exception_in_its_receive_path(monkeypatch, caplog) -> None:
+    """An exception raised while handling a result (here: the event callback, after delivery)
+    resets the link instead of ending it: the requests resume from their confirmed tokens after
+    the reconnect, and every output equals the toy model's (nothing lost or repeated)."""
+    describes: list[float] = []
+    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", sim_stub(describes))
+    streams: dict[str, list[int]] = {}
+    finished: dict[str, RequestEvent] = {}
+    num_calls = [0]
+
+    def on_events(link, events: list[RequestEvent]) -> None:
+        for ev in events:
+            assert ev.req_id not in finished, "event after the final one"
+            streams.setdefault(ev.req_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                finished[ev.req_id] = ev
+        num_calls[0] += 1
+        if num_calls[0] == 5:
+            raise RuntimeError("injected fault in the receive path")
+
+    ps = prompts(6)
+
+    async def scenario() -> None:
+        router = Router(SchedulerConfig(max_num_batched_tokens=32), max_inflight_steps=2)
+        router.on_events = on_events
+        await router.start(["sim:1"])
+        link = router.links[0]
+        await wait_for(lambda: link.ready)
+        for i, (req_id, prompt) in enumerate(ps.items()):
+            router.submit(link, req_id, prompt, seed=1000 + i, max_tokens=30)
+        await wait_for(lambda: len(finished) == len(ps))
+        assert not link._task.done(), "the link task ended"
+        await router.close()
+
+    asyncio.run(scenario())
+    assert len(describes) >= 2, "the link never reconnected"
+    assert "injected fault in the receive path" in caplog.text
+    for i, (req_id, prompt) in enumerate(ps.items()):
+        expected = reference_generate(TOY, prompt, 1000 + i, StoppingOptions(max_tokens=30),
+                                      max_model_len=128)
+        assert streams[req_id] == expected.token_ids, req_id
+        assert finished[req_id].finish_reason == expected.finish_reason
+
+
+def test_migration_that_cannot_place_a_request_ends_it_with_error() -> None:
+    """A lost worker's request longer than the remaining worker's model length ends with ERROR
+    and a message; the others move on (none is left waiting forever)."""
+    router = Router(SchedulerConfig(max_num_batched_tokens=32), max_inflight_steps=2)
+    got: list[RequestEvent] = []
+    router.on_events = lambda link, events: got.extend(events)
+    links = []
+    for name, max_len in (("big", 128), ("small", 24)):
+        link = worker_link.WorkerLink(name, router.config, 2, router._on_link_events,
+                                      router._on_link_lost)
+        link.info = toy_info(name, max_len)
+        link._configure(link.info)
+        link.ready = True
+        links.append(link)
+    router.links = links
+    big, small = links
+    long_prompt, short_prompts = [97] * 30, [[98] * 5, [99] * 6]
+    router.submit(big, "long", long_prompt, seed=1, max_tokens=10)
+    for i, p in enumerate(short_prompts):
+        router.submit(big, f"short{i}", p, seed=2 + i, max_tokens=10)
+    big.ready = False
+    router._on_link_lost(big)
+    assert [ev.req_id for ev in got] == ["long"]
+    assert got[0].finish_reason == FINISH_ERROR and "cannot be resumed" in got[0].error
+    assert "long" not in router.owner
+    assert router.owner["short0"] is small and router.owner["short1"] is small
+    assert small.scheduler.num_unfinished() == 2
+
+
+def test_a_bad_result_for_one_request_ends_only_that_request() -> None:
+    """An exception while applying one row (here its detokenizer) ends that request with ERROR;
+    the step's other rows apply normally and their outputs are unchanged."""
+    from tests.test_scheduler import assert_matches_reference, make_case
+    from tests.sim_worker import drive
+
+    case = make_case(num_requests=4, stopping=StoppingOptions(max_tokens=20), eos_per_mille=0)
+    victim = case.scheduler.get_request("r1")
+    real_append = victim.detokenizer.append
+
+    def append(token_id: int):
+        if victim.num_output_tokens >= 5:
+            raise ValueError("injected detokenizer fault")
+        return real_append(token_id)
+
+    victim.detokenizer.append = append  # type: ignore[method-assign]
+    got = drive(case.scheduler, case.worker, 2)
+    assert got["r1"].finish_reason == FINISH_ERROR
+    assert "injected detokenizer fault" in got["r1"].last_event.error
+    del case.prompts["r1"]
+    assert_matches_reference(case, got)
+    assert all(got[r].finish_reason == FINISH_MAX_TOKENS for r in case.prompts)
+    assert case.scheduler.block_pool.num_used == 0
+
+
+class FakeChannel:
+    """Stands in for the gRPC channel: the stub reads which worker it is from `address`."""
+
+    def __init__(self, address: str, *args, **kwargs) -> None:
+        self.address = address
+
+    async def close(self, grace=None) -> None:
+        pass
+
+
+class HangingCall(SimCall):
+    """A worker that stops answering after `num_answers` plans (alive, stream open, silent)."""
+
+    def __init__(self, max_model_len: int, num_answers: int) -> None:
+        super().__init__(max_model_len)
+        self.num_answers = num_answers
+
+    async def write(self, plan: worker_pb2.StepPlan) -> None:
+        if self.num_answers > 0:
+            self.num_answers -= 1
+            await super().write(plan)
+
+
+def test_a_hung_worker_is_declared_lost_at_the_step_deadline(monkeypatch, caplog) -> None:
+    """A worker that stops answering mid-generation is dropped once the oldest plan in flight
+    is older than the step deadline; its requests finish on the other worker, unchanged."""
+    calls: dict[str, int] = {}
+
+    class Stub:
+        def __init__(self, channel: FakeChannel) -> None:
+            self.address = channel.address
+
+        async def Describe(self, request, timeout=None, metadata=None):
+            calls[self.address] = calls.get(self.address, 0) + 1
+            if self.address.startswith("hang") and calls[self.address] > 1:
+                await asyncio.sleep(3600)  # still hung when the link tries to reconnect
+            return toy_info(self.address)
+
+        def Execute(self, metadata=None):
+            if self.address.startswith("hang"):
+                return HangingCall(128, num_answers=4)
+            return SimCall(128)
+
+    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", Stub)
+    monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
+    ps = prompts(8, seed=7)
+    streams: dict[str, list[int]] = {}
+    finished: dict[str, RequestEvent] = {}
+
+    def on_events(link, events: list[RequestEvent]) -> None:
+        for ev in events:
+            streams.setdefault(ev.req_id, []).extend(ev.token_ids)
+            if ev.finish_reason is not None:
+                finished[ev.req_id] = ev
+
+    async def scenario() -> float:
+        router = Router(SchedulerConfig(max_num_batched_tokens=32), max_inflight_steps=2,
+                        step_deadline_s=0.5)
+        router.on_events = on_events
+        await router.start(["good:1", "hang:1"])
+        await wait_for(lambda: all(link.ready for link in router.links))
+        good, hung = router.links
+        started = time.monotonic()
+        for i, (req_id, prompt) in enumerate(ps.items()):
+            router.submit(router.links[i % 2], req_id, prompt, seed=1000 + i, max_tokens=30)
+        await wait_for(lambda: len(finished) == len(ps))
+        elapsed = time.monotonic() - started
+        assert not hung.ready and good.ready
+        await router.close()
+        return elapsed
+
+    elapsed = asyncio.run(scenario())
+    assert "step deadline" in caplog.text
+    assert elapsed < 5.0, elapsed
+    for i, (req_id, prompt) in enumerate(ps.items()):
+        expected = reference_generate(TOY, prompt, 1000 + i, StoppingOptions(max_tokens=30),
+                                      max_model_len=128)
+        assert streams[req_id] == expected.token_ids, req_id
+        assert finished[req_id].finish_reason == expected.finish_reason
+
+
+def test_derived_step_deadline() -> None:
+    from collections import deque
+
+    derive = worker_link.derived_step_deadline
+    assert derive(deque([(0.05, 8)] * 5)) == worker_link.WARMUP_STEP_DEADLINE_S
+    assert derive(deque([(0.05, 8)] * 99 + [(0.2, 8)]), 8) == worker_link.MIN_STEP_DEADLINE_S
+    assert derive(deque([(0.05, 8)] * 90 + [(2.0, 8)] * 10), 8) == pytest.approx(40.0)
+    # A 2,048-token prefill after fast 8-token decodes gets time in proportion to its tokens.
+    assert derive(deque([(0.08, 8)] * 100), 2048) == pytest.approx(20 * 0.01 * 2048)
