@@ -77,14 +77,21 @@ NON_FLAG_ENV: dict[str, str] = {
 # Credentials and key material: never in a ConfigMap, which any reader of the namespace sees.
 SECRET_FLAGS: frozenset[str] = frozenset(flag_name(n)[2:] for n in secret_settings())
 # Labels Prometheus (with the Operator's ServiceMonitor) attaches to every scraped series.
-TARGET_LABELS: frozenset[str] = frozenset({
-    "job", "instance", "namespace", "pod", "service", "endpoint", "container",
-})
+TARGET_LABELS: frozenset[str] = frozenset(
+    {
+        "job",
+        "instance",
+        "namespace",
+        "pod",
+        "service",
+        "endpoint",
+        "container",
+    }
+)
 METRIC_RE = re.compile(r"(?<![A-Za-z0-9_:])zerobubble_[A-Za-z0-9_]+(?![A-Za-z0-9_:])")
 SELECTOR_RE = re.compile(r"(?<![A-Za-z0-9_:])(zerobubble_[A-Za-z0-9_]+)\s*\{([^}]*)\}")
 MATCHER_RE = re.compile(r"([A-Za-z_][A-Za-z0-9_]*)\s*(?:=~|!~|!=|=)")
-WORKERS_RE = re.compile(
-    r"^dns:///(?P<svc>[a-z0-9-]+)\.(?P<ns>[a-z0-9-]+)\.svc(?:\.[a-z0-9.-]+)?:(?P<port>\d+)$")
+WORKERS_RE = re.compile(r"^dns:///(?P<svc>[a-z0-9-]+)\.(?P<ns>[a-z0-9-]+)\.svc(?:\.[a-z0-9.-]+)?:(?P<port>\d+)$")
 RULES_FILE = Path("prometheus") / "zerobubble-rules.yaml"
 RULE_TESTS_GLOB = "*.test.yaml"
 
@@ -111,6 +118,7 @@ def _suggest(word: str, options: Sequence[str]) -> str:
 
 
 # --- schemas -----------------------------------------------------------------------------------
+
 
 @dataclass(slots=True)
 class Schemas:
@@ -159,15 +167,19 @@ def check_schema(obj: Obj, schemas: Schemas, k8s_version: str, where: str, resul
     filename = _crd_schema_file(obj)
     errors = schemas.errors(filename, obj)
     if errors is None:
-        result.fail(where, f"{_describe(obj)}: no schema for {obj.get('apiVersion')} "
-                    f"{obj.get('kind')} in Kubernetes {k8s_version}; vendor one as "
-                    f"deploy/schemas/{filename}")
+        result.fail(
+            where,
+            f"{_describe(obj)}: no schema for {obj.get('apiVersion')} "
+            f"{obj.get('kind')} in Kubernetes {k8s_version}; vendor one as "
+            f"deploy/schemas/{filename}",
+        )
         return
     for message in errors:
         result.fail(where, f"{_describe(obj)}: {message}")
 
 
 # --- references between objects ----------------------------------------------------------------
+
 
 def _workloads(objects: Sequence[Obj]) -> Iterator[tuple[Obj, Obj]]:
     for obj in objects:
@@ -211,69 +223,85 @@ def check_references(objects: Sequence[Obj], where: str, result: Result) -> None
         ns = _ns(obj)
         what = _describe(obj)
         if obj["kind"] != "Namespace" and ns and ns not in namespaces:
-            result.fail(where, f"{what}: namespace {ns!r} is not created by this overlay "
-                        "(add a Namespace object)")
+            result.fail(where, f"{what}: namespace {ns!r} is not created by this overlay (add a Namespace object)")
         spec = obj.get("spec") or {}
         if obj["kind"] == "Service":
-            matched = [t for w, t in workloads if _ns(w) == ns
-                       and _selects(spec.get("selector"), (t.get("metadata") or {}).get("labels"))]
+            matched = [
+                t
+                for w, t in workloads
+                if _ns(w) == ns and _selects(spec.get("selector"), (t.get("metadata") or {}).get("labels"))
+            ]
             if not matched:
-                result.fail(where, f"{what}: selector {spec.get('selector')} matches no pod "
-                            "template")
+                result.fail(where, f"{what}: selector {spec.get('selector')} matches no pod template")
             for port in spec.get("ports") or []:
                 target = port.get("targetPort", port.get("port"))
                 if matched and not all(_port_exists(target, *_container_ports(t)) for t in matched):
-                    result.fail(where, f"{what}: targetPort {target!r} of port "
-                                f"{port.get('name', port.get('port'))} is not a container port")
+                    result.fail(
+                        where,
+                        f"{what}: targetPort {target!r} of port "
+                        f"{port.get('name', port.get('port'))} is not a container port",
+                    )
         elif obj["kind"] == "PodDisruptionBudget":
             selector = (spec.get("selector") or {}).get("matchLabels")
-            if not any(_ns(w) == ns and _selects(selector, (t.get("metadata") or {}).get("labels"))
-                       for w, t in workloads):
+            if not any(
+                _ns(w) == ns and _selects(selector, (t.get("metadata") or {}).get("labels")) for w, t in workloads
+            ):
                 result.fail(where, f"{what}: selector {selector} matches no pod template")
         elif obj["kind"] == "StatefulSet":
             svc = by_id.get(("Service", ns, str(spec.get("serviceName"))))
             if svc is None or (svc.get("spec") or {}).get("clusterIP") != "None":
-                result.fail(where, f"{what}: serviceName {spec.get('serviceName')!r} must name a "
-                            "headless Service (clusterIP: None) of this overlay")
+                result.fail(
+                    where,
+                    f"{what}: serviceName {spec.get('serviceName')!r} must name a "
+                    "headless Service (clusterIP: None) of this overlay",
+                )
         elif obj["kind"] == "HorizontalPodAutoscaler":
             ref = spec.get("scaleTargetRef") or {}
             target = by_id.get((str(ref.get("kind")), ns, str(ref.get("name"))))
             if target is None:
-                result.fail(where, f"{what}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} "
-                            "does not exist")
+                result.fail(where, f"{what}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} does not exist")
             elif "replicas" in (target.get("spec") or {}):
-                result.fail(where, f"{what}: {_describe(target)} sets spec.replicas; every apply "
-                            "would reset what the autoscaler chose (leave it out)")
+                result.fail(
+                    where,
+                    f"{what}: {_describe(target)} sets spec.replicas; every apply "
+                    "would reset what the autoscaler chose (leave it out)",
+                )
             for metric in spec.get("metrics") or []:
                 body = metric.get(str(metric.get("type", "")).lower()) or {}
                 name = str((body.get("metric") or {}).get("name", ""))
                 if name.startswith("zerobubble_") and name not in METRIC_NAMES:
-                    result.fail(where, f"{what}: autoscaling metric {name!r} is not exported"
-                                f"{_suggest(name, METRIC_NAMES)}")
+                    result.fail(
+                        where, f"{what}: autoscaling metric {name!r} is not exported{_suggest(name, METRIC_NAMES)}"
+                    )
         elif obj["kind"] == "ServiceMonitor":
             ns_sel = spec.get("namespaceSelector") or {}
             allowed = None if ns_sel.get("any") else set(ns_sel.get("matchNames") or [ns])
-            services = [o for o in objects if o["kind"] == "Service"
-                        and (allowed is None or _ns(o) in allowed)
-                        and _selects((spec.get("selector") or {}).get("matchLabels"),
-                                     o["metadata"].get("labels"))]
+            services = [
+                o
+                for o in objects
+                if o["kind"] == "Service"
+                and (allowed is None or _ns(o) in allowed)
+                and _selects((spec.get("selector") or {}).get("matchLabels"), o["metadata"].get("labels"))
+            ]
             if not services:
                 result.fail(where, f"{what}: selector matches no Service")
             for endpoint in spec.get("endpoints") or []:
                 port = endpoint.get("port")
-                if port and services and not any(
-                        port in {p.get("name") for p in (s.get("spec") or {}).get("ports") or []}
-                        for s in services):
-                    result.fail(where, f"{what}: endpoint port {port!r} is not a port name of "
-                                "the selected Services")
+                if (
+                    port
+                    and services
+                    and not any(
+                        port in {p.get("name") for p in (s.get("spec") or {}).get("ports") or []} for s in services
+                    )
+                ):
+                    result.fail(where, f"{what}: endpoint port {port!r} is not a port name of the selected Services")
 
     configmaps = {(_ns(o), o["metadata"]["name"]) for o in objects if o["kind"] == "ConfigMap"}
     for obj, template in workloads:
         _check_pod(obj, template, configmaps, where, result)
 
 
-def _check_pod(obj: Obj, template: Obj, configmaps: set[tuple[str, str]], where: str,
-               result: Result) -> None:
+def _check_pod(obj: Obj, template: Obj, configmaps: set[tuple[str, str]], where: str, result: Result) -> None:
     what = _describe(obj)
     ns = _ns(obj)
     pod = template.get("spec") or {}
@@ -282,17 +310,14 @@ def _check_pod(obj: Obj, template: Obj, configmaps: set[tuple[str, str]], where:
     if pod_sc.get("runAsNonRoot") is not True:
         result.fail(where, f"{what}: pod securityContext.runAsNonRoot must be true")
     if (pod_sc.get("seccompProfile") or {}).get("type") != "RuntimeDefault":
-        result.fail(where, f"{what}: pod securityContext.seccompProfile.type must be "
-                    "RuntimeDefault")
+        result.fail(where, f"{what}: pod securityContext.seccompProfile.type must be RuntimeDefault")
     if pod.get("enableServiceLinks") is not False:
         # Service env vars such as ZEROBUBBLE_SCHEDULER_PORT=tcp://... share our flag prefix.
-        result.fail(where, f"{what}: set enableServiceLinks: false (service env vars collide "
-                    "with ZEROBUBBLE_* flags)")
+        result.fail(where, f"{what}: set enableServiceLinks: false (service env vars collide with ZEROBUBBLE_* flags)")
     for volume in pod.get("volumes") or []:
         ref = volume.get("configMap")
         if ref and not ref.get("optional") and (ns, ref.get("name")) not in configmaps:
-            result.fail(where, f"{what}: volume {volume['name']} uses missing ConfigMap "
-                        f"{ref.get('name')!r}")
+            result.fail(where, f"{what}: volume {volume['name']} uses missing ConfigMap {ref.get('name')!r}")
         if volume.get("secret"):
             result.notes.append(f"{where}: {what} needs Secret {volume['secret']['secretName']}")
     for container in containers(pod):
@@ -300,8 +325,9 @@ def _check_pod(obj: Obj, template: Obj, configmaps: set[tuple[str, str]], where:
         image = str(container.get("image", ""))
         has_tag = "@" in image or ":" in image.rsplit("/", 1)[-1]
         if "/" not in image or not has_tag or image.endswith(":latest"):
-            result.fail(where, f"{cname}: image {image!r} is not a pinned registry image; set "
-                        "it in the overlay's images:")
+            result.fail(
+                where, f"{cname}: image {image!r} is not a pinned registry image; set it in the overlay's images:"
+            )
         sc = container.get("securityContext") or {}
         if sc.get("allowPrivilegeEscalation") is not False:
             result.fail(where, f"{cname}: securityContext.allowPrivilegeEscalation must be false")
@@ -310,10 +336,11 @@ def _check_pod(obj: Obj, template: Obj, configmaps: set[tuple[str, str]], where:
         for probe_name in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container.get(probe_name) or {}
             for handler in ("grpc", "tcpSocket", "httpGet"):
-                if handler in probe and not _port_exists(probe[handler].get("port"), names,
-                                                         numbers):
-                    result.fail(where, f"{cname}: {probe_name}.{handler}.port "
-                                f"{probe[handler].get('port')!r} is not a container port")
+                if handler in probe and not _port_exists(probe[handler].get("port"), names, numbers):
+                    result.fail(
+                        where,
+                        f"{cname}: {probe_name}.{handler}.port {probe[handler].get('port')!r} is not a container port",
+                    )
         for src in container.get("envFrom") or []:
             ref = src.get("configMapRef")
             if ref and not ref.get("optional") and (ns, ref.get("name")) not in configmaps:
@@ -322,11 +349,11 @@ def _check_pod(obj: Obj, template: Obj, configmaps: set[tuple[str, str]], where:
             secret = (env.get("valueFrom") or {}).get("secretKeyRef")
             if secret:
                 optional = " (optional)" if secret.get("optional") else ""
-                result.notes.append(f"{where}: {cname} reads Secret {secret['name']} key "
-                                    f"{secret['key']}{optional}")
+                result.notes.append(f"{where}: {cname} reads Secret {secret['name']} key {secret['key']}{optional}")
 
 
 # --- CLI flags in the environment --------------------------------------------------------------
+
 
 @dataclass(frozen=True, slots=True)
 class EnvValue:
@@ -346,8 +373,7 @@ def container_env(container: Obj, configmaps: dict[str, Obj]) -> dict[str, EnvVa
             for key, value in (cm.get("data") or {}).items():
                 env[prefix + key] = EnvValue("configmap", str(value))
         elif "secretRef" in src:
-            env[f"{prefix}<all keys of Secret {src['secretRef'].get('name')}>"] = EnvValue(
-                "secret", None)
+            env[f"{prefix}<all keys of Secret {src['secretRef'].get('name')}>"] = EnvValue("secret", None)
     for item in container.get("env") or []:
         if "value" in item:
             env[item["name"]] = EnvValue("value", str(item["value"]))
@@ -355,8 +381,7 @@ def container_env(container: Obj, configmaps: dict[str, Obj]) -> dict[str, EnvVa
             ref = item.get("valueFrom") or {}
             if "configMapKeyRef" in ref:
                 cm = configmaps.get(ref["configMapKeyRef"].get("name"), {})
-                env[item["name"]] = EnvValue(
-                    "configmap", (cm.get("data") or {}).get(ref["configMapKeyRef"].get("key")))
+                env[item["name"]] = EnvValue("configmap", (cm.get("data") or {}).get(ref["configMapKeyRef"].get("key")))
             elif "secretKeyRef" in ref:
                 env[item["name"]] = EnvValue("secret", None)
             elif "fieldRef" in ref:
@@ -367,17 +392,19 @@ def container_env(container: Obj, configmaps: dict[str, Obj]) -> dict[str, EnvVa
 
 
 def _secret_mounts(pod: Obj, container: Obj) -> list[str]:
-    secret_volumes = {v["name"] for v in pod.get("volumes") or []
-                      if "secret" in v or any("secret" in s for s in
-                                              (v.get("projected") or {}).get("sources") or [])}
-    return [m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts") or []
-            if m.get("name") in secret_volumes]
+    secret_volumes = {
+        v["name"]
+        for v in pod.get("volumes") or []
+        if "secret" in v or any("secret" in s for s in (v.get("projected") or {}).get("sources") or [])
+    }
+    return [
+        m["mountPath"].rstrip("/") + "/" for m in container.get("volumeMounts") or [] if m.get("name") in secret_volumes
+    ]
 
 
 def cli_flags() -> dict[str, tuple[str, ...]]:
     """Long flags (without ``--``) of each service command, from `zerobubble.config`."""
-    return {service: tuple(flag_name(f.name)[2:] for _, f in service_settings(service))
-            for service in SERVICES}
+    return {service: tuple(flag_name(f.name)[2:] for _, f in service_settings(service)) for service in SERVICES}
 
 
 def parse_with_cli(service: str, env: dict[str, str]) -> tuple[object | None, str]:
@@ -397,15 +424,19 @@ def _stand_in(value: EnvValue) -> str | None:
     return {"secret": "from-a-secret", "field": "zerobubble-worker-0"}.get(value.source)
 
 
-def check_flags(objects: Sequence[Obj], where: str, result: Result,
-                reachable: dict[str, set[str]], service_flags: dict[str, tuple[str, ...]]) -> None:
+def check_flags(
+    objects: Sequence[Obj],
+    where: str,
+    result: Result,
+    reachable: dict[str, set[str]],
+    service_flags: dict[str, tuple[str, ...]],
+) -> None:
     """ZEROBUBBLE_* variables against the CLI flags; adds what each service can reach."""
     by_id = {object_id(o): o for o in objects}
     parsed: dict[str, list[tuple[str, Any]]] = {}
     for obj, template in _workloads(objects):
         ns = _ns(obj)
-        configmaps = {o["metadata"]["name"]: o for o in objects
-                      if o["kind"] == "ConfigMap" and _ns(o) == ns}
+        configmaps = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ConfigMap" and _ns(o) == ns}
         pod = template.get("spec") or {}
         for container in containers(pod):
             cname = f"{_describe(obj)} container {container['name']}"
@@ -415,8 +446,9 @@ def check_flags(objects: Sequence[Obj], where: str, result: Result,
             ours = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
             if service not in service_flags:
                 if ours:
-                    result.fail(where, f"{cname}: sets {sorted(ours)} but its args {args} run no "
-                                "zerobubble worker/scheduler")
+                    result.fail(
+                        where, f"{cname}: sets {sorted(ours)} but its args {args} run no zerobubble worker/scheduler"
+                    )
                 continue
             flags = service_flags[service]
             known = {env_name(f): f for f in flags}
@@ -426,18 +458,23 @@ def check_flags(objects: Sequence[Obj], where: str, result: Result,
                 # Checked on the ConfigMap itself: an env entry may shadow the key, but the
                 # value is still readable by anyone who can read ConfigMaps.
                 for key in sorted(secret_names & set(cm.get("data") or {})):
-                    result.fail(where, f"{cname}: ConfigMap {cm['metadata']['name']} holds "
-                                f"{key}; secrets belong in a Secret")
+                    result.fail(
+                        where, f"{cname}: ConfigMap {cm['metadata']['name']} holds {key}; secrets belong in a Secret"
+                    )
             for name, value in sorted(env.items()):
                 if name.startswith("<all keys of Secret"):
-                    result.fail(where, f"{cname}: envFrom secretRef hides which flags it sets; "
-                                "use env[].valueFrom.secretKeyRef per flag")
+                    result.fail(
+                        where,
+                        f"{cname}: envFrom secretRef hides which flags it sets; "
+                        "use env[].valueFrom.secretKeyRef per flag",
+                    )
                     continue
                 if not name.startswith(ENV_PREFIX) or name in NON_FLAG_ENV:
                     continue
                 if name not in known:
-                    result.fail(where, f"{cname}: {name} is not a flag of `zerobubble {service}`"
-                                f"{_suggest(name, list(known))}")
+                    result.fail(
+                        where, f"{cname}: {name} is not a flag of `zerobubble {service}`{_suggest(name, list(known))}"
+                    )
                     continue
                 flag = known[name]
                 reachable.setdefault(service, set()).add(flag)
@@ -447,15 +484,15 @@ def check_flags(objects: Sequence[Obj], where: str, result: Result,
                     result.fail(where, f"{cname}: {name} comes from a Secret but is not secret")
             missing = [f for f in flags if f not in SECRET_FLAGS and env_name(f) not in ours]
             for flag in missing:
-                result.fail(where, f"{cname}: --{flag} is not reachable from the manifests; add "
-                            f"{env_name(flag)} to its ConfigMap")
+                result.fail(
+                    where,
+                    f"{cname}: --{flag} is not reachable from the manifests; add {env_name(flag)} to its ConfigMap",
+                )
             _check_flag_values(service, ours, template, ns, by_id, cname, where, result)
-            values = {k: v for k, v in ((k, _stand_in(e)) for k, e in ours.items() if k in known)
-                      if v is not None}
+            values = {k: v for k, v in ((k, _stand_in(e)) for k, e in ours.items() if k in known) if v is not None}
             namespace, error = parse_with_cli(service, values)
             if namespace is None:
-                result.fail(where, f"{cname}: `zerobubble {service}` rejects its environment: "
-                            f"{error}")
+                result.fail(where, f"{cname}: `zerobubble {service}` rejects its environment: {error}")
             else:
                 parsed.setdefault(service, []).append((cname, namespace))
     # The worker sizes its request state slots by max_num_seqs; a scheduler that runs more
@@ -463,12 +500,14 @@ def check_flags(objects: Sequence[Obj], where: str, result: Result,
     for sname, sched in parsed.get("scheduler", []):
         for wname, work in parsed.get("worker", []):
             if sched.max_num_seqs > work.max_num_seqs:
-                result.fail(where, f"{sname}: max-num-seqs {sched.max_num_seqs} exceeds the "
-                            f"{work.max_num_seqs} of {wname}")
+                result.fail(
+                    where, f"{sname}: max-num-seqs {sched.max_num_seqs} exceeds the {work.max_num_seqs} of {wname}"
+                )
 
 
-def _check_secret_flag(flag: str, name: str, value: EnvValue, pod: Obj, container: Obj,
-                       cname: str, where: str, result: Result) -> None:
+def _check_secret_flag(
+    flag: str, name: str, value: EnvValue, pod: Obj, container: Obj, cname: str, where: str, result: Result
+) -> None:
     if value.source == "configmap":
         result.fail(where, f"{cname}: {name} is a secret and must not come from a ConfigMap")
     elif flag in ("auth-token", "worker-auth-token") and value.source != "secret":
@@ -477,57 +516,82 @@ def _check_secret_flag(flag: str, name: str, value: EnvValue, pod: Obj, containe
         # TLS flags hold file paths; the files themselves must come from a Secret volume.
         mounts = _secret_mounts(pod, container)
         if not any(str(value.value).startswith(m) for m in mounts):
-            result.fail(where, f"{cname}: {name}={value.value} is not inside a Secret volume "
-                        f"mount ({mounts or 'none'})")
+            result.fail(
+                where, f"{cname}: {name}={value.value} is not inside a Secret volume mount ({mounts or 'none'})"
+            )
 
 
-def _check_flag_values(service: str, env: dict[str, EnvValue], template: Obj, ns: str,
-                       by_id: dict[tuple[str, str, str], Obj], cname: str, where: str,
-                       result: Result) -> None:
-    ports = {p.get("name"): int(p["containerPort"])
-             for c in containers(template.get("spec") or {}) for p in c.get("ports") or []}
+def _check_flag_values(
+    service: str,
+    env: dict[str, EnvValue],
+    template: Obj,
+    ns: str,
+    by_id: dict[tuple[str, str, str], Obj],
+    cname: str,
+    where: str,
+    result: Result,
+) -> None:
+    ports = {
+        p.get("name"): int(p["containerPort"])
+        for c in containers(template.get("spec") or {})
+        for p in c.get("ports") or []
+    }
     for flag, port_name in (("port", "grpc"), ("metrics-port", "metrics")):
         value = env.get(env_name(flag))
         if value is None or value.value is None:
             continue
         if port_name not in ports or value.value != str(ports[port_name]):
-            result.fail(where, f"{cname}: {env_name(flag)}={value.value} does not match "
-                        f"container port {port_name!r} ({ports.get(port_name)})")
+            result.fail(
+                where,
+                f"{cname}: {env_name(flag)}={value.value} does not match "
+                f"container port {port_name!r} ({ports.get(port_name)})",
+            )
     host = env.get(env_name("host"))
     if host is not None and host.value not in ("0.0.0.0", "::", "[::]"):
-        result.fail(where, f"{cname}: {env_name('host')}={host.value}: probes and Services reach "
-                    "the pod IP; listen on 0.0.0.0")
+        result.fail(
+            where, f"{cname}: {env_name('host')}={host.value}: probes and Services reach the pod IP; listen on 0.0.0.0"
+        )
     if service != "scheduler":
         return
     workers = env.get(env_name("workers"))
     if workers is None or workers.value is None:
         return
     if not workers.value:
-        result.fail(where, f"{cname}: {env_name('workers')} is empty: the scheduler would have "
-                    "no worker to drive")
+        result.fail(where, f"{cname}: {env_name('workers')} is empty: the scheduler would have no worker to drive")
         return
     match = WORKERS_RE.match(workers.value)
     if not match:
-        result.fail(where, f"{cname}: {env_name('workers')}={workers.value!r}: expected "
-                    "dns:///<headless worker Service>.<namespace>.svc.cluster.local:<port>, so "
-                    "that scaled workers are discovered")
+        result.fail(
+            where,
+            f"{cname}: {env_name('workers')}={workers.value!r}: expected "
+            "dns:///<headless worker Service>.<namespace>.svc.cluster.local:<port>, so "
+            "that scaled workers are discovered",
+        )
         return
     svc = by_id.get(("Service", match["ns"], match["svc"]))
     if svc is None:
-        result.fail(where, f"{cname}: {env_name('workers')} names Service "
-                    f"{match['ns']}/{match['svc']}, which this overlay does not create"
-                    f"{' (this overlay uses namespace ' + ns + ')' if match['ns'] != ns else ''}")
+        result.fail(
+            where,
+            f"{cname}: {env_name('workers')} names Service "
+            f"{match['ns']}/{match['svc']}, which this overlay does not create"
+            f"{' (this overlay uses namespace ' + ns + ')' if match['ns'] != ns else ''}",
+        )
         return
     spec = svc.get("spec") or {}
     if spec.get("clusterIP") != "None":
-        result.fail(where, f"{cname}: {env_name('workers')} must name a headless Service "
-                    "(a virtual IP would hide the individual workers)")
+        result.fail(
+            where,
+            f"{cname}: {env_name('workers')} must name a headless Service "
+            "(a virtual IP would hide the individual workers)",
+        )
     if int(match["port"]) not in {int(p["port"]) for p in spec.get("ports") or []}:
-        result.fail(where, f"{cname}: {env_name('workers')} port {match['port']} is not a port "
-                    f"of Service {match['svc']}")
+        result.fail(
+            where, f"{cname}: {env_name('workers')} port {match['port']} is not a port of Service {match['svc']}"
+        )
 
 
 # --- metrics in dashboards, rules, autoscaling -------------------------------------------------
+
 
 def check_metric_refs(document: Any, where: str, result: Result) -> None:
     """Every zerobubble_* series in PromQL strings must exist, queried by labels it has."""
@@ -537,27 +601,27 @@ def check_metric_refs(document: Any, where: str, result: Result) -> None:
         for name in METRIC_RE.findall(text):
             if name not in seen and metric_spec(name) is None:
                 seen.add(name)
-                result.fail(where, f"unknown metric {name!r}"
-                            f"{_suggest(name, METRIC_NAMES)}; zerobubble/metrics.py exports "
-                            "METRIC_NAMES (histograms add _bucket/_sum/_count)")
+                result.fail(
+                    where,
+                    f"unknown metric {name!r}"
+                    f"{_suggest(name, METRIC_NAMES)}; zerobubble/metrics.py exports "
+                    "METRIC_NAMES (histograms add _bucket/_sum/_count)",
+                )
         for name, matchers in SELECTOR_RE.findall(text):
             spec = metric_spec(name)
             if spec is None:
                 continue
-            allowed = set(spec.labels) | TARGET_LABELS | (
-                {"le"} if name.endswith("_bucket") else set())
+            allowed = set(spec.labels) | TARGET_LABELS | ({"le"} if name.endswith("_bucket") else set())
             for label in MATCHER_RE.findall(matchers):
                 if label not in allowed:
-                    result.fail(where, f"{name} has no label {label!r} "
-                                f"(it has {sorted(spec.labels)})")
+                    result.fail(where, f"{name} has no label {label!r} (it has {sorted(spec.labels)})")
 
     walk_strings(document, visit)
 
 
 def _dashboards(objects: Sequence[Obj]) -> Iterator[tuple[Obj, str, str]]:
     for obj in objects:
-        if obj["kind"] == "ConfigMap" and "grafana_dashboard" in (obj["metadata"].get("labels")
-                                                                    or {}):
+        if obj["kind"] == "ConfigMap" and "grafana_dashboard" in (obj["metadata"].get("labels") or {}):
             for key, text in (obj.get("data") or {}).items():
                 yield obj, key, text
 
@@ -607,6 +671,7 @@ def check_rules_file(root: Path, schemas: Schemas, result: Result) -> list[Any] 
 
 # --- rendering ---------------------------------------------------------------------------------
 
+
 def render_overlay(overlay: Path, kubectl: str, where: str, result: Result) -> list[Obj] | None:
     """The objects ``kubectl apply -k overlay`` would send, or None (and a problem) if none."""
     try:
@@ -618,8 +683,8 @@ def render_overlay(overlay: Path, kubectl: str, where: str, result: Result) -> l
 
 # --- alert rules with promtool -----------------------------------------------------------------
 
-def check_with_promtool(root: Path, rule_files: Sequence[prom.RuleFile], promtool: str,
-                        result: Result) -> None:
+
+def check_with_promtool(root: Path, rule_files: Sequence[prom.RuleFile], promtool: str, result: Result) -> None:
     """promtool check rules on every rules document, promtool test rules on the unit tests."""
     try:
         command = prom.find_promtool(promtool)
@@ -643,16 +708,23 @@ def check_with_promtool(root: Path, rule_files: Sequence[prom.RuleFile], promtoo
             return
         for problem in prom.untested_alerts(plain.groups, docs):
             result.fail(str(RULES_FILE.parent), problem)
-        result.notes.append(f"promtool: {len(rule_files)} rule document(s) checked, "
-                            f"{len(prom.alert_names(plain.groups))} alerts unit-tested in "
-                            f"{', '.join(p.name for p in tests)}")
+        result.notes.append(
+            f"promtool: {len(rule_files)} rule document(s) checked, "
+            f"{len(prom.alert_names(plain.groups))} alerts unit-tested in "
+            f"{', '.join(p.name for p in tests)}"
+        )
 
 
 # --- driver ------------------------------------------------------------------------------------
 
-def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
-          k8s_version: str = DEFAULT_K8S_VERSION, kubectl: str = DEFAULT_KUBECTL,
-          promtool: str | None = prom.DEFAULT_PROMTOOL) -> Result:
+
+def check(
+    root: Path = DEFAULT_ROOT,
+    overlays: Sequence[str] | None = None,
+    k8s_version: str = DEFAULT_K8S_VERSION,
+    kubectl: str = DEFAULT_KUBECTL,
+    promtool: str | None = prom.DEFAULT_PROMTOOL,
+) -> Result:
     """Run every check on the deploy tree at ``root``; ``overlays`` limits which are rendered.
 
     ``kubectl`` and ``promtool`` name the tools that render the overlays and check the rules;
@@ -667,8 +739,11 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
         result.fail("schemas", f"cannot load vendored schemas: {exc}")
         return result
     overlay_root = root / "k8s" / "overlays"
-    available = sorted(p.name for p in overlay_root.iterdir()
-                       if (p / "kustomization.yaml").is_file()) if overlay_root.is_dir() else []
+    available = (
+        sorted(p.name for p in overlay_root.iterdir() if (p / "kustomization.yaml").is_file())
+        if overlay_root.is_dir()
+        else []
+    )
     if not available:
         result.fail(str(overlay_root), "no overlays to render")
         return result
@@ -677,13 +752,11 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
         result.fail(f"overlays/{name}", f"no such overlay (have {available})")
 
     rules_groups = check_rules_file(root, schemas, result)
-    rule_files = ([prom.RuleFile(str(RULES_FILE), rules_groups)]
-                  if rules_groups is not None else [])
+    rule_files = [prom.RuleFile(str(RULES_FILE), rules_groups)] if rules_groups is not None else []
     for path in sorted((root / "prometheus").glob("*.yaml")):
         if path.name != RULES_FILE.name:
             try:
-                check_metric_refs(yaml.safe_load(path.read_text()), str(path.relative_to(root)),
-                                  result)
+                check_metric_refs(yaml.safe_load(path.read_text()), str(path.relative_to(root)), result)
             except yaml.YAMLError as exc:
                 result.fail(str(path.relative_to(root)), f"invalid YAML: {exc}")
     for path in sorted((root / "k8s").rglob("*.json")):
@@ -720,16 +793,16 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
         if len(result.problems) > before:
             # The cross-object checks assume well-typed objects; report the schema errors
             # alone rather than a cascade (or a traceback) caused by them.
-            result.fail(where, "reference and flag checks skipped until the schema errors "
-                        "above are fixed")
+            result.fail(where, "reference and flag checks skipped until the schema errors above are fixed")
             flags_complete = False
         else:
             try:
                 check_references(objects, where, result)
                 check_flags(objects, where, result, reachable, service_flags)
             except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                result.fail(where, f"could not check references ({type(exc).__name__}: {exc}); "
-                            "a field has an unexpected shape")
+                result.fail(
+                    where, f"could not check references ({type(exc).__name__}: {exc}); a field has an unexpected shape"
+                )
                 flags_complete = False
         for obj in objects:
             if obj["kind"] in ("HorizontalPodAutoscaler", "PrometheusRule"):
@@ -738,12 +811,13 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
                 groups = (obj.get("spec") or {}).get("groups")
                 rule_files.append(prom.RuleFile(f"{where}: {_describe(obj)}", groups or []))
                 if rules_groups is not None and groups != rules_groups:
-                    result.fail(where, f"{_describe(obj)}: spec.groups differ from {RULES_FILE}; "
-                                "the two must carry the same rules")
+                    result.fail(
+                        where,
+                        f"{_describe(obj)}: spec.groups differ from {RULES_FILE}; the two must carry the same rules",
+                    )
         for obj, key, text in _dashboards(objects):
             try:
-                check_dashboard(json.loads(text), schemas, f"{where}: {_describe(obj)} {key}",
-                                result)
+                check_dashboard(json.loads(text), schemas, f"{where}: {_describe(obj)} {key}", result)
             except json.JSONDecodeError as exc:
                 result.fail(where, f"{_describe(obj)} {key}: invalid JSON: {exc}")
 
@@ -751,8 +825,11 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
     if flags_complete:
         for service, flags in service_flags.items():
             for flag in sorted(SECRET_FLAGS & set(flags) - reachable.get(service, set())):
-                result.fail("overlays", f"--{flag} of `zerobubble {service}` is not reachable "
-                            f"from any overlay (set {env_name(flag)} from a Secret)")
+                result.fail(
+                    "overlays",
+                    f"--{flag} of `zerobubble {service}` is not reachable "
+                    f"from any overlay (set {env_name(flag)} from a Secret)",
+                )
     if promtool is not None:
         check_with_promtool(root, rule_files, promtool, result)
     return result
@@ -760,20 +837,30 @@ def check(root: Path = DEFAULT_ROOT, overlays: Sequence[str] | None = None,
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m deploy.check", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--root", type=Path, default=DEFAULT_ROOT,
-                        help="the deploy/ directory to check (default: this one)")
-    parser.add_argument("--overlay", action="append", dest="overlays",
-                        help="check only this overlay (repeatable; default: all)")
-    parser.add_argument("--k8s-version", default=DEFAULT_K8S_VERSION,
-                        help=f"Kubernetes schema version (default {DEFAULT_K8S_VERSION})")
-    parser.add_argument("--kubectl", default=DEFAULT_KUBECTL,
-                        help="kubectl to render overlays with (`kubectl kustomize`, what "
-                        "`kubectl apply -k` sends; default: kubectl on PATH)")
-    parser.add_argument("--promtool", default=prom.DEFAULT_PROMTOOL,
-                        help="promtool to check and unit-test the alert rules with (Debian "
-                        f"package {prom.PACKAGE!r}; default: promtool on PATH)")
+    parser = argparse.ArgumentParser(
+        prog="python -m deploy.check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--root", type=Path, default=DEFAULT_ROOT, help="the deploy/ directory to check (default: this one)"
+    )
+    parser.add_argument(
+        "--overlay", action="append", dest="overlays", help="check only this overlay (repeatable; default: all)"
+    )
+    parser.add_argument(
+        "--k8s-version", default=DEFAULT_K8S_VERSION, help=f"Kubernetes schema version (default {DEFAULT_K8S_VERSION})"
+    )
+    parser.add_argument(
+        "--kubectl",
+        default=DEFAULT_KUBECTL,
+        help="kubectl to render overlays with (`kubectl kustomize`, what "
+        "`kubectl apply -k` sends; default: kubectl on PATH)",
+    )
+    parser.add_argument(
+        "--promtool",
+        default=prom.DEFAULT_PROMTOOL,
+        help="promtool to check and unit-test the alert rules with (Debian "
+        f"package {prom.PACKAGE!r}; default: promtool on PATH)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="print notes too")
     args = parser.parse_args(argv)
 
@@ -785,12 +872,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if result.problems:
         for problem in result.problems:
             print(f"error: {problem}", file=sys.stderr)
-        print(f"deploy check FAILED: {len(result.problems)} problem(s) "
-              f"(rendered with {renderer}, Kubernetes {args.k8s_version})", file=sys.stderr)
+        print(
+            f"deploy check FAILED: {len(result.problems)} problem(s) "
+            f"(rendered with {renderer}, Kubernetes {args.k8s_version})",
+            file=sys.stderr,
+        )
         return 1
-    print(f"deploy check passed (rendered with {renderer}, Kubernetes {args.k8s_version} "
-          f"schemas, {len(METRIC_NAMES)} metric families, alert rules checked and unit-tested "
-          f"with {args.promtool})")
+    print(
+        f"deploy check passed (rendered with {renderer}, Kubernetes {args.k8s_version} "
+        f"schemas, {len(METRIC_NAMES)} metric families, alert rules checked and unit-tested "
+        f"with {args.promtool})"
+    )
     return 0
 
 

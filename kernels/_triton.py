@@ -48,8 +48,7 @@ def use_triton(tensor: torch.Tensor, impl: KernelImpl, kernel: object | None = N
         raise RuntimeError("impl='triton' requested but triton is not installed")
     if not tensor.is_cuda and kernel is not None and not is_interpreted(kernel):
         raise RuntimeError(
-            "impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before "
-            "the kernels are imported"
+            "impl='triton' on CPU tensors needs TRITON_INTERPRET=1 in the environment before the kernels are imported"
         )
     return True
 

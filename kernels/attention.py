@@ -152,14 +152,16 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: 
         bag_shape = (len(rows), q_len, num_q_heads, max_blocks)
         key_bags = (slabs[..., None] * head_dim + features).expand(*bag_shape, head_dim)
         value_bags = (slabs[..., None] * block_size + slots).expand(*bag_shape, block_size)
-        plan.groups.append(_BatchedGroup(
-            token_index=token_index,
-            query_pos=(seqs - q_len)[:, None] + offsets,
-            key_bags=key_bags.reshape(-1, head_dim).to(index_dtype),
-            value_bags=value_bags.reshape(-1, max_blocks * block_size).to(index_dtype),
-            num_blocks=max_blocks,
-            covers_batch=len(rows) == num_requests,
-        ))
+        plan.groups.append(
+            _BatchedGroup(
+                token_index=token_index,
+                query_pos=(seqs - q_len)[:, None] + offsets,
+                key_bags=key_bags.reshape(-1, head_dim).to(index_dtype),
+                value_bags=value_bags.reshape(-1, max_blocks * block_size).to(index_dtype),
+                num_blocks=max_blocks,
+                covers_batch=len(rows) == num_requests,
+            )
+        )
     return plan
 
 

@@ -16,18 +16,25 @@ from kernels.slot_mapping import compute_slot_mapping
 
 
 def _assemble_torch(
-    req_slots: Tensor, query_start_loc: Tensor, is_decode: Tensor, prefill_ids: Tensor,
-    seq_len: Tensor, last_token: Tensor, drafts: Tensor, num_drafts: Tensor, block_table: Tensor,
-    history: Tensor, block_size: int, impl: KernelImpl,
+    req_slots: Tensor,
+    query_start_loc: Tensor,
+    is_decode: Tensor,
+    prefill_ids: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    drafts: Tensor,
+    num_drafts: Tensor,
+    block_table: Tensor,
+    history: Tensor,
+    block_size: int,
+    impl: KernelImpl,
 ) -> tuple[Tensor, Tensor, Tensor]:
     device = prefill_ids.device
     num_tokens = prefill_ids.shape[0]
     num_reqs = req_slots.shape[0]
     max_drafts = drafts.shape[1]
     qsl = query_start_loc.to(torch.int64)
-    row = torch.repeat_interleave(
-        torch.arange(num_reqs, device=device), qsl[1:] - qsl[:-1], output_size=num_tokens
-    )
+    row = torch.repeat_interleave(torch.arange(num_reqs, device=device), qsl[1:] - qsl[:-1], output_size=num_tokens)
     offset = torch.arange(num_tokens, device=device) - qsl[row]
     slot = req_slots.to(torch.int64)[row]
     positions = seq_len.to(torch.int64)[slot] + offset
@@ -45,8 +52,11 @@ def _assemble_torch(
     input_ids = torch.where(is_decode[row], decode_ids, prefill_ids.to(torch.int64))
 
     slot_mapping = compute_slot_mapping(
-        query_start_loc, positions, block_table.index_select(0, req_slots.to(torch.int64)),
-        block_size, impl=impl,
+        query_start_loc,
+        positions,
+        block_table.index_select(0, req_slots.to(torch.int64)),
+        block_size,
+        impl=impl,
     )
     history.view(-1).index_copy_(0, slot_mapping, input_ids.to(history.dtype))
     return input_ids, positions, slot_mapping
@@ -56,10 +66,23 @@ if HAS_TRITON:
 
     @triton.jit
     def _assemble_kernel(
-        req_slots_ptr, qsl_ptr, is_decode_ptr, prefill_ids_ptr, seq_len_ptr, last_token_ptr,
-        drafts_ptr, num_drafts_ptr, block_table_ptr, history_ptr,
-        input_ids_ptr, positions_ptr, slot_mapping_ptr,
-        max_drafts, max_blocks, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+        req_slots_ptr,
+        qsl_ptr,
+        is_decode_ptr,
+        prefill_ids_ptr,
+        seq_len_ptr,
+        last_token_ptr,
+        drafts_ptr,
+        num_drafts_ptr,
+        block_table_ptr,
+        history_ptr,
+        input_ids_ptr,
+        positions_ptr,
+        slot_mapping_ptr,
+        max_drafts,
+        max_blocks,
+        BLOCK_SIZE: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         # One program per request row; it walks its own token range in chunks.
         row = tl.program_id(0)
@@ -82,10 +105,8 @@ if HAS_TRITON:
             use_draft = mask & (draft_idx >= 0) & (draft_idx < num_valid)
             draft = tl.load(drafts_ptr + slot * max_drafts + draft_idx, mask=use_draft, other=0)
             prefill = tl.load(prefill_ids_ptr + tok, mask=tok < prefill_end, other=0)
-            ids = tl.where(decode, tl.where(use_draft, draft.to(tl.int64), last),
-                           prefill.to(tl.int64))
-            block = tl.load(block_table_ptr + slot * max_blocks + pos // BLOCK_SIZE, mask=mask,
-                            other=0)
+            ids = tl.where(decode, tl.where(use_draft, draft.to(tl.int64), last), prefill.to(tl.int64))
+            block = tl.load(block_table_ptr + slot * max_blocks + pos // BLOCK_SIZE, mask=mask, other=0)
             kv_slot = block.to(tl.int64) * BLOCK_SIZE + pos % BLOCK_SIZE
             tl.store(input_ids_ptr + tok, ids, mask=mask)
             tl.store(positions_ptr + tok, pos, mask=mask)
@@ -94,9 +115,17 @@ if HAS_TRITON:
 
 
 def _assemble_triton(
-    req_slots: Tensor, query_start_loc: Tensor, is_decode: Tensor, prefill_ids: Tensor,
-    seq_len: Tensor, last_token: Tensor, drafts: Tensor, num_drafts: Tensor, block_table: Tensor,
-    history: Tensor, block_size: int,
+    req_slots: Tensor,
+    query_start_loc: Tensor,
+    is_decode: Tensor,
+    prefill_ids: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    drafts: Tensor,
+    num_drafts: Tensor,
+    block_table: Tensor,
+    history: Tensor,
+    block_size: int,
 ) -> tuple[Tensor, Tensor, Tensor]:
     num_tokens = prefill_ids.shape[0]
     device = prefill_ids.device
@@ -107,18 +136,40 @@ def _assemble_triton(
     if num_reqs == 0:
         return input_ids, positions, slot_mapping
     _assemble_kernel[(num_reqs,)](
-        req_slots, query_start_loc, is_decode, prefill_ids, seq_len, last_token,
-        drafts.contiguous(), num_drafts, block_table.contiguous(), history,
-        input_ids, positions, slot_mapping,
-        drafts.shape[1], block_table.shape[1], BLOCK_SIZE=block_size, BLOCK=128,
+        req_slots,
+        query_start_loc,
+        is_decode,
+        prefill_ids,
+        seq_len,
+        last_token,
+        drafts.contiguous(),
+        num_drafts,
+        block_table.contiguous(),
+        history,
+        input_ids,
+        positions,
+        slot_mapping,
+        drafts.shape[1],
+        block_table.shape[1],
+        BLOCK_SIZE=block_size,
+        BLOCK=128,
     )
     return input_ids, positions, slot_mapping
 
 
 def assemble_inputs(
-    req_slots: Tensor, query_start_loc: Tensor, is_decode: Tensor, prefill_ids: Tensor,
-    seq_len: Tensor, last_token: Tensor, drafts: Tensor, num_drafts: Tensor, block_table: Tensor,
-    history: Tensor, block_size: int, impl: KernelImpl = None,
+    req_slots: Tensor,
+    query_start_loc: Tensor,
+    is_decode: Tensor,
+    prefill_ids: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    drafts: Tensor,
+    num_drafts: Tensor,
+    block_table: Tensor,
+    history: Tensor,
+    block_size: int,
+    impl: KernelImpl = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Build ``(input_ids [T] int64, positions [T] int64, slot_mapping [T] int64)`` for a step.
 
@@ -133,7 +184,30 @@ def assemble_inputs(
     ``[num_blocks, block_size]`` int32 and must be contiguous), so token pages follow KV blocks.
     """
     if use_triton(prefill_ids, impl, _assemble_kernel if HAS_TRITON else None):
-        return _assemble_triton(req_slots, query_start_loc, is_decode, prefill_ids, seq_len,
-                                last_token, drafts, num_drafts, block_table, history, block_size)
-    return _assemble_torch(req_slots, query_start_loc, is_decode, prefill_ids, seq_len,
-                           last_token, drafts, num_drafts, block_table, history, block_size, impl)
+        return _assemble_triton(
+            req_slots,
+            query_start_loc,
+            is_decode,
+            prefill_ids,
+            seq_len,
+            last_token,
+            drafts,
+            num_drafts,
+            block_table,
+            history,
+            block_size,
+        )
+    return _assemble_torch(
+        req_slots,
+        query_start_loc,
+        is_decode,
+        prefill_ids,
+        seq_len,
+        last_token,
+        drafts,
+        num_drafts,
+        block_table,
+        history,
+        block_size,
+        impl,
+    )

@@ -68,7 +68,6 @@ def _keyed_uniform_torch(seeds: Tensor, positions: Tensor, vocab_size: int, stre
 
 
 if HAS_TRITON:
-
     # The same constants as the torch path, visible inside jit code.
     _SALT_A_C: tl.constexpr = tl.constexpr(_SALT_A)
     _SALT_B_C: tl.constexpr = tl.constexpr(_SALT_B)
@@ -135,7 +134,10 @@ def _keyed_uniform_triton(seeds: Tensor, positions: Tensor, vocab_size: int, str
 
 
 def keyed_uniform(
-    seeds: Tensor, positions: Tensor, vocab_size: int, stream: int = STREAM_SAMPLE,
+    seeds: Tensor,
+    positions: Tensor,
+    vocab_size: int,
+    stream: int = STREAM_SAMPLE,
     impl: KernelImpl = None,
 ) -> Tensor:
     """Uniform noise ``[N, vocab_size]`` float32, strictly inside (0, 1).

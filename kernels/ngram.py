@@ -20,8 +20,15 @@ from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton,
 
 
 def _ngram_torch(
-    req_slots: Tensor, seq_len: Tensor, last_token: Tensor, block_table: Tensor, history: Tensor,
-    block_size: int, min_n: int, max_n: int, k: int,
+    req_slots: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    block_table: Tensor,
+    history: Tensor,
+    block_size: int,
+    min_n: int,
+    max_n: int,
+    k: int,
 ) -> tuple[Tensor, Tensor]:
     device = seq_len.device
     num_reqs = req_slots.shape[0]
@@ -33,8 +40,7 @@ def _ngram_torch(
         # reads the lengths, which on the CPU are host memory already.
         starts = torch.cumsum(lengths, 0) - lengths
         num_flat = int(lengths.sum())
-        row = torch.repeat_interleave(torch.arange(num_reqs, device=device), lengths,
-                                      output_size=num_flat)
+        row = torch.repeat_interleave(torch.arange(num_reqs, device=device), lengths, output_size=num_flat)
     else:
         # Off the CPU a host read would stall the host behind the device: a static grid of
         # [rows, longest possible sequence], the entries past each row's length masked below.
@@ -82,15 +88,24 @@ if HAS_TRITON:
         """Token ``i`` of a request's sequence (history, then the last sampled token)."""
         in_history = mask & (i < held)
         block = tl.load(table_row_ptr + i // BLOCK_SIZE, mask=in_history, other=0).to(tl.int64)
-        token = tl.load(history_ptr + block * BLOCK_SIZE + i % BLOCK_SIZE, mask=in_history,
-                        other=0)
+        token = tl.load(history_ptr + block * BLOCK_SIZE + i % BLOCK_SIZE, mask=in_history, other=0)
         return tl.where(in_history, token.to(tl.int64), last)
 
     @triton.jit
     def _ngram_kernel(
-        req_slots_ptr, seq_len_ptr, last_token_ptr, block_table_ptr, history_ptr,
-        drafts_ptr, num_drafts_ptr, max_blocks, min_n, k,
-        BLOCK_SIZE: tl.constexpr, MAX_N: tl.constexpr, BLOCK: tl.constexpr,
+        req_slots_ptr,
+        seq_len_ptr,
+        last_token_ptr,
+        block_table_ptr,
+        history_ptr,
+        drafts_ptr,
+        num_drafts_ptr,
+        max_blocks,
+        min_n,
+        k,
+        BLOCK_SIZE: tl.constexpr,
+        MAX_N: tl.constexpr,
+        BLOCK: tl.constexpr,
         BLOCK_K: tl.constexpr,
     ):
         row = tl.program_id(0)
@@ -108,10 +123,10 @@ if HAS_TRITON:
             suffix_len = tl.zeros((BLOCK,), tl.int64)
             for j in tl.static_range(MAX_N):
                 running = running & (end >= j)
-                mine = _seq_token(end - j, running, held, last, table_row_ptr, history_ptr,
-                                  BLOCK_SIZE)
-                theirs = _seq_token(length - 1 - j, length - 1 - j >= 0, held, last,
-                                    table_row_ptr, history_ptr, BLOCK_SIZE)
+                mine = _seq_token(end - j, running, held, last, table_row_ptr, history_ptr, BLOCK_SIZE)
+                theirs = _seq_token(
+                    length - 1 - j, length - 1 - j >= 0, held, last, table_row_ptr, history_ptr, BLOCK_SIZE
+                )
                 running = running & (mine == theirs)
                 suffix_len += running.to(tl.int64)
             key = tl.where(candidate, (suffix_len << 32) | end, -1)
@@ -122,14 +137,20 @@ if HAS_TRITON:
         cols = tl.arange(0, BLOCK_K)
         take = cols < num
         tokens = _seq_token(first + cols, take, held, last, table_row_ptr, history_ptr, BLOCK_SIZE)
-        tl.store(drafts_ptr + row * k + cols, tl.where(take, tokens, -1).to(tl.int32),
-                 mask=cols < k)
+        tl.store(drafts_ptr + row * k + cols, tl.where(take, tokens, -1).to(tl.int32), mask=cols < k)
         tl.store(num_drafts_ptr + row, num.to(tl.int32))
 
 
 def _ngram_triton(
-    req_slots: Tensor, seq_len: Tensor, last_token: Tensor, block_table: Tensor, history: Tensor,
-    block_size: int, min_n: int, max_n: int, k: int,
+    req_slots: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    block_table: Tensor,
+    history: Tensor,
+    block_size: int,
+    min_n: int,
+    max_n: int,
+    k: int,
 ) -> tuple[Tensor, Tensor]:
     num_reqs = req_slots.shape[0]
     drafts = torch.empty((num_reqs, k), dtype=torch.int32, device=seq_len.device)
@@ -137,16 +158,35 @@ def _ngram_triton(
     if num_reqs == 0:
         return drafts, num_drafts
     _ngram_kernel[(num_reqs,)](
-        req_slots, seq_len, last_token, block_table.contiguous(), history, drafts, num_drafts,
-        block_table.shape[1], min_n, k,
-        BLOCK_SIZE=block_size, MAX_N=max_n, BLOCK=256, BLOCK_K=next_power_of_2(k),
+        req_slots,
+        seq_len,
+        last_token,
+        block_table.contiguous(),
+        history,
+        drafts,
+        num_drafts,
+        block_table.shape[1],
+        min_n,
+        k,
+        BLOCK_SIZE=block_size,
+        MAX_N=max_n,
+        BLOCK=256,
+        BLOCK_K=next_power_of_2(k),
     )
     return drafts, num_drafts
 
 
 def ngram_propose(
-    req_slots: Tensor, seq_len: Tensor, last_token: Tensor, block_table: Tensor, history: Tensor,
-    block_size: int, min_n: int, max_n: int, k: int, impl: KernelImpl = None,
+    req_slots: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    block_table: Tensor,
+    history: Tensor,
+    block_size: int,
+    min_n: int,
+    max_n: int,
+    k: int,
+    impl: KernelImpl = None,
 ) -> tuple[Tensor, Tensor]:
     """Propose up to ``k`` drafts per row by prompt lookup; returns
     ``(drafts [R, k] int32, num_drafts [R] int32)``.
@@ -163,7 +203,5 @@ def ngram_propose(
     if k < 1:
         raise ValueError(f"need k >= 1, got {k}")
     if use_triton(seq_len, impl, _ngram_kernel if HAS_TRITON else None):
-        return _ngram_triton(req_slots, seq_len, last_token, block_table, history, block_size,
-                             min_n, max_n, k)
-    return _ngram_torch(req_slots, seq_len, last_token, block_table, history, block_size,
-                        min_n, max_n, k)
+        return _ngram_triton(req_slots, seq_len, last_token, block_table, history, block_size, min_n, max_n, k)
+    return _ngram_torch(req_slots, seq_len, last_token, block_table, history, block_size, min_n, max_n, k)

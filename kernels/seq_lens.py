@@ -14,8 +14,14 @@ from kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
 
 
 def _update_torch(
-    req_slots: Tensor, is_decode: Tensor, num_scheduled: Tensor, num_accepted: Tensor,
-    do_sample: Tensor, sampled_last: Tensor, seq_len: Tensor, last_token: Tensor,
+    req_slots: Tensor,
+    is_decode: Tensor,
+    num_scheduled: Tensor,
+    num_accepted: Tensor,
+    do_sample: Tensor,
+    sampled_last: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
     num_drafts: Tensor,
 ) -> None:
     slots = req_slots.to(torch.int64)
@@ -30,8 +36,16 @@ if HAS_TRITON:
 
     @triton.jit
     def _update_kernel(
-        req_slots_ptr, is_decode_ptr, num_scheduled_ptr, num_accepted_ptr, do_sample_ptr,
-        sampled_last_ptr, seq_len_ptr, last_token_ptr, num_drafts_ptr, num_reqs,
+        req_slots_ptr,
+        is_decode_ptr,
+        num_scheduled_ptr,
+        num_accepted_ptr,
+        do_sample_ptr,
+        sampled_last_ptr,
+        seq_len_ptr,
+        last_token_ptr,
+        num_drafts_ptr,
+        num_reqs,
         BLOCK: tl.constexpr,
     ):
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -45,15 +59,19 @@ if HAS_TRITON:
         length = tl.load(seq_len_ptr + slots, mask=mask, other=0)
         growth = tl.where(decode, 1 + accepted, scheduled)
         tl.store(seq_len_ptr + slots, (length + growth).to(seq_len_ptr.dtype.element_ty), mask=mask)
-        tl.store(last_token_ptr + slots, sampled.to(last_token_ptr.dtype.element_ty),
-                 mask=mask & sample)
-        tl.store(num_drafts_ptr + slots, tl.zeros_like(slots).to(num_drafts_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(last_token_ptr + slots, sampled.to(last_token_ptr.dtype.element_ty), mask=mask & sample)
+        tl.store(num_drafts_ptr + slots, tl.zeros_like(slots).to(num_drafts_ptr.dtype.element_ty), mask=mask)
 
 
 def _update_triton(
-    req_slots: Tensor, is_decode: Tensor, num_scheduled: Tensor, num_accepted: Tensor,
-    do_sample: Tensor, sampled_last: Tensor, seq_len: Tensor, last_token: Tensor,
+    req_slots: Tensor,
+    is_decode: Tensor,
+    num_scheduled: Tensor,
+    num_accepted: Tensor,
+    do_sample: Tensor,
+    sampled_last: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
     num_drafts: Tensor,
 ) -> None:
     num_reqs = req_slots.shape[0]
@@ -61,15 +79,31 @@ def _update_triton(
         return
     block = 128
     _update_kernel[(triton.cdiv(num_reqs, block),)](
-        req_slots, is_decode, num_scheduled, num_accepted, do_sample, sampled_last,
-        seq_len, last_token, num_drafts, num_reqs, BLOCK=block,
+        req_slots,
+        is_decode,
+        num_scheduled,
+        num_accepted,
+        do_sample,
+        sampled_last,
+        seq_len,
+        last_token,
+        num_drafts,
+        num_reqs,
+        BLOCK=block,
     )
 
 
 def update_state(
-    req_slots: Tensor, is_decode: Tensor, num_scheduled: Tensor, num_accepted: Tensor,
-    do_sample: Tensor, sampled_last: Tensor, seq_len: Tensor, last_token: Tensor,
-    num_drafts: Tensor, impl: KernelImpl = None,
+    req_slots: Tensor,
+    is_decode: Tensor,
+    num_scheduled: Tensor,
+    num_accepted: Tensor,
+    do_sample: Tensor,
+    sampled_last: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    num_drafts: Tensor,
+    impl: KernelImpl = None,
 ) -> None:
     """Advance the per-slot state in place for the ``R`` rows of a step (distinct slots).
 
@@ -79,8 +113,10 @@ def update_state(
     refills it afterwards). Other slots are untouched.
     """
     if use_triton(seq_len, impl, _update_kernel if HAS_TRITON else None):
-        _update_triton(req_slots, is_decode, num_scheduled, num_accepted, do_sample, sampled_last,
-                       seq_len, last_token, num_drafts)
+        _update_triton(
+            req_slots, is_decode, num_scheduled, num_accepted, do_sample, sampled_last, seq_len, last_token, num_drafts
+        )
     else:
-        _update_torch(req_slots, is_decode, num_scheduled, num_accepted, do_sample, sampled_last,
-                      seq_len, last_token, num_drafts)
+        _update_torch(
+            req_slots, is_decode, num_scheduled, num_accepted, do_sample, sampled_last, seq_len, last_token, num_drafts
+        )

@@ -24,12 +24,10 @@ if HAS_TRITON:
     from kernels.keyed_random import keyed_row_keys, keyed_unit
 
 
-def _count_accepted_torch(
-    target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor
-) -> Tensor:
+def _count_accepted_torch(target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor) -> Tensor:
     max_drafts = draft_tokens.shape[1]
     cols = torch.arange(max_drafts, device=draft_tokens.device)
-    ok = (draft_tokens.to(torch.int64) == target_tokens[:, :max_drafts].to(torch.int64))
+    ok = draft_tokens.to(torch.int64) == target_tokens[:, :max_drafts].to(torch.int64)
     ok &= cols[None, :] < num_drafts.to(torch.int64)[:, None]
     return ok.to(torch.int32).cumprod(dim=1).sum(dim=1, dtype=torch.int32)
 
@@ -37,9 +35,7 @@ def _count_accepted_torch(
 if HAS_TRITON:
 
     @triton.jit
-    def _count_accepted_kernel(
-        target_ptr, draft_ptr, num_drafts_ptr, out_ptr, max_drafts, BLOCK_K: tl.constexpr
-    ):
+    def _count_accepted_kernel(target_ptr, draft_ptr, num_drafts_ptr, out_ptr, max_drafts, BLOCK_K: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK_K)
         valid = cols < tl.minimum(tl.load(num_drafts_ptr + row), max_drafts)
@@ -50,23 +46,23 @@ if HAS_TRITON:
         tl.store(out_ptr + row, tl.min(stop, axis=0).to(tl.int32))
 
 
-def _count_accepted_triton(
-    target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor
-) -> Tensor:
+def _count_accepted_triton(target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor) -> Tensor:
     num_reqs, max_drafts = draft_tokens.shape
     out = torch.zeros(num_reqs, dtype=torch.int32, device=draft_tokens.device)
     if num_reqs == 0 or max_drafts == 0:
         return out
     _count_accepted_kernel[(num_reqs,)](
-        target_tokens.contiguous(), draft_tokens.contiguous(), num_drafts, out, max_drafts,
+        target_tokens.contiguous(),
+        draft_tokens.contiguous(),
+        num_drafts,
+        out,
+        max_drafts,
         BLOCK_K=next_power_of_2(max_drafts),
     )
     return out
 
 
-def count_accepted(
-    target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor, impl: KernelImpl = None
-) -> Tensor:
+def count_accepted(target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor, impl: KernelImpl = None) -> Tensor:
     """Accepted drafts per row ``[R]`` int32: the length of the leading run of columns
     ``j < num_drafts[r]`` with ``draft_tokens[r, j] == target_tokens[r, j]``.
 
@@ -84,8 +80,12 @@ def _race(weights: Tensor, u: Tensor) -> Tensor:
 
 
 def _rejection_torch(
-    target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor, num_drafts: Tensor,
-    seeds: Tensor, positions: Tensor,
+    target_probs: Tensor,
+    draft_probs: Tensor,
+    draft_tokens: Tensor,
+    num_drafts: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
 ) -> tuple[Tensor, Tensor]:
     num_reqs, max_drafts = draft_tokens.shape
     vocab_size = target_probs.shape[-1]
@@ -102,8 +102,10 @@ def _rejection_torch(
     q = draft_probs.gather(-1, tokens[..., None]).squeeze(-1)
     # One acceptance uniform per draft position: a vocabulary of one (token id 0).
     u_accept = keyed_uniform(
-        seeds.repeat_interleave(max_drafts), (positions[:, None] + cols[None, :]).reshape(-1),
-        1, STREAM_ACCEPT,
+        seeds.repeat_interleave(max_drafts),
+        (positions[:, None] + cols[None, :]).reshape(-1),
+        1,
+        STREAM_ACCEPT,
     ).view(num_reqs, max_drafts)
     # u < p / q without dividing (q can be 0 for garbage inputs).
     accept = valid & (u_accept * q < p)
@@ -127,8 +129,7 @@ def _rejection_torch(
     next_token = _race(weights, u_next)
 
     out = torch.full((num_reqs, max_drafts + 1), -1, dtype=torch.int64, device=device)
-    out[:, :max_drafts] = torch.where(cols[None, :] < num_accepted[:, None],
-                                      draft_tokens.to(torch.int64), -1)
+    out[:, :max_drafts] = torch.where(cols[None, :] < num_accepted[:, None], draft_tokens.to(torch.int64), -1)
     out.scatter_(1, num_accepted[:, None], next_token[:, None])
     return out, num_accepted.to(torch.int32)
 
@@ -137,9 +138,20 @@ if HAS_TRITON:
 
     @triton.jit
     def _rejection_kernel(
-        target_ptr, draft_probs_ptr, draft_tokens_ptr, num_drafts_ptr, seeds_ptr, positions_ptr,
-        out_ptr, num_accepted_ptr, max_drafts, vocab_size, BLOCK_V: tl.constexpr,
-        SAMPLE: tl.constexpr, ACCEPT: tl.constexpr, RESIDUAL: tl.constexpr,
+        target_ptr,
+        draft_probs_ptr,
+        draft_tokens_ptr,
+        num_drafts_ptr,
+        seeds_ptr,
+        positions_ptr,
+        out_ptr,
+        num_accepted_ptr,
+        max_drafts,
+        vocab_size,
+        BLOCK_V: tl.constexpr,
+        SAMPLE: tl.constexpr,
+        ACCEPT: tl.constexpr,
+        RESIDUAL: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         num_valid = tl.minimum(tl.load(num_drafts_ptr + row), max_drafts)
@@ -206,8 +218,12 @@ if HAS_TRITON:
 
 
 def _rejection_triton(
-    target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor, num_drafts: Tensor,
-    seeds: Tensor, positions: Tensor,
+    target_probs: Tensor,
+    draft_probs: Tensor,
+    draft_tokens: Tensor,
+    num_drafts: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
 ) -> tuple[Tensor, Tensor]:
     num_reqs, max_drafts = draft_tokens.shape
     vocab_size = target_probs.shape[-1]
@@ -217,17 +233,32 @@ def _rejection_triton(
     if num_reqs == 0:
         return out, num_accepted
     _rejection_kernel[(num_reqs,)](
-        target_probs.contiguous(), draft_probs.contiguous(), draft_tokens.contiguous(),
-        num_drafts, seeds.to(torch.int64), positions.to(torch.int64), out, num_accepted,
-        max_drafts, vocab_size, BLOCK_V=min(1024, next_power_of_2(vocab_size)),
-        SAMPLE=STREAM_SAMPLE, ACCEPT=STREAM_ACCEPT, RESIDUAL=STREAM_RESIDUAL,
+        target_probs.contiguous(),
+        draft_probs.contiguous(),
+        draft_tokens.contiguous(),
+        num_drafts,
+        seeds.to(torch.int64),
+        positions.to(torch.int64),
+        out,
+        num_accepted,
+        max_drafts,
+        vocab_size,
+        BLOCK_V=min(1024, next_power_of_2(vocab_size)),
+        SAMPLE=STREAM_SAMPLE,
+        ACCEPT=STREAM_ACCEPT,
+        RESIDUAL=STREAM_RESIDUAL,
     )
     return out, num_accepted
 
 
 def rejection_sample(
-    target_probs: Tensor, draft_probs: Tensor, draft_tokens: Tensor, num_drafts: Tensor,
-    seeds: Tensor, positions: Tensor, impl: KernelImpl = None,
+    target_probs: Tensor,
+    draft_probs: Tensor,
+    draft_tokens: Tensor,
+    num_drafts: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+    impl: KernelImpl = None,
 ) -> tuple[Tensor, Tensor]:
     """Speculative sampling for draft-model proposals; returns
     ``(out_tokens [R, K+1] int64, num_accepted [R] int32)``.
@@ -242,6 +273,5 @@ def rejection_sample(
     tokens (``a = num_accepted[r]``); later columns are -1.
     """
     if use_triton(target_probs, impl, _rejection_kernel if HAS_TRITON else None):
-        return _rejection_triton(target_probs, draft_probs, draft_tokens, num_drafts, seeds,
-                                 positions)
+        return _rejection_triton(target_probs, draft_probs, draft_tokens, num_drafts, seeds, positions)
     return _rejection_torch(target_probs, draft_probs, draft_tokens, num_drafts, seeds, positions)

@@ -32,9 +32,7 @@ def block_hash(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> Block
     return h.digest()
 
 
-def extend_hash_chain(
-    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int
-) -> None:
+def extend_hash_chain(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int) -> None:
     """Grow `hashes` (the chain of `token_ids`' first full blocks) to `num_blocks` entries."""
     for i in range(len(hashes), num_blocks):
         parent = hashes[-1] if hashes else None

@@ -63,15 +63,15 @@ _ERROR_TYPES = {
 _UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
 
 
-def error_response(status: int, message: str, param: str | None = None,
-                   code: str | None = None) -> JSONResponse:
+def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
     """An OpenAI error object with `status`."""
     return JSONResponse(status_code=status, content=error_object(status, message, param, code))
 
 
 def error_object(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"),
-                      "param": param, "code": code}}
+    return {
+        "error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param, "code": code}
+    }
 
 
 class HTTPError(Exception):
@@ -128,15 +128,16 @@ class Exchange:
         """Account one reply message; returns its choice and the logprobs object of its tokens."""
         choice = self.choice(prompt_index, reply)
         self.prompt_tokens[prompt_index] = reply.num_prompt_tokens or self.prompt_tokens.get(prompt_index, 0)
-        self.cached_tokens[prompt_index] = (reply.num_cached_prompt_tokens
-                                            or self.cached_tokens.get(prompt_index, 0))
+        self.cached_tokens[prompt_index] = reply.num_cached_prompt_tokens or self.cached_tokens.get(prompt_index, 0)
         choice.text.append(reply.text)
         choice.token_ids.extend(reply.token_ids)
         logprobs_obj = None
         if self.wants_logprobs and reply.token_ids:
             texts = [self.token_text(t) for t in reply.token_ids]
-            top = [[(self.token_text(t), lp) for t, lp in zip(entry.token_ids, entry.logprobs)]
-                   for entry in reply.top_logprobs]
+            top = [
+                [(self.token_text(t), lp) for t, lp in zip(entry.token_ids, entry.logprobs)]
+                for entry in reply.top_logprobs
+            ]
             choice.logprobs.extend(reply.logprobs)
             choice.top.extend(top)
             if self.chat:
@@ -155,14 +156,21 @@ class Exchange:
         return bool(self.body.logprobs) or (not self.chat and self.body.logprobs is not None)
 
     def usage(self) -> dict[str, Any]:
-        return oa.usage(sum(self.prompt_tokens.values()),
-                        sum(len(c.token_ids) for c in self.choices.values()),
-                        sum(self.cached_tokens.values()))
+        return oa.usage(
+            sum(self.prompt_tokens.values()),
+            sum(len(c.token_ids) for c in self.choices.values()),
+            sum(self.cached_tokens.values()),
+        )
 
     def envelope(self, choices: list[dict], chunk: bool) -> dict[str, Any]:
         kind = ("chat.completion" if self.chat else "text_completion") + (".chunk" if chunk and self.chat else "")
-        return {"id": self.response_id, "object": kind, "created": self.created, "model": self.model,
-                "choices": choices}
+        return {
+            "id": self.response_id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
 
     def final_choices(self) -> list[dict]:
         out = []
@@ -172,19 +180,28 @@ class Exchange:
             logprobs = None
             if self.wants_logprobs:
                 texts = [self.token_text(t) for t in c.token_ids]
-                logprobs = (oa.chat_logprobs(texts, c.logprobs, c.top) if self.chat
-                            else oa.completion_logprobs(texts, c.logprobs, c.top, 0))
+                logprobs = (
+                    oa.chat_logprobs(texts, c.logprobs, c.top)
+                    if self.chat
+                    else oa.completion_logprobs(texts, c.logprobs, c.top, 0)
+                )
             if self.chat:
-                out.append({"index": index, "message": {"role": "assistant", "content": text},
-                            "logprobs": logprobs, "finish_reason": c.finish_reason})
+                out.append(
+                    {
+                        "index": index,
+                        "message": {"role": "assistant", "content": text},
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                    }
+                )
             else:
-                out.append({"index": index, "text": text, "logprobs": logprobs,
-                            "finish_reason": c.finish_reason})
+                out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         return out
 
 
-async def _merged(servicer: Frontend,
-                  submissions: Sequence[Submission]) -> AsyncGenerator[tuple[int, generate_pb2.GenerateResponse], None]:
+async def _merged(
+    servicer: Frontend, submissions: Sequence[Submission]
+) -> AsyncGenerator[tuple[int, generate_pb2.GenerateResponse], None]:
     """(prompt index, reply) from every submission as they arrive; leaving early aborts them all."""
     if len(submissions) == 1:
         async with contextlib.aclosing(servicer.responses(submissions[0])) as replies:
@@ -260,9 +277,19 @@ def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict:
         info = ready_link().info
-        return {"object": "list", "data": [{
-            "id": info.model, "object": "model", "created": 0, "owned_by": "zerobubble",
-            "root": info.model, "max_model_len": info.max_model_len}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": info.model,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "zerobubble",
+                    "root": info.model,
+                    "max_model_len": info.max_model_len,
+                }
+            ],
+        }
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -293,8 +320,12 @@ def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
         link = ready_link()
         tokenizer = link.tokenizer
         exchange = Exchange(
-            body=body, chat=chat, response_id=response_id, model=body.model or link.info.model,
-            token_text=lambda t: tokenizer.decode([t], skip_special_tokens=False))
+            body=body,
+            chat=chat,
+            response_id=response_id,
+            model=body.model or link.info.model,
+            token_text=lambda t: tokenizer.decode([t], skip_special_tokens=False),
+        )
         submissions = []
         try:
             for req in requests:
@@ -305,8 +336,9 @@ def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
                 servicer.router.abort(submission.req_id)
             raise _rejected(exc, body) from None
         if body.stream:
-            return StreamingResponse(_stream(exchange, submissions), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                _stream(exchange, submissions), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            )
         async with contextlib.aclosing(_merged(servicer, submissions)) as replies:
             async for prompt_index, reply in replies:
                 exchange.add(prompt_index, reply)
@@ -324,9 +356,22 @@ def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
                     choice, logprobs = exchange.add(prompt_index, reply)
                     if exchange.chat and not choice.started:
                         choice.started = True
-                        yield _sse({**exchange.envelope([{
-                            "index": choice.index, "delta": {"role": "assistant", "content": ""},
-                            "logprobs": None, "finish_reason": None}], chunk=True), **extra})
+                        yield _sse(
+                            {
+                                **exchange.envelope(
+                                    [
+                                        {
+                                            "index": choice.index,
+                                            "delta": {"role": "assistant", "content": ""},
+                                            "logprobs": None,
+                                            "finish_reason": None,
+                                        }
+                                    ],
+                                    chunk=True,
+                                ),
+                                **extra,
+                            }
+                        )
                     if not reply.text and not reply.token_ids and choice.finish_reason is None:
                         continue
                     if exchange.chat:
@@ -385,8 +430,9 @@ class HTTPFront:
             await self.task
 
 
-async def start_http(servicer: Frontend, host: str, port: int, *, auth_token: str = "",
-                     tls_cert: str = "", tls_key: str = "") -> HTTPFront:
+async def start_http(
+    servicer: Frontend, host: str, port: int, *, auth_token: str = "", tls_cert: str = "", tls_key: str = ""
+) -> HTTPFront:
     """Bind `host:port` (0 = a free port) and serve the app on the running event loop."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -394,9 +440,15 @@ async def start_http(servicer: Frontend, host: str, port: int, *, auth_token: st
     sock.bind((host, port))
     sock.listen(2048)
     sock.setblocking(False)
-    config = uvicorn.Config(build_app(servicer, auth_token), lifespan="off", log_config=None,
-                            access_log=False, ssl_certfile=tls_cert or None, ssl_keyfile=tls_key or None,
-                            timeout_graceful_shutdown=10)
+    config = uvicorn.Config(
+        build_app(servicer, auth_token),
+        lifespan="off",
+        log_config=None,
+        access_log=False,
+        ssl_certfile=tls_cert or None,
+        ssl_keyfile=tls_key or None,
+        timeout_graceful_shutdown=10,
+    )
     server = _EmbeddedServer(config)
     task = asyncio.create_task(server.serve(sockets=[sock]), name="http-front")
     while not server.started:

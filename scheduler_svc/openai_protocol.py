@@ -117,8 +117,9 @@ def _message_text(index: int, message: ChatMessage) -> str:
     parts = []
     for j, part in enumerate(message.content):
         if part.type != "text" or part.text is None:
-            raise ParamError(f"messages[{index}].content[{j}]",
-                             f"only text parts are supported, got type {part.type!r}")
+            raise ParamError(
+                f"messages[{index}].content[{j}]", f"only text parts are supported, got type {part.type!r}"
+            )
         parts.append(part.text)
     return "".join(parts)
 
@@ -238,9 +239,12 @@ def openai_param(message: str, body: Body) -> tuple[str | None, str]:
     else:
         param = _PARAM_NAMES.get(base, base)
         if "[" in path and base in _PARAM_NAMES:
-            param += path[len(base):]
-    if param.startswith("max_tokens") and isinstance(body, ChatCompletionBody) \
-            and body.max_completion_tokens is not None:
+            param += path[len(base) :]
+    if (
+        param.startswith("max_tokens")
+        and isinstance(body, ChatCompletionBody)
+        and body.max_completion_tokens is not None
+    ):
         param = "max_completion_tokens"
     return param, f"{param}: {rest}"
 
@@ -264,8 +268,9 @@ def _token_entry(text: str, logprob: float) -> dict[str, Any]:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def chat_logprobs(token_texts: Sequence[str], logprobs: Sequence[float],
-                  top: Sequence[Sequence[tuple[str, float]]]) -> dict[str, Any]:
+def chat_logprobs(
+    token_texts: Sequence[str], logprobs: Sequence[float], top: Sequence[Sequence[tuple[str, float]]]
+) -> dict[str, Any]:
     """Chat `logprobs`: one entry per token, each with its `top_logprobs` (may be empty)."""
     content = []
     for i, (text, logprob) in enumerate(zip(token_texts, logprobs)):
@@ -275,8 +280,9 @@ def chat_logprobs(token_texts: Sequence[str], logprobs: Sequence[float],
     return {"content": content}
 
 
-def completion_logprobs(token_texts: Sequence[str], logprobs: Sequence[float],
-                        top: Sequence[Sequence[tuple[str, float]]], text_offset: int) -> dict[str, Any]:
+def completion_logprobs(
+    token_texts: Sequence[str], logprobs: Sequence[float], top: Sequence[Sequence[tuple[str, float]]], text_offset: int
+) -> dict[str, Any]:
     """Legacy completions `logprobs`: parallel lists, offsets into the choice's text."""
     offsets = []
     for text in token_texts:

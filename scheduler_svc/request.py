@@ -74,8 +74,9 @@ def require(cond: bool, message: str) -> None:
         raise InvalidRequest(message)
 
 
-def validate_options(prompt: list[int], sampling: SamplingOptions, stopping: StoppingOptions, *,
-                     vocab_size: int, max_len: int) -> None:
+def validate_options(
+    prompt: list[int], sampling: SamplingOptions, stopping: StoppingOptions, *, vocab_size: int, max_len: int
+) -> None:
     """The one validator of a request's prompt and options; :class:`InvalidRequest` names the
     field as the client API spells it (``sampling.top_p``, ``stopping.max_tokens``, ...).
 
@@ -85,27 +86,36 @@ def validate_options(prompt: list[int], sampling: SamplingOptions, stopping: Sto
     require(len(prompt) > 0, "input: tokenizes to no tokens")
     bad = [t for t in prompt if not 0 <= t < vocab_size]
     require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab_size})")
-    require(len(prompt) < max_len, f"input: prompt is {len(prompt)} tokens, the model length is "
-           f"{max_len} (at least one token must fit after it)")
+    require(
+        len(prompt) < max_len,
+        f"input: prompt is {len(prompt)} tokens, the model length is {max_len} (at least one token must fit after it)",
+    )
     t = sampling.temperature
     require(math.isfinite(t) and t >= 0, f"sampling.temperature: must be >= 0, got {t}")
     require(sampling.top_k >= 0, f"sampling.top_k: must be >= 0, got {sampling.top_k}")
     require(0 < sampling.top_p <= 1, f"sampling.top_p: must be in (0, 1], got {sampling.top_p}")
-    require(sampling.seed is None or 0 <= sampling.seed < 2**64,
-           f"sampling.seed: must fit in 64 unsigned bits, got {sampling.seed}")
+    require(
+        sampling.seed is None or 0 <= sampling.seed < 2**64,
+        f"sampling.seed: must fit in 64 unsigned bits, got {sampling.seed}",
+    )
     if stopping.max_tokens is not None:
         require(stopping.max_tokens > 0, f"stopping.max_tokens: must be > 0, got {stopping.max_tokens}")
-        require(stopping.max_tokens <= max_len,
-               f"stopping.max_tokens: {stopping.max_tokens} exceeds the model length {max_len}")
+        require(
+            stopping.max_tokens <= max_len,
+            f"stopping.max_tokens: {stopping.max_tokens} exceeds the model length {max_len}",
+        )
     require(stopping.min_tokens >= 0, f"stopping.min_tokens: must be >= 0, got {stopping.min_tokens}")
     if stopping.max_tokens is not None:
-        require(stopping.min_tokens <= stopping.max_tokens,
-               f"stopping.min_tokens: {stopping.min_tokens} exceeds max_tokens {stopping.max_tokens}")
-    require(len(stopping.stop) <= MAX_STOP_STRINGS,
-           f"stopping.stop: {len(stopping.stop)} stop strings, limit is {MAX_STOP_STRINGS}")
+        require(
+            stopping.min_tokens <= stopping.max_tokens,
+            f"stopping.min_tokens: {stopping.min_tokens} exceeds max_tokens {stopping.max_tokens}",
+        )
+    require(
+        len(stopping.stop) <= MAX_STOP_STRINGS,
+        f"stopping.stop: {len(stopping.stop)} stop strings, limit is {MAX_STOP_STRINGS}",
+    )
     for i, text in enumerate(stopping.stop):
-        require(0 < len(text) <= MAX_STOP_CHARS,
-               f"stopping.stop[{i}]: must be 1 to {MAX_STOP_CHARS} characters")
+        require(0 < len(text) <= MAX_STOP_CHARS, f"stopping.stop[{i}]: must be 1 to {MAX_STOP_CHARS} characters")
     for i, tid in enumerate(stopping.stop_token_ids):
         require(0 <= tid < vocab_size, f"stopping.stop_token_ids[{i}]: {tid} is outside the vocabulary")
     validate_sampling_controls(sampling, vocab_size)
@@ -125,16 +135,15 @@ def validate_sampling_controls(sampling: SamplingOptions, vocab_size: int) -> No
     require(0.0 < rep and math.isfinite(rep), f"sampling.repetition_penalty: must be > 0, got {rep}")
     require(0.0 <= sampling.min_p <= 1.0, f"sampling.min_p: must be in [0, 1], got {sampling.min_p}")
     bias = sampling.logit_bias
-    require(len(bias) <= MAX_LOGIT_BIAS,
-            f"sampling.logit_bias: {len(bias)} entries, limit is {MAX_LOGIT_BIAS}")
+    require(len(bias) <= MAX_LOGIT_BIAS, f"sampling.logit_bias: {len(bias)} entries, limit is {MAX_LOGIT_BIAS}")
     for token_id, value in sorted(bias.items()):
-        require(0 <= token_id < vocab_size,
-                f"sampling.logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})")
-        require(-100.0 <= value <= 100.0,
-                f"sampling.logit_bias[{token_id}]: must be in [-100, 100], got {value}")
+        require(
+            0 <= token_id < vocab_size,
+            f"sampling.logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})",
+        )
+        require(-100.0 <= value <= 100.0, f"sampling.logit_bias[{token_id}]: must be in [-100, 100], got {value}")
     top = sampling.top_logprobs
-    require(0 <= top <= MAX_TOP_LOGPROBS,
-            f"response.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
+    require(0 <= top <= MAX_TOP_LOGPROBS, f"response.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
 
 
 @dataclass(slots=True)

@@ -42,7 +42,7 @@ def resolve_targets(targets: list[str]) -> dict[str, str | None]:
         if not target.startswith(DNS_PREFIX):
             out.setdefault(target, None)
             continue
-        host, _, port = target[len(DNS_PREFIX):].rpartition(":")
+        host, _, port = target[len(DNS_PREFIX) :].rpartition(":")
         try:
             infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
         except socket.gaierror as exc:
@@ -58,9 +58,15 @@ def resolve_targets(targets: list[str]) -> dict[str, str | None]:
 class Router:
     """Owns the worker links and which link each request lives on."""
 
-    def __init__(self, config: SchedulerConfig, max_inflight_steps: int,
-                 creds: grpc.ChannelCredentials | None = None, metrics=None,
-                 worker_auth_token: str = "", step_deadline_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        max_inflight_steps: int,
+        creds: grpc.ChannelCredentials | None = None,
+        metrics=None,
+        worker_auth_token: str = "",
+        step_deadline_s: float = 0.0,
+    ) -> None:
         self.config = config
         self.step_deadline_s = step_deadline_s
         self.worker_auth_token = worker_auth_token
@@ -68,8 +74,8 @@ class Router:
         self.creds = creds
         self.metrics = metrics
         self.links: list[WorkerLink] = []
-        self.owner: dict[str, WorkerLink] = {}   # req_id -> link holding it
-        self.orphans: list = []                   # requests waiting for any worker
+        self.owner: dict[str, WorkerLink] = {}  # req_id -> link holding it
+        self.orphans: list = []  # requests waiting for any worker
         self.on_events: Callable[[WorkerLink, list[RequestEvent]], None] = lambda link, ev: None
         self.on_readiness: Callable[[bool], Awaitable[None]] | None = None
         self._targets: list[str] = []
@@ -102,11 +108,19 @@ class Router:
         current = {link.address: link for link in self.links}
         for address, server_name in addresses.items():
             if address not in current:
-                link = WorkerLink(address, self.config, self.max_inflight_steps,
-                                  self._on_link_events, self._on_link_lost, self.creds,
-                                  self._on_step, self.link_ready, server_name=server_name,
-                                  auth_token=self.worker_auth_token,
-                                  step_deadline_s=self.step_deadline_s)
+                link = WorkerLink(
+                    address,
+                    self.config,
+                    self.max_inflight_steps,
+                    self._on_link_events,
+                    self._on_link_lost,
+                    self.creds,
+                    self._on_step,
+                    self.link_ready,
+                    server_name=server_name,
+                    auth_token=self.worker_auth_token,
+                    step_deadline_s=self.step_deadline_s,
+                )
                 link.on_draining = self._on_link_draining
                 self.links.append(link)
                 link.start()
@@ -149,8 +163,7 @@ class Router:
             return None
         least = min(link.load() for link in ready)
         candidates = [link for link in ready if link.load() <= least + AFFINITY_MAX_EXTRA_LOAD]
-        return max(candidates, key=lambda link: (link.sched.cached_prefix_blocks(prompt_ids),
-                                                 -link.load()))
+        return max(candidates, key=lambda link: (link.sched.cached_prefix_blocks(prompt_ids), -link.load()))
 
     def submit(self, link: WorkerLink, req_id: str, prompt_ids: list[int], **params) -> None:
         link.sched.add_request(req_id, prompt_ids, **params)
@@ -182,11 +195,11 @@ class Router:
         try:
             link.sched.adopt(request)
         except ValueError as exc:
-            logger.error("cannot move request %s to worker %s: %s", request.req_id,
-                         link.worker_id, exc)
+            logger.error("cannot move request %s to worker %s: %s", request.req_id, link.worker_id, exc)
             self.owner.pop(request.req_id, None)
-            self.on_events(lost or link, [fail_unplaced(
-                request, f"its worker was lost and it cannot be resumed elsewhere: {exc}")])
+            self.on_events(
+                lost or link, [fail_unplaced(request, f"its worker was lost and it cannot be resumed elsewhere: {exc}")]
+            )
             return
         self.owner[request.req_id] = link
         link.wake()
@@ -209,8 +222,16 @@ class Router:
         # only rows it applied (not those of preempted, aborted or finished requests).
         sched = link.sched
         s, pc = sched.stats, sched.prefix_cache_counters
-        now = (s.num_rolled_back_tokens, s.num_preemptions, pc.num_query_tokens, pc.num_hit_tokens,
-               s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, tuple(s.accepted_per_pos))
+        now = (
+            s.num_rolled_back_tokens,
+            s.num_preemptions,
+            pc.num_query_tokens,
+            pc.num_hit_tokens,
+            s.num_drafts,
+            s.num_draft_tokens,
+            s.num_accepted_tokens,
+            tuple(s.accepted_per_pos),
+        )
         # Keyed by link and checked by identity: a reconnect builds a new scheduler whose
         # counters start from zero (an id() could be reused and give negative increments).
         seen_sched, last = self._exported.get(link.address, (None, (0, 0, 0, 0, 0, 0, 0, ())))
@@ -218,9 +239,15 @@ class Router:
             last = (0, 0, 0, 0, 0, 0, 0, ())
         self._exported[link.address] = (sched, now)
         per_pos = [n - (last[7][i] if i < len(last[7]) else 0) for i, n in enumerate(now[7])]
-        self.metrics.record_step(link.worker_id, float(result.forward_s), float(result.idle_s),
-                                 num_drafts=now[4] - last[4], num_draft_tokens=now[5] - last[5],
-                                 num_accepted=now[6] - last[6], accepted_per_pos=per_pos)
+        self.metrics.record_step(
+            link.worker_id,
+            float(result.forward_s),
+            float(result.idle_s),
+            num_drafts=now[4] - last[4],
+            num_draft_tokens=now[5] - last[5],
+            num_accepted=now[6] - last[6],
+            accepted_per_pos=per_pos,
+        )
         self.metrics.set_inflight(link.worker_id, link.inflight)
         self.metrics.add_rolled_back(now[0] - last[0])
         self.metrics.add_preemptions(now[1] - last[1])
@@ -231,8 +258,7 @@ class Router:
         if link.scheduler is not None:
             moved = link.scheduler.take_unfinished()
             if moved:
-                logger.warning("re-queueing %d requests from lost worker %s", len(moved),
-                               link.worker_id)
+                logger.warning("re-queueing %d requests from lost worker %s", len(moved), link.worker_id)
             for request in moved:
                 self.owner.pop(request.req_id, None)
                 self._place(request, link)

@@ -79,8 +79,12 @@ class SchedulerConfig:
     @classmethod
     def from_service(cls, cfg: SchedulerServiceConfig) -> SchedulerConfig:
         """The policy part of the scheduler service's settings (capacity comes from a worker)."""
-        return cls(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                   enable_prefix_caching=cfg.enable_prefix_caching, max_waiting=cfg.max_waiting)
+        return cls(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            max_waiting=cfg.max_waiting,
+        )
 
     def with_worker(self, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
         """A copy completed with a worker's capacity, speculation, EOS ids and vocabulary."""
@@ -101,8 +105,14 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         """`ValueError` if a field is out of range (the worker-given ones must be set)."""
-        for name in ("num_blocks", "block_size", "max_model_len", "max_num_seqs",
-                     "max_num_batched_tokens", "max_waiting"):
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be positive")
         if self.num_spec_tokens < 0 or self.vocab_size < 0:
@@ -174,8 +184,7 @@ def _sampling_params(sampling: SamplingOptions, num_prompt_tokens: int) -> worke
     )
 
 
-def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.monotonic
-                  ) -> RequestEvent:
+def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.monotonic) -> RequestEvent:
     """End a request that no scheduler holds (taken with `take_unfinished`, not adoptable)
     with ERROR; returns its final event, so its client stream ends instead of waiting."""
     req.status = RequestStatus.FINISHED
@@ -185,11 +194,18 @@ def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.mo
     queue_s = None
     if req.first_scheduled_time is not None:
         queue_s = req.first_scheduled_time - req.arrival_time
-    return RequestEvent(req_id=req.req_id, token_ids=[], text="", logprobs=[],
-                        finish_reason=FINISH_ERROR, num_prompt_tokens=req.num_prompt_tokens,
-                        num_output_tokens=req.num_output_tokens,
-                        num_cached_tokens=req.num_cached_prompt_tokens, error=error,
-                        queue_s=queue_s)
+    return RequestEvent(
+        req_id=req.req_id,
+        token_ids=[],
+        text="",
+        logprobs=[],
+        finish_reason=FINISH_ERROR,
+        num_prompt_tokens=req.num_prompt_tokens,
+        num_output_tokens=req.num_output_tokens,
+        num_cached_tokens=req.num_cached_prompt_tokens,
+        error=error,
+        queue_s=queue_s,
+    )
 
 
 class Scheduler:
@@ -264,12 +280,20 @@ class Scheduler:
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting")
         prompt = list(prompt_token_ids)
-        sampling = SamplingOptions(temperature, top_k, top_p, seed, logprobs, presence_penalty,
-                                   frequency_penalty, repetition_penalty, min_p,
-                                   dict(logit_bias or {}), top_logprobs)
-        stopping = StoppingOptions(
-            max_tokens, min_tokens, list(stop), list(stop_token_ids), ignore_eos
+        sampling = SamplingOptions(
+            temperature,
+            top_k,
+            top_p,
+            seed,
+            logprobs,
+            presence_penalty,
+            frequency_penalty,
+            repetition_penalty,
+            min_p,
+            dict(logit_bias or {}),
+            top_logprobs,
         )
+        stopping = StoppingOptions(max_tokens, min_tokens, list(stop), list(stop_token_ids), ignore_eos)
         validate_options(prompt, sampling, stopping, vocab_size=self._vocab_size, max_len=self._max_len)
         if sampling.seed is None:
             # Every request is keyed, so its randomness never depends on batching.
@@ -287,9 +311,13 @@ class Scheduler:
         )
         self._requests[req_id] = req
         leader = self._requests.get(share_prompt_with) if share_prompt_with else None
-        if (leader is not None and self.config.enable_prefix_caching
-                and leader.status is not RequestStatus.FINISHED and not leader.output_token_ids
-                and leader.prompt_token_ids == prompt):
+        if (
+            leader is not None
+            and self.config.enable_prefix_caching
+            and leader.status is not RequestStatus.FINISHED
+            and not leader.output_token_ids
+            and leader.prompt_token_ids == prompt
+        ):
             req.waits_for = leader.req_id
             self._deferred.setdefault(leader.req_id, []).append(req)
         else:
@@ -464,8 +492,7 @@ class Scheduler:
         if req.is_prefilling:
             if not self._make_room(req):
                 return 0
-            num_tokens = min(req.num_prefill_tokens - req.num_computed, budget,
-                             self._capacity(req))
+            num_tokens = min(req.num_prefill_tokens - req.num_computed, budget, self._capacity(req))
             start = req.num_computed
             token_ids = req.all_token_ids()[start : start + num_tokens]
             self._add_prefill(req, token_ids, plan, records, is_new=False, num_cached_tokens=0)
@@ -518,13 +545,9 @@ class Scheduler:
         if self.config.enable_prefix_caching:
             # The block holding the last known token is always computed: the step must produce
             # at least one token, and nobody may write into a block others share.
-            cached_block_ids = self._pool.lookup(
-                token_ids, max_num_blocks=(len(token_ids) - 1) // block_size
-            )
+            cached_block_ids = self._pool.lookup(token_ids, max_num_blocks=(len(token_ids) - 1) // block_size)
         num_cached_tokens = len(cached_block_ids) * block_size
-        num_tokens = min(
-            len(token_ids) - num_cached_tokens, budget, self._pool.num_free * block_size
-        )
+        num_tokens = min(len(token_ids) - num_cached_tokens, budget, self._pool.num_free * block_size)
         if num_tokens < 1:
             self._pool.free(cached_block_ids)
             return 0
@@ -545,8 +568,7 @@ class Scheduler:
         req.num_prefill_tokens = len(token_ids)
         self._running.append(req)
         chunk = token_ids[num_cached_tokens : num_cached_tokens + num_tokens]
-        self._add_prefill(req, chunk, plan, records, is_new=True,
-                          num_cached_tokens=num_cached_tokens)
+        self._add_prefill(req, chunk, plan, records, is_new=True, num_cached_tokens=num_cached_tokens)
         return num_tokens
 
     def _add_prefill(
@@ -721,9 +743,7 @@ class Scheduler:
         for pos in range(num_accepted):
             per_pos[pos] += 1
 
-    def _reconcile(
-        self, req: Request, rec: _Scheduled, res: worker_pb2.RequestResult
-    ) -> RequestEvent:
+    def _reconcile(self, req: Request, rec: _Scheduled, res: worker_pb2.RequestResult) -> RequestEvent:
         """Replace placeholders with real tokens, roll back rejected slots, check stops."""
         token_ids = list(res.token_ids)
         num_rejected = rec.num_draft_slots + 1 - len(token_ids)
@@ -823,9 +843,7 @@ class Scheduler:
         req.finish_time = self._clock()
         del self._requests[req.req_id]
 
-    def _event(
-        self, req: Request, token_ids: list[int], text: str, logprobs: list[float]
-    ) -> RequestEvent:
+    def _event(self, req: Request, token_ids: list[int], text: str, logprobs: list[float]) -> RequestEvent:
         finished = req.status is RequestStatus.FINISHED
         queue_s = None
         if finished and req.first_scheduled_time is not None:

@@ -55,9 +55,12 @@ def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> list[RequestEvent]:
             merged[nxt.req_id] = nxt
         elif prev.finish_reason is None:  # nothing follows a final event
             merged[nxt.req_id] = dataclasses.replace(
-                nxt, token_ids=prev.token_ids + nxt.token_ids, text=prev.text + nxt.text,
+                nxt,
+                token_ids=prev.token_ids + nxt.token_ids,
+                text=prev.text + nxt.text,
                 logprobs=prev.logprobs + nxt.logprobs,
-                top_logprobs=prev.top_logprobs + nxt.top_logprobs)
+                top_logprobs=prev.top_logprobs + nxt.top_logprobs,
+            )
     return list(merged.values())
 
 
@@ -125,11 +128,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         for req_id, stream in list(self.streams.items()):
             event = self.router.abort(req_id)
             if event is None:  # held by no worker (an orphan): build its final event here
-                event = RequestEvent(req_id=req_id, token_ids=[], text="", logprobs=[],
-                                     finish_reason=FINISH.FINISH_REASON_CANCELLED,
-                                     num_prompt_tokens=stream.num_prompt_tokens,
-                                     num_output_tokens=stream.num_output_tokens,
-                                     num_cached_tokens=0)
+                event = RequestEvent(
+                    req_id=req_id,
+                    token_ids=[],
+                    text="",
+                    logprobs=[],
+                    finish_reason=FINISH.FINISH_REASON_CANCELLED,
+                    num_prompt_tokens=stream.num_prompt_tokens,
+                    num_output_tokens=stream.num_output_tokens,
+                    num_cached_tokens=0,
+                )
             event.error = "the server is shutting down"
             stream.queue.put_nowait(event)
         while self.streams and time.monotonic() < deadline + 5.0:
@@ -148,9 +156,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         info, _ = link.described()
         if request.model and request.model != info.model:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, f"model: unknown model "
-                               f"{request.model!r}; this server serves {info.model!r}",
-                               unknown_model=True)
+            raise RequestError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"model: unknown model {request.model!r}; this server serves {info.model!r}",
+                unknown_model=True,
+            )
         try:
             prompt_ids = self._prompt_ids(request, link)
             n = num_sequences(request)
@@ -169,24 +179,29 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if n > 1 and params["seed"] is None:
             params["seed"] = random.getrandbits(64)
         queue: asyncio.Queue = asyncio.Queue()  # shared: the servicer reads every sequence's events
-        streams = tuple(Stream(queue=queue, arrival=time.monotonic(),
-                               num_prompt_tokens=len(prompt_ids), index=i) for i in range(n))
+        streams = tuple(
+            Stream(queue=queue, arrival=time.monotonic(), num_prompt_tokens=len(prompt_ids), index=i) for i in range(n)
+        )
         for seq_id, stream in zip(seq_ids, streams):
             self.streams[seq_id] = stream
         submitted: list[str] = []
         try:
             for i, seq_id in enumerate(seq_ids):
                 seed = params["seed"] if n == 1 else sequence_seed(params["seed"], i)
-                self.router.submit(link, seq_id, prompt_ids, **dict(params, seed=seed),
-                                   share_prompt_with=seq_ids[0] if i > 0 else None)
+                self.router.submit(
+                    link, seq_id, prompt_ids, **dict(params, seed=seed), share_prompt_with=seq_ids[0] if i > 0 else None
+                )
                 submitted.append(seq_id)
         except (InvalidRequest, QueueFullError) as exc:
             for seq_id in seq_ids:
                 self.streams.pop(seq_id, None)
             for seq_id in submitted:
                 self.router.abort(seq_id)
-            code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(exc, InvalidRequest)
-                    else grpc.StatusCode.RESOURCE_EXHAUSTED)
+            code = (
+                grpc.StatusCode.INVALID_ARGUMENT
+                if isinstance(exc, InvalidRequest)
+                else grpc.StatusCode.RESOURCE_EXHAUSTED
+            )
             raise RequestError(code, str(exc)) from exc
         return Submission(req_id, streams[0], seq_ids, streams)
 
@@ -209,10 +224,15 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     if stream is None:
                         continue
                     reply = generate_pb2.GenerateResponse(
-                        request_id=req_id, text=ev.text, token_ids=ev.token_ids,
-                        logprobs=ev.logprobs, num_prompt_tokens=ev.num_prompt_tokens,
+                        request_id=req_id,
+                        text=ev.text,
+                        token_ids=ev.token_ids,
+                        logprobs=ev.logprobs,
+                        num_prompt_tokens=ev.num_prompt_tokens,
                         num_output_tokens=ev.num_output_tokens,
-                        num_cached_prompt_tokens=ev.num_cached_tokens, index=stream.index)
+                        num_cached_prompt_tokens=ev.num_cached_tokens,
+                        index=stream.index,
+                    )
                     for ids, lps in ev.top_logprobs:
                         reply.top_logprobs.add(token_ids=ids, logprobs=lps)
                     if ev.finish_reason is not None:
@@ -231,9 +251,13 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 # Its queue time counts if it had been scheduled (None if it never was).
                 event = self.router.abort(seq_id)
                 if self.metrics is not None:
-                    self.metrics.record_finished("cancelled", time.monotonic() - stream.arrival,
-                                                 event.queue_s if event is not None else None,
-                                                 stream.num_prompt_tokens, stream.num_output_tokens)
+                    self.metrics.record_finished(
+                        "cancelled",
+                        time.monotonic() - stream.arrival,
+                        event.queue_s if event is not None else None,
+                        stream.num_prompt_tokens,
+                        stream.num_output_tokens,
+                    )
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context):
         try:
@@ -274,10 +298,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 stats.num_preemptions += s.num_preemptions
                 stats.num_generation_tokens += s.num_generation_tokens
         return generate_pb2.ModelInfoResponse(
-            model=info.model, max_model_len=info.max_model_len, vocab_size=info.vocab_size,
-            eos_token_ids=info.eos_token_ids, num_workers=len(self.router.ready_links()),
-            spec_method=info.spec_method, num_spec_tokens=info.num_spec_tokens,
-            max_inflight_steps=self.cfg.max_inflight_steps, stats=stats)
+            model=info.model,
+            max_model_len=info.max_model_len,
+            vocab_size=info.vocab_size,
+            eos_token_ids=info.eos_token_ids,
+            num_workers=len(self.router.ready_links()),
+            spec_method=info.spec_method,
+            num_spec_tokens=info.num_spec_tokens,
+            max_inflight_steps=self.cfg.max_inflight_steps,
+            stats=stats,
+        )
 
     # -- validation ----------------------------------------------------------------------------
 
@@ -286,19 +316,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         info, tok = link.described()
         if kind == "prompt":
             require(len(request.prompt) > 0, "prompt: must not be empty")
-            require(len(request.prompt) <= MAX_PROMPT_CHARS,
-                   f"prompt: {len(request.prompt)} characters, limit is {MAX_PROMPT_CHARS}")
+            require(
+                len(request.prompt) <= MAX_PROMPT_CHARS,
+                f"prompt: {len(request.prompt)} characters, limit is {MAX_PROMPT_CHARS}",
+            )
             ids = tok.encode(request.prompt)
         elif kind == "messages":
             msgs = request.messages.messages
             require(len(msgs) > 0, "messages: must not be empty")
             require(len(msgs) <= MAX_MESSAGES, f"messages: {len(msgs)} messages, limit is {MAX_MESSAGES}")
             total = sum(len(m.content) for m in msgs)
-            require(total <= MAX_PROMPT_CHARS,
-                   f"messages: {total} characters of content, limit is {MAX_PROMPT_CHARS}")
+            require(total <= MAX_PROMPT_CHARS, f"messages: {total} characters of content, limit is {MAX_PROMPT_CHARS}")
             for i, m in enumerate(msgs):
-                require(m.role in ("system", "user", "assistant", "tool"),
-                       f"messages[{i}].role: unknown role {m.role!r}")
+                require(
+                    m.role in ("system", "user", "assistant", "tool"), f"messages[{i}].role: unknown role {m.role!r}"
+                )
             try:
                 ids = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs])
             except Exception as exc:  # a template's raise_exception, e.g. bad role order
@@ -322,32 +354,42 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         the scheduler's validator checks them all.
         """
         s, st = request.sampling, request.stopping
-        return dict(temperature=s.temperature if s.HasField("temperature") else 0.0,
-                    top_k=s.top_k if s.HasField("top_k") else 0,
-                    top_p=s.top_p if s.HasField("top_p") else 1.0,
-                    seed=s.seed if s.HasField("seed") else None,
-                    max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
-                    min_tokens=st.min_tokens, stop=list(st.stop),
-                    stop_token_ids=list(st.stop_token_ids), ignore_eos=st.ignore_eos,
-                    logprobs=request.response.logprobs,
-                    presence_penalty=s.presence_penalty, frequency_penalty=s.frequency_penalty,
-                    repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty")
-                                        else 1.0),
-                    min_p=s.min_p, logit_bias=dict(s.logit_bias),
-                    top_logprobs=request.response.top_logprobs)
+        return dict(
+            temperature=s.temperature if s.HasField("temperature") else 0.0,
+            top_k=s.top_k if s.HasField("top_k") else 0,
+            top_p=s.top_p if s.HasField("top_p") else 1.0,
+            seed=s.seed if s.HasField("seed") else None,
+            max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
+            min_tokens=st.min_tokens,
+            stop=list(st.stop),
+            stop_token_ids=list(st.stop_token_ids),
+            ignore_eos=st.ignore_eos,
+            logprobs=request.response.logprobs,
+            presence_penalty=s.presence_penalty,
+            frequency_penalty=s.frequency_penalty,
+            repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
+            min_p=s.min_p,
+            logit_bias=dict(s.logit_bias),
+            top_logprobs=request.response.top_logprobs,
+        )
 
     def _record_finished(self, stream: Stream, ev: RequestEvent) -> None:
         if self.metrics is None:
             return
         now = time.monotonic()
         reason = FINISH.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
-        self.metrics.record_finished(reason, now - stream.arrival, ev.queue_s,
-                                     stream.num_prompt_tokens, stream.num_output_tokens)
+        self.metrics.record_finished(
+            reason, now - stream.arrival, ev.queue_s, stream.num_prompt_tokens, stream.num_output_tokens
+        )
 
 
-async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[str] | None = None,
-                          ready: asyncio.Event | None = None, stop: asyncio.Event | None = None,
-                          bound: list | None = None) -> None:
+async def serve_scheduler(
+    cfg: SchedulerServiceConfig,
+    worker_addresses: list[str] | None = None,
+    ready: asyncio.Event | None = None,
+    stop: asyncio.Event | None = None,
+    bound: list | None = None,
+) -> None:
     """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports."""
     from zerobubble.metrics import ServiceMetrics, start_metrics_server
 
@@ -359,17 +401,22 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
         if bound is not None:
             bound.append(("metrics", mport))
     sched_cfg = SchedulerConfig.from_service(cfg)
-    creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None,
-                                    cfg.worker_tls_key or None)
+    creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None, cfg.worker_tls_key or None)
     server = grpc.aio.server(
         options=rpc.SERVER_OPTIONS,
-        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME,
-                                                {"Generate": "unary_stream"})]
-        if cfg.auth_token else None)
+        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"})]
+        if cfg.auth_token
+        else None,
+    )
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
-    router = Router(sched_cfg, cfg.max_inflight_steps, creds, metrics,
-                    worker_auth_token=cfg.worker_auth_token,
-                    step_deadline_s=cfg.step_deadline)
+    router = Router(
+        sched_cfg,
+        cfg.max_inflight_steps,
+        creds,
+        metrics,
+        worker_auth_token=cfg.worker_auth_token,
+        step_deadline_s=cfg.step_deadline,
+    )
     servicer = GenerationServicer(cfg, router, metrics)
     router.on_events = servicer.on_events
 
@@ -391,8 +438,9 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     if cfg.http_port >= 0:
         from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
 
-        http = await start_http(servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token,
-                                tls_cert=cfg.tls_cert, tls_key=cfg.tls_key)
+        http = await start_http(
+            servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
+        )
         logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
         print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
     if ready is not None:
@@ -403,8 +451,7 @@ async def serve_scheduler(cfg: SchedulerServiceConfig, worker_addresses: list[st
     # Health first (load balancers stop routing), then the running requests get the drain time.
     router.on_readiness = None
     await rpc.set_serving(health, [SERVICE_NAME], False)
-    logger.info("shutting down: draining %d requests for up to %.0fs", len(servicer.streams),
-                cfg.drain_timeout)
+    logger.info("shutting down: draining %d requests for up to %.0fs", len(servicer.streams), cfg.drain_timeout)
     await servicer.drain(cfg.drain_timeout)
     if http is not None:
         await http.stop(grace_s=2.0)

@@ -36,9 +36,7 @@ def _tojson(
     sort_keys: bool = False,
 ) -> str:
     """Template filter: jinja2's own `tojson` escapes HTML, which chat templates do not want."""
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -53,9 +51,7 @@ def compile_chat_template(source: str) -> jinja2.Template:
     `trim_blocks`/`lstrip_blocks` matter because templates are written assuming them, and the
     token ids must match what the model was trained on.
     """
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -98,9 +94,7 @@ class Tokenizer:
         """Token ids of `text`, without special tokens (chat templates carry their own)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def render_chat_template(
-        self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True
-    ) -> str:
+    def render_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
         """The prompt text of a conversation; `ValueError` without a template or when it fails."""
         if self._chat_template is None:
             raise ValueError("the model has no chat template; send a raw prompt instead")

@@ -49,7 +49,7 @@ def _p99(values: list[float]) -> float:
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def derived_step_deadline(latencies: "deque[tuple[float, int]]", num_tokens: int = 1) -> float:
+def derived_step_deadline(latencies: deque[tuple[float, int]], num_tokens: int = 1) -> float:
     """How long a plan of `num_tokens` may wait for its result, from recent (latency, tokens).
 
     max(10 s, 20 x p99 latency, 20 x p99 per-token latency x num_tokens): the last term keeps a
@@ -60,8 +60,7 @@ def derived_step_deadline(latencies: "deque[tuple[float, int]]", num_tokens: int
         return WARMUP_STEP_DEADLINE_S
     p99 = _p99([lat for lat, _ in latencies])
     per_token = _p99([lat / max(1, n) for lat, n in latencies])
-    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99,
-               STEP_DEADLINE_P99_FACTOR * per_token * num_tokens)
+    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99, STEP_DEADLINE_P99_FACTOR * per_token * num_tokens)
 
 
 def plan_tokens(plan: worker_pb2.StepPlan) -> int:
@@ -81,14 +80,20 @@ class LinkStats:
 class WorkerLink:
     """Connects to one worker, keeps its plan window full and routes its results."""
 
-    def __init__(self, address: str, config: SchedulerConfig, max_inflight_steps: int,
-                 on_events: Callable[["WorkerLink", list[RequestEvent]], None],
-                 on_lost: Callable[["WorkerLink"], None],
-                 creds: grpc.ChannelCredentials | None = None,
-                 on_step: Callable[["WorkerLink", worker_pb2.StepResult], None] | None = None,
-                 on_ready: Callable[["WorkerLink"], None] | None = None,
-                 server_name: str | None = None, auth_token: str = "",
-                 step_deadline_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        config: SchedulerConfig,
+        max_inflight_steps: int,
+        on_events: Callable[[WorkerLink, list[RequestEvent]], None],
+        on_lost: Callable[[WorkerLink], None],
+        creds: grpc.ChannelCredentials | None = None,
+        on_step: Callable[[WorkerLink, worker_pb2.StepResult], None] | None = None,
+        on_ready: Callable[[WorkerLink], None] | None = None,
+        server_name: str | None = None,
+        auth_token: str = "",
+        step_deadline_s: float = 0.0,
+    ) -> None:
         """`step_deadline_s` 0: derived from recent step latencies (`derived_step_deadline`)."""
         self.address = address
         self.step_deadline_s = step_deadline_s
@@ -115,7 +120,7 @@ class WorkerLink:
         self.tokenizer: Tokenizer | None = None
         self.ready = False
         self.draining = False  # the worker is shutting down: no new requests for it
-        self.on_draining: Callable[["WorkerLink"], None] | None = None
+        self.on_draining: Callable[[WorkerLink], None] | None = None
         self.inflight = 0
         self.stats = LinkStats()
         self._wake = asyncio.Event()
@@ -130,8 +135,7 @@ class WorkerLink:
 
     def described(self) -> tuple[worker_pb2.WorkerInfo, Tokenizer]:
         """The worker's facts and tokenizer, read when the link connected (ready links only)."""
-        assert self.info is not None and self.tokenizer is not None, \
-            f"worker link {self.address} is not configured yet"
+        assert self.info is not None and self.tokenizer is not None, f"worker link {self.address} is not configured yet"
         return self.info, self.tokenizer
 
     @property
@@ -163,8 +167,7 @@ class WorkerLink:
             channel = rpc.aio_channel(self.address, self.creds, self.server_name)
             try:
                 stub = worker_pb2_grpc.WorkerStub(channel)
-                self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10,
-                                                metadata=self._metadata)
+                self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10, metadata=self._metadata)
                 self._configure(self.info)
                 self.draining = False
                 call = stub.Execute(metadata=self._metadata)
@@ -172,8 +175,9 @@ class WorkerLink:
                 if self.on_ready is not None:
                     self.on_ready(self)
                 backoff = 0.2
-                logger.info("connected to worker %s at %s (%d blocks)", self.info.worker_id,
-                            self.address, self.info.num_blocks)
+                logger.info(
+                    "connected to worker %s at %s (%d blocks)", self.info.worker_id, self.address, self.info.num_blocks
+                )
                 self.wake()
                 await self._serve(call)
             except asyncio.CancelledError:
@@ -181,10 +185,12 @@ class WorkerLink:
             # InvalidStateError: a write found the call already finished (the worker died
             # between two plans, before the receiver saw it). It is a lost stream like the others.
             except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError) as exc:
-                if isinstance(exc, grpc.aio.AioRpcError) and (
-                        exc.code() == grpc.StatusCode.UNAUTHENTICATED):
-                    logger.error("worker %s refused our token (--worker-auth-token must equal "
-                                 "the worker's --auth-token): %s", self.address, exc.details())
+                if isinstance(exc, grpc.aio.AioRpcError) and (exc.code() == grpc.StatusCode.UNAUTHENTICATED):
+                    logger.error(
+                        "worker %s refused our token (--worker-auth-token must equal the worker's --auth-token): %s",
+                        self.address,
+                        exc.details(),
+                    )
                 elif isinstance(exc, WorkerDrained):
                     logger.info("worker %s drained: %s", self.address, exc)
                 elif self.ready:
@@ -205,8 +211,7 @@ class WorkerLink:
                     try:
                         self.on_lost(self)
                     except Exception:
-                        logger.exception("re-queueing the requests of worker %s failed",
-                                         self.address)
+                        logger.exception("re-queueing the requests of worker %s failed", self.address)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -214,8 +219,7 @@ class WorkerLink:
         """(Re)build this link's scheduler for the worker's capacity; a reconnect starts clean."""
         cfg = self.base_config.with_worker(info)
         if self.tokenizer is None:
-            self.tokenizer = Tokenizer(info.tokenizer_json, info.chat_template, info.bos_token,
-                                       info.eos_token)
+            self.tokenizer = Tokenizer(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token)
         self.scheduler = Scheduler(cfg, self.tokenizer)
 
     def step_deadline(self, num_tokens: int = 1) -> float:
@@ -242,8 +246,7 @@ class WorkerLink:
                     sent_at, num_tokens = self._sent[0]
                     deadline = self.step_deadline(num_tokens)
                     timeout = max(0.0, sent_at + deadline - time.monotonic())
-                done, _ = await asyncio.wait({waiter, receiver}, timeout=timeout,
-                                             return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait({waiter, receiver}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if receiver in done:
                     waiter.cancel()
                     receiver.result()  # raises the stream error
@@ -256,8 +259,7 @@ class WorkerLink:
                     if self._sent and time.monotonic() - self._sent[0][0] >= deadline:
                         self._num_misses += 1
                         self._num_answered = 0
-                        raise WorkerHung(f"no answer to a step for {deadline:.1f}s "
-                                         "(the step deadline)")
+                        raise WorkerHung(f"no answer to a step for {deadline:.1f}s (the step deadline)")
         finally:
             receiver.cancel()
             call.cancel()
@@ -268,8 +270,7 @@ class WorkerLink:
             if result is grpc.aio.EOF:
                 raise ConnectionError("worker closed the stream")
             if result.draining and not self.draining:
-                logger.info("worker %s is shutting down: no new requests for it",
-                            self.worker_id)
+                logger.info("worker %s is shutting down: no new requests for it", self.worker_id)
                 self.draining = True
                 if self.on_draining is not None:
                     self.on_draining(self)
@@ -285,8 +286,7 @@ class WorkerLink:
                     self._num_misses = 0
             self._account(result)
             if result.error:
-                logger.error("worker %s step %d failed: %s", self.worker_id, result.step_id,
-                             result.error)
+                logger.error("worker %s step %d failed: %s", self.worker_id, result.step_id, result.error)
                 events = self.sched.fail_step(result.step_id, result.error)
             else:
                 events = self.sched.on_step_result(result)

@@ -44,8 +44,16 @@ def with_scheduler(worker, rows, concurrency: int, **scheduler_flags) -> dict:
 
 
 def summary(report: dict) -> dict:
-    keys = ("output_tokens", "wall_s", "output_tokens_per_s", "ttft_p50_s", "itl_p50_s",
-            "acceptance_rate", "mean_accepted_length", "worker_idle_fraction")
+    keys = (
+        "output_tokens",
+        "wall_s",
+        "output_tokens_per_s",
+        "ttft_p50_s",
+        "itl_p50_s",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "worker_idle_fraction",
+    )
     return {k: report.get(k) for k in keys}
 
 
@@ -54,8 +62,11 @@ def interleave(configs: dict[str, callable], repeats: int) -> dict[str, list[dic
     for _ in range(repeats):
         for name, run in configs.items():
             runs[name].append(summary(run()))
-            print(f"  {name}: {runs[name][-1]['output_tokens_per_s']:.1f} tok/s, "
-                  f"idle {runs[name][-1]['worker_idle_fraction']}", flush=True)
+            print(
+                f"  {name}: {runs[name][-1]['output_tokens_per_s']:.1f} tok/s, "
+                f"idle {runs[name][-1]['worker_idle_fraction']}",
+                flush=True,
+            )
     return runs
 
 
@@ -70,15 +81,19 @@ def suite_async(args) -> dict:
         for concurrency, limit in ((1, args.limit_c1), (4, args.limit_c4), (16, args.limit_c16)):
             rows = load_dataset(args.dataset, limit=limit, max_tokens_cap=args.max_tokens_cap)
             print(f"concurrency {concurrency}: {len(rows)} rows", flush=True)
-            runs = interleave({
-                "sync": lambda: with_scheduler(worker, rows, concurrency, max_inflight_steps=1),
-                "async": lambda: with_scheduler(worker, rows, concurrency, max_inflight_steps=2),
-            }, args.repeats)
+            runs = interleave(
+                {
+                    "sync": lambda rows=rows, c=concurrency: with_scheduler(worker, rows, c, max_inflight_steps=1),
+                    "async": lambda rows=rows, c=concurrency: with_scheduler(worker, rows, c, max_inflight_steps=2),
+                },
+                args.repeats,
+            )
             out[f"c{concurrency}"] = {
                 "async_over_sync": rate(runs["async"]) / rate(runs["sync"]),
                 "async_idle_fraction": [r["worker_idle_fraction"] for r in runs["async"]],
                 "sync_idle_fraction": [r["worker_idle_fraction"] for r in runs["sync"]],
-                "runs": runs}
+                "runs": runs,
+            }
             print(f"  async / sync = {out[f'c{concurrency}']['async_over_sync']:.3f}", flush=True)
     finally:
         worker.stop()
@@ -90,17 +105,19 @@ def suite_spec(args) -> dict:
     workers = {"none": start_worker(kv_cache_memory_gb=args.kv_gb)}
     for n_min in args.ngram_min:
         name = "ngram" if len(args.ngram_min) == 1 else f"ngram-min{n_min}"
-        workers[name] = start_worker(kv_cache_memory_gb=args.kv_gb, spec_method="ngram",
-                                     num_spec_tokens=3, ngram_min=n_min)
+        workers[name] = start_worker(
+            kv_cache_memory_gb=args.kv_gb, spec_method="ngram", num_spec_tokens=3, ngram_min=n_min
+        )
     try:
         for kind in ("code-edit", "open-chat", "grounded-qa"):
-            rows = load_dataset(args.dataset, kind=kind, limit=args.limit_spec,
-                                max_tokens_cap=args.max_tokens_cap)
+            rows = load_dataset(args.dataset, kind=kind, limit=args.limit_spec, max_tokens_cap=args.max_tokens_cap)
             print(f"{kind}: {len(rows)} rows at concurrency 1", flush=True)
-            runs = interleave({name: (lambda w=w: with_scheduler(w, rows, 1))
-                               for name, w in workers.items()}, args.repeats)
-            out[kind] = {f"{name}_over_none": rate(r) / rate(runs["none"])
-                         for name, r in runs.items() if name != "none"}
+            runs = interleave(
+                {name: (lambda w=w, rows=rows: with_scheduler(w, rows, 1)) for name, w in workers.items()}, args.repeats
+            )
+            out[kind] = {
+                f"{name}_over_none": rate(r) / rate(runs["none"]) for name, r in runs.items() if name != "none"
+            }
             for key, ratio in out[kind].items():
                 print(f"  {key} = {ratio:.3f}", flush=True)
             out[kind]["runs"] = runs
@@ -124,9 +141,20 @@ def suite_hf(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         ours_path, hf_path = Path(tmp) / "ours.json", Path(tmp) / "hf.json"
         ours_path.write_text(json.dumps(ours[args.spec_methods[0]]))
-        cmd = [sys.executable, str(ROOT / "scripts" / "hf_baseline.py"), "--dataset", str(args.dataset),
-               "--limit", str(args.limit_c16), "--json", str(hf_path), "--compare", str(ours_path),
-               "--dtype", args.dtype]
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts" / "hf_baseline.py"),
+            "--dataset",
+            str(args.dataset),
+            "--limit",
+            str(args.limit_c16),
+            "--json",
+            str(hf_path),
+            "--compare",
+            str(ours_path),
+            "--dtype",
+            args.dtype,
+        ]
         if args.max_tokens_cap:
             cmd += ["--max-tokens-cap", str(args.max_tokens_cap)]
         subprocess.run(cmd, check=True)
@@ -146,16 +174,27 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--max-tokens-cap", type=int, default=0)
     parser.add_argument("--kv-gb", type=float, default=1.0)
-    parser.add_argument("--spec-methods", nargs="+", default=["none"], choices=("none", "ngram"),
-                        help="hf suite: our configurations, each against the same HF run")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="hf suite: the dtype of both engines")
+    parser.add_argument(
+        "--spec-methods",
+        nargs="+",
+        default=["none"],
+        choices=("none", "ngram"),
+        help="hf suite: our configurations, each against the same HF run",
+    )
+    parser.add_argument(
+        "--dtype", default="float32", choices=("float32", "bfloat16"), help="hf suite: the dtype of both engines"
+    )
     parser.add_argument("--limit-c1", type=int, default=4)
     parser.add_argument("--limit-c4", type=int, default=12)
     parser.add_argument("--limit-c16", type=int, default=48)
     parser.add_argument("--limit-spec", type=int, default=4)
-    parser.add_argument("--ngram-min", type=int, nargs="+", default=[2],
-                        help="spec suite: one n-gram worker per value, all against no speculation")
+    parser.add_argument(
+        "--ngram-min",
+        type=int,
+        nargs="+",
+        default=[2],
+        help="spec suite: one n-gram worker per value, all against no speculation",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     result = {"hf": suite_hf, "async": suite_async, "spec": suite_spec}[args.suite](args)

@@ -25,10 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kernels.attention import AttentionMetadata  # noqa: E402
 from kernels.slot_mapping import compute_slot_mapping  # noqa: E402
-from zerobubble.config import WorkerConfig  # noqa: E402
 from worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
 from worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
-
+from zerobubble.config import WorkerConfig  # noqa: E402
 
 
 @dataclass(slots=True)
@@ -61,8 +60,9 @@ def time_pair(
     return statistics.median(ours_times) * 1e3, statistics.median(hf_times) * 1e3
 
 
-def ours_decode(model: CausalLM, hf_config: object, batch: int, context: int, dtype: torch.dtype,
-                block_size: int) -> Callable[[], object]:
+def ours_decode(
+    model: CausalLM, hf_config: object, batch: int, context: int, dtype: torch.dtype, block_size: int
+) -> Callable[[], object]:
     """A decode step of ``batch`` requests, each with ``context`` tokens already cached."""
     blocks_per_request = -(-(context + 1) // block_size)
     num_blocks = batch * blocks_per_request
@@ -86,8 +86,9 @@ def ours_decode(model: CausalLM, hf_config: object, batch: int, context: int, dt
     return lambda: model.compute_logits(model(input_ids, positions, meta, kv_caches))
 
 
-def ours_prefill(model: CausalLM, hf_config: object, num_tokens: int, dtype: torch.dtype,
-                 block_size: int) -> Callable[[], object]:
+def ours_prefill(
+    model: CausalLM, hf_config: object, num_tokens: int, dtype: torch.dtype, block_size: int
+) -> Callable[[], object]:
     """A fresh prefill of one ``num_tokens`` prompt; logits for its last token only."""
     num_blocks = -(-num_tokens // block_size)
     kv_caches = allocate_kv_cache(hf_config, num_blocks, block_size, dtype, "cpu")
@@ -106,7 +107,9 @@ def ours_prefill(model: CausalLM, hf_config: object, num_tokens: int, dtype: tor
     return lambda: model.compute_logits(model(input_ids, positions, meta, kv_caches)[-1:])
 
 
-def hf_decode(hf: torch.nn.Module, batch: int, context: int, dtype: torch.dtype) -> tuple[Callable[[], object], Callable[[], None]]:
+def hf_decode(
+    hf: torch.nn.Module, batch: int, context: int, dtype: torch.dtype
+) -> tuple[Callable[[], object], Callable[[], None]]:
     """Hugging Face's decode step over a ``DynamicCache`` of ``context`` tokens, and its reset."""
     from transformers import DynamicCache
 
@@ -136,13 +139,22 @@ def hf_prefill(hf: torch.nn.Module, num_tokens: int) -> Callable[[], object]:
 
     def step() -> object:
         with torch.inference_mode():
-            return hf(input_ids=input_ids, cache=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1).logits
+            return hf(
+                input_ids=input_ids, cache=DynamicCache(config=hf.config), use_cache=True, logits_to_keep=1
+            ).logits
 
     return step
 
 
-def run(dtypes: list[str], batches: list[int], context: int, prefill_tokens: int, num_reps: int,
-        block_size: int, prepack: bool = True) -> list[Result]:
+def run(
+    dtypes: list[str],
+    batches: list[int],
+    context: int,
+    prefill_tokens: int,
+    num_reps: int,
+    block_size: int,
+    prepack: bool = True,
+) -> list[Result]:
     """Time every case for every dtype."""
     from transformers import AutoModelForCausalLM
 
@@ -178,21 +190,27 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32", help="comma-separated decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="tokens already cached per decode row")
     parser.add_argument("--prefill-tokens", type=int, default=512)
-    parser.add_argument("--block-size", type=int, default=WorkerConfig().block_size,
-                        help="our KV block size (default: the worker's)")
+    parser.add_argument(
+        "--block-size", type=int, default=WorkerConfig().block_size, help="our KV block size (default: the worker's)"
+    )
     parser.add_argument("--reps", type=int, default=10, help="timed repetitions per case (after warmup)")
     parser.add_argument(
         "--threads", type=int, default=0,
         help="torch threads (0 = torch's default); 1 gives stable numbers on a shared machine",
     )  # fmt: skip
-    parser.add_argument("--no-prepack", action="store_true",
-                        help="our linears over plain weights (F.linear), as without the worker's --prepack-weights")
+    parser.add_argument(
+        "--no-prepack",
+        action="store_true",
+        help="our linears over plain weights (F.linear), as without the worker's --prepack-weights",
+    )
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"SmolLM2-135M on CPU, {torch.get_num_threads()} threads, KV block size {args.block_size}, "
-          f"weights {'plain' if args.no_prepack else 'prepacked'}, median of {args.reps} steps (ms)")
+    print(
+        f"SmolLM2-135M on CPU, {torch.get_num_threads()} threads, KV block size {args.block_size}, "
+        f"weights {'plain' if args.no_prepack else 'prepacked'}, median of {args.reps} steps (ms)"
+    )
     print(f"{'dtype':<9} {'case':<26} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
     run(
         [d.strip() for d in args.dtypes.split(",") if d.strip()],

@@ -42,27 +42,36 @@ TOPICS = ("rivers", "compilers", "bread", "volcanoes", "chess", "bridges", "owls
 
 def rows(num_requests: int, max_tokens: int) -> list[BenchRow]:
     """Short, distinct chat prompts (about 40 tokens with SmolLM2's template)."""
-    return [BenchRow(index=i, kind="sim", max_tokens=max_tokens, messages=[
-        {"role": "user", "content": f"Request {i}: write a long essay about {TOPICS[i % len(TOPICS)]}."}])
-        for i in range(num_requests)]
+    return [
+        BenchRow(
+            index=i,
+            kind="sim",
+            max_tokens=max_tokens,
+            messages=[{"role": "user", "content": f"Request {i}: write a long essay about {TOPICS[i % len(TOPICS)]}."}],
+        )
+        for i in range(num_requests)
+    ]
 
 
 @contextmanager
 def sim_worker(device_ms: float, spec: str, args: argparse.Namespace) -> Iterator[Service]:
-    worker = start_worker(simulate_device_ms=device_ms, spec_method=spec, num_spec_tokens=3,
-                          max_num_seqs=256, kv_cache_memory_gb=args.kv_gb,
-                          simulate_acceptance_rate=args.acceptance_rate)
+    worker = start_worker(
+        simulate_device_ms=device_ms,
+        spec_method=spec,
+        num_spec_tokens=3,
+        max_num_seqs=256,
+        kv_cache_memory_gb=args.kv_gb,
+        simulate_acceptance_rate=args.acceptance_rate,
+    )
     try:
         yield worker
     finally:
         worker.stop()
 
 
-def run(worker: Service, num_requests: int, window: int, device_ms: float,
-        args: argparse.Namespace) -> dict:
+def run(worker: Service, num_requests: int, window: int, device_ms: float, args: argparse.Namespace) -> dict:
     """One run through a fresh scheduler in front of `worker`; steady-state figures."""
-    scheduler = start_scheduler([worker], max_inflight_steps=window, max_num_seqs=256,
-                                max_num_batched_tokens=2048)
+    scheduler = start_scheduler([worker], max_inflight_steps=window, max_num_seqs=256, max_num_batched_tokens=2048)
     try:
         wait_serving(scheduler.target)
         max_tokens = args.max_tokens or 128 + num_requests // 2
@@ -81,8 +90,7 @@ def run(worker: Service, num_requests: int, window: int, device_ms: float,
         # Share of the wall time the device was computing: 1.0 is the device-bound rate.
         "device_busy_fraction": steps * device_ms / 1000 / wall,
         "worker_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0,
-        "acceptance_rate": (last.num_accepted_tokens - first.num_accepted_tokens) / drafts
-        if drafts else None,
+        "acceptance_rate": (last.num_accepted_tokens - first.num_accepted_tokens) / drafts if drafts else None,
         "num_steps": steps,
     }
 
@@ -130,13 +138,18 @@ def suite_host(args: argparse.Namespace) -> dict:
             for n in args.requests:
                 figures = [run(worker, n, 2, 0.0, args) for _ in range(args.repeats)]
                 best = min(figures, key=lambda f: f["ms_per_step"])
-                out[f"k{k}/n{n}"] = {"ms_per_step": best["ms_per_step"],
-                                     "all_ms_per_step": [f["ms_per_step"] for f in figures],
-                                     "tokens_per_step": best["tokens_per_step"],
-                                     "acceptance_rate": best["acceptance_rate"]}
-                print(f"k={k} n={n:4d}: {best['ms_per_step']:.2f} ms/step "
-                      f"({', '.join(f'{f:.2f}' for f in out[f'k{k}/n{n}']['all_ms_per_step'])}), "
-                      f"{best['tokens_per_step']:.2f} tokens/step", flush=True)
+                out[f"k{k}/n{n}"] = {
+                    "ms_per_step": best["ms_per_step"],
+                    "all_ms_per_step": [f["ms_per_step"] for f in figures],
+                    "tokens_per_step": best["tokens_per_step"],
+                    "acceptance_rate": best["acceptance_rate"],
+                }
+                print(
+                    f"k={k} n={n:4d}: {best['ms_per_step']:.2f} ms/step "
+                    f"({', '.join(f'{f:.2f}' for f in out[f'k{k}/n{n}']['all_ms_per_step'])}), "
+                    f"{best['tokens_per_step']:.2f} tokens/step",
+                    flush=True,
+                )
     return out
 
 
@@ -149,29 +162,43 @@ def suite_bubble(args: argparse.Namespace) -> dict:
                     sync = run(worker, n, 1, device_ms, args)
                     async_ = run(worker, n, 2, device_ms, args)
                     key = f"{device_ms:g}ms/{spec}/n{n}"
-                    out[key] = {"sync": sync, "async": async_,
-                                "async_over_sync": async_["tokens_per_s"] / sync["tokens_per_s"]}
-                    print(f"{key:>18}: async/sync {out[key]['async_over_sync']:.2f}  "
-                          f"device busy sync {sync['device_busy_fraction']:.2f} async "
-                          f"{async_['device_busy_fraction']:.2f}  idle sync "
-                          f"{sync['worker_idle_fraction']:.3f} async {async_['worker_idle_fraction']:.3f}"
-                          f"  host {sync['ms_per_step'] - device_ms:.2f} ms", flush=True)
+                    out[key] = {
+                        "sync": sync,
+                        "async": async_,
+                        "async_over_sync": async_["tokens_per_s"] / sync["tokens_per_s"],
+                    }
+                    print(
+                        f"{key:>18}: async/sync {out[key]['async_over_sync']:.2f}  "
+                        f"device busy sync {sync['device_busy_fraction']:.2f} async "
+                        f"{async_['device_busy_fraction']:.2f}  idle sync "
+                        f"{sync['worker_idle_fraction']:.3f} async {async_['worker_idle_fraction']:.3f}"
+                        f"  host {sync['ms_per_step'] - device_ms:.2f} ms",
+                        flush=True,
+                    )
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", choices=("host", "bubble"))
-    parser.add_argument("--requests", type=int, nargs="+", help="running requests (default: host "
-                        "1 16 64 256, bubble 16 64 256)")
+    parser.add_argument(
+        "--requests", type=int, nargs="+", help="running requests (default: host 1 16 64 256, bubble 16 64 256)"
+    )
     parser.add_argument("--device-ms", type=float, nargs="+", default=[2, 5, 10, 20])
-    parser.add_argument("--max-tokens", type=int, default=0,
-                        help="per request (0: 128 + N/2, so that the steady-state window outlasts "
-                             "the admission ramp of N requests)")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=0,
+        help="per request (0: 128 + N/2, so that the steady-state window outlasts the admission ramp of N requests)",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="host suite: runs per figure (best kept)")
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
-    parser.add_argument("--kv-gb", type=float, default=16.0,
-                        help="KV budget the simulated worker sizes its block pool with (not allocated)")
+    parser.add_argument(
+        "--kv-gb",
+        type=float,
+        default=16.0,
+        help="KV budget the simulated worker sizes its block pool with (not allocated)",
+    )
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.requests is None:

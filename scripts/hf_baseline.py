@@ -51,8 +51,9 @@ def resolve_model_dir(spec: str) -> Path:
 def prompt_ids(tokenizer: Any, row: BenchRow) -> list[int]:
     """Prompt token ids: chat template with the generation prompt for messages, plain encoding for text."""
     if row.messages is not None:
-        encoded = tokenizer.apply_chat_template(row.messages, add_generation_prompt=True, tokenize=True,
-                                                return_dict=True)
+        encoded = tokenizer.apply_chat_template(
+            row.messages, add_generation_prompt=True, tokenize=True, return_dict=True
+        )
         return list(encoded["input_ids"])
     return list(tokenizer(row.prompt)["input_ids"])
 
@@ -74,26 +75,33 @@ def run_hf(rows: Sequence[BenchRow], model_dir: Path, *, device: str, dtype: str
 
     torch_device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        dtype, torch.bfloat16 if torch_device == "cuda" else torch.float32)
+        dtype, torch.bfloat16 if torch_device == "cuda" else torch.float32
+    )
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype).to(torch_device).eval()
-    eos_ids = eos_ids_of(model.generation_config) or ([int(model.config.eos_token_id)]
-                                                      if model.config.eos_token_id is not None else [])
+    eos_ids = eos_ids_of(model.generation_config) or (
+        [int(model.config.eos_token_id)] if model.config.eos_token_id is not None else []
+    )
     inputs = [prompt_ids(tokenizer, row) for row in rows]
     max_new = max(row.max_tokens for row in rows)
     generation_config = GenerationConfig(
-        do_sample=False, max_new_tokens=max_new, eos_token_id=eos_ids or None,
+        do_sample=False,
+        max_new_tokens=max_new,
+        eos_token_id=eos_ids or None,
         pad_token_id=model.generation_config.pad_token_id,
     )
-    hints = WorkloadHints(max_prompt_length=max(len(ids) for ids in inputs),
-                          max_generated_length=max_new, num_requests=len(rows))
+    hints = WorkloadHints(
+        max_prompt_length=max(len(ids) for ids in inputs), max_generated_length=max_new, num_requests=len(rows)
+    )
     results: dict[str, Any] = {}
-    with model.continuous_batching_context_manager(generation_config=generation_config, block=True,
-                                                   timeout=5, workload_hints=hints) as manager:
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, block=True, timeout=5, workload_hints=hints
+    ) as manager:
         started = time.perf_counter()
         for row, ids in zip(rows, inputs):
-            manager.add_request(ids, request_id=f"row-{row.index}", max_new_tokens=row.max_tokens,
-                                eos_token_id=eos_ids or -1)
+            manager.add_request(
+                ids, request_id=f"row-{row.index}", max_new_tokens=row.max_tokens, eos_token_id=eos_ids or -1
+            )
         while len(results) < len(rows):
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
@@ -108,16 +116,18 @@ def run_hf(rows: Sequence[BenchRow], model_dir: Path, *, device: str, dtype: str
         result = results.get(f"row-{row.index}")
         tokens = list(result.generated_tokens) if result is not None else []
         error = "missing result" if result is None else (result.error or "")
-        requests.append({
-            "index": row.index,
-            "kind": row.kind,
-            "token_ids": tokens,
-            "text": tokenizer.decode(tokens, skip_special_tokens=True),
-            "finish_reason": "error" if error else ("eos" if tokens and tokens[-1] in eos_ids else "max_tokens"),
-            "num_prompt_tokens": len(ids),
-            "sampled": bool(row.temperature),
-            **({"error": error} if error else {}),
-        })
+        requests.append(
+            {
+                "index": row.index,
+                "kind": row.kind,
+                "token_ids": tokens,
+                "text": tokenizer.decode(tokens, skip_special_tokens=True),
+                "finish_reason": "error" if error else ("eos" if tokens and tokens[-1] in eos_ids else "max_tokens"),
+                "num_prompt_tokens": len(ids),
+                "sampled": bool(row.temperature),
+                **({"error": error} if error else {}),
+            }
+        )
     output_tokens = sum(len(r["token_ids"]) for r in requests)
     return {
         "engine": "transformers continuous batching",
@@ -166,8 +176,9 @@ def compare_reports(ours: Mapping[str, Any], hf: Mapping[str, Any]) -> dict[str,
         if position is None:
             agreeing += 1
         else:
-            mismatches.append({"index": mine["index"], "first_divergence": position,
-                               "ours_len": len(a), "hf_len": len(b)})
+            mismatches.append(
+                {"index": mine["index"], "first_divergence": position, "ours_len": len(a), "hf_len": len(b)}
+            )
     hf_tps = hf["output_tokens_per_s"]
     return {
         "ours_output_tokens_per_s": ours["output_tokens_per_s"],
@@ -189,8 +200,10 @@ def format_comparison(result: Mapping[str, Any]) -> str:
         f"token ids    {result['agreeing']}/{result['compared']} greedy requests agree",
     ]
     for mismatch in result["mismatches"][:10]:
-        lines.append(f"  row {mismatch['index']}: first divergence at token {mismatch['first_divergence']} "
-                     f"(ours {mismatch['ours_len']} tokens, HF {mismatch['hf_len']})")
+        lines.append(
+            f"  row {mismatch['index']}: first divergence at token {mismatch['first_divergence']} "
+            f"(ours {mismatch['ours_len']} tokens, HF {mismatch['hf_len']})"
+        )
     if len(result["mismatches"]) > 10:
         lines.append(f"  ... and {len(result['mismatches']) - 10} more")
     return "\n".join(lines)
@@ -203,11 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kind", default="", help="only rows of this kind")
     parser.add_argument("--limit", type=int, default=0, help="first N rows after --kind (0 = all)")
     parser.add_argument("--max-tokens-cap", type=int, default=0, help="cap every row's max_tokens (0 = off)")
-    parser.add_argument("--model-dir", default=DEFAULT_MODEL,
-                        help="Hugging Face directory, .gguf, or 'smollm2-135m' (the embedded model)")
+    parser.add_argument(
+        "--model-dir",
+        default=DEFAULT_MODEL,
+        help="Hugging Face directory, .gguf, or 'smollm2-135m' (the embedded model)",
+    )
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
-                        help="auto = float32 on CPU, bfloat16 on CUDA (as the worker)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="auto = float32 on CPU, bfloat16 on CUDA (as the worker)",
+    )
     parser.add_argument("--num-threads", type=int, default=0, help="torch CPU threads (0 = torch default)")
     parser.add_argument("--json", default="", help="write the HF report here")
     parser.add_argument("--compare", default="", help="a `zerobubble bench --json` report to compare with")
@@ -235,8 +255,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             torch.set_num_threads(args.num_threads)
         hf = run_hf(rows, resolve_model_dir(args.model_dir), device=args.device, dtype=args.dtype)
-        print(f"HF baseline  {hf['num_requests']} requests, {hf['output_tokens']} output tokens in "
-              f"{hf['wall_s']:.2f} s: {hf['output_tokens_per_s']:.1f} tok/s ({hf['device']}, {hf['dtype']})")
+        print(
+            f"HF baseline  {hf['num_requests']} requests, {hf['output_tokens']} output tokens in "
+            f"{hf['wall_s']:.2f} s: {hf['output_tokens_per_s']:.1f} tok/s ({hf['device']}, {hf['dtype']})"
+        )
         if args.json:
             Path(args.json).write_text(json.dumps(hf, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     if args.compare:

@@ -73,15 +73,17 @@ def main() -> None:
             ids = prompt_ids(tokenizer, row)
             with torch.inference_mode():
                 out = model.generate(torch.tensor([ids]), max_new_tokens=row.max_tokens, do_sample=False)
-            pairs.append((list(ids), out[0, len(ids):].tolist()))
+            pairs.append((list(ids), out[0, len(ids) :].tolist()))
         for k in args.k:
             steps = drafted = tokens = 0
             for prompt, output in pairs:
                 s, d = replay(prompt, output, args.ngram_min, args.ngram_max, k)
                 steps, drafted, tokens = steps + s, drafted + d, tokens + len(output) - 1
             results[f"{kind} k={k}"] = {"tokens_per_step": tokens / steps, "steps_with_drafts": drafted / steps}
-            print(f"{kind:<12} k={k}: {tokens / steps:.2f} tokens/step, drafts in {drafted / steps:.0%} of steps",
-                  flush=True)
+            print(
+                f"{kind:<12} k={k}: {tokens / steps:.2f} tokens/step, drafts in {drafted / steps:.0%} of steps",
+                flush=True,
+            )
     print(json.dumps(results, indent=1))
 
 

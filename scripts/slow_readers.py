@@ -26,8 +26,12 @@ from zerobubble.client import build_request, complete
 
 logger = logging.getLogger("slow_readers")
 
-PROMPTS = ["Count from one to a hundred:", "Write a long story about a dragon.",
-           "List every country in Europe.", "Explain how computers work, step by step."]
+PROMPTS = [
+    "Count from one to a hundred:",
+    "Write a long story about a dragon.",
+    "List every country in Europe.",
+    "Explain how computers work, step by step.",
+]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -36,8 +40,10 @@ def percentile(values: list[float], q: float) -> float:
 
 
 async def one_round(target: str, num_streams: int, num_stalled: int, max_tokens: int) -> dict:
-    requests = [build_request(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens,
-                              ignore_eos=True) for i in range(num_streams)]
+    requests = [
+        build_request(prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, ignore_eos=True)
+        for i in range(num_streams)
+    ]
     prompt_idx = range(num_stalled, num_streams)  # the streams that read in both variants
     release = asyncio.Event()
     async with grpc.aio.insecure_channel(target) as shared:
@@ -54,14 +60,17 @@ async def one_round(target: str, num_streams: int, num_stalled: int, max_tokens:
                 return count
 
         stalls = [asyncio.create_task(stalled(requests[i])) for i in range(num_stalled)]
-        normal = await asyncio.gather(*(complete(stub, requests[i], timeout=1800)
-                                        for i in prompt_idx))
+        normal = await asyncio.gather(*(complete(stub, requests[i], timeout=1800) for i in prompt_idx))
         release.set()
         stalled_counts = await asyncio.gather(*stalls)
     itl = [gap for c in normal for gap in c.itl]
-    return dict(stalled=num_stalled, p50=percentile(itl, 0.5), p99=percentile(itl, 0.99),
-                stalled_tokens_ok=all(n == max_tokens for n in stalled_counts),
-                normal_tokens_ok=all(len(c.token_ids) == max_tokens for c in normal))
+    return dict(
+        stalled=num_stalled,
+        p50=percentile(itl, 0.5),
+        p99=percentile(itl, 0.99),
+        stalled_tokens_ok=all(n == max_tokens for n in stalled_counts),
+        normal_tokens_ok=all(len(c.token_ids) == max_tokens for c in normal),
+    )
 
 
 async def main_async(args: argparse.Namespace) -> dict:
@@ -76,8 +85,12 @@ async def main_async(args: argparse.Namespace) -> dict:
             logger.info("%s", res)
     a = [x["p99"] for x in rounds if x["stalled"] == 0]
     b = [x["p99"] for x in rounds if x["stalled"] > 0]
-    return dict(rounds=rounds, p99_a=statistics.median(a), p99_b=statistics.median(b),
-                p99_ratio=statistics.median(b) / statistics.median(a))
+    return dict(
+        rounds=rounds,
+        p99_a=statistics.median(a),
+        p99_b=statistics.median(b),
+        p99_ratio=statistics.median(b) / statistics.median(a),
+    )
 
 
 def main() -> None:

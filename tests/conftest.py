@@ -48,8 +48,13 @@ def _runner(spec: str):
     from tests.runner_harness import K
     from worker_svc.server import WorkerConfig, build_runner
 
-    cfg = WorkerConfig(spec_method=spec, num_spec_tokens=K, kv_cache_memory_gb=0.25,
-                       max_num_seqs=16, draft_model="smollm2-135m" if spec == "draft" else "")
+    cfg = WorkerConfig(
+        spec_method=spec,
+        num_spec_tokens=K,
+        kv_cache_memory_gb=0.25,
+        max_num_seqs=16,
+        draft_model="smollm2-135m" if spec == "draft" else "",
+    )
     runner, _ = build_runner(cfg)
     return runner
 

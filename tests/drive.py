@@ -10,24 +10,34 @@ from worker_svc.server import tokenizer_fields
 from zerobubble.api import worker_pb2
 
 
-def run_job(runner: ModelRunner, requests: list[tuple[str, list[int], dict]], *, window: int = 2,
-            max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
-            stats: SchedulerStats | None = None) -> dict[str, list[int]]:
+def run_job(
+    runner: ModelRunner,
+    requests: list[tuple[str, list[int], dict]],
+    *,
+    window: int = 2,
+    max_num_batched_tokens: int = 256,
+    max_num_seqs: int = 64,
+    stats: SchedulerStats | None = None,
+) -> dict[str, list[int]]:
     """Run requests to completion through Scheduler + runner; returns req_id -> output ids.
 
     ``stats``: filled with the scheduler's figures at the end (steps, drafts, acceptances).
     """
     cfg = runner.config
-    info = worker_pb2.WorkerInfo(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                                 max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                 num_spec_tokens=runner.num_spec_tokens,
-                                 eos_token_ids=runner.loaded.eos_token_ids,
-                                 vocab_size=runner.loaded.hf_config.vocab_size)
-    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens,
-                             max_num_seqs=max_num_seqs).with_worker(info)
+    info = worker_pb2.WorkerInfo(
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        num_spec_tokens=runner.num_spec_tokens,
+        eos_token_ids=runner.loaded.eos_token_ids,
+        vocab_size=runner.loaded.hf_config.vocab_size,
+    )
+    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs).with_worker(info)
     fields = tokenizer_fields(runner.loaded.path)
-    scheduler = Scheduler(config, Tokenizer(fields["tokenizer_json"], fields["chat_template"],
-                                            fields["bos_token"], fields["eos_token"]))
+    scheduler = Scheduler(
+        config, Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
+    )
     runner.reset()
     for req_id, ids, params in requests:
         scheduler.add_request(req_id, ids, **params)

@@ -30,8 +30,10 @@ def prompt_ids(model_dir: Path, rows: list[dict[str, Any]]) -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    return [list(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True,
-                                         return_dict=False)) for r in rows]
+    return [
+        list(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True, return_dict=False))
+        for r in rows
+    ]
 
 
 def hf_reference(model_dir: Path, rows: list[dict[str, Any]], max_tokens: int = TEST_MAX_TOKENS) -> list[list[int]]:
@@ -42,17 +44,24 @@ def run_workload(target: str, rows: list[BenchRow], concurrency: int) -> dict[st
     return asyncio.run(run_bench_async(target, rows, concurrency, request_timeout=600))
 
 
-def assert_matches_reference(report: dict[str, Any], reference: list[list[int]], model_dir: Path,
-                             rows: list[dict[str, Any]], min_identical: int = MIN_IDENTICAL) -> int:
+def assert_matches_reference(
+    report: dict[str, Any],
+    reference: list[list[int]],
+    model_dir: Path,
+    rows: list[dict[str, Any]],
+    min_identical: int = MIN_IDENTICAL,
+) -> int:
     """At least `min_identical` requests token-identical; explains every divergence."""
     ours = [r["token_ids"] for r in report["requests"]]
-    assert all(r["finish_reason"] in ("eos", "max_tokens") for r in report["requests"]), \
-        [r.get("error") for r in report["requests"] if r["finish_reason"] not in ("eos", "max_tokens")]
+    assert all(r["finish_reason"] in ("eos", "max_tokens") for r in report["requests"]), [
+        r.get("error") for r in report["requests"] if r["finish_reason"] not in ("eos", "max_tokens")
+    ]
     differ = [i for i, (a, b) in enumerate(zip(ours, reference)) if a != b]
     if differ:
         prompts = prompt_ids(model_dir, [rows[i] for i in differ])
-        notes = [f"request {i}: " + report_divergence(model_dir, p, ours[i], reference[i])
-                 for i, p in zip(differ, prompts)]
+        notes = [
+            f"request {i}: " + report_divergence(model_dir, p, ours[i], reference[i]) for i, p in zip(differ, prompts)
+        ]
         print("\n".join(notes))
         assert len(ours) - len(differ) >= min_identical, "\n".join(notes)
     return len(ours) - len(differ)

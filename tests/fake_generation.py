@@ -28,8 +28,9 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
         if self.token and ("authorization", f"Bearer {self.token}") not in tuple(context.invocation_metadata()):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing bearer token")
 
-    async def Generate(self, request: generate_pb2.GenerateRequest,
-                       context: grpc.aio.ServicerContext) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[generate_pb2.GenerateResponse]:
         await self._check_auth(context)
         if request.WhichOneof("input") == "prompt" and request.prompt == "fail":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "told to fail")
@@ -45,15 +46,24 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
                 self.stats.num_draft_tokens += 2
                 self.stats.num_accepted_tokens += len(ids) - 1
                 yield generate_pb2.GenerateResponse(
-                    request_id="r", text="".join(f"<{i}>" for i in ids), token_ids=ids, num_prompt_tokens=3,
-                    num_output_tokens=start + len(ids))
-            yield generate_pb2.GenerateResponse(request_id="r", finish_reason=generate_pb2.FINISH_REASON_MAX_TOKENS,
-                                                num_prompt_tokens=3, num_output_tokens=n)
+                    request_id="r",
+                    text="".join(f"<{i}>" for i in ids),
+                    token_ids=ids,
+                    num_prompt_tokens=3,
+                    num_output_tokens=start + len(ids),
+                )
+            yield generate_pb2.GenerateResponse(
+                request_id="r",
+                finish_reason=generate_pb2.FINISH_REASON_MAX_TOKENS,
+                num_prompt_tokens=3,
+                num_output_tokens=n,
+            )
         finally:
             self.in_flight -= 1
 
-    async def ModelInfo(self, request: generate_pb2.ModelInfoRequest,
-                        context: grpc.aio.ServicerContext) -> generate_pb2.ModelInfoResponse:
+    async def ModelInfo(
+        self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> generate_pb2.ModelInfoResponse:
         await self._check_auth(context)
         response = generate_pb2.ModelInfoResponse(model="fake", spec_method="ngram", max_inflight_steps=2)
         response.stats.CopyFrom(self.stats)

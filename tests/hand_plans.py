@@ -21,12 +21,20 @@ class Plans:
     ) -> worker_pb2.ScheduledRequest:
         blocks = list(range(self.next_block, self.next_block + BLOCKS_PER_REQUEST))
         self.next_block += BLOCKS_PER_REQUEST
+        # A random row also carries every logits control: penalties, min-p, logit bias, top-N.
         sampling = worker_pb2.SamplingParams(
             temperature=temperature,
             top_k=20 if temperature else 0,
             top_p=0.9 if temperature else 1.0,
             seed=7,
             logprobs=logprobs,
+            presence_penalty=0.5 if temperature else 0.0,
+            frequency_penalty=0.3 if temperature else 0.0,
+            repetition_penalty=1.2 if temperature else 0.0,
+            min_p=0.05 if temperature else 0.0,
+            logit_bias={3: 2.0, 7: -1.0} if temperature else {},
+            top_logprobs=2 if logprobs else 0,
+            num_prompt_tokens=len(tokens),
         )
         return worker_pb2.ScheduledRequest(
             req_id=req_id, token_ids=tokens, new_block_ids=blocks, is_new=True, sample=sample, sampling=sampling

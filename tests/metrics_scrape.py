@@ -15,5 +15,4 @@ def scrape(port: int) -> list:
 
 def total(samples: list, name: str, **labels) -> float:
     """Sum of the samples called `name` whose labels include `labels`."""
-    return sum(s.value for s in samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(s.value for s in samples if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

@@ -96,7 +96,7 @@ class HandRequest:
     prompt: list[int]
     outputs: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
-    written: int = 0              # tokens whose K/V the worker holds (its true length)
+    written: int = 0  # tokens whose K/V the worker holds (its true length)
     drafts: list[int] = field(default_factory=list)  # proposed after its latest sample
     sampled: bool = False
 
@@ -110,10 +110,10 @@ def ngram_reference(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]
     to min_n) that occurred earlier, its most recent occurrence, and up to k tokens after it."""
     length = len(seq)
     for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = seq[length - n:]
+        suffix = seq[length - n :]
         for end in range(length - 2, n - 2, -1):  # windows that end before the last token
-            if seq[end - n + 1:end + 1] == suffix:
-                return seq[end + 1:end + 1 + k]
+            if seq[end - n + 1 : end + 1] == suffix:
+                return seq[end + 1 : end + 1 + k]
     return []
 
 
@@ -128,8 +128,14 @@ class HandPlanner:
     drafting for itself, Hugging Face's greedy continuation (`greedy`, per request id).
     """
 
-    def __init__(self, runner, recorders: Recorders, max_outputs: int = 64,
-                 greedy: dict[str, list[int]] | None = None, exact: bool = False) -> None:
+    def __init__(
+        self,
+        runner,
+        recorders: Recorders,
+        max_outputs: int = 64,
+        greedy: dict[str, list[int]] | None = None,
+        exact: bool = False,
+    ) -> None:
         self.runner = runner
         self.rec = recorders
         self.greedy = greedy or {}
@@ -147,8 +153,9 @@ class HandPlanner:
         bs = self.runner.config.block_size
         return [self.free.pop() for _ in range(-(-num_tokens // bs))]
 
-    def new(self, req_id: str, prompt: list[int] | None = None, *,
-            chunk: int | None = None) -> worker_pb2.ScheduledRequest:
+    def new(
+        self, req_id: str, prompt: list[int] | None = None, *, chunk: int | None = None
+    ) -> worker_pb2.ScheduledRequest:
         """Admit (or re-admit after `finish`) with the known tokens as prefill.
 
         Blocks kept by `finish` are re-used as a prefix-cache hit. `chunk` limits the first
@@ -166,10 +173,15 @@ class HandPlanner:
         req.written = cached
         req.drafts = []
         req.sampled = False
-        tokens = known[cached:] if chunk is None else known[cached:cached + chunk]
+        tokens = known[cached:] if chunk is None else known[cached : cached + chunk]
         entry = worker_pb2.ScheduledRequest(
-            req_id=req_id, token_ids=tokens, new_block_ids=req.blocks, is_new=True,
-            num_cached_tokens=cached, sample=cached + len(tokens) == len(known))
+            req_id=req_id,
+            token_ids=tokens,
+            new_block_ids=req.blocks,
+            is_new=True,
+            num_cached_tokens=cached,
+            sample=cached + len(tokens) == len(known),
+        )
         entry.sampling.seed = 7
         return entry
 
@@ -177,8 +189,7 @@ class HandPlanner:
         req = self.reqs[req_id]
         known = req.seq
         end = len(known) if num_tokens is None else req.written + num_tokens
-        return worker_pb2.ScheduledRequest(req_id=req_id, token_ids=known[req.written:end],
-                                           sample=end == len(known))
+        return worker_pb2.ScheduledRequest(req_id=req_id, token_ids=known[req.written : end], sample=end == len(known))
 
     def decode(self, req_id: str, k: int = K) -> worker_pb2.ScheduledRequest:
         req = self.reqs[req_id]
@@ -186,8 +197,7 @@ class HandPlanner:
         need = -(-(req.written + 1 + k) // bs) - len(req.blocks)
         new = self._blocks(need * bs) if need > 0 else []
         req.blocks += new
-        return worker_pb2.ScheduledRequest(req_id=req_id, num_draft_slots=k, sample=True,
-                                           new_block_ids=new)
+        return worker_pb2.ScheduledRequest(req_id=req_id, num_draft_slots=k, sample=True, new_block_ids=new)
 
     def finish(self, req_id: str, keep_blocks: int = 0) -> str:
         """Free the request's blocks except `keep_blocks` leading full ones (kept for a resume
@@ -198,12 +208,10 @@ class HandPlanner:
         req.blocks = req.blocks[:keep_blocks]
         return req_id
 
-    def step(self, *entries: worker_pb2.ScheduledRequest,
-             finished: tuple[str, ...] = ()) -> worker_pb2.StepResult:
+    def step(self, *entries: worker_pb2.ScheduledRequest, finished: tuple[str, ...] = ()) -> worker_pb2.StepResult:
         """Execute one plan, check what the model saw and apply the result to the bookkeeping."""
         self.step_id += 1
-        plan = worker_pb2.StepPlan(step_id=self.step_id, requests=entries,
-                                   finished_req_ids=finished)
+        plan = worker_pb2.StepPlan(step_id=self.step_id, requests=entries, finished_req_ids=finished)
         num_calls = len(self.rec.target.calls)
         result = self.runner.execute(plan).materialize(0.0, self.runner.num_spec_tokens)
         self.results.append(result)
@@ -213,8 +221,9 @@ class HandPlanner:
         for i, entry in enumerate(entries):
             req = self.reqs[entry.req_id]
             ids, positions = call.row(i)
-            assert positions == list(range(req.written, req.written + len(ids))), \
+            assert positions == list(range(req.written, req.written + len(ids))), (
                 f"{entry.req_id}: positions {positions[:3]}.. but the worker holds {req.written}"
+            )
             res = by_id[entry.req_id]
             if entry.token_ids:
                 assert ids == list(entry.token_ids), f"{entry.req_id}: prefill ids changed"
@@ -233,11 +242,12 @@ class HandPlanner:
                 expected = [last] + used + [last] * fillers
                 assert ids == expected, (
                     f"{entry.req_id}: decode inputs {ids}, expected last token + its own drafts "
-                    f"{expected} (stale or foreign drafts reached the model)")
+                    f"{expected} (stale or foreign drafts reached the model)"
+                )
                 # Acceptance accounting: only drafts actually fed are verified.
                 assert res.num_draft_tokens == len(used), (entry.req_id, res.num_draft_tokens, used)
                 assert 0 <= res.num_accepted <= res.num_draft_tokens
-                assert list(res.token_ids[:-1]) == used[:res.num_accepted]
+                assert list(res.token_ids[:-1]) == used[: res.num_accepted]
                 req.written += 1 + res.num_accepted
             if entry.sample:
                 assert len(res.token_ids) >= 1
@@ -262,10 +272,11 @@ class HandPlanner:
             # that slot allocated: fewer drafts only when the blocks end sooner.
             room = len(req.blocks) * self.runner.config.block_size - req.written
             done = len(req.outputs)
-            expected = self.greedy[req_id][done:done + K]
+            expected = self.greedy[req_id][done : done + K]
             assert len(req.drafts) == max(0, min(K, room)), (req_id, req.drafts, room)
-            assert req.drafts[:len(expected)] == expected[:len(req.drafts)], \
+            assert req.drafts[: len(expected)] == expected[: len(req.drafts)], (
                 f"{req_id}: self-drafts {req.drafts}, greedy continuation {expected}"
+            )
             self._check_draft_cache(req_id, req)
 
     def _check_draft_cache(self, req_id: str, req: HandRequest) -> None:
@@ -289,21 +300,22 @@ def assert_greedy_prefix(name: str, ours: list[int], reference: list[int]) -> No
     assert n > 0 and ours[:n] == reference[:n], f"{name}: {ours[:n]} vs Hugging Face {reference[:n]}"
 
 
-def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None = None,
-                   **policy) -> Scheduler:
+def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None = None, **policy) -> Scheduler:
     """The real Scheduler configured from the runner, as the worker link does from `Describe`."""
     cfg = runner.config
     info = worker_pb2.WorkerInfo(
-        num_blocks=num_blocks or cfg.num_blocks, block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+        num_blocks=num_blocks or cfg.num_blocks,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
         num_spec_tokens=runner.num_spec_tokens if num_spec_tokens is None else num_spec_tokens,
         spec_method="draft" if getattr(runner.proposer, "has_draft_probs", False) else "ngram",
-        eos_token_ids=runner.loaded.eos_token_ids, vocab_size=runner.loaded.hf_config.vocab_size)
+        eos_token_ids=runner.loaded.eos_token_ids,
+        vocab_size=runner.loaded.hf_config.vocab_size,
+    )
     fields = tokenizer_fields(runner.loaded.path)
-    tokenizer = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"],
-                          fields["eos_token"])
-    return Scheduler(SchedulerConfig(**policy).with_worker(info), tokenizer,
-                     rng=random.Random(0))
+    tokenizer = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
+    return Scheduler(SchedulerConfig(**policy).with_worker(info), tokenizer, rng=random.Random(0))
 
 
 @dataclass(slots=True)
@@ -322,9 +334,15 @@ class Trace:
     max_inflight_seen: int = 0
 
 
-def drive(runner, scheduler: Scheduler, rec: Recorders, *, window: int,
-          after_result: Callable[[Scheduler, Trace, deque], list[RequestEvent]] | None = None,
-          max_plans: int = 5000) -> Trace:
+def drive(
+    runner,
+    scheduler: Scheduler,
+    rec: Recorders,
+    *,
+    window: int,
+    after_result: Callable[[Scheduler, Trace, deque], list[RequestEvent]] | None = None,
+    max_plans: int = 5000,
+) -> Trace:
     """Run until every request is done, keeping up to `window` plans ahead of their results.
 
     Like the worker link, it plans until the window is full, then hands the oldest result to the
@@ -388,22 +406,22 @@ def audit(trace: Trace, prompts: dict[str, list[int]], *, ngram: bool) -> None:
             start = positions[0]
             assert positions == list(range(start, start + len(ids)))
             if entry.token_ids:
-                assert ids == list(entry.token_ids) == seq[start:start + len(ids)], entry.req_id
+                assert ids == list(entry.token_ids) == seq[start : start + len(ids)], entry.req_id
                 continue
             if start >= len(seq):
                 continue  # a step in flight past a stop: its result was dropped
             assert ids[0] == seq[start], (entry.req_id, start, ids, seq[start])
             returned = list(by_id[entry.req_id].token_ids)
-            tail = seq[start + 1:start + 1 + len(returned)]
-            assert returned[:len(tail)] == tail, (entry.req_id, start, returned, tail)
+            tail = seq[start + 1 : start + 1 + len(returned)]
+            assert returned[: len(tail)] == tail, (entry.req_id, start, returned, tail)
             if ngram:
-                own = set(seq[:start + 1])
+                own = set(seq[: start + 1])
                 assert all(t in own for t in ids[1:]), (entry.req_id, ids)
 
 
-def assert_matches(outputs: dict[str, Outcome], reference: dict[str, list[int]],
-                   min_identical: int | None = None) -> None:
+def assert_matches(
+    outputs: dict[str, Outcome], reference: dict[str, list[int]], min_identical: int | None = None
+) -> None:
     differ = [r for r in reference if outputs[r].token_ids != reference[r]]
     allowed = 0 if min_identical is None else len(reference) - min_identical
-    assert len(differ) <= allowed, "\n".join(
-        f"{r}: ours {outputs[r].token_ids} vs HF {reference[r]}" for r in differ)
+    assert len(differ) <= allowed, "\n".join(f"{r}: ours {outputs[r].token_ids} vs HF {reference[r]}" for r in differ)

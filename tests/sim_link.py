@@ -20,10 +20,21 @@ NUM_BLOCKS = 200
 
 def toy_info(name: str, max_model_len: int = 128) -> worker_pb2.WorkerInfo:
     return worker_pb2.WorkerInfo(
-        worker_id=name, model="toy", max_model_len=max_model_len, block_size=BLOCK_SIZE,
-        num_blocks=NUM_BLOCKS, vocab_size=258, eos_token_ids=[EOS_ID], max_num_seqs=8,
-        spec_method="ngram", num_spec_tokens=3, tokenizer_json=make_toy_tokenizer_json(),
-        chat_template=TOY_CHAT_TEMPLATE, bos_token="<|bos|>", eos_token="<|eos|>")
+        worker_id=name,
+        model="toy",
+        max_model_len=max_model_len,
+        block_size=BLOCK_SIZE,
+        num_blocks=NUM_BLOCKS,
+        vocab_size=258,
+        eos_token_ids=[EOS_ID],
+        max_num_seqs=8,
+        spec_method="ngram",
+        num_spec_tokens=3,
+        tokenizer_json=make_toy_tokenizer_json(),
+        chat_template=TOY_CHAT_TEMPLATE,
+        bos_token="<|bos|>",
+        eos_token="<|eos|>",
+    )
 
 
 class SimCall:

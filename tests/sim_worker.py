@@ -57,9 +57,7 @@ _EURO = (0xE2, 0x82, 0xAC)  # €: 3 bytes
 
 def _byte_chars() -> dict[int, str]:
     """Byte -> printable char mapping of byte-level BPE vocabularies."""
-    printable = (
-        set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
-    )
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
     chars: dict[int, str] = {}
     num_extra = 0
     for b in range(256):
@@ -77,9 +75,7 @@ def make_toy_tokenizer_json() -> str:
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(
-        [AddedToken("<|eos|>", special=True), AddedToken("<|bos|>", special=True)]
-    )
+    tok.add_special_tokens([AddedToken("<|eos|>", special=True), AddedToken("<|bos|>", special=True)])
     return tok.to_str()
 
 
@@ -220,9 +216,7 @@ class SimWorker:
         # row is left out with a per-request error and the request is broken from then on.
         self.fail_rows: set[tuple[int, str]] = set()
         self._broken: set[str] = set()
-        self._kv: list[list[tuple[int, int, int] | None]] = [
-            [None] * block_size for _ in range(num_blocks)
-        ]
+        self._kv: list[list[tuple[int, int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self._reqs: dict[str, _SimRequest] = {}
         self._seen: set[str] = set()
         self._last_step_id = 0
@@ -312,8 +306,7 @@ class SimWorker:
             for other_id, other in self._reqs.items():
                 if other_id != entry.req_id:
                     assert block_id not in other.table, (
-                        f"step {step_id}: block {block_id} handed to {entry.req_id} "
-                        f"while {other_id} still holds it"
+                        f"step {step_id}: block {block_id} handed to {entry.req_id} while {other_id} still holds it"
                     )
         if self.check_kv:
             self._check_context(entry.req_id, req)
@@ -359,9 +352,7 @@ class SimWorker:
                     )
             prev = _chain(prev, token)
             self._kv[block_id][p % bs] = (p, prev, token)
-            if not self.writes or self.writes[-1].block_id != block_id or (
-                self.writes[-1].step_id != step_id
-            ):
+            if not self.writes or self.writes[-1].block_id != block_id or (self.writes[-1].step_id != step_id):
                 self.writes.append(BlockWrite(step_id, req_id, req.incarnation, block_id))
 
     def _append_true(self, req: _SimRequest, token: int) -> None:
@@ -375,8 +366,7 @@ class SimWorker:
         prompt_len, max_tokens = self.limits[req_id]
         num_outputs = len(req.tokens) - prompt_len
         assert num_outputs + num_new_outputs <= max_tokens, (
-            f"{req_id}: slots scheduled past max_tokens ({num_outputs} + {num_new_outputs} > "
-            f"{max_tokens})"
+            f"{req_id}: slots scheduled past max_tokens ({num_outputs} + {num_new_outputs} > {max_tokens})"
         )
         assert len(req.tokens) + num_new_outputs <= self.max_model_len
 
@@ -391,9 +381,7 @@ class SimWorker:
         req.drafts = toy_propose(req.seed, req.tokens, k, self.eos_per_mille) if k else []
         req.drafts_for_len = len(req.tokens)
 
-    def _prefill(
-        self, step_id: int, entry: worker_pb2.ScheduledRequest, req: _SimRequest
-    ) -> worker_pb2.RequestResult:
+    def _prefill(self, step_id: int, entry: worker_pb2.ScheduledRequest, req: _SimRequest) -> worker_pb2.RequestResult:
         assert not req.sampled, f"{entry.req_id}: prefill chunk after sampling started"
         assert req.seq_len == len(req.tokens)
         assert entry.num_draft_slots == 0
@@ -606,9 +594,7 @@ def add_requests(
     for i, (req_id, prompt) in enumerate(prompts.items()):
         stop = stopping[req_id] if isinstance(stopping, dict) else stopping
         seeds[req_id] = 1000 + i
-        req = scheduler.add_request(
-            req_id, prompt, seed=1000 + i, logprobs=logprobs, **stopping_kwargs(stop)
-        )
+        req = scheduler.add_request(req_id, prompt, seed=1000 + i, logprobs=logprobs, **stopping_kwargs(stop))
         worker.limits[req_id] = (len(prompt), req.max_tokens)
     return seeds
 
@@ -659,8 +645,7 @@ def make_case(
     if prompts is None:
         rng = random.Random(prompt_seed)
         prompts = {
-            f"r{i}": [rng.choice(b"abc xyz") for _ in range(rng.randint(*prompt_len))]
-            for i in range(num_requests)
+            f"r{i}": [rng.choice(b"abc xyz") for _ in range(rng.randint(*prompt_len))] for i in range(num_requests)
         }
     stopping = stopping or StoppingOptions(max_tokens=40)
     per_req = stopping if isinstance(stopping, dict) else {r: stopping for r in prompts}
@@ -672,8 +657,12 @@ def make_case(
 def assert_matches_reference(case: Case, got: dict[str, Collected]) -> None:
     for req_id, prompt in case.prompts.items():
         expected = reference_generate(
-            make_toy_tokenizer(), prompt, case.seeds[req_id], case.stopping[req_id],
-            max_model_len=case.max_len, eos_per_mille=case.eos_per_mille,
+            make_toy_tokenizer(),
+            prompt,
+            case.seeds[req_id],
+            case.stopping[req_id],
+            max_model_len=case.max_len,
+            eos_per_mille=case.eos_per_mille,
         )
         out = got[req_id]
         assert out.token_ids == expected.token_ids, req_id

@@ -18,5 +18,8 @@ def chi_square_pvalue(counts: torch.Tensor, expected_probs: torch.Tensor) -> flo
     if dof == 0:
         return 1.0
     # Survival function of chi-square(dof) = regularized upper incomplete gamma.
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(
+            torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(statistic / 2, dtype=torch.float64)
+        )
+    )

@@ -59,8 +59,7 @@ class WorkerPool:
 
     def get(self, spec: str) -> Service:
         if spec not in self.workers:
-            options = dict(kv_cache_memory_gb=0.5, max_num_seqs=32, spec_method=spec,
-                           num_spec_tokens=K)
+            options = dict(kv_cache_memory_gb=0.5, max_num_seqs=32, spec_method=spec, num_spec_tokens=K)
             if spec == "draft":
                 options["draft_model"] = "smollm2-135m"
             self.workers[spec] = start_worker(**options)
@@ -95,15 +94,25 @@ def reference(smollm2_dir, grounded_rows) -> list[list[int]]:
     return hf_reference(smollm2_dir, grounded_rows)
 
 
-def check_greedy(pool: WorkerPool, spec: str, inflight: int, rows: list[dict], ref: list[list[int]],
-                 max_tokens: int, min_identical: int, model_dir: Path) -> dict:
+def check_greedy(
+    pool: WorkerPool,
+    spec: str,
+    inflight: int,
+    rows: list[dict],
+    ref: list[list[int]],
+    max_tokens: int,
+    min_identical: int,
+    model_dir: Path,
+) -> dict:
     with scheduler_on(pool.get(spec), max_inflight_steps=inflight) as scheduler:
-        report = run_workload(scheduler.target, bench_rows(rows, max_tokens=max_tokens),
-                              concurrency=16)
-    identical = assert_matches_reference(report, [r[:max_tokens] for r in ref], model_dir, rows,
-                                         min_identical=min_identical)
-    print(f"{spec} inflight={inflight}: {identical}/{len(rows)} identical to Hugging Face, "
-          f"acceptance {report['acceptance_rate']}, idle {report['worker_idle_fraction']}")
+        report = run_workload(scheduler.target, bench_rows(rows, max_tokens=max_tokens), concurrency=16)
+    identical = assert_matches_reference(
+        report, [r[:max_tokens] for r in ref], model_dir, rows, min_identical=min_identical
+    )
+    print(
+        f"{spec} inflight={inflight}: {identical}/{len(rows)} identical to Hugging Face, "
+        f"acceptance {report['acceptance_rate']}, idle {report['worker_idle_fraction']}"
+    )
     stats = report["server_stats"]
     if spec == "none":
         assert stats["num_draft_tokens"] == 0
@@ -115,8 +124,7 @@ def check_greedy(pool: WorkerPool, spec: str, inflight: int, rows: list[dict], r
     return report
 
 
-COMBINATIONS = [pytest.param(spec, inflight, id=f"{spec}-inflight{inflight}")
-                for spec in SPECS for inflight in (1, 2)]
+COMBINATIONS = [pytest.param(spec, inflight, id=f"{spec}-inflight{inflight}") for spec in SPECS for inflight in (1, 2)]
 
 
 @pytest.mark.parametrize("spec,inflight", COMBINATIONS)
@@ -124,42 +132,42 @@ def test_greedy_matches_hf_on_a_subset(pool, smollm2_dir, grounded_rows, referen
     """Every combination on 16 rows at concurrency 16, 24 new tokens: at most one divergence
     (the 46-of-48 allowance for float near-ties, scaled down)."""
     rows = [grounded_rows[i] for i in SUBSET]
-    check_greedy(pool, spec, inflight, rows, [reference[i] for i in SUBSET], SUBSET_MAX_TOKENS,
-                 len(rows) - 1, smollm2_dir)
+    check_greedy(
+        pool, spec, inflight, rows, [reference[i] for i in SUBSET], SUBSET_MAX_TOKENS, len(rows) - 1, smollm2_dir
+    )
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,inflight", COMBINATIONS)
-def test_greedy_matches_hf_on_the_whole_workload(pool, smollm2_dir, grounded_rows, reference,
-                                                 spec, inflight):
+def test_greedy_matches_hf_on_the_whole_workload(pool, smollm2_dir, grounded_rows, reference, spec, inflight):
     """Issue 4's acceptance criterion as stated: all 48 rows at concurrency 16, at least 46
     token-identical to Hugging Face."""
-    check_greedy(pool, spec, inflight, grounded_rows, reference, TEST_MAX_TOKENS, MIN_IDENTICAL,
-                 smollm2_dir)
+    check_greedy(pool, spec, inflight, grounded_rows, reference, TEST_MAX_TOKENS, MIN_IDENTICAL, smollm2_dir)
 
 
-def test_seeded_sampling_is_identical_across_inflight_spec_and_concurrency(pool, grounded_rows,
-                                                                           reference):
+def test_seeded_sampling_is_identical_across_inflight_spec_and_concurrency(pool, grounded_rows, reference):
     """Temperature 0.8 with a seed per request: the same tokens for every combination of
     `--max-inflight-steps {1,2}`, `--spec-method {none,ngram}` and concurrency 1 vs 16."""
     indices = (24, 27, 40, 43)  # short prompts: the concurrency-1 runs are sequential
-    rows = [dataclasses.replace(row, temperature=0.8, seed=1000 + i)
-            for i, row in zip(indices, bench_rows([grounded_rows[i] for i in indices],
-                                                  max_tokens=16))]
+    rows = [
+        dataclasses.replace(row, temperature=0.8, seed=1000 + i)
+        for i, row in zip(indices, bench_rows([grounded_rows[i] for i in indices], max_tokens=16))
+    ]
     runs: dict[tuple, list[list[int]]] = {}
     for spec in ("none", "ngram"):
         for inflight in (1, 2):
             with scheduler_on(pool.get(spec), max_inflight_steps=inflight) as scheduler:
                 for concurrency in (1, 16):
                     report = run_workload(scheduler.target, rows, concurrency)
-                    assert all(r["finish_reason"] in ("eos", "max_tokens")
-                               for r in report["requests"]), report["requests"]
+                    assert all(r["finish_reason"] in ("eos", "max_tokens") for r in report["requests"]), report[
+                        "requests"
+                    ]
                     runs[(spec, inflight, concurrency)] = [r["token_ids"] for r in report["requests"]]
                     if spec == "ngram":
                         assert report["server_stats"]["num_draft_tokens"] > 0
     baseline = runs[("none", 1, 1)]
     # Sampling really happened (the test could not pass with greedy outputs).
-    assert any(out != reference[i][:len(out)] for out, i in zip(baseline, indices))
+    assert any(out != reference[i][: len(out)] for out, i in zip(baseline, indices))
     for config, outputs in runs.items():
         for i, (ours, base) in enumerate(zip(outputs, baseline)):
             assert ours == base, f"{config}: row {indices[i]} differs from none/inflight1/c1"
@@ -174,9 +182,11 @@ def test_max_tokens_1_to_5_with_ngram_drafts(pool, smollm2_dir, grounded_rows, r
     async def run_all(target: str):
         async with grpc.aio.insecure_channel(target) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-            calls = {(i, n): complete(stub, build_request(token_ids=prompt, max_tokens=n,
-                                                          ignore_eos=True), timeout=120)
-                     for i, prompt in zip(indices, prompts) for n in range(1, 6)}
+            calls = {
+                (i, n): complete(stub, build_request(token_ids=prompt, max_tokens=n, ignore_eos=True), timeout=120)
+                for i, prompt in zip(indices, prompts)
+                for n in range(1, 6)
+            }
             return dict(zip(calls, await asyncio.gather(*calls.values())))
 
     with scheduler_on(pool.get("ngram"), max_inflight_steps=2) as scheduler:
@@ -198,10 +208,11 @@ def test_cancel_with_steps_in_flight_keeps_others_exact(pool, smollm2_dir, groun
     async def scenario(target: str):
         async with grpc.aio.insecure_channel(target) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-            others = [asyncio.create_task(complete(stub, build_request(token_ids=p, max_tokens=48),
-                                                   timeout=120)) for p in prompts[1:]]
-            call = stub.Generate(build_request(token_ids=prompts[0], max_tokens=400,
-                                               ignore_eos=True))
+            others = [
+                asyncio.create_task(complete(stub, build_request(token_ids=p, max_tokens=48), timeout=120))
+                for p in prompts[1:]
+            ]
+            call = stub.Generate(build_request(token_ids=prompts[0], max_tokens=400, ignore_eos=True))
             got: list[int] = []
             async for reply in call:
                 got.extend(reply.token_ids)
@@ -214,13 +225,14 @@ def test_cancel_with_steps_in_flight_keeps_others_exact(pool, smollm2_dir, groun
         got, others = asyncio.run(scenario(scheduler.target))
         port = scheduler.ports["METRICS"]
         deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (metric(port, "zerobubble_kv_cache_usage_ratio")
-                                               or metric(port, "zerobubble_num_requests_running")):
+        while time.monotonic() < deadline and (
+            metric(port, "zerobubble_kv_cache_usage_ratio") or metric(port, "zerobubble_num_requests_running")
+        ):
             time.sleep(0.2)
         assert metric(port, "zerobubble_kv_cache_usage_ratio") == 0.0
         assert metric(port, "zerobubble_num_requests_running") == 0
         assert metric(port, "zerobubble_request_success_total", finished_reason="cancelled") == 1
-    assert got == reference[indices[0]][:len(got)]
+    assert got == reference[indices[0]][: len(got)]
     for i, completion in zip(indices[1:], others):
         assert completion.token_ids == reference[i][:48], i
 
@@ -232,9 +244,11 @@ def test_logprobs_over_grpc_belong_to_the_accepted_tokens(pool, smollm2_dir, gro
 
     async def one(target: str):
         async with grpc.aio.insecure_channel(target) as channel:
-            return await complete(generate_pb2_grpc.GenerationStub(channel),
-                                  build_request(token_ids=prompt, max_tokens=32, logprobs=True),
-                                  timeout=120)
+            return await complete(
+                generate_pb2_grpc.GenerationStub(channel),
+                build_request(token_ids=prompt, max_tokens=32, logprobs=True),
+                timeout=120,
+            )
 
     with scheduler_on(pool.get("ngram"), max_inflight_steps=2) as scheduler:
         before = scheduler_stats(scheduler)
@@ -245,8 +259,9 @@ def test_logprobs_over_grpc_belong_to_the_accepted_tokens(pool, smollm2_dir, gro
     hf = load_hf_model(Path(smollm2_dir))
     with torch.inference_mode():
         logits = hf(torch.tensor([prompt + completion.token_ids])).logits[0].float()
-    expected = logits.log_softmax(-1)[len(prompt) - 1:-1].gather(
-        -1, torch.tensor(completion.token_ids)[:, None])[:, 0]
+    expected = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(-1, torch.tensor(completion.token_ids)[:, None])[
+        :, 0
+    ]
     assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=2e-3)
 
 
@@ -254,20 +269,19 @@ def test_preemption_with_tiny_kv_chunked_prefill_and_ngram(smollm2_dir, grounded
     """About 64 KV blocks for 16 concurrent requests, 128-token steps (chunked prefill), n-gram
     drafts and two plans in flight: requests are preempted and resumed, outputs stay Hugging
     Face's greedy ones."""
-    worker = start_worker(kv_cache_memory_gb=0.045, spec_method="ngram", num_spec_tokens=K,
-                          max_num_seqs=16)
+    worker = start_worker(kv_cache_memory_gb=0.045, spec_method="ngram", num_spec_tokens=K, max_num_seqs=16)
     try:
         rows = grounded_rows[:16]
         with scheduler_on(worker, max_inflight_steps=2, max_num_batched_tokens=128) as scheduler:
-            report = run_workload(scheduler.target, bench_rows(rows, max_tokens=MAX_TOKENS_PREEMPT),
-                                  concurrency=16)
+            report = run_workload(scheduler.target, bench_rows(rows, max_tokens=MAX_TOKENS_PREEMPT), concurrency=16)
     finally:
         worker.stop()
     stats = report["server_stats"]
     assert stats["num_preemptions"] > 0, stats
     assert stats["num_accepted_tokens"] > 0, stats
-    assert_matches_reference(report, [r[:MAX_TOKENS_PREEMPT] for r in reference[:16]], smollm2_dir,
-                             rows, min_identical=15)
+    assert_matches_reference(
+        report, [r[:MAX_TOKENS_PREEMPT] for r in reference[:16]], smollm2_dir, rows, min_identical=15
+    )
 
 
 # ----------------------------------------------------------------------------------- helpers
@@ -279,11 +293,12 @@ def scrape(port: int) -> list:
 
 
 def metric(port: int, name: str, **labels) -> float:
-    return sum(s.value for s in scrape(port)
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(s.value for s in scrape(port) if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def scheduler_stats(scheduler: Service) -> dict[str, float]:
     port = scheduler.ports["METRICS"]
-    return {"accepted": metric(port, "zerobubble_spec_decode_num_accepted_tokens_total"),
-            "drafted": metric(port, "zerobubble_spec_decode_num_draft_tokens_total")}
+    return {
+        "accepted": metric(port, "zerobubble_spec_decode_num_accepted_tokens_total"),
+        "drafted": metric(port, "zerobubble_spec_decode_num_draft_tokens_total"),
+    }

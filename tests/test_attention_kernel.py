@@ -22,7 +22,9 @@ NUM_Q_HEADS, NUM_KV_HEADS = 4, 2
 REQUESTS = [(9, 1), (0, 7), (3, 1), (5, 3), (4, 20), (0, 18)]
 
 
-def _random_cache(shape: tuple[int, int, int, int], layout: str, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _random_cache(
+    shape: tuple[int, int, int, int], layout: str, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Random K and V ``[num_blocks, block_size, Hkv, D]``, contiguous or in :func:`new_kv_cache`'s layout."""
     if layout == "contiguous":
         return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
@@ -107,7 +109,9 @@ def test_paged_attention_triton_matches_torch(
     q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size, num_kv_heads=num_kv_heads, layout=layout)
     scale = head_dim**-0.5
     triton_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="triton", sliding_window=window or None)
-    torch.testing.assert_close(triton_out, _dense_attention(q, k_cache, v_cache, meta, scale, window), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        triton_out, _dense_attention(q, k_cache, v_cache, meta, scale, window), atol=1e-5, rtol=1e-5
+    )
     if layout == "new_kv_cache":  # the torch path reads only that layout
         torch_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
         torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
@@ -160,4 +164,7 @@ def test_empty_batch() -> None:
         slot_mapping=torch.zeros(0, dtype=torch.int64),
     )
     assert paged_attention(q[:0], k_cache, v_cache, empty, 0.25).shape == (0, NUM_Q_HEADS, 16)
-    assert compute_slot_mapping(empty.query_start_loc, torch.zeros(0, dtype=torch.long), empty.block_tables, 4).numel() == 0
+    assert (
+        compute_slot_mapping(empty.query_start_loc, torch.zeros(0, dtype=torch.long), empty.block_tables, 4).numel()
+        == 0
+    )

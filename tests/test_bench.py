@@ -42,6 +42,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # --- statistics ---------------------------------------------------------------------------------
 
+
 def test_percentile_interpolates_like_numpy() -> None:
     values = [4.0, 1.0, 3.0, 2.0]  # unsorted on purpose
     assert percentile(values, 0) == 1.0
@@ -53,12 +54,26 @@ def test_percentile_interpolates_like_numpy() -> None:
 
 
 def test_stats_delta_subtracts_every_field() -> None:
-    before = generate_pb2.ServerStats(num_steps=10, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=5,
-                                      worker_busy_s=1.5, worker_idle_s=0.5, num_generation_tokens=30,
-                                      num_preemptions=1)
-    after = generate_pb2.ServerStats(num_steps=30, num_drafts=14, num_draft_tokens=42, num_accepted_tokens=26,
-                                     worker_busy_s=4.0, worker_idle_s=0.75, num_generation_tokens=90,
-                                     num_preemptions=1)
+    before = generate_pb2.ServerStats(
+        num_steps=10,
+        num_drafts=4,
+        num_draft_tokens=12,
+        num_accepted_tokens=5,
+        worker_busy_s=1.5,
+        worker_idle_s=0.5,
+        num_generation_tokens=30,
+        num_preemptions=1,
+    )
+    after = generate_pb2.ServerStats(
+        num_steps=30,
+        num_drafts=14,
+        num_draft_tokens=42,
+        num_accepted_tokens=26,
+        worker_busy_s=4.0,
+        worker_idle_s=0.75,
+        num_generation_tokens=90,
+        num_preemptions=1,
+    )
     delta = stats_delta(before, after)
     assert (delta.num_steps, delta.num_drafts, delta.num_draft_tokens, delta.num_accepted_tokens) == (20, 10, 30, 21)
     assert (delta.num_generation_tokens, delta.num_preemptions) == (60, 0)
@@ -66,8 +81,9 @@ def test_stats_delta_subtracts_every_field() -> None:
 
 
 def test_speculation_and_idle_figures() -> None:
-    delta = generate_pb2.ServerStats(num_drafts=10, num_draft_tokens=30, num_accepted_tokens=21,
-                                     worker_busy_s=2.5, worker_idle_s=0.25)
+    delta = generate_pb2.ServerStats(
+        num_drafts=10, num_draft_tokens=30, num_accepted_tokens=21, worker_busy_s=2.5, worker_idle_s=0.25
+    )
     assert math.isclose(acceptance_rate(delta), 0.7)
     assert math.isclose(mean_accepted_length(delta), 3.1)  # bonus token + 2.1 accepted drafts per step
     assert math.isclose(idle_fraction(delta), 0.25 / 2.75)
@@ -83,13 +99,21 @@ def test_figures_are_none_without_drafts_or_work() -> None:
 def test_summarize_counts_tokens_and_leaves_errors_out_of_latencies() -> None:
     rows = [BenchRow(index=i, kind="k", max_tokens=4, prompt="p") for i in range(3)]
     completions = [
-        Completion(token_ids=[1, 2, 3], text="abc", finish_reason="max_tokens", ttft_s=0.1, itl=[0.02, 0.04],
-                   e2e_s=0.16, num_prompt_tokens=5),
+        Completion(
+            token_ids=[1, 2, 3],
+            text="abc",
+            finish_reason="max_tokens",
+            ttft_s=0.1,
+            itl=[0.02, 0.04],
+            e2e_s=0.16,
+            num_prompt_tokens=5,
+        ),
         Completion(token_ids=[4], text="d", finish_reason="eos", ttft_s=0.3, e2e_s=0.3, num_prompt_tokens=6),
         Completion(finish_reason="error", error="UNAVAILABLE: gone", e2e_s=9.0),
     ]
-    delta = generate_pb2.ServerStats(num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3,
-                                     worker_busy_s=1.0, worker_idle_s=1.0)
+    delta = generate_pb2.ServerStats(
+        num_drafts=2, num_draft_tokens=6, num_accepted_tokens=3, worker_busy_s=1.0, worker_idle_s=1.0
+    )
     report = summarize(rows, completions, wall_s=2.0, concurrency=2, delta=delta)
     assert report["output_tokens"] == 4 and report["output_tokens_per_s"] == 2.0
     assert report["requests_per_s"] == 1.5 and report["num_errors"] == 1
@@ -102,13 +126,22 @@ def test_summarize_counts_tokens_and_leaves_errors_out_of_latencies() -> None:
     assert report["finish_reasons"] == {"max_tokens": 1, "eos": 1, "error": 1}
     assert [r["index"] for r in report["requests"]] == [0, 1, 2]
     assert report["requests"][2]["error"] == "UNAVAILABLE: gone"
-    assert set(report["requests"][0]) >= {"index", "kind", "token_ids", "text", "finish_reason", "ttft_s",
-                                          "e2e_s", "num_prompt_tokens"}
+    assert set(report["requests"][0]) >= {
+        "index",
+        "kind",
+        "token_ids",
+        "text",
+        "finish_reason",
+        "ttft_s",
+        "e2e_s",
+        "num_prompt_tokens",
+    }
     json.dumps(report)  # the --json file must be serialisable as is
     assert "acceptance 0.500" in format_summary(report)
 
 
 # --- dataset -------------------------------------------------------------------------------------
+
 
 def write_dataset(path: Path, rows: list[dict]) -> Path:
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n", encoding="utf-8")
@@ -116,13 +149,21 @@ def write_dataset(path: Path, rows: list[dict]) -> Path:
 
 
 def test_load_dataset_filters_limits_and_keeps_file_positions(tmp_path: Path) -> None:
-    path = write_dataset(tmp_path / "d.jsonl", [
-        {"kind": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
-        {"kind": "code", "prompt": "def f():", "max_tokens": 300},
-        {"kind": "chat", "messages": [{"role": "user", "content": "yo"}], "max_tokens": 500, "temperature": 0.7,
-         "seed": 11},
-        {"kind": "chat", "prompt": "raw", "max_tokens": 4},
-    ])
+    path = write_dataset(
+        tmp_path / "d.jsonl",
+        [
+            {"kind": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+            {"kind": "code", "prompt": "def f():", "max_tokens": 300},
+            {
+                "kind": "chat",
+                "messages": [{"role": "user", "content": "yo"}],
+                "max_tokens": 500,
+                "temperature": 0.7,
+                "seed": 11,
+            },
+            {"kind": "chat", "prompt": "raw", "max_tokens": 4},
+        ],
+    )
     rows = load_dataset(path)
     assert [r.index for r in rows] == [0, 1, 2, 3]
     assert rows[1].prompt == "def f():" and rows[1].messages is None
@@ -138,14 +179,17 @@ def test_select_rows_does_not_mutate_its_input() -> None:
     assert rows[0].max_tokens == 50
 
 
-@pytest.mark.parametrize(("obj", "message"), [
-    ({"max_tokens": 4}, "exactly one"),
-    ({"prompt": "a", "messages": [], "max_tokens": 4}, "exactly one"),
-    ({"prompt": "a"}, "max_tokens"),
-    ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
-    ({"messages": [{"content": "no role"}], "max_tokens": 4}, "messages"),
-    (["not", "an", "object"], "JSON object"),
-])
+@pytest.mark.parametrize(
+    ("obj", "message"),
+    [
+        ({"max_tokens": 4}, "exactly one"),
+        ({"prompt": "a", "messages": [], "max_tokens": 4}, "exactly one"),
+        ({"prompt": "a"}, "max_tokens"),
+        ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
+        ({"messages": [{"content": "no role"}], "max_tokens": 4}, "messages"),
+        (["not", "an", "object"], "JSON object"),
+    ],
+)
 def test_parse_row_rejects_bad_rows(obj: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         parse_row(obj, 7)
@@ -180,6 +224,7 @@ def test_build_request_needs_exactly_one_input() -> None:
 
 
 # --- client and bench against a fake scheduler ---------------------------------------------------
+
 
 async def with_fake_server(servicer: FakeGeneration, body) -> object:  # noqa: ANN001 - a coroutine factory
     """Run ``body(target)`` against ``servicer`` served on a free loopback port."""
@@ -216,7 +261,8 @@ def test_run_bench_async_keeps_dataset_order_and_concurrency_limit() -> None:
     assert report["output_tokens"] == expected_tokens == report["server_stats"]["num_generation_tokens"]
     assert report["num_errors"] == 1 and report["model"] == "fake"
     assert report["acceptance_rate"] == pytest.approx(
-        report["server_stats"]["num_accepted_tokens"] / report["server_stats"]["num_draft_tokens"])
+        report["server_stats"]["num_accepted_tokens"] / report["server_stats"]["num_draft_tokens"]
+    )
 
 
 def test_complete_times_the_stream_and_bearer_token_is_required() -> None:
@@ -242,6 +288,7 @@ def test_complete_times_the_stream_and_bearer_token_is_required() -> None:
 
 # --- HF baseline comparison (no model run) -------------------------------------------------------
 
+
 def load_hf_baseline() -> ModuleType:
     spec = importlib.util.spec_from_file_location("hf_baseline", ROOT / "scripts" / "hf_baseline.py")
     assert spec is not None and spec.loader is not None
@@ -252,18 +299,25 @@ def load_hf_baseline() -> ModuleType:
 
 def test_hf_compare_ratio_and_agreement() -> None:
     hf_baseline = load_hf_baseline()
-    ours = {"output_tokens_per_s": 30.0, "requests": [
-        {"index": 0, "token_ids": [5, 6, 2], "finish_reason": "eos"},     # agrees up to the EOS
-        {"index": 1, "token_ids": [7, 8, 9], "finish_reason": "max_tokens"},
-        {"index": 2, "token_ids": [1], "finish_reason": "max_tokens"},   # sampled row: not compared
-        {"index": 3, "token_ids": [], "finish_reason": "error"},
-    ]}
-    hf = {"output_tokens_per_s": 10.0, "eos_token_ids": [2], "requests": [
-        {"index": 0, "token_ids": [5, 6], "finish_reason": "eos"},
-        {"index": 1, "token_ids": [7, 4, 9], "finish_reason": "max_tokens"},
-        {"index": 2, "token_ids": [3], "finish_reason": "max_tokens", "sampled": True},
-        {"index": 3, "token_ids": [1], "finish_reason": "max_tokens"},
-    ]}
+    ours = {
+        "output_tokens_per_s": 30.0,
+        "requests": [
+            {"index": 0, "token_ids": [5, 6, 2], "finish_reason": "eos"},  # agrees up to the EOS
+            {"index": 1, "token_ids": [7, 8, 9], "finish_reason": "max_tokens"},
+            {"index": 2, "token_ids": [1], "finish_reason": "max_tokens"},  # sampled row: not compared
+            {"index": 3, "token_ids": [], "finish_reason": "error"},
+        ],
+    }
+    hf = {
+        "output_tokens_per_s": 10.0,
+        "eos_token_ids": [2],
+        "requests": [
+            {"index": 0, "token_ids": [5, 6], "finish_reason": "eos"},
+            {"index": 1, "token_ids": [7, 4, 9], "finish_reason": "max_tokens"},
+            {"index": 2, "token_ids": [3], "finish_reason": "max_tokens", "sampled": True},
+            {"index": 3, "token_ids": [1], "finish_reason": "max_tokens"},
+        ],
+    }
     result = hf_baseline.compare_reports(ours, hf)
     assert result["throughput_ratio"] == 3.0
     assert (result["agreeing"], result["compared"]) == (1, 2)
@@ -272,6 +326,7 @@ def test_hf_compare_ratio_and_agreement() -> None:
 
 
 # --- open-loop arrivals --------------------------------------------------------------------------
+
 
 def test_arrival_times_are_a_seeded_poisson_process() -> None:
     from zerobubble.bench import arrival_times

@@ -19,8 +19,16 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def write_report(path: Path, scale: float) -> None:
     rows = [BenchRow(index=i, kind="", max_tokens=4, prompt="p") for i in range(5)]
-    completions = [Completion(token_ids=[1, 2, 3], finish_reason="max_tokens", ttft_s=scale * (i + 1),
-                              itl=[scale / 10, scale / 5], e2e_s=scale * (i + 2)) for i in range(5)]
+    completions = [
+        Completion(
+            token_ids=[1, 2, 3],
+            finish_reason="max_tokens",
+            ttft_s=scale * (i + 1),
+            itl=[scale / 10, scale / 5],
+            e2e_s=scale * (i + 2),
+        )
+        for i in range(5)
+    ]
     report = summarize(rows, completions, wall_s=2.0 * scale, concurrency=2)
     assert report["requests"][0]["itl_s"] == [scale / 10, scale / 5]
     path.write_text(json.dumps(report))
@@ -35,8 +43,13 @@ def test_plot_command_writes_a_png(tmp_path: Path) -> None:
     a, b, out = tmp_path / "grpc.json", tmp_path / "openai.json", tmp_path / "out.png"
     write_report(a, 0.1)
     write_report(b, 0.2)
-    done = subprocess.run([sys.executable, "-m", "zerobubble", "bench", "plot", str(a), str(b), "-o", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "zerobubble", "bench", "plot", str(a), str(b), "-o", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
 
@@ -46,6 +59,11 @@ def test_plot_rejects_a_file_that_is_not_a_report(tmp_path: Path) -> None:
     bad.write_text("{}")
     with pytest.raises(ValueError, match="not a `zerobubble bench --json` report"):
         load_report(bad)
-    done = subprocess.run([sys.executable, "-m", "zerobubble", "bench", "plot", str(bad), "-o",
-                           str(tmp_path / "o.png")], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "zerobubble", "bench", "plot", str(bad), "-o", str(tmp_path / "o.png")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and "not a `zerobubble bench --json` report" in done.stderr

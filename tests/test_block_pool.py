@@ -114,9 +114,7 @@ def test_block_hash_is_the_same_in_every_process() -> None:
         "from scheduler_svc.block_pool import block_hash;"
         "print(block_hash(block_hash(None, [1, 2, 3]), [4, 5, 6]).hex())"
     )
-    other = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True
-    ).stdout.strip()
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert other == block_hash(block_hash(None, [1, 2, 3]), [4, 5, 6]).hex()
 
 
@@ -177,6 +175,8 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(
-    max_examples=60, stateful_step_count=40, deadline=None,
+    max_examples=60,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

@@ -57,8 +57,9 @@ TABLE: list[dict] = []
 
 
 def chat(i: int) -> dict:
-    return dict(messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
-                max_tokens=MAX_TOKENS, ignore_eos=True)
+    return dict(
+        messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], max_tokens=MAX_TOKENS, ignore_eos=True
+    )
 
 
 @dataclass
@@ -78,8 +79,9 @@ def rss_mb(pid: int) -> float:
     return 0.0
 
 
-async def run_streams(target: str, requests: list[dict], *, on_progress=None, cancel_after=(),
-                      timeout: float = 600) -> list[Outcome]:
+async def run_streams(
+    target: str, requests: list[dict], *, on_progress=None, cancel_after=(), timeout: float = 600
+) -> list[Outcome]:
     """Run every request concurrently; `on_progress(counts)` sees tokens so far per stream;
     requests whose index is in `cancel_after` are cancelled after their first token."""
     outcomes = [Outcome() for _ in requests]
@@ -99,11 +101,11 @@ async def run_streams(target: str, requests: list[dict], *, on_progress=None, ca
                 if on_progress is not None:
                     on_progress(counts)
 
-            call = asyncio.create_task(complete(stub, build_request(**requests[i]), timeout=timeout,
-                                                on_response=record))
+            call = asyncio.create_task(
+                complete(stub, build_request(**requests[i]), timeout=timeout, on_response=record)
+            )
             if i in cancel_after:
-                await asyncio.wait({call, asyncio.create_task(first.wait())},
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({call, asyncio.create_task(first.wait())}, return_when=asyncio.FIRST_COMPLETED)
                 call.cancel()
                 outcomes[i].cancelled = True
             try:
@@ -119,15 +121,31 @@ async def run_streams(target: str, requests: list[dict], *, on_progress=None, ca
     return outcomes
 
 
-def score(name: str, outcomes: list[Outcome], reference: dict[int, list[int]],
-          requests_idx: list[int], recover_s: float | None, notes: str = "",
-          expected_errors: int = 0) -> dict:
+def score(
+    name: str,
+    outcomes: list[Outcome],
+    reference: dict[int, list[int]],
+    requests_idx: list[int],
+    recover_s: float | None,
+    notes: str = "",
+    expected_errors: int = 0,
+) -> dict:
     lost = sum(1 for o in outcomes if not o.cancelled and o.finish != "max_tokens")
     repeated = sum(1 for o in outcomes if o.repeated)
-    changed = sum(1 for o, i in zip(outcomes, requests_idx)
-                  if o.finish == "max_tokens" and o.tokens != reference[i % len(QUESTIONS)])
-    row = dict(fault=name, requests=len(outcomes), lost=lost - expected_errors, repeated=repeated,
-               changed=changed, recover_s=recover_s, notes=notes)
+    changed = sum(
+        1
+        for o, i in zip(outcomes, requests_idx)
+        if o.finish == "max_tokens" and o.tokens != reference[i % len(QUESTIONS)]
+    )
+    row = dict(
+        fault=name,
+        requests=len(outcomes),
+        lost=lost - expected_errors,
+        repeated=repeated,
+        changed=changed,
+        recover_s=recover_s,
+        notes=notes,
+    )
     TABLE.append(row)
     print(row)
     return row
@@ -136,12 +154,16 @@ def score(name: str, outcomes: list[Outcome], reference: dict[int, list[int]],
 @pytest.fixture(scope="module", autouse=True)
 def table():
     yield
-    lines = ["| fault class | requests | lost | repeated | changed | time to recover | notes |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| fault class | requests | lost | repeated | changed | time to recover | notes |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in TABLE:
         rec = "-" if r["recover_s"] is None else f"{r['recover_s']:.1f} s"
-        lines.append(f"| {r['fault']} | {r['requests']} | {r['lost']} | {r['repeated']} | "
-                     f"{r['changed']} | {rec} | {r['notes']} |")
+        lines.append(
+            f"| {r['fault']} | {r['requests']} | {r['lost']} | {r['repeated']} | "
+            f"{r['changed']} | {rec} | {r['notes']} |"
+        )
     text = "\n".join(lines)
     print("\n" + text)
     Path(os.environ.get("ZEROBUBBLE_CHAOS_TABLE", "/tmp/zerobubble-chaos.md")).write_text(text + "\n")
@@ -158,8 +180,9 @@ class Cluster:
         self.start_scheduler()
 
     def start_scheduler(self, port: int = 0) -> None:
-        self.scheduler = start_scheduler([f"127.0.0.1:{p}" for p in self.ports], port=port,
-                                         env={"ZEROBUBBLE_WORKER_AUTH_TOKEN": TOKEN})
+        self.scheduler = start_scheduler(
+            [f"127.0.0.1:{p}" for p in self.ports], port=port, env={"ZEROBUBBLE_WORKER_AUTH_TOKEN": TOKEN}
+        )
         wait_serving(self.scheduler.target)
         self.wait_workers(2)
 
@@ -185,8 +208,9 @@ class Cluster:
         if self.scheduler is not None:
             self.scheduler.stop()
             # Kept for diagnosis (the scheduler logs every loss, re-queue and deadline miss).
-            Path(os.environ.get("ZEROBUBBLE_CHAOS_LOG", "/tmp/zerobubble-chaos-scheduler.log")
-                 ).write_text("".join(self.scheduler.log))
+            Path(os.environ.get("ZEROBUBBLE_CHAOS_LOG", "/tmp/zerobubble-chaos-scheduler.log")).write_text(
+                "".join(self.scheduler.log)
+            )
         for w in self.workers:
             w.stop()
 
@@ -200,14 +224,12 @@ def cluster(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def reference(cluster) -> dict[int, list[int]]:
-    outcomes = asyncio.run(run_streams(cluster.scheduler.target,
-                                       [chat(i) for i in range(len(QUESTIONS))]))
+    outcomes = asyncio.run(run_streams(cluster.scheduler.target, [chat(i) for i in range(len(QUESTIONS))]))
     assert all(o.finish == "max_tokens" for o in outcomes), [(o.finish, o.error) for o in outcomes]
     return {i: o.tokens for i, o in enumerate(outcomes)}
 
 
-def faulted_run(cluster, reference, name: str, fault, num_requests: int = NUM_STREAMS,
-                notes: str = "") -> dict:
+def faulted_run(cluster, reference, name: str, fault, num_requests: int = NUM_STREAMS, notes: str = "") -> dict:
     """Run `num_requests` streams; `fault()` fires once every stream has 3+ tokens."""
     requests = [chat(i) for i in range(num_requests)]
     at: list[float] = []
@@ -219,13 +241,11 @@ def faulted_run(cluster, reference, name: str, fault, num_requests: int = NUM_ST
 
     outcomes = asyncio.run(run_streams(cluster.scheduler.target, requests, on_progress=progress))
     assert at, "the fault never fired"
-    return score(name, outcomes, reference, list(range(num_requests)),
-                 time.monotonic() - at[0], notes)
+    return score(name, outcomes, reference, list(range(num_requests)), time.monotonic() - at[0], notes)
 
 
 def test_worker_sigkill(cluster, reference):
-    row = faulted_run(cluster, reference, "worker SIGKILL",
-                      lambda: cluster.workers[1].proc.send_signal(signal.SIGKILL))
+    row = faulted_run(cluster, reference, "worker SIGKILL", lambda: cluster.workers[1].proc.send_signal(signal.SIGKILL))
     cluster.restart_worker(1)
     back = cluster.wait_workers(2)
     row["notes"] = f"killed worker restarted, back in {back:.1f} s"
@@ -234,16 +254,16 @@ def test_worker_sigkill(cluster, reference):
 
 def test_worker_sigstop(cluster, reference):
     victim = cluster.workers[1]
-    row = faulted_run(cluster, reference, "worker SIGSTOP",
-                      lambda: victim.proc.send_signal(signal.SIGSTOP))
+    row = faulted_run(cluster, reference, "worker SIGSTOP", lambda: victim.proc.send_signal(signal.SIGSTOP))
     victim.proc.send_signal(signal.SIGCONT)
     back = cluster.wait_workers(2)
     # The deadline the scheduler applied (derived from recent step latencies: on a quiet
     # machine max(10 s, ...) = 10 s; on a loaded one 20 x p99 is longer).
     missed = re.findall(r"no answer to a step for ([0-9.]+)s", "".join(cluster.scheduler.log))
     deadline = float(missed[-1]) if missed else float("nan")
-    row["notes"] = (f"declared lost at the step deadline ({deadline:.1f} s, derived); after "
-                    f"SIGCONT reconnected in {back:.1f} s")
+    row["notes"] = (
+        f"declared lost at the step deadline ({deadline:.1f} s, derived); after SIGCONT reconnected in {back:.1f} s"
+    )
     assert missed, "the step deadline never fired"
     assert row["lost"] == row["repeated"] == row["changed"] == 0, row
     assert row["recover_s"] < deadline + 45, row
@@ -267,9 +287,15 @@ def test_scheduler_sigkill_and_restart(cluster, reference):
     cluster.start_scheduler(port)
     back_s = time.monotonic() - restarted
     again = asyncio.run(run_streams(cluster.scheduler.target, requests))
-    row = score("scheduler SIGKILL + restart", again, reference, list(range(8)), back_s,
-                f"clients got UNAVAILABLE within {unavailable_s:.1f} s; the new scheduler "
-                "serves with both workers (their old streams superseded)")
+    row = score(
+        "scheduler SIGKILL + restart",
+        again,
+        reference,
+        list(range(8)),
+        back_s,
+        f"clients got UNAVAILABLE within {unavailable_s:.1f} s; the new scheduler "
+        "serves with both workers (their old streams superseded)",
+    )
     assert row["lost"] == row["repeated"] == row["changed"] == 0, row
 
 
@@ -280,12 +306,18 @@ def test_flood_of_1000_streams(cluster, reference):
     outcomes = asyncio.run(run_streams(cluster.scheduler.target, requests, timeout=1800))
     after = rss_mb(cluster.scheduler.proc.pid)
     lost = sum(1 for o in outcomes if o.finish != "max_tokens")
-    changed = sum(1 for i, o in enumerate(outcomes)
-                  if o.finish == "max_tokens" and o.tokens != reference[i % len(QUESTIONS)][:4])
-    row = dict(fault=f"flood: {NUM_FLOOD:,} streams", requests=NUM_FLOOD, lost=lost,
-               repeated=sum(o.repeated for o in outcomes), changed=changed,
-               recover_s=time.monotonic() - started,
-               notes=f"scheduler RSS {before:.0f} -> {after:.0f} MB; time = all done")
+    changed = sum(
+        1 for i, o in enumerate(outcomes) if o.finish == "max_tokens" and o.tokens != reference[i % len(QUESTIONS)][:4]
+    )
+    row = dict(
+        fault=f"flood: {NUM_FLOOD:,} streams",
+        requests=NUM_FLOOD,
+        lost=lost,
+        repeated=sum(o.repeated for o in outcomes),
+        changed=changed,
+        recover_s=time.monotonic() - started,
+        notes=f"scheduler RSS {before:.0f} -> {after:.0f} MB; time = all done",
+    )
     TABLE.append(row)
     print(row)
     assert lost == row["repeated"] == changed == 0, row
@@ -294,12 +326,17 @@ def test_flood_of_1000_streams(cluster, reference):
 def test_cancel_storm(cluster, reference):
     requests = [chat(i) for i in range(64)]
     started = time.monotonic()
-    outcomes = asyncio.run(run_streams(cluster.scheduler.target, requests,
-                                       cancel_after=set(range(0, 64, 2))))
+    outcomes = asyncio.run(run_streams(cluster.scheduler.target, requests, cancel_after=set(range(0, 64, 2))))
     time.sleep(1.0)
     kv = total(scrape(cluster.scheduler.ports["METRICS"]), "zerobubble_kv_cache_usage_ratio")
-    row = score("cancel storm (32 of 64 after 1st token)", outcomes, reference, list(range(64)),
-                time.monotonic() - started, f"KV usage after: {kv:.2f}")
+    row = score(
+        "cancel storm (32 of 64 after 1st token)",
+        outcomes,
+        reference,
+        list(range(64)),
+        time.monotonic() - started,
+        f"KV usage after: {kv:.2f}",
+    )
     assert kv == 0.0
     assert row["lost"] == row["repeated"] == row["changed"] == 0, row
 
@@ -311,14 +348,18 @@ def test_injected_step_failures(smollm2_dir, reference):
     try:
         wait_serving(scheduler.target)
         started = time.monotonic()
-        outcomes = asyncio.run(run_streams(scheduler.target,
-                                           [chat(i) for i in range(NUM_STREAMS)]))
+        outcomes = asyncio.run(run_streams(scheduler.target, [chat(i) for i in range(NUM_STREAMS)]))
         errors = [o for o in outcomes if o.finish == "error"]
         assert errors and all("injected test fault" in o.error for o in errors)
-        row = score("injected row failures (every 29th decode row)", outcomes, reference,
-                    list(range(NUM_STREAMS)), time.monotonic() - started,
-                    f"{len(errors)} requests hit by a fault ended with ERROR (by design)",
-                    expected_errors=len(errors))
+        row = score(
+            "injected row failures (every 29th decode row)",
+            outcomes,
+            reference,
+            list(range(NUM_STREAMS)),
+            time.monotonic() - started,
+            f"{len(errors)} requests hit by a fault ended with ERROR (by design)",
+            expected_errors=len(errors),
+        )
         assert row["lost"] == row["repeated"] == row["changed"] == 0, row
         # Only rows failed: no step failed as a whole.
         assert not re.search(r"step \d+ failed", "".join(worker.log))
@@ -376,9 +417,14 @@ def test_fuzzed_execute_plans(smollm2_dir, reference):
         scheduler = start_scheduler([worker], env={"ZEROBUBBLE_WORKER_AUTH_TOKEN": TOKEN})
         wait_serving(scheduler.target)
         outcomes = asyncio.run(run_streams(scheduler.target, [chat(i) for i in range(8)]))
-        row = score("fuzzed Execute plans (300, authenticated peer)", outcomes, reference,
-                    list(range(8)), time.monotonic() - started,
-                    f"{errors} of 300 plans answered with errors; then 8 streams served")
+        row = score(
+            "fuzzed Execute plans (300, authenticated peer)",
+            outcomes,
+            reference,
+            list(range(8)),
+            time.monotonic() - started,
+            f"{errors} of 300 plans answered with errors; then 8 streams served",
+        )
         assert row["lost"] == row["repeated"] == row["changed"] == 0, row
     finally:
         if scheduler is not None:
@@ -403,8 +449,9 @@ def test_soak(cluster, reference):
             n = rng.randint(8, 24)
             idx = [rng.randrange(len(QUESTIONS)) for _ in range(n)]
             cancel = {i for i in range(n) if rng.random() < 0.1}
-            task = asyncio.create_task(run_streams(cluster.scheduler.target,
-                                                   [chat(i) for i in idx], cancel_after=cancel))
+            task = asyncio.create_task(
+                run_streams(cluster.scheduler.target, [chat(i) for i in idx], cancel_after=cancel)
+            )
             if not restarted and time.monotonic() - started > duration / 2:
                 restarted.append(time.monotonic())
                 await asyncio.to_thread(cluster.restart_worker, 1)
@@ -417,8 +464,13 @@ def test_soak(cluster, reference):
     first = rss[min(len(rss) - 1, max(1, len(rss) // 4))][1]
     growth = (rss[-1][1] - first) / first
     assert restarted, "the soak was too short to restart a worker"
-    row = score(f"soak {duration:.0f} s (10% cancels, 1 worker restart)", all_outcomes, reference,
-                all_idx, None, f"scheduler RSS {first:.0f} -> {rss[-1][1]:.0f} MB "
-                f"({growth:+.1%}) after the first quarter")
+    row = score(
+        f"soak {duration:.0f} s (10% cancels, 1 worker restart)",
+        all_outcomes,
+        reference,
+        all_idx,
+        None,
+        f"scheduler RSS {first:.0f} -> {rss[-1][1]:.0f} MB ({growth:+.1%}) after the first quarter",
+    )
     assert row["lost"] == row["repeated"] == row["changed"] == 0, row
     assert growth < 0.10

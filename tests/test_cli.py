@@ -28,18 +28,48 @@ ROOT = Path(__file__).resolve().parent.parent
 
 LISTEN_FLAGS = {"--host", "--port", "--metrics-port", "--tls-cert", "--tls-key", "--max-num-seqs", "--log-level"}
 WORKER_FLAGS = {
-    "--model", "--dtype", "--device", "--block-size", "--kv-cache-memory-gb", "--gpu-memory-utilization",
-    "--max-model-len", "--spec-method", "--num-spec-tokens", "--ngram-min", "--ngram-max", "--draft-model",
-    "--worker-id", "--num-threads", "--prepack-weights", "--no-prepack-weights",
+    "--model",
+    "--dtype",
+    "--device",
+    "--block-size",
+    "--kv-cache-memory-gb",
+    "--gpu-memory-utilization",
+    "--max-model-len",
+    "--spec-method",
+    "--num-spec-tokens",
+    "--ngram-min",
+    "--ngram-max",
+    "--draft-model",
+    "--worker-id",
+    "--num-threads",
+    "--prepack-weights",
+    "--no-prepack-weights",
 }
 SCHEDULER_FLAGS = {
-    "--workers", "--max-inflight-steps", "--max-num-batched-tokens", "--max-waiting",
-    "--enable-prefix-caching", "--no-enable-prefix-caching", "--auth-token",
-    "--worker-tls-ca", "--worker-tls-cert", "--worker-tls-key",
+    "--workers",
+    "--max-inflight-steps",
+    "--max-num-batched-tokens",
+    "--max-waiting",
+    "--enable-prefix-caching",
+    "--no-enable-prefix-caching",
+    "--auth-token",
+    "--worker-tls-ca",
+    "--worker-tls-cert",
+    "--worker-tls-key",
 }
 CLIENT_FLAGS = {"--target", "--tls-ca", "--tls-cert", "--tls-key", "--auth-token", "--log-level"}
-GENERATE_FLAGS = {"--prompt", "--chat", "--messages-json", "--max-tokens", "--temperature", "--seed", "--top-k",
-                  "--top-p", "--stop", "--json"}
+GENERATE_FLAGS = {
+    "--prompt",
+    "--chat",
+    "--messages-json",
+    "--max-tokens",
+    "--temperature",
+    "--seed",
+    "--top-k",
+    "--top-p",
+    "--stop",
+    "--json",
+}
 BENCH_FLAGS = {"--dataset", "--concurrency", "--kind", "--limit", "--max-tokens-cap", "--json"}
 
 
@@ -66,14 +96,20 @@ def test_parser_builds_with_all_subcommands() -> None:
         assert subcommand(parser, name) is not None
 
 
-@pytest.mark.parametrize(("command", "present", "absent"), [
-    ("worker", LISTEN_FLAGS | WORKER_FLAGS | {"--tls-client-ca", "--auth-token", "--drain-timeout"},
-     SCHEDULER_FLAGS - {"--auth-token"} | {"--worker-port", "--worker-auth-token"}),
-    ("scheduler", LISTEN_FLAGS | SCHEDULER_FLAGS, WORKER_FLAGS | {"--tls-client-ca", "--worker-port"}),
-    ("serve", LISTEN_FLAGS | WORKER_FLAGS | SCHEDULER_FLAGS | {"--worker-port"}, {"--tls-client-ca"}),
-    ("generate", CLIENT_FLAGS | GENERATE_FLAGS, WORKER_FLAGS | SCHEDULER_FLAGS - {"--auth-token"}),
-    ("bench", CLIENT_FLAGS | BENCH_FLAGS, WORKER_FLAGS | {"--prompt"}),
-])
+@pytest.mark.parametrize(
+    ("command", "present", "absent"),
+    [
+        (
+            "worker",
+            LISTEN_FLAGS | WORKER_FLAGS | {"--tls-client-ca", "--auth-token", "--drain-timeout"},
+            SCHEDULER_FLAGS - {"--auth-token"} | {"--worker-port", "--worker-auth-token"},
+        ),
+        ("scheduler", LISTEN_FLAGS | SCHEDULER_FLAGS, WORKER_FLAGS | {"--tls-client-ca", "--worker-port"}),
+        ("serve", LISTEN_FLAGS | WORKER_FLAGS | SCHEDULER_FLAGS | {"--worker-port"}, {"--tls-client-ca"}),
+        ("generate", CLIENT_FLAGS | GENERATE_FLAGS, WORKER_FLAGS | SCHEDULER_FLAGS - {"--auth-token"}),
+        ("bench", CLIENT_FLAGS | BENCH_FLAGS, WORKER_FLAGS | {"--prompt"}),
+    ],
+)
 def test_flags_live_in_the_right_subcommands(command: str, present: set[str], absent: set[str]) -> None:
     options = option_strings(build_parser(env={}), command)
     assert present <= options, sorted(present - options)
@@ -97,12 +133,11 @@ def test_serve_passes_its_worker_flags_to_the_local_worker(prepack: str) -> None
     serve = parse(["serve", "--block-size", "32", "--spec-method", "ngram", prepack])
     argv = worker_command(serve_config(serve))
     assert "--auth-token" not in argv  # its token is a fresh secret, passed in the environment
-    worker = parse(argv[argv.index("worker"):])
+    worker = parse(argv[argv.index("worker") :])
     for f in dataclasses.fields(WorkerConfig):
         # The local worker listens on loopback without TLS whatever serve itself does; serve's
         # --auth-token is the clients' token, not the worker's.
-        if f.name not in ("host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca",
-                          "auth_token"):
+        if f.name not in ("host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "auth_token"):
             assert getattr(worker, f.name) == getattr(serve, f.name), f.name
     assert worker.prepack_weights is (prepack == "--prepack-weights")
 
@@ -153,14 +188,18 @@ def test_parse_bool_false_words(word: str) -> None:
     assert parse_bool(word) is False
 
 
-@pytest.mark.parametrize("env", [
-    {"ZEROBUBBLE_MAX_INFLIGHT_STEPS": "two"},
-    {"ZEROBUBBLE_KV_CACHE_MEMORY_GB": "lots"},
-    {"ZEROBUBBLE_ENABLE_PREFIX_CACHING": "maybe"},
-    {"ZEROBUBBLE_DTYPE": "float64"},
-])
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"ZEROBUBBLE_MAX_INFLIGHT_STEPS": "two"},
+        {"ZEROBUBBLE_KV_CACHE_MEMORY_GB": "lots"},
+        {"ZEROBUBBLE_ENABLE_PREFIX_CACHING": "maybe"},
+        {"ZEROBUBBLE_DTYPE": "float64"},
+    ],
+)
 def test_invalid_env_values_are_usage_errors_naming_the_variable(
-        env: dict[str, str], capsys: pytest.CaptureFixture[str]) -> None:
+    env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as info:
         parse(["serve"], env)
     assert info.value.code == 2
@@ -204,8 +243,9 @@ def test_unknown_choice_on_command_line_is_rejected(capsys: pytest.CaptureFixtur
 
 def run_cli(*argv: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
     """``python -m zerobubble ...`` in a clean child process."""
-    return subprocess.run([sys.executable, "-m", "zerobubble", *argv], cwd=ROOT, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "zerobubble", *argv], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def closed_port() -> int:
@@ -216,8 +256,7 @@ def closed_port() -> int:
 
 
 def test_generate_against_a_dead_target_fails_fast_with_a_clear_error() -> None:
-    result = run_cli("generate", "--target", f"127.0.0.1:{closed_port()}", "--prompt", "hi",
-                     "--connect-timeout", "5")
+    result = run_cli("generate", "--target", f"127.0.0.1:{closed_port()}", "--prompt", "hi", "--connect-timeout", "5")
     assert result.returncode == 1
     assert result.stderr.startswith("error: UNAVAILABLE: "), result.stderr
     assert result.stdout == ""
@@ -231,8 +270,10 @@ def test_generate_needs_exactly_one_input() -> None:
 
 
 def test_client_commands_do_not_import_torch() -> None:
-    code = ("import sys, zerobubble.entrypoints.cli, zerobubble.client, zerobubble.bench; "
-            "zerobubble.entrypoints.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'")
+    code = (
+        "import sys, zerobubble.entrypoints.cli, zerobubble.client, zerobubble.bench; "
+        "zerobubble.entrypoints.cli.build_parser(); assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)
 
 
@@ -264,8 +305,16 @@ def fake_target() -> Iterator[str]:
 def test_generate_streams_text_and_prints_json(fake_target: str) -> None:
     result = run_cli("generate", "--target", fake_target, "--prompt", "hi", "--max-tokens", "5")
     assert (result.returncode, result.stdout) == (0, "<0><1><2><3><4>\n"), result.stderr
-    result = run_cli("generate", "--target", fake_target, "--messages-json",
-                     '[{"role": "user", "content": "hi"}]', "--max-tokens", "3", "--json")
+    result = run_cli(
+        "generate",
+        "--target",
+        fake_target,
+        "--messages-json",
+        '[{"role": "user", "content": "hi"}]',
+        "--max-tokens",
+        "3",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     reply = json.loads(result.stdout)
     assert reply["text"] == "<0><1><2>" and reply["token_ids"] == [0, 1, 2]
@@ -280,19 +329,46 @@ def test_generate_reports_server_errors(fake_target: str) -> None:
 
 def test_bench_command_writes_the_report(fake_target: str, tmp_path: Path) -> None:
     dataset = tmp_path / "rows.jsonl"
-    dataset.write_text("".join(json.dumps({"prompt": f"p{i}", "max_tokens": 2 + i, "kind": "a" if i % 2 else "b"})
-                               + "\n" for i in range(6)), encoding="utf-8")
+    dataset.write_text(
+        "".join(
+            json.dumps({"prompt": f"p{i}", "max_tokens": 2 + i, "kind": "a" if i % 2 else "b"}) + "\n" for i in range(6)
+        ),
+        encoding="utf-8",
+    )
     out = tmp_path / "report.json"
-    result = run_cli("bench", "--target", fake_target, "--dataset", str(dataset), "--concurrency", "2",
-                     "--kind", "a", "--json", str(out))
+    result = run_cli(
+        "bench",
+        "--target",
+        fake_target,
+        "--dataset",
+        str(dataset),
+        "--concurrency",
+        "2",
+        "--kind",
+        "a",
+        "--json",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr
     assert "output tok/s" in result.stdout
     report = json.loads(out.read_text(encoding="utf-8"))
     assert [r["index"] for r in report["requests"]] == [1, 3, 5]
     assert report["output_tokens"] == 3 + 5 + 7 and report["concurrency"] == 2
-    for key in ("wall_s", "output_tokens_per_s", "requests_per_s", "ttft_p50_s", "ttft_p90_s", "ttft_p99_s",
-                "itl_p50_s", "itl_p90_s", "itl_p99_s", "e2e_p50_s", "acceptance_rate", "mean_accepted_length",
-                "worker_idle_fraction"):
+    for key in (
+        "wall_s",
+        "output_tokens_per_s",
+        "requests_per_s",
+        "ttft_p50_s",
+        "ttft_p90_s",
+        "ttft_p99_s",
+        "itl_p50_s",
+        "itl_p90_s",
+        "itl_p99_s",
+        "e2e_p50_s",
+        "acceptance_rate",
+        "mean_accepted_length",
+        "worker_idle_fraction",
+    ):
         assert key in report
 
 

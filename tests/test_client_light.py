@@ -13,8 +13,19 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY = ("torch", "transformers", "numpy", "fastapi", "uvicorn", "matplotlib", "tokenizers", "jinja2",
-         "prometheus_client", "scheduler_svc", "worker_svc")
+HEAVY = (
+    "torch",
+    "transformers",
+    "numpy",
+    "fastapi",
+    "uvicorn",
+    "matplotlib",
+    "tokenizers",
+    "jinja2",
+    "prometheus_client",
+    "scheduler_svc",
+    "worker_svc",
+)
 
 
 def imported_after(code: str) -> set[str]:
@@ -26,9 +37,11 @@ def imported_after(code: str) -> set[str]:
 
 @pytest.mark.parametrize("command", ["generate", "bench"])
 def test_client_commands_import_nothing_heavy(command: str) -> None:
-    code = ("from zerobubble.entrypoints.cli import build_parser, dispatch\n"
-            f"args = build_parser(env={{}}).parse_args([{command!r}])\n"
-            "import zerobubble.client, zerobubble.bench")
+    code = (
+        "from zerobubble.entrypoints.cli import build_parser, dispatch\n"
+        f"args = build_parser(env={{}}).parse_args([{command!r}])\n"
+        "import zerobubble.client, zerobubble.bench"
+    )
     assert not imported_after(code) & set(HEAVY)
 
 
@@ -43,8 +56,9 @@ def test_stubs_load_on_the_installed_runtime() -> None:
 def test_base_dependencies_are_client_only() -> None:
     tomllib = pytest.importorskip("tomllib")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    names = {dep.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip().lower()
-             for dep in project["dependencies"]}
+    names = {
+        dep.split(">")[0].split("=")[0].split("<")[0].split("[")[0].strip().lower() for dep in project["dependencies"]
+    }
     assert not names & {"torch", "transformers", "numpy", "fastapi", "uvicorn", "matplotlib", "tokenizers"}
     extras = project["optional-dependencies"]
     assert {"scheduler", "worker", "all"} <= set(extras)

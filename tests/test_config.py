@@ -39,8 +39,11 @@ def test_every_setting_is_a_documented_flag_with_an_env_fallback(command: str) -
     for _, f in settings:
         assert setting_info(f).help, f.name
         assert flag_name(f.name) in help_text and env_name(f.name) in help_text, f.name
-    env = {env_name(f.name): str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
-           for _, f in settings if f.default != ""}
+    env = {
+        env_name(f.name): str(f.default).lower() if isinstance(f.default, bool) else str(f.default)
+        for _, f in settings
+        if f.default != ""
+    }
     env[env_name("max_num_seqs")] = "7"
     args = build_parser(env=env).parse_args([command] + (["--workers", "w:1"] if command == "scheduler" else []))
     assert args.max_num_seqs == 7
@@ -61,13 +64,16 @@ def test_draft_without_a_draft_model_is_a_usage_error_naming_the_flags(capsys) -
     assert "--draft-model" in err and "--spec-method" in err
 
 
-@pytest.mark.parametrize("argv, flags", [
-    (["worker", "--ngram-min", "5", "--ngram-max", "2", "--spec-method", "ngram"], ["--ngram-min", "--ngram-max"]),
-    (["scheduler", "--workers", "w:1", "--max-inflight-steps", "0"], ["--max-inflight-steps"]),
-    (["scheduler"], ["--workers"]),
-    (["serve", "--tls-cert", "/c.pem"], ["--tls-cert", "--tls-key"]),
-    (["serve", "--max-num-seqs", "0"], ["--max-num-seqs"]),
-])
+@pytest.mark.parametrize(
+    "argv, flags",
+    [
+        (["worker", "--ngram-min", "5", "--ngram-max", "2", "--spec-method", "ngram"], ["--ngram-min", "--ngram-max"]),
+        (["scheduler", "--workers", "w:1", "--max-inflight-steps", "0"], ["--max-inflight-steps"]),
+        (["scheduler"], ["--workers"]),
+        (["serve", "--tls-cert", "/c.pem"], ["--tls-cert", "--tls-key"]),
+        (["serve", "--max-num-seqs", "0"], ["--max-num-seqs"]),
+    ],
+)
 def test_bad_combinations_name_their_flags(argv: list[str], flags: list[str], capsys) -> None:
     err = _usage_error(argv, capsys)
     for flag in flags:
@@ -80,8 +86,10 @@ def test_serve_with_remote_workers_does_not_check_worker_settings(capsys) -> Non
 
 
 def test_from_env_builds_and_validates_like_the_cli() -> None:
-    cfg = from_env(WorkerConfig, {"ZEROBUBBLE_SPEC_METHOD": "NGRAM", "ZEROBUBBLE_PREPACK_WEIGHTS": "off",
-                                  "ZEROBUBBLE_BLOCK_SIZE": "32"})
+    cfg = from_env(
+        WorkerConfig,
+        {"ZEROBUBBLE_SPEC_METHOD": "NGRAM", "ZEROBUBBLE_PREPACK_WEIGHTS": "off", "ZEROBUBBLE_BLOCK_SIZE": "32"},
+    )
     assert (cfg.spec_method, cfg.prepack_weights, cfg.block_size) == ("ngram", False, 32)
     with pytest.raises(ConfigError, match="ZEROBUBBLE_BLOCK_SIZE='big'"):
         from_env(WorkerConfig, {"ZEROBUBBLE_BLOCK_SIZE": "big"})

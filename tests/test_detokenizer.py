@@ -27,9 +27,7 @@ def smol_tokenizer(smollm2_dir: Path) -> Tokenizer:
     )
 
 
-def _stream(tokenizer: Tokenizer, prompt: list[int], ids: list[int], stop: list[str]) -> tuple[
-    list[str], bool
-]:
+def _stream(tokenizer: Tokenizer, prompt: list[int], ids: list[int], stop: list[str]) -> tuple[list[str], bool]:
     detok = Detokenizer(tokenizer, prompt, stop)
     chunks: list[str] = []
     for token_id in ids:
@@ -54,9 +52,7 @@ def test_toy_tokenizer_round_trip_and_specials() -> None:
 
 def test_chat_template_renders_with_hf_conventions() -> None:
     ids = TOY.apply_chat_template([{"role": "user", "content": "hi"}])
-    assert TOY.decode(ids, skip_special_tokens=False) == (
-        "<|bos|>user\nhi<|eos|>\n<|bos|>assistant\n"
-    )
+    assert TOY.decode(ids, skip_special_tokens=False) == ("<|bos|>user\nhi<|eos|>\n<|bos|>assistant\n")
     no_prompt = TOY.apply_chat_template([{"role": "user", "content": "hi"}], False)
     assert TOY.decode(no_prompt, skip_special_tokens=False) == "<|bos|>user\nhi<|eos|>\n"
 
@@ -74,7 +70,7 @@ def test_chat_template_errors_are_value_errors() -> None:
 
 def test_chat_template_is_sandboxed() -> None:
     evil = Tokenizer(make_toy_tokenizer_json(), "{{ messages.__class__.__mro__ }}")
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="unsafe|access"):
         evil.render_chat_template([{"role": "user", "content": "a"}])
 
 
@@ -105,9 +101,7 @@ def test_chat_template_matches_transformers(
     hf = hf_tokenizer
     ours = smol_tokenizer
     for add_generation_prompt in (True, False):
-        expected = hf.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=True
-        )
+        expected = hf.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
         if not isinstance(expected, list):
             expected = list(expected["input_ids"])
         assert ours.apply_chat_template(messages, add_generation_prompt) == expected

@@ -49,8 +49,7 @@ class SlowStub:
 def test_sigterm_drains_running_requests_then_cancels_the_rest(monkeypatch) -> None:
     monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", SlowStub)
     monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
-    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1,
-                                 drain_timeout=0.6)
+    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=-1, http_port=-1, drain_timeout=0.6)
 
     async def scenario():
         stop, ready, bound = asyncio.Event(), asyncio.Event(), []
@@ -60,17 +59,19 @@ def test_sigterm_drains_running_requests_then_cancels_the_rest(monkeypatch) -> N
         async with grpc.aio.insecure_channel(target) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
             health = health_pb2_grpc.HealthStub(channel)
-            while (await health.Check(health_pb2.HealthCheckRequest())).status != \
-                    health_pb2.HealthCheckResponse.SERVING:
+            while (
+                await health.Check(health_pb2.HealthCheckRequest())
+            ).status != health_pb2.HealthCheckResponse.SERVING:
                 await asyncio.sleep(0.02)
             started = {"short": asyncio.Event(), "long": asyncio.Event()}
 
             def go(name: str, max_tokens: int):
-                request = build_request(token_ids=[97, 98, 99, 32, 120], max_tokens=max_tokens,
-                                        ignore_eos=True, seed=7)
-                return asyncio.create_task(complete(
-                    stub, request, timeout=30,
-                    on_response=lambda r: started[name].set() if r.token_ids else None))
+                request = build_request(token_ids=[97, 98, 99, 32, 120], max_tokens=max_tokens, ignore_eos=True, seed=7)
+                return asyncio.create_task(
+                    complete(
+                        stub, request, timeout=30, on_response=lambda r: started[name].set() if r.token_ids else None
+                    )
+                )
 
             short, long = go("short", 12), go("long", 120)
             await started["short"].wait()
@@ -103,6 +104,7 @@ def test_a_second_server_on_a_used_port_fails_clearly() -> None:
                 rpc.bind(second, "127.0.0.1", port, None)
         finally:
             await first.stop(None)
+
     asyncio.run(scenario())
 
 
@@ -121,12 +123,10 @@ def test_client_deadline_frees_blocks_and_a_stalled_reader_gets_everything(monke
 
     monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", SlowStub)
     monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
-    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=0, http_port=-1,
-                                 drain_timeout=0.1)
+    cfg = SchedulerServiceConfig(host="127.0.0.1", port=0, metrics_port=0, http_port=-1, drain_timeout=0.1)
 
     def request(max_tokens: int):
-        return build_request(token_ids=[120, 121, 122, 32, 97], max_tokens=max_tokens,
-                             ignore_eos=True, seed=11)
+        return build_request(token_ids=[120, 121, 122, 32, 97], max_tokens=max_tokens, ignore_eos=True, seed=11)
 
     async def scenario():
         stop, ready, bound = asyncio.Event(), asyncio.Event(), []
@@ -144,13 +144,13 @@ def test_client_deadline_frees_blocks_and_a_stalled_reader_gets_everything(monke
             with pytest.raises(grpc.aio.AioRpcError) as expired:
                 await complete(stub, request(100), timeout=0.3)
             await asyncio.sleep(0.2)
-            kv = total(await asyncio.to_thread(scrape, ports["metrics"]),
-                       "zerobubble_kv_cache_usage_ratio")
+            kv = total(await asyncio.to_thread(scrape, ports["metrics"]), "zerobubble_kv_cache_usage_ratio")
             reference = await complete(stub, request(60), timeout=30)
             stalled = stub.Generate(request(60), timeout=30)
             first = await stalled.read()  # then it stops reading
-            other = await complete(stub, build_request(token_ids=[97, 98], max_tokens=20,
-                                                       ignore_eos=True, seed=3), timeout=30)
+            other = await complete(
+                stub, build_request(token_ids=[97, 98], max_tokens=20, ignore_eos=True, seed=3), timeout=30
+            )
             await asyncio.sleep(1.0)  # the stalled request finishes meanwhile
             replies = [first]
             while (reply := await stalled.read()) is not grpc.aio.EOF:

@@ -29,8 +29,9 @@ MAX_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def runner(smollm2_dir):
-    runner, _ = build_runner(WorkerConfig(kv_cache_memory_gb=0.05, max_num_seqs=8,
-                                          spec_method="ngram", num_spec_tokens=3))
+    runner, _ = build_runner(
+        WorkerConfig(kv_cache_memory_gb=0.05, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
+    )
     return runner
 
 
@@ -42,19 +43,22 @@ def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0):
     finish reason, error) and the step-level errors seen.
     """
     cfg = runner.config
-    info = worker_pb2.WorkerInfo(num_blocks=cfg.num_blocks, block_size=cfg.block_size,
-                                 max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                                 num_spec_tokens=runner.num_spec_tokens,
-                                 eos_token_ids=runner.loaded.eos_token_ids,
-                                 vocab_size=runner.loaded.hf_config.vocab_size)
+    info = worker_pb2.WorkerInfo(
+        num_blocks=cfg.num_blocks,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        num_spec_tokens=runner.num_spec_tokens,
+        eos_token_ids=runner.loaded.eos_token_ids,
+        vocab_size=runner.loaded.hf_config.vocab_size,
+    )
     fields = tokenizer_fields(runner.loaded.path)
-    tok = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"],
-                    fields["eos_token"])
+    tok = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64).with_worker(info), tok)
     runner.reset()
+
     def add(i: int) -> None:
-        scheduler.add_request(f"r{i}", tok.encode(PROMPTS[i]), max_tokens=MAX_TOKENS,
-                              ignore_eos=True)
+        scheduler.add_request(f"r{i}", tok.encode(PROMPTS[i]), max_tokens=MAX_TOKENS, ignore_eos=True)
 
     num_early = len(PROMPTS) - 1 if late_after_step else len(PROMPTS)
     for i in range(num_early):
@@ -70,8 +74,9 @@ def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0):
             if plan.step_id == late_after_step:
                 add(len(PROMPTS) - 1)
         pending = inflight.pop(0)
-        result = (pending if isinstance(pending, worker_pb2.StepResult)
-                  else pending.materialize(0.0, runner.num_spec_tokens))
+        result = (
+            pending if isinstance(pending, worker_pb2.StepResult) else pending.materialize(0.0, runner.num_spec_tokens)
+        )
         if result.error:
             step_errors.append(result.error)
         for ev in scheduler.on_step_result(result):

@@ -45,8 +45,7 @@ HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
 def scheduler(smollm2_dir) -> Iterator[Service]:
     worker = start_worker(kv_cache_memory_gb=0.5, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
     try:
-        sched = start_scheduler([worker], max_inflight_steps=2, max_num_seqs=MAX_NUM_SEQS,
-                                max_waiting=MAX_WAITING)
+        sched = start_scheduler([worker], max_inflight_steps=2, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING)
         try:
             wait_serving(sched.target)
             yield sched
@@ -73,22 +72,29 @@ def hf_texts(model_dir: Path, rows: list[dict[str, Any]], max_tokens: int) -> li
     tok = AutoTokenizer.from_pretrained(model_dir)
     outputs = hf_greedy(model_dir, prompt_ids(model_dir, rows), max_tokens)
     eos = tok.eos_token_id
-    return [(tok.decode(ids, skip_special_tokens=True),
-             "stop" if ids and ids[-1] == eos and len(ids) <= max_tokens else "length") for ids in outputs]
+    return [
+        (
+            tok.decode(ids, skip_special_tokens=True),
+            "stop" if ids and ids[-1] == eos and len(ids) <= max_tokens else "length",
+        )
+        for ids in outputs
+    ]
 
 
-def chat_concurrently(base_url: str, rows: list[dict[str, Any]], max_tokens: int,
-                      concurrency: int = MAX_NUM_SEQS) -> list[tuple[str, str]]:
+def chat_concurrently(
+    base_url: str, rows: list[dict[str, Any]], max_tokens: int, concurrency: int = MAX_NUM_SEQS
+) -> list[tuple[str, str]]:
     """Greedy chat completions of `rows` through the async SDK, `concurrency` at a time."""
 
     async def run() -> list[tuple[str, str]]:
         gate = asyncio.Semaphore(concurrency)
-        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0,
-                                      timeout=600) as sdk:
+        async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=600) as sdk:
+
             async def one(row: dict[str, Any]) -> tuple[str, str]:
                 async with gate:
-                    reply = await sdk.chat.completions.create(model=MODEL, messages=row["messages"],
-                                                              max_tokens=max_tokens, temperature=0)
+                    reply = await sdk.chat.completions.create(
+                        model=MODEL, messages=row["messages"], max_tokens=max_tokens, temperature=0
+                    )
                 return reply.choices[0].message.content or "", reply.choices[0].finish_reason
 
             return list(await asyncio.gather(*(one(r) for r in rows)))
@@ -109,8 +115,7 @@ def test_greedy_chat_over_http_equals_hugging_face(base_url, smollm2_dir, ground
 
 
 @pytest.mark.slow
-def test_greedy_chat_over_http_equals_hugging_face_on_the_whole_workload(base_url, smollm2_dir,
-                                                                         grounded_rows) -> None:
+def test_greedy_chat_over_http_equals_hugging_face_on_the_whole_workload(base_url, smollm2_dir, grounded_rows) -> None:
     ours = chat_concurrently(base_url, grounded_rows, TEST_MAX_TOKENS)
     assert_texts_match(ours, hf_texts(smollm2_dir, grounded_rows, TEST_MAX_TOKENS), len(grounded_rows) - 2)
 
@@ -125,8 +130,16 @@ def grpc_reference(scheduler: Service, **kwargs: Any) -> Any:
 
 def test_stream_concatenates_to_the_whole_reply_and_usage_equals_grpc(client, scheduler) -> None:
     whole = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=12, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=HELLO,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content and streamed
@@ -144,16 +157,20 @@ def test_stream_concatenates_to_the_whole_reply_and_usage_equals_grpc(client, sc
 
 def test_completions_take_text_and_token_ids(base_url, scheduler) -> None:
     prompt = "The three primary colors are"
+
     async def tokenize() -> list[int]:
         async with grpc.aio.insecure_channel(scheduler.target) as channel:
             reply = await generate_pb2_grpc.GenerationStub(channel).Tokenize(
-                generate_pb2.TokenizeRequest(prompt=prompt))
+                generate_pb2.TokenizeRequest(prompt=prompt)
+            )
             return list(reply.token_ids)
 
     ids = asyncio.run(tokenize())
     body = {"model": MODEL, "max_tokens": 8, "temperature": 0, "logprobs": 0}
-    replies = [httpx.post(f"{base_url}/v1/completions", json={**body, "prompt": p}, timeout=300).json()
-               for p in (prompt, ids, [prompt, prompt])]
+    replies = [
+        httpx.post(f"{base_url}/v1/completions", json={**body, "prompt": p}, timeout=300).json()
+        for p in (prompt, ids, [prompt, prompt])
+    ]
     text = replies[0]["choices"][0]["text"]
     assert text and replies[1]["choices"][0]["text"] == text
     assert [c["text"] for c in replies[2]["choices"]] == [text, text]
@@ -168,8 +185,9 @@ def test_completions_take_text_and_token_ids(base_url, scheduler) -> None:
 
 
 def test_chat_logprobs_follow_the_tokens(client) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=6, temperature=0,
-                                           logprobs=True, top_logprobs=2)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
     content = reply.choices[0].logprobs.content
     assert len(content) == reply.usage.completion_tokens
     assert "".join(t.token for t in content) == reply.choices[0].message.content
@@ -181,8 +199,7 @@ def test_chat_logprobs_follow_the_tokens(client) -> None:
 
 
 def test_n_choices_are_indexed(client) -> None:
-    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=1.0,
-                                           seed=7, n=2)
+    reply = client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, temperature=1.0, seed=7, n=2)
     if len(reply.choices) == 1:
         pytest.skip("the scheduler does not run n > 1 yet (issue 12 item 3)")
     assert [c.index for c in reply.choices] == [0, 1]
@@ -194,21 +211,24 @@ def test_models_health_version(client, base_url) -> None:
     assert httpx.get(f"{base_url}/version").json()["version"]
 
 
-@pytest.mark.parametrize(("extra", "param"), [
-    ({"temperature": -1}, "temperature"),
-    ({"top_p": 0}, "top_p"),
-    ({"max_tokens": 0}, "max_tokens"),
-    ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
-    ({"stop": ["x"] * 17}, "stop"),
-    ({"presence_penalty": 2.5}, "presence_penalty"),
-    ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
-    ({"logit_bias": {"10": 101}}, "logit_bias"),
-    ({"logit_bias": {"99999999": 1}}, "logit_bias"),
-    ({"extra_body": {"min_p": 1.5}}, "min_p"),
-    ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
-    ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
-])
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_completion_tokens": 10**6}, "max_completion_tokens"),
+        ({"stop": ["x"] * 17}, "stop"),
+        ({"presence_penalty": 2.5}, "presence_penalty"),
+        ({"frequency_penalty": -3}, "frequency_penalty"),
+        ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
+        ({"logit_bias": {"10": 101}}, "logit_bias"),
+        ({"logit_bias": {"99999999": 1}}, "logit_bias"),
+        ({"extra_body": {"min_p": 1.5}}, "min_p"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty"),
+        ({"messages": [{"role": "robot", "content": "hi"}]}, "messages[0].role"),
+    ],
+)
 def test_bad_values_are_400_naming_the_field(client, extra, param) -> None:
     kwargs = {"model": MODEL, "messages": HELLO, "max_tokens": 4, **extra}
     with pytest.raises(openai.BadRequestError) as caught:
@@ -231,8 +251,7 @@ def test_token_ids_outside_the_vocabulary_are_400(base_url) -> None:
 
 def test_full_queue_is_429(base_url) -> None:
     """MAX_NUM_SEQS streams running and MAX_WAITING queued: the next request is refused."""
-    long = {"model": MODEL, "messages": HELLO, "max_tokens": 4000, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+    long = {"model": MODEL, "messages": HELLO, "max_tokens": 4000, "ignore_eos": True, "temperature": 0, "stream": True}
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as http, contextlib.AsyncExitStack() as stack:
@@ -265,8 +284,9 @@ def test_bench_openai_backend_sees_what_the_grpc_backend_sees(base_url, schedule
     assert over_http["backend"] == "openai" and over_http["model"] == MODEL and over_http["num_errors"] == 0
     assert over_http["request_rate"] == 5.0 and over_http["acceptance_rate"] is None
     assert [r["text"] for r in over_http["requests"]] == [r["text"] for r in over_grpc["requests"]]
-    assert [r["num_output_tokens"] for r in over_http["requests"]] == \
-        [len(r["token_ids"]) for r in over_grpc["requests"]]
+    assert [r["num_output_tokens"] for r in over_http["requests"]] == [
+        len(r["token_ids"]) for r in over_grpc["requests"]
+    ]
     assert [r["finish_reason"] for r in over_http["requests"]] == [r["finish_reason"] for r in over_grpc["requests"]]
     assert over_http["output_tokens"] == over_grpc["output_tokens"]
     assert all(r["ttft_s"] is not None for r in over_http["requests"])

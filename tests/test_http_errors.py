@@ -57,8 +57,10 @@ def test_the_right_token_passes_auth_and_health_needs_none() -> None:
     assert call("GET", "/version", token="s3cret").status_code == 200
 
 
-@pytest.mark.parametrize(("method", "path"), [("GET", "/health"), ("GET", "/v1/models"),
-                                              ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")])
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [("GET", "/health"), ("GET", "/v1/models"), ("POST", "/v1/chat/completions"), ("POST", "/v1/completions")],
+)
 def test_no_ready_worker_is_503(method: str, path: str) -> None:
     body = CHAT if path.endswith("chat/completions") else {"model": "m", "prompt": "hi"}
     assert "no worker" in assert_error(call(method, path, json=body), 503)["message"]
@@ -69,29 +71,35 @@ def test_version_and_unknown_route() -> None:
     assert_error(call("GET", "/v1/nothing"), 404)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({**CHAT, "temperature": "hot"}, "temperature"),
-    ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
-    ({**CHAT, "stream": "yes"}, "stream"),
-    ({"model": "m"}, "messages"),
-    ({**CHAT, "messages": [{"content": "no role"}]}, "messages.0.role"),
-    ({**CHAT, "n": 0}, "n"),
-    ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
-    ({**CHAT, "logit_bias": {"hello": 1.0}}, "logit_bias"),
-    ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({**CHAT, "temperature": "hot"}, "temperature"),
+        ({**CHAT, "max_tokens": 1.5}, "max_tokens"),
+        ({**CHAT, "stream": "yes"}, "stream"),
+        ({"model": "m"}, "messages"),
+        ({**CHAT, "messages": [{"content": "no role"}]}, "messages.0.role"),
+        ({**CHAT, "n": 0}, "n"),
+        ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
+        ({**CHAT, "logit_bias": {"hello": 1.0}}, "logit_bias"),
+        ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ],
+)
 def test_bad_chat_bodies_are_400_naming_the_field(body: dict, param: str) -> None:
     # Decided by the JSON shape alone, so they come before the "no worker" 503.
     assert_error(call("POST", "/v1/chat/completions", json=body), 400, param)
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    ({"model": "m", "prompt": "hi", "echo": True}, "echo"),
-    ({"model": "m", "prompt": []}, "prompt"),
-    ({"model": "m", "prompt": [1.5]}, "prompt"),
-    ({"model": "m", "prompt": "hi", "logprobs": True}, "logprobs"),
-])
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"model": "m", "prompt": "hi", "echo": True}, "echo"),
+        ({"model": "m", "prompt": []}, "prompt"),
+        ({"model": "m", "prompt": [1.5]}, "prompt"),
+        ({"model": "m", "prompt": "hi", "logprobs": True}, "logprobs"),
+    ],
+)
 def test_bad_completion_bodies_are_400_naming_the_field(body: dict, param: str) -> None:
     error = call("POST", "/v1/completions", json=body)
     assert error.status_code == 400, error.text
@@ -99,17 +107,34 @@ def test_bad_completion_bodies_are_400_naming_the_field(body: dict, param: str) 
 
 
 def test_invalid_json_is_400() -> None:
-    response = call("POST", "/v1/chat/completions", content=b"{not json",
-                    headers={"content-type": "application/json"})
+    response = call("POST", "/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert_error(response, 400)
 
 
 def test_openai_fields_map_onto_the_proto() -> None:
-    body = ChatCompletionBody.model_validate({
-        **CHAT, "max_completion_tokens": 7, "max_tokens": 99, "temperature": 0.5, "top_p": 0.9,
-        "seed": -1, "stop": "END", "n": 3, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-        "logprobs": True, "top_logprobs": 4, "logit_bias": {"42": -100}, "top_k": -1, "min_p": 0.1,
-        "repetition_penalty": 1.2, "min_tokens": 2, "ignore_eos": True, "stop_token_ids": [5]})
+    body = ChatCompletionBody.model_validate(
+        {
+            **CHAT,
+            "max_completion_tokens": 7,
+            "max_tokens": 99,
+            "temperature": 0.5,
+            "top_p": 0.9,
+            "seed": -1,
+            "stop": "END",
+            "n": 3,
+            "presence_penalty": 0.5,
+            "frequency_penalty": -0.5,
+            "logprobs": True,
+            "top_logprobs": 4,
+            "logit_bias": {"42": -100},
+            "top_k": -1,
+            "min_p": 0.1,
+            "repetition_penalty": 1.2,
+            "min_tokens": 2,
+            "ignore_eos": True,
+            "stop_token_ids": [5],
+        }
+    )
     (request,) = build_requests(body, "chatcmpl-1")
     s, st = request.sampling, request.stopping
     assert request.model == "m" and request.request_id == "chatcmpl-1"
@@ -127,8 +152,9 @@ def test_openai_fields_map_onto_the_proto() -> None:
 
 
 def test_completion_prompts_map_to_one_request_each() -> None:
-    text, ids = (build_requests(CompletionBody.model_validate({"prompt": p, "logprobs": 2}), "c")
-                 for p in ("hello", [1, 2, 3]))
+    text, ids = (
+        build_requests(CompletionBody.model_validate({"prompt": p, "logprobs": 2}), "c") for p in ("hello", [1, 2, 3])
+    )
     assert text[0].prompt == "hello" and list(ids[0].token_ids.ids) == [1, 2, 3]
     assert text[0].response.logprobs and text[0].response.top_logprobs == 2
     many = build_requests(CompletionBody.model_validate({"prompt": ["a", "b"]}), "c")
@@ -137,8 +163,10 @@ def test_completion_prompts_map_to_one_request_each() -> None:
 
 def test_validator_messages_name_the_openai_field() -> None:
     chat = ChatCompletionBody.model_validate({**CHAT, "max_completion_tokens": 5})
-    assert openai_param("sampling.temperature: must be >= 0, got -1.0", chat) == \
-        ("temperature", "temperature: must be >= 0, got -1.0")
+    assert openai_param("sampling.temperature: must be >= 0, got -1.0", chat) == (
+        "temperature",
+        "temperature: must be >= 0, got -1.0",
+    )
     assert openai_param("stopping.max_tokens: must be > 0", chat)[0] == "max_completion_tokens"
     assert openai_param("stopping.stop[1]: must be 1 to 256 characters", chat)[0] == "stop[1]"
     assert openai_param("input: prompt is 9000 tokens", chat)[0] == "messages"

@@ -40,8 +40,12 @@ class WorkerState:
     history: torch.Tensor  # [NB, BS] int32
 
     def clone(self) -> WorkerState:
-        return WorkerState(*(t.clone() for t in (self.seq_len, self.last_token, self.drafts,
-                                                 self.num_drafts, self.block_table, self.history)))
+        return WorkerState(
+            *(
+                t.clone()
+                for t in (self.seq_len, self.last_token, self.drafts, self.num_drafts, self.block_table, self.history)
+            )
+        )
 
 
 @dataclass(slots=True)
@@ -88,8 +92,7 @@ def random_step(gen: torch.Generator, state: WorkerState, num_rows: int = 5) -> 
     qsl = torch.zeros(num_rows + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(q_lens, 0)
     num_tokens = int(qsl[-1])
-    return Step(slots.int(), qsl, is_decode,
-                torch.randint(0, VOCAB, (num_tokens,), generator=gen).int())
+    return Step(slots.int(), qsl, is_decode, torch.randint(0, VOCAB, (num_tokens,), generator=gen).int())
 
 
 def sequence_of(state: WorkerState, slot: int) -> list[int]:
@@ -103,9 +106,18 @@ def sequence_of(state: WorkerState, slot: int) -> list[int]:
 
 def run_assemble(state: WorkerState, step: Step, impl: str | None) -> tuple[torch.Tensor, ...]:
     return assemble_inputs(
-        step.req_slots, step.query_start_loc, step.is_decode, step.prefill_ids, state.seq_len,
-        state.last_token, state.drafts, state.num_drafts, state.block_table, state.history,
-        BLOCK_SIZE, impl=impl,
+        step.req_slots,
+        step.query_start_loc,
+        step.is_decode,
+        step.prefill_ids,
+        state.seq_len,
+        state.last_token,
+        state.drafts,
+        state.num_drafts,
+        state.block_table,
+        state.history,
+        BLOCK_SIZE,
+        impl=impl,
     )
 
 
@@ -161,8 +173,7 @@ def assemble_oracle(state: WorkerState, step: Step) -> tuple[list[int], list[int
                 tok = int(state.drafts[s, j - 1])
             ids.append(tok)
             positions.append(pos)
-            slots.append(int(state.block_table[s, pos // BLOCK_SIZE]) * BLOCK_SIZE
-                         + pos % BLOCK_SIZE)
+            slots.append(int(state.block_table[s, pos // BLOCK_SIZE]) * BLOCK_SIZE + pos % BLOCK_SIZE)
     return ids, positions, slots
 
 
@@ -203,9 +214,12 @@ def test_decode_rows_never_feed_invalid_drafts(impl: str) -> None:
     gen = torch.Generator().manual_seed(7)
     state = random_state(gen)
     state.num_drafts[:] = torch.tensor([0, 0, 1, 2, 0, 3, 0], dtype=torch.int32)
-    step = Step(torch.tensor([0, 1, 2, 3, 4, 5, 6], dtype=torch.int32),
-                torch.tensor([0, 4, 5, 9, 11, 15, 16, 20], dtype=torch.int32),
-                torch.ones(7, dtype=torch.bool), torch.zeros(20, dtype=torch.int32))
+    step = Step(
+        torch.tensor([0, 1, 2, 3, 4, 5, 6], dtype=torch.int32),
+        torch.tensor([0, 4, 5, 9, 11, 15, 16, 20], dtype=torch.int32),
+        torch.ones(7, dtype=torch.bool),
+        torch.zeros(20, dtype=torch.int32),
+    )
     expected = []
     for s, n in enumerate([4, 1, 4, 2, 4, 1, 4]):
         valid = min(n - 1, int(state.num_drafts[s]))
@@ -227,8 +241,7 @@ def test_decode_rows_never_feed_invalid_drafts(impl: str) -> None:
 def update_args(gen: torch.Generator, state: WorkerState, step: Step) -> tuple[torch.Tensor, ...]:
     num_rows = step.req_slots.shape[0]
     num_scheduled = (step.query_start_loc[1:] - step.query_start_loc[:-1]).int()
-    num_accepted = torch.minimum(torch.randint(0, MAX_DRAFTS + 1, (num_rows,), generator=gen),
-                                 num_scheduled - 1).int()
+    num_accepted = torch.minimum(torch.randint(0, MAX_DRAFTS + 1, (num_rows,), generator=gen), num_scheduled - 1).int()
     do_sample = step.is_decode | (torch.rand(num_rows, generator=gen) < 0.5)
     sampled_last = torch.randint(0, VOCAB, (num_rows,), generator=gen).int()
     return step.req_slots, step.is_decode, num_scheduled, num_accepted, do_sample, sampled_last
@@ -262,8 +275,8 @@ def ngram_oracle(seq: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     length = len(seq)
     for n in range(max_n, min_n - 1, -1):
         for start in range(length - n - 1, -1, -1):
-            if seq[start:start + n] == seq[length - n:]:
-                return seq[start + n: min(start + n + k, length)]
+            if seq[start : start + n] == seq[length - n :]:
+                return seq[start + n : min(start + n + k, length)]
     return []
 
 
@@ -287,15 +300,24 @@ def state_from_sequences(sequences: list[list[int]], gen: torch.Generator) -> Wo
         last_token=torch.tensor([s[-1] for s in sequences], dtype=torch.int32),
         drafts=torch.zeros((num_slots, MAX_DRAFTS), dtype=torch.int32),
         num_drafts=torch.zeros(num_slots, dtype=torch.int32),
-        block_table=block_table, history=history,
+        block_table=block_table,
+        history=history,
     )
 
 
-def run_ngram(state: WorkerState, slots: list[int], min_n: int, max_n: int, k: int,
-              impl: str) -> list[list[int]]:
-    drafts, num = ngram_propose(torch.tensor(slots, dtype=torch.int32), state.seq_len,
-                                state.last_token, state.block_table, state.history, BLOCK_SIZE,
-                                min_n, max_n, k, impl=impl)
+def run_ngram(state: WorkerState, slots: list[int], min_n: int, max_n: int, k: int, impl: str) -> list[list[int]]:
+    drafts, num = ngram_propose(
+        torch.tensor(slots, dtype=torch.int32),
+        state.seq_len,
+        state.last_token,
+        state.block_table,
+        state.history,
+        BLOCK_SIZE,
+        min_n,
+        max_n,
+        k,
+        impl=impl,
+    )
     assert drafts.shape == (len(slots), k) and drafts.dtype == torch.int32
     assert bool((drafts[torch.arange(k)[None, :] >= num[:, None]] == -1).all())
     return [drafts[r, : int(num[r])].tolist() for r in range(len(slots))]
@@ -341,8 +363,7 @@ def test_ngram_triton_matches_reference() -> None:
     state = random_state(gen, num_slots=8)
     slots = torch.randperm(8, generator=gen)[:6].tolist()
     for min_n, max_n, k in [(1, 3, 3), (2, 2, 4)]:
-        assert (run_ngram(state, slots, min_n, max_n, k, "triton")
-                == run_ngram(state, slots, min_n, max_n, k, "torch"))
+        assert run_ngram(state, slots, min_n, max_n, k, "triton") == run_ngram(state, slots, min_n, max_n, k, "torch")
 
 
 # -- count_accepted and rejection_sample -------------------------------------------------------

@@ -40,8 +40,7 @@ def test_no_import_cycles(graph: dict[str, set[str]]) -> None:
 
 
 def test_nothing_below_the_roof_imports_it(graph: dict[str, set[str]]) -> None:
-    offenders = {name: sorted(d for d in deps if _in(d, ROOF))
-                 for name, deps in graph.items() if not _in(name, ROOF)}
+    offenders = {name: sorted(d for d in deps if _in(d, ROOF)) for name, deps in graph.items() if not _in(name, ROOF)}
     assert {k: v for k, v in offenders.items() if v} == {}
 
 
@@ -49,15 +48,18 @@ def test_ground_floor_imports_no_service(graph: dict[str, set[str]]) -> None:
     services = ("scheduler_svc", "worker_svc", "kernels")
     ground = [n for n in graph if _in(n, ("zerobubble",)) and not _in(n, ROOF)]
     assert ground, "no ground-floor modules found"
-    assert {n: sorted(d for d in graph[n] if _in(d, services)) for n in ground
-            if any(_in(d, services) for d in graph[n])} == {}
+    assert {
+        n: sorted(d for d in graph[n] if _in(d, services)) for n in ground if any(_in(d, services) for d in graph[n])
+    } == {}
 
 
 def test_services_do_not_import_each_other(graph: dict[str, set[str]]) -> None:
-    pairs = [("scheduler_svc", ("worker_svc", "kernels")), ("worker_svc", ("scheduler_svc",)),
-             ("kernels", ("scheduler_svc", "worker_svc", "zerobubble"))]
-    bad = [(n, d) for side, forbidden in pairs for n in graph if _in(n, (side,))
-           for d in graph[n] if _in(d, forbidden)]
+    pairs = [
+        ("scheduler_svc", ("worker_svc", "kernels")),
+        ("worker_svc", ("scheduler_svc",)),
+        ("kernels", ("scheduler_svc", "worker_svc", "zerobubble")),
+    ]
+    bad = [(n, d) for side, forbidden in pairs for n in graph if _in(n, (side,)) for d in graph[n] if _in(d, forbidden)]
     assert bad == []
 
 
@@ -77,7 +79,7 @@ def test_internals_package_map_lists_every_module(graph: dict[str, set[str]]) ->
     """docs/INTERNALS.md's package map names every module by its path (packages as `dir/`;
     the generated stubs are covered by `zerobubble/api/`)."""
     text = (ROOT / "docs" / "INTERNALS.md").read_text()
-    table = text[text.index("## Package map"):]
+    table = text[text.index("## Package map") :]
     table = table[: table.index("\n## ", 3)]
     missing = []
     for name in graph:

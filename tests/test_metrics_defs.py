@@ -36,10 +36,8 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
     "zerobubble_request_queue_time_seconds": ("histogram", frozenset({"model"})),
     "zerobubble_spec_decode_num_drafts_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_spec_decode_num_draft_tokens_total": ("counter", frozenset({"model", "worker"})),
-    "zerobubble_spec_decode_num_accepted_tokens_total":
-        ("counter", frozenset({"model", "worker"})),
-    "zerobubble_spec_decode_num_accepted_tokens_per_pos_total":
-        ("counter", frozenset({"model", "worker", "position"})),
+    "zerobubble_spec_decode_num_accepted_tokens_total": ("counter", frozenset({"model", "worker"})),
+    "zerobubble_spec_decode_num_accepted_tokens_per_pos_total": ("counter", frozenset({"model", "worker", "position"})),
     "zerobubble_worker_step_duration_seconds": ("histogram", frozenset({"model", "worker"})),
     "zerobubble_worker_idle_seconds_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_inflight_steps": ("gauge", frozenset({"model", "worker"})),
@@ -51,11 +49,17 @@ def _record_everything(m: ServiceMetrics, worker: str = "w0") -> None:
     m.set_queues(running=3, waiting=5)
     m.set_kv_usage(worker, 0.25)
     m.set_inflight(worker, 2)
-    m.record_step(worker, forward_s=0.004, idle_s=0.0005, num_drafts=2, num_draft_tokens=8,
-                  num_accepted=5, accepted_per_pos=[2, 2, 1, 0])
+    m.record_step(
+        worker,
+        forward_s=0.004,
+        idle_s=0.0005,
+        num_drafts=2,
+        num_draft_tokens=8,
+        num_accepted=5,
+        accepted_per_pos=[2, 2, 1, 0],
+    )
     m.observe_ttft(0.05)
-    m.record_finished("eos", e2e_s=1.2, queue_s=0.01, num_prompt_tokens=17,
-                      num_generation_tokens=40)
+    m.record_finished("eos", e2e_s=1.2, queue_s=0.01, num_prompt_tokens=17, num_generation_tokens=40)
     m.observe_inter_token(0.02)
     m.add_rolled_back(3)
     m.add_preemptions(1)
@@ -72,8 +76,7 @@ def _scrape(m: ServiceMetrics) -> dict[str, list[tuple[str, dict[str, str], floa
     return samples
 
 
-def _value(samples: dict[str, list[tuple[str, dict[str, str], float]]], name: str,
-           **labels: str) -> float:
+def _value(samples: dict[str, list[tuple[str, dict[str, str], float]]], name: str, **labels: str) -> float:
     matches = [v for _, lab, v in samples[name] if all(lab.get(k) == x for k, x in labels.items())]
     assert len(matches) == 1, (name, labels, samples.get(name))
     return matches[0]
@@ -112,8 +115,7 @@ def test_recorded_values_land_in_the_right_series() -> None:
     assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 5
     assert _value(s, "zerobubble_spec_decode_num_draft_tokens_total", worker="w0") == 8
     assert _value(s, "zerobubble_spec_decode_num_drafts_total", worker="w0") == 2
-    per_pos = {lab["position"]: v for _, lab, v in
-               s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
+    per_pos = {lab["position"]: v for _, lab, v in s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
     assert per_pos == {"0": 2, "1": 2, "2": 1, "3": 0}
     assert _value(s, "zerobubble_worker_idle_seconds_total", worker="w0") == pytest.approx(0.0005)
     assert _value(s, "zerobubble_worker_step_duration_seconds_count", worker="w0") == 1
@@ -151,8 +153,7 @@ def test_two_instances_do_not_share_state() -> None:
 
 def test_finished_reason_accepts_proto_names_and_rejects_unknown() -> None:
     m = ServiceMetrics(model="m")
-    m.record_finished("FINISH_REASON_MAX_TOKENS", e2e_s=1.0, queue_s=0.0,
-                      num_prompt_tokens=1, num_generation_tokens=1)
+    m.record_finished("FINISH_REASON_MAX_TOKENS", e2e_s=1.0, queue_s=0.0, num_prompt_tokens=1, num_generation_tokens=1)
     # Cancelled while queued: no queue time to record, and no TTFT either.
     m.record_finished("cancelled", 2.0, None, 5, 0)
     s = _scrape(m)
@@ -165,8 +166,7 @@ def test_finished_reason_accepts_proto_names_and_rejects_unknown() -> None:
     assert _value(s, "zerobubble_prompt_tokens_total") == 6
 
 
-def test_unknown_finished_reason_is_counted_as_error_and_logged(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_unknown_finished_reason_is_counted_as_error_and_logged(caplog: pytest.LogCaptureFixture) -> None:
     m = ServiceMetrics(model="m")
     with caplog.at_level(logging.WARNING, logger="zerobubble.metrics"):
         m.record_finished("timeout", 1.0, 0.0, 1, 1)
@@ -179,8 +179,7 @@ def test_unknown_finished_reason_is_counted_as_error_and_logged(
     assert "unknown finished_reason 'timeout'" in caplog.text
 
 
-def test_inconsistent_figures_are_sanitized_and_logged_once(
-        caplog: pytest.LogCaptureFixture) -> None:
+def test_inconsistent_figures_are_sanitized_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
     # These run inside the serving loops, where an exception would break a stream.
     m = ServiceMetrics(model="m")
     with caplog.at_level(logging.WARNING, logger="zerobubble.metrics"):
@@ -202,9 +201,12 @@ def test_forget_worker_drops_its_series() -> None:
     _record_everything(m, worker="w1")
     m.forget_worker("w0")
     s = _scrape(m)
-    for name in ("zerobubble_kv_cache_usage_ratio", "zerobubble_inflight_steps",
-                 "zerobubble_spec_decode_num_accepted_tokens_per_pos_total",
-                 "zerobubble_worker_step_duration_seconds_count"):
+    for name in (
+        "zerobubble_kv_cache_usage_ratio",
+        "zerobubble_inflight_steps",
+        "zerobubble_spec_decode_num_accepted_tokens_per_pos_total",
+        "zerobubble_worker_step_duration_seconds_count",
+    ):
         assert {lab["worker"] for _, lab, _ in s[name]} == {"w1"}, name
     assert m.workers() == ["w1"]
     m.forget_worker("never-seen")  # a no-op, not an error
@@ -232,8 +234,7 @@ def test_metrics_server_serves_the_registry_on_a_free_port() -> None:
 
 
 def _step_result() -> worker_pb2.StepResult:
-    result = worker_pb2.StepResult(step_id=7, forward_s=0.003, idle_s=0.001,
-                                   accepted_per_pos=[2, 1, 0])
+    result = worker_pb2.StepResult(step_id=7, forward_s=0.003, idle_s=0.001, accepted_per_pos=[2, 1, 0])
     result.results.add(req_id="a", token_ids=[1, 2, 3], num_draft_tokens=3, num_accepted=2)
     result.results.add(req_id="b", token_ids=[4, 5], num_draft_tokens=3, num_accepted=1)
     result.results.add(req_id="c", token_ids=[6])  # a prefill or a request without drafts
@@ -248,10 +249,8 @@ def test_step_result_is_accounted_from_the_proto() -> None:
     assert _value(s, "zerobubble_spec_decode_num_draft_tokens_total", worker="w0") == 6
     assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 3
     assert _value(s, "zerobubble_inflight_steps", worker="w0") == 2
-    assert _value(s, "zerobubble_worker_step_duration_seconds_sum",
-                  worker="w0") == pytest.approx(0.003)
-    per_pos = {lab["position"]: v for _, lab, v in
-               s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
+    assert _value(s, "zerobubble_worker_step_duration_seconds_sum", worker="w0") == pytest.approx(0.003)
+    per_pos = {lab["position"]: v for _, lab, v in s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
     assert per_pos == {"0": 2, "1": 1, "2": 0}
 
 
@@ -261,8 +260,7 @@ def test_worker_role_exports_only_its_own_figures() -> None:
     s = _scrape(m)
     assert "zerobubble_num_requests_waiting" not in s
     assert "zerobubble_request_success_total" not in s
-    assert _value(s, "zerobubble_worker_idle_seconds_total",
-                  worker="worker-0") == pytest.approx(0.001)
+    assert _value(s, "zerobubble_worker_idle_seconds_total", worker="worker-0") == pytest.approx(0.001)
     with pytest.raises(ValueError, match="role"):
         ServiceMetrics(model="m", role="router")
 
@@ -272,7 +270,5 @@ def test_model_label_can_be_set_once_known() -> None:
     m.set_model("smollm2-135m")
     m.set_queues(running=0, waiting=2)
     s = _scrape(m)
-    assert {lab["model"] for _, lab, _ in s["zerobubble_num_requests_waiting"]} == {
-        "smollm2-135m"}
-    assert {lab["model"] for _, lab, _ in s["zerobubble_request_success_total"]} == {
-        "smollm2-135m"}
+    assert {lab["model"] for _, lab, _ in s["zerobubble_num_requests_waiting"]} == {"smollm2-135m"}
+    assert {lab["model"] for _, lab, _ in s["zerobubble_request_success_total"]} == {"smollm2-135m"}

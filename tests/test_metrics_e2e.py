@@ -43,6 +43,7 @@ CANCELLED = dict(prompt="Tell me a long story about a dragon.", max_tokens=200, 
 
 # -- scraping --------------------------------------------------------------------------------------
 
+
 def values(samples: list, name: str) -> list:
     return [s for s in samples if s.name == name]
 
@@ -70,8 +71,12 @@ class Poller:
     every 50 ms catches the live values that a scrape after the fact cannot see.
     """
 
-    WATCH = ("zerobubble_num_requests_running", "zerobubble_num_requests_waiting",
-             "zerobubble_kv_cache_usage_ratio", "zerobubble_inflight_steps")
+    WATCH = (
+        "zerobubble_num_requests_running",
+        "zerobubble_num_requests_waiting",
+        "zerobubble_kv_cache_usage_ratio",
+        "zerobubble_inflight_steps",
+    )
 
     def __init__(self, port: int) -> None:
         self.port = port
@@ -102,12 +107,14 @@ class Poller:
 
 # -- the scenario ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def observed(smollm2_dir):
     """Run the requests once; the tests below each check one part of what was scraped."""
     started = time.monotonic()
-    worker = start_worker(kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0,
-                          spec_method="ngram", num_spec_tokens=NUM_SPEC_TOKENS)
+    worker = start_worker(
+        kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0, spec_method="ngram", num_spec_tokens=NUM_SPEC_TOKENS
+    )
     scheduler = start_scheduler([worker], max_num_seqs=2, max_inflight_steps=MAX_INFLIGHT)
     try:
         wait_serving(scheduler.target)
@@ -139,30 +146,35 @@ def observed(smollm2_dir):
                     call.cancel()
                     return got
 
-                with Poller(scheduler.ports["METRICS"]) as poller, \
-                        Poller(worker.ports["METRICS"]) as worker_poller:
+                with Poller(scheduler.ports["METRICS"]) as poller, Poller(worker.ports["METRICS"]) as worker_poller:
                     done = await asyncio.gather(
-                        *[complete(stub, build_request(**r), timeout=180) for r in REQUESTS],
-                        cancelled())
+                        *[complete(stub, build_request(**r), timeout=180) for r in REQUESTS], cancelled()
+                    )
                     completions: list[Completion] = list(done[:-1])
                     # Let the scheduler see the cancel, free the blocks and go quiet.
                     deadline = time.monotonic() + 30
                     while time.monotonic() < deadline:
                         s = scrape(scheduler.ports["METRICS"])
-                        if (total(s, "zerobubble_request_success_total") == len(REQUESTS) + 1
-                                and total(s, "zerobubble_num_requests_running") == 0
-                                and total(s, "zerobubble_inflight_steps") == 0):
+                        if (
+                            total(s, "zerobubble_request_success_total") == len(REQUESTS) + 1
+                            and total(s, "zerobubble_num_requests_running") == 0
+                            and total(s, "zerobubble_inflight_steps") == 0
+                        ):
                             break
                         await asyncio.sleep(0.1)
                 return info, prompt_lens, completions, done[-1], poller, worker_poller
 
-        info, prompt_lens, completions, cancelled_tokens, poller, worker_poller = \
-            asyncio.run(scenario())
-        result = dict(info=info, prompt_lens=prompt_lens, completions=completions,
-                      cancelled_tokens=cancelled_tokens, poller=poller,
-                      worker_poller=worker_poller,
-                      sched=scrape(scheduler.ports["METRICS"]),
-                      worker=scrape(worker.ports["METRICS"]))
+        info, prompt_lens, completions, cancelled_tokens, poller, worker_poller = asyncio.run(scenario())
+        result = dict(
+            info=info,
+            prompt_lens=prompt_lens,
+            completions=completions,
+            cancelled_tokens=cancelled_tokens,
+            poller=poller,
+            worker_poller=worker_poller,
+            sched=scrape(scheduler.ports["METRICS"]),
+            worker=scrape(worker.ports["METRICS"]),
+        )
         print(f"metrics scenario: {time.monotonic() - started:.1f}s including service starts")
         yield result
     finally:
@@ -211,8 +223,11 @@ def test_token_counters_equal_what_the_clients_saw(observed):
     # The cancelled request streamed at least what its client read before cancelling (more may
     # have been queued for it), at most its max_tokens.
     cancelled = generated - streamed
-    assert observed["cancelled_tokens"] <= cancelled <= CANCELLED["max_tokens"], \
-        (generated, streamed, observed["cancelled_tokens"])
+    assert observed["cancelled_tokens"] <= cancelled <= CANCELLED["max_tokens"], (
+        generated,
+        streamed,
+        observed["cancelled_tokens"],
+    )
     # Prompt tokens: exactly the prompts' lengths, as Tokenize and the replies report them.
     assert total(sched, "zerobubble_prompt_tokens_total") == sum(observed["prompt_lens"])
     assert [c.num_prompt_tokens for c in completions] == observed["prompt_lens"][:-1]
@@ -260,8 +275,10 @@ def test_speculation_counters_are_consistent(observed):
         assert drafts > 0 and draft_tokens > 0, f"{which}: speculation did not move"
         assert drafts <= draft_tokens <= NUM_SPEC_TOKENS * drafts, (which, drafts, draft_tokens)
         assert 0 < accepted <= draft_tokens, (which, accepted, draft_tokens)
-        per_pos = {int(x.labels["position"]): x.value
-                   for x in values(s, "zerobubble_spec_decode_num_accepted_tokens_per_pos_total")}
+        per_pos = {
+            int(x.labels["position"]): x.value
+            for x in values(s, "zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
+        }
         assert sorted(per_pos) == list(range(NUM_SPEC_TOKENS)), (which, per_pos)
         ordered = [per_pos[p] for p in range(NUM_SPEC_TOKENS)]
         # A draft token is accepted only if every one before it was.
@@ -271,17 +288,20 @@ def test_speculation_counters_are_consistent(observed):
     # Rolled-back placeholders: every scheduled draft slot that was not accepted. There were
     # rejections (free text), so it moved; it cannot be fewer than the rejected real drafts.
     sched = observed["sched"]
-    rejected = (total(sched, "zerobubble_spec_decode_num_draft_tokens_total")
-                - total(sched, "zerobubble_spec_decode_num_accepted_tokens_total"))
+    rejected = total(sched, "zerobubble_spec_decode_num_draft_tokens_total") - total(
+        sched, "zerobubble_spec_decode_num_accepted_tokens_total"
+    )
     assert total(sched, "zerobubble_placeholder_tokens_rolled_back_total") >= rejected > 0
 
 
 def test_worker_figures_agree_between_worker_and_scheduler(observed):
     sched, worker = observed["sched"], observed["worker"]
-    for name in ("zerobubble_worker_step_duration_seconds_count",
-                 "zerobubble_spec_decode_num_drafts_total",
-                 "zerobubble_spec_decode_num_draft_tokens_total",
-                 "zerobubble_spec_decode_num_accepted_tokens_total"):
+    for name in (
+        "zerobubble_worker_step_duration_seconds_count",
+        "zerobubble_spec_decode_num_drafts_total",
+        "zerobubble_spec_decode_num_draft_tokens_total",
+        "zerobubble_spec_decode_num_accepted_tokens_total",
+    ):
         assert total(sched, name) == total(worker, name) > 0, name
     steps = total(worker, "zerobubble_worker_step_duration_seconds_count")
     busy = total(worker, "zerobubble_worker_step_duration_seconds_sum")
@@ -289,7 +309,8 @@ def test_worker_figures_agree_between_worker_and_scheduler(observed):
     assert values(worker, "zerobubble_worker_idle_seconds_total"), "no idle (bubble) series"
     assert total(worker, "zerobubble_worker_idle_seconds_total") >= 0
     assert total(sched, "zerobubble_worker_idle_seconds_total") == pytest.approx(
-        total(worker, "zerobubble_worker_idle_seconds_total"))
+        total(worker, "zerobubble_worker_idle_seconds_total")
+    )
     # A worker shows its own step figures, not the scheduler's request queues.
     names = {s.name for s in worker}
     assert "zerobubble_worker_step_duration_seconds_bucket" in names
@@ -307,8 +328,12 @@ def test_gauges_moved_while_running_and_settled_after(observed):
     assert 0 < poller.max["zerobubble_kv_cache_usage_ratio"] <= 1
     assert 1 <= poller.max["zerobubble_inflight_steps"] <= MAX_INFLIGHT
     # Afterwards: nothing running, nothing waiting, no KV blocks held, no plan on the wire.
-    for name in ("zerobubble_num_requests_running", "zerobubble_num_requests_waiting",
-                 "zerobubble_kv_cache_usage_ratio", "zerobubble_inflight_steps"):
+    for name in (
+        "zerobubble_num_requests_running",
+        "zerobubble_num_requests_waiting",
+        "zerobubble_kv_cache_usage_ratio",
+        "zerobubble_inflight_steps",
+    ):
         assert values(sched, name) and total(sched, name) == 0, name
 
 

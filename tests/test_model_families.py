@@ -202,7 +202,9 @@ def test_kv_cache_sizing() -> None:
     assert kv_cache_bytes_per_block(config, BLOCK_SIZE, torch.bfloat16) == per_block
 
 
-def _greedy(model: CausalLM, hf_config: object, prompts: list[list[int]], max_new_tokens: int, eos: set[int]) -> list[list[int]]:
+def _greedy(
+    model: CausalLM, hf_config: object, prompts: list[list[int]], max_new_tokens: int, eos: set[int]
+) -> list[list[int]]:
     """All prompts prefilled together in one step, then decoded together, one token per step."""
     block_size, blocks_per_request = 16, 8
     kv_caches = allocate_kv_cache(hf_config, len(prompts) * blocks_per_request, block_size, model.dtype, "cpu")
@@ -215,7 +217,9 @@ def _greedy(model: CausalLM, hf_config: object, prompts: list[list[int]], max_ne
         if not running:
             return outputs
         chunks = [sequences[r][computed[r] :] for r in running]
-        query_start_loc = torch.tensor([0, *torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()], dtype=torch.int32)
+        query_start_loc = torch.tensor(
+            [0, *torch.tensor([len(c) for c in chunks]).cumsum(0).tolist()], dtype=torch.int32
+        )
         positions = torch.cat([torch.arange(computed[r], len(sequences[r])) for r in running])
         meta = AttentionMetadata(
             query_start_loc=query_start_loc,

@@ -35,6 +35,7 @@ QUESTIONS = [
 
 # -- routing policy and link recovery, without processes ------------------------------------------
 
+
 class FakeScheduler:
     def __init__(self, load: int, cached: int) -> None:
         self.load, self.cached = load, cached
@@ -53,17 +54,20 @@ class FakeLink:
         return self.scheduler.load
 
 
-@pytest.mark.parametrize("links, expected", [
-    # Equal load: the prefix-cache hit wins.
-    ([("a", 0, 0), ("b", 0, 3)], "b"),
-    # A little busier is worth a prefix hit...
-    ([("a", 1, 0), ("b", 3, 3)], "b"),
-    # ...but a shared prefix must not pin traffic to a worker far busier than another.
-    ([("a", 0, 0), ("b", 3, 3)], "a"),
-    ([("a", 5, 2), ("b", 9, 40), ("c", 6, 1)], "a"),
-    # No hit anywhere: the lightest load.
-    ([("a", 4, 0), ("b", 2, 0)], "b"),
-])
+@pytest.mark.parametrize(
+    "links, expected",
+    [
+        # Equal load: the prefix-cache hit wins.
+        ([("a", 0, 0), ("b", 0, 3)], "b"),
+        # A little busier is worth a prefix hit...
+        ([("a", 1, 0), ("b", 3, 3)], "b"),
+        # ...but a shared prefix must not pin traffic to a worker far busier than another.
+        ([("a", 0, 0), ("b", 3, 3)], "a"),
+        ([("a", 5, 2), ("b", 9, 40), ("c", 6, 1)], "a"),
+        # No hit anywhere: the lightest load.
+        ([("a", 4, 0), ("b", 2, 0)], "b"),
+    ],
+)
 def test_route_prefers_prefix_hits_within_a_load_bound(links, expected):
     from scheduler_svc.router import Router
     from scheduler_svc.scheduler import SchedulerConfig
@@ -82,9 +86,17 @@ def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2
     from worker_svc.server import tokenizer_fields
     from zerobubble.api import worker_pb2
 
-    info = worker_pb2.WorkerInfo(worker_id="fake", model="m", max_model_len=256, block_size=16,
-                                 num_blocks=64, vocab_size=49152, eos_token_ids=[2],
-                                 max_num_seqs=4, **tokenizer_fields(smollm2_dir))
+    info = worker_pb2.WorkerInfo(
+        worker_id="fake",
+        model="m",
+        max_model_len=256,
+        block_size=16,
+        num_blocks=64,
+        vocab_size=49152,
+        eos_token_ids=[2],
+        max_num_seqs=4,
+        **tokenizer_fields(smollm2_dir),
+    )
     describes: list[float] = []
 
     class DeadCall:
@@ -119,8 +131,7 @@ def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2
         def on_lost(link):
             lost.append([r.req_id for r in link.scheduler.take_unfinished()])
 
-        link = worker_link.WorkerLink("127.0.0.1:1", SchedulerConfig(), 2, lambda *a: None,
-                                      on_lost, on_ready=on_ready)
+        link = worker_link.WorkerLink("127.0.0.1:1", SchedulerConfig(), 2, lambda *a: None, on_lost, on_ready=on_ready)
         link.start()
         deadline = time.monotonic() + 10
         while len(describes) < 2 and time.monotonic() < deadline and not link._task.done():
@@ -136,8 +147,7 @@ def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2
 
 
 def chat(question: str) -> dict:
-    return dict(messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS,
-                ignore_eos=True)
+    return dict(messages=[{"role": "user", "content": question}], max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def steps(worker) -> float:
@@ -171,11 +181,9 @@ async def run_all(target: str, requests: list[dict], on_response=None, stagger: 
                 if on_response is not None:
                     on_response(i, reply)
 
-            tasks.append(asyncio.create_task(
-                complete(stub, build_request(**r), timeout=300, on_response=record)))
+            tasks.append(asyncio.create_task(complete(stub, build_request(**r), timeout=300, on_response=record)))
             if stagger:
-                await asyncio.wait({tasks[-1], asyncio.create_task(first.wait())},
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({tasks[-1], asyncio.create_task(first.wait())}, return_when=asyncio.FIRST_COMPLETED)
         completions = await asyncio.gather(*tasks)
         info = await stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=30)
     return completions, replies, info
@@ -184,8 +192,10 @@ async def run_all(target: str, requests: list[dict], on_response=None, stagger: 
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
     started = time.monotonic()
-    workers = [start_worker(kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0,
-                            spec_method="ngram", num_spec_tokens=3) for _ in range(2)]
+    workers = [
+        start_worker(kv_cache_memory_gb=0.2, max_num_seqs=8, metrics_port=0, spec_method="ngram", num_spec_tokens=3)
+        for _ in range(2)
+    ]
     scheduler = start_scheduler(workers)
     try:
         wait_serving(scheduler.target)
@@ -212,8 +222,7 @@ def test_staggered_chat_requests_use_both_workers(cluster):
     """
     scheduler, workers = cluster
     before = [steps(w) for w in workers]
-    completions, replies, _ = asyncio.run(
-        run_all(scheduler.target, [chat(q) for q in QUESTIONS], stagger=True))
+    completions, replies, _ = asyncio.run(run_all(scheduler.target, [chat(q) for q in QUESTIONS], stagger=True))
     for c, r in zip(completions, replies):
         check_stream(c, r)
     moved = [steps(w) - b for w, b in zip(workers, before)]
@@ -232,8 +241,11 @@ def test_killed_worker_loses_no_request_and_changes_no_output(cluster):
     assert info.num_workers == 2
     moved = [steps(w) - b for w, b in zip(workers, before)]
     assert all(m > 0 for m in moved), f"steps per worker: {moved}"
-    per_worker = {s.labels["worker"]: s.value for s in scrape(scheduler.ports["METRICS"])
-                  if s.name == "zerobubble_worker_step_duration_seconds_count"}
+    per_worker = {
+        s.labels["worker"]: s.value
+        for s in scrape(scheduler.ports["METRICS"])
+        if s.name == "zerobubble_worker_step_duration_seconds_count"
+    }
     assert len(per_worker) == 2 and all(v > 0 for v in per_worker.values()), per_worker
     for c, r in zip(reference, ref_replies):
         check_stream(c, r)
@@ -267,8 +279,11 @@ def test_killed_worker_loses_no_request_and_changes_no_output(cluster):
     # The dead worker's gauges must not keep its last live values (plans in flight, KV blocks
     # held): alerts and the autoscaler read them.
     sched = scrape(scheduler.ports["METRICS"])
-    dead = {s.labels["worker"] for s in sched if s.name == "zerobubble_inflight_steps"
-            and s.labels["worker"].endswith(f":{victim.port}")}
+    dead = {
+        s.labels["worker"]
+        for s in sched
+        if s.name == "zerobubble_inflight_steps" and s.labels["worker"].endswith(f":{victim.port}")
+    }
     assert len(dead) == 1, dead
     for name in ("zerobubble_inflight_steps", "zerobubble_kv_cache_usage_ratio"):
         assert total(sched, name, worker=next(iter(dead))) == 0, name

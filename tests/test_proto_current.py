@@ -18,8 +18,10 @@ def _grpcio_tools_version() -> str | None:
 
 
 # Other grpcio-tools releases emit other version stamps; `make test-floor` has the pinned one.
-@pytest.mark.skipif(_grpcio_tools_version() != GRPCIO_TOOLS_VERSION,
-                    reason=f"needs grpcio-tools=={GRPCIO_TOOLS_VERSION} (make test-floor)")
+@pytest.mark.skipif(
+    _grpcio_tools_version() != GRPCIO_TOOLS_VERSION,
+    reason=f"needs grpcio-tools=={GRPCIO_TOOLS_VERSION} (make test-floor)",
+)
 def test_generated_stubs_are_current(tmp_path: Path) -> None:
     generated = generate(tmp_path)
     assert generated, "no .proto files found"

@@ -32,12 +32,14 @@ def run_trials(num_drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, to
     p, q = fixed_distributions()
     num_rows = num_drafts.shape[0]
     gen = torch.Generator().manual_seed(99)
-    drafts = torch.stack([torch.multinomial(q[j], num_rows, replacement=True, generator=gen)
-                          for j in range(NUM_DRAFTS)], dim=1)
+    drafts = torch.stack(
+        [torch.multinomial(q[j], num_rows, replacement=True, generator=gen) for j in range(NUM_DRAFTS)], dim=1
+    )
     seeds = torch.arange(num_rows, dtype=torch.int64) * 7919 + 11
     positions = torch.full((num_rows,), 321, dtype=torch.int64)
-    out, accepted = rejection_sample(p.expand(num_rows, -1, -1), q.expand(num_rows, -1, -1),
-                                     drafts, num_drafts, seeds, positions)
+    out, accepted = rejection_sample(
+        p.expand(num_rows, -1, -1), q.expand(num_rows, -1, -1), drafts, num_drafts, seeds, positions
+    )
     return out, accepted, drafts
 
 
@@ -49,8 +51,7 @@ def test_emitted_tokens_follow_the_target_distribution() -> None:
     # Emitted prefix: accepted drafts, then one more token; -1 after.
     cols = torch.arange(NUM_DRAFTS + 1)
     acc = accepted.long()[:, None]
-    assert torch.equal(out[:, :NUM_DRAFTS][cols[:NUM_DRAFTS] < acc],
-                       drafts[cols[:NUM_DRAFTS] < acc])
+    assert torch.equal(out[:, :NUM_DRAFTS][cols[:NUM_DRAFTS] < acc], drafts[cols[:NUM_DRAFTS] < acc])
     assert bool((out[cols > acc] == -1).all()) and bool((out[cols <= acc] >= 0).all())
 
     # First emitted token ~ p[0].
@@ -96,13 +97,11 @@ def test_greedy_targets_reduce_to_count_accepted() -> None:
     q = torch.randn(num_rows, NUM_DRAFTS, vocab, generator=gen).softmax(-1)
     # Drafts agree with the target half of the time, otherwise anything (even -1 past num).
     agree = torch.rand(num_rows, NUM_DRAFTS, generator=gen) < 0.5
-    drafts = torch.where(agree, targets[:, :NUM_DRAFTS],
-                         torch.randint(0, vocab, (num_rows, NUM_DRAFTS), generator=gen))
+    drafts = torch.where(agree, targets[:, :NUM_DRAFTS], torch.randint(0, vocab, (num_rows, NUM_DRAFTS), generator=gen))
     num_drafts = torch.randint(0, NUM_DRAFTS + 1, (num_rows,), generator=gen).int()
     drafts[torch.arange(NUM_DRAFTS)[None, :] >= num_drafts[:, None]] = -1
     seeds = torch.arange(num_rows, dtype=torch.int64)
-    out, accepted = rejection_sample(one_hot, q, drafts, num_drafts, seeds,
-                                     torch.zeros(num_rows, dtype=torch.int64))
+    out, accepted = rejection_sample(one_hot, q, drafts, num_drafts, seeds, torch.zeros(num_rows, dtype=torch.int64))
     assert torch.equal(accepted, count_accepted(targets, drafts, num_drafts))
     emitted = torch.arange(NUM_DRAFTS + 1)[None, :] <= accepted.long()[:, None]
     assert torch.equal(out[emitted], targets[emitted])
@@ -119,6 +118,5 @@ def test_keyed_by_seed_and_position_not_by_row() -> None:
     target, draft = p.expand(num_rows, -1, -1), q.expand(num_rows, -1, -1)
     out, accepted = rejection_sample(target, draft, drafts, num_drafts, seeds, positions)
     perm = torch.randperm(num_rows, generator=gen)
-    out_p, accepted_p = rejection_sample(target, draft, drafts[perm], num_drafts, seeds[perm],
-                                         positions[perm])
+    out_p, accepted_p = rejection_sample(target, draft, drafts[perm], num_drafts, seeds[perm], positions[perm])
     assert torch.equal(out_p, out[perm]) and torch.equal(accepted_p, accepted[perm])

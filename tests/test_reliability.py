@@ -75,8 +75,7 @@ def test_link_survives_an_exception_in_its_receive_path(monkeypatch, caplog) -> 
     assert len(describes) >= 2, "the link never reconnected"
     assert "injected fault in the receive path" in caplog.text
     for i, (req_id, prompt) in enumerate(ps.items()):
-        expected = reference_generate(TOY, prompt, 1000 + i, StoppingOptions(max_tokens=30),
-                                      max_model_len=128)
+        expected = reference_generate(TOY, prompt, 1000 + i, StoppingOptions(max_tokens=30), max_model_len=128)
         assert streams[req_id] == expected.token_ids, req_id
         assert finished[req_id].finish_reason == expected.finish_reason
 
@@ -89,8 +88,7 @@ def test_migration_that_cannot_place_a_request_ends_it_with_error() -> None:
     router.on_events = lambda link, events: got.extend(events)
     links = []
     for name, max_len in (("big", 128), ("small", 24)):
-        link = worker_link.WorkerLink(name, router.config, 2, router._on_link_events,
-                                      router._on_link_lost)
+        link = worker_link.WorkerLink(name, router.config, 2, router._on_link_events, router._on_link_lost)
         link.info = toy_info(name, max_len)
         link._configure(link.info)
         link.ready = True
@@ -180,8 +178,7 @@ def test_a_hung_worker_is_declared_lost_at_the_step_deadline(monkeypatch, caplog
                 finished[ev.req_id] = ev
 
     async def scenario() -> float:
-        router = Router(SchedulerConfig(max_num_batched_tokens=32), max_inflight_steps=2,
-                        step_deadline_s=0.5)
+        router = Router(SchedulerConfig(max_num_batched_tokens=32), max_inflight_steps=2, step_deadline_s=0.5)
         router.on_events = on_events
         await router.start(["good:1", "hang:1"])
         await wait_for(lambda: all(link.ready for link in router.links))
@@ -199,8 +196,7 @@ def test_a_hung_worker_is_declared_lost_at_the_step_deadline(monkeypatch, caplog
     assert "step deadline" in caplog.text
     assert elapsed < 5.0, elapsed
     for i, (req_id, prompt) in enumerate(ps.items()):
-        expected = reference_generate(TOY, prompt, 1000 + i, StoppingOptions(max_tokens=30),
-                                      max_model_len=128)
+        expected = reference_generate(TOY, prompt, 1000 + i, StoppingOptions(max_tokens=30), max_model_len=128)
         assert streams[req_id] == expected.token_ids, req_id
         assert finished[req_id].finish_reason == expected.finish_reason
 

@@ -29,20 +29,17 @@ def test_continuous_batching_with_chunked_prefill_matches_hf_greedy(runner, smol
     prompts = prompt_ids(smollm2_dir, grounded_rows)
     assert max(len(p) for p in prompts) > 256, "the workload must need chunked prefill"
     reference = hf_reference(smollm2_dir, grounded_rows)
-    outputs = run_job(runner, [(str(i), p, dict(max_tokens=TEST_MAX_TOKENS))
-                               for i, p in enumerate(prompts)])
+    outputs = run_job(runner, [(str(i), p, dict(max_tokens=TEST_MAX_TOKENS)) for i, p in enumerate(prompts)])
     ours = [outputs[str(i)] for i in range(len(prompts))]
     differ = [i for i in range(len(prompts)) if ours[i] != reference[i]]
-    notes = [f"request {i}: {report_divergence(smollm2_dir, prompts[i], ours[i], reference[i])}"
-             for i in differ]
+    notes = [f"request {i}: {report_divergence(smollm2_dir, prompts[i], ours[i], reference[i])}" for i in differ]
     print("\n".join(notes) or "all 48 identical")
     assert len(prompts) - len(differ) >= 46, "\n".join(notes)
 
 
 def test_seeded_sampling_is_independent_of_batch_size_and_order(runner, smollm2_dir, grounded_rows):
     prompts = prompt_ids(smollm2_dir, grounded_rows[:6])
-    params = [dict(temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=24)
-              for i in range(len(prompts))]
+    params = [dict(temperature=0.8, top_p=0.95, top_k=50, seed=1000 + i, max_tokens=24) for i in range(len(prompts))]
     requests = [(f"r{i}", p, params[i]) for i, p in enumerate(prompts)]
     alone = {req_id: run_job(runner, [(req_id, p, kw)])[req_id] for req_id, p, kw in requests[:3]}
     batched = run_job(runner, requests)
@@ -56,21 +53,21 @@ def test_seeded_sampling_is_independent_of_batch_size_and_order(runner, smollm2_
     assert any(greedy[f"g{i}"] != batched[f"r{i}"] for i in range(len(prompts)))
 
 
-@pytest.mark.parametrize("bad", ["block_out_of_range", "unknown", "decode_first", "too_many_drafts",
-                                 "twice"])
+@pytest.mark.parametrize("bad", ["block_out_of_range", "unknown", "decode_first", "too_many_drafts", "twice"])
 def test_a_bad_row_leaves_no_half_admitted_slot(runner, bad: str):
     """The whole plan is checked before any admission: a plan rejected for its last row admits
     nothing, so its first (valid, new) row does not keep a state slot or blocks."""
     runner.reset()
-    good = worker_pb2.ScheduledRequest(req_id="good", token_ids=[1, 2, 3], new_block_ids=[0],
-                                       is_new=True, sample=True)
+    good = worker_pb2.ScheduledRequest(req_id="good", token_ids=[1, 2, 3], new_block_ids=[0], is_new=True, sample=True)
     bad_row = {
         "block_out_of_range": worker_pb2.ScheduledRequest(
-            req_id="bad", token_ids=[1], new_block_ids=[runner.config.num_blocks], is_new=True),
+            req_id="bad", token_ids=[1], new_block_ids=[runner.config.num_blocks], is_new=True
+        ),
         "unknown": worker_pb2.ScheduledRequest(req_id="bad", token_ids=[1]),
         "decode_first": worker_pb2.ScheduledRequest(req_id="bad", is_new=True, new_block_ids=[1]),
         "too_many_drafts": worker_pb2.ScheduledRequest(
-            req_id="bad", is_new=True, new_block_ids=[1], num_draft_slots=runner.num_spec_tokens + 1),
+            req_id="bad", is_new=True, new_block_ids=[1], num_draft_slots=runner.num_spec_tokens + 1
+        ),
         "twice": good,
     }[bad]
     free_before = list(runner.free_slots)

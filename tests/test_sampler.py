@@ -17,8 +17,7 @@ VOCAB = 6
 LOGITS = torch.tensor([2.0, 1.5, 1.4, 0.3, -0.5, -1.0])
 
 
-def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int,
-                          top_p: float) -> torch.Tensor:
+def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """Temperature, then top-k, then top-p on the renormalised rest, written one token at a time."""
     probs = (logits.double() / temperature).softmax(-1)
     order = sorted(range(len(probs)), key=lambda i: (-float(probs[i]), i))
@@ -35,11 +34,15 @@ def expected_distribution(logits: torch.Tensor, temperature: float, top_k: int,
     return out / out.sum()
 
 
-def params(num_rows: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-           first_seed: int = 0, position: int = 17) -> SamplingTensors:
+def params(
+    num_rows: int, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, first_seed: int = 0, position: int = 17
+) -> SamplingTensors:
     return SamplingTensors.from_params(
-        [temperature] * num_rows, [top_k] * num_rows, [top_p] * num_rows,
-        list(range(first_seed, first_seed + num_rows)), [position] * num_rows,
+        [temperature] * num_rows,
+        [top_k] * num_rows,
+        [top_p] * num_rows,
+        list(range(first_seed, first_seed + num_rows)),
+        [position] * num_rows,
     )
 
 
@@ -51,8 +54,7 @@ def test_greedy_is_argmax_with_lowest_id_on_ties() -> None:
     assert sample(logits, t).tolist() == logits.argmax(-1).tolist()
     assert int(sample(logits, t)[0]) == 3
     # Greedy rows mixed with random rows still take the raw argmax.
-    mixed = SamplingTensors.from_params([0.0, 1.0] * 16, [0] * 32, [1.0] * 32, list(range(32)),
-                                        [5] * 32)
+    mixed = SamplingTensors.from_params([0.0, 1.0] * 16, [0] * 32, [1.0] * 32, list(range(32)), [5] * 32)
     assert sample(logits, mixed)[::2].tolist() == logits[::2].argmax(-1).tolist()
     probs = target_probs(logits, t)
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
@@ -68,17 +70,26 @@ def test_same_seed_and_position_give_same_token_in_any_batch() -> None:
     seeds = torch.randint(0, 2**62, (num_rows,), generator=gen).tolist()
     positions = torch.randint(0, 10_000, (num_rows,), generator=gen).tolist()
     alone = [
-        int(sample(logits[i:i + 1], SamplingTensors.from_params(
-            temps[i:i + 1], top_ks[i:i + 1], top_ps[i:i + 1], seeds[i:i + 1], positions[i:i + 1])))
+        int(
+            sample(
+                logits[i : i + 1],
+                SamplingTensors.from_params(
+                    temps[i : i + 1], top_ks[i : i + 1], top_ps[i : i + 1], seeds[i : i + 1], positions[i : i + 1]
+                ),
+            )
+        )
         for i in range(num_rows)
     ]
     # Shuffled and surrounded by other requests (greedy rows too).
     perm = torch.randperm(num_rows, generator=gen).tolist()
     extra = 8
     batch = SamplingTensors.from_params(
-        [temps[i] for i in perm] + [0.0] * 4 + [1.0] * 4, [top_ks[i] for i in perm] + [0] * extra,
-        [top_ps[i] for i in perm] + [1.0] * extra, [seeds[i] for i in perm] + list(range(extra)),
-        [positions[i] for i in perm] + [3] * extra)
+        [temps[i] for i in perm] + [0.0] * 4 + [1.0] * 4,
+        [top_ks[i] for i in perm] + [0] * extra,
+        [top_ps[i] for i in perm] + [1.0] * extra,
+        [seeds[i] for i in perm] + list(range(extra)),
+        [positions[i] for i in perm] + [3] * extra,
+    )
     batch_logits = torch.cat([logits[perm], torch.randn(extra, 40, generator=gen)])
     batched = sample(batch_logits, batch)[:num_rows].tolist()
     assert batched == [alone[i] for i in perm]
@@ -91,8 +102,7 @@ def test_same_seed_and_position_give_same_token_in_any_batch() -> None:
     ("temperature", "top_k", "top_p"),
     [(1.0, 0, 1.0), (0.6, 0, 1.0), (1.3, 3, 1.0), (1.0, 0, 0.7), (0.8, 4, 0.8), (2.0, 1, 1.0)],
 )
-def test_sampling_frequencies_match_filtered_softmax(temperature: float, top_k: int,
-                                                     top_p: float) -> None:
+def test_sampling_frequencies_match_filtered_softmax(temperature: float, top_k: int, top_p: float) -> None:
     num_samples = 30_000
     expected = expected_distribution(LOGITS, temperature, top_k, top_p)
     t = params(num_samples, temperature, top_k, top_p, first_seed=1_000_003)
@@ -110,8 +120,9 @@ def test_filters_never_emit_masked_tokens_on_a_large_vocab() -> None:
     logits = torch.randn(num_rows, vocab, generator=gen) * 3
     top_ks = torch.randint(1, 20, (num_rows,), generator=gen)
     top_ps = torch.rand(num_rows, generator=gen) * 0.9 + 0.05
-    t = SamplingTensors.from_params([1.0] * num_rows, top_ks.tolist(), top_ps.tolist(),
-                                    list(range(num_rows)), [0] * num_rows)
+    t = SamplingTensors.from_params(
+        [1.0] * num_rows, top_ks.tolist(), top_ps.tolist(), list(range(num_rows)), [0] * num_rows
+    )
     tokens = sample(logits, t)
     probs = target_probs(logits, t)
     assert bool((probs.gather(-1, tokens[:, None]) > 0).all())

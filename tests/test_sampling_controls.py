@@ -63,9 +63,17 @@ def test_bad_sampling_controls_name_the_field(kwargs, field) -> None:
 
 
 def test_good_sampling_controls_pass() -> None:
-    validate_sampling_controls(SamplingOptions(
-        presence_penalty=-2, frequency_penalty=2, repetition_penalty=1.3, min_p=1.0,
-        logit_bias={0: -100, 999: 100}, top_logprobs=20), vocab_size=1000)
+    validate_sampling_controls(
+        SamplingOptions(
+            presence_penalty=-2,
+            frequency_penalty=2,
+            repetition_penalty=1.3,
+            min_p=1.0,
+            logit_bias={0: -100, 999: 100},
+            top_logprobs=20,
+        ),
+        vocab_size=1000,
+    )
     validate_sampling_controls(SamplingOptions(), vocab_size=1000)
 
 
@@ -89,8 +97,8 @@ def _paged(contexts: list[list[int]], block_size: int = 4) -> tuple[torch.Tensor
         for b in range(-(-len(ctx) // block_size)):
             block = order.pop()
             tables[r, b] = block
-            chunk = ctx[b * block_size:(b + 1) * block_size]
-            history[block, :len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
+            chunk = ctx[b * block_size : (b + 1) * block_size]
+            history[block, : len(chunk)] = torch.tensor(chunk, dtype=torch.int32)
     return history, tables
 
 
@@ -99,11 +107,12 @@ def test_context_counts_read_the_paged_history() -> None:
     contexts = [torch.randint(0, 30, (n,), generator=gen).tolist() for n in (1, 7, 13, 4)]
     num_prompt = [1, 3, 20, 0]
     history, tables = _paged(contexts)
-    counts, seen = context_token_counts(history, tables, torch.tensor([len(c) for c in contexts]),
-                                        torch.tensor(num_prompt), 30)
+    counts, seen = context_token_counts(
+        history, tables, torch.tensor([len(c) for c in contexts]), torch.tensor(num_prompt), 30
+    )
     for r, ctx in enumerate(contexts):
         expect = torch.zeros(30, dtype=torch.int32)
-        for t in ctx[num_prompt[r]:]:
+        for t in ctx[num_prompt[r] :]:
             expect[t] += 1
         assert torch.equal(counts[r], expect), r
         assert seen[r].nonzero().flatten().tolist() == sorted(set(ctx)), r
@@ -113,12 +122,12 @@ def _hf_repetition(logits: torch.Tensor, contexts: list[list[int]], penalty: flo
     from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
     proc = RepetitionPenaltyLogitsProcessor(penalty)
-    return torch.cat([proc(torch.tensor([c]), logits[i:i + 1].clone())
-                      for i, c in enumerate(contexts)])
+    return torch.cat([proc(torch.tensor([c]), logits[i : i + 1].clone()) for i, c in enumerate(contexts)])
 
 
-def _openai_penalties(logits: torch.Tensor, outputs: list[list[int]], frequency: float,
-                      presence: float) -> torch.Tensor:
+def _openai_penalties(
+    logits: torch.Tensor, outputs: list[list[int]], frequency: float, presence: float
+) -> torch.Tensor:
     """OpenAI's documented formula, one token at a time."""
     out = logits.clone()
     for i, toks in enumerate(outputs):
@@ -128,8 +137,9 @@ def _openai_penalties(logits: torch.Tensor, outputs: list[list[int]], frequency:
 
 
 def _tensors(num_rows: int, temperature: float = 0.0, **kw) -> SamplingTensors:
-    return SamplingTensors.from_params([temperature] * num_rows, [0] * num_rows, [1.0] * num_rows,
-                                       list(range(num_rows)), [9] * num_rows, **kw)
+    return SamplingTensors.from_params(
+        [temperature] * num_rows, [0] * num_rows, [1.0] * num_rows, list(range(num_rows)), [9] * num_rows, **kw
+    )
 
 
 def test_penalties_match_hf_and_openai_formulas() -> None:
@@ -140,14 +150,20 @@ def test_penalties_match_hf_and_openai_formulas() -> None:
     contexts = [p + o for p, o in zip(prompts, outputs)]
     logits = torch.randn(3, vocab, generator=gen) * 3
     history, tables = _paged(contexts)
-    counts, seen = context_token_counts(history, tables, torch.tensor([len(c) for c in contexts]),
-                                        torch.tensor([len(p) for p in prompts]), vocab)
+    counts, seen = context_token_counts(
+        history, tables, torch.tensor([len(c) for c in contexts]), torch.tensor([len(p) for p in prompts]), vocab
+    )
     rows = torch.arange(3)
 
     def penalties(rep: float, freq: float, pres: float) -> Penalties:
-        return Penalties(rows=rows, repetition=torch.full((3,), rep),
-                         frequency=torch.full((3,), freq), presence=torch.full((3,), pres),
-                         output_counts=counts, seen=seen)
+        return Penalties(
+            rows=rows,
+            repetition=torch.full((3,), rep),
+            frequency=torch.full((3,), freq),
+            presence=torch.full((3,), pres),
+            output_counts=counts,
+            seen=seen,
+        )
 
     # Greedy is the argmax of the penalized logits, and target_probs is one-hot there.
     rep = _hf_repetition(logits, contexts, 1.7)
@@ -167,11 +183,12 @@ def test_min_p_matches_hf_warper_after_top_k() -> None:
 
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(6, 50, generator=gen) * 2
-    t = SamplingTensors.from_params([0.8] * 6, [10] * 6, [1.0] * 6, list(range(6)), [3] * 6,
-                                    min_ps=[0.0, 0.05, 0.1, 0.3, 0.6, 1.0])
+    t = SamplingTensors.from_params(
+        [0.8] * 6, [10] * 6, [1.0] * 6, list(range(6)), [3] * 6, min_ps=[0.0, 0.05, 0.1, 0.3, 0.6, 1.0]
+    )
     ours = target_probs(logits, t)
     for i, m in enumerate([0.0, 0.05, 0.1, 0.3, 0.6, 1.0]):
-        scores = TopKLogitsWarper(10)(None, logits[i:i + 1] / 0.8)
+        scores = TopKLogitsWarper(10)(None, logits[i : i + 1] / 0.8)
         if m > 0:
             scores = MinPLogitsWarper(m)(None, scores)
         assert torch.allclose(ours[i], scores.softmax(-1)[0], atol=1e-6), i
@@ -180,8 +197,11 @@ def test_min_p_matches_hf_warper_after_top_k() -> None:
 def test_logit_bias_steers_greedy_and_sampling() -> None:
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(4, 30, generator=gen)
-    bias = LogitBias(rows=torch.tensor([0, 1, 1, 3]), token_ids=torch.tensor([7, 2, 9, 0]),
-                     values=torch.tensor([100.0, -100.0, 100.0, -100.0]))
+    bias = LogitBias(
+        rows=torch.tensor([0, 1, 1, 3]),
+        token_ids=torch.tensor([7, 2, 9, 0]),
+        values=torch.tensor([100.0, -100.0, 100.0, -100.0]),
+    )
     expect = logits.clone()
     expect[0, 7] += 100
     expect[1, 2] -= 100
@@ -247,7 +267,7 @@ class _OpenAIPenalty:
         self.num_prompt, self.frequency, self.presence = num_prompt, frequency, presence
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        out = input_ids[0, self.num_prompt:].tolist()
+        out = input_ids[0, self.num_prompt :].tolist()
         return _openai_penalties(scores, [out], self.frequency, self.presence)
 
 
@@ -264,21 +284,21 @@ def _hf_penalized(smollm2_dir, prompt: list[int], max_tokens: int) -> tuple[list
     ids = torch.tensor([prompt])
     common = dict(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     with torch.inference_mode():
-        rep = model.generate(ids, repetition_penalty=REPETITION, **common)[0, len(prompt):]
+        rep = model.generate(ids, repetition_penalty=REPETITION, **common)[0, len(prompt) :]
         procs = LogitsProcessorList([_OpenAIPenalty(len(prompt), FREQUENCY, PRESENCE)])
-        oa = model.generate(ids, logits_processor=procs, **common)[0, len(prompt):]
+        oa = model.generate(ids, logits_processor=procs, **common)[0, len(prompt) :]
     return rep.tolist(), oa.tolist()
 
 
-def check_penalized_greedy(request, smollm2_dir, prompts, spec: str, window: int,
-                           rows: tuple[int, ...], max_tokens: int) -> None:
+def check_penalized_greedy(
+    request, smollm2_dir, prompts, spec: str, window: int, rows: tuple[int, ...], max_tokens: int
+) -> None:
     runner = _runner_for(request, spec)
     requests = {}
     common = dict(max_tokens=max_tokens, ignore_eos=True)
     for row in rows:
         requests[f"rep{row}"] = (prompts[row], dict(repetition_penalty=REPETITION, **common))
-        requests[f"oa{row}"] = (prompts[row], dict(frequency_penalty=FREQUENCY,
-                                                   presence_penalty=PRESENCE, **common))
+        requests[f"oa{row}"] = (prompts[row], dict(frequency_penalty=FREQUENCY, presence_penalty=PRESENCE, **common))
     trace, scheduler = _run(runner, spec, window, requests)
     for row in rows:
         rep_ref, oa_ref = _hf_penalized(smollm2_dir, prompts[row], max_tokens)
@@ -299,18 +319,31 @@ def test_penalized_greedy_matches_hf_in_every_mode(request, smollm2_dir, prompts
 
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,window", [pytest.param(*m, id=_mode_id(*m)) for m in MODES])
-def test_penalized_greedy_matches_hf_in_every_mode_full(request, smollm2_dir, prompts, spec,
-                                                        window):
+def test_penalized_greedy_matches_hf_in_every_mode_full(request, smollm2_dir, prompts, spec, window):
     """The same on 8 rows (16 requests in one batch) at 32 new tokens."""
     check_penalized_greedy(request, smollm2_dir, prompts, spec, window, FULL_ROWS, FULL_TOKENS)
 
 
-SEEDED = dict(ignore_eos=True, temperature=0.9, top_p=0.95, min_p=0.02, repetition_penalty=1.1,
-              frequency_penalty=0.3, presence_penalty=0.2, logit_bias={13: -5.0, 198: 2.0})
+SEEDED = dict(
+    ignore_eos=True,
+    temperature=0.9,
+    top_p=0.95,
+    min_p=0.02,
+    repetition_penalty=1.1,
+    frequency_penalty=0.3,
+    presence_penalty=0.2,
+    logit_bias={13: -5.0, 198: 2.0},
+)
 
 
-def check_seeded(request, prompts, rows: tuple[int, ...], max_tokens: int,
-                 batched: list[tuple[str, int]], alone: list[tuple[str, int]]) -> None:
+def check_seeded(
+    request,
+    prompts,
+    rows: tuple[int, ...],
+    max_tokens: int,
+    batched: list[tuple[str, int]],
+    alone: list[tuple[str, int]],
+) -> None:
     """Seeded outputs are identical across the given modes and batch compositions.
 
     No speculation and n-gram speculation verify with the sampler's own keyed noise, so they
@@ -320,8 +353,7 @@ def check_seeded(request, prompts, rows: tuple[int, ...], max_tokens: int,
     so drafts get rejected and the tokens depend on where verification rows start, which differs
     between sync and async. Its greedy exactness is checked above.
     """
-    requests = {f"s{row}": (prompts[row], dict(SEEDED, max_tokens=max_tokens, seed=777 + row))
-                for row in rows}
+    requests = {f"s{row}": (prompts[row], dict(SEEDED, max_tokens=max_tokens, seed=777 + row)) for row in rows}
     runs = {}
     for spec, window in batched:
         trace, _ = _run(_runner_for(request, spec), spec, window, requests)
@@ -342,16 +374,20 @@ def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(re
     """Temperature 0.9, top-p, min_p, logit_bias and all three penalties with a seed per
     request: the same tokens without speculation (sync) and with n-gram speculation (async),
     batched and alone."""
-    check_seeded(request, prompts, FAST_ROWS, FAST_TOKENS, batched=[("none", 1), ("ngram", 2)],
-                 alone=[("ngram", 2)])
+    check_seeded(request, prompts, FAST_ROWS, FAST_TOKENS, batched=[("none", 1), ("ngram", 2)], alone=[("ngram", 2)])
 
 
 @pytest.mark.slow
-def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches_full(request,
-                                                                                  prompts):
+def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches_full(request, prompts):
     """The same for sync/async x none/n-gram, batched, and alone for the two extremes, on 8 rows."""
-    check_seeded(request, prompts, FULL_ROWS, FULL_TOKENS,
-                 batched=[m for m in MODES if m[0] != "draft"], alone=[("none", 1), ("ngram", 2)])
+    check_seeded(
+        request,
+        prompts,
+        FULL_ROWS,
+        FULL_TOKENS,
+        batched=[m for m in MODES if m[0] != "draft"],
+        alone=[("none", 1), ("ngram", 2)],
+    )
 
 
 def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, prompts):  # noqa: F811
@@ -360,8 +396,7 @@ def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, p
     own logprob matches."""
     prompt = prompts[ROWS[0]]
     scheduler = make_scheduler(ngram_runner)
-    scheduler.add_request("t", prompt, max_tokens=24, ignore_eos=True, logprobs=True,
-                          top_logprobs=5)
+    scheduler.add_request("t", prompt, max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=5)
     tops: list[tuple[list[int], list[float]]] = []
     with recording(ngram_runner) as rec:
         original = scheduler.on_step_result
@@ -379,16 +414,16 @@ def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, p
     assert len(tops) == len(out.token_ids) == len(out.logprobs) == 24
     hf = load_hf_model(Path(smollm2_dir))
     with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1:-1].float()
+        logits = hf(torch.tensor([prompt + out.token_ids])).logits[0, len(prompt) - 1 : -1].float()
     ref = logits.log_softmax(-1)
     for j, (ids, lps) in enumerate(tops):
         ref_vals, ref_ids = ref[j].topk(5)
         assert torch.allclose(torch.tensor(lps), ref_vals, atol=2e-3), j
         # Same set of tokens (order may differ only between near-equal logprobs).
-        assert set(ids) == set(ref_ids.tolist()) or torch.allclose(
-            ref[j][ids], ref_vals, atol=2e-3), j
-    assert torch.allclose(torch.tensor(out.logprobs),
-                          ref.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=2e-3)
+        assert set(ids) == set(ref_ids.tolist()) or torch.allclose(ref[j][ids], ref_vals, atol=2e-3), j
+    assert torch.allclose(
+        torch.tensor(out.logprobs), ref.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0], atol=2e-3
+    )
 
 
 def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):  # noqa: F811
@@ -400,8 +435,7 @@ def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):  # noqa: F8
     seeds = [sequence_seed(99, i) for i in range(3)]
     scheduler = make_scheduler(ngram_runner)
     for i, seed in enumerate(seeds):
-        scheduler.add_request(f"n#{i}", prompt, seed=seed, share_prompt_with="n#0" if i else None,
-                              **kw)
+        scheduler.add_request(f"n#{i}", prompt, seed=seed, share_prompt_with="n#0" if i else None, **kw)
     assert scheduler.num_waiting() == 3
     with recording(ngram_runner) as rec:
         trace = drive(ngram_runner, scheduler, rec, window=2)

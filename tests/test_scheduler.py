@@ -119,7 +119,9 @@ def test_spec_counters_match_what_the_worker_verified() -> None:
     drive(case.scheduler, case.worker, 3)
     c, s = case.scheduler.stats, case.worker.stats
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (
-        s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+        s.num_drafts,
+        s.num_draft_tokens,
+        s.num_accepted_tokens,
     )
     assert sum(c.accepted_per_pos) == c.num_accepted_tokens
     assert len(c.accepted_per_pos) <= 5
@@ -132,9 +134,16 @@ def test_spec_counters_count_only_applied_results_under_preemption_and_aborts() 
     produced streamed tokens (the applied ones); the scheduler's figures must equal it and be
     strictly below what the worker verified in total (stale rows existed).
     """
-    case = make_case(num_blocks=24, block_size=4, max_num_batched_tokens=10, num_spec_tokens=4,
-                     prompt_len=(15, 40), stopping=StoppingOptions(max_tokens=30),
-                     max_model_len=96, num_requests=10)
+    case = make_case(
+        num_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=10,
+        num_spec_tokens=4,
+        prompt_len=(15, 40),
+        stopping=StoppingOptions(max_tokens=30),
+        max_model_len=96,
+        num_requests=10,
+    )
     sched = case.scheduler
     applied = {"drafts": 0, "draft_tokens": 0, "accepted": 0}
     applied_per_pos: list[int] = []
@@ -168,7 +177,10 @@ def test_spec_counters_count_only_applied_results_under_preemption_and_aborts() 
     assert c.num_preemptions > 0 and c.num_stale_results > 0
     assert applied["drafts"] > 0
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (
-        applied["drafts"], applied["draft_tokens"], applied["accepted"])
+        applied["drafts"],
+        applied["draft_tokens"],
+        applied["accepted"],
+    )
     assert c.accepted_per_pos == applied_per_pos
     assert c.num_draft_tokens >= c.num_accepted_tokens
     assert w.num_draft_tokens > c.num_draft_tokens  # the stale rows were really excluded
@@ -181,10 +193,10 @@ def test_spec_counters_count_only_applied_results_under_preemption_and_aborts() 
 @pytest.mark.parametrize("window", [1, 3])
 def test_no_token_past_max_tokens_or_model_length(window: int) -> None:
     rng = random.Random(3)
-    stopping = {f"r{i}": StoppingOptions(max_tokens=rng.choice([1, 2, 3, 5, 9, None]))
-                for i in range(12)}
-    case = make_case(num_requests=12, stopping=stopping, max_model_len=40, num_spec_tokens=4,
-                     eos_per_mille=0, prompt_len=(5, 36))
+    stopping = {f"r{i}": StoppingOptions(max_tokens=rng.choice([1, 2, 3, 5, 9, None])) for i in range(12)}
+    case = make_case(
+        num_requests=12, stopping=stopping, max_model_len=40, num_spec_tokens=4, eos_per_mille=0, prompt_len=(5, 36)
+    )
     got = drive(case.scheduler, case.worker, window)
     for req_id, out in got.items():
         limit = case.stopping[req_id].max_tokens
@@ -208,8 +220,13 @@ def test_no_draft_slots_that_could_not_be_verified() -> None:
             if not entry.token_ids:
                 seen.append(entry.num_draft_slots)
 
-    case = make_case(num_spec_tokens=6, stopping=StoppingOptions(max_tokens=5),
-                     max_model_len=24, prompt_len=(10, 20), eos_per_mille=0)
+    case = make_case(
+        num_spec_tokens=6,
+        stopping=StoppingOptions(max_tokens=5),
+        max_model_len=24,
+        prompt_len=(10, 20),
+        eos_per_mille=0,
+    )
     drive(case.scheduler, case.worker, 3, after_plan=after_plan)
     # The worker's own check (SimWorker.limits) held; trimmed slots were really scheduled.
     assert seen and min(seen) < 6
@@ -271,7 +288,9 @@ class _SpyTokenizer(Tokenizer):
 def test_stop_checks_never_see_placeholder_ids() -> None:
     spy = _SpyTokenizer(make_toy_tokenizer_json())
     case = make_case(
-        tokenizer=spy, num_spec_tokens=4, num_blocks=40,
+        tokenizer=spy,
+        num_spec_tokens=4,
+        num_blocks=40,
         stopping=StoppingOptions(max_tokens=30, stop=["ab"], stop_token_ids=[ord(",")]),
     )
     got = drive(case.scheduler, case.worker, 3, after_result=check_request_counters)
@@ -296,7 +315,7 @@ def test_finish_with_steps_in_flight_loses_and_duplicates_nothing() -> None:
     got = drive(case.scheduler, case.worker, 3)  # `collect` asserts no event after finish
     assert_matches_reference(case, got)
     assert case.scheduler.stats.num_stale_results > 0
-    for req_id, out in got.items():
+    for _req_id, out in got.items():
         assert out.last_event is not None
         assert out.last_event.num_output_tokens == len(out.token_ids)
     assert case.scheduler.block_pool.num_used == 0
@@ -311,9 +330,7 @@ def test_abort_with_steps_in_flight() -> None:
         for ev in events:
             assert ev.req_id not in aborted, "event after abort"
             streamed.setdefault(ev.req_id, []).extend(ev.token_ids)
-            if ev.req_id in ("r1", "r4", "r7") and ev.finish_reason is None and (
-                len(streamed[ev.req_id]) >= 5
-            ):
+            if ev.req_id in ("r1", "r4", "r7") and ev.finish_reason is None and (len(streamed[ev.req_id]) >= 5):
                 final = scheduler.abort_request(ev.req_id)
                 assert final is not None and final.finish_reason == FINISH_CANCELLED
                 aborted[ev.req_id] = final
@@ -326,9 +343,14 @@ def test_abort_with_steps_in_flight() -> None:
     got = drive(case.scheduler, case.worker, 3, after_result=after_result)
     assert set(aborted) == {"r1", "r4", "r7"}
     for req_id, out in got.items():
-        expected = reference_generate(TOY, case.prompts[req_id], case.seeds[req_id],
-                                      case.stopping[req_id], max_model_len=case.max_len,
-                                      eos_per_mille=0)
+        expected = reference_generate(
+            TOY,
+            case.prompts[req_id],
+            case.seeds[req_id],
+            case.stopping[req_id],
+            max_model_len=case.max_len,
+            eos_per_mille=0,
+        )
         if req_id in aborted:
             # What was streamed before the abort is a prefix of the true output, and the
             # abort's own final event (returned by abort_request) ended the stream.
@@ -350,11 +372,23 @@ def test_abort_with_steps_in_flight() -> None:
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_preemption_with_chunked_prefill_and_steps_in_flight(window: int) -> None:
     """Tiny KV budget, long prompts split over steps, results late: outputs unchanged."""
-    case = make_case(num_blocks=24, block_size=4, max_num_batched_tokens=10, num_spec_tokens=3,
-                     prompt_len=(15, 40), stopping=StoppingOptions(max_tokens=30),
-                     max_model_len=96, num_requests=8)
-    got = drive(case.scheduler, case.worker, window, after_result=check_request_counters,
-                after_plan=lambda s, p: check_request_counters(s))
+    case = make_case(
+        num_blocks=24,
+        block_size=4,
+        max_num_batched_tokens=10,
+        num_spec_tokens=3,
+        prompt_len=(15, 40),
+        stopping=StoppingOptions(max_tokens=30),
+        max_model_len=96,
+        num_requests=8,
+    )
+    got = drive(
+        case.scheduler,
+        case.worker,
+        window,
+        after_result=check_request_counters,
+        after_plan=lambda s, p: check_request_counters(s),
+    )
     assert_matches_reference(case, got)
     c = case.scheduler.stats
     assert c.num_preemptions > 0
@@ -370,9 +404,15 @@ def test_new_resumed_and_skipped_requests_never_get_stale_drafts() -> None:
     SimWorker asserts it on each decode row; here we make sure the risky situations (decode
     right after admission, after resumption, after sitting out a plan) really happened.
     """
-    case = make_case(num_blocks=24, max_num_batched_tokens=9, num_spec_tokens=4,
-                     prompt_len=(8, 30), stopping=StoppingOptions(max_tokens=30),
-                     max_model_len=96, num_requests=10)
+    case = make_case(
+        num_blocks=24,
+        max_num_batched_tokens=9,
+        num_spec_tokens=4,
+        prompt_len=(8, 30),
+        stopping=StoppingOptions(max_tokens=30),
+        max_model_len=96,
+        num_requests=10,
+    )
     got = drive(case.scheduler, case.worker, 3, after_result=check_request_counters)
     assert_matches_reference(case, got)
     s = case.worker.stats
@@ -389,9 +429,16 @@ def test_block_reused_by_a_plan_is_only_written_by_its_new_owner_from_then_on() 
     the block was most recently handed to, at or before that step — so an in-flight step of
     the previous owner never writes a block after it changed hands.
     """
-    case = make_case(num_blocks=24, max_num_batched_tokens=10, num_spec_tokens=3,
-                     prompt_len=(15, 40), stopping=StoppingOptions(max_tokens=30),
-                     max_model_len=96, num_requests=8, eos_per_mille=40)
+    case = make_case(
+        num_blocks=24,
+        max_num_batched_tokens=10,
+        num_spec_tokens=3,
+        prompt_len=(15, 40),
+        stopping=StoppingOptions(max_tokens=30),
+        max_model_len=96,
+        num_requests=8,
+        eos_per_mille=40,
+    )
     drive(case.scheduler, case.worker, 3)
     # Hand-overs of fresh (non-shared) blocks, in step order.
     handovers: dict[int, list[tuple[int, tuple[str, int]]]] = {}
@@ -403,9 +450,7 @@ def test_block_reused_by_a_plan_is_only_written_by_its_new_owner_from_then_on() 
                 incarnation[entry.req_id] = plan.step_id
             fresh = entry.new_block_ids[entry.num_cached_tokens // block_size :]
             for block_id in fresh:
-                handovers.setdefault(block_id, []).append(
-                    (plan.step_id, (entry.req_id, incarnation[entry.req_id]))
-                )
+                handovers.setdefault(block_id, []).append((plan.step_id, (entry.req_id, incarnation[entry.req_id])))
     num_reused = sum(1 for h in handovers.values() if len(h) > 1)
     assert num_reused > 0
     for write in case.worker.writes:
@@ -419,10 +464,17 @@ def test_block_reused_by_a_plan_is_only_written_by_its_new_owner_from_then_on() 
 
 
 def test_preempted_request_resumes_with_prompt_plus_confirmed_outputs() -> None:
-    case = make_case(num_blocks=20, max_num_batched_tokens=64, num_spec_tokens=2,
-                     prompt_len=(20, 30), stopping=StoppingOptions(max_tokens=30),
-                     max_model_len=80, num_requests=4, eos_per_mille=0,
-                     enable_prefix_caching=False)
+    case = make_case(
+        num_blocks=20,
+        max_num_batched_tokens=64,
+        num_spec_tokens=2,
+        prompt_len=(20, 30),
+        stopping=StoppingOptions(max_tokens=30),
+        max_model_len=80,
+        num_requests=4,
+        eos_per_mille=0,
+        enable_prefix_caching=False,
+    )
     resumed_prefills: list[tuple[str, int]] = []
 
     def after_plan(scheduler: Scheduler, plan: worker_pb2.StepPlan) -> None:
@@ -444,8 +496,7 @@ def test_preempted_request_resumes_with_prompt_plus_confirmed_outputs() -> None:
 def test_prefix_cache_same_outputs_with_and_without() -> None:
     rng = random.Random(11)
     system = [rng.choice(b"abcxyz ") for _ in range(37)]
-    prompts = {f"r{i}": system + [rng.choice(b"abc") for _ in range(rng.randint(1, 9))]
-               for i in range(8)}
+    prompts = {f"r{i}": system + [rng.choice(b"abc") for _ in range(rng.randint(1, 9))] for i in range(8)}
     outs = {}
     for enable in (False, True):
         case = make_case(prompts=dict(prompts), enable_prefix_caching=enable, num_blocks=60)
@@ -459,9 +510,7 @@ def test_prefix_cache_same_outputs_with_and_without() -> None:
             assert any(ev is not None and ev.num_cached_tokens > 0 for ev in events)
         else:
             assert counters.num_hit_tokens == 0 and case.worker.stats.num_cached_tokens == 0
-    assert {r: o.token_ids for r, o in outs[False].items()} == {
-        r: o.token_ids for r, o in outs[True].items()
-    }
+    assert {r: o.token_ids for r, o in outs[False].items()} == {r: o.token_ids for r, o in outs[True].items()}
 
 
 def test_prefix_cache_registers_only_confirmed_written_blocks() -> None:
@@ -471,12 +520,14 @@ def test_prefix_cache_registers_only_confirmed_written_blocks() -> None:
     its confirmed tokens. After every result, each registered block of a running request
     lies entirely before its newest token (whose K/V the next step writes).
     """
-    case = make_case(num_requests=1, prompt_len=(9, 9), stopping=StoppingOptions(max_tokens=40),
-                     eos_per_mille=0, num_spec_tokens=4)
+    case = make_case(
+        num_requests=1, prompt_len=(9, 9), stopping=StoppingOptions(max_tokens=40), eos_per_mille=0, num_spec_tokens=4
+    )
     scheduler = case.scheduler
     [(first_id, first_prompt)] = case.prompts.items()
-    expected = reference_generate(TOY, first_prompt, case.seeds[first_id], case.stopping[first_id],
-                                  max_model_len=case.max_len, eos_per_mille=0)
+    expected = reference_generate(
+        TOY, first_prompt, case.seeds[first_id], case.stopping[first_id], max_model_len=case.max_len, eos_per_mille=0
+    )
     follow_up = first_prompt + expected.token_ids[:30] + list(b" more")
     added = False
 
@@ -498,8 +549,9 @@ def test_prefix_cache_registers_only_confirmed_written_blocks() -> None:
     got = drive(scheduler, case.worker, 3, after_result=after_result)
     assert added
     assert got[first_id].token_ids == expected.token_ids
-    follow_expected = reference_generate(TOY, follow_up, 77, StoppingOptions(max_tokens=10),
-                                         max_model_len=case.max_len, eos_per_mille=0)
+    follow_expected = reference_generate(
+        TOY, follow_up, 77, StoppingOptions(max_tokens=10), max_model_len=case.max_len, eos_per_mille=0
+    )
     assert got["follow"].token_ids == follow_expected.token_ids
     num_cached = got["follow"].last_event.num_cached_tokens  # type: ignore[union-attr]
     # Its prompt shared the first request's blocks, but only ones confirmed at the time.
@@ -509,8 +561,7 @@ def test_prefix_cache_registers_only_confirmed_written_blocks() -> None:
 def test_identical_prompt_recomputes_its_last_block() -> None:
     """A fully cached prompt still computes the block holding its last token (never shared)."""
     prompt = list(b"abcdefgh")  # exactly two blocks
-    case = make_case(prompts={"a": prompt}, stopping=StoppingOptions(max_tokens=12),
-                     eos_per_mille=0)
+    case = make_case(prompts={"a": prompt}, stopping=StoppingOptions(max_tokens=12), eos_per_mille=0)
     added: list[bool] = []
 
     def after_result(s: Scheduler, events: list[RequestEvent]) -> None:
@@ -538,8 +589,12 @@ def test_blocks_of_a_failed_prefill_chunk_are_never_cached() -> None:
 
 
 def test_the_most_recently_admitted_request_is_preempted_first() -> None:
-    case = make_case(prompts={"old": [97] * 10, "new": [98] * 10}, num_blocks=12,
-                     stopping=StoppingOptions(max_tokens=30), eos_per_mille=0)
+    case = make_case(
+        prompts={"old": [97] * 10, "new": [98] * 10},
+        num_blocks=12,
+        stopping=StoppingOptions(max_tokens=30),
+        eos_per_mille=0,
+    )
     old, new = case.scheduler.get_request("old"), case.scheduler.get_request("new")
     assert old is not None and new is not None
     got = drive(case.scheduler, case.worker, 2)
@@ -584,8 +639,7 @@ def test_add_request_validation_and_queue_limit() -> None:
 
 
 def test_first_entry_after_admission_is_new_with_sampling_and_full_table() -> None:
-    config = SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64,
-                             max_num_batched_tokens=6, num_spec_tokens=2)
+    config = SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=6, num_spec_tokens=2)
     scheduler = Scheduler(config, TOY)
     scheduler.add_request("a", list(b"hello world"), seed=3, temperature=0.5)
     plan = scheduler.schedule()
@@ -642,14 +696,18 @@ def test_missing_worker_fields_are_rejected_and_filled_by_with_worker() -> None:
     policy = SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=512)
     with pytest.raises(ValueError, match="num_blocks"):
         Scheduler(policy, TOY)
-    info = worker_pb2.WorkerInfo(num_blocks=10, block_size=16, max_model_len=2048,
-                                 num_spec_tokens=3, eos_token_ids=[EOS_ID], vocab_size=300,
-                                 max_num_seqs=32)
+    info = worker_pb2.WorkerInfo(
+        num_blocks=10,
+        block_size=16,
+        max_model_len=2048,
+        num_spec_tokens=3,
+        eos_token_ids=[EOS_ID],
+        vocab_size=300,
+        max_num_seqs=32,
+    )
     config = policy.with_worker(info)
     assert (config.num_blocks, config.block_size, config.max_model_len) == (10, 16, 2048)
-    assert (config.num_spec_tokens, config.eos_token_ids, config.max_num_seqs) == (
-        3, (EOS_ID,), 32
-    )
+    assert (config.num_spec_tokens, config.eos_token_ids, config.max_num_seqs) == (3, (EOS_ID,), 32)
     scheduler = Scheduler(config, TOY)
     # The model's vocabulary (not the tokenizer's) bounds prompt ids; the cache bounds length.
     assert scheduler.add_request("a", [299, 1]).max_tokens == 10 * 16 - 2
@@ -688,8 +746,7 @@ def test_lost_worker_requests_move_to_another_scheduler_unchanged() -> None:
 
 
 def test_cached_prefix_blocks_counts_without_taking_references() -> None:
-    case = make_case(prompts={"a": list(b"abcdefghijkl")}, stopping=StoppingOptions(max_tokens=5),
-                     eos_per_mille=0)
+    case = make_case(prompts={"a": list(b"abcdefghijkl")}, stopping=StoppingOptions(max_tokens=5), eos_per_mille=0)
     drive(case.scheduler, case.worker, 2)
     assert case.scheduler.cached_prefix_blocks(list(b"abcdefghXXXX")) == 2
     assert case.scheduler.cached_prefix_blocks(list(b"abcdefghijklmnop")) == 3

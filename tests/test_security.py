@@ -37,31 +37,47 @@ TOKEN = "s3cret-token"
 
 # -- certificates ----------------------------------------------------------------------------------
 
+
 def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
 def _write(path: Path, cert: x509.Certificate, key) -> tuple[str, str]:
     path.with_suffix(".crt").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    path.with_suffix(".key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return str(path.with_suffix(".crt")), str(path.with_suffix(".key"))
 
 
 def make_ca(path: Path, cn: str):
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    cert = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(_name(cn))
-            .public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5))
-            .not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
-                                         content_commitment=False, key_encipherment=False,
-                                         data_encipherment=False, key_agreement=False,
-                                         encipher_only=False, decipher_only=False), critical=True)
-            .sign(key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(_name(cn))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
     _write(path, cert, key)
     return cert, key
 
@@ -72,21 +88,25 @@ def make_leaf(path: Path, ca, cn: str, server: bool, ip_san: bool = True) -> tup
     ca_cert, ca_key = ca
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder().subject_name(_name(cn)).issuer_name(ca_cert.subject)
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(cn))
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+    )
     if server:
         names = [x509.DNSName("localhost")]
         if ip_san:
             names.append(x509.IPAddress(ipaddress.ip_address("127.0.0.1")))
-        builder = builder.add_extension(x509.SubjectAlternativeName(names),
-                                        critical=False).add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False).add_extension(
+            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False
+        )
     else:
-        builder = builder.add_extension(
-            x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+        builder = builder.add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
     return _write(path, builder.sign(ca_key, hashes.SHA256()), key)
 
 
@@ -98,18 +118,25 @@ def pki(tmp_path_factory) -> dict[str, str]:
     server_cert, server_key = make_leaf(d / "server", ca, "zerobubble", server=True)
     # Like the Kubernetes TLS component's internal certificate, the worker's names the Service's
     # DNS name only: pod IPs come and go and are in no certificate.
-    worker_cert, worker_key = make_leaf(d / "worker", ca, "zerobubble-worker", server=True,
-                                        ip_san=False)
+    worker_cert, worker_key = make_leaf(d / "worker", ca, "zerobubble-worker", server=True, ip_san=False)
     client_cert, client_key = make_leaf(d / "client", ca, "zerobubble-scheduler", server=False)
     stranger_cert, stranger_key = make_leaf(d / "stranger", other_ca, "stranger", server=False)
-    return dict(ca=str(d / "ca.crt"), other_ca=str(d / "other-ca.crt"),
-                server_cert=server_cert, server_key=server_key,
-                worker_cert=worker_cert, worker_key=worker_key,
-                client_cert=client_cert, client_key=client_key,
-                stranger_cert=stranger_cert, stranger_key=stranger_key)
+    return dict(
+        ca=str(d / "ca.crt"),
+        other_ca=str(d / "other-ca.crt"),
+        server_cert=server_cert,
+        server_key=server_key,
+        worker_cert=worker_cert,
+        worker_key=worker_key,
+        client_cert=client_cert,
+        client_key=client_key,
+        stranger_cert=stranger_cert,
+        stranger_key=stranger_key,
+    )
 
 
 # -- services --------------------------------------------------------------------------------------
+
 
 def wait_serving_tls(target: str, ca: str, timeout: float = 60.0) -> None:
     """Health is open without a token (probes have none), but it is behind TLS like the rest."""
@@ -119,8 +146,10 @@ def wait_serving_tls(target: str, ca: str, timeout: float = 60.0) -> None:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
+                if (
+                    stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                    == health_pb2.HealthCheckResponse.SERVING
+                ):
                     return
             except grpc.RpcError:
                 pass
@@ -130,8 +159,13 @@ def wait_serving_tls(target: str, ca: str, timeout: float = 60.0) -> None:
 
 @pytest.fixture(scope="module")
 def mtls_worker(pki, smollm2_dir):
-    worker = start_worker(kv_cache_memory_gb=0.1, max_num_seqs=4, tls_cert=pki["worker_cert"],
-                          tls_key=pki["worker_key"], tls_client_ca=pki["ca"])
+    worker = start_worker(
+        kv_cache_memory_gb=0.1,
+        max_num_seqs=4,
+        tls_cert=pki["worker_cert"],
+        tls_key=pki["worker_key"],
+        tls_client_ca=pki["ca"],
+    )
     yield worker
     worker.stop()
 
@@ -147,10 +181,15 @@ def dns_target(worker) -> str:
 
 @pytest.fixture(scope="module")
 def secure_scheduler(pki, mtls_worker):
-    scheduler = start_scheduler([dns_target(mtls_worker)], tls_cert=pki["server_cert"],
-                                tls_key=pki["server_key"], worker_tls_ca=pki["ca"],
-                                worker_tls_cert=pki["client_cert"],
-                                worker_tls_key=pki["client_key"], auth_token=TOKEN)
+    scheduler = start_scheduler(
+        [dns_target(mtls_worker)],
+        tls_cert=pki["server_cert"],
+        tls_key=pki["server_key"],
+        worker_tls_ca=pki["ca"],
+        worker_tls_cert=pki["client_cert"],
+        worker_tls_key=pki["client_key"],
+        auth_token=TOKEN,
+    )
     wait_serving_tls(scheduler.target, pki["ca"])
     yield scheduler
     scheduler.stop()
@@ -160,6 +199,7 @@ def generate(settings: ChannelSettings, timeout: float = 60, **request):
     async def go():
         async with open_channel(settings) as channel:
             return await complete(channel, build_request(**request), timeout=timeout)
+
     return asyncio.run(go())
 
 
@@ -170,6 +210,7 @@ def call_unary(settings: ChannelSettings, method: str):
             if method == "ModelInfo":
                 return await stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=20)
             return await stub.Tokenize(generate_pb2.TokenizeRequest(prompt="hi"), timeout=20)
+
     return asyncio.run(go())
 
 
@@ -180,6 +221,7 @@ def rpc_error(fn, *args, **kwargs) -> grpc.aio.AioRpcError:
 
 
 # -- client side: TLS and token ------------------------------------------------------------------
+
 
 def test_tls_client_with_the_token_generates(secure_scheduler, pki):
     # This also proves the scheduler reached the worker over mutual TLS.
@@ -215,10 +257,22 @@ def test_missing_or_wrong_token_is_unauthenticated(secure_scheduler, pki, token)
 
 def test_generate_command_speaks_tls_with_token(secure_scheduler, pki):
     """`zerobubble generate` with --tls-ca/--auth-token, and its clear failure without a token."""
-    base = [sys.executable, "-m", "zerobubble", "generate", "--target", secure_scheduler.target,
-            "--tls-ca", pki["ca"], "--prompt", "1, 2, 3,", "--max-tokens", "4", "--json"]
-    ok = subprocess.run(base + ["--auth-token", TOKEN], cwd=ROOT, capture_output=True, text=True,
-                        timeout=120)
+    base = [
+        sys.executable,
+        "-m",
+        "zerobubble",
+        "generate",
+        "--target",
+        secure_scheduler.target,
+        "--tls-ca",
+        pki["ca"],
+        "--prompt",
+        "1, 2, 3,",
+        "--max-tokens",
+        "4",
+        "--json",
+    ]
+    ok = subprocess.run(base + ["--auth-token", TOKEN], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert '"finish_reason": "max_tokens"' in ok.stdout
     denied = subprocess.run(base, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -228,12 +282,12 @@ def test_generate_command_speaks_tls_with_token(secure_scheduler, pki):
 
 # -- scheduler to worker: mutual TLS --------------------------------------------------------------
 
+
 def _never_serves(scheduler, ca: str | None, seconds: float = 4.0) -> None:
     """The scheduler stays NOT_SERVING and Generate is UNAVAILABLE: no worker accepted it."""
     creds = grpc.ssl_channel_credentials(Path(ca).read_bytes()) if ca else None
     deadline = time.monotonic() + seconds
-    channel = grpc.secure_channel(scheduler.target, creds) if creds else \
-        grpc.insecure_channel(scheduler.target)
+    channel = grpc.secure_channel(scheduler.target, creds) if creds else grpc.insecure_channel(scheduler.target)
     with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
@@ -247,14 +301,16 @@ def _never_serves(scheduler, ca: str | None, seconds: float = 4.0) -> None:
 
 @pytest.mark.parametrize("client_cert", ["none", "stranger"])
 def test_scheduler_without_a_trusted_client_cert_cannot_use_an_mtls_worker(
-        pki, mtls_worker, secure_scheduler, client_cert):
+    pki, mtls_worker, secure_scheduler, client_cert
+):
     """Same worker, same CA; only the scheduler's client certificate is missing or untrusted.
 
     `secure_scheduler` (with the right certificate) is a fixture here so that the positive
     control, the same worker serving a scheduler that has one, is up at the same time.
     """
-    extra = {} if client_cert == "none" else dict(worker_tls_cert=pki["stranger_cert"],
-                                                   worker_tls_key=pki["stranger_key"])
+    extra = (
+        {} if client_cert == "none" else dict(worker_tls_cert=pki["stranger_cert"], worker_tls_key=pki["stranger_key"])
+    )
     scheduler = start_scheduler([dns_target(mtls_worker)], worker_tls_ca=pki["ca"], **extra)
     try:
         _never_serves(scheduler, None)

@@ -50,8 +50,9 @@ def run(coro):
 
 async def one(target: str, timeout: float = 120, on_response=None, **kw):
     async with grpc.aio.insecure_channel(target) as channel:
-        return await complete(generate_pb2_grpc.GenerationStub(channel), build_request(**kw),
-                              timeout=timeout, on_response=on_response)
+        return await complete(
+            generate_pb2_grpc.GenerationStub(channel), build_request(**kw), timeout=timeout, on_response=on_response
+        )
 
 
 def test_greedy_matches_hf_at_32_concurrent_streams(services, smollm2_dir, grounded_rows):
@@ -85,8 +86,9 @@ def test_cancelled_stream_returns_kv_blocks(services):
     async def cancel_mid_stream():
         async with grpc.aio.insecure_channel(scheduler.target) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-            call = stub.Generate(build_request(prompt="Tell me a long story about a dragon.",
-                                               max_tokens=400, ignore_eos=True))
+            call = stub.Generate(
+                build_request(prompt="Tell me a long story about a dragon.", max_tokens=400, ignore_eos=True)
+            )
             got = 0
             async for reply in call:
                 got += len(reply.token_ids)
@@ -100,8 +102,10 @@ def test_cancelled_stream_returns_kv_blocks(services):
     assert other.finish_reason in ("eos", "max_tokens")
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        if metric(metrics_port, "zerobubble_kv_cache_usage_ratio") == 0.0 and \
-                metric(metrics_port, "zerobubble_num_requests_running") == 0:
+        if (
+            metric(metrics_port, "zerobubble_kv_cache_usage_ratio") == 0.0
+            and metric(metrics_port, "zerobubble_num_requests_running") == 0
+        ):
             break
         time.sleep(0.2)
     assert metric(metrics_port, "zerobubble_kv_cache_usage_ratio") == 0.0
@@ -111,8 +115,10 @@ def test_cancelled_stream_returns_kv_blocks(services):
 def test_prefix_cache_hits_are_reported_and_outputs_unchanged(services):
     scheduler, _ = services
     metrics_port = scheduler.ports["METRICS"]
-    messages = [{"role": "system", "content": "You answer in one short sentence. " * 8},
-                {"role": "user", "content": "What is the capital of France?"}]
+    messages = [
+        {"role": "system", "content": "You answer in one short sentence. " * 8},
+        {"role": "user", "content": "What is the capital of France?"},
+    ]
     hits_before = metric(metrics_port, "zerobubble_prefix_cache_hits_total")
     first = run(one(scheduler.target, messages=messages, max_tokens=16))
     second = run(one(scheduler.target, messages=messages, max_tokens=16))
@@ -150,8 +156,9 @@ def test_bad_input_gets_invalid_argument_while_others_continue(services):
     async def scenario():
         async with grpc.aio.insecure_channel(scheduler.target) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
-            good = asyncio.create_task(complete(stub, build_request(prompt="Count to ten:", max_tokens=32,
-                                                                    ignore_eos=True), timeout=120))
+            good = asyncio.create_task(
+                complete(stub, build_request(prompt="Count to ten:", max_tokens=32, ignore_eos=True), timeout=120)
+            )
             errors = []
             for kwargs, field in BAD_INPUTS:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -217,8 +224,15 @@ def test_n_sequences_and_top_logprobs_stream_with_index(services):
     """n = 3 over gRPC: three sequences on one stream told apart by `index`, each finishing once;
     sequence 0 equals the same seeded request with n = 1; top_logprobs come one per token."""
     scheduler, _ = services
-    kw = dict(prompt="Write a short poem about the sea.", max_tokens=12, ignore_eos=True,
-              temperature=1.0, seed=31337, logprobs=True, top_logprobs=3)
+    kw = dict(
+        prompt="Write a short poem about the sea.",
+        max_tokens=12,
+        ignore_eos=True,
+        temperature=1.0,
+        seed=31337,
+        logprobs=True,
+        top_logprobs=3,
+    )
     finals: list[int] = []
 
     def on_response(response):

@@ -32,9 +32,9 @@ def sim_workers():
     workers: dict[str, Service] = {}
     try:
         for spec in ("none", "ngram"):
-            workers[spec] = start_worker(simulate_device_ms=1.0, spec_method=spec,
-                                         num_spec_tokens=K, max_num_seqs=16,
-                                         kv_cache_memory_gb=1.0)
+            workers[spec] = start_worker(
+                simulate_device_ms=1.0, spec_method=spec, num_spec_tokens=K, max_num_seqs=16, kv_cache_memory_gb=1.0
+            )
         yield workers
     finally:
         for worker in workers.values():
@@ -46,8 +46,7 @@ def test_greedy_output_is_identical_sync_async_and_with_speculation(sim_workers,
     outputs = {}
     reports = {}
     for spec, window in itertools.product(("none", "ngram"), (1, 2)):
-        scheduler = start_scheduler([sim_workers[spec]], max_inflight_steps=window,
-                                    max_num_seqs=16)
+        scheduler = start_scheduler([sim_workers[spec]], max_inflight_steps=window, max_num_seqs=16)
         try:
             wait_serving(scheduler.target)
             report = run_workload(scheduler.target, rows, concurrency=16)
@@ -70,15 +69,21 @@ def test_greedy_output_is_identical_sync_async_and_with_speculation(sim_workers,
 
 
 def _acceptance(rate: float, rows) -> float:
-    runner, loaded = build_runner(WorkerConfig(simulate_device_ms=0.0, spec_method="ngram",
-                                               num_spec_tokens=K, max_num_seqs=16,
-                                               kv_cache_memory_gb=1.0,
-                                               simulate_acceptance_rate=rate))
+    runner, loaded = build_runner(
+        WorkerConfig(
+            simulate_device_ms=0.0,
+            spec_method="ngram",
+            num_spec_tokens=K,
+            max_num_seqs=16,
+            kv_cache_memory_gb=1.0,
+            simulate_acceptance_rate=rate,
+        )
+    )
     fields = tokenizer_fields(loaded.path)
-    tokenizer = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"],
-                          fields["eos_token"])
-    requests = [(f"r{i}", tokenizer.apply_chat_template(row["messages"]), dict(max_tokens=160))
-                for i, row in enumerate(rows)]
+    tokenizer = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
+    requests = [
+        (f"r{i}", tokenizer.apply_chat_template(row["messages"]), dict(max_tokens=160)) for i, row in enumerate(rows)
+    ]
     stats = SchedulerStats()
     run_job(runner, requests, window=2, stats=stats)
     return stats.num_accepted_tokens / stats.num_draft_tokens
@@ -89,7 +94,7 @@ def test_acceptance_follows_the_configured_rate(grounded_rows, rate: float):
     """Given a match at the copy lag, draft j is accepted with probability rate**j (it needs the
     j tokens before it to be copies as well); so accepted / drafted ~ (r + r^2 + r^3) / 3."""
     measured = _acceptance(rate, grounded_rows[:8])
-    expected = sum(rate ** j for j in range(1, K + 1)) / K
+    expected = sum(rate**j for j in range(1, K + 1)) / K
     assert COPY_LAG > K + 1
     # About 8 x 160 tokens: the binomial spread is a few percent; 0.08 is several sigma.
     assert abs(measured - expected) < 0.08, (rate, measured, expected)

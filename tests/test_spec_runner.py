@@ -64,10 +64,10 @@ def test_decode_inputs_are_own_state_after_join_skip_finish_and_resume(spec_runn
     with recording(runner) as rec:
         p = HandPlanner(runner, rec, greedy={"A": reference[a], "B": reference[b], "C": reference[c]})
         p.step(p.new("A", prompts[a]))
-        p.step(p.decode("A"), p.new("B", prompts[b]))            # B joins A's drafting decode
+        p.step(p.decode("A"), p.new("B", prompts[b]))  # B joins A's drafting decode
         p.step(p.decode("A"), p.decode("B"))
-        p.step(p.decode("B"))                                    # A skipped for a step
-        p.step(p.decode("A"), p.decode("B", 1))                  # A after the gap; B trimmed
+        p.step(p.decode("B"))  # A skipped for a step
+        p.step(p.decode("A"), p.decode("B", 1))  # A after the gap; B trimmed
         # B leaves; C takes its state slot (which still holds B's drafts) with a chunked prefill.
         gone = p.finish("B")
         p.step(p.decode("A"), p.new("C", prompts[c], chunk=64), finished=(gone,))
@@ -111,15 +111,14 @@ def test_trimmed_drafts_report_only_the_verified_drafts(spec_runner, smollm2_dir
             fed_before = len(rec.target.calls)
             res = p.step(p.decode("r", k)).results[0]
             ids, _ = rec.target.calls[fed_before].row(0)
-            fed = ids[1:1 + min(k, len(offered))]
+            fed = ids[1 : 1 + min(k, len(offered))]
             # Ground truth for acceptance: how many fed drafts equal the greedy tokens there.
             start = len(p.reqs["r"].outputs) - len(res.token_ids)
-            truth = reference[start:start + len(fed)]
-            expected_accepted = next((i for i, (d, t) in enumerate(zip(fed, truth)) if d != t),
-                                     len(fed))
+            truth = reference[start : start + len(fed)]
+            expected_accepted = next((i for i, (d, t) in enumerate(zip(fed, truth)) if d != t), len(fed))
             assert res.num_draft_tokens == len(fed) == min(k, len(offered))
             assert res.num_accepted == expected_accepted, (k, fed, truth, res)
-            assert list(res.token_ids) == reference[start:start + res.num_accepted + 1]
+            assert list(res.token_ids) == reference[start : start + res.num_accepted + 1]
             per_pos = list(p.results[-1].accepted_per_pos)
             assert per_pos == [1 if j < res.num_accepted else 0 for j in range(K)]
     assert p.trimmed >= 3, "the proposer never produced more drafts than the plan allowed"
@@ -139,8 +138,7 @@ def test_draft_model_cache_follows_confirmed_tokens(draft_runner, grounded):
     bs = runner.config.block_size
     other = SHORT_CODE_ROWS[1]
     with recording(runner) as rec:
-        p = HandPlanner(runner, rec, greedy={"X": reference[row], "W": reference[other]},
-                        exact=True)
+        p = HandPlanner(runner, rec, greedy={"X": reference[row], "W": reference[other]}, exact=True)
         # W fills some blocks (target and draft caches) and leaves; X gets them next.
         p.step(p.new("W", prompts[other]))
         p.step(p.decode("W"))
@@ -196,8 +194,9 @@ def test_logprobs_belong_to_the_accepted_tokens(request, smollm2_dir, grounded, 
     prompts = {}
     for i, row in enumerate(rows):
         prompts[f"r{row}"] = prompts_all[row]
-        scheduler.add_request(f"r{row}", prompts_all[row], max_tokens=24, logprobs=True,
-                              temperature=temperature, seed=100 + i)
+        scheduler.add_request(
+            f"r{row}", prompts_all[row], max_tokens=24, logprobs=True, temperature=temperature, seed=100 + i
+        )
     with recording(runner) as rec:
         trace = drive(runner, scheduler, rec, window=2)
     audit(trace, prompts, ngram=spec == "ngram")
@@ -208,8 +207,7 @@ def test_logprobs_belong_to_the_accepted_tokens(request, smollm2_dir, grounded, 
         assert len(out.logprobs) == len(out.token_ids) > 0
         with torch.inference_mode():
             logits = hf(torch.tensor([prompt + out.token_ids])).logits[0].float()
-        expected = logits.log_softmax(-1)[len(prompt) - 1:-1].gather(
-            -1, torch.tensor(out.token_ids)[:, None])[:, 0]
+        expected = logits.log_softmax(-1)[len(prompt) - 1 : -1].gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
         got = torch.tensor(out.logprobs)
         assert torch.allclose(got, expected, atol=2e-3), (req_id, (got - expected).abs().max())
 
@@ -251,16 +249,15 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
     out_a, out_b = trace.outputs[f"r{a}"], trace.outputs[f"r{b}"]
     assert out_a.finish_reason == FINISH_STOP_SEQUENCE
     assert out_b.finish_reason == FINISH_CANCELLED
-    assert out_a.token_ids == reference_all[a][:stop_at + 1]
-    assert out_b.token_ids == reference_all[b][:cancelled["at"]]
+    assert out_a.token_ids == reference_all[a][: stop_at + 1]
+    assert out_b.token_ids == reference_all[b][: cancelled["at"]]
     for row in (c, d):
         assert trace.outputs[f"r{row}"].token_ids == reference_all[row][:40]
     assert scheduler.stats.num_stale_results >= 2
 
     # Steps that ran after each finish were discarded and the worker was told to forget them.
     def steps_with(req_id: str) -> list[int]:
-        return [i for i, (plan, _, _) in enumerate(trace.steps)
-                if any(e.req_id == req_id for e in plan.requests)]
+        return [i for i, (plan, _, _) in enumerate(trace.steps) if any(e.req_id == req_id for e in plan.requests)]
 
     for req_id in (f"r{a}", f"r{b}"):
         notices = [i for i, (plan, _, _) in enumerate(trace.steps) if req_id in plan.finished_req_ids]
@@ -268,12 +265,13 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
         assert max(steps_with(req_id)) < notices[0]
     # D could only start once a slot was free, and it ran on blocks A or B had held.
     first_d = min(steps_with(f"r{d}"))
-    assert any(f"r{a}" in plan.finished_req_ids or f"r{b}" in plan.finished_req_ids
-               for plan, _, _ in trace.steps[:first_d + 1])
+    assert any(
+        f"r{a}" in plan.finished_req_ids or f"r{b}" in plan.finished_req_ids
+        for plan, _, _ in trace.steps[: first_d + 1]
+    )
 
     def blocks_of(req_id: str) -> set[int]:
-        return {b for plan, _, _ in trace.steps for e in plan.requests if e.req_id == req_id
-                for b in e.new_block_ids}
+        return {b for plan, _, _ in trace.steps for e in plan.requests if e.req_id == req_id for b in e.new_block_ids}
 
     assert blocks_of(f"r{d}") & (blocks_of(f"r{a}") | blocks_of(f"r{b}"))
     assert not runner.slots.keys() & {f"r{a}", f"r{b}"}
@@ -300,18 +298,23 @@ def test_preemption_with_chunked_prefill_and_steps_in_flight(request, grounded, 
     audit(trace, prompts, ngram=spec == "ngram")
     assert scheduler.stats.num_preemptions > 0
     assert scheduler.stats.num_stale_results > 0, "no preemption hit a step in flight"
-    assert any(len(plan.requests) > 1 and any(e.token_ids for e in plan.requests)
-               and any(not e.token_ids for e in plan.requests) for plan, _, _ in trace.steps), \
-        "prefill chunks never shared a step with decodes"
+    assert any(
+        len(plan.requests) > 1
+        and any(e.token_ids for e in plan.requests)
+        and any(not e.token_ids for e in plan.requests)
+        for plan, _, _ in trace.steps
+    ), "prefill chunks never shared a step with decodes"
     stats = scheduler.stats
     assert stats.num_accepted_tokens > 0
     if spec == "draft":
         # SmolLM2 drafting for itself agrees with its own greedy choice unless the draft model's
         # KV cache went out of step with the confirmed tokens (resume, prefix hit, no lookahead).
-        assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens, \
-            (stats.num_accepted_tokens, stats.num_draft_tokens)
+        assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens, (
+            stats.num_accepted_tokens,
+            stats.num_draft_tokens,
+        )
     reference = {f"r{row}": reference_all[row][:max_tokens] for row in rows}
-    for req_id, out in trace.outputs.items():
+    for _req_id, out in trace.outputs.items():
         assert out.finish_reason in (FINISH_EOS, FINISH_MAX_TOKENS)
     assert_matches(trace.outputs, reference)
 
@@ -332,8 +335,9 @@ def test_seeded_sampling_is_identical_across_windows_and_speculation(ngram_runne
         for group in [rows] if batched else [[row] for row in rows[:2]]:
             scheduler = make_scheduler(runner, num_spec_tokens=k)
             for row in group:
-                scheduler.add_request(f"r{row}", prompts_all[row], max_tokens=max_tokens,
-                                      temperature=0.8, seed=4242 + row)
+                scheduler.add_request(
+                    f"r{row}", prompts_all[row], max_tokens=max_tokens, temperature=0.8, seed=4242 + row
+                )
             with recording(runner) as rec:
                 trace = drive(runner, scheduler, rec, window=window)
             num_draft_tokens += scheduler.stats.num_draft_tokens

@@ -172,7 +172,8 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
     sampled_steps = [p for p in pendings if p.out_tokens is not None]
     assert len(sampled_steps) == len(pendings)
     num_result_tensors = sum(
-        sum(t is not None for t in (p.out_tokens, p.num_accepted, p.num_drafts, p.logprobs)) for p in pendings
+        sum(t is not None for t in (p.out_tokens, p.num_accepted, p.num_drafts, p.logprobs, p.top_ids, p.top_logprobs))
+        for p in pendings
     )
     assert len(downloads) == num_result_tensors
     assert all(p.out_tokens.device.type == "cpu" for p in sampled_steps)

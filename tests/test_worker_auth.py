@@ -25,8 +25,7 @@ WORKER_TOKEN = "worker-s3cret"
 
 @pytest.fixture(scope="module")
 def closed_cluster(smollm2_dir):
-    worker = start_worker(kv_cache_memory_gb=0.1, max_num_seqs=4,
-                          env={"ZEROBUBBLE_AUTH_TOKEN": WORKER_TOKEN})
+    worker = start_worker(kv_cache_memory_gb=0.1, max_num_seqs=4, env={"ZEROBUBBLE_AUTH_TOKEN": WORKER_TOKEN})
     scheduler = start_scheduler([worker], env={"ZEROBUBBLE_WORKER_AUTH_TOKEN": WORKER_TOKEN})
     try:
         wait_serving(scheduler.target)
@@ -68,22 +67,23 @@ def test_strangers_are_refused_and_the_running_stream_is_untouched(closed_cluste
         async with grpc.aio.insecure_channel(scheduler.target) as channel:
             stub = generate_pb2_grpc.GenerationStub(channel)
             first = asyncio.Event()
-            request = build_request(prompt="Count from one to fifty: one, two,", max_tokens=12,
-                                    ignore_eos=True)
-            task = asyncio.create_task(complete(
-                stub, request, timeout=120,
-                on_response=lambda r: first.set() if r.token_ids else None))
+            request = build_request(prompt="Count from one to fifty: one, two,", max_tokens=12, ignore_eos=True)
+            task = asyncio.create_task(
+                complete(stub, request, timeout=120, on_response=lambda r: first.set() if r.token_ids else None)
+            )
             await first.wait()
-            refused = [await stranger_calls(worker.target, md)
-                       for md in (None, (("authorization", "Bearer wrong"),))]
+            refused = [await stranger_calls(worker.target, md) for md in (None, (("authorization", "Bearer wrong"),))]
             done = await task
             reference = await complete(stub, request, timeout=120)
         return refused, done, reference
 
     refused, done, reference = asyncio.run(scenario())
     for codes in refused:
-        assert codes == [grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.UNAUTHENTICATED,
-                         health_pb2.HealthCheckResponse.SERVING], codes
+        assert codes == [
+            grpc.StatusCode.UNAUTHENTICATED,
+            grpc.StatusCode.UNAUTHENTICATED,
+            health_pb2.HealthCheckResponse.SERVING,
+        ], codes
     assert done.finish_reason == "max_tokens", (done.finish_reason, done.error)
     assert done.token_ids == reference.token_ids  # greedy: the stream went on undisturbed
     assert "scheduler stream 2 opened" not in "".join(worker.log)
@@ -118,8 +118,7 @@ def test_a_new_stream_supersedes_an_idle_one(closed_cluster):
             stub = generate_pb2_grpc.GenerationStub(channel)
             for _ in range(100):
                 try:
-                    done = await complete(stub, build_request(prompt="Hello", max_tokens=3),
-                                          timeout=60)
+                    done = await complete(stub, build_request(prompt="Hello", max_tokens=3), timeout=60)
                     break
                 except grpc.aio.AioRpcError:
                     await asyncio.sleep(0.2)  # between its link's reconnect attempts

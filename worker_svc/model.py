@@ -237,18 +237,30 @@ class CausalLM:
             layers.append(
                 LayerWeights(
                     input_norm=take(p + "input_layernorm.weight", (hidden,)),
-                    qkv_weight=weight(fuse([take(p + f"self_attn.{n}_proj.weight", (size, hidden))
-                                            for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))])),  # fmt: skip
-                    qkv_bias=fuse_optional([take_optional(p + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias)
-                                   for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]),  # fmt: skip
+                    qkv_weight=weight(
+                        fuse(
+                            [
+                                take(p + f"self_attn.{n}_proj.weight", (size, hidden))
+                                for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))
+                            ]
+                        )
+                    ),  # fmt: skip
+                    qkv_bias=fuse_optional(
+                        [
+                            take_optional(p + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias)
+                            for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))
+                        ]
+                    ),  # fmt: skip
                     qk_norm=qk_norm,
                     o_weight=weight(take(p + "self_attn.o_proj.weight", (hidden, q_size))),
                     o_bias=take_optional(p + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
                     post_norm=take(p + "post_attention_layernorm.weight", (hidden,)),
-                    gate_up_weight=weight(fuse([take(p + f"mlp.{n}_proj.weight", (inter, hidden))
-                                                for n in ("gate", "up")])),  # fmt: skip
-                    gate_up_bias=fuse_optional([take_optional(p + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias)
-                                       for n in ("gate", "up")]),  # fmt: skip
+                    gate_up_weight=weight(
+                        fuse([take(p + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")])
+                    ),  # fmt: skip
+                    gate_up_bias=fuse_optional(
+                        [take_optional(p + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias) for n in ("gate", "up")]
+                    ),  # fmt: skip
                     down_weight=weight(take(p + "mlp.down_proj.weight", (hidden, inter))),
                     down_bias=take_optional(p + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
                 )

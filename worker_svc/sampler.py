@@ -75,8 +75,9 @@ class SamplingTensors:
             positions=positions.to(torch.int64),
             all_greedy=all(temp <= 0 for temp in temperatures),
             any_filter=any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps),
-            min_p=(torch.tensor(min_ps, dtype=torch.float32, device=device)
-                   if min_ps is not None and any(m > 0 for m in min_ps) else None),
+            min_p=(
+                to_device(min_ps, torch.float32, device) if min_ps is not None and any(m > 0 for m in min_ps) else None
+            ),
             penalties=penalties,
             logit_bias=logit_bias,
         )
@@ -109,8 +110,13 @@ class LogitBias:
 
 
 def context_token_counts(
-    history: Tensor, block_tables: Tensor, context_len: Tensor, num_prompt_tokens: Tensor,
-    vocab_size: int, need_counts: bool = True, need_seen: bool = True,
+    history: Tensor,
+    block_tables: Tensor,
+    context_len: Tensor,
+    num_prompt_tokens: Tensor,
+    vocab_size: int,
+    need_counts: bool = True,
+    need_seen: bool = True,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Token counts over each row's context, read from the paged token history.
 

@@ -37,7 +37,6 @@ SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 _END = object()
 
 
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -50,8 +49,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def kv_capacity_blocks(cfg: WorkerConfig, loaded: LoadedModel, device: torch.device,
-                       dtype: torch.dtype, num_models: int = 1) -> int:
+def kv_capacity_blocks(
+    cfg: WorkerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, num_models: int = 1
+) -> int:
     """KV blocks that fit: a memory budget on CPU, free memory on CUDA."""
     per_block = kv_cache_bytes_per_block(loaded.hf_config, cfg.block_size, dtype) * num_models
     if device.type == "cuda":
@@ -61,8 +61,9 @@ def kv_capacity_blocks(cfg: WorkerConfig, loaded: LoadedModel, device: torch.dev
         budget = cfg.kv_cache_memory_gb * (1 << 30)
     num_blocks = int(budget // per_block)
     if num_blocks < 2:
-        raise ValueError(f"KV budget too small: {budget / 2**20:.1f} MiB holds {num_blocks} blocks "
-                         f"of {per_block} bytes")
+        raise ValueError(
+            f"KV budget too small: {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {per_block} bytes"
+        )
     return num_blocks
 
 
@@ -78,22 +79,35 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights)
     draft = load_model(cfg.draft_model, dtype, device, cfg.prepack_weights) if cfg.spec_method == "draft" else None
-    proposer = build_proposer(cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max,
-                              draft)
+    proposer = build_proposer(cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max, draft)
     max_model_len = loaded.max_model_len
     if cfg.max_model_len > 0:
         max_model_len = min(max_model_len, cfg.max_model_len)
     num_blocks = kv_capacity_blocks(cfg, loaded, device, dtype, 2 if draft is not None else 1)
     if cfg.cuda_graphs and device.type != "cuda":
         logger.warning("--cuda-graphs ignored: the model runs on %s", device)
-    runner = ModelRunner(loaded, RunnerConfig(
-        num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-        max_model_len=max_model_len,
-        num_spec_tokens=cfg.num_spec_tokens if proposer is not None else 0,
-        cuda_graphs=cfg.cuda_graphs and device.type == "cuda"), proposer)
-    logger.info("worker ready: model=%s device=%s dtype=%s blocks=%d x %d spec=%s k=%d",
-                loaded.name, device, dtype, num_blocks, cfg.block_size, cfg.spec_method,
-                runner.num_spec_tokens)
+    runner = ModelRunner(
+        loaded,
+        RunnerConfig(
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_model_len,
+            num_spec_tokens=cfg.num_spec_tokens if proposer is not None else 0,
+            cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
+        ),
+        proposer,
+    )
+    logger.info(
+        "worker ready: model=%s device=%s dtype=%s blocks=%d x %d spec=%s k=%d",
+        loaded.name,
+        device,
+        dtype,
+        num_blocks,
+        cfg.block_size,
+        cfg.spec_method,
+        runner.num_spec_tokens,
+    )
     return runner, loaded
 
 
@@ -104,21 +118,40 @@ def build_simulated_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]
     num_spec_tokens = cfg.num_spec_tokens if cfg.speculative else 0
     special = json.loads(tokenizer_fields(loaded.path)["tokenizer_json"]).get("added_tokens", [])
     simulator = SimulatedDevice(
-        cfg.simulate_device_ms, cfg.simulate_acceptance_rate, loaded.hf_config.vocab_size,
-        [t["id"] for t in special if t.get("special")] + loaded.eos_token_ids, num_spec_tokens)
+        cfg.simulate_device_ms,
+        cfg.simulate_acceptance_rate,
+        loaded.hf_config.vocab_size,
+        [t["id"] for t in special if t.get("special")] + loaded.eos_token_ids,
+        num_spec_tokens,
+    )
     proposer = LagNgramProposer(num_spec_tokens, cfg.ngram_min) if cfg.speculative else None
     max_model_len = loaded.max_model_len
     if cfg.max_model_len > 0:
         max_model_len = min(max_model_len, cfg.max_model_len)
-    num_blocks = kv_capacity_blocks(cfg, loaded, torch.device("cpu"),
-                                    resolve_dtype(cfg.dtype, torch.device("cpu")))
-    runner = ModelRunner(loaded, RunnerConfig(
-        num_blocks=num_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-        max_model_len=max_model_len, num_spec_tokens=num_spec_tokens), proposer, simulator)
-    logger.info("worker ready on a SIMULATED device (%.1f ms per step, acceptance rate %.2f): "
-                "model=%s blocks=%d x %d spec=%s k=%d", cfg.simulate_device_ms,
-                cfg.simulate_acceptance_rate, loaded.name, num_blocks, cfg.block_size,
-                cfg.spec_method, num_spec_tokens)
+    num_blocks = kv_capacity_blocks(cfg, loaded, torch.device("cpu"), resolve_dtype(cfg.dtype, torch.device("cpu")))
+    runner = ModelRunner(
+        loaded,
+        RunnerConfig(
+            num_blocks=num_blocks,
+            block_size=cfg.block_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=max_model_len,
+            num_spec_tokens=num_spec_tokens,
+        ),
+        proposer,
+        simulator,
+    )
+    logger.info(
+        "worker ready on a SIMULATED device (%.1f ms per step, acceptance rate %.2f): "
+        "model=%s blocks=%d x %d spec=%s k=%d",
+        cfg.simulate_device_ms,
+        cfg.simulate_acceptance_rate,
+        loaded.name,
+        num_blocks,
+        cfg.block_size,
+        cfg.spec_method,
+        num_spec_tokens,
+    )
     return runner, loaded
 
 
@@ -133,10 +166,12 @@ def tokenizer_fields(model_dir: Path) -> dict[str, str]:
     def token_str(value) -> str:
         return value.get("content", "") if isinstance(value, dict) else (value or "")
 
-    return dict(tokenizer_json=(model_dir / "tokenizer.json").read_text(),
-                chat_template=template if isinstance(template, str) else "",
-                bos_token=token_str(config.get("bos_token")),
-                eos_token=token_str(config.get("eos_token")))
+    return dict(
+        tokenizer_json=(model_dir / "tokenizer.json").read_text(),
+        chat_template=template if isinstance(template, str) else "",
+        bos_token=token_str(config.get("bos_token")),
+        eos_token=token_str(config.get("eos_token")),
+    )
 
 
 def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | worker_pb2.StepResult:
@@ -178,8 +213,7 @@ def injected_fault_hook_from_env(env: dict[str, str]):
         if count[0] % every == 0:
             raise RuntimeError(f"injected test fault (every {every}th decode row)")
 
-    logger.warning("TEST FAULT INJECTION ON: every %dth decode row fails (%s)", every,
-                   TEST_FAULT_ENV)
+    logger.warning("TEST FAULT INJECTION ON: every %dth decode row fails (%s)", every, TEST_FAULT_ENV)
     return hook
 
 
@@ -198,8 +232,14 @@ def device_thread() -> ThreadPoolExecutor:
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """`Execute` runs plans in order on the device thread; `Describe` reports model facts and capacity."""
 
-    def __init__(self, runner: ModelRunner, loaded: LoadedModel, cfg: WorkerConfig,
-                 metrics=None, device: ThreadPoolExecutor | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        loaded: LoadedModel,
+        cfg: WorkerConfig,
+        metrics=None,
+        device: ThreadPoolExecutor | None = None,
+    ) -> None:
         self.device = device or device_thread()
         self.runner = runner
         self.loaded = loaded
@@ -226,14 +266,21 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         else:
             device, dtype = str(model.device), str(model.dtype).removeprefix("torch.")
         return worker_pb2.WorkerInfo(
-            worker_id=self.worker_id, model=self.loaded.name, max_model_len=cfg.max_model_len,
-            block_size=cfg.block_size, num_blocks=cfg.num_blocks,
-            vocab_size=self.loaded.hf_config.vocab_size, eos_token_ids=self.loaded.eos_token_ids,
+            worker_id=self.worker_id,
+            model=self.loaded.name,
+            max_model_len=cfg.max_model_len,
+            block_size=cfg.block_size,
+            num_blocks=cfg.num_blocks,
+            vocab_size=self.loaded.hf_config.vocab_size,
+            eos_token_ids=self.loaded.eos_token_ids,
             spec_method=self.cfg.spec_method if self.runner.proposer is not None else "none",
-            num_spec_tokens=self.runner.num_spec_tokens, device=device, dtype=dtype,
+            num_spec_tokens=self.runner.num_spec_tokens,
+            device=device,
+            dtype=dtype,
             num_lookahead_slots=self.runner.proposer.num_lookahead_slots if self.runner.proposer else 0,
             max_num_seqs=cfg.max_num_seqs,
-            **self.tokenizer_fields)
+            **self.tokenizer_fields,
+        )
 
     def start_draining(self) -> None:
         """SIGTERM: refuse new streams and tell the open one (see `draining` in worker.proto)."""
@@ -349,13 +396,11 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     servicer = WorkerServicer(runner, loaded, cfg, metrics, device)
     interceptors = None
     if cfg.auth_token:
-        interceptors = [rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME,
-                                                  {"Execute": "stream_stream"})]
+        interceptors = [rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Execute": "stream_stream"})]
     server = grpc.aio.server(options=rpc.SERVER_OPTIONS, interceptors=interceptors)
     worker_pb2_grpc.add_WorkerServicer_to_server(servicer, server)
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
-    creds = rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None,
-                                   cfg.tls_client_ca or None)
+    creds = rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None, cfg.tls_client_ca or None)
     port = rpc.bind(server, cfg.host, cfg.port, creds)
     if servicer.worker_id.endswith(":0"):
         servicer.worker_id = f"{socket.gethostname()}:{port}"

@@ -69,8 +69,9 @@ class SimulatedEvent:
 class SimulatedDevice:
     """The simulated accelerator of one runner: its timeline and its token function."""
 
-    def __init__(self, device_ms: float, acceptance_rate: float, vocab_size: int,
-                 special_ids: list[int], max_draft_tokens: int) -> None:
+    def __init__(
+        self, device_ms: float, acceptance_rate: float, vocab_size: int, special_ids: list[int], max_draft_tokens: int
+    ) -> None:
         if device_ms < 0:
             raise ValueError(f"--simulate-device-ms must be >= 0, got {device_ms}")
         if not 0.0 <= acceptance_rate <= 1.0:
@@ -118,7 +119,7 @@ class SimulatedDevice:
         """The token after every sampled slot (``[G]`` int64), from the sequence up to it."""
         s = batch.sampled
         assert s is not None
-        positions = s.positions                          # absolute position of each new token
+        positions = s.positions  # absolute position of each new token
         previous = batch.input_ids[s.gather].to(torch.int64)
         seeds = torch.where(s.sampling.temperature > 0, s.sampling.seeds, 0)
         # The previous token keys the hash too: the function reads the sequence, not a counter.
@@ -166,7 +167,7 @@ class LagNgramProposer:
         assert runner is not None
         st = runner.state
         idx = slots.to(torch.int64)
-        last_pos = st.seq_len[idx].to(torch.int64)     # position of the last sampled token
+        last_pos = st.seq_len[idx].to(torch.int64)  # position of the last sampled token
         last = st.last_token[idx].to(torch.int64)
         n = self.ngram_min
         match = last_pos >= COPY_LAG + n - 1
@@ -176,8 +177,9 @@ class LagNgramProposer:
             match &= here == SimulatedDevice.history_tokens(runner, idx, pos - COPY_LAG)
         cols = torch.arange(self.k)
         follow = (last_pos - COPY_LAG + 1)[:, None] + cols[None, :]
-        drafts = SimulatedDevice.history_tokens(runner, idx.repeat_interleave(self.k),
-                                                follow.flatten()).view(-1, self.k)
+        drafts = SimulatedDevice.history_tokens(runner, idx.repeat_interleave(self.k), follow.flatten()).view(
+            -1, self.k
+        )
         st.drafts[idx, : self.k] = drafts.to(torch.int32)
         st.num_drafts[idx] = torch.where(match, self.k, 0).to(torch.int32)
 

@@ -77,8 +77,9 @@ def parse_row(obj: Any, index: int) -> BenchRow:
     if has_prompt == has_messages:
         raise ValueError(f"row {index}: needs exactly one of 'prompt' and 'messages'")
     messages = obj.get("messages")
-    if has_messages and not (isinstance(messages, list) and all(
-            isinstance(m, dict) and "role" in m and "content" in m for m in messages)):
+    if has_messages and not (
+        isinstance(messages, list) and all(isinstance(m, dict) and "role" in m and "content" in m for m in messages)
+    ):
         raise ValueError(f"row {index}: 'messages' must be a list of {{role, content}} objects")
     max_tokens = obj.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
@@ -91,15 +92,15 @@ def parse_row(obj: Any, index: int) -> BenchRow:
         max_tokens=max_tokens,
         prompt=str(obj["prompt"]) if has_prompt else None,
         messages=[{"role": str(m["role"]), "content": str(m["content"])} for m in messages or []]
-        if has_messages else None,
+        if has_messages
+        else None,
         temperature=float(temperature) if temperature is not None else None,
         seed=int(seed) if seed is not None else None,
         ignore_eos=bool(obj.get("ignore_eos", False)),
     )
 
 
-def select_rows(rows: Sequence[BenchRow], *, kind: str = "", limit: int = 0,
-                max_tokens_cap: int = 0) -> list[BenchRow]:
+def select_rows(rows: Sequence[BenchRow], *, kind: str = "", limit: int = 0, max_tokens_cap: int = 0) -> list[BenchRow]:
     """Apply ``--kind``, then ``--limit``, then ``--max-tokens-cap`` (empty/0 = off); ``rows`` is left as is."""
     chosen = [row for row in rows if not kind or row.kind == kind]
     if limit > 0:
@@ -264,8 +265,11 @@ def summarize(
     report["acceptance_rate"] = acceptance_rate(delta) if delta is not None else None
     report["mean_accepted_length"] = mean_accepted_length(delta) if delta is not None else None
     report["worker_idle_fraction"] = idle_fraction(delta) if delta is not None else None
-    report["server_stats"] = ({d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields}
-                              if delta is not None else None)
+    report["server_stats"] = (
+        {d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields}
+        if delta is not None
+        else None
+    )
     report["requests"] = [request_record(row, c) for row, c in zip(rows, completions)]
     return report
 
@@ -281,8 +285,10 @@ def format_summary(report: Mapping[str, Any]) -> str:
 
     spec = "off (no drafts)" if report.get("server_stats") is not None else "n/a (server reports no stats)"
     if report["acceptance_rate"] is not None:
-        spec = (f"acceptance {ratio(report['acceptance_rate'])}, "
-                f"mean accepted length {ratio(report['mean_accepted_length'], '{:.2f}')}")
+        spec = (
+            f"acceptance {ratio(report['acceptance_rate'])}, "
+            f"mean accepted length {ratio(report['mean_accepted_length'], '{:.2f}')}"
+        )
     lines = [
         f"model        {report['model'] or '?'} via {report.get('backend', 'grpc')} (spec "
         f"{report['spec_method'] or '?'}, inflight steps {report['max_inflight_steps'] or '?'})",
@@ -341,8 +347,14 @@ def arrival_times(num_requests: int, request_rate: float, seed: int = 0) -> list
     return times
 
 
-async def drive(rows: Sequence[BenchRow], send: Callable[[BenchRow], Awaitable[Completion]], concurrency: int,
-                *, request_rate: float = 0.0, progress: bool = False) -> tuple[list[Completion], float]:
+async def drive(
+    rows: Sequence[BenchRow],
+    send: Callable[[BenchRow], Awaitable[Completion]],
+    concurrency: int,
+    *,
+    request_rate: float = 0.0,
+    progress: bool = False,
+) -> tuple[list[Completion], float]:
     """Send every row with at most ``concurrency`` in flight, each no earlier than its arrival
     time (:func:`arrival_times`); returns the completions in dataset order and the wall time.
 
@@ -412,11 +424,20 @@ async def run_bench_async(
         await wait_connected(channel, connect_timeout)
         stub = generate_pb2_grpc.GenerationStub(channel)
         info_before = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
-        completions, wall_s = await drive(rows, lambda row: _run_one(stub, row, request_timeout), concurrency,
-                                          request_rate=request_rate, progress=progress)
+        completions, wall_s = await drive(
+            rows,
+            lambda row: _run_one(stub, row, request_timeout),
+            concurrency,
+            request_rate=request_rate,
+            progress=progress,
+        )
         info_after = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
     return summarize(
-        rows, completions,
-        wall_s=wall_s, concurrency=concurrency, request_rate=request_rate,
-        delta=stats_delta(info_before.stats, info_after.stats), model_info=info_after,
+        rows,
+        completions,
+        wall_s=wall_s,
+        concurrency=concurrency,
+        request_rate=request_rate,
+        delta=stats_delta(info_before.stats, info_after.stats),
+        model_info=info_after,
     )

@@ -66,7 +66,7 @@ async def stream_completion(client: httpx.AsyncClient, row: BenchRow, model: str
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[len("data:"):].strip()
+                data = line[len("data:") :].strip()
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -120,9 +120,17 @@ async def served_model(client: httpx.AsyncClient) -> str:
         raise OpenAIBackendError(f"cannot list models at {client.base_url}models: {exc}") from exc
 
 
-async def run_openai_bench_async(base_url: str, rows: Sequence[BenchRow], concurrency: int, *,
-                                 request_rate: float = 0.0, model: str = "", api_key: str = "",
-                                 progress: bool = False, request_timeout: float | None = None) -> dict[str, Any]:
+async def run_openai_bench_async(
+    base_url: str,
+    rows: Sequence[BenchRow],
+    concurrency: int,
+    *,
+    request_rate: float = 0.0,
+    model: str = "",
+    api_key: str = "",
+    progress: bool = False,
+    request_timeout: float | None = None,
+) -> dict[str, Any]:
     """Run ``rows`` against the OpenAI-compatible server at ``base_url`` (ending in ``/v1``).
 
     Raises:
@@ -130,12 +138,28 @@ async def run_openai_bench_async(base_url: str, rows: Sequence[BenchRow], concur
     """
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=base_url.rstrip("/") + "/", headers=headers, limits=limits,
-                                 timeout=httpx.Timeout(request_timeout, connect=10.0)) as client:
+    async with httpx.AsyncClient(
+        base_url=base_url.rstrip("/") + "/",
+        headers=headers,
+        limits=limits,
+        timeout=httpx.Timeout(request_timeout, connect=10.0),
+    ) as client:
         model = model or await served_model(client)
-        completions, wall_s = await drive(rows, lambda row: stream_completion(client, row, model), concurrency,
-                                          request_rate=request_rate, progress=progress)
-    report = summarize(rows, completions, wall_s=wall_s, concurrency=concurrency, request_rate=request_rate,
-                       backend="openai", model=model)
+        completions, wall_s = await drive(
+            rows,
+            lambda row: stream_completion(client, row, model),
+            concurrency,
+            request_rate=request_rate,
+            progress=progress,
+        )
+    report = summarize(
+        rows,
+        completions,
+        wall_s=wall_s,
+        concurrency=concurrency,
+        request_rate=request_rate,
+        backend="openai",
+        model=model,
+    )
     report["base_url"] = base_url
     return report

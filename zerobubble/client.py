@@ -12,10 +12,10 @@ import json
 import logging
 import sys
 import time
-from typing import TypeAlias
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeAlias
 
 import grpc
 import grpc.aio
@@ -63,8 +63,13 @@ class ChannelSettings:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ChannelSettings:
         """Pick the connection flags out of a parsed ``generate``/``bench`` command line."""
-        return cls(target=args.target, tls_ca=args.tls_ca, tls_cert=args.tls_cert,
-                   tls_key=args.tls_key, auth_token=args.auth_token)
+        return cls(
+            target=args.target,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            auth_token=args.auth_token,
+        )
 
 
 @dataclass(slots=True)
@@ -145,8 +150,7 @@ def open_channel(settings: ChannelSettings) -> grpc.aio.Channel:
         private_key=_read_optional(settings.tls_key),
         certificate_chain=_read_optional(settings.tls_cert),
     )
-    return grpc.aio.secure_channel(settings.target, credentials, options=CHANNEL_OPTIONS,
-                                   interceptors=interceptors)
+    return grpc.aio.secure_channel(settings.target, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
 
 
 def _read_optional(path: str) -> bytes | None:
@@ -171,7 +175,9 @@ async def wait_connected(channel: grpc.aio.Channel, timeout_s: float) -> None:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise grpc.aio.AioRpcError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.aio.Metadata(),
+                grpc.aio.Metadata(),
                 details=f"no connection within {timeout_s:g}s",
             )
         try:
@@ -217,8 +223,11 @@ def build_request(
     Raises:
         ValueError: not exactly one of ``prompt``, ``messages``, ``token_ids`` is given.
     """
-    given = [name for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
-             if value is not None]
+    given = [
+        name
+        for name, value in (("prompt", prompt), ("messages", messages), ("token_ids", token_ids))
+        if value is not None
+    ]
     if len(given) != 1:
         raise ValueError(f"give exactly one of prompt, messages, token_ids (got {given or 'none'})")
     request = generate_pb2.GenerateRequest()
@@ -318,12 +327,10 @@ async def complete(
         text_parts.setdefault(response.index, []).append(response.text)
         completion.token_ids.extend(response.token_ids)
         completion.logprobs.extend(response.logprobs)
-        completion.top_logprobs.extend(list(zip(top.token_ids, top.logprobs))
-                                       for top in response.top_logprobs)
+        completion.top_logprobs.extend(list(zip(top.token_ids, top.logprobs)) for top in response.top_logprobs)
         completion.request_id = response.request_id or completion.request_id
         completion.num_prompt_tokens = response.num_prompt_tokens or completion.num_prompt_tokens
-        completion.num_cached_prompt_tokens = (response.num_cached_prompt_tokens
-                                               or completion.num_cached_prompt_tokens)
+        completion.num_cached_prompt_tokens = response.num_cached_prompt_tokens or completion.num_cached_prompt_tokens
         completion.num_output_tokens = response.num_output_tokens or completion.num_output_tokens
         if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             completion.finish_reason = finish_reason_name(response.finish_reason)
@@ -364,7 +371,8 @@ def request_from_args(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         except json.JSONDecodeError as exc:
             raise ValueError(f"--messages-json is not valid JSON: {exc}") from exc
         if not isinstance(messages, list) or not all(
-                isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            isinstance(m, dict) and "role" in m and "content" in m for m in messages
+        ):
             raise ValueError('--messages-json must be a list of {"role": ..., "content": ...} objects')
     elif args.chat:
         messages = [{"role": "user", "content": args.prompt}]
@@ -386,8 +394,9 @@ async def generate_async(args: argparse.Namespace, request: generate_pb2.Generat
     async with open_channel(ChannelSettings.from_args(args)) as channel:
         try:
             await wait_connected(channel, args.connect_timeout)
-            completion = await complete(channel, request, timeout=args.timeout or None,
-                                        on_response=None if args.json else echo)
+            completion = await complete(
+                channel, request, timeout=args.timeout or None, on_response=None if args.json else echo
+            )
         except grpc.aio.AioRpcError as exc:
             if echo.printed:
                 sys.stdout.write("\n")
@@ -395,15 +404,20 @@ async def generate_async(args: argparse.Namespace, request: generate_pb2.Generat
             print(f"error: {format_rpc_error(exc)}", file=sys.stderr)
             return 1
     if args.json:
-        print(json.dumps({
-            "text": completion.text,
-            "token_ids": completion.token_ids,
-            "finish_reason": completion.finish_reason,
-            "num_prompt_tokens": completion.num_prompt_tokens,
-            "ttft_s": completion.ttft_s,
-            "e2e_s": completion.e2e_s,
-            **({"error": completion.error} if completion.error else {}),
-        }, ensure_ascii=False))
+        print(
+            json.dumps(
+                {
+                    "text": completion.text,
+                    "token_ids": completion.token_ids,
+                    "finish_reason": completion.finish_reason,
+                    "num_prompt_tokens": completion.num_prompt_tokens,
+                    "ttft_s": completion.ttft_s,
+                    "e2e_s": completion.e2e_s,
+                    **({"error": completion.error} if completion.error else {}),
+                },
+                ensure_ascii=False,
+            )
+        )
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -39,8 +39,7 @@ class SettingInfo:
     secret: bool = False
 
 
-def setting(default: Any, help: str, *, choices: Sequence[Any] | None = None,
-            secret: bool = False) -> Any:
+def setting(default: Any, help: str, *, choices: Sequence[Any] | None = None, secret: bool = False) -> Any:
     """A dataclass field with its documentation attached (see the module docstring)."""
     info = SettingInfo(help, tuple(choices) if choices is not None else None, secret)
     return dataclasses.field(default=default, metadata={"setting": info})
@@ -112,8 +111,13 @@ def default_of(cls: type, name: str) -> Any:
 
 def from_namespace(cls: type[_Config], args: argparse.Namespace) -> _Config:
     """A config filled from parsed flags of the same names (missing ones keep their default)."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
-                  if hasattr(args, f.name)})
+    return cls(
+        **{
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+            if hasattr(args, f.name)
+        }
+    )
 
 
 @dataclass(slots=True)
@@ -145,17 +149,18 @@ class WorkerConfig(ServiceConfig):
     port: int = setting(50061, "gRPC port (0 = pick a free port)")
     metrics_port: int = setting(9091, "Prometheus /metrics port (-1 = off, 0 = pick a free port)")
     tls_client_ca: str = setting(
-        "", "PEM CA for client certificates; when set, clients must present one (mutual TLS)",
-        secret=True)
+        "", "PEM CA for client certificates; when set, clients must present one (mutual TLS)", secret=True
+    )
     model: str = setting("smollm2-135m", "'smollm2-135m' (embedded), a Hugging Face directory or a .gguf file")
-    dtype: str = setting("auto", "weights and KV dtype (auto = float32 on CPU, bfloat16 on CUDA)",
-                         choices=("auto", "float32", "bfloat16"))
-    device: str = setting("auto", "where the model runs (auto = cuda when available)",
-                          choices=("auto", "cpu", "cuda"))
+    dtype: str = setting(
+        "auto",
+        "weights and KV dtype (auto = float32 on CPU, bfloat16 on CUDA)",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gb: float = setting(2.0, "KV cache budget on CPU, in GiB")
-    gpu_memory_utilization: float = setting(
-        0.9, "fraction of GPU memory the worker may fill (weights + KV cache)")
+    gpu_memory_utilization: float = setting(0.9, "fraction of GPU memory the worker may fill (weights + KV cache)")
     max_model_len: int = setting(0, "longest sequence in tokens (0 = from the model config, capped at 8192)")
     spec_method: str = setting("none", "speculative decoding proposer", choices=("none", "ngram", "draft"))
     num_spec_tokens: int = setting(3, "draft tokens per decode step")
@@ -165,25 +170,38 @@ class WorkerConfig(ServiceConfig):
     worker_id: str = setting("", "name in metrics and logs (empty = hostname:port)")
     num_threads: int = setting(0, "torch CPU threads (0 = torch default)")
     prepack_weights: bool = setting(
-        True, "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
-              "batches; float32 weights then take twice the memory)")
+        True,
+        "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
+        "batches; float32 weights then take twice the memory)",
+    )
     auth_token: str = setting(
-        "", "token the scheduler must send (its --worker-auth-token) to use Execute and "
-            "Describe; health stays open (empty = no auth)", secret=True)
+        "",
+        "token the scheduler must send (its --worker-auth-token) to use Execute and "
+        "Describe; health stays open (empty = no auth)",
+        secret=True,
+    )
     drain_timeout: float = setting(
-        30.0, "seconds SIGTERM lets the scheduler finish this worker's requests before the "
-              "stream closes (the manifests' grace period is 30 s)")
+        30.0,
+        "seconds SIGTERM lets the scheduler finish this worker's requests before the "
+        "stream closes (the manifests' grace period is 30 s)",
+    )
     simulate_device_ms: float = setting(
-        -1.0, "no model: every step takes this many ms on a simulated device and tokens come from a "
-              "deterministic function of the sequence (load-test a scheduler or measure host cost "
-              "without an accelerator; -1 = off)")
+        -1.0,
+        "no model: every step takes this many ms on a simulated device and tokens come from a "
+        "deterministic function of the sequence (load-test a scheduler or measure host cost "
+        "without an accelerator; -1 = off)",
+    )
     simulate_acceptance_rate: float = setting(
-        0.6, "with --simulate-device-ms: probability that a token repeats the text 32 tokens "
-             "earlier, i.e. that an n-gram draft is accepted when the one before it was")
+        0.6,
+        "with --simulate-device-ms: probability that a token repeats the text 32 tokens "
+        "earlier, i.e. that an n-gram draft is accepted when the one before it was",
+    )
     # Off until a GPU run confirms it (scripts/device_check.sh; the README says whether one has).
     cuda_graphs: bool = setting(
-        False, "CUDA: capture decode-only steps as CUDA graphs at start-up (one per padded batch "
-               "size x draft width) and replay them; prefill and mixed steps run eagerly")
+        False,
+        "CUDA: capture decode-only steps as CUDA graphs at start-up (one per padded batch "
+        "size x draft width) and replay them; prefill and mixed steps run eagerly",
+    )
 
     @property
     def simulated(self) -> bool:
@@ -205,25 +223,32 @@ class WorkerConfig(ServiceConfig):
         _require(self.num_threads >= 0, "--num-threads must be >= 0")
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         if self.spec_method == "ngram":
-            _require(1 <= self.ngram_min <= self.ngram_max,
-                     f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: "
-                     "need 1 <= --ngram-min <= --ngram-max")
-        _require(self.simulate_device_ms >= 0 or self.simulate_device_ms == -1,
-                 "--simulate-device-ms must be >= 0 (or -1: off)")
+            _require(
+                1 <= self.ngram_min <= self.ngram_max,
+                f"--ngram-min {self.ngram_min} and --ngram-max {self.ngram_max}: need 1 <= --ngram-min <= --ngram-max",
+            )
+        _require(
+            self.simulate_device_ms >= 0 or self.simulate_device_ms == -1,
+            "--simulate-device-ms must be >= 0 (or -1: off)",
+        )
         if self.simulated:
-            _require(self.spec_method in ("none", "ngram"),
-                     "--simulate-device-ms works with --spec-method none or ngram")
-            _require(0 <= self.simulate_acceptance_rate <= 1,
-                     "--simulate-acceptance-rate must be in [0, 1]")
-            _require(self.num_spec_tokens <= 30 or not self.speculative,
-                     "--simulate-device-ms supports at most 30 --num-spec-tokens")
+            _require(
+                self.spec_method in ("none", "ngram"), "--simulate-device-ms works with --spec-method none or ngram"
+            )
+            _require(0 <= self.simulate_acceptance_rate <= 1, "--simulate-acceptance-rate must be in [0, 1]")
+            _require(
+                self.num_spec_tokens <= 30 or not self.speculative,
+                "--simulate-device-ms supports at most 30 --num-spec-tokens",
+            )
         if self.spec_method == "draft":
-            _require(bool(self.draft_model),
-                     "--spec-method draft needs --draft-model (a smaller model with the same "
-                     "tokenizer as --model)")
+            _require(
+                bool(self.draft_model),
+                "--spec-method draft needs --draft-model (a smaller model with the same tokenizer as --model)",
+            )
         elif self.draft_model:
-            raise ConfigError(f"--draft-model is set but --spec-method is {self.spec_method!r}; "
-                              "use --spec-method draft")
+            raise ConfigError(
+                f"--draft-model is set but --spec-method is {self.spec_method!r}; use --spec-method draft"
+            )
 
 
 @dataclass(slots=True)
@@ -237,23 +262,27 @@ class SchedulerServiceConfig(ServiceConfig):
     max_num_batched_tokens: int = setting(512, "token budget of one step (prefill chunks + decode slots)")
     max_waiting: int = setting(1024, "queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
     enable_prefix_caching: bool = setting(True, "share KV blocks of identical prompt prefixes")
-    auth_token: str = setting("", "bearer token clients must send, on gRPC and HTTP (empty = no auth)",
-                              secret=True)
+    auth_token: str = setting("", "bearer token clients must send, on gRPC and HTTP (empty = no auth)", secret=True)
     http_port: int = setting(8000, "OpenAI-compatible HTTP port on --host (-1 = off, 0 = pick a free port)")
     worker_tls_ca: str = setting(
-        "", "PEM CA that signed the workers' certificates; TLS to workers is on when set",
-        secret=True)
+        "", "PEM CA that signed the workers' certificates; TLS to workers is on when set", secret=True
+    )
     worker_tls_cert: str = setting("", "PEM client certificate for mutual TLS to workers", secret=True)
     worker_tls_key: str = setting("", "PEM private key of --worker-tls-cert", secret=True)
     worker_auth_token: str = setting(
-        "", "token sent to the workers' --auth-token (a different secret from the clients' "
-            "--auth-token; empty = none)", secret=True)
+        "",
+        "token sent to the workers' --auth-token (a different secret from the clients' --auth-token; empty = none)",
+        secret=True,
+    )
     step_deadline: float = setting(
-        0.0, "seconds a worker may take to answer a step before it is declared lost and its "
-             "requests move (0 = max(10 s, 20 x p99 of its recent steps))")
+        0.0,
+        "seconds a worker may take to answer a step before it is declared lost and its "
+        "requests move (0 = max(10 s, 20 x p99 of its recent steps))",
+    )
     drain_timeout: float = setting(
-        60.0, "seconds SIGTERM lets running requests finish before cancelling the rest (the "
-              "manifests' grace period is 60 s)")
+        60.0,
+        "seconds SIGTERM lets running requests finish before cancelling the rest (the manifests' grace period is 60 s)",
+    )
 
     def worker_addresses(self) -> list[str]:
         """``--workers`` split into its addresses."""
@@ -267,10 +296,14 @@ class SchedulerServiceConfig(ServiceConfig):
         _require(self.step_deadline >= 0, "--step-deadline must be >= 0 (0 = derived)")
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
-        _require(bool(self.worker_tls_cert) == bool(self.worker_tls_key),
-                 "--worker-tls-cert and --worker-tls-key go together")
-        _require(not self.worker_tls_cert or bool(self.worker_tls_ca),
-                 "--worker-tls-cert needs --worker-tls-ca (mutual TLS is on top of TLS)")
+        _require(
+            bool(self.worker_tls_cert) == bool(self.worker_tls_key),
+            "--worker-tls-cert and --worker-tls-key go together",
+        )
+        _require(
+            not self.worker_tls_cert or bool(self.worker_tls_ca),
+            "--worker-tls-cert needs --worker-tls-ca (mutual TLS is on top of TLS)",
+        )
 
 
 @dataclass(slots=True)
@@ -283,8 +316,9 @@ class ServeConfig:
 
     scheduler: SchedulerServiceConfig
     worker: WorkerConfig
-    worker_port: int = setting(0, "port of the local worker (0 = pick a free port); its metrics "
-                                  "go to the scheduler's port")
+    worker_port: int = setting(
+        0, "port of the local worker (0 = pick a free port); its metrics go to the scheduler's port"
+    )
 
     def validate(self) -> None:
         self.scheduler.validate()
@@ -294,8 +328,7 @@ class ServeConfig:
 
 # Settings of a worker that `serve` does not expose: the local worker's own listener, and its
 # auth token (serve makes a fresh one per run; `--auth-token` on serve is the clients' token).
-SERVE_WORKER_HIDDEN = frozenset({"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca",
-                                 "auth_token"})
+SERVE_WORKER_HIDDEN = frozenset({"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "auth_token"})
 
 
 def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
@@ -310,7 +343,8 @@ def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
         return [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
     if command == "serve":
         out: list[tuple[type, dataclasses.Field]] = [
-            (SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
+            (SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)
+        ]
         taken = {f.name for _, f in out} | SERVE_WORKER_HIDDEN
         out += [(WorkerConfig, f) for f in dataclasses.fields(WorkerConfig) if f.name not in taken]
         out += [(ServeConfig, f) for f in dataclasses.fields(ServeConfig) if "setting" in f.metadata]
@@ -320,8 +354,12 @@ def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
 
 def secret_settings() -> frozenset[str]:
     """Names of the settings that manifests must take from a Secret."""
-    return frozenset(f.name for cls in (WorkerConfig, SchedulerServiceConfig)
-                     for f in dataclasses.fields(cls) if setting_info(f).secret)
+    return frozenset(
+        f.name
+        for cls in (WorkerConfig, SchedulerServiceConfig)
+        for f in dataclasses.fields(cls)
+        if setting_info(f).secret
+    )
 
 
 def serve_config(args: argparse.Namespace) -> ServeConfig:
@@ -329,8 +367,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     worker = from_namespace(WorkerConfig, args)
     worker.host, worker.port, worker.metrics_port = "127.0.0.1", args.worker_port, -1
     worker.tls_cert = worker.tls_key = worker.tls_client_ca = worker.auth_token = ""
-    return ServeConfig(scheduler=from_namespace(SchedulerServiceConfig, args), worker=worker,
-                       worker_port=args.worker_port)
+    return ServeConfig(
+        scheduler=from_namespace(SchedulerServiceConfig, args), worker=worker, worker_port=args.worker_port
+    )
 
 
 def _require(condition: bool, message: str) -> None:

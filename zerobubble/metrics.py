@@ -34,20 +34,95 @@ logger = logging.getLogger(__name__)
 # token gap on CPU can reach seconds, and a cold-start TTFT behind a long queue up to a minute.
 # Denser buckets where SLOs usually sit (10-500 ms) keep histogram_quantile() precise there.
 TTFT_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
-    1.0, 1.5, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 60.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    60.0,
 )
 INTER_TOKEN_BUCKETS: tuple[float, ...] = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
-    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
 )
 STEP_BUCKETS: tuple[float, ...] = (
-    0.0005, 0.001, 0.002, 0.004, 0.006, 0.008, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075,
-    0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0,
+    0.0005,
+    0.001,
+    0.002,
+    0.004,
+    0.006,
+    0.008,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
 )
 REQUEST_BUCKETS: tuple[float, ...] = (
-    0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0,
-    60.0, 120.0, 300.0, 600.0, 1200.0,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+    600.0,
+    1200.0,
 )
 
 # Lower-case names of the proto FinishReason values (minus UNSPECIFIED). A closed set keeps the
@@ -70,51 +145,101 @@ class MetricSpec:
 
 
 METRIC_SPECS: tuple[MetricSpec, ...] = (
-    MetricSpec("zerobubble_num_requests_running", "gauge", MODEL_LABELS,
-               "Requests currently scheduled (prefilling or decoding)."),
-    MetricSpec("zerobubble_num_requests_waiting", "gauge", MODEL_LABELS,
-               "Requests queued for admission, including preempted ones."),
-    MetricSpec("zerobubble_kv_cache_usage_ratio", "gauge", WORKER_LABELS,
-               "Used KV cache blocks divided by all blocks of the worker (0-1)."),
-    MetricSpec("zerobubble_prompt_tokens_total", "counter", MODEL_LABELS,
-               "Prompt tokens of finished requests."),
-    MetricSpec("zerobubble_generation_tokens_total", "counter", MODEL_LABELS,
-               "Generated tokens of finished requests."),
-    MetricSpec("zerobubble_prefix_cache_queries_total", "counter", MODEL_LABELS,
-               "Prompt tokens looked up in the prefix cache."),
-    MetricSpec("zerobubble_prefix_cache_hits_total", "counter", MODEL_LABELS,
-               "Prompt tokens found in the prefix cache."),
-    MetricSpec("zerobubble_request_success_total", "counter", ("model", "finished_reason"),
-               "Finished requests by stop reason."),
-    MetricSpec("zerobubble_num_preemptions_total", "counter", MODEL_LABELS,
-               "Requests preempted to free KV cache blocks."),
-    MetricSpec("zerobubble_time_to_first_token_seconds", "histogram", MODEL_LABELS,
-               "Time from arrival to the first streamed token.", TTFT_BUCKETS),
-    MetricSpec("zerobubble_inter_token_latency_seconds", "histogram", MODEL_LABELS,
-               "Gap between consecutive streamed tokens of a request (a message carrying n "
-               "tokens counts as n gaps, each 1/n of its delay).",
-               INTER_TOKEN_BUCKETS),
-    MetricSpec("zerobubble_e2e_request_latency_seconds", "histogram", MODEL_LABELS,
-               "Time from arrival to the last token.", REQUEST_BUCKETS),
-    MetricSpec("zerobubble_request_queue_time_seconds", "histogram", MODEL_LABELS,
-               "Time a request waited before it was first scheduled.", REQUEST_BUCKETS),
-    MetricSpec("zerobubble_spec_decode_num_drafts_total", "counter", WORKER_LABELS,
-               "Draft sequences verified (one per request and step with drafts)."),
-    MetricSpec("zerobubble_spec_decode_num_draft_tokens_total", "counter", WORKER_LABELS,
-               "Draft tokens verified."),
-    MetricSpec("zerobubble_spec_decode_num_accepted_tokens_total", "counter", WORKER_LABELS,
-               "Draft tokens accepted."),
-    MetricSpec("zerobubble_spec_decode_num_accepted_tokens_per_pos_total", "counter",
-               ("model", "worker", "position"),
-               "Draft tokens accepted, by position in the draft (0 = first draft token)."),
-    MetricSpec("zerobubble_worker_step_duration_seconds", "histogram", WORKER_LABELS,
-               "Device time of one step on a worker.", STEP_BUCKETS),
-    MetricSpec("zerobubble_worker_idle_seconds_total", "counter", WORKER_LABELS,
-               "Time a worker spent waiting for its next plan (the bubble)."),
-    MetricSpec("zerobubble_inflight_steps", "gauge", WORKER_LABELS,
-               "Plans sent to a worker and not answered yet."),
-    MetricSpec("zerobubble_placeholder_tokens_rolled_back_total", "counter", MODEL_LABELS,
-               "Optimistic draft slots undone when results were reconciled."),
+    MetricSpec(
+        "zerobubble_num_requests_running",
+        "gauge",
+        MODEL_LABELS,
+        "Requests currently scheduled (prefilling or decoding).",
+    ),
+    MetricSpec(
+        "zerobubble_num_requests_waiting",
+        "gauge",
+        MODEL_LABELS,
+        "Requests queued for admission, including preempted ones.",
+    ),
+    MetricSpec(
+        "zerobubble_kv_cache_usage_ratio",
+        "gauge",
+        WORKER_LABELS,
+        "Used KV cache blocks divided by all blocks of the worker (0-1).",
+    ),
+    MetricSpec("zerobubble_prompt_tokens_total", "counter", MODEL_LABELS, "Prompt tokens of finished requests."),
+    MetricSpec("zerobubble_generation_tokens_total", "counter", MODEL_LABELS, "Generated tokens of finished requests."),
+    MetricSpec(
+        "zerobubble_prefix_cache_queries_total", "counter", MODEL_LABELS, "Prompt tokens looked up in the prefix cache."
+    ),
+    MetricSpec(
+        "zerobubble_prefix_cache_hits_total", "counter", MODEL_LABELS, "Prompt tokens found in the prefix cache."
+    ),
+    MetricSpec(
+        "zerobubble_request_success_total", "counter", ("model", "finished_reason"), "Finished requests by stop reason."
+    ),
+    MetricSpec(
+        "zerobubble_num_preemptions_total", "counter", MODEL_LABELS, "Requests preempted to free KV cache blocks."
+    ),
+    MetricSpec(
+        "zerobubble_time_to_first_token_seconds",
+        "histogram",
+        MODEL_LABELS,
+        "Time from arrival to the first streamed token.",
+        TTFT_BUCKETS,
+    ),
+    MetricSpec(
+        "zerobubble_inter_token_latency_seconds",
+        "histogram",
+        MODEL_LABELS,
+        "Gap between consecutive streamed tokens of a request (a message carrying n "
+        "tokens counts as n gaps, each 1/n of its delay).",
+        INTER_TOKEN_BUCKETS,
+    ),
+    MetricSpec(
+        "zerobubble_e2e_request_latency_seconds",
+        "histogram",
+        MODEL_LABELS,
+        "Time from arrival to the last token.",
+        REQUEST_BUCKETS,
+    ),
+    MetricSpec(
+        "zerobubble_request_queue_time_seconds",
+        "histogram",
+        MODEL_LABELS,
+        "Time a request waited before it was first scheduled.",
+        REQUEST_BUCKETS,
+    ),
+    MetricSpec(
+        "zerobubble_spec_decode_num_drafts_total",
+        "counter",
+        WORKER_LABELS,
+        "Draft sequences verified (one per request and step with drafts).",
+    ),
+    MetricSpec("zerobubble_spec_decode_num_draft_tokens_total", "counter", WORKER_LABELS, "Draft tokens verified."),
+    MetricSpec("zerobubble_spec_decode_num_accepted_tokens_total", "counter", WORKER_LABELS, "Draft tokens accepted."),
+    MetricSpec(
+        "zerobubble_spec_decode_num_accepted_tokens_per_pos_total",
+        "counter",
+        ("model", "worker", "position"),
+        "Draft tokens accepted, by position in the draft (0 = first draft token).",
+    ),
+    MetricSpec(
+        "zerobubble_worker_step_duration_seconds",
+        "histogram",
+        WORKER_LABELS,
+        "Device time of one step on a worker.",
+        STEP_BUCKETS,
+    ),
+    MetricSpec(
+        "zerobubble_worker_idle_seconds_total",
+        "counter",
+        WORKER_LABELS,
+        "Time a worker spent waiting for its next plan (the bubble).",
+    ),
+    MetricSpec("zerobubble_inflight_steps", "gauge", WORKER_LABELS, "Plans sent to a worker and not answered yet."),
+    MetricSpec(
+        "zerobubble_placeholder_tokens_rolled_back_total",
+        "counter",
+        MODEL_LABELS,
+        "Optimistic draft slots undone when results were reconciled.",
+    ),
 )
 
 # What dashboards, alerts and autoscalers may query (histograms add _bucket/_sum/_count).
@@ -181,17 +306,37 @@ class ServiceMetrics:
     """
 
     __slots__ = (
-        "model", "role", "registry", "num_requests_running", "num_requests_waiting",
-        "kv_cache_usage_ratio", "prompt_tokens", "generation_tokens", "prefix_cache_queries",
-        "prefix_cache_hits", "request_success", "num_preemptions", "time_to_first_token",
-        "inter_token_latency", "e2e_request_latency", "request_queue_time", "spec_num_drafts",
-        "spec_num_draft_tokens", "spec_num_accepted_tokens", "spec_accepted_per_pos",
-        "worker_step_duration", "worker_idle", "inflight_steps", "placeholders_rolled_back",
-        "_positions", "_lock", "_http", "_warned",
+        "model",
+        "role",
+        "registry",
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_ratio",
+        "prompt_tokens",
+        "generation_tokens",
+        "prefix_cache_queries",
+        "prefix_cache_hits",
+        "request_success",
+        "num_preemptions",
+        "time_to_first_token",
+        "inter_token_latency",
+        "e2e_request_latency",
+        "request_queue_time",
+        "spec_num_drafts",
+        "spec_num_draft_tokens",
+        "spec_num_accepted_tokens",
+        "spec_accepted_per_pos",
+        "worker_step_duration",
+        "worker_idle",
+        "inflight_steps",
+        "placeholders_rolled_back",
+        "_positions",
+        "_lock",
+        "_http",
+        "_warned",
     )
 
-    def __init__(self, model: str = "", role: str = "scheduler",
-                 registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, model: str = "", role: str = "scheduler", registry: CollectorRegistry | None = None) -> None:
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.model = model
@@ -230,10 +375,8 @@ class ServiceMetrics:
         self.request_queue_time = histogram("zerobubble_request_queue_time_seconds")
         self.spec_num_drafts = counter("zerobubble_spec_decode_num_drafts_total")
         self.spec_num_draft_tokens = counter("zerobubble_spec_decode_num_draft_tokens_total")
-        self.spec_num_accepted_tokens = counter(
-            "zerobubble_spec_decode_num_accepted_tokens_total")
-        self.spec_accepted_per_pos = counter(
-            "zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
+        self.spec_num_accepted_tokens = counter("zerobubble_spec_decode_num_accepted_tokens_total")
+        self.spec_accepted_per_pos = counter("zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
         self.worker_step_duration = histogram("zerobubble_worker_step_duration_seconds")
         self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
         self.inflight_steps = gauge("zerobubble_inflight_steps")
@@ -247,16 +390,28 @@ class ServiceMetrics:
 
     def _request_metrics(self) -> tuple[Counter | Gauge | Histogram, ...]:
         return (
-            self.num_requests_running, self.num_requests_waiting, self.prompt_tokens,
-            self.generation_tokens, self.prefix_cache_queries, self.prefix_cache_hits,
-            self.num_preemptions, self.time_to_first_token, self.inter_token_latency,
-            self.e2e_request_latency, self.request_queue_time, self.placeholders_rolled_back,
+            self.num_requests_running,
+            self.num_requests_waiting,
+            self.prompt_tokens,
+            self.generation_tokens,
+            self.prefix_cache_queries,
+            self.prefix_cache_hits,
+            self.num_preemptions,
+            self.time_to_first_token,
+            self.inter_token_latency,
+            self.e2e_request_latency,
+            self.request_queue_time,
+            self.placeholders_rolled_back,
         )
 
     def _worker_metrics(self) -> tuple[Counter | Gauge | Histogram, ...]:
         return (
-            self.kv_cache_usage_ratio, self.spec_num_drafts, self.spec_num_draft_tokens,
-            self.spec_num_accepted_tokens, self.worker_step_duration, self.worker_idle,
+            self.kv_cache_usage_ratio,
+            self.spec_num_drafts,
+            self.spec_num_draft_tokens,
+            self.spec_num_accepted_tokens,
+            self.worker_step_duration,
+            self.worker_idle,
             self.inflight_steps,
         )
 
@@ -285,8 +440,12 @@ class ServiceMetrics:
         """
         if model == self.model:
             return
-        for metric in (*self._request_metrics(), self.request_success, *self._worker_metrics(),
-                       self.spec_accepted_per_pos):
+        for metric in (
+            *self._request_metrics(),
+            self.request_success,
+            *self._worker_metrics(),
+            self.spec_accepted_per_pos,
+        ):
             metric.clear()
         with self._lock:
             self._positions.clear()
@@ -323,8 +482,11 @@ class ServiceMetrics:
             self.record_step_result(worker, forward_s)
             return
         if num_accepted > num_draft_tokens:
-            self._warn_once("accepted", f"worker {worker} reported num_accepted={num_accepted} > "
-                            f"num_draft_tokens={num_draft_tokens}; counting the drafts only")
+            self._warn_once(
+                "accepted",
+                f"worker {worker} reported num_accepted={num_accepted} > "
+                f"num_draft_tokens={num_draft_tokens}; counting the drafts only",
+            )
             num_accepted = num_draft_tokens
         self._touch_worker(worker)
         labels = {"model": self.model, "worker": worker}
@@ -341,8 +503,7 @@ class ServiceMetrics:
                     seen.add(position)
             self.spec_accepted_per_pos.labels(position=position, **labels).inc(accepted)
 
-    def record_step_result(self, worker: str, result: StepResultLike,
-                           inflight: int | None = None) -> None:
+    def record_step_result(self, worker: str, result: StepResultLike, inflight: int | None = None) -> None:
         """Account a ``StepResult`` of ``worker``; ``inflight`` also updates its window gauge.
 
         A draft counts once per request that had drafts verified in the step, as vLLM counts
@@ -380,8 +541,10 @@ class ServiceMetrics:
         finished_reason = normalize_finished_reason(reason)
         if finished_reason is None:
             # A free-form label value would grow the series without bound.
-            self._warn_once(f"reason:{reason}", f"unknown finished_reason {reason!r}, counted "
-                            f"as 'error' (known: {', '.join(FINISHED_REASONS)})")
+            self._warn_once(
+                f"reason:{reason}",
+                f"unknown finished_reason {reason!r}, counted as 'error' (known: {', '.join(FINISHED_REASONS)})",
+            )
             finished_reason = "error"
         self.request_success.labels(finished_reason=finished_reason, **labels).inc()
         self.e2e_request_latency.labels(**labels).observe(e2e_s)
@@ -409,8 +572,7 @@ class ServiceMetrics:
     def set_kv_usage(self, worker: str, ratio: float) -> None:
         """Publish the fraction (0-1) of ``worker``'s KV blocks in use."""
         if not 0.0 <= ratio <= 1.0:
-            self._warn_once("kv", f"KV cache usage ratio {ratio} of worker {worker} is outside "
-                            "[0, 1]; clamped")
+            self._warn_once("kv", f"KV cache usage ratio {ratio} of worker {worker} is outside [0, 1]; clamped")
             ratio = min(max(ratio, 0.0), 1.0)
         self._touch_worker(worker)
         self.kv_cache_usage_ratio.labels(model=self.model, worker=worker).set(ratio)
@@ -431,8 +593,7 @@ class ServiceMetrics:
     def add_prefix_cache(self, queries: int, hits: int) -> None:
         """Account a prefix-cache lookup of ``queries`` prompt tokens that found ``hits``."""
         if hits > queries:
-            self._warn_once("prefix", f"prefix cache hits={hits} exceed queries={queries}; "
-                            "counting the queries only")
+            self._warn_once("prefix", f"prefix cache hits={hits} exceed queries={queries}; counting the queries only")
             hits = queries
         self.prefix_cache_queries.labels(model=self.model).inc(queries)
         self.prefix_cache_hits.labels(model=self.model).inc(hits)

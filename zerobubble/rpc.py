@@ -74,7 +74,7 @@ class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
         given = str(metadata.get("authorization", "")).encode()
         if hmac.compare_digest(given, self.expected):
             return await continuation(details)
-        method = details.method[len(self.prefix):]
+        method = details.method[len(self.prefix) :]
         return self._deny[self.streaming.get(method, "unary_unary")]
 
 
@@ -87,8 +87,9 @@ def _read(path: str | None) -> bytes | None:
     return Path(path).read_bytes() if path else None
 
 
-def server_credentials(cert: str | None, key: str | None,
-                       client_ca: str | None = None) -> grpc.ServerCredentials | None:
+def server_credentials(
+    cert: str | None, key: str | None, client_ca: str | None = None
+) -> grpc.ServerCredentials | None:
     """TLS credentials for a server; with `client_ca`, clients must present a cert (mTLS)."""
     if not cert and not key:
         if client_ca:
@@ -96,21 +97,25 @@ def server_credentials(cert: str | None, key: str | None,
         return None
     if not (cert and key):
         raise ValueError("TLS needs both --tls-cert and --tls-key")
-    return grpc.ssl_server_credentials([(_read(key), _read(cert))], root_certificates=_read(client_ca),
-                                       require_client_auth=client_ca is not None)
+    return grpc.ssl_server_credentials(
+        [(_read(key), _read(cert))], root_certificates=_read(client_ca), require_client_auth=client_ca is not None
+    )
 
 
-def channel_credentials(ca: str | None, cert: str | None = None,
-                        key: str | None = None) -> grpc.ChannelCredentials | None:
+def channel_credentials(
+    ca: str | None, cert: str | None = None, key: str | None = None
+) -> grpc.ChannelCredentials | None:
     """TLS credentials for a client channel (client cert optional, for mTLS)."""
     if not (ca or cert or key):
         return None
-    return grpc.ssl_channel_credentials(root_certificates=_read(ca), private_key=_read(key),
-                                        certificate_chain=_read(cert))
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca), private_key=_read(key), certificate_chain=_read(cert)
+    )
 
 
-def aio_channel(target: str, creds: grpc.ChannelCredentials | None = None,
-                server_name: str | None = None) -> grpc.aio.Channel:
+def aio_channel(
+    target: str, creds: grpc.ChannelCredentials | None = None, server_name: str | None = None
+) -> grpc.aio.Channel:
     """An asyncio channel with our message-size and keepalive settings.
 
     With TLS, `server_name` is the name the server's certificate must carry when it differs
@@ -124,39 +129,33 @@ def aio_channel(target: str, creds: grpc.ChannelCredentials | None = None,
     return grpc.aio.secure_channel(target, creds, options=options)
 
 
-def add_health_and_reflection(server: grpc.aio.Server,
-                              service_names: Iterable[str]) -> health.aio.HealthServicer:
+def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:
     """Register grpc.health.v1 and server reflection; returns the health servicer."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                                   reflection.SERVICE_NAME]
+    names = list(service_names) + [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     return health_servicer
 
 
-async def set_serving(health_servicer: health.aio.HealthServicer, services: Iterable[str],
-                      serving: bool) -> None:
+async def set_serving(health_servicer: health.aio.HealthServicer, services: Iterable[str], serving: bool) -> None:
     """Set the overall ("") and per-service health status."""
-    status = (health_pb2.HealthCheckResponse.SERVING if serving
-              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
     for name in ["", *services]:
         await health_servicer.set(name, status)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int,
-         creds: grpc.ServerCredentials | None) -> int:
+def bind(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCredentials | None) -> int:
     """Listen on host:port (0 = a free port); returns the bound port."""
     address = f"{host}:{port}"
     try:
-        bound = (server.add_secure_port(address, creds) if creds is not None
-                 else server.add_insecure_port(address))
+        bound = server.add_secure_port(address, creds) if creds is not None else server.add_insecure_port(address)
     except RuntimeError as exc:  # grpcio reports a failed bind this way
-        raise OSError(f"cannot listen on {address}: the port is in use or the address is "
-                      f"not available ({exc})") from exc
+        raise OSError(
+            f"cannot listen on {address}: the port is in use or the address is not available ({exc})"
+        ) from exc
     if bound == 0:
-        raise OSError(f"cannot listen on {address}: the port is in use or the address is "
-                      "not available")
+        raise OSError(f"cannot listen on {address}: the port is in use or the address is not available")
     return bound
 
 
@@ -170,8 +169,9 @@ def install_stop_signals(stop: asyncio.Event) -> None:
             pass
 
 
-async def graceful_stop(server: grpc.aio.Server, health_servicer: health.aio.HealthServicer,
-                        services: Iterable[str], grace_s: float) -> None:
+async def graceful_stop(
+    server: grpc.aio.Server, health_servicer: health.aio.HealthServicer, services: Iterable[str], grace_s: float
+) -> None:
     """Health NOT_SERVING first (load balancers stop routing), then drain streams, then stop."""
     await set_serving(health_servicer, services, False)
     logger.info("shutting down: draining in-flight streams for up to %.0fs", grace_s)

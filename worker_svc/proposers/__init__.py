@@ -34,8 +34,9 @@ class Proposer(Protocol):
         """[len(slots), k, vocab] draft distributions of the current drafts."""
 
 
-def build_proposer(method: str, num_spec_tokens: int, ngram_min: int = 2, ngram_max: int = 4,
-                   draft_model: object | None = None) -> Proposer | None:
+def build_proposer(
+    method: str, num_spec_tokens: int, ngram_min: int = 2, ngram_max: int = 4, draft_model: object | None = None
+) -> Proposer | None:
     """The proposer for `--spec-method` (None for `none` or k = 0)."""
     if method == "none" or num_spec_tokens <= 0:
         return None

@@ -38,9 +38,17 @@ class NgramProposer:
 
     def propose(self, slots: torch.Tensor, batch: object = None) -> None:
         st = self.runner.state
-        drafts, num = ngram_propose(slots, st.seq_len, st.last_token, st.block_table, st.history,
-                                    self.runner.config.block_size, self.ngram_min,
-                                    self.ngram_max, self.k)
+        drafts, num = ngram_propose(
+            slots,
+            st.seq_len,
+            st.last_token,
+            st.block_table,
+            st.history,
+            self.runner.config.block_size,
+            self.ngram_min,
+            self.ngram_max,
+            self.k,
+        )
         idx = slots.long()
         st.drafts[idx, : self.k] = drafts
         st.num_drafts[idx] = num

@@ -32,24 +32,40 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if not rows:
-        print(f"error: no rows selected from {args.dataset}" + (f" with kind {args.kind!r}" if args.kind else ""),
-              file=sys.stderr)
+        print(
+            f"error: no rows selected from {args.dataset}" + (f" with kind {args.kind!r}" if args.kind else ""),
+            file=sys.stderr,
+        )
         return 2
     try:
         if args.backend == "openai":
             logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
             try:
-                report = asyncio.run(run_openai_bench_async(
-                    args.base_url, rows, args.concurrency, request_rate=args.request_rate,
-                    model=args.model_name, api_key=args.auth_token, progress=args.progress))
+                report = asyncio.run(
+                    run_openai_bench_async(
+                        args.base_url,
+                        rows,
+                        args.concurrency,
+                        request_rate=args.request_rate,
+                        model=args.model_name,
+                        api_key=args.auth_token,
+                        progress=args.progress,
+                    )
+                )
             except OpenAIBackendError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
         else:
-            report = asyncio.run(run_bench_async(
-                ChannelSettings.from_args(args), rows, args.concurrency, request_rate=args.request_rate,
-                progress=args.progress, connect_timeout=args.connect_timeout,
-            ))
+            report = asyncio.run(
+                run_bench_async(
+                    ChannelSettings.from_args(args),
+                    rows,
+                    args.concurrency,
+                    request_rate=args.request_rate,
+                    progress=args.progress,
+                    connect_timeout=args.connect_timeout,
+                )
+            )
     except grpc.aio.AioRpcError as exc:
         print(f"error: {format_rpc_error(exc)}", file=sys.stderr)
         return 1

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerobubble.config import (
-    ConfigError,
     LOG_LEVELS,
+    ConfigError,
     SchedulerServiceConfig,
     WorkerConfig,
     env_name,
@@ -34,6 +34,7 @@ from zerobubble.config import (
     service_settings,
     setting_info,
 )
+
 
 @dataclass(frozen=True, slots=True)
 class EnvDefault:
@@ -55,8 +56,11 @@ class Parser(argparse.ArgumentParser):
     environment value would run silently; here it is a usage error naming the variable.
     """
 
-    def parse_known_args(self, args: Sequence[str] | None = None,  # type: ignore[override]
-                         namespace: argparse.Namespace | None = None) -> tuple[argparse.Namespace, list[str]]:
+    def parse_known_args(
+        self,
+        args: Sequence[str] | None = None,  # type: ignore[override]
+        namespace: argparse.Namespace | None = None,
+    ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
         for dest, value in vars(parsed).items():
             if isinstance(value, EnvDefault):
@@ -74,16 +78,22 @@ class _AppendReplacingDefault(argparse.Action):
     explicit command line.
     """
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
-                 values: Any, option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         current = getattr(namespace, self.dest)
         items = [] if current is self.default else list(current)
         items.append(values)
         setattr(namespace, self.dest, items)
 
 
-def env_converter(default: Any, type: Callable[[str], Any], choices: Sequence[Any] | None,
-                  repeat: bool) -> Callable[[str], Any]:
+def env_converter(
+    default: Any, type: Callable[[str], Any], choices: Sequence[Any] | None, repeat: bool
+) -> Callable[[str], Any]:
     """How a flag's environment string becomes its value (bools from 1/true/yes/0/false/no).
 
     A ``repeat`` flag's variable holds one item per line, because the items (stop strings) may
@@ -128,20 +138,21 @@ def add_flag(
     if isinstance(default, bool):
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=value, help=full_help)
     elif repeat:
-        group.add_argument(flag, action=_AppendReplacingDefault, type=type, choices=choices,
-                           default=value, help=full_help)
+        group.add_argument(
+            flag, action=_AppendReplacingDefault, type=type, choices=choices, default=value, help=full_help
+        )
     else:
         group.add_argument(flag, type=type, choices=choices, default=value, help=full_help)
 
 
 def add_logging_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     """``--log-level``, shared by every subcommand."""
-    add_flag(parser, "--log-level", default="info", choices=LOG_LEVELS, type=str.lower, env=env,
-             help="logging verbosity")
+    add_flag(
+        parser, "--log-level", default="info", choices=LOG_LEVELS, type=str.lower, env=env, help="logging verbosity"
+    )
 
 
-def add_setting_flags(parser: argparse.ArgumentParser, command: str,
-                      env: Mapping[str, str] | None) -> None:
+def add_setting_flags(parser: argparse.ArgumentParser, command: str, env: Mapping[str, str] | None) -> None:
     """The flags of a service command, generated from its settings in `zerobubble.config`."""
     groups: dict[type, argparse._ActionsContainer] = {}
     for cls, f in service_settings(command):
@@ -151,8 +162,16 @@ def add_setting_flags(parser: argparse.ArgumentParser, command: str,
         kind: Callable[[str], Any] = type(f.default)
         if info.choices is not None and kind is str:
             kind = str.lower
-        add_flag(group, flag_name(f.name), default=f.default, help=info.help, type=kind,
-                 choices=info.choices, env=env, convert=functools.partial(parse_setting, f))
+        add_flag(
+            group,
+            flag_name(f.name),
+            default=f.default,
+            help=info.help,
+            type=kind,
+            choices=info.choices,
+            env=env,
+            convert=functools.partial(parse_setting, f),
+        )
 
 
 def add_client_flags(group: argparse._ActionsContainer, env: Mapping[str, str] | None) -> None:
@@ -162,8 +181,14 @@ def add_client_flags(group: argparse._ActionsContainer, env: Mapping[str, str] |
     add_flag(group, "--tls-cert", default="", env=env, help="PEM client certificate (mutual TLS)")
     add_flag(group, "--tls-key", default="", env=env, help="PEM private key of --tls-cert")
     add_flag(group, "--auth-token", default="", env=env, help="bearer token sent as 'authorization'")
-    add_flag(group, "--connect-timeout", default=10.0, type=float, env=env,
-             help="seconds to wait for the connection before giving up")
+    add_flag(
+        group,
+        "--connect-timeout",
+        default=10.0,
+        type=float,
+        env=env,
+        help="seconds to wait for the connection before giving up",
+    )
 
 
 def add_generate_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
@@ -172,10 +197,20 @@ def add_generate_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     # run_generate checks that exactly one input is set.
     inputs = parser.add_argument_group("input (exactly one)")
     add_flag(inputs, "--prompt", default="", env=env, help="raw prompt text (no chat template)")
-    add_flag(inputs, "--messages-json", default="", env=env,
-             help='chat messages as JSON: [{"role": "user", "content": "..."}]')
-    add_flag(inputs, "--chat", default=False, env=env,
-             help="send --prompt as one user chat message, so the model's chat template applies")
+    add_flag(
+        inputs,
+        "--messages-json",
+        default="",
+        env=env,
+        help='chat messages as JSON: [{"role": "user", "content": "..."}]',
+    )
+    add_flag(
+        inputs,
+        "--chat",
+        default=False,
+        env=env,
+        help="send --prompt as one user chat message, so the model's chat template applies",
+    )
     sampling = parser.add_argument_group("sampling and stopping")
     add_flag(sampling, "--max-tokens", default=0, type=int, env=env, help="output token limit (0 = server default)")
     add_flag(sampling, "--temperature", default=0.0, type=float, env=env, help="0 = greedy")
@@ -184,23 +219,56 @@ def add_generate_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     add_flag(sampling, "--top-p", default=1.0, type=float, env=env, help="nucleus probability mass in (0, 1]")
     add_flag(sampling, "--stop", default=[], repeat=True, env=env, help="stop string, repeatable")
     add_flag(sampling, "--timeout", default=0.0, type=float, env=env, help="whole-request deadline in s (0 = none)")
-    add_flag(parser, "--json", default=False, env=env,
-             help="print one JSON object (text, token_ids, finish_reason, timings) instead of streaming")
+    add_flag(
+        parser,
+        "--json",
+        default=False,
+        env=env,
+        help="print one JSON object (text, token_ids, finish_reason, timings) instead of streaming",
+    )
 
 
 def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     """Dataset and load flags of ``bench``."""
     add_flag(parser, "--dataset", default="", env=env, help="JSONL file: messages|prompt, max_tokens, kind, ...")
-    add_flag(parser, "--concurrency", default=8, type=int, env=env,
-             help="requests in flight at once (with --request-rate: the most in flight)")
-    add_flag(parser, "--request-rate", default=0.0, type=float, env=env,
-             help="open loop: Poisson arrivals at this many requests/s (0 = closed loop at --concurrency)")
-    add_flag(parser, "--backend", default="grpc", choices=("grpc", "openai"), env=env,
-             help="grpc: our scheduler at --target; openai: any OpenAI-compatible server at --base-url")
-    add_flag(parser, "--base-url", default="http://localhost:8000/v1", env=env,
-             help="OpenAI-compatible API root for --backend openai")
-    add_flag(parser, "--model-name", default="", env=env,
-             help="model to ask for with --backend openai (empty = the first of /v1/models)")
+    add_flag(
+        parser,
+        "--concurrency",
+        default=8,
+        type=int,
+        env=env,
+        help="requests in flight at once (with --request-rate: the most in flight)",
+    )
+    add_flag(
+        parser,
+        "--request-rate",
+        default=0.0,
+        type=float,
+        env=env,
+        help="open loop: Poisson arrivals at this many requests/s (0 = closed loop at --concurrency)",
+    )
+    add_flag(
+        parser,
+        "--backend",
+        default="grpc",
+        choices=("grpc", "openai"),
+        env=env,
+        help="grpc: our scheduler at --target; openai: any OpenAI-compatible server at --base-url",
+    )
+    add_flag(
+        parser,
+        "--base-url",
+        default="http://localhost:8000/v1",
+        env=env,
+        help="OpenAI-compatible API root for --backend openai",
+    )
+    add_flag(
+        parser,
+        "--model-name",
+        default="",
+        env=env,
+        help="model to ask for with --backend openai (empty = the first of /v1/models)",
+    )
     add_flag(parser, "--kind", default="", env=env, help="only rows whose 'kind' equals this")
     add_flag(parser, "--limit", default=0, type=int, env=env, help="first N rows after --kind (0 = all)")
     add_flag(parser, "--max-tokens-cap", default=0, type=int, env=env, help="cap every row's max_tokens (0 = off)")
@@ -213,9 +281,11 @@ def build_parser(env: Mapping[str, str] | None = None) -> Parser:
     parser = Parser(prog="zerobubble", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    for command, help in (("serve", "scheduler + one local worker (or --workers) in one process"),
-                          ("worker", "one worker service (a model replica)"),
-                          ("scheduler", "the scheduler service (client API)")):
+    for command, help in (
+        ("serve", "scheduler + one local worker (or --workers) in one process"),
+        ("worker", "one worker service (a model replica)"),
+        ("scheduler", "the scheduler service (client API)"),
+    ):
         add_setting_flags(sub.add_parser(command, help=help), command, env)
 
     generate = sub.add_parser("generate", help="send one request and stream the reply")

@@ -24,11 +24,20 @@ logger = logging.getLogger(__name__)
 
 def worker_command(cfg: ServeConfig) -> list[str]:
     """The `zerobubble worker` command line for the local worker of `serve`."""
-    options = {f.name: getattr(cfg.worker, f.name) for f in fields(WorkerConfig)
-               if f.name not in SERVE_WORKER_HIDDEN}
-    return [sys.executable, "-m", "zerobubble", "worker", "--host", "127.0.0.1",
-            "--port", str(cfg.worker_port), "--metrics-port", "-1",
-            *command_flags({name: value for name, value in options.items() if value not in (None, "")})]
+    options = {f.name: getattr(cfg.worker, f.name) for f in fields(WorkerConfig) if f.name not in SERVE_WORKER_HIDDEN}
+    return [
+        sys.executable,
+        "-m",
+        "zerobubble",
+        "worker",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(cfg.worker_port),
+        "--metrics-port",
+        "-1",
+        *command_flags({name: value for name, value in options.items() if value not in (None, "")}),
+    ]
 
 
 def start_local_worker(cfg: ServeConfig) -> tuple[subprocess.Popen, int]:

@@ -59,12 +59,19 @@ def command_flags(options: dict) -> list[str]:
     return out
 
 
-def start(command: str, wait_for: tuple[str, ...], timeout: float = 300.0,
-          env: dict | None = None, **options) -> Service:
+def start(
+    command: str, wait_for: tuple[str, ...], timeout: float = 300.0, env: dict | None = None, **options
+) -> Service:
     """Start `zerobubble <command>` and wait until it announced every port in `wait_for`."""
     cmd = [sys.executable, "-m", "zerobubble", command, *command_flags(options)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+    )
     service = Service(proc)
     done = threading.Event()
 

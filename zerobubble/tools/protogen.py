@@ -21,13 +21,20 @@ GRPCIO_TOOLS_VERSION = "1.75.1"
 
 def generate(out_dir: Path) -> list[Path]:
     """Compile every .proto under proto/ into `out_dir`; return the generated files."""
-    from grpc_tools import protoc
     import grpc_tools
+    from grpc_tools import protoc
 
     protos = sorted(str(p.relative_to(PROTO_DIR)) for p in PROTO_DIR.rglob("*.proto"))
     include = str(Path(grpc_tools.__file__).parent / "_proto")
-    args = ["protoc", f"-I{PROTO_DIR}", f"-I{include}", f"--python_out={out_dir}",
-            f"--grpc_python_out={out_dir}", f"--pyi_out={out_dir}", *protos]
+    args = [
+        "protoc",
+        f"-I{PROTO_DIR}",
+        f"-I{include}",
+        f"--python_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        *protos,
+    ]
     if protoc.main(args) != 0:
         raise RuntimeError("protoc failed")
     stems = [out_dir / proto[: -len(".proto")] for proto in protos]
