@@ -56,9 +56,9 @@ class Parser(argparse.ArgumentParser):
     environment value would run silently; here it is a usage error naming the variable.
     """
 
-    def parse_known_args(
+    def parse_known_args(  # type: ignore[override]
         self,
-        args: Sequence[str] | None = None,  # type: ignore[override]
+        args: Sequence[str] | None = None,
         namespace: argparse.Namespace | None = None,
     ) -> tuple[argparse.Namespace, list[str]]:
         parsed, extras = super().parse_known_args(args, namespace)
