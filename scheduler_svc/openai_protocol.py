@@ -235,7 +235,9 @@ def openai_param(message: str, body: Body) -> tuple[str | None, str]:
         if base == "messages":
             param = path  # messages[3].role
     elif base.startswith("sampling."):
-        param = path.removeprefix("sampling.")
+        # The parameter is the field (`logit_bias`); the message keeps the entry (`logit_bias[10]`).
+        param = base.removeprefix("sampling.")
+        return param, f"{path.removeprefix('sampling.')}: {rest}"
     else:
         param = _PARAM_NAMES.get(base, base)
         if "[" in path and base in _PARAM_NAMES:
