@@ -281,11 +281,12 @@ class HandPlanner:
 
     def _check_draft_cache(self, req_id: str, req: HandRequest) -> None:
         """SmolLM2 drafting for itself: wherever the draft model's cache claims valid K/V
-        (`draft_len`) and the target's holds confirmed tokens, the two must agree, layer by
+        (the draft observes every target step, so every position the target wrote) and the
+        target's holds confirmed tokens, the two must agree, layer by
         layer. Stale K/V of another request, or a token written at the wrong position, differ."""
         proposer = self.runner.proposer
         bs = self.runner.config.block_size
-        valid = min(int(proposer.draft_len[self.runner.slots[req_id].slot]), req.written)
+        valid = req.written
         pos = torch.arange(valid)
         blocks, offsets = torch.tensor(req.blocks)[pos // bs], pos % bs
         for layer, (target, draft) in enumerate(zip(self.runner.kv_caches, proposer.kv_caches)):
