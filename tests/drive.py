@@ -3,11 +3,31 @@ exactly as the worker link does over the network (no gRPC)."""
 
 from __future__ import annotations
 
+import random
+
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from scheduler_svc.tokenizer import Tokenizer
 from worker_svc.runner import ModelRunner
 from worker_svc.server import tokenizer_fields
 from zerobubble.api import worker_pb2
+
+
+def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None = None, **policy) -> Scheduler:
+    """The real Scheduler configured from the runner, as the worker link does from `Describe`."""
+    cfg = runner.config
+    info = worker_pb2.WorkerInfo(
+        num_blocks=num_blocks or cfg.num_blocks,
+        block_size=cfg.block_size,
+        max_model_len=cfg.max_model_len,
+        max_num_seqs=cfg.max_num_seqs,
+        num_spec_tokens=runner.num_spec_tokens if num_spec_tokens is None else num_spec_tokens,
+        spec_method="draft" if getattr(runner.proposer, "has_draft_probs", False) else "ngram",
+        eos_token_ids=runner.loaded.eos_token_ids,
+        vocab_size=runner.loaded.hf_config.vocab_size,
+    )
+    fields = tokenizer_fields(runner.loaded.path)
+    tokenizer = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
+    return Scheduler(SchedulerConfig(**policy).with_worker(info), tokenizer, rng=random.Random(0))
 
 
 def run_job(
@@ -23,21 +43,7 @@ def run_job(
 
     ``stats``: filled with the scheduler's figures at the end (steps, drafts, acceptances).
     """
-    cfg = runner.config
-    info = worker_pb2.WorkerInfo(
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        num_spec_tokens=runner.num_spec_tokens,
-        eos_token_ids=runner.loaded.eos_token_ids,
-        vocab_size=runner.loaded.hf_config.vocab_size,
-    )
-    config = SchedulerConfig(max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs).with_worker(info)
-    fields = tokenizer_fields(runner.loaded.path)
-    scheduler = Scheduler(
-        config, Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
-    )
+    scheduler = make_scheduler(runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     runner.reset()
     for req_id, ids, params in requests:
         scheduler.add_request(req_id, ids, **params)

@@ -7,7 +7,6 @@ tests/test_sampling_controls.py): the real `ModelRunner` on SmolLM2 fed by hand-
 from __future__ import annotations
 
 import contextlib
-import random
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -17,10 +16,8 @@ import torch
 from scheduler_svc.scheduler import (
     RequestEvent,
     Scheduler,
-    SchedulerConfig,
 )
-from scheduler_svc.tokenizer import Tokenizer
-from worker_svc.server import tokenizer_fields
+from tests.drive import make_scheduler  # noqa: F401  (re-exported for the harness users)
 from zerobubble.api import worker_pb2
 
 K = 3  # draft tokens per decode (the issue's --num-spec-tokens 3)
@@ -299,24 +296,6 @@ class HandPlanner:
 def assert_greedy_prefix(name: str, ours: list[int], reference: list[int]) -> None:
     n = min(len(ours), len(reference))
     assert n > 0 and ours[:n] == reference[:n], f"{name}: {ours[:n]} vs Hugging Face {reference[:n]}"
-
-
-def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None = None, **policy) -> Scheduler:
-    """The real Scheduler configured from the runner, as the worker link does from `Describe`."""
-    cfg = runner.config
-    info = worker_pb2.WorkerInfo(
-        num_blocks=num_blocks or cfg.num_blocks,
-        block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        num_spec_tokens=runner.num_spec_tokens if num_spec_tokens is None else num_spec_tokens,
-        spec_method="draft" if getattr(runner.proposer, "has_draft_probs", False) else "ngram",
-        eos_token_ids=runner.loaded.eos_token_ids,
-        vocab_size=runner.loaded.hf_config.vocab_size,
-    )
-    fields = tokenizer_fields(runner.loaded.path)
-    tokenizer = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
-    return Scheduler(SchedulerConfig(**policy).with_worker(info), tokenizer, rng=random.Random(0))
 
 
 @dataclass(slots=True)

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_svc.scheduler import FINISH_ERROR, Scheduler, SchedulerConfig
+from scheduler_svc.scheduler import FINISH_ERROR
 from scheduler_svc.tokenizer import Tokenizer
+from tests.drive import make_scheduler
 from worker_svc.server import build_runner, run_step, tokenizer_fields
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig
@@ -42,19 +43,9 @@ def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0):
     plans in flight behind it mix it with the earlier requests). Returns req_id -> (tokens,
     finish reason, error) and the step-level errors seen.
     """
-    cfg = runner.config
-    info = worker_pb2.WorkerInfo(
-        num_blocks=cfg.num_blocks,
-        block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        num_spec_tokens=runner.num_spec_tokens,
-        eos_token_ids=runner.loaded.eos_token_ids,
-        vocab_size=runner.loaded.hf_config.vocab_size,
-    )
+    scheduler = make_scheduler(runner, max_num_batched_tokens=64)
     fields = tokenizer_fields(runner.loaded.path)
     tok = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64).with_worker(info), tok)
     runner.reset()
 
     def add(i: int) -> None:
