@@ -275,6 +275,7 @@ class Router:
     def link_ready(self, link: WorkerLink) -> None:
         if self.metrics is not None and link.info is not None:
             self.metrics.set_model(link.info.model)
+            self.metrics.add_worker(link.worker_id, link.info.num_spec_tokens)
         self._update_readiness()
 
     def _export_gauges(self) -> None:

@@ -212,6 +212,20 @@ def test_forget_worker_drops_its_series() -> None:
     m.forget_worker("never-seen")  # a no-op, not an error
 
 
+def test_a_known_worker_exports_its_counters_at_zero_before_traffic() -> None:
+    # rate() needs a zero sample: a series born already incremented reads as flat.
+    m = ServiceMetrics(model="m")
+    m.add_worker("w0", num_spec_tokens=3)
+    s = _scrape(m)
+    per_pos = {lab["position"]: v for _, lab, v in s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
+    assert per_pos == {"0": 0.0, "1": 0.0, "2": 0.0}
+    for name in ("drafts", "draft_tokens", "accepted_tokens"):
+        assert _value(s, f"zerobubble_spec_decode_num_{name}_total", worker="w0") == 0.0
+    m.record_step("w0", 0.01, num_drafts=1, num_draft_tokens=3, num_accepted=1, accepted_per_pos=[1, 0, 0])
+    m.forget_worker("w0")
+    assert "zerobubble_spec_decode_num_accepted_tokens_per_pos_total" not in _scrape(m)
+
+
 def test_metrics_server_serves_the_registry_on_a_free_port() -> None:
     m = ServiceMetrics(model="m")
     m.set_queues(running=1, waiting=7)

@@ -404,6 +404,8 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     port = rpc.bind(server, cfg.host, cfg.port, creds)
     if servicer.worker_id.endswith(":0"):
         servicer.worker_id = f"{socket.gethostname()}:{port}"
+    if metrics is not None:
+        metrics.add_worker(servicer.worker_id, runner.num_spec_tokens)
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], True)
     logger.info("worker %s listening on %s:%d", servicer.worker_id, cfg.host, port)

@@ -452,15 +452,26 @@ class ServiceMetrics:
         self.model = model
         self._init_request_series()
 
-    def _touch_worker(self, worker: str) -> None:
-        # Create every series of a new worker together, so its panels and rates start at zero
-        # rather than appearing one by one as each kind of event first happens.
+    def add_worker(self, worker: str, num_spec_tokens: int = 0) -> None:
+        """Export every series of ``worker`` at zero, draft positions ``0..num_spec_tokens-1`` too.
+
+        A counter that first appears already incremented has no zero sample, so ``rate()``
+        over a window that holds its whole life is 0 (and an acceptance ratio 0/0): a short
+        burst of traffic would be invisible. Call it when the worker is known, before traffic.
+        """
         with self._lock:
-            if worker in self._positions:
-                return
-            self._positions[worker] = set()
-        for metric in self._worker_metrics():
-            metric.labels(model=self.model, worker=worker)
+            if worker not in self._positions:
+                self._positions[worker] = set()
+                created = True
+            else:
+                created = False
+            positions = [str(p) for p in range(num_spec_tokens) if str(p) not in self._positions[worker]]
+            self._positions[worker].update(positions)
+        if created:
+            for metric in self._worker_metrics():
+                metric.labels(model=self.model, worker=worker)
+        for position in positions:
+            self.spec_accepted_per_pos.labels(model=self.model, worker=worker, position=position)
 
     def record_step(
         self,
@@ -488,7 +499,7 @@ class ServiceMetrics:
                 f"num_draft_tokens={num_draft_tokens}; counting the drafts only",
             )
             num_accepted = num_draft_tokens
-        self._touch_worker(worker)
+        self.add_worker(worker)
         labels = {"model": self.model, "worker": worker}
         self.worker_step_duration.labels(**labels).observe(forward_s)
         self.worker_idle.labels(**labels).inc(idle_s)
@@ -574,12 +585,12 @@ class ServiceMetrics:
         if not 0.0 <= ratio <= 1.0:
             self._warn_once("kv", f"KV cache usage ratio {ratio} of worker {worker} is outside [0, 1]; clamped")
             ratio = min(max(ratio, 0.0), 1.0)
-        self._touch_worker(worker)
+        self.add_worker(worker)
         self.kv_cache_usage_ratio.labels(model=self.model, worker=worker).set(ratio)
 
     def set_inflight(self, worker: str, n: int) -> None:
         """Publish how many plans were sent to ``worker`` and not answered yet."""
-        self._touch_worker(worker)
+        self.add_worker(worker)
         self.inflight_steps.labels(model=self.model, worker=worker).set(n)
 
     def add_rolled_back(self, n: int) -> None:
