@@ -332,8 +332,7 @@ def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
                 submissions.append(servicer.submit(req))
         except RequestError as exc:
             for submission in submissions:  # a later prompt was refused: drop the queued ones
-                servicer.streams.pop(submission.req_id, None)
-                servicer.router.abort(submission.req_id)
+                servicer.withdraw(submission)
             raise _rejected(exc, body) from None
         if body.stream:
             return StreamingResponse(

@@ -15,7 +15,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
@@ -184,19 +184,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
         for seq_id, stream in zip(seq_ids, streams):
             self.streams[seq_id] = stream
-        submitted: list[str] = []
         try:
             for i, seq_id in enumerate(seq_ids):
                 seed = params["seed"] if n == 1 else sequence_seed(params["seed"], i)
                 self.router.submit(
                     link, seq_id, prompt_ids, **dict(params, seed=seed), share_prompt_with=seq_ids[0] if i > 0 else None
                 )
-                submitted.append(seq_id)
         except (InvalidRequest, QueueFullError) as exc:
-            for seq_id in seq_ids:
-                self.streams.pop(seq_id, None)
-            for seq_id in submitted:
-                self.router.abort(seq_id)
+            self._drop(seq_ids)
             code = (
                 grpc.StatusCode.INVALID_ARGUMENT
                 if isinstance(exc, InvalidRequest)
@@ -204,6 +199,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             )
             raise RequestError(code, str(exc)) from exc
         return Submission(req_id, streams[0], seq_ids, streams)
+
+    def withdraw(self, submission: Submission) -> None:
+        """Drop a submitted request whose replies will never be read (a front end refused the
+        call it belonged to): every one of its sequences is aborted and its KV blocks freed."""
+        self._drop(submission.seq_ids or (submission.req_id,))
+
+    def _drop(self, seq_ids: Sequence[str]) -> None:
+        for seq_id in seq_ids:
+            self.streams.pop(seq_id, None)
+            self.router.abort(seq_id)  # a no-op for one that was never queued
 
     async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
         """The reply messages of a submitted request, each sequence's last one with its finish

@@ -2,7 +2,8 @@
 
 The app is the real one over a real servicer and router; the router has no worker, which is
 exactly the state these answers are about (401 comes before any routing, 503 is "no worker").
-The answers that need a worker are in tests/test_http_api.py.
+The answers that need a real worker are in tests/test_http_api.py; a refused multi-prompt
+request runs against the simulated worker of tests/sim_link.py.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import asyncio
 import httpx
 import pytest
 
+from scheduler_svc import worker_link
 from scheduler_svc.http_api import build_app
 from scheduler_svc.openai_protocol import ChatCompletionBody, CompletionBody, build_requests, openai_param
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.server import GenerationServicer
+from tests.sim_link import NUM_BLOCKS, sim_stub, wait_for
 from zerobubble.config import SchedulerServiceConfig
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -183,3 +186,42 @@ def test_http_port_flag_on_serve_and_scheduler_with_env_fallback() -> None:
         assert build_parser(env={"ZEROBUBBLE_HTTP_PORT": "-1"}).parse_args([command]).http_port == -1
         assert build_parser(env={}).parse_args([command, "--http-port", "0"]).http_port == 0
     assert not hasattr(build_parser(env={}).parse_args(["worker"]), "http_port")
+
+
+@pytest.mark.parametrize(
+    "second_prompt,status,param",
+    [([5, 6, 7], 429, None), ([1, 10**8], 400, "prompt")],
+    ids=["queue-full", "bad-token-id"],
+)
+def test_a_refused_later_prompt_withdraws_every_sequence_of_the_call(
+    monkeypatch, second_prompt, status: int, param: str | None
+) -> None:
+    """/v1/completions with two prompts and n = 2: the first prompt's two sequences are queued,
+    the second prompt is refused (the waiting queue is full by then, or a bad token id). The
+    client gets the error object, and no sequence of the call stays queued or runs afterwards:
+    every block of the worker is free again."""
+    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", sim_stub([]))
+
+    async def scenario() -> tuple[httpx.Response, list[int]]:
+        router = Router(SchedulerConfig(max_waiting=2, max_num_batched_tokens=32), max_inflight_steps=2)
+        servicer = GenerationServicer(SchedulerServiceConfig(), router)
+        router.on_events = servicer.on_events
+        await router.start(["sim:1"])
+        try:
+            link = router.links[0]
+            await wait_for(lambda: link.ready)
+            app = build_app(servicer)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+                body = {"model": "toy", "prompt": [[1, 2, 3, 4], second_prompt], "n": 2, "max_tokens": 90}
+                response = await client.post("/v1/completions", json=body)
+            loads = [link.sched.num_unfinished()]
+            await asyncio.sleep(0.3)  # ticks that would admit a leaked sequence
+            loads += [link.sched.num_unfinished(), link.sched.block_pool.num_free, len(servicer.streams)]
+            return response, loads
+        finally:
+            await router.close()
+
+    response, (queued, unfinished_later, num_free, num_streams) = asyncio.run(scenario())
+    assert_error(response, status, param)
+    assert (queued, unfinished_later, num_streams) == (0, 0, 0)
+    assert num_free == NUM_BLOCKS
