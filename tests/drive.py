@@ -21,7 +21,7 @@ def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None =
         max_model_len=cfg.max_model_len,
         max_num_seqs=cfg.max_num_seqs,
         num_spec_tokens=runner.num_spec_tokens if num_spec_tokens is None else num_spec_tokens,
-        spec_method="draft" if getattr(runner.proposer, "has_draft_probs", False) else "ngram",
+        spec_method="draft" if getattr(runner.proposer, "draft", None) is not None else "ngram",
         eos_token_ids=runner.loaded.eos_token_ids,
         vocab_size=runner.loaded.hf_config.vocab_size,
     )

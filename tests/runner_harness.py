@@ -261,7 +261,7 @@ class HandPlanner:
 
     def _check_proposal(self, req_id: str, req: HandRequest) -> None:
         proposer = self.runner.proposer
-        if not proposer.has_draft_probs:
+        if getattr(proposer, "draft", None) is None:
             expected = ngram_reference(req.seq, proposer.ngram_min, proposer.ngram_max, K)
             assert req.drafts == expected, f"{req_id}: n-gram drafts {req.drafts}, not {expected}"
         elif req_id in self.greedy:

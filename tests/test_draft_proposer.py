@@ -6,6 +6,10 @@ nearly every draft must be accepted (a near-tie between the batched and single-t
 the only excuse), and the output must equal Hugging Face's greedy tokens. The real scheduler
 drives it with two plans in flight, chunked prefill (a small token budget), prefix-cache hits
 (shared prompt prefixes) and requests finishing at different times.
+
+A second tiny model of different weights drafts for the first to check keyed acceptance: with
+seeded sampling and every sampling control on, each emitted token is the target's own keyed
+sample, so the output equals the unspeculated one whatever the drafts and the plans look like.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from pathlib import Path
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -50,7 +55,7 @@ def _hf_greedy(hf: LlamaForCausalLM, prompt: list[int], num_tokens: int) -> list
     return ids[len(prompt) :]
 
 
-def test_self_drafting_accepts_its_own_greedy_continuation() -> None:
+def _tiny_hf(seed: int) -> LlamaForCausalLM:
     cfg = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -60,12 +65,18 @@ def test_self_drafting_accepts_its_own_greedy_continuation() -> None:
         num_key_value_heads=2,
         max_position_embeddings=256,
     )
-    torch.manual_seed(0)
-    hf = LlamaForCausalLM(cfg).eval()
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def _runner_and_scheduler(
+    target: LlamaForCausalLM, proposer: DraftModelProposer | None
+) -> tuple[ModelRunner, Scheduler]:
+    k = K if proposer is not None else 0
     runner = ModelRunner(
-        _loaded(hf),
-        RunnerConfig(num_blocks=160, block_size=4, max_num_seqs=4, max_model_len=128, num_spec_tokens=K),
-        DraftModelProposer(_loaded(hf), K),
+        _loaded(target),
+        RunnerConfig(num_blocks=160, block_size=4, max_num_seqs=4, max_model_len=128, num_spec_tokens=k),
+        proposer,
     )
     scheduler = Scheduler(
         SchedulerConfig(
@@ -74,32 +85,87 @@ def test_self_drafting_accepts_its_own_greedy_continuation() -> None:
             max_model_len=128,
             max_num_seqs=4,
             max_num_batched_tokens=24,
-            num_spec_tokens=K,
-            num_lookahead_slots=K,
+            num_spec_tokens=k,
+            num_lookahead_slots=k,
             enable_prefix_caching=True,
             vocab_size=VOCAB,
         ),
         Tokenizer(make_toy_tokenizer_json()),
     )
-    gen = torch.Generator().manual_seed(1)
-    shared = torch.randint(0, 256, (17,), generator=gen).tolist()
-    prompts = {f"r{i}": shared + torch.randint(0, 256, (3 + 9 * i,), generator=gen).tolist() for i in range(5)}
-    max_tokens = {rid: 12 + 5 * i for i, rid in enumerate(prompts)}
-    for rid, prompt in prompts.items():
-        scheduler.add_request(rid, prompt, max_tokens=max_tokens[rid], ignore_eos=True, seed=3)
-    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    return runner, scheduler
+
+
+def _drive(runner: ModelRunner, scheduler: Scheduler, window: int) -> tuple[dict[str, list[int]], int, int]:
+    """Run the scheduler to the end with `window` plans in flight; (outputs, drafted, accepted)."""
+    outputs: dict[str, list[int]] = {}
     drafted = accepted = 0
     inflight: deque = deque()
     while scheduler.has_unfinished() or inflight:
-        while len(inflight) < 2 and (plan := scheduler.schedule()) is not None:
+        while len(inflight) < window and (plan := scheduler.schedule()) is not None:
             inflight.append(runner.execute(plan))
         result = inflight.popleft().materialize(0.0, K)
         for entry in result.results:
             drafted += entry.num_draft_tokens
             accepted += entry.num_accepted
         for event in scheduler.on_step_result(result):
-            outputs[event.req_id].extend(event.token_ids)
+            outputs.setdefault(event.req_id, []).extend(event.token_ids)
+    return outputs, drafted, accepted
+
+
+@pytest.mark.parametrize("acceptance", ["keyed", "rejection"])
+def test_self_drafting_accepts_its_own_greedy_continuation(acceptance: str) -> None:
+    hf = _tiny_hf(0)
+    runner, scheduler = _runner_and_scheduler(hf, DraftModelProposer(_loaded(hf), K, acceptance))
+    gen = torch.Generator().manual_seed(1)
+    shared = torch.randint(0, 256, (17,), generator=gen).tolist()
+    prompts = {f"r{i}": shared + torch.randint(0, 256, (3 + 9 * i,), generator=gen).tolist() for i in range(5)}
+    max_tokens = {rid: 12 + 5 * i for i, rid in enumerate(prompts)}
+    for rid, prompt in prompts.items():
+        scheduler.add_request(rid, prompt, max_tokens=max_tokens[rid], ignore_eos=True, seed=3)
+    outputs, drafted, accepted = _drive(runner, scheduler, window=2)
     for rid, prompt in prompts.items():
         assert outputs[rid] == _hf_greedy(hf, prompt, max_tokens[rid]), rid
     assert drafted > 50 and accepted >= 0.9 * drafted, (accepted, drafted)
     assert scheduler.stats.num_steps_completed > 0
+
+
+SEEDED = dict(
+    ignore_eos=True,
+    temperature=0.8,
+    top_p=0.95,
+    top_k=40,
+    min_p=0.02,
+    repetition_penalty=1.2,
+    frequency_penalty=0.4,
+    presence_penalty=0.3,
+    logit_bias={7: 3.0, 9: -4.0},
+)
+
+
+def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:
+    """A draft model with other weights (so drafts really are rejected) under keyed acceptance:
+    seeded sampling with penalties, min_p, top-k/p and logit bias emits exactly the tokens of
+    the same runner without speculation, sync or async, batched or alone; rejection sampling on
+    the same drafts does not (it draws rejected positions from the residual)."""
+    target, other = _tiny_hf(0), _tiny_hf(1)
+    gen = torch.Generator().manual_seed(2)
+    # Repeated prompt bytes give the penalties something to count from the start.
+    prompts = {f"s{i}": (torch.randint(0, 256, (5 + 4 * i,), generator=gen).tolist() * 3) for i in range(3)}
+
+    def run(acceptance: str | None, window: int, req_ids: list[str]) -> tuple[dict[str, list[int]], int, int]:
+        proposer = DraftModelProposer(_loaded(other), K, acceptance) if acceptance else None
+        runner, scheduler = _runner_and_scheduler(target, proposer)
+        for rid in req_ids:
+            scheduler.add_request(rid, prompts[rid], max_tokens=16, seed=100 + int(rid[1:]), **SEEDED)
+        return _drive(runner, scheduler, window)
+
+    every = list(prompts)
+    baseline, _, _ = run(None, 1, every)
+    assert all(len(out) == 16 for out in baseline.values())
+    for window in (1, 2):
+        outputs, drafted, accepted = run("keyed", window, every)
+        assert outputs == baseline, window
+        assert 0 < accepted < drafted, (accepted, drafted)  # drafts were accepted and rejected
+    assert run("keyed", 2, ["s1"])[0]["s1"] == baseline["s1"]  # alone
+    rejection, _, _ = run("rejection", 2, every)
+    assert rejection != baseline

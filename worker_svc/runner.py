@@ -651,7 +651,7 @@ class ModelRunner:
         any_logprobs = any(want_logprobs[i] for i in sampled_rows)
         # Absolute position of each sampled token = input position + 1 (keys the randomness).
         sample_pos = positions[gather] + 1
-        tensors = self._sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos)
+        tensors = self.sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos)
         num_top = [int(rows[i].sampling.top_logprobs) for i in sampled_rows]
         rows_t = _to_device_list(sampled_rows, dev, torch.long)
         return SampledRows(
@@ -816,7 +816,7 @@ class ModelRunner:
         self._start_copy(pending)
         return pending
 
-    def _sampling_tensors(
+    def sampling_tensors(
         self, infos: list[SlotInfo], valid_cols: list[int], sample_pos: torch.Tensor
     ) -> SamplingTensors:
         """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to ``infos[i]``.
@@ -824,6 +824,7 @@ class ModelRunner:
         Penalty counts are taken over each logits row's own context read from the token
         history (``sample_pos`` = its context length, on the device), so the row of draft j in a
         verification sees drafts 0..j-1 of the same row and nothing that was rejected before.
+        The draft-model proposer builds its chain's tensors here too (the same controls).
         """
         dev = self.device
         params = [info.sampling for info in infos]

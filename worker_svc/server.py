@@ -79,7 +79,9 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights)
     draft = load_model(cfg.draft_model, dtype, device, cfg.prepack_weights) if cfg.spec_method == "draft" else None
-    proposer = build_proposer(cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max, draft)
+    proposer = build_proposer(
+        cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max, draft, cfg.draft_acceptance
+    )
     max_model_len = loaded.max_model_len
     if cfg.max_model_len > 0:
         max_model_len = min(max_model_len, cfg.max_model_len)

@@ -167,6 +167,14 @@ class WorkerConfig(ServiceConfig):
     ngram_min: int = setting(2, "shortest n-gram the proposer matches")
     ngram_max: int = setting(4, "longest n-gram the proposer matches")
     draft_model: str = setting("", "draft model for --spec-method draft (same tokenizer as --model)")
+    draft_acceptance: str = setting(
+        "keyed",
+        "how draft-model proposals are verified: keyed (accepted iff equal to the target's own "
+        "keyed sample: seeded output identical with speculation on or off, sync or async) or "
+        "rejection (min(1, p/q) rejection sampling: more drafts accepted when the draft model "
+        "differs from the target, but seeded output then depends on the speculation)",
+        choices=("keyed", "rejection"),
+    )
     worker_id: str = setting("", "name in metrics and logs (empty = hostname:port)")
     num_threads: int = setting(0, "torch CPU threads (0 = torch default)")
     prepack_weights: bool = setting(

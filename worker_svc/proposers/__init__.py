@@ -12,7 +12,7 @@ class Proposer(Protocol):
     """What the runner needs from a proposer (n-gram lookup or a draft model)."""
 
     # True when proposals come with a draft distribution (rejection sampling verifies them);
-    # False for deterministic proposals (verified by keyed sample-and-compare).
+    # False for proposals verified by keyed sample-and-compare (n-gram; draft models by default).
     has_draft_probs: bool
     # KV slots the proposer writes past a step's tokens; the scheduler must allocate them
     # (reported to it in `WorkerInfo.num_lookahead_slots`).
@@ -35,7 +35,12 @@ class Proposer(Protocol):
 
 
 def build_proposer(
-    method: str, num_spec_tokens: int, ngram_min: int = 2, ngram_max: int = 4, draft_model: object | None = None
+    method: str,
+    num_spec_tokens: int,
+    ngram_min: int = 2,
+    ngram_max: int = 4,
+    draft_model: object | None = None,
+    draft_acceptance: str = "keyed",
 ) -> Proposer | None:
     """The proposer for `--spec-method` (None for `none` or k = 0)."""
     if method == "none" or num_spec_tokens <= 0:
@@ -49,5 +54,5 @@ def build_proposer(
 
         if draft_model is None:
             raise ValueError("--spec-method draft needs --draft-model")
-        return DraftModelProposer(draft_model, num_spec_tokens)
+        return DraftModelProposer(draft_model, num_spec_tokens, draft_acceptance)
     raise ValueError(f"unknown --spec-method {method!r} (expected none, ngram or draft)")

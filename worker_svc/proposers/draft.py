@@ -12,11 +12,28 @@ device (and is fit for CUDA graphs):
   entry is overwritten when the target re-feeds that position, as in the target cache. (Blocks
   shared through the prefix cache therefore carry draft K/V too.)
 - `propose`, for the rows that sampled: k single-token forwards. The first feeds the new last
-  token at position ``seq_len``, each next one the draft just drawn. Draft ``j`` is drawn from the
-  draft's processed distribution with keyed noise (position ``seq_len + 1 + j``), and that
-  distribution is kept for rejection sampling. A position past the blocks the request holds
-  (the scheduler allocates the k lookahead slots only when blocks are free) is written to a
-  scratch block instead, and the drafts from there on are not offered (``num_drafts``).
+  token at position ``seq_len``, each next one the draft just drawn. Draft ``j`` (position
+  ``seq_len + 1 + j``) is drawn from the draft's logits processed with the request's own sampling
+  controls (logit bias, penalties whose counts include drafts ``0..j-1``, temperature, top-k/p,
+  min-p), so the draft proposes what the target would sample if it were the target. A position
+  past the blocks the request holds (the scheduler allocates the k lookahead slots only when
+  blocks are free) is written to a scratch block instead, and the drafts from there on are not
+  offered (``num_drafts``).
+
+Two ways to verify (`--draft-acceptance`):
+
+- ``keyed`` (default): the draft is drawn by Gumbel-max with the SAME keyed noise the target's
+  sampler uses at that position, and the verifier accepts it iff it equals the target's own
+  keyed sample there (as for n-gram drafts). Every emitted token is then the token `sample`
+  draws without speculation, so seeded output does not depend on the drafter, on where
+  verification rows start, sync or async, or the batch. Lossless; a draft is accepted with the
+  probability that both Gumbel-max draws agree, at least ``(1 - d) / (1 + d)`` for total
+  variation distance ``d`` between the two processed distributions (1 when they are equal).
+- ``rejection``: standard rejection sampling against the kept distribution q (accept with
+  ``min(1, p/q)``, resample from the residual): acceptance ``1 - d``, the most any scheme gets,
+  but the emitted token at a draft position depends on q and on the residual draw, so seeded
+  output differs from the unspeculated one and between runs whose verification rows start at
+  other positions.
 """
 
 from __future__ import annotations
@@ -30,20 +47,24 @@ from kernels.attention import AttentionMetadata
 from kernels.keyed_random import keyed_uniform
 from worker_svc import staging
 from worker_svc.model import allocate_kv_cache
-from worker_svc.sampler import SEED_MASK, SamplingTensors, target_probs
+from worker_svc.sampler import SamplingTensors, sample, target_probs
 
-# Keyed-noise stream for draft sampling; 0-2 belong to the target's sampler and verifier.
+# Keyed-noise stream for draft sampling under rejection sampling (independent of the verifier's
+# streams 0-2); keyed acceptance draws drafts with the sampler's own stream instead.
 DRAFT_STREAM = 3
+ACCEPTANCE_METHODS = ("keyed", "rejection")
 
 
 class DraftModelProposer:
     """Runs a draft model beside the target over the runner's block tables."""
 
-    has_draft_probs = True
-
-    def __init__(self, draft, num_spec_tokens: int) -> None:
+    def __init__(self, draft, num_spec_tokens: int, acceptance: str = "keyed") -> None:
+        if acceptance not in ACCEPTANCE_METHODS:
+            raise ValueError(f"unknown draft acceptance {acceptance!r} (expected keyed or rejection)")
         self.draft = draft  # a worker_svc.model_loader.LoadedModel
         self.k = num_spec_tokens
+        # Rejection sampling needs the draft distributions; keyed verification needs nothing.
+        self.has_draft_probs = acceptance == "rejection"
         # The draft model writes its k-token chain into the KV slots past the step's tokens.
         self.num_lookahead_slots = num_spec_tokens
         self.runner: Any = None  # the ModelRunner (not imported: it imports the proposers)
@@ -61,7 +82,7 @@ class DraftModelProposer:
         self.kv_caches = allocate_kv_cache(
             self.draft.hf_config, cfg.num_blocks + 1, cfg.block_size, self.draft.model.dtype, runner.device
         )
-        num_slots = cfg.max_num_seqs
+        num_slots = cfg.max_num_seqs if self.has_draft_probs else 0
         self.probs = torch.zeros(
             num_slots, self.k, self.draft.hf_config.vocab_size, dtype=torch.float32, device=runner.device
         )
@@ -85,22 +106,27 @@ class DraftModelProposer:
         caps = staging.to_device([len(r.block_ids) * bs for r in sampled], torch.int64, dev)
         seq_len = st.seq_len[idx].to(torch.int64)
         tables = st.block_table[idx]
-        params = [r.sampling for r in sampled]
-        sampling = SamplingTensors.from_params(
-            temperatures=[p.temperature for p in params],
-            top_ks=[p.top_k for p in params],
-            top_ps=[p.top_p if p.top_p > 0 else 1.0 for p in params],
-            seeds=[p.seed & SEED_MASK for p in params],
-            positions=seq_len,
-            device=dev,
-        )
+        # The target's own per-row sampling tensors, with penalty counts over the written
+        # context (positions < seq_len); the fed tokens are added to them as the chain grows.
+        sampling = runner.sampling_tensors(sampled, [1] * num_rows, seq_len)
+        penalties = sampling.penalties
+        vocab_size = self.draft.hf_config.vocab_size
         qsl = torch.arange(num_rows + 1, dtype=torch.int32, device=dev)
         max_seq_len = tables.shape[1] * bs
         token = st.last_token[idx].to(torch.int64)
         drafts = torch.zeros(num_rows, self.k, dtype=torch.int32, device=dev)
-        probs = torch.zeros(num_rows, self.k, self.draft.hf_config.vocab_size, dtype=torch.float32, device=dev)
+        probs = (
+            torch.zeros(num_rows, self.k, vocab_size, dtype=torch.float32, device=dev) if self.has_draft_probs else None
+        )
         for j in range(self.k):
             pos = seq_len + j  # the fed token's position; it drafts position pos + 1
+            if penalties is not None:
+                # The fed token is an output token of the context of position pos + 1.
+                fed = token[penalties.rows][:, None]
+                if penalties.output_counts is not None:
+                    penalties.output_counts.scatter_add_(1, fed, torch.ones_like(fed, dtype=torch.int32))
+                if penalties.seen is not None:
+                    penalties.seen.scatter_(1, fed, True)
             room = pos < caps
             block = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
             slot_mapping = torch.where(room, block.to(torch.int64) * bs + pos % bs, self.scratch_block * bs + pos % bs)
@@ -115,15 +141,21 @@ class DraftModelProposer:
             hidden = self.draft.model(token, pos, meta, self.kv_caches)
             logits = self.draft.model.compute_logits(hidden)
             t = dataclasses.replace(sampling, positions=pos + 1)
-            q = target_probs(logits, t)
-            noise = keyed_uniform(t.seeds, t.positions, q.shape[-1], stream=DRAFT_STREAM)
-            token = torch.argmax(torch.log(q) - torch.log(-torch.log(noise)), dim=-1)
+            if probs is None:
+                # The target's sampler on the draft's logits: the same keyed noise at the same
+                # position, so the draft is the target's own draw whenever the two agree.
+                token = sample(logits, t)
+            else:
+                q = target_probs(logits, t)
+                noise = keyed_uniform(t.seeds, t.positions, vocab_size, stream=DRAFT_STREAM)
+                token = torch.argmax(torch.log(q) - torch.log(-torch.log(noise)), dim=-1)
+                probs[:, j] = q
             drafts[:, j] = token.to(torch.int32)
-            probs[:, j] = q
         st.drafts[idx, : self.k] = drafts
         # Draft j is offered only if every position fed up to it was written to the real cache.
         st.num_drafts[idx] = (caps - seq_len).clamp(min=0, max=self.k).to(torch.int32)
-        self.probs[idx] = probs
+        if probs is not None:
+            self.probs[idx] = probs
 
     def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:
         return self.probs[slots.long(), :k]
