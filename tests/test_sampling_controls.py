@@ -346,12 +346,9 @@ def check_seeded(
 ) -> None:
     """Seeded outputs are identical across the given modes and batch compositions.
 
-    No speculation and n-gram speculation verify with the sampler's own keyed noise, so they
-    draw the same tokens. Draft-model speculation is left out: standard rejection sampling
-    (accept with min(1, p/q), redraw a rejected position from the residual) matches the
-    distribution, not the tokens, and with penalties the draft's q (no penalties) differs from p,
-    so drafts get rejected and the tokens depend on where verification rows start, which differs
-    between sync and async. Its greedy exactness is checked above.
+    Every mode emits the target's own keyed sample at each position: without speculation it is
+    the only draw; n-gram drafts and draft-model drafts (keyed acceptance, the default) are
+    accepted iff they equal it. So the tokens cannot depend on where verification rows start.
     """
     requests = {f"s{row}": (prompts[row], dict(SEEDED, max_tokens=max_tokens, seed=777 + row)) for row in rows}
     runs = {}
@@ -372,21 +369,28 @@ def check_seeded(
 
 def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(request, prompts):
     """Temperature 0.9, top-p, min_p, logit_bias and all three penalties with a seed per
-    request: the same tokens without speculation (sync) and with n-gram speculation (async),
-    batched and alone."""
-    check_seeded(request, prompts, FAST_ROWS, FAST_TOKENS, batched=[("none", 1), ("ngram", 2)], alone=[("ngram", 2)])
+    request: the same tokens without speculation (sync), with n-gram speculation (async) and
+    with draft-model speculation (async), batched and alone."""
+    check_seeded(
+        request,
+        prompts,
+        FAST_ROWS,
+        FAST_TOKENS,
+        batched=[("none", 1), ("ngram", 2), ("draft", 2)],
+        alone=[("ngram", 2)],
+    )
 
 
 @pytest.mark.slow
 def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches_full(request, prompts):
-    """The same for sync/async x none/n-gram, batched, and alone for the two extremes, on 8 rows."""
+    """The same for sync/async x none/n-gram/draft, batched, and alone for three, on 8 rows."""
     check_seeded(
         request,
         prompts,
         FULL_ROWS,
         FULL_TOKENS,
-        batched=[m for m in MODES if m[0] != "draft"],
-        alone=[("none", 1), ("ngram", 2)],
+        batched=MODES,
+        alone=[("none", 1), ("ngram", 2), ("draft", 1)],
     )
 
 

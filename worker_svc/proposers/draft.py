@@ -47,7 +47,7 @@ from kernels.attention import AttentionMetadata
 from kernels.keyed_random import keyed_uniform
 from worker_svc import staging
 from worker_svc.model import allocate_kv_cache
-from worker_svc.sampler import SamplingTensors, sample, target_probs
+from worker_svc.sampler import sample, target_probs
 
 # Keyed-noise stream for draft sampling under rejection sampling (independent of the verifier's
 # streams 0-2); keyed acceptance draws drafts with the sampler's own stream instead.
