@@ -1,7 +1,7 @@
 """The accelerator step path never synchronises the host with the device, proven on the CPU.
 
 Full worker steps (prefill chunks with and without sampling, decodes with n-gram and draft-model
-drafts, verification, rejection sampling, temperature/top-k/top-p rows, logprobs, a finish and
+drafts, keyed verification and rejection sampling, temperature/top-k/top-p rows, logprobs, a finish and
 a new admission mid-stream) run on a tiny random-weight Llama whose every tensor is a
 `FakeTensor` on the ``meta`` device, which the worker treats as an accelerator (anything but the
 CPU; see `worker_svc/staging.py`). Fake tensors carry no data: `.item()`, `.tolist()`,
@@ -143,14 +143,15 @@ def _schedule(k: int) -> list[worker_pb2.StepPlan]:
     ]
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram", "draft"])
+@pytest.mark.parametrize("spec", ["none", "ngram", "draft", "draft-rejection"])
 def test_steps_read_nothing_from_the_device(spec: str) -> None:
     configs = [_config(2), _config(1)]
     shapes = [_shapes(c) for c in configs]
     with FakeTensorMode(allow_non_fake_inputs=True), torch.inference_mode():
         target = _tiny_model(0, configs[0], shapes[0])
-        draft = _tiny_model(1, configs[1], shapes[1]) if spec == "draft" else None
-        proposer = build_proposer(spec, K, draft_model=draft)
+        method, _, acceptance = spec.partition("-")
+        draft = _tiny_model(1, configs[1], shapes[1]) if method == "draft" else None
+        proposer = build_proposer(method, K, draft_model=draft, draft_acceptance=acceptance or "keyed")
         runner = ModelRunner(
             target,
             RunnerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=32, num_spec_tokens=K),
