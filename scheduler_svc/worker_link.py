@@ -52,15 +52,19 @@ def _p99(values: list[float]) -> float:
 def derived_step_deadline(latencies: deque[tuple[float, int]], num_tokens: int = 1) -> float:
     """How long a plan of `num_tokens` may wait for its result, from recent (latency, tokens).
 
-    max(10 s, 20 x p99 latency, 20 x p99 per-token latency x num_tokens): the last term keeps a
-    long prefill after a run of small decodes from passing for a hang. Lenient until enough
-    steps are known (the first big prefills, warm-up).
+    max(10 s, 20 x p99 latency, 20 x p99 latency of the steps at least half the plan's size,
+    scaled by how much larger the plan is than the largest step seen). Only comparable steps
+    set the per-size term: a per-token cost taken from one-token decodes (mostly fixed cost)
+    and multiplied by a plan's tokens would give a 128-token step minutes, and a hung worker
+    minutes of silence. Lenient until enough steps are known (the first big prefills, warm-up).
     """
     if len(latencies) < NUM_WARMUP_STEPS:
         return WARMUP_STEP_DEADLINE_S
     p99 = _p99([lat for lat, _ in latencies])
-    per_token = _p99([lat / max(1, n) for lat, n in latencies])
-    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99, STEP_DEADLINE_P99_FACTOR * per_token * num_tokens)
+    largest = max(n for _, n in latencies)
+    comparable = [lat for lat, n in latencies if n >= min(num_tokens, largest) / 2]
+    scale = max(1.0, num_tokens / max(1, largest))
+    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99, STEP_DEADLINE_P99_FACTOR * _p99(comparable) * scale)
 
 
 def plan_tokens(plan: worker_pb2.StepPlan) -> int:
