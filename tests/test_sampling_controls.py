@@ -382,15 +382,17 @@ def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(re
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # 6 batched runs and 16 lone ones at 32 tokens: over 15 min loaded
 def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches_full(request, prompts):
-    """The same for sync/async x none/n-gram/draft, batched, and alone for three, on 8 rows."""
+    """The same for sync/async x none/n-gram/draft, batched, and alone for both proposers, on
+    8 rows."""
     check_seeded(
         request,
         prompts,
         FULL_ROWS,
         FULL_TOKENS,
         batched=MODES,
-        alone=[("none", 1), ("ngram", 2), ("draft", 1)],
+        alone=[("ngram", 2), ("draft", 1)],
     )
 
 
