@@ -3,6 +3,7 @@
     python scripts/bench_matrix.py hf      # ours (async) vs Hugging Face continuous batching, concurrency 16
     python scripts/bench_matrix.py hf --spec-methods none ngram   # ... with and without n-gram speculation
     python scripts/bench_matrix.py async   # async (2 plans in flight) vs sync (1) at concurrency 1, 4, 16
+    python scripts/bench_matrix.py async --spec-methods ngram --concurrency 1 16   # ... with n-gram k=3
     python scripts/bench_matrix.py spec    # n-gram k=3 vs no speculation at concurrency 1, by row kind
 
 The machine is shared and noisy, so configurations are interleaved (A, B, A, B ...) over
@@ -76,27 +77,39 @@ def rate(runs: list[dict]) -> float:
 
 def suite_async(args) -> dict:
     out = {}
-    worker = start_worker(kv_cache_memory_gb=args.kv_gb, max_num_seqs=64)
-    try:
-        for concurrency, limit in ((1, args.limit_c1), (4, args.limit_c4), (16, args.limit_c16)):
-            rows = load_dataset(args.dataset, limit=limit, max_tokens_cap=args.max_tokens_cap)
-            print(f"concurrency {concurrency}: {len(rows)} rows", flush=True)
-            runs = interleave(
-                {
-                    "sync": lambda rows=rows, c=concurrency: with_scheduler(worker, rows, c, max_inflight_steps=1),
-                    "async": lambda rows=rows, c=concurrency: with_scheduler(worker, rows, c, max_inflight_steps=2),
-                },
-                args.repeats,
-            )
-            out[f"c{concurrency}"] = {
-                "async_over_sync": rate(runs["async"]) / rate(runs["sync"]),
-                "async_idle_fraction": [r["worker_idle_fraction"] for r in runs["async"]],
-                "sync_idle_fraction": [r["worker_idle_fraction"] for r in runs["sync"]],
-                "runs": runs,
-            }
-            print(f"  async / sync = {out[f'c{concurrency}']['async_over_sync']:.3f}", flush=True)
-    finally:
-        worker.stop()
+    for spec in args.spec_methods:
+        flags = {"spec_method": spec, "num_spec_tokens": 3} if spec != "none" else {}
+        worker = start_worker(kv_cache_memory_gb=args.kv_gb, max_num_seqs=64, num_threads=args.num_threads, **flags)
+        try:
+            for concurrency in args.concurrency:
+                limit = {1: args.limit_c1, 4: args.limit_c4}.get(concurrency, args.limit_c16)
+                rows = load_dataset(args.dataset, limit=limit, max_tokens_cap=args.max_tokens_cap)
+                key = f"{spec}-c{concurrency}" if len(args.spec_methods) > 1 else f"c{concurrency}"
+                print(f"{spec}, concurrency {concurrency}: {len(rows)} rows", flush=True)
+                runs = interleave(
+                    {
+                        name: lambda rows=rows, c=concurrency, w=worker, n=n: with_scheduler(
+                            w, rows, c, max_inflight_steps=n
+                        )
+                        for name, n in (("sync", 1), ("async", 2))
+                    },
+                    args.repeats,
+                )
+                ttft = {name: sorted(r["ttft_p50_s"] for r in rs)[len(rs) // 2] for name, rs in runs.items()}
+                out[key] = {
+                    "async_over_sync": rate(runs["async"]) / rate(runs["sync"]),
+                    "ttft_p50_s": ttft,
+                    "async_idle_fraction": [r["worker_idle_fraction"] for r in runs["async"]],
+                    "sync_idle_fraction": [r["worker_idle_fraction"] for r in runs["sync"]],
+                    "runs": runs,
+                }
+                print(
+                    f"  async / sync = {out[key]['async_over_sync']:.3f}; "
+                    f"TTFT p50 async {ttft['async']:.3f} s, sync {ttft['sync']:.3f} s",
+                    flush=True,
+                )
+        finally:
+            worker.stop()
     return out
 
 
@@ -179,11 +192,13 @@ def main() -> None:
         nargs="+",
         default=["none"],
         choices=("none", "ngram"),
-        help="hf suite: our configurations, each against the same HF run",
+        help="hf suite: our configurations, each against the same HF run; async suite: one worker each",
     )
     parser.add_argument(
         "--dtype", default="float32", choices=("float32", "bfloat16"), help="hf suite: the dtype of both engines"
     )
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="async suite")
+    parser.add_argument("--num-threads", type=int, default=0, help="the worker's torch threads (0 = default)")
     parser.add_argument("--limit-c1", type=int, default=4)
     parser.add_argument("--limit-c4", type=int, default=12)
     parser.add_argument("--limit-c16", type=int, default=48)
