@@ -40,6 +40,18 @@ def hf_reference(model_dir: Path, rows: list[dict[str, Any]], max_tokens: int = 
     return hf_greedy(model_dir, prompt_ids(model_dir, rows), max_tokens)
 
 
+@dataclasses.dataclass(slots=True)
+class LazyReference:
+    """Hugging Face greedy outputs of workload rows, each computed on first use (and cached)."""
+
+    model_dir: Path
+    rows: list[dict[str, Any]]
+
+    def get(self, i: int, max_tokens: int = TEST_MAX_TOKENS) -> list[int]:
+        """Row `i`'s greedy continuation, at most `max_tokens` long."""
+        return hf_reference(self.model_dir, [self.rows[i]], max_tokens)[0]
+
+
 def run_workload(target: str, rows: list[BenchRow], concurrency: int) -> dict[str, Any]:
     return asyncio.run(run_bench_async(target, rows, concurrency, request_timeout=600))
 

@@ -1,10 +1,14 @@
 """Hugging Face greedy generation as a reference for our outputs (a helper module, not a test).
 
 ``hf_greedy`` runs ``generate`` one prompt at a time (no padding, so it is exact), greedy, stopping
-at EOS, and caches results on disk under ``<repo>/.pytest_cache/zerobubble-oracle/``, keyed by the
-model's weight-file metadata, the transformers and torch versions, the prompts and
-``max_new_tokens``. ``report_divergence`` explains a mismatch: where it starts and how close
-Hugging Face's top two logits were there (a near-tie is float noise, a wide gap is a bug).
+at EOS, and caches each prompt's continuation on disk, keyed by the model's weight-file metadata,
+the transformers and torch versions and the prompt. A greedy continuation of N tokens is the first
+N of a longer one, so one entry serves every ``max_new_tokens`` up to the longest computed (or any,
+once it ended at EOS). The cache lives beside the converted model in the user's cache
+(``~/.cache/zerobubble/hf-oracle``; ``ZEROBUBBLE_ORACLE_CACHE`` moves it), so a fresh clone on the
+same machine does not run Hugging Face again for answers it already has. ``report_divergence``
+explains a mismatch: where it starts and how close Hugging Face's top two logits were there (a
+near-tie is float noise, a wide gap is a bug).
 """
 
 from __future__ import annotations
@@ -22,16 +26,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-ORACLE_CACHE_DIR = REPO_ROOT / ".pytest_cache" / "zerobubble-oracle"
+ORACLE_CACHE_DIR = Path(os.environ.get("ZEROBUBBLE_ORACLE_CACHE", Path.home() / ".cache" / "zerobubble" / "hf-oracle"))
 
 
 def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """Greedy continuations (new tokens only, ending with the EOS token when one stopped it)."""
     model_dir = Path(model_dir)
-    cache_file = ORACLE_CACHE_DIR / f"{_cache_key(model_dir, prompts, max_new_tokens)}.json"
+    return [_greedy_one(model_dir, prompt, max_new_tokens) for prompt in prompts]
+
+
+def _greedy_one(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list[int]:
+    cache_file = ORACLE_CACHE_DIR / f"{_cache_key(model_dir, prompt)}.json"
     if cache_file.is_file():
-        return json.loads(cache_file.read_text())["outputs"]
+        entry = json.loads(cache_file.read_text())
+        if entry["max_new_tokens"] >= max_new_tokens or entry["stopped"]:
+            return entry["outputs"][:max_new_tokens]
     from transformers import GenerationConfig
 
     model = load_hf_model(model_dir)
@@ -42,16 +51,15 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new_tokens: i
         eos_token_id=eos_ids or None,
         pad_token_id=eos_ids[0] if eos_ids else 0,
     )
-    outputs: list[list[int]] = []
     with torch.inference_mode():
-        for prompt in prompts:
-            input_ids = torch.tensor([prompt], dtype=torch.long)
-            generated = model.generate(
-                input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
-            )
-            outputs.append(generated[0, len(prompt) :].tolist())
-    _write_atomic(cache_file, json.dumps({"outputs": outputs}))
-    return outputs
+        input_ids = torch.tensor([prompt], dtype=torch.long)
+        generated = model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), generation_config=generation_config
+        )
+    output = generated[0, len(prompt) :].tolist()
+    stopped = len(output) < max_new_tokens or bool(output and output[-1] in eos_ids)
+    _write_atomic(cache_file, json.dumps({"max_new_tokens": max_new_tokens, "stopped": stopped, "outputs": output}))
+    return output
 
 
 def report_divergence(model_dir: str | Path, prompt: list[int], ours: list[int], ref: list[int]) -> str:
@@ -77,7 +85,7 @@ def report_divergence(model_dir: str | Path, prompt: list[int], ours: list[int],
     )
 
 
-def _cache_key(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -> str:
+def _cache_key(model_dir: Path, prompt: list[int]) -> str:
     import transformers
 
     files = sorted([*model_dir.glob("*.safetensors"), model_dir / "config.json"])
@@ -86,8 +94,7 @@ def _cache_key(model_dir: Path, prompts: list[list[int]], max_new_tokens: int) -
         "model_dir": str(model_dir.resolve()),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
-        "prompts": prompts,
-        "max_new_tokens": max_new_tokens,
+        "prompt": prompt,
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
 

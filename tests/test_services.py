@@ -204,8 +204,11 @@ def test_worker_down_makes_health_not_serving_and_generate_unavailable(smollm2_d
         worker.stop()
 
 
+@pytest.mark.slow
 def test_preemption_under_tiny_kv_budget_keeps_greedy_outputs(smollm2_dir, grounded_rows):
     # ~64 blocks of 16 tokens for 16 concurrent ~200-token requests: preemption is certain.
+    # Slow suite (about 3 minutes): the default suite has the same scenario with n-gram drafts,
+    # chunked prefill and two plans in flight (tests/test_async_spec_e2e.py).
     worker = start_worker(kv_cache_memory_gb=0.045, max_num_seqs=16)
     scheduler = start_scheduler([worker], max_num_batched_tokens=256)
     try:
