@@ -43,7 +43,7 @@ def grounded_rows() -> list[dict[str, Any]]:
 # --- the worker-runtime harness's runners (tests/runner_harness.py), shared by several modules
 
 
-def _runner(spec: str):
+def _runner(spec: str, draft_acceptance: str = "rejection"):
     # Imported here: the light client's floor environment collects tests without torch.
     from tests.runner_harness import K
     from worker_svc.server import WorkerConfig, build_runner
@@ -54,6 +54,7 @@ def _runner(spec: str):
         kv_cache_memory_gb=0.25,
         max_num_seqs=16,
         draft_model="smollm2-135m" if spec == "draft" else "",
+        draft_acceptance=draft_acceptance,
     )
     runner, _ = build_runner(cfg)
     return runner
@@ -69,6 +70,13 @@ def draft_runner(smollm2_dir):
     # SmolLM2 drafting for itself, as in the matrix: greedy drafts are then always right,
     # so a rejected draft can only mean that the runner fed or verified the wrong thing.
     return _runner("draft")
+
+
+@pytest.fixture(scope="module")
+def keyed_draft_runner(smollm2_dir):
+    # Keyed acceptance: draft-model drafts verified like n-gram ones, so seeded output is the
+    # unspeculated one (the default, rejection sampling, depends on where drafts fall).
+    return _runner("draft", draft_acceptance="keyed")
 
 
 @pytest.fixture(params=["ngram", "draft"])

@@ -245,8 +245,8 @@ def prompts(smollm2_dir, grounded_rows) -> dict[int, list[int]]:
     return dict(zip(ROWS, prompt_ids(smollm2_dir, [grounded_rows[r] for r in ROWS])))
 
 
-def _runner_for(request, spec: str):
-    return request.getfixturevalue("draft_runner" if spec == "draft" else "ngram_runner")
+def _runner_for(request, spec: str, draft: str = "draft_runner"):
+    return request.getfixturevalue(draft if spec == "draft" else "ngram_runner")
 
 
 def _run(runner, spec: str, window: int, requests: dict[str, tuple[list[int], dict]]):
@@ -347,18 +347,18 @@ def check_seeded(
     """Seeded outputs are identical across the given modes and batch compositions.
 
     Every mode emits the target's own keyed sample at each position: without speculation it is
-    the only draw; n-gram drafts and draft-model drafts (keyed acceptance, the default) are
+    the only draw; n-gram drafts and draft-model drafts under `--draft-acceptance keyed` are
     accepted iff they equal it. So the tokens cannot depend on where verification rows start.
     """
     requests = {f"s{row}": (prompts[row], dict(SEEDED, max_tokens=max_tokens, seed=777 + row)) for row in rows}
     runs = {}
     for spec, window in batched:
-        trace, _ = _run(_runner_for(request, spec), spec, window, requests)
+        trace, _ = _run(_runner_for(request, spec, "keyed_draft_runner"), spec, window, requests)
         runs[(spec, window, "batched")] = {r: o.token_ids for r, o in trace.outputs.items()}
     for spec, window in alone:
         outs = {}
         for req_id, req in requests.items():
-            trace, _ = _run(_runner_for(request, spec), spec, window, {req_id: req})
+            trace, _ = _run(_runner_for(request, spec, "keyed_draft_runner"), spec, window, {req_id: req})
             outs[req_id] = trace.outputs[req_id].token_ids
         runs[(spec, window, "alone")] = outs
     baseline = runs[(*batched[0], "batched")]
