@@ -72,6 +72,8 @@ def test_draft_without_a_draft_model_is_a_usage_error_naming_the_flags(capsys) -
         (["scheduler"], ["--workers"]),
         (["serve", "--tls-cert", "/c.pem"], ["--tls-cert", "--tls-key"]),
         (["serve", "--max-num-seqs", "0"], ["--max-num-seqs"]),
+        (["worker", "--cpu-cores", "3-1"], ["--cpu-cores"]),
+        (["worker", "--cpu-cores", "one"], ["--cpu-cores"]),
     ],
 )
 def test_bad_combinations_name_their_flags(argv: list[str], flags: list[str], capsys) -> None:
@@ -103,3 +105,42 @@ def test_credentials_are_secret_settings() -> None:
     assert {"auth_token", "tls_key", "tls_cert", "worker_tls_key"} <= secret_settings()
     assert "model" not in secret_settings()
     assert all(dataclasses.is_dataclass(cls) for cls, _ in service_settings("serve"))
+
+
+def test_cpu_cores_read_like_taskset_lists() -> None:
+    from zerobubble.config import parse_cores
+
+    assert parse_cores("1") == {1}
+    assert parse_cores("0,2,4-6") == {0, 2, 4, 5, 6}
+    for bad in ("", "1-", "a", "5-3"):
+        with pytest.raises(ValueError):
+            parse_cores(bad)
+
+
+def test_cpu_cores_bind_the_step_thread_and_keep_the_rest_off_them() -> None:
+    """In a child process (affinity is per process): the device thread, and a thread it starts
+    (as torch starts its OpenMP team), run on --cpu-cores; the worker's own thread on the others."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    available = sorted(os.sched_getaffinity(0))
+    if len(available) < 2:
+        pytest.skip("needs two usable cores")
+    code = f"""
+import json, os, threading
+from worker_svc.server import WorkerConfig, bind_cpu_cores, device_thread
+device = device_thread()
+bind_cpu_cores(WorkerConfig(cpu_cores="{available[-1]}"), device)
+def on_device():
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(sorted(os.sched_getaffinity(0))))
+    t.start(); t.join()
+    return [sorted(os.sched_getaffinity(0)), seen[0]]
+print(json.dumps(device.submit(on_device).result() + [sorted(os.sched_getaffinity(0))]))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    step, started, rest = json.loads(out.stdout.strip().splitlines()[-1])
+    assert step == started == [available[-1]]
+    assert rest == available[:-1]

@@ -29,7 +29,7 @@ from worker_svc.runner import ModelRunner, PendingResult, PlanError, RunnerConfi
 from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
-from zerobubble.config import WorkerConfig
+from zerobubble.config import ConfigError, WorkerConfig, parse_cores
 
 logger = logging.getLogger(__name__)
 
@@ -381,9 +381,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             logger.info("scheduler stream %d closed", generation)
 
 
+def bind_cpu_cores(cfg: WorkerConfig, device: ThreadPoolExecutor) -> None:
+    """Put the step thread (and the torch threads it starts) on `--cpu-cores`, this thread on the rest.
+
+    On a CPU the model and the host share cores: while a step runs, the gRPC thread receiving the
+    next plan, the result copier and the scheduler preempt its torch threads, and an OpenMP
+    parallel region waits for its slowest thread. Apart, the step keeps its cores and the host
+    work of an async window really overlaps it. Threads started later inherit their creator's
+    mask, so this runs before the model loads and before gRPC starts its threads.
+    """
+    cores = set(parse_cores(cfg.cpu_cores))
+    available = os.sched_getaffinity(0)
+    if not cores <= available:
+        raise ConfigError(f"--cpu-cores {cfg.cpu_cores}: cores {sorted(cores - available)} are not available here")
+    device.submit(os.sched_setaffinity, 0, cores).result()  # 0: the calling thread on Linux
+    if cfg.num_threads == 0:
+        device.submit(torch.set_num_threads, len(cores)).result()
+    rest = available - cores
+    if rest:
+        os.sched_setaffinity(0, rest)
+    logger.info("step thread on cores %s, the rest of the worker on %s", sorted(cores), sorted(rest) or "the same")
+
+
 async def serve_worker(cfg: WorkerConfig) -> None:
     """Run the worker service until SIGTERM or SIGINT."""
     device = device_thread()
+    if cfg.cpu_cores:
+        bind_cpu_cores(cfg, device)
     runner, loaded = await asyncio.get_running_loop().run_in_executor(device, build_runner, cfg)
     runner.test_fault_hook = injected_fault_hook_from_env(dict(os.environ))
     metrics = None

@@ -177,6 +177,12 @@ class WorkerConfig(ServiceConfig):
     )
     worker_id: str = setting("", "name in metrics and logs (empty = hostname:port)")
     num_threads: int = setting(0, "torch CPU threads (0 = torch default)")
+    cpu_cores: str = setting(
+        "",
+        "CPU device: cores (e.g. 1 or 2-7,9) for the model's step thread and its torch threads; "
+        "the worker's gRPC and copy threads run on the other cores, so host work never preempts "
+        "a step (empty = no binding; torch threads default to the number of cores given)",
+    )
     prepack_weights: bool = setting(
         True,
         "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
@@ -229,6 +235,11 @@ class WorkerConfig(ServiceConfig):
         _require(self.max_model_len >= 0, "--max-model-len must be >= 0 (0 = from the model)")
         _require(self.num_spec_tokens >= 0, "--num-spec-tokens must be >= 0")
         _require(self.num_threads >= 0, "--num-threads must be >= 0")
+        if self.cpu_cores:
+            try:
+                parse_cores(self.cpu_cores)
+            except ValueError as exc:
+                raise ConfigError(f"--cpu-cores {self.cpu_cores!r}: {exc}") from None
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         if self.spec_method == "ngram":
             _require(
@@ -378,6 +389,20 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(
         scheduler=from_namespace(SchedulerServiceConfig, args), worker=worker, worker_port=args.worker_port
     )
+
+
+def parse_cores(spec: str) -> frozenset[int]:
+    """CPU core numbers from a list such as ``1``, ``2-7`` or ``0,2,4-5`` (as taskset reads them)."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        low, sep, high = part.strip().partition("-")
+        if not low.isdigit() or (sep and not high.isdigit()):
+            raise ValueError(f"{part.strip()!r} is not a core number or a range like 2-7")
+        first, last = int(low), int(high) if sep else int(low)
+        if last < first:
+            raise ValueError(f"range {part.strip()!r} runs backwards")
+        cores.update(range(first, last + 1))
+    return frozenset(cores)
 
 
 def _require(condition: bool, message: str) -> None:
