@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -23,20 +24,33 @@ from zerobubble.tools.launch import start_scheduler, start_worker, wait_serving 
 DATASET = ROOT.parent / "shared" / "workloads" / "grounded.jsonl"
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` on `cores` (a process's mask is per thread on Linux)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:
+            pass
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=1)
-    p.add_argument("--variants", nargs="+", default=["default", "threads1", "passive", "switch1ms"])
+    p.add_argument("--variants", nargs="+", default=["default", "bound"])
     args = p.parse_args()
     rows = load_dataset(DATASET, limit=args.rows, max_tokens_cap=0)
     variants = {
         "default": ({}, {}),
         "threads1": ({"num_threads": 1}, {}),
         "passive": ({}, {"OMP_WAIT_POLICY": "PASSIVE"}),
-        "switch1ms": ({}, {"ZB_SWITCH": "0.001", "PYTHONPATH": "/tmp/sc"}),
+        # The step thread on the last core; the worker's other threads, the scheduler and this
+        # client (the host) on the others.
+        "bound": ({"cpu_cores": str(max(os.sched_getaffinity(0)))}, {}),
     }
+    everything = os.sched_getaffinity(0)
+    host = everything - {max(everything)}
     for name in args.variants:
         opts, env = variants[name]
         worker = start_worker(kv_cache_memory_gb=0.5, spec_method="ngram", num_spec_tokens=3, env=env, **opts)
@@ -47,6 +61,9 @@ def main() -> None:
                     sched = start_scheduler([worker], max_inflight_steps=inflight)
                     try:
                         wait_serving(sched.target)
+                        if name == "bound":
+                            pin(sched.proc.pid, host)
+                            pin(os.getpid(), host)
                         r = asyncio.run(run_bench_async(sched.target, rows, args.concurrency, request_timeout=1800))
                     finally:
                         sched.stop()
@@ -62,6 +79,7 @@ def main() -> None:
             print(f"== {name}: async/sync = {ratio:.3f}", flush=True)
         finally:
             worker.stop()
+            pin(os.getpid(), everything)
 
 
 if __name__ == "__main__":
