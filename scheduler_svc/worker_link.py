@@ -34,6 +34,8 @@ STEP_DEADLINE_P99_FACTOR = 20.0
 NUM_WARMUP_STEPS = 20
 WARMUP_STEP_DEADLINE_S = 60.0
 NUM_LATENCY_SAMPLES = 256
+# Steps of a size comparable to a plan's needed before their latencies alone set its deadline.
+NUM_COMPARABLE_STEPS = 5
 
 
 class WorkerHung(ConnectionError):
@@ -52,19 +54,21 @@ def _p99(values: list[float]) -> float:
 def derived_step_deadline(latencies: deque[tuple[float, int]], num_tokens: int = 1) -> float:
     """How long a plan of `num_tokens` may wait for its result, from recent (latency, tokens).
 
-    max(10 s, 20 x p99 latency, 20 x p99 latency of the steps at least half the plan's size,
-    scaled by how much larger the plan is than the largest step seen). Only comparable steps
-    set the per-size term: a per-token cost taken from one-token decodes (mostly fixed cost)
-    and multiplied by a plan's tokens would give a 128-token step minutes, and a hung worker
-    minutes of silence. Lenient until enough steps are known (the first big prefills, warm-up).
+    max(10 s, 20 x p99 latency of the recent steps of a comparable size (half to twice the
+    plan's tokens)). Only comparable steps count: a decode step must not wait as long as the
+    big prefills seen earlier (a hung worker would go unnoticed for a minute), nor a prefill
+    be held to a decode's pace. With too few comparable steps, the largest ones seen set the
+    pace, scaled up by how much larger the plan is. Lenient until enough steps are known.
     """
     if len(latencies) < NUM_WARMUP_STEPS:
         return WARMUP_STEP_DEADLINE_S
-    p99 = _p99([lat for lat, _ in latencies])
-    largest = max(n for _, n in latencies)
-    comparable = [lat for lat, n in latencies if n >= min(num_tokens, largest) / 2]
-    scale = max(1.0, num_tokens / max(1, largest))
-    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * p99, STEP_DEADLINE_P99_FACTOR * _p99(comparable) * scale)
+    near = [lat for lat, n in latencies if num_tokens / 2 <= n <= 2 * num_tokens]
+    if len(near) >= NUM_COMPARABLE_STEPS:
+        base = _p99(near)
+    else:
+        largest = max(n for _, n in latencies)
+        base = _p99([lat for lat, n in latencies if n >= largest / 2]) * max(1.0, num_tokens / max(1, largest))
+    return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * base)
 
 
 def plan_tokens(plan: worker_pb2.StepPlan) -> int:

@@ -210,8 +210,9 @@ def test_derived_step_deadline() -> None:
     assert derive(deque([(0.05, 8)] * 90 + [(2.0, 8)] * 10), 8) == pytest.approx(40.0)
     # A 2,048-token prefill after fast 8-token decodes gets time in proportion to its tokens.
     assert derive(deque([(0.08, 8)] * 100), 2048) == pytest.approx(20 * 0.01 * 2048)
-    # One-token decodes (mostly fixed cost) do not set the pace of a 128-token step: only
-    # steps of comparable size do (20 x 0.3 s < 10 s here), so a hang is seen in 10 s.
-    mixed = deque([(0.05, 1)] * 50 + [(0.3, 128)] * 50)
-    assert derive(mixed, 128) == worker_link.MIN_STEP_DEADLINE_S
-    assert derive(mixed, 512) == pytest.approx(20 * 0.3 * 4)
+    # Big prefills seen earlier do not set the pace of a decode step, nor one-token decodes
+    # (mostly fixed cost) that of a 128-token step: only steps of comparable size do.
+    mixed = deque([(0.05, 1)] * 50 + [(0.3, 128)] * 50 + [(3.0, 512)] * 20)
+    assert derive(mixed, 128) == worker_link.MIN_STEP_DEADLINE_S  # 20 x 0.3 s < 10 s
+    assert derive(mixed, 512) == pytest.approx(20 * 3.0)
+    assert derive(mixed, 4096) == pytest.approx(20 * 3.0 * 8)  # beyond anything seen: scaled
