@@ -2,8 +2,8 @@
 
 N-gram drafts have no draft distribution: the verifier samples the target's own token at every
 position (keyed noise, see `worker_svc.sampler.sample`) and `count_accepted` keeps the drafts that
-equal it. Draft-model proposals are verified the same way under ``--draft-acceptance keyed`` (see
-`worker_svc.proposers.draft`); under rejection acceptance, the default, they use `rejection_sample`:
+equal it. Draft-model proposals are verified the same way under ``--draft-acceptance keyed`` (the default,
+see `worker_svc.proposers.draft`); under ``--draft-acceptance rejection`` they use `rejection_sample`:
 accept draft ``j`` with probability ``min(1, p/q)``, resample the first rejected position from
 ``normalize(max(0, p - q))``, and draw a bonus token from ``p`` when every draft is accepted. All randomness is keyed by
 (seed, absolute position) through `kernels.keyed_random`, so results do not depend on batching.

@@ -74,8 +74,8 @@ def draft_runner(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def keyed_draft_runner(smollm2_dir):
-    # Keyed acceptance: draft-model drafts verified like n-gram ones, so seeded output is the
-    # unspeculated one (the default, rejection sampling, depends on where drafts fall).
+    # Keyed acceptance (the worker's default): draft-model drafts verified like n-gram ones, so
+    # seeded output is the unspeculated one. `draft_runner` keeps rejection sampling covered.
     return _runner("draft", draft_acceptance="keyed")
 
 

@@ -168,7 +168,7 @@ class WorkerConfig(ServiceConfig):
     ngram_max: int = setting(4, "longest n-gram the proposer matches")
     draft_model: str = setting("", "draft model for --spec-method draft (same tokenizer as --model)")
     draft_acceptance: str = setting(
-        "rejection",
+        "keyed",
         "how draft-model proposals are verified: keyed (accepted iff equal to the target's own "
         "keyed sample: seeded output identical with speculation on or off, sync or async) or "
         "rejection (min(1, p/q) rejection sampling: more drafts accepted when the draft model "

@@ -40,7 +40,7 @@ def build_proposer(
     ngram_min: int = 2,
     ngram_max: int = 4,
     draft_model: object | None = None,
-    draft_acceptance: str = "rejection",
+    draft_acceptance: str = "keyed",
 ) -> Proposer | None:
     """The proposer for `--spec-method` (None for `none` or k = 0)."""
     if method == "none" or num_spec_tokens <= 0:

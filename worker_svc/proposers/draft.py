@@ -22,14 +22,14 @@ device (and is fit for CUDA graphs):
 
 Two ways to verify (`--draft-acceptance`):
 
-- ``keyed`` (opt-in): the draft is drawn by Gumbel-max with the SAME keyed noise the target's
+- ``keyed`` (the default): the draft is drawn by Gumbel-max with the SAME keyed noise the target's
   sampler uses at that position, and the verifier accepts it iff it equals the target's own
   keyed sample there (as for n-gram drafts). Every emitted token is then the token `sample`
   draws without speculation, so seeded output does not depend on the drafter, on where
   verification rows start, sync or async, or the batch. Lossless; a draft is accepted with the
   probability that both Gumbel-max draws agree, at least ``(1 - d) / (1 + d)`` for total
   variation distance ``d`` between the two processed distributions (1 when they are equal).
-- ``rejection`` (the default, as DESIGN.md specifies): standard rejection sampling against the
+- ``rejection`` (DESIGN.md's original method): standard rejection sampling against the
   kept distribution q (accept with ``min(1, p/q)``, resample from the residual): acceptance
   ``1 - d``, the most any scheme gets,
   but the emitted token at a draft position depends on q and on the residual draw, so seeded
@@ -59,7 +59,7 @@ ACCEPTANCE_METHODS = ("keyed", "rejection")
 class DraftModelProposer:
     """Runs a draft model beside the target over the runner's block tables."""
 
-    def __init__(self, draft, num_spec_tokens: int, acceptance: str = "rejection") -> None:
+    def __init__(self, draft, num_spec_tokens: int, acceptance: str = "keyed") -> None:
         if acceptance not in ACCEPTANCE_METHODS:
             raise ValueError(f"unknown draft acceptance {acceptance!r} (expected keyed or rejection)")
         self.draft = draft  # a worker_svc.model_loader.LoadedModel
