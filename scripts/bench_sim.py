@@ -12,7 +12,10 @@ A run sends N short chat prompts at once, each with the same `max_tokens` (the s
 never include EOS). Figures cover the steady state only: the window from the moment every
 request has streamed its first token (all N are decoding) to the moment the first one finishes;
 the scheduler's step and worker counters (`ModelInfo.stats`) are read at both ends. So ms per
-step = window / steps in it, throughput = tokens streamed in it / window. Configurations that
+step = window / steps in it, throughput = tokens streamed in it / window. The CPU time each
+process (scheduler, worker, this client) used in the window is read from /proc at both ends too:
+on a machine with fewer cores than busy processes, ms per step is bounded below by their sum
+divided by the cores, whatever the critical path. Configurations that
 are compared are run back to back (sync, async, sync, async ...) because the machine is shared.
 """
 
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -69,16 +73,27 @@ def sim_worker(device_ms: float, spec: str, args: argparse.Namespace) -> Iterato
         worker.stop()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (Linux /proc; 0.0 where there is none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run(worker: Service, num_requests: int, window: int, device_ms: float, args: argparse.Namespace) -> dict:
     """One run through a fresh scheduler in front of `worker`; steady-state figures."""
     scheduler = start_scheduler([worker], max_inflight_steps=window, max_num_seqs=256, max_num_batched_tokens=2048)
+    pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
     try:
         wait_serving(scheduler.target)
         max_tokens = args.max_tokens or 128 + num_requests // 2
-        window_stats = asyncio.run(steady_state(scheduler.target, num_requests, max_tokens))
+        window_stats = asyncio.run(steady_state(scheduler.target, num_requests, max_tokens, pids))
     finally:
         scheduler.stop()
-    first, last, tokens, wall = window_stats
+    first, last, tokens, wall, cpu = window_stats
     steps = last.num_steps - first.num_steps
     idle = last.worker_idle_s - first.worker_idle_s
     busy = last.worker_busy_s - first.worker_busy_s
@@ -92,11 +107,14 @@ def run(worker: Service, num_requests: int, window: int, device_ms: float, args:
         "worker_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0,
         "acceptance_rate": (last.num_accepted_tokens - first.num_accepted_tokens) / drafts if drafts else None,
         "num_steps": steps,
+        # CPU ms per step of each process in the window (their sum over the cores bounds ms_per_step).
+        "cpu_ms_per_step": {name: 1000 * seconds / steps for name, seconds in cpu.items()},
     }
 
 
-async def steady_state(target: str, num_requests: int, max_tokens: int):
-    """Stream every request; ModelInfo stats when all have started and when the first ends."""
+async def steady_state(target: str, num_requests: int, max_tokens: int, pids: dict[str, int]):
+    """Stream every request; ModelInfo stats (and each process's CPU time) when all have started
+    and when the first ends."""
     started, tokens = set(), [0]
     all_started, first_done = asyncio.Event(), asyncio.Event()
     async with grpc.aio.insecure_channel(target) as channel:
@@ -120,14 +138,15 @@ async def steady_state(target: str, num_requests: int, max_tokens: int):
             await event.wait()
             count = tokens[0]
             info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
-            marks.append((info.stats, count, time.perf_counter()))
+            cpu = {name: cpu_seconds(pid) for name, pid in pids.items()}
+            marks.append((info.stats, count, time.perf_counter(), cpu))
 
         tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(rows(num_requests, max_tokens))]
         await asyncio.gather(mark(all_started), mark(first_done), *tasks)
-    (first, tokens0, t0), (last, tokens1, t1) = marks
+    (first, tokens0, t0, cpu0), (last, tokens1, t1, cpu1) = marks
     if not all_started.is_set() or last.num_steps <= first.num_steps:
         raise RuntimeError("no steady-state window: raise --max-tokens")
-    return first, last, tokens1 - tokens0, t1 - t0
+    return first, last, tokens1 - tokens0, t1 - t0, {name: cpu1[name] - cpu0[name] for name in cpu0}
 
 
 def suite_host(args: argparse.Namespace) -> dict:
@@ -143,11 +162,14 @@ def suite_host(args: argparse.Namespace) -> dict:
                     "all_ms_per_step": [f["ms_per_step"] for f in figures],
                     "tokens_per_step": best["tokens_per_step"],
                     "acceptance_rate": best["acceptance_rate"],
+                    "cpu_ms_per_step": best["cpu_ms_per_step"],
                 }
+                cpu = best["cpu_ms_per_step"]
                 print(
                     f"k={k} n={n:4d}: {best['ms_per_step']:.2f} ms/step "
                     f"({', '.join(f'{f:.2f}' for f in out[f'k{k}/n{n}']['all_ms_per_step'])}), "
-                    f"{best['tokens_per_step']:.2f} tokens/step",
+                    f"{best['tokens_per_step']:.2f} tokens/step; CPU ms/step "
+                    + ", ".join(f"{name} {ms:.2f}" for name, ms in cpu.items()),
                     flush=True,
                 )
     return out

@@ -22,6 +22,8 @@ def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None =
         max_num_seqs=cfg.max_num_seqs,
         num_spec_tokens=runner.num_spec_tokens if num_spec_tokens is None else num_spec_tokens,
         spec_method="draft" if getattr(runner.proposer, "draft", None) is not None else "ngram",
+        # What the worker reports in `Describe`: a draft model writes its chain past the step.
+        num_lookahead_slots=runner.proposer.num_lookahead_slots if runner.proposer else 0,
         eos_token_ids=runner.loaded.eos_token_ids,
         vocab_size=runner.loaded.hf_config.vocab_size,
     )

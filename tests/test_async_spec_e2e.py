@@ -50,7 +50,7 @@ K = 3
 # prompts (prefill dominates on CPU), whose Hugging Face runs go past SUBSET_MAX_TOKENS but one.
 SUBSET = (0, 3, 4, 7, 9, 13, 17, 23, 25, 27, 29, 31, 40, 41, 43, 46)
 SUBSET_MAX_TOKENS = 24
-MAX_TOKENS_PREEMPT = 32  # 16 x (about 250 prompt + 32) tokens against about 1040 KV slots
+MAX_TOKENS_PREEMPT = 32  # 8 x (157 to 445 prompt + 32) tokens against about 700 KV slots
 
 
 class WorkerPool:
@@ -283,21 +283,21 @@ def test_logprobs_over_grpc_belong_to_the_accepted_tokens(pool, smollm2_dir, gro
 
 
 def test_preemption_with_tiny_kv_chunked_prefill_and_ngram(smollm2_dir, grounded_rows, reference):
-    """About 64 KV blocks for 16 concurrent requests, 128-token steps (chunked prefill), n-gram
+    """About 40 KV blocks for 8 concurrent requests, 128-token steps (chunked prefill), n-gram
     drafts and two plans in flight: requests are preempted and resumed, outputs stay Hugging
     Face's greedy ones."""
-    worker = start_worker(kv_cache_memory_gb=0.045, spec_method="ngram", num_spec_tokens=K, max_num_seqs=16)
+    worker = start_worker(kv_cache_memory_gb=0.03, spec_method="ngram", num_spec_tokens=K, max_num_seqs=8)
     try:
-        rows = grounded_rows[:16]
+        rows = grounded_rows[:8]
         with scheduler_on(worker, max_inflight_steps=2, max_num_batched_tokens=128) as scheduler:
-            report = run_workload(scheduler.target, bench_rows(rows, max_tokens=MAX_TOKENS_PREEMPT), concurrency=16)
+            report = run_workload(scheduler.target, bench_rows(rows, max_tokens=MAX_TOKENS_PREEMPT), concurrency=8)
     finally:
         worker.stop()
     stats = report["server_stats"]
     assert stats["num_preemptions"] > 0, stats
     assert stats["num_accepted_tokens"] > 0, stats
     assert_matches_reference(
-        report, [reference.get(i, MAX_TOKENS_PREEMPT) for i in range(16)], smollm2_dir, rows, min_identical=15
+        report, [reference.get(i, MAX_TOKENS_PREEMPT) for i in range(8)], smollm2_dir, rows, min_identical=7
     )
 
 

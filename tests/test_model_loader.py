@@ -120,3 +120,70 @@ def test_concurrent_conversion_is_atomic(tmp_path: Path) -> None:
     assert paths[0] == paths[1] == str(tmp_path / "models" / EMBEDDED_MODEL_NAME)
     leftovers = [p.name for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name]
     assert leftovers == []
+
+
+# Hand-written config.json files that leave each family's defaults to transformers: the cached
+# read must apply the same defaults (head_dim, windows, RoPE base, tied embeddings, EOS ids).
+SPARSE_CONFIGS = {
+    "llama": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4),
+    "mistral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2),
+    # Old Qwen2 configs name a window that is off unless use_sliding_window says otherwise.
+    "qwen2": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, sliding_window=32, use_sliding_window=False, rope_theta=1e6,
+                  eos_token_id=[3, 9]),
+    "qwen3": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2),
+    "qwen3-windowed": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                           num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(SPARSE_CONFIGS))
+def test_the_cached_config_reads_as_transformers_resolves_it(tmp_path: Path, monkeypatch, family: str) -> None:
+    """A second start reads the resolved config from the cache, without transformers, and builds
+    the same model shape, RoPE tables, EOS ids and context length as AutoConfig does."""
+    from transformers import AutoConfig
+
+    from worker_svc.model import model_spec, rope_tables
+    from worker_svc.model_loader import _eos_token_ids, read_config
+
+    monkeypatch.setenv("ZEROBUBBLE_CACHE_DIR", str(tmp_path / "cache"))
+    model_dir = tmp_path / family
+    model_dir.mkdir()
+    fields = {"model_type": family.split("-")[0], "vocab_size": 128, **SPARSE_CONFIGS[family]}
+    (model_dir / "config.json").write_text(json.dumps(fields))
+    reference = AutoConfig.from_pretrained(model_dir)
+
+    first = read_config(model_dir)  # resolves and caches
+    second = read_config(model_dir)  # from the cache
+    assert isinstance(first, type(reference)) and not isinstance(second, type(reference))
+    for config in (first, second):
+        spec = model_spec(config)
+        assert spec == model_spec(reference)
+        tables, expected = rope_tables(config, spec.head_dim, 64), rope_tables(reference, spec.head_dim, 64)
+        assert all(torch.equal(a, b) for a, b in zip(tables, expected))
+        assert _eos_token_ids(model_dir, config) == _eos_token_ids(model_dir, reference)
+        assert int(config.max_position_embeddings) == int(reference.max_position_embeddings)
+    if family == "qwen3-windowed":
+        assert model_spec(second).sliding_windows == [0, 0, 16, 16]  # layers from max_window_layers on
+    else:
+        assert set(model_spec(second).sliding_windows) == ({4096} if family == "mistral" else {0})
+    # A changed config.json is a different key: no stale read.
+    (model_dir / "config.json").write_text(json.dumps({**fields, "num_hidden_layers": 5}))
+    assert model_spec(read_config(model_dir)).num_layers == 5
+
+
+def test_a_scaled_rope_config_is_resolved_by_transformers_every_time(tmp_path: Path, monkeypatch) -> None:
+    """Non-default RoPE is computed by transformers' functions on the real config object."""
+    from transformers import LlamaConfig as Reference
+
+    from worker_svc.model_loader import read_config
+
+    monkeypatch.setenv("ZEROBUBBLE_CACHE_DIR", str(tmp_path / "cache"))
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    fields = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 1}
+    (tmp_path / "config.json").write_text(json.dumps({**fields, "num_attention_heads": 4, "rope_scaling": scaling}))
+    for _ in range(2):
+        assert isinstance(read_config(tmp_path), Reference)
+    assert not (tmp_path / "cache" / "configs").exists() or not any((tmp_path / "cache" / "configs").iterdir())

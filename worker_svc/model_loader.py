@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -26,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -106,15 +108,11 @@ def load_model(
         ModelLoadError: the model is missing, malformed or of an unsupported family.
     """
     from safetensors.torch import load_file
-    from transformers import AutoConfig
 
     path = resolve_model(spec)
     torch_dtype = _parse_dtype(dtype)
     started = time.perf_counter()
-    try:
-        hf_config = AutoConfig.from_pretrained(path)
-    except Exception as exc:  # transformers raises many types for a malformed config
-        raise ModelLoadError(f"model directory {str(path)!r}: cannot read config.json: {exc}") from exc
+    hf_config = read_config(path)
     loaded = LoadedModel(
         name=EMBEDDED_MODEL_NAME if spec == EMBEDDED_MODEL_NAME else Path(spec).name,
         path=path,
@@ -144,6 +142,58 @@ def load_model(
     logger.info("loaded %s (%s, %s) in %.2fs", path, torch_dtype, device, time.perf_counter() - started)
     loaded.model = model
     return loaded
+
+
+def read_config(path: Path) -> Any:
+    """The model directory's config as transformers resolves it (each family's defaults applied).
+
+    Resolving it imports transformers, about half of a worker's start-up. So the resolved
+    attributes (`PretrainedConfig.to_dict()`) are cached under ``configs/`` of the cache root,
+    keyed by the bytes of config.json and the transformers version, and later starts read them
+    as plain JSON. Only configs with the default RoPE are cached: the other RoPE types are
+    computed by transformers' own functions, which want the real config object.
+
+    Raises:
+        ModelLoadError: config.json is missing or malformed.
+    """
+    try:
+        raw = (path / "config.json").read_bytes()
+    except OSError as exc:
+        raise ModelLoadError(f"model directory {str(path)!r}: cannot read config.json: {exc}") from exc
+    version = importlib.metadata.version("transformers")
+    key = hashlib.sha256(raw + b"|transformers " + version.encode()).hexdigest()[:24]
+    cached = cache_dir() / "configs" / f"{key}.json"
+    try:
+        return SimpleNamespace(**json.loads(cached.read_text()))
+    except (OSError, ValueError, TypeError):
+        pass  # not cached yet (or unreadable): resolve it below
+    from transformers import AutoConfig
+
+    try:
+        hf_config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types for a malformed config
+        raise ModelLoadError(f"model directory {str(path)!r}: cannot read config.json: {exc}") from exc
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        try:
+            text = json.dumps(hf_config.to_dict())
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            _write_atomic(cached, text)
+        except (OSError, TypeError, ValueError) as exc:  # a read-only cache only costs start-up time
+            logger.debug("config cache not written (%s): %s", cached, exc)
+    return hf_config
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Write `text` so that readers see the old file or the whole new one, never a part."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
