@@ -54,14 +54,19 @@ def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> list[RequestEvent]:
         if prev is None:
             merged[nxt.req_id] = nxt
         elif prev.finish_reason is None:  # nothing follows a final event
-            merged[nxt.req_id] = dataclasses.replace(
-                nxt,
-                token_ids=prev.token_ids + nxt.token_ids,
-                text=prev.text + nxt.text,
-                logprobs=prev.logprobs + nxt.logprobs,
-                top_logprobs=prev.top_logprobs + nxt.top_logprobs,
-            )
+            merged[nxt.req_id] = join_events(prev, nxt)
     return list(merged.values())
+
+
+def join_events(prev: RequestEvent, nxt: RequestEvent) -> RequestEvent:
+    """One event of one sequence carrying `prev`'s tokens then `nxt`'s (and `nxt`'s state)."""
+    return dataclasses.replace(
+        nxt,
+        token_ids=prev.token_ids + nxt.token_ids,
+        text=prev.text + nxt.text,
+        logprobs=prev.logprobs + nxt.logprobs,
+        top_logprobs=prev.top_logprobs + nxt.top_logprobs,
+    )
 
 
 def sequence_seed(seed: int, index: int) -> int:
@@ -98,10 +103,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     def on_events(self, link: WorkerLink, events: list[RequestEvent]) -> None:
         now = time.monotonic()
+        interval = self.cfg.stream_interval
         for ev in events:
             stream = self.streams.get(ev.req_id)
             if stream is None:
                 continue
+            is_first = stream.first_token_at is None
             if ev.token_ids:
                 if stream.first_token_at is None:
                     stream.first_token_at = now
@@ -112,6 +119,14 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
+            if stream.held is not None:
+                ev = join_events(stream.held, ev)
+                stream.held = None
+            # --stream-interval: gather tokens until there are enough for one message; the
+            # first token (time to first token) and the final message never wait.
+            if interval > 1 and not is_first and ev.finish_reason is None and len(ev.token_ids) < interval:
+                stream.held = ev
+                continue
             stream.queue.put_nowait(ev)
 
     # -- RPCs ----------------------------------------------------------------------------------
@@ -139,6 +154,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     num_cached_tokens=0,
                 )
             event.error = "the server is shutting down"
+            if stream.held is not None:  # tokens gathered under --stream-interval go first
+                event = join_events(stream.held, event)
+                stream.held = None
             stream.queue.put_nowait(event)
         while self.streams and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.05)  # the final messages go out

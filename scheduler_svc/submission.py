@@ -19,6 +19,7 @@ from zerobubble.api import generate_pb2
 
 if TYPE_CHECKING:
     from scheduler_svc.router import Router
+    from scheduler_svc.scheduler import RequestEvent
 
 
 class RequestError(Exception):
@@ -61,6 +62,7 @@ class Stream:
     num_output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
     index: int = 0  # which of the request's n sequences
+    held: RequestEvent | None = None  # tokens gathered under --stream-interval, not yet queued
 
 
 class Frontend(Protocol):

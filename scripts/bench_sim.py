@@ -85,7 +85,13 @@ def cpu_seconds(pid: int) -> float:
 
 def run(worker: Service, num_requests: int, window: int, device_ms: float, args: argparse.Namespace) -> dict:
     """One run through a fresh scheduler in front of `worker`; steady-state figures."""
-    scheduler = start_scheduler([worker], max_inflight_steps=window, max_num_seqs=256, max_num_batched_tokens=2048)
+    scheduler = start_scheduler(
+        [worker],
+        max_inflight_steps=window,
+        max_num_seqs=256,
+        max_num_batched_tokens=2048,
+        stream_interval=args.stream_interval,
+    )
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
     try:
         wait_serving(scheduler.target)
@@ -215,6 +221,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=2, help="host suite: runs per figure (best kept)")
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
+    parser.add_argument(
+        "--stream-interval", type=int, default=1, help="the scheduler's --stream-interval (tokens per client message)"
+    )
     parser.add_argument(
         "--kv-gb",
         type=float,

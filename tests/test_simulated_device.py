@@ -9,8 +9,10 @@ module docstring of `worker_svc/simulated.py` predicts.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 
+import grpc
 import pytest
 
 from scheduler_svc.scheduler import SchedulerStats
@@ -20,6 +22,8 @@ from tests.e2e import bench_rows, run_workload
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from worker_svc.server import WorkerConfig, build_runner, tokenizer_fields
 from worker_svc.simulated import COPY_LAG
+from zerobubble.api import generate_pb2_grpc
+from zerobubble.client import build_request, complete
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -66,6 +70,44 @@ def test_greedy_output_is_identical_sync_async_and_with_speculation(sim_workers,
         # Drafts were proposed and some, not all, accepted: the speculation path really ran.
         assert 0.0 < report["acceptance_rate"] < 1.0
         assert report["server_stats"]["num_steps"] < reports["none", window]["server_stats"]["num_steps"]
+
+
+async def _replies(target: str, prompts: list[str], max_tokens: int) -> list[list]:
+    """Every reply message of each prompt's stream (greedy, all prompts at once)."""
+    out: list[list] = [[] for _ in prompts]
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        await asyncio.gather(
+            *(
+                complete(stub, build_request(prompt=p, max_tokens=max_tokens), timeout=120, on_response=out[i].append)
+                for i, p in enumerate(prompts)
+            )
+        )
+    return out
+
+
+def test_stream_interval_gathers_tokens_without_changing_them(sim_workers):
+    """`--stream-interval 5`: the first token goes alone at once, every later message but the
+    last carries at least 5 tokens, the last one ends the stream; tokens and text are those of
+    `--stream-interval 1`, in far fewer messages."""
+    prompts = [f"Request {i}: count the stars over the harbour." for i in range(6)]
+    replies = {}
+    for interval in (1, 5):
+        scheduler = start_scheduler([sim_workers["ngram"]], stream_interval=interval)
+        try:
+            wait_serving(scheduler.target)
+            replies[interval] = asyncio.run(_replies(scheduler.target, prompts, MAX_TOKENS))
+        finally:
+            scheduler.stop()
+    for every, gathered in zip(replies[1], replies[5]):
+        assert [t for r in gathered for t in r.token_ids] == [t for r in every for t in r.token_ids]
+        assert "".join(r.text for r in gathered) == "".join(r.text for r in every)
+        with_tokens = [r for r in gathered if r.token_ids]
+        assert len(with_tokens[0].token_ids) <= K + 1  # one step's tokens: not held back
+        assert all(len(r.token_ids) >= 5 for r in with_tokens[1:-1])
+        assert gathered[-1].finish_reason and not any(r.finish_reason for r in gathered[:-1])
+        assert [r.num_output_tokens for r in gathered][-1] == MAX_TOKENS
+        assert len(gathered) <= 2 + MAX_TOKENS // 5 < len(every)
 
 
 def _acceptance(rate: float, rows) -> float:

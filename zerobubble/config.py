@@ -280,6 +280,11 @@ class SchedulerServiceConfig(ServiceConfig):
     max_inflight_steps: int = setting(2, "plans sent ahead of their results per worker (1 = synchronous)")
     max_num_batched_tokens: int = setting(512, "token budget of one step (prefill chunks + decode slots)")
     max_waiting: int = setting(1024, "queued requests beyond which new ones are refused (RESOURCE_EXHAUSTED)")
+    stream_interval: int = setting(
+        1,
+        "tokens a stream gathers before it sends them (1 = each step's tokens as they come); the first "
+        "token and the final message go at once. Larger values cut the host's work per step at high concurrency",
+    )
     enable_prefix_caching: bool = setting(True, "share KV blocks of identical prompt prefixes")
     auth_token: str = setting("", "bearer token clients must send, on gRPC and HTTP (empty = no auth)", secret=True)
     http_port: int = setting(8000, "OpenAI-compatible HTTP port on --host (-1 = off, 0 = pick a free port)")
@@ -312,6 +317,7 @@ class SchedulerServiceConfig(ServiceConfig):
         _require(self.max_inflight_steps >= 1, "--max-inflight-steps must be >= 1 (1 = synchronous)")
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         _require(self.max_waiting >= 1, "--max-waiting must be >= 1")
+        _require(self.stream_interval >= 1, "--stream-interval must be >= 1 (1 = send every step's tokens)")
         _require(self.step_deadline >= 0, "--step-deadline must be >= 0 (0 = derived)")
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
