@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import random
 import time
@@ -59,14 +58,16 @@ def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> list[RequestEvent]:
 
 
 def join_events(prev: RequestEvent, nxt: RequestEvent) -> RequestEvent:
-    """One event of one sequence carrying `prev`'s tokens then `nxt`'s (and `nxt`'s state)."""
-    return dataclasses.replace(
-        nxt,
-        token_ids=prev.token_ids + nxt.token_ids,
-        text=prev.text + nxt.text,
-        logprobs=prev.logprobs + nxt.logprobs,
-        top_logprobs=prev.top_logprobs + nxt.top_logprobs,
-    )
+    """`nxt`, now carrying `prev`'s tokens before its own (its state is the newer one).
+
+    Changes `nxt` in place: an event is built for one step and owned by its stream from then
+    on, and `dataclasses.replace` was a visible share of the scheduler's time at 256 streams.
+    """
+    nxt.token_ids = prev.token_ids + nxt.token_ids
+    nxt.text = prev.text + nxt.text
+    nxt.logprobs = prev.logprobs + nxt.logprobs
+    nxt.top_logprobs = prev.top_logprobs + nxt.top_logprobs
+    return nxt
 
 
 def sequence_seed(seed: int, index: int) -> int:
