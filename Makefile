@@ -98,11 +98,14 @@ bench-model: setup
 bench: setup
 	$(PY) scripts/bench_matrix.py async $(BENCH_ARGS)
 
-# Lint, format check and type check; `.ci/run` runs it before the tests.
+# Lint, format check and type check; `.ci/run` runs it before the tests. mypy's incremental
+# cache lives in the user cache, not the clone: a cold run reads torch's and transformers'
+# inline types (about 45 s here), a warm one only what changed.
+MYPY_CACHE_DIR ?= $(HOME)/.cache/zerobubble/mypy
 lint: setup
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy
+	MYPY_CACHE_DIR=$(MYPY_CACHE_DIR) $(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info

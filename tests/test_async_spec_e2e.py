@@ -140,10 +140,13 @@ SUBSET_COMBINATIONS = [
 
 @pytest.mark.parametrize("spec,inflight", SUBSET_COMBINATIONS)
 def test_greedy_matches_hf_on_a_subset(pool, smollm2_dir, grounded_rows, reference, spec, inflight):
-    """16 rows at concurrency 16, 24 new tokens: at most one divergence (the 46-of-48
-    allowance for float near-ties, scaled down)."""
-    rows = [grounded_rows[i] for i in SUBSET]
-    ref = [reference.get(i, SUBSET_MAX_TOKENS) for i in SUBSET]
+    """16 rows (8 with a draft model) at once, 24 new tokens: at most one divergence (the
+    46-of-48 allowance for float near-ties, scaled down)."""
+    # The draft model runs k more forwards per step, so on CPU the draft combination checks the
+    # first half of the subset (8 code-edit rows); the whole workload runs in the slow suite.
+    subset = SUBSET[:8] if spec == "draft" else SUBSET
+    rows = [grounded_rows[i] for i in subset]
+    ref = [reference.get(i, SUBSET_MAX_TOKENS) for i in subset]
     check_greedy(pool, spec, inflight, rows, ref, SUBSET_MAX_TOKENS, len(rows) - 1, smollm2_dir)
 
 

@@ -22,7 +22,7 @@ from zerobubble.client import Completion, build_request, complete
 
 pytestmark = pytest.mark.timeout(400)
 
-MAX_TOKENS = 40
+MAX_TOKENS = 32
 # Chat prompts: SmolLM2's template puts the same system prompt (several KV blocks) in front of
 # each, which is what prefix-affinity routing sees in real traffic.
 QUESTIONS = [
