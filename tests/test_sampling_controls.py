@@ -8,6 +8,7 @@ draft-model speculation, against Hugging Face `generate` as the oracle.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -278,6 +279,11 @@ FREQUENCY, PRESENCE = 0.6, 0.4
 def _hf_penalized(smollm2_dir, prompt: list[int], max_tokens: int) -> tuple[list[int], list[int]]:
     """Hugging Face greedy continuations of `prompt` with repetition_penalty=REPETITION, and
     with OpenAI's frequency/presence penalties applied to its logits by a logits processor."""
+    return _hf_penalized_cached(str(smollm2_dir), tuple(prompt), max_tokens)
+
+
+@functools.cache  # every mode compares against the same references
+def _hf_penalized_cached(smollm2_dir: str, prompt: tuple[int, ...], max_tokens: int) -> tuple[list[int], list[int]]:
     from transformers import LogitsProcessorList
 
     model = load_hf_model(Path(smollm2_dir))
