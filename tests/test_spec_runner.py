@@ -319,6 +319,11 @@ def test_preemption_with_chunked_prefill_and_steps_in_flight(request, grounded, 
     assert_matches(trace.outputs, reference)
 
 
+# The default suite makes the same claims with more sampling controls on fewer rows
+# (`tests/test_sampling_controls.py::test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches`:
+# sync without speculation, async with n-gram and draft drafts, batched and alone); this
+# factorial over 6 rows runs with `make test-slow`.
+@pytest.mark.slow
 def test_seeded_sampling_is_identical_across_windows_and_speculation(ngram_runner, grounded):
     """Temperature 0.8 with per-request seeds: the same tokens with 1 or 2 plans in flight, with
     n-gram speculation on (k=3) or off (k=0 draft slots), and alone or batched with others."""
