@@ -70,6 +70,14 @@ def join_events(prev: RequestEvent, nxt: RequestEvent) -> RequestEvent:
     return nxt
 
 
+def take_held(stream: Stream, ev: RequestEvent) -> RequestEvent:
+    """`ev` with the tokens the stream gathered under --stream-interval in front; none held after."""
+    if stream.held is None:
+        return ev
+    held, stream.held = stream.held, None
+    return join_events(held, ev)
+
+
 def sequence_seed(seed: int, index: int) -> int:
     """The seed of sequence ``index`` of a request: ``seed`` itself for the first, then distinct
     well-mixed 64-bit keys (splitmix64), so the n sequences draw independent noise and a request
@@ -111,7 +119,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 continue
             is_first = stream.first_token_at is None
             if ev.token_ids:
-                if stream.first_token_at is None:
+                if is_first:
                     stream.first_token_at = now
                     if self.metrics is not None:
                         self.metrics.observe_ttft(now - stream.arrival)
@@ -120,9 +128,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     self.metrics.observe_inter_token(gap, len(ev.token_ids))
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
-            if stream.held is not None:
-                ev = join_events(stream.held, ev)
-                stream.held = None
+            ev = take_held(stream, ev)
             # --stream-interval: gather tokens until there are enough for one message; the
             # first token (time to first token) and the final message never wait.
             if interval > 1 and not is_first and ev.finish_reason is None and len(ev.token_ids) < interval:
@@ -155,10 +161,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     num_cached_tokens=0,
                 )
             event.error = "the server is shutting down"
-            if stream.held is not None:  # tokens gathered under --stream-interval go first
-                event = join_events(stream.held, event)
-                stream.held = None
-            stream.queue.put_nowait(event)
+            stream.queue.put_nowait(take_held(stream, event))
         while self.streams and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.05)  # the final messages go out
 

@@ -18,11 +18,12 @@ import hashlib
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from worker_svc.model_loader import write_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +59,7 @@ def _greedy_one(model_dir: Path, prompt: list[int], max_new_tokens: int) -> list
         )
     output = generated[0, len(prompt) :].tolist()
     stopped = len(output) < max_new_tokens or bool(output and output[-1] in eos_ids)
-    _write_atomic(cache_file, json.dumps({"max_new_tokens": max_new_tokens, "stopped": stopped, "outputs": output}))
+    write_atomic(cache_file, json.dumps({"max_new_tokens": max_new_tokens, "stopped": stopped, "outputs": output}))
     return output
 
 
@@ -115,11 +116,3 @@ def _eos_token_ids(model: Any) -> list[int]:
             if isinstance(token, int) and token not in found:
                 found.append(token)
     return found
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

@@ -176,16 +176,16 @@ def read_config(path: Path) -> Any:
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
     if rope.get("rope_type", rope.get("type", "default")) == "default":
         try:
-            text = json.dumps(hf_config.to_dict())
-            cached.parent.mkdir(parents=True, exist_ok=True)
-            _write_atomic(cached, text)
+            write_atomic(cached, json.dumps(hf_config.to_dict()))
         except (OSError, TypeError, ValueError) as exc:  # a read-only cache only costs start-up time
             logger.debug("config cache not written (%s): %s", cached, exc)
     return hf_config
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Write `text` so that readers see the old file or the whole new one, never a part."""
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` (creating the folder) so that readers see the old file or the whole new one,
+    never a part: concurrent processes share these caches."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
