@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
@@ -29,11 +30,12 @@ from worker_svc.model import allocate_kv_cache
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import Proposer
 from worker_svc.sampler import (
-    SEED_MASK,
     LogitBias,
     Penalties,
     SamplingTensors,
+    SlotSampling,
     context_token_counts,
+    has_penalty,
     sample,
     target_probs,
     token_logprobs,
@@ -218,10 +220,6 @@ class PendingResult:
         return result
 
 
-def _has_penalty(p: worker_pb2.SamplingParams) -> bool:
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (0.0, 1.0))
-
-
 class SimulatedStep(Protocol):
     """Stands in for `run_model` + `sample` (`worker_svc.simulated.SimulatedDevice`)."""
 
@@ -234,9 +232,7 @@ class SimulatedStep(Protocol):
         ...
 
 
-def _to_device_list(
-    values: Sequence[int] | Sequence[float] | Sequence[bool], device: torch.device, dtype: torch.dtype = torch.int32
-) -> torch.Tensor:
+def _to_device_list(values: staging.HostValues, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     # Pinned staging and an async copy: a pageable copy would wait for the previous step.
     return staging.to_device(values, dtype, device)
 
@@ -304,6 +300,7 @@ class ModelRunner:
         # fails that row alone.
         self.test_fault_hook: Callable[[worker_pb2.StepPlan, worker_pb2.ScheduledRequest | None], None] | None = None
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
+        self.slot_sampling = SlotSampling(num_slots)
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
@@ -408,6 +405,7 @@ class ModelRunner:
         self.release(entry.req_id)
         slot = self.free_slots.pop()
         info = SlotInfo(slot=slot, block_ids=[], sampling=entry.sampling)
+        self.slot_sampling.set(slot, entry.sampling)
         self.slots[entry.req_id] = info
         self.slots_by_index[slot] = info
         self.state.seq_len[slot] = entry.num_cached_tokens
@@ -566,7 +564,8 @@ class ModelRunner:
         qsl_host = [0]
         for n in num_scheduled:
             qsl_host.append(qsl_host[-1] + n)
-        req_slots = _to_device_list([r.slot for r in rows], dev)
+        slot_ids = [r.slot for r in rows]
+        req_slots = _to_device_list(slot_ids, dev)
         qsl = _to_device_list(qsl_host, dev)
         is_decode_t = _to_device_list(is_decode, dev, torch.bool)
         st = self.state
@@ -597,7 +596,15 @@ class ModelRunner:
         sampled_rows = [i for i in range(len(rows)) if do_sample[i]]
         sampled = (
             self._sampled_rows(
-                sampled_rows, rows, req_slots, positions, qsl_host, num_scheduled, is_decode, want_logprobs
+                sampled_rows,
+                np.asarray(slot_ids, np.int64),
+                req_slots,
+                positions,
+                np.asarray(qsl_host, np.int64),
+                np.asarray(num_scheduled, np.int64),
+                np.asarray(is_decode, np.bool_),
+                want_logprobs,
+                [int(r.sampling.top_logprobs) for r in rows],
             )
             if sampled_rows
             else None
@@ -623,37 +630,40 @@ class ModelRunner:
     def _sampled_rows(
         self,
         sampled_rows: list[int],
-        rows: list[SlotInfo],
+        slots: np.ndarray,
         req_slots: torch.Tensor,
         positions: torch.Tensor,
-        qsl_host: list[int],
-        num_scheduled: list[int],
-        is_decode: list[bool],
+        qsl_host: np.ndarray,
+        num_scheduled: np.ndarray,
+        is_decode: np.ndarray,
         want_logprobs: list[bool],
+        num_top: list[int],
     ) -> SampledRows:
-        """Index and sampling tensors of the rows that sample this step (see `SampledRows`)."""
+        """Index and sampling tensors of the rows that sample this step (see `SampledRows`).
+
+        Built with a constant number of array operations, not a Python loop over rows: at GPU
+        batch sizes this runs once per step for hundreds of rows.
+        """
         dev = self.device
         width = self.num_spec_tokens + 1
-        gather_idx: list[int] = []  # flat token index of every real slot
-        pad_index: list[int] = []  # (sampled row, column) -> index into gather_idx
-        valid_cols: list[int] = []  # real slots per sampled row
-        firsts: list[int] = []  # flat index of each sampled row's first logit
-        for i in sampled_rows:
-            n = num_scheduled[i] if is_decode[i] else 1
-            first = qsl_host[i + 1] - n
-            base = len(gather_idx)
-            gather_idx.extend(range(first, first + n))
-            pad_index.extend(base + min(c, n - 1) for c in range(width))
-            valid_cols.append(n)
-            firsts.append(first)
+        sel = np.asarray(sampled_rows, np.int64)
+        # Real slots per sampled row: every fed slot of a decode, the last token of a prefill.
+        n = np.where(is_decode[sel], num_scheduled[sel], 1)
+        firsts = qsl_host[sel + 1] - n  # flat index of each row's first logit
+        base = np.cumsum(n) - n  # where each row starts among the gathered slots
+        total = int(n.sum())
+        within = np.arange(total) - np.repeat(base, n)  # column of each gathered slot
+        gather_idx = np.repeat(firsts, n) + within
+        # (sampled row, column) -> gathered slot; a trimmed row repeats its last real slot.
+        pad_index = (base[:, None] + np.minimum(np.arange(width)[None, :], n[:, None] - 1)).reshape(-1)
         gather = _to_device_list(gather_idx, dev, torch.long)
-        padded = len(gather_idx) < len(pad_index)
+        padded = total < len(pad_index)
         any_logprobs = any(want_logprobs[i] for i in sampled_rows)
         # Absolute position of each sampled token = input position + 1 (keys the randomness).
         sample_pos = positions[gather] + 1
-        tensors = self.sampling_tensors([rows[i] for i in sampled_rows], valid_cols, sample_pos)
-        num_top = [int(rows[i].sampling.top_logprobs) for i in sampled_rows]
-        rows_t = _to_device_list(sampled_rows, dev, torch.long)
+        tensors = self.sampling_tensors(slots[sel], n, sample_pos)
+        rows_t = _to_device_list(sel, dev, torch.long)
+        row_top = [num_top[i] for i in sampled_rows]
         return SampledRows(
             rows=sampled_rows,
             rows_t=rows_t,
@@ -661,18 +671,16 @@ class ModelRunner:
             slots=req_slots[rows_t],
             gather=gather,
             pad=_to_device_list(pad_index, dev, torch.long) if padded else None,
-            num_cols=_to_device_list(valid_cols, dev),
+            num_cols=_to_device_list(n, dev),
             row_start=_to_device_list(firsts, dev, torch.long),
             positions=sample_pos,
             sampling=tensors,
             # Back from [S, K+1] to one entry per real slot, in gather order.
-            logprob_index=_to_device_list(
-                [r * width + c for r, n in enumerate(valid_cols) for c in range(n)], dev, torch.long
-            )
+            logprob_index=_to_device_list(np.repeat(np.arange(len(sel)) * width, n) + within, dev, torch.long)
             if padded and any_logprobs
             else None,
             want_logprobs=any_logprobs,
-            num_top=num_top if max(num_top) > 0 else [],
+            num_top=row_top if max(row_top) > 0 else [],
         )
 
     def _forward_logits(
@@ -816,25 +824,48 @@ class ModelRunner:
         self._start_copy(pending)
         return pending
 
-    def sampling_tensors(
-        self, infos: list[SlotInfo], valid_cols: list[int], sample_pos: torch.Tensor
-    ) -> SamplingTensors:
-        """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to ``infos[i]``.
+    def sampling_tensors(self, slots: np.ndarray, valid_cols: np.ndarray, sample_pos: torch.Tensor) -> SamplingTensors:
+        """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to state slot ``slots[i]``.
 
-        Penalty counts are taken over each logits row's own context read from the token
-        history (``sample_pos`` = its context length, on the device), so the row of draft j in a
-        verification sees drafts 0..j-1 of the same row and nothing that was rejected before.
-        The draft-model proposer builds its chain's tensors here too (the same controls).
+        The common controls are gathered from `SlotSampling` (host arrays written on
+        admission). Penalty counts are taken over each logits row's own context read from the
+        token history (``sample_pos`` = its context length, on the device), so the row of draft
+        j in a verification sees drafts 0..j-1 of the same row and nothing that was rejected
+        before. The draft-model proposer builds its chain's tensors here too (the same controls).
         """
         dev = self.device
-        params = [info.sampling for info in infos]
-        per_row = [(info, p) for info, p, n in zip(infos, params, valid_cols) for _ in range(n)]
+        ss = self.slot_sampling
+        per_row = np.repeat(slots, valid_cols)
+        penalties = bias = None
+        if ss.special[slots].any():
+            penalties, bias = self._penalties_and_bias(per_row.tolist(), sample_pos)
+        min_p = ss.min_p[per_row]
+        return SamplingTensors.from_params(
+            temperatures=ss.temperature[per_row],
+            top_ks=ss.top_k[per_row],
+            top_ps=ss.top_p[per_row],
+            seeds=ss.seed[per_row],
+            positions=sample_pos,
+            device=dev,
+            min_ps=min_p,
+            penalties=penalties,
+            logit_bias=bias,
+        )
+
+    def _penalties_and_bias(
+        self, row_slots: list[int], sample_pos: torch.Tensor
+    ) -> tuple[Penalties | None, LogitBias | None]:
+        """The penalty and logit-bias tensors of the logits rows whose request uses them
+        (``row_slots[g]`` is the state slot of logits row g)."""
+        dev = self.device
+        infos = [self.slots_by_index[slot] for slot in row_slots]
         pen_rows: list[int] = []
         bias_rows: list[int] = []
         bias_ids: list[int] = []
         bias_values: list[float] = []
-        for g, (_, p) in enumerate(per_row):
-            if _has_penalty(p):
+        for g, info in enumerate(infos):
+            p = info.sampling
+            if has_penalty(p):
                 pen_rows.append(g)
             for token_id, value in p.logit_bias.items():
                 bias_rows.append(g)
@@ -842,15 +873,14 @@ class ModelRunner:
                 bias_values.append(value)
         penalties = None
         if pen_rows:
-            pens = [per_row[g][1] for g in pen_rows]
-            slots = [per_row[g][0].slot for g in pen_rows]
-            num_blocks = max(len(per_row[g][0].block_ids) for g in pen_rows)
+            pens = [infos[g].sampling for g in pen_rows]
+            num_blocks = max(len(infos[g].block_ids) for g in pen_rows)
             rep = [p.repetition_penalty if p.repetition_penalty > 0 else 1.0 for p in pens]
             need_counts = any(p.frequency_penalty or p.presence_penalty for p in pens)
             rows_t = _to_device_list(pen_rows, dev, torch.long)
             counts, seen = context_token_counts(
                 self.state.history,
-                self.state.block_table[_to_device_list(slots, dev, torch.long), :num_blocks],
+                self.state.block_table[_to_device_list([row_slots[g] for g in pen_rows], dev, torch.long), :num_blocks],
                 sample_pos[rows_t],
                 _to_device_list([p.num_prompt_tokens for p in pens], dev),
                 int(self.loaded.hf_config.vocab_size),
@@ -872,17 +902,7 @@ class ModelRunner:
                 token_ids=_to_device_list(bias_ids, dev, torch.long),
                 values=_to_device_list(bias_values, dev, torch.float32),
             )
-        return SamplingTensors.from_params(
-            temperatures=[p.temperature for _, p in per_row],
-            top_ks=[p.top_k for _, p in per_row],
-            top_ps=[p.top_p if p.top_p > 0 else 1.0 for _, p in per_row],
-            seeds=[p.seed & SEED_MASK for _, p in per_row],
-            positions=sample_pos,
-            device=dev,
-            min_ps=[p.min_p for _, p in per_row],
-            penalties=penalties,
-            logit_bias=bias,
-        )
+        return penalties, bias
 
     def _start_copy(self, pending: PendingResult) -> None:
         """Start the device-to-host copy of a step's outputs without blocking the next step.

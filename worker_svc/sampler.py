@@ -16,9 +16,11 @@ one the sampler draws from.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -66,6 +68,9 @@ class SamplingTensors:
         device = torch.device(device)
         if not isinstance(positions, Tensor):
             positions = to_device(positions, torch.int64, device)
+        # The summaries are taken over host arrays (a step's rows come as numpy gathers).
+        temps, ks, ps = np.asarray(temperatures), np.asarray(top_ks), np.asarray(top_ps)
+        use_min_p = min_ps is not None and bool((np.asarray(min_ps) > 0).any())
         # Pinned staging and async copies: the host never waits for the device here.
         return cls(
             temperature=to_device(temperatures, torch.float32, device),
@@ -73,14 +78,57 @@ class SamplingTensors:
             top_p=to_device(top_ps, torch.float32, device),
             seeds=to_device(seeds, torch.int64, device),
             positions=positions.to(torch.int64),
-            all_greedy=all(temp <= 0 for temp in temperatures),
-            any_filter=any(k > 0 for k in top_ks) or any(p < 1.0 for p in top_ps),
-            min_p=(
-                to_device(min_ps, torch.float32, device) if min_ps is not None and any(m > 0 for m in min_ps) else None
-            ),
+            all_greedy=bool((temps <= 0).all()),
+            any_filter=bool((ks > 0).any() or (ps < 1.0).any()),
+            min_p=to_device(min_ps, torch.float32, device) if use_min_p and min_ps is not None else None,
             penalties=penalties,
             logit_bias=logit_bias,
         )
+
+
+class SlotSampling:
+    """Every state slot's sampling parameters as host arrays, written once on admission.
+
+    A step gathers its rows' values with one index per field instead of rebuilding Python lists
+    from each request's protobuf (the persistent input batch of vLLM). Penalties and logit bias
+    need per-row work (context counts, sparse ids); ``special`` marks the slots that use them.
+    """
+
+    def __init__(self, num_slots: int) -> None:
+        self.temperature = np.zeros(num_slots, np.float32)
+        self.top_k = np.zeros(num_slots, np.int32)
+        self.top_p = np.ones(num_slots, np.float32)
+        self.min_p = np.zeros(num_slots, np.float32)
+        self.seed = np.zeros(num_slots, np.int64)
+        self.special = np.zeros(num_slots, np.bool_)
+
+    def set(self, slot: int, p: SamplingLike) -> None:
+        """Record the parameters of the request admitted to ``slot``."""
+        self.temperature[slot] = p.temperature
+        self.top_k[slot] = p.top_k
+        self.top_p[slot] = p.top_p if p.top_p > 0 else 1.0
+        self.min_p[slot] = p.min_p
+        self.seed[slot] = p.seed & SEED_MASK
+        self.special[slot] = has_penalty(p) or bool(p.logit_bias)
+
+
+class SamplingLike(Protocol):
+    """The fields of `worker_pb2.SamplingParams` the sampler reads."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    logit_bias: Mapping[int, float]
+
+
+def has_penalty(p: SamplingLike) -> bool:
+    """Whether a request uses any of the repetition, frequency or presence penalties."""
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (0.0, 1.0))
 
 
 @dataclass(slots=True)

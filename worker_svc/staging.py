@@ -16,7 +16,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
+
+# What a step builds on the host: Python lists, or numpy arrays gathered from per-slot arrays.
+HostValues = Sequence[int] | Sequence[float] | Sequence[bool] | np.ndarray
 
 
 def is_accelerator(device: torch.device) -> bool:
@@ -24,9 +28,7 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def to_device(
-    values: Sequence[int] | Sequence[float] | Sequence[bool], dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
+def to_device(values: HostValues, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a 1-D tensor on ``device``, through pinned memory and an async copy."""
     if not is_accelerator(device):
         return torch.tensor(values, dtype=dtype)
@@ -35,7 +37,7 @@ def to_device(
     return out
 
 
-def write(dst: torch.Tensor, values: Sequence[int] | Sequence[float] | Sequence[bool]) -> None:
+def write(dst: torch.Tensor, values: HostValues) -> None:
     """``dst[:] = values`` for a 1-D device view (a block-table row), without a sync."""
     if not is_accelerator(dst.device):
         dst.copy_(torch.tensor(values, dtype=dst.dtype))

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import torch
 
 from kernels.attention import AttentionMetadata
@@ -109,7 +110,8 @@ class DraftModelProposer:
         tables = st.block_table[idx]
         # The target's own per-row sampling tensors, with penalty counts over the written
         # context (positions < seq_len); the fed tokens are added to them as the chain grows.
-        sampling = runner.sampling_tensors(sampled, [1] * num_rows, seq_len)
+        slot_ids = np.asarray([r.slot for r in sampled], np.int64)
+        sampling = runner.sampling_tensors(slot_ids, np.ones(num_rows, np.int64), seq_len)
         penalties = sampling.penalties
         vocab_size = self.draft.hf_config.vocab_size
         qsl = torch.arange(num_rows + 1, dtype=torch.int32, device=dev)
