@@ -65,8 +65,13 @@ prometheus:
 serve: setup
 	$(PY) -m zerobubble serve $(SERVE_ARGS)
 
+# Two pytest processes (the CI machine has two cores), each running whole modules (their
+# fixtures start the services once per module), and torch on one thread per process so the
+# processes and the services they start do not oversubscribe the cores. TEST_JOBS=0: serial.
+TEST_JOBS ?= 2
+XDIST_ARGS := $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
 test: setup prometheus test-floor
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(XDIST_ARGS) $(PYTEST_ARGS)
 
 # The source tree on the path instead of an install: the package's heavy extras stay out.
 test-floor: setup-floor

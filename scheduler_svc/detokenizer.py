@@ -31,6 +31,15 @@ class Decoder(Protocol):
         ...
 
 
+class StreamStep(Protocol):
+    """One request's incremental decoder in native code (the tokenizers library's
+    `DecodeStream`): the same window-difference rule as `Detokenizer.append`, in one call."""
+
+    def __call__(self, token_id: int) -> str | None:
+        """Text completed by ``token_id`` (None: nothing new renders yet)."""
+        ...
+
+
 class Detokenizer:
     """Turns a request's output ids into streamed text deltas and detects stop strings."""
 
@@ -50,6 +59,12 @@ class Detokenizer:
         self._ids: list[int] = list(prompt_ids[-_NUM_CONTEXT_TOKENS:])
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
+        # A native stream decoder when the tokenizer offers one (about 3x cheaper per token);
+        # the offsets above are kept either way, for `flush` and for falling back.
+        make_stream = getattr(tokenizer, "stream_decoder", None)
+        self._stream: StreamStep | None = (
+            make_stream(self._ids, skip_special_tokens) if make_stream is not None else None
+        )
         self._text = ""  # all decoded output text, including held-back stop-string candidates
         self._num_emitted_chars = 0
         self._stopped = False
@@ -69,15 +84,31 @@ class Detokenizer:
         if self._stopped:
             return "", True
         self._ids.append(token_id)
+        if self._stream is not None:
+            try:
+                new_text = self._stream(token_id)
+            except Exception:
+                # The native decoder refuses windows whose text does not extend the previous
+                # one (`InvalidPrefix`); the Python rule takes over from the same offsets.
+                self._stream = None
+                new_text = self._window_text()
+        else:
+            new_text = self._window_text()
+        if new_text is None:
+            return "", False
+        self._text += new_text
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return self._release(final=False)
+
+    def _window_text(self) -> str | None:
+        """New text of the ids after `_read_offset`, decoded with the tokens before them."""
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
         full_text = self._decode(self._ids[self._prefix_offset :])
         if full_text.endswith(_REPLACEMENT_CHAR) or len(full_text) <= len(prefix_text):
             # An incomplete UTF-8 character (or a token that renders as nothing yet): wait.
-            return "", False
-        self._text += full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return self._release(final=False)
+            return None
+        return full_text[len(prefix_text) :]
 
     def flush(self) -> str:
         """Text still held back, for when the request finishes for another reason than a stop."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -17,6 +17,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
 
 from zerobubble.api import worker_pb2
 
@@ -118,6 +119,16 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `token_ids`; invalid UTF-8 becomes U+FFFD."""
         return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def stream_decoder(
+        self, context_ids: Sequence[int], skip_special_tokens: bool = True
+    ) -> Callable[[int], str | None]:
+        """An incremental decoder of one output stream that starts after ``context_ids``: each
+        call takes the next id and returns the text it completes (None while nothing new
+        renders, e.g. inside a multi-byte character). See `scheduler_svc.detokenizer`."""
+        stream = DecodeStream(ids=list(context_ids), skip_special_tokens=skip_special_tokens)
+        tok = self._tok
+        return lambda token_id: stream.step(tok, token_id)
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (byte-level form), or None when out of range."""

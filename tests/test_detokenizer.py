@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,37 @@ def smol_tokenizer(smollm2_dir: Path) -> Tokenizer:
     )
 
 
-def _stream(tokenizer: Tokenizer, prompt: list[int], ids: list[int], stop: list[str]) -> tuple[list[str], bool]:
+class _PythonOnly:
+    """A decoder without a native stream: the detokenizer's Python window rule alone."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens)
+
+
+class _StreamGivesUp(_PythonOnly):
+    """A native stream that raises from its fourth token on (as `DecodeStream` does on a window
+    whose text does not extend the previous one): the Python rule must take over seamlessly."""
+
+    def stream_decoder(self, context_ids: Sequence[int], skip_special_tokens: bool = True):
+        step = self.tokenizer.stream_decoder(context_ids, skip_special_tokens)
+        num_calls = [0]
+
+        def flaky(token_id: int) -> str | None:
+            num_calls[0] += 1
+            if num_calls[0] > 3:
+                raise RuntimeError("InvalidPrefix")
+            return step(token_id)
+
+        return flaky
+
+
+DECODERS = {"native": lambda t: t, "python": _PythonOnly, "native-then-python": _StreamGivesUp}
+
+
+def _stream(tokenizer: Any, prompt: list[int], ids: list[int], stop: list[str]) -> tuple[list[str], bool]:
     detok = Detokenizer(tokenizer, prompt, stop)
     chunks: list[str] = []
     for token_id in ids:
@@ -126,17 +157,19 @@ def test_smollm_encode_decode_match_transformers(hf_tokenizer: Any, smol_tokeniz
         max_size=40,
     )
 )
-def test_streamed_text_equals_full_decode_and_never_splits_a_character(text: str) -> None:
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_streamed_text_equals_full_decode_and_never_splits_a_character(text: str, decoder: str) -> None:
     ids = TOY.encode(text)  # one token per byte: every multi-byte character is split
-    chunks, stopped = _stream(TOY, [104, 105], ids, [])
+    chunks, stopped = _stream(DECODERS[decoder](TOY), [104, 105], ids, [])
     assert not stopped
     assert "".join(chunks) == TOY.decode(ids) == text
     assert all("\ufffd" not in c for c in chunks)
 
 
-def test_incomplete_character_at_the_end_is_flushed_like_decode() -> None:
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_incomplete_character_at_the_end_is_flushed_like_decode(decoder: str) -> None:
     ids = list("aé".encode())[:-1]
-    chunks, _ = _stream(TOY, [], ids, [])
+    chunks, _ = _stream(DECODERS[decoder](TOY), [], ids, [])
     assert "".join(chunks) == TOY.decode(ids) == "a\ufffd"
 
 
@@ -147,12 +180,13 @@ def test_special_tokens_are_skipped_or_kept() -> None:
     assert "".join(detok.append(t)[0] for t in ids) + detok.flush() == "h<|eos|>i"
 
 
+@pytest.mark.parametrize("decoder", DECODERS)
 @pytest.mark.parametrize("text", ["😀👍🏽 fine", "日本語のテキスト", "naïve café — ok", " a  b\n\nc"])
-def test_smollm_incremental_matches_decode(text: str, smol_tokenizer: Tokenizer) -> None:
+def test_smollm_incremental_matches_decode(text: str, decoder: str, smol_tokenizer: Tokenizer) -> None:
     tok = smol_tokenizer
     prompt = tok.apply_chat_template([{"role": "user", "content": "hi"}])
     ids = tok.encode(text)
-    chunks, _ = _stream(tok, prompt, ids, [])
+    chunks, _ = _stream(DECODERS[decoder](tok), prompt, ids, [])
     assert "".join(chunks) == tok.decode(ids)
     assert all("\ufffd" not in c for c in chunks)
 
@@ -172,9 +206,10 @@ def _expected_stop(tokenizer: Tokenizer, ids: list[int], stop: list[str]) -> tup
     text=st.text(alphabet="ab cé", max_size=30),
     stop=st.lists(st.text(alphabet="ab cé", min_size=1, max_size=4), min_size=1, max_size=3),
 )
-def test_stop_strings_cut_and_are_never_partially_streamed(text: str, stop: list[str]) -> None:
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_stop_strings_cut_and_are_never_partially_streamed(text: str, stop: list[str], decoder: str) -> None:
     ids = TOY.encode(text)
-    chunks, stopped = _stream(TOY, [], ids, stop)
+    chunks, stopped = _stream(DECODERS[decoder](TOY), [], ids, stop)
     expected, expect_stop = _expected_stop(TOY, ids, stop)
     assert stopped == expect_stop
     assert "".join(chunks) == expected

@@ -284,6 +284,15 @@ class _SpyTokenizer(Tokenizer):
         assert all(t >= 0 for t in token_ids), f"placeholder id in {list(token_ids)}"
         return super().decode(token_ids, skip_special_tokens)
 
+    def stream_decoder(self, context_ids: Sequence[int], skip_special_tokens: bool = True):
+        step = super().stream_decoder(context_ids, skip_special_tokens)
+
+        def checked(token_id: int) -> str | None:
+            assert token_id >= 0, f"placeholder id {token_id}"
+            return step(token_id)
+
+        return checked
+
 
 def test_stop_checks_never_see_placeholder_ids() -> None:
     spy = _SpyTokenizer(make_toy_tokenizer_json())
