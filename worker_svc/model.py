@@ -15,7 +15,7 @@ a handful of large matmuls per layer; on CPU their weights are also laid out onc
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -174,6 +174,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
 
+class StepInterrupted(Exception):
+    """A forward stopped between layers because its results can no longer be used."""
+
+
 @dataclass(slots=True, eq=False)
 class CausalLM:
     """Llama-family decoder with fused projections; call it on a flat batch, then ``compute_logits``."""
@@ -188,6 +192,10 @@ class CausalLM:
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
     final_norm: torch.Tensor | None = None
     layers: list[LayerWeights] = field(default_factory=list)
+    # Asked before each layer: True stops the forward with `StepInterrupted` (the runner's
+    # check that a later plan has already finished every row of the step; see
+    # `ModelRunner.note_finished`). A host-side call: it never waits for the device.
+    interrupt: Callable[[], bool] | None = None
 
     @property
     def scale(self) -> float:
@@ -296,6 +304,8 @@ class CausalLM:
         assert self.embed is not None and self.final_norm is not None, "load_weights first"
         x = F.embedding(input_ids, self.embed)
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
+            if self.interrupt is not None and self.interrupt():
+                raise StepInterrupted
             qkv = linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv_weight, layer.qkv_bias)
             # q and k get the same per-head norm and rotation, so they are processed as one tensor.
             qk = qkv[:, : qk_heads * spec.head_dim].view(num_tokens, qk_heads, spec.head_dim)

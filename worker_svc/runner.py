@@ -12,6 +12,7 @@ The runner makes no scheduling decisions; it validates what it is told and execu
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -26,7 +27,7 @@ from kernels.seq_lens import update_state
 from kernels.verify import count_accepted, rejection_sample
 from worker_svc import staging
 from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
-from worker_svc.model import allocate_kv_cache
+from worker_svc.model import StepInterrupted, allocate_kv_cache
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import Proposer
 from worker_svc.sampler import (
@@ -301,6 +302,14 @@ class ModelRunner:
         self.test_fault_hook: Callable[[worker_pb2.StepPlan, worker_pb2.ScheduledRequest | None], None] | None = None
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.slot_sampling = SlotSampling(num_slots)
+        # Request id -> step id of the latest received plan whose finish notices name it
+        # (`note_finished`, called by the thread that receives plans, possibly mid-step).
+        self._finished_in: dict[str, int] = {}
+        self._finished_lock = threading.Lock()
+        self._current: tuple[int, list[str]] | None = None  # (step id, rows) of the running step
+        self.num_cut_steps = 0  # steps cut short because a later plan finished all their rows
+        if self.model is not None:
+            self.model.interrupt = self._moot
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
@@ -331,6 +340,42 @@ class ModelRunner:
         if self.simulator is not None:
             self.simulator.reset()
         self.failed.clear()
+        with self._finished_lock:  # a new stream numbers its steps from 1 again
+            self._finished_in.clear()
+
+    def note_finished(self, plan: worker_pb2.StepPlan) -> None:
+        """Record a just-received plan's finish notices, before the plans ahead of it run.
+
+        A finish notice in plan M means the scheduler has finished, preempted or aborted that
+        request: the rows it has in earlier plans produce results it discards as stale. A step
+        all of whose rows are such rows is cut short (before the forward, or between layers);
+        its result has no rows. At concurrency 1 in async mode this is the step planned ahead
+        of an EOS, which would otherwise hold the next request's prefill back by up to a whole
+        step. Steps still run strictly in order, and admissions and block appends of the cut
+        step are applied as usual (later plans may rely on them).
+        """
+        if not plan.finished_req_ids:
+            return
+        with self._finished_lock:
+            for req_id in plan.finished_req_ids:
+                self._finished_in[req_id] = plan.step_id
+
+    def _moot(self) -> bool:
+        """Whether a later plan has finished every row of the running step."""
+        current = self._current
+        if current is None or not self._finished_in:
+            return False
+        step_id, req_ids = current
+        finished_in = self._finished_in
+        return bool(req_ids) and all(finished_in.get(req_id, -1) > step_id for req_id in req_ids)
+
+    def _forget_notices_before(self, step_id: int) -> None:
+        """Drop finish notices of plans up to ``step_id``: no step before them is left to run."""
+        if not self._finished_in:
+            return
+        with self._finished_lock:
+            for req_id in [r for r, s in self._finished_in.items() if s <= step_id]:
+                del self._finished_in[req_id]
 
     def fail_requests(self, req_ids: list[str], error: str) -> None:
         """Drop the state of requests whose step failed; later rows for them get `error`."""
@@ -509,16 +554,27 @@ class ModelRunner:
         entries, errors = self._runnable(plan)
         if errors:  # run the others as if the bad rows had never been planned
             plan = worker_pb2.StepPlan(step_id=plan.step_id, requests=entries)
+        self._forget_notices_before(plan.step_id)
         batch = self.prepare(plan)
         if batch is None:
             return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0, errors=errors)
-        if self.simulator is not None:
-            pending = self.simulator.step(self, batch)
-            pending.errors = errors
-            return pending
-        logits = self.run_model(batch)
-        pending = self.sample(batch, logits)
-        pending.forward_s = time.perf_counter() - start
+        self._current = (plan.step_id, batch.req_ids)
+        try:
+            if self._moot():
+                raise StepInterrupted
+            if self.simulator is not None:
+                pending = self.simulator.step(self, batch)
+            else:
+                logits = self.run_model(batch)
+                pending = self.sample(batch, logits)
+                pending.forward_s = time.perf_counter() - start
+        except StepInterrupted:
+            # Nothing of the step is used: no state advances, no tokens, no drafts.
+            self.num_cut_steps += 1
+            logger.debug("step %d cut short: a later plan finished all its rows", plan.step_id)
+            pending = PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, time.perf_counter() - start)
+        finally:
+            self._current = None
         pending.errors = errors
         return pending
 

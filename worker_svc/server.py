@@ -347,6 +347,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if generation != self._generation:
                         break
                     self._inflight += 1
+                    # Seen now, not when the plan's turn comes: the step running meanwhile may
+                    # be one this plan's finish notices make moot.
+                    self.runner.note_finished(plan)
                     plans.put(plan)
             finally:
                 plans.put(_END)
