@@ -48,10 +48,6 @@ from zerobubble.config import WorkerConfig, default_of
 logger = logging.getLogger(__name__)
 
 
-class PlanError(ValueError):
-    """A plan the runner cannot execute (it names the request and what is wrong)."""
-
-
 @dataclass(slots=True)
 class RunnerConfig:
     """Capacity and speculation settings of one runner."""
@@ -293,7 +289,7 @@ class ModelRunner:
         # Requests whose row failed: their state is dropped, and entries for them in plans
         # already sent get a per-request error until the scheduler re-admits (is_new) or
         # finishes them. Without this, a decode row planned before the failure was known would
-        # be a `PlanError` for the whole next plan.
+        # fail as "unknown to this worker" instead of with the error that ended its request.
         self.failed: dict[str, str] = {}
         # Test-only fault injection (tests/test_fault_isolation.py, the chaos suite): called
         # with (plan, None) when a step starts, where an exception fails the whole step as a
@@ -400,50 +396,6 @@ class ModelRunner:
         for info in list(self.slots.values()):
             held.update(info.block_ids)
         return len(held) / self.config.num_blocks
-
-    def _validate(self, plan: worker_pb2.StepPlan) -> None:
-        """Check every entry of a plan against the current state before anything changes.
-
-        Runs after the plan's finish notices are applied and before any admission, so a plan
-        with one bad row leaves no half-admitted slot behind.
-        """
-        num_free = len(self.free_slots)
-        seen: set[str] = set()
-        for entry in plan.requests:
-            req_id = entry.req_id
-            if req_id in seen:
-                raise PlanError(f"request {req_id}: scheduled twice in one plan")
-            seen.add(req_id)
-            info = self.slots.get(req_id)
-            if entry.is_new:
-                # A resumed request whose finish notice was folded into the same plan gives
-                # its old slot back first.
-                num_free += (info is not None) - 1
-                if num_free < 0:
-                    raise PlanError(f"request {req_id}: no free state slot (max_num_seqs={self.config.max_num_seqs})")
-                num_held, has_sample = 0, False
-            elif info is None:
-                raise PlanError(f"request {req_id}: unknown to this worker and not is_new")
-            else:
-                num_held, has_sample = len(info.block_ids), info.has_sample
-            new = entry.new_block_ids
-            if new:
-                if num_held + len(new) > self.max_blocks_per_seq:
-                    raise PlanError(
-                        f"request {req_id}: block table would hold "
-                        f"{num_held + len(new)} blocks, more than max_model_len "
-                        f"allows ({self.max_blocks_per_seq})"
-                    )
-                if min(new) < 0 or max(new) >= self.config.num_blocks:
-                    raise PlanError(f"request {req_id}: block id out of range [0, {self.config.num_blocks})")
-            if not entry.token_ids:  # a decode
-                if not has_sample:
-                    raise PlanError(f"request {req_id}: decode step before any sample")
-                if entry.num_draft_slots > self.num_spec_tokens:
-                    raise PlanError(
-                        f"request {req_id}: {entry.num_draft_slots} draft slots, "
-                        f"worker proposes at most {self.num_spec_tokens}"
-                    )
 
     def _admit(self, entry: worker_pb2.ScheduledRequest) -> SlotInfo:
         """Give a new (or resumed) request a state slot; `_validate` checked that one is free."""
@@ -581,12 +533,15 @@ class ModelRunner:
     def prepare(self, plan: worker_pb2.StepPlan) -> StepBatch | None:
         """Apply the plan's finish notices and admissions, then build the step's device inputs:
         input ids (decode rows from the device state), positions, slot mapping, attention
-        metadata and sampling tensors. None when the plan runs nothing."""
+        metadata and sampling tensors. None when the plan runs nothing.
+
+        Every row must be one `_runnable` accepted (`execute` runs only those), so nothing
+        here can fail half way through the admissions.
+        """
         for req_id in plan.finished_req_ids:
             self.release(req_id)
         if not plan.requests:
             return None
-        self._validate(plan)
 
         rows: list[SlotInfo] = []
         req_ids: list[str] = []

@@ -25,7 +25,7 @@ import torch
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
-from worker_svc.runner import ModelRunner, PendingResult, PlanError, RunnerConfig
+from worker_svc.runner import ModelRunner, PendingResult, RunnerConfig
 from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
@@ -186,12 +186,8 @@ def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | 
     try:
         return runner.execute(plan)
     except Exception as exc:
-        if isinstance(exc, PlanError):
-            logger.error("step %d rejected: %s", plan.step_id, exc)
-            error = str(exc)
-        else:
-            logger.exception("step %d failed", plan.step_id)
-            error = f"step failed: {exc}"
+        logger.exception("step %d failed", plan.step_id)
+        error = f"step failed: {exc}"
         runner.fail_requests([e.req_id for e in plan.requests], error)
         return worker_pb2.StepResult(step_id=plan.step_id, error=error)
 
