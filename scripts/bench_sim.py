@@ -161,7 +161,7 @@ def suite_host(args: argparse.Namespace) -> dict:
         k = 3 if spec == "ngram" else 0
         with sim_worker(0.0, spec, args) as worker:
             for n in args.requests:
-                figures = [run(worker, n, 2, 0.0, args) for _ in range(args.repeats)]
+                figures = [run(worker, n, args.async_inflight, 0.0, args) for _ in range(args.repeats)]
                 best = min(figures, key=lambda f: f["ms_per_step"])
                 out[f"k{k}/n{n}"] = {
                     "ms_per_step": best["ms_per_step"],
@@ -188,7 +188,7 @@ def suite_bubble(args: argparse.Namespace) -> dict:
             with sim_worker(device_ms, spec, args) as worker:
                 for n in args.requests:
                     sync = run(worker, n, 1, device_ms, args)
-                    async_ = run(worker, n, 2, device_ms, args)
+                    async_ = run(worker, n, args.async_inflight, device_ms, args)
                     key = f"{device_ms:g}ms/{spec}/n{n}"
                     out[key] = {
                         "sync": sync,
@@ -221,6 +221,9 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=2, help="host suite: runs per figure (best kept)")
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
+    parser.add_argument(
+        "--async-inflight", type=int, default=2, help="the scheduler's --max-inflight-steps in async runs"
+    )
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="the scheduler's --stream-interval (tokens per client message)"
     )
