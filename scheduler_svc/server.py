@@ -488,4 +488,5 @@ async def serve_scheduler(
 
 def run_scheduler(cfg: SchedulerServiceConfig) -> None:
     """Entry point of `zerobubble scheduler`."""
+    rpc.tune_gc()
     asyncio.run(serve_scheduler(cfg))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 import signal
@@ -41,6 +42,27 @@ CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
+
+
+# Young-generation allocations between collections (CPython's default is 700). A service
+# allocates thousands of short-lived objects per step (protobuf rows, events, lists); at the
+# default, collections ran several times per step and the occasional full one stalled the loop
+# that must send the next plan before the device runs dry.
+GC_GEN0_THRESHOLD = 50_000
+
+
+def tune_gc() -> None:
+    """Collect less often, and never re-scan what exists at start-up.
+
+    Called once by each service process before it starts: `gc.freeze` moves every object alive
+    now (the imported modules: torch, protobuf descriptors, ...) out of the collector's reach,
+    so the rare full collection scans only what the service created since. Measured with a 20 ms simulated device
+    and 64 requests (scripts/bench_sim.py bubble, 2026-12-03, before/after interleaved): async
+    worker idle 1.2–2.3 % -> 0.0–0.4 %, device busy 0.98–0.99 -> 1.00.
+    """
+    gc.freeze()
+    _, gen1, gen2 = gc.get_threshold()
+    gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
