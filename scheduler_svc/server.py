@@ -489,4 +489,7 @@ async def serve_scheduler(
 def run_scheduler(cfg: SchedulerServiceConfig) -> None:
     """Entry point of `zerobubble scheduler`."""
     rpc.tune_gc()
-    asyncio.run(serve_scheduler(cfg))
+    try:
+        asyncio.run(serve_scheduler(cfg))
+    finally:
+        rpc.untune_gc()

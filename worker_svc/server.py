@@ -454,4 +454,7 @@ def run_worker(cfg: WorkerConfig) -> None:
     """Entry point of `zerobubble worker`."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     rpc.tune_gc()
-    asyncio.run(serve_worker(cfg))
+    try:
+        asyncio.run(serve_worker(cfg))
+    finally:
+        rpc.untune_gc()

@@ -65,6 +65,12 @@ def tune_gc() -> None:
     gc.set_threshold(GC_GEN0_THRESHOLD, gen1, gen2)
 
 
+def untune_gc() -> None:
+    """Hand the frozen objects back before the interpreter exits: native extensions that check
+    for leaks at exit (triton's nanobind) would otherwise report every frozen instance."""
+    gc.unfreeze()
+
+
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):
     """Requires `authorization: Bearer <token>` on one service's methods.
 
