@@ -20,9 +20,8 @@ import pytest
 
 from scheduler_svc.tokenizer import Tokenizer
 from tests.drive import make_scheduler
-from worker_svc.server import build_runner, run_step, tokenizer_fields
+from worker_svc.server import run_step, tokenizer_fields
 from zerobubble.api import worker_pb2
-from zerobubble.config import WorkerConfig
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -38,11 +37,9 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def runner(smollm2_dir):
-    runner, _ = build_runner(
-        WorkerConfig(kv_cache_memory_gb=0.05, max_num_seqs=4, spec_method="ngram", num_spec_tokens=3)
-    )
-    return runner
+def runner(ngram_runner):
+    """The shared SmolLM2 n-gram runner (tests/conftest.py)."""
+    return ngram_runner
 
 
 def one_after_another(runner, window: int, during_forward=None) -> tuple[dict[str, list[int]], list[int]]:
