@@ -488,8 +488,5 @@ async def serve_scheduler(
 
 def run_scheduler(cfg: SchedulerServiceConfig) -> None:
     """Entry point of `zerobubble scheduler`."""
-    rpc.tune_gc()
-    try:
+    with rpc.tuned_gc():
         asyncio.run(serve_scheduler(cfg))
-    finally:
-        rpc.untune_gc()

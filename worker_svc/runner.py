@@ -398,7 +398,7 @@ class ModelRunner:
         return len(held) / self.config.num_blocks
 
     def _admit(self, entry: worker_pb2.ScheduledRequest) -> SlotInfo:
-        """Give a new (or resumed) request a state slot; `_validate` checked that one is free."""
+        """Give a new (or resumed) request a state slot; `_runnable` checked that one is free."""
         self.release(entry.req_id)
         slot = self.free_slots.pop()
         info = SlotInfo(slot=slot, block_ids=[], sampling=entry.sampling)
@@ -615,7 +615,6 @@ class ModelRunner:
                 np.asarray(num_scheduled, np.int64),
                 np.asarray(is_decode, np.bool_),
                 want_logprobs,
-                [int(r.sampling.top_logprobs) for r in rows],
             )
             if sampled_rows
             else None
@@ -648,7 +647,6 @@ class ModelRunner:
         num_scheduled: np.ndarray,
         is_decode: np.ndarray,
         want_logprobs: list[bool],
-        num_top: list[int],
     ) -> SampledRows:
         """Index and sampling tensors of the rows that sample this step (see `SampledRows`).
 
@@ -674,7 +672,7 @@ class ModelRunner:
         sample_pos = positions[gather] + 1
         tensors = self.sampling_tensors(slots[sel], n, sample_pos)
         rows_t = _to_device_list(sel, dev, torch.long)
-        row_top = [num_top[i] for i in sampled_rows]
+        row_top = self.slot_sampling.top_logprobs[slots[sel]]
         return SampledRows(
             rows=sampled_rows,
             rows_t=rows_t,
@@ -691,7 +689,7 @@ class ModelRunner:
             if padded and any_logprobs
             else None,
             want_logprobs=any_logprobs,
-            num_top=row_top if max(row_top) > 0 else [],
+            num_top=row_top.tolist() if row_top.max() > 0 else [],
         )
 
     def _forward_logits(
@@ -831,7 +829,7 @@ class ModelRunner:
         )
         if out.top_ids is not None:
             pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
-            pending.num_top = [int(batch.rows[i].sampling.top_logprobs) for i in s.rows]
+            pending.num_top = s.num_top
         self._start_copy(pending)
         return pending
 
@@ -850,7 +848,6 @@ class ModelRunner:
         penalties = bias = None
         if ss.special[slots].any():
             penalties, bias = self._penalties_and_bias(per_row.tolist(), sample_pos)
-        min_p = ss.min_p[per_row]
         return SamplingTensors.from_params(
             temperatures=ss.temperature[per_row],
             top_ks=ss.top_k[per_row],
@@ -858,7 +855,7 @@ class ModelRunner:
             seeds=ss.seed[per_row],
             positions=sample_pos,
             device=dev,
-            min_ps=min_p,
+            min_ps=ss.min_p[per_row],
             penalties=penalties,
             logit_bias=bias,
         )

@@ -100,6 +100,7 @@ class SlotSampling:
         self.top_p = np.ones(num_slots, np.float32)
         self.min_p = np.zeros(num_slots, np.float32)
         self.seed = np.zeros(num_slots, np.int64)
+        self.top_logprobs = np.zeros(num_slots, np.int64)  # top-N log-probabilities wanted
         self.special = np.zeros(num_slots, np.bool_)
 
     def set(self, slot: int, p: SamplingLike) -> None:
@@ -109,6 +110,7 @@ class SlotSampling:
         self.top_p[slot] = p.top_p if p.top_p > 0 else 1.0
         self.min_p[slot] = p.min_p
         self.seed[slot] = p.seed & SEED_MASK
+        self.top_logprobs[slot] = p.top_logprobs
         self.special[slot] = has_penalty(p) or bool(p.logit_bias)
 
 
@@ -120,6 +122,7 @@ class SamplingLike(Protocol):
     top_p: float
     min_p: float
     seed: int
+    top_logprobs: int
     repetition_penalty: float
     frequency_penalty: float
     presence_penalty: float

@@ -453,8 +453,5 @@ async def serve_worker(cfg: WorkerConfig) -> None:
 def run_worker(cfg: WorkerConfig) -> None:
     """Entry point of `zerobubble worker`."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rpc.tune_gc()
-    try:
+    with rpc.tuned_gc():
         asyncio.run(serve_worker(cfg))
-    finally:
-        rpc.untune_gc()
