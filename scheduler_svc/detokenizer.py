@@ -127,6 +127,11 @@ class Detokenizer:
 
     def _release(self, final: bool) -> tuple[str, bool]:
         """Emit what can no longer be part of a stop string; cut at a stop string."""
+        if not self._stop:
+            # Most requests have no stop strings: everything decoded so far can go.
+            new_text = self._text[self._num_emitted_chars :]
+            self._num_emitted_chars = len(self._text)
+            return new_text, False
         stop_at = self._find_stop()
         if stop_at is not None:
             self._stopped = True

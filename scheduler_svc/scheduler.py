@@ -765,19 +765,39 @@ class Scheduler:
         new_tops: list[tuple[list[int], list[float]]] = []
         text_parts: list[str] = []
         finish_reason: int | None = None
+        # The stop rules, applied to each confirmed token in order (this loop runs for every
+        # token of every running request, so what it reads is looked up once per row).
+        stopping = req.stopping
+        eos_ids = () if stopping.ignore_eos else req.eos_token_ids
+        stop_ids = stopping.stop_token_ids
+        outputs = req.output_token_ids
+        detokenizer = req.detokenizer
         for i, token_id in enumerate(token_ids):
-            req.output_token_ids.append(token_id)
+            outputs.append(token_id)
             new_ids.append(token_id)
             if logprobs:
                 req.output_logprobs.append(logprobs[i])
                 new_logprobs.append(logprobs[i])
             if tops:
                 new_tops.append((list(tops[i].token_ids), list(tops[i].logprobs)))
-            finish_reason = self._check_stop(req, token_id, text_parts)
-            if finish_reason is not None:
-                break  # tokens after a stop are dropped
+            num_outputs = len(outputs)
+            if num_outputs >= stopping.min_tokens:
+                if token_id in eos_ids:
+                    finish_reason = FINISH_EOS
+                    break  # tokens after a stop are dropped
+                if token_id in stop_ids:
+                    finish_reason = FINISH_STOP_SEQUENCE
+                    break
+            text, stopped = detokenizer.append(token_id)
+            text_parts.append(text)
+            if stopped:
+                finish_reason = FINISH_STOP_SEQUENCE
+                break
+            if num_outputs >= req.max_tokens:
+                finish_reason = FINISH_MAX_TOKENS
+                break
         if finish_reason is not None and finish_reason != FINISH_STOP_SEQUENCE:
-            text_parts.append(req.detokenizer.flush())
+            text_parts.append(detokenizer.flush())
         text = "".join(text_parts)
         req.output_text += text
         self.stats.num_generation_tokens += len(new_ids)
@@ -789,23 +809,6 @@ class Scheduler:
         event = self._event(req, new_ids, text, new_logprobs)
         event.top_logprobs = new_tops
         return event
-
-    def _check_stop(self, req: Request, token_id: int, text_parts: list[str]) -> int | None:
-        """Stop conditions after appending one confirmed token; streams its text if it stays."""
-        stopping = req.stopping
-        num_outputs = req.num_output_tokens
-        may_stop_on_token = num_outputs >= stopping.min_tokens
-        if may_stop_on_token and not stopping.ignore_eos and token_id in req.eos_token_ids:
-            return FINISH_EOS
-        if may_stop_on_token and token_id in stopping.stop_token_ids:
-            return FINISH_STOP_SEQUENCE
-        text, stopped = req.detokenizer.append(token_id)
-        text_parts.append(text)
-        if stopped:
-            return FINISH_STOP_SEQUENCE
-        if num_outputs >= req.max_tokens:
-            return FINISH_MAX_TOKENS
-        return None
 
     def _register_confirmed(self, req: Request, num_written: int) -> None:
         """Offer the full blocks among the first `num_written` (confirmed, K/V written) tokens."""

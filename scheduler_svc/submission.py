@@ -60,9 +60,10 @@ class Stream:
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_output_tokens: int = 0
-    itl: list[float] = field(default_factory=list)
     index: int = 0  # which of the request's n sequences
-    held: RequestEvent | None = None  # tokens gathered under --stream-interval, not yet queued
+    # Events gathered under --stream-interval, not yet queued, and how many tokens they carry.
+    held: list[RequestEvent] = field(default_factory=list)
+    num_held_tokens: int = 0
 
 
 class Frontend(Protocol):

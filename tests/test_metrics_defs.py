@@ -286,3 +286,25 @@ def test_model_label_can_be_set_once_known() -> None:
     s = _scrape(m)
     assert {lab["model"] for _, lab, _ in s["zerobubble_num_requests_waiting"]} == {"smollm2-135m"}
     assert {lab["model"] for _, lab, _ in s["zerobubble_request_success_total"]} == {"smollm2-135m"}
+
+
+def test_tokens_sharing_a_gap_count_as_that_many_observations() -> None:
+    # observe_inter_token(gap, n) must expose exactly what n single observations would, also
+    # after the model label changed (the cached child belongs to the old name).
+    batched, single = ServiceMetrics(model="a"), ServiceMetrics(model="a")
+    batched.observe_inter_token(0.5, 2)
+    batched.set_model("b")
+    single.set_model("b")
+    for gap, n in ((0.03, 3), (0.2, 1), (7.0, 2), (0.001, 0)):
+        batched.observe_inter_token(gap, n)
+        for _ in range(n):
+            single.observe_inter_token(gap)
+    got, want = _scrape(batched), _scrape(single)
+    family = "zerobubble_inter_token_latency_seconds"
+    for suffix in ("_bucket", "_count", "_sum"):
+        by_labels = [
+            {tuple(sorted(lab.items())): v for _, lab, v in s[family + suffix]} for s in (got, want)
+        ]
+        assert by_labels[0] == pytest.approx(by_labels[1])
+    assert _value(got, family + "_count", model="b") == 6
+    assert all(lab["model"] == "b" for _, lab, _ in got[family + "_count"])
