@@ -481,6 +481,33 @@ class Scheduler:
         self.stats.num_steps_planned += 1
         return plan
 
+    def notice_plan(self) -> worker_pb2.StepPlan | None:
+        """A plan that runs nothing and only carries finish notices, or None when none helps.
+
+        Call it when `schedule` has nothing to run. Finish notices normally ride on the next
+        plan; with nothing else to run there is none, and a step planned ahead whose every row
+        has finished since (the step after an EOS or a stop string at concurrency 1) would run
+        to its end, holding the cores or the device while the finished request's client gets
+        its last message and sends the next request. This plan lets the worker cut that step
+        short at once (its `note_finished`); it is only built while such a step is in flight.
+        """
+        if not self._pending_finished or not any(
+            records and all(self._is_stale(rec) for rec in records.values()) for records in self._inflight.values()
+        ):
+            return None
+        plan = worker_pb2.StepPlan(step_id=self._next_step_id, finished_req_ids=self._pending_finished)
+        self._next_step_id += 1
+        self._pending_finished.clear()
+        self._inflight[plan.step_id] = {}
+        self.stats.num_steps_planned += 1
+        return plan
+
+    @staticmethod
+    def _is_stale(rec: _Scheduled) -> bool:
+        """Whether a row's result will be discarded (its request finished, left or was re-admitted)."""
+        req = rec.request
+        return req.status is not RequestStatus.RUNNING or req.admission_id != rec.admission_id
+
     def _schedule_running(
         self,
         req: Request,
@@ -684,7 +711,7 @@ class Scheduler:
         events: list[RequestEvent] = []
         for req_id, rec in records.items():
             req = rec.request
-            if req.status is not RequestStatus.RUNNING or req.admission_id != rec.admission_id:
+            if self._is_stale(rec):
                 self.stats.num_stale_results += 1
                 continue
             res = by_id.get(req_id)

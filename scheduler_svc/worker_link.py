@@ -242,6 +242,8 @@ class WorkerLink:
             while True:
                 while self.inflight < self.max_inflight:
                     plan = self.sched.schedule()
+                    if plan is None and self.inflight:
+                        plan = self.sched.notice_plan()
                     if plan is None:
                         break
                     self.inflight += 1

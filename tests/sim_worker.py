@@ -502,17 +502,21 @@ def drive(
     after_result: Hook | None = None,
     after_plan: Callable[[Scheduler, worker_pb2.StepPlan], None] | None = None,
     max_plans: int = 20000,
+    notices: bool = False,
 ) -> dict[str, Collected]:
     """Run until every request finished and every result is back.
 
     Up to `window` plans are in flight: a plan's result is handed to the scheduler only when
-    the window is full or nothing more can be planned (1 = synchronous).
+    the window is full or nothing more can be planned (1 = synchronous). `notices`: when
+    nothing is to run, send what `Scheduler.notice_plan` offers, as the worker link does.
     """
     out: dict[str, Collected] = {}
     inflight: deque[worker_pb2.StepResult] = deque()
     num_plans = 0
     while scheduler.has_unfinished() or inflight:
         plan = scheduler.schedule() if len(inflight) < window else None
+        if plan is None and notices and inflight and len(inflight) < window:
+            plan = scheduler.notice_plan()
         if plan is not None:
             num_plans += 1
             assert num_plans <= max_plans, "too many plans: livelock?"

@@ -42,12 +42,17 @@ def runner(ngram_runner):
     return ngram_runner
 
 
-def one_after_another(runner, window: int, during_forward=None) -> tuple[dict[str, list[int]], list[int]]:
+def one_after_another(
+    runner, window: int, during_forward=None, *, arrive_late: bool = False, notices: bool = False
+) -> tuple[dict[str, list[int]], list[int]]:
     """Each prompt alone, the next one added as soon as the previous one finishes.
 
     Plans are noted when planned (the worker's receiver sees them at once) and executed in
     order, `window - 1` ahead of their results. `during_forward(plan_id, plans_noted)` may note
-    further plans from inside a forward. Returns req_id -> tokens and the ids of cut steps.
+    further plans from inside a forward. `arrive_late`: the next request comes only once every
+    step in flight has answered (a client slower than the worker). `notices`: when nothing is
+    to run, send what `Scheduler.notice_plan` offers, as the worker link does. Returns
+    req_id -> tokens and the ids of cut steps.
     """
     scheduler = make_scheduler(runner, max_num_batched_tokens=64)
     fields = tokenizer_fields(runner.loaded.path)
@@ -66,8 +71,16 @@ def one_after_another(runner, window: int, during_forward=None) -> tuple[dict[st
         next_prompt += 1
 
     add_next()
-    while scheduler.has_unfinished() or pending:
+    next_due = False
+    while scheduler.has_unfinished() or pending or next_due:
+        if next_due and not (arrive_late and pending):
+            add_next()
+            next_due = False
         plan = scheduler.schedule() if len(pending) < window else None
+        if plan is None and notices and pending and len(pending) < window:
+            plan = scheduler.notice_plan()
+            if plan is not None:
+                assert not plan.requests and plan.finished_req_ids
         if plan is not None:
             runner.note_finished(plan)
             pending.append(plan)
@@ -86,7 +99,7 @@ def one_after_another(runner, window: int, during_forward=None) -> tuple[dict[st
             assert not event.error, event.error
             out[event.req_id].extend(event.token_ids)
             if event.finish_reason is not None and next_prompt < len(PROMPTS):
-                add_next()
+                next_due = True
     return out, cut
 
 
@@ -138,3 +151,16 @@ def test_a_forward_interrupted_between_layers_changes_nothing_later(runner) -> N
     assert async_ == sync
     assert interrupted and set(interrupted) <= set(cut), (interrupted, cut)
     assert num_layers > 3
+
+
+def test_a_finish_notice_alone_cuts_the_step_in_flight(runner) -> None:
+    """With nothing else to run after a stop, no plan would carry the finish notice until the
+    next request arrives, and the step planned past the stop runs to its end meanwhile. The
+    notice-only plan (`Scheduler.notice_plan`, sent by the worker link) cuts it at once."""
+    sync, _ = one_after_another(runner, window=1)
+    late, late_cut = one_after_another(runner, window=2, arrive_late=True)
+    assert late == sync
+    assert not late_cut  # no later plan reached the worker while the moot step was queued
+    noticed, cut = one_after_another(runner, window=2, arrive_late=True, notices=True)
+    assert noticed == sync
+    assert len(cut) >= 1, "the notice-only plans cut nothing"

@@ -330,6 +330,52 @@ def test_finish_with_steps_in_flight_loses_and_duplicates_nothing() -> None:
     assert case.scheduler.block_pool.num_used == 0
 
 
+def test_notice_plans_only_when_a_step_in_flight_is_all_finished() -> None:
+    """`notice_plan` (what the worker link sends when nothing is to run): it carries the finish
+    notices alone, only while some step in flight has nothing but finished rows, and changes no
+    output."""
+    # One request at a time (max_num_seqs=1): each EOS leaves steps in flight with only its row.
+    case = make_case(num_spec_tokens=3, eos_per_mille=60, stopping=StoppingOptions(max_tokens=60), max_num_seqs=1)
+    notice_plans: list[worker_pb2.StepPlan] = []
+
+    def after_plan(scheduler: Scheduler, plan: worker_pb2.StepPlan) -> None:
+        if not plan.requests:
+            notice_plans.append(plan)
+            assert plan.finished_req_ids
+
+    got = drive(case.scheduler, case.worker, 3, after_plan=after_plan, notices=True)
+    assert_matches_reference(case, got)
+    assert notice_plans, "no request ended alone with a step in flight: the test exercises nothing"
+    assert case.scheduler.block_pool.num_used == 0
+
+    # A step in flight that still has a live row gets no notice plan: its result is needed.
+    config = SchedulerConfig(
+        num_blocks=50,
+        block_size=4,
+        max_model_len=128,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        num_spec_tokens=0,
+        eos_token_ids=(EOS_ID,),
+    )
+    scheduler = Scheduler(config, TOY)
+    scheduler.add_request("a", [5, 6, 7], seed=1, max_tokens=50)
+    scheduler.add_request("b", [8, 9, 10], seed=2, max_tokens=50)
+    first = scheduler.schedule()
+    assert first is not None and len(first.requests) == 2
+    assert scheduler.notice_plan() is None  # nothing has finished
+    assert scheduler.abort_request("a") is not None
+    assert scheduler.notice_plan() is None  # the step in flight still runs b
+    assert scheduler.abort_request("b") is not None
+    notice = scheduler.notice_plan()
+    assert notice is not None and not notice.requests
+    assert notice.step_id > first.step_id and set(notice.finished_req_ids) == {"a", "b"}
+    assert scheduler.notice_plan() is None  # the notices went out once
+    assert scheduler.on_step_result(worker_pb2.StepResult(step_id=first.step_id)) == []
+    assert scheduler.on_step_result(worker_pb2.StepResult(step_id=notice.step_id)) == []
+    assert not scheduler.has_unfinished() and scheduler.num_inflight_steps() == 0
+
+
 def test_abort_with_steps_in_flight() -> None:
     case = make_case(num_spec_tokens=3, stopping=StoppingOptions(max_tokens=60), eos_per_mille=0)
     aborted: dict[str, RequestEvent] = {}
