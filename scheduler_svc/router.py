@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from scheduler_svc.scheduler import RequestEvent, SchedulerConfig, fail_unplaced
-from scheduler_svc.worker_link import WorkerLink
+from scheduler_svc.worker_link import DEFAULT_LOOKAHEAD_MARGIN_S, WorkerLink
 
 logger = logging.getLogger(__name__)
 
@@ -66,9 +66,11 @@ class Router:
         metrics=None,
         worker_auth_token: str = "",
         step_deadline_s: float = 0.0,
+        lookahead_margin_s: float | None = DEFAULT_LOOKAHEAD_MARGIN_S,
     ) -> None:
         self.config = config
         self.step_deadline_s = step_deadline_s
+        self.lookahead_margin_s = lookahead_margin_s
         self.worker_auth_token = worker_auth_token
         self.max_inflight_steps = max_inflight_steps
         self.creds = creds
@@ -120,6 +122,7 @@ class Router:
                     server_name=server_name,
                     auth_token=self.worker_auth_token,
                     step_deadline_s=self.step_deadline_s,
+                    lookahead_margin_s=self.lookahead_margin_s,
                 )
                 link.on_draining = self._on_link_draining
                 self.links.append(link)

@@ -454,6 +454,7 @@ async def serve_scheduler(
         metrics,
         worker_auth_token=cfg.worker_auth_token,
         step_deadline_s=cfg.step_deadline,
+        lookahead_margin_s=cfg.lookahead_margin_ms / 1000 if cfg.lookahead_margin_ms >= 0 else None,
     )
     servicer = GenerationServicer(cfg, router, metrics)
     router.on_events = servicer.on_events

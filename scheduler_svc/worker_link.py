@@ -36,6 +36,10 @@ WARMUP_STEP_DEADLINE_S = 60.0
 NUM_LATENCY_SAMPLES = 256
 # Steps of a size comparable to a plan's needed before their latencies alone set its deadline.
 NUM_COMPARABLE_STEPS = 5
+# A plan ahead of the running step goes out this long (at least LOOKAHEAD_STEP_FRACTION of a
+# step) before the worker is expected to need it (see `plan_ahead_due`).
+DEFAULT_LOOKAHEAD_MARGIN_S = 0.02
+LOOKAHEAD_STEP_FRACTION = 0.25
 
 
 class WorkerHung(ConnectionError):
@@ -71,6 +75,30 @@ def derived_step_deadline(latencies: deque[tuple[float, int]], num_tokens: int =
     return max(MIN_STEP_DEADLINE_S, STEP_DEADLINE_P99_FACTOR * base)
 
 
+def predicted_step_s(step_times: deque[tuple[float, int]], num_tokens: int) -> float | None:
+    """A short estimate of how long a step of `num_tokens` runs on the worker: the 10th
+    percentile of the device times of recent steps of a comparable size (half to twice the
+    tokens); None with fewer than NUM_COMPARABLE_STEPS of them. Short on purpose: a plan sent
+    early costs nothing, one sent late leaves the worker idle."""
+    near = sorted(t for t, n in step_times if num_tokens / 2 <= n <= 2 * num_tokens)
+    if len(near) < NUM_COMPARABLE_STEPS:
+        return None
+    return near[len(near) // 10]
+
+
+def plan_ahead_due(start_s: float, num_inflight: int, step_s: float, margin_s: float) -> float:
+    """When a plan ahead of `num_inflight` plans in flight should go out, the oldest of which
+    started at `start_s` and the others queued behind it, each about `step_s` long.
+
+    Planned at once, a request arriving while step N runs waits for N + 1 too, which was planned
+    when N started; with steps much longer than the host's planning (a CPU, a large prefill) that
+    is a whole step of time to first token. So the plan goes out when the steps ahead of it are
+    expected to end, less the margin (at least LOOKAHEAD_STEP_FRACTION of a step); with steps
+    shorter than the margin this is at once, as before.
+    """
+    return start_s + num_inflight * step_s - max(margin_s, LOOKAHEAD_STEP_FRACTION * step_s)
+
+
 def plan_tokens(plan: worker_pb2.StepPlan) -> int:
     """Tokens a plan feeds the model (prefill chunks, 1 + drafts per decode)."""
     return sum(len(e.token_ids) or 1 + e.num_draft_slots for e in plan.requests)
@@ -101,10 +129,17 @@ class WorkerLink:
         server_name: str | None = None,
         auth_token: str = "",
         step_deadline_s: float = 0.0,
+        lookahead_margin_s: float | None = DEFAULT_LOOKAHEAD_MARGIN_S,
     ) -> None:
-        """`step_deadline_s` 0: derived from recent step latencies (`derived_step_deadline`)."""
+        """`step_deadline_s` 0: derived from recent step latencies (`derived_step_deadline`).
+        `lookahead_margin_s` None: plans ahead go out at once (see `plan_ahead_due`)."""
         self.address = address
         self.step_deadline_s = step_deadline_s
+        self.lookahead_margin_s = lookahead_margin_s
+        # (device seconds, tokens) of recent steps, and when the latest result arrived (the
+        # worker then starts the next queued step): what `plan_ahead_due` is computed from.
+        self._step_times: deque[tuple[float, int]] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        self._last_result_at = 0.0
         # (send time, tokens) of the plans in flight, oldest first; (latency, tokens) of recent.
         self._sent: deque[tuple[float, int]] = deque()
         self._latencies: deque[tuple[float, int]] = deque(maxlen=NUM_LATENCY_SAMPLES)
@@ -235,15 +270,34 @@ class WorkerLink:
         base = self.step_deadline_s or derived_step_deadline(self._latencies, num_tokens)
         return base * 2 ** min(self._num_misses, 5)
 
+    def _ahead_due(self) -> float | None:
+        """When the next plan ahead of those in flight should go out (None: at once)."""
+        if self.lookahead_margin_s is None or not self._sent:
+            return None
+        sent_at, num_tokens = self._sent[0]
+        step_s = predicted_step_s(self._step_times, max(num_tokens, 1))
+        if step_s is None:
+            return None
+        # The oldest plan started when it was sent or when the step before it ended, whichever
+        # came last; its result arriving is when the step before ended, as near as we know.
+        start_s = max(sent_at, self._last_result_at)
+        return plan_ahead_due(start_s, len(self._sent), step_s, self.lookahead_margin_s)
+
     async def _serve(self, call) -> None:
         self._sent.clear()
+        self._step_times.clear()
         receiver = asyncio.create_task(self._receive(call))
         try:
             while True:
+                due: float | None = None
                 while self.inflight < self.max_inflight:
-                    plan = self.sched.schedule()
+                    due = self._ahead_due()
+                    plan = None
+                    if due is None or due <= time.monotonic():
+                        due = None
+                        plan = self.sched.schedule()
                     if plan is None and self.inflight:
-                        plan = self.sched.notice_plan()
+                        plan = self.sched.notice_plan()  # finish notices never wait
                     if plan is None:
                         break
                     self.inflight += 1
@@ -256,6 +310,8 @@ class WorkerLink:
                     sent_at, num_tokens = self._sent[0]
                     deadline = self.step_deadline(num_tokens)
                     timeout = max(0.0, sent_at + deadline - time.monotonic())
+                if due is not None:
+                    timeout = max(0.0, min(timeout if timeout is not None else due, due - time.monotonic()))
                 done, _ = await asyncio.wait({waiter, receiver}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if receiver in done:
                     waiter.cancel()
@@ -288,9 +344,12 @@ class WorkerLink:
                 self.wake()
                 continue
             self.inflight -= 1
+            self._last_result_at = time.monotonic()
+            if result.num_tokens > 0 and result.forward_s > 0 and not result.error:
+                self._step_times.append((result.forward_s, result.num_tokens))
             if self._sent:
                 sent_at, num_tokens = self._sent.popleft()
-                self._latencies.append((time.monotonic() - sent_at, num_tokens))
+                self._latencies.append((self._last_result_at - sent_at, num_tokens))
                 self._num_answered += 1
                 if self._num_answered >= NUM_LATENCY_SAMPLES:
                     self._num_misses = 0

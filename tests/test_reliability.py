@@ -201,6 +201,29 @@ def test_a_hung_worker_is_declared_lost_at_the_step_deadline(monkeypatch, caplog
         assert finished[req_id].finish_reason == expected.finish_reason
 
 
+def test_plans_ahead_go_out_just_in_time_only_when_steps_are_long() -> None:
+    from collections import deque
+
+    predict, due = worker_link.predicted_step_s, worker_link.plan_ahead_due
+    # Too few steps of a comparable size: no estimate, the plan goes out at once.
+    assert predict(deque([(0.1, 8)] * 4 + [(1.0, 512)] * 50), 8) is None
+    # The estimate is short on purpose (10th percentile of comparable steps): early is harmless,
+    # late leaves the worker idle.
+    times = deque([(0.12, 16)] * 80 + [(0.08, 16)] * 20 + [(2.0, 1024)] * 30)
+    assert predict(times, 16) == pytest.approx(0.08)
+    assert predict(times, 16 * 4) is None  # 1,024-token prefills are not comparable either
+    # Steps shorter than the margin (a GPU decode): due before the running step started = at once.
+    assert due(100.0, 1, 0.010, 0.020) <= 100.0
+    assert due(100.0, 1, 0.020, 0.020) <= 100.0
+    # A 120 ms CPU step: the plan ahead goes out a quarter of a step before its end, so a request
+    # arriving in the first 90 ms still joins it.
+    assert due(100.0, 1, 0.120, 0.020) == pytest.approx(100.09)
+    # Two in flight: the third plan is due near the end of the second step.
+    assert due(100.0, 2, 0.120, 0.020) == pytest.approx(100.21)
+    # A larger margin wins over the quarter step.
+    assert due(100.0, 1, 0.120, 0.050) == pytest.approx(100.07)
+
+
 def test_derived_step_deadline() -> None:
     from collections import deque
 

@@ -298,6 +298,12 @@ class SchedulerServiceConfig(ServiceConfig):
         "token sent to the workers' --auth-token (a different secret from the clients' --auth-token; empty = none)",
         secret=True,
     )
+    lookahead_margin_ms: float = setting(
+        20.0,
+        "with long steps, a plan ahead of the running one goes out this many ms (at least a quarter "
+        "of a step) before the worker is expected to need it instead of at once, so requests that "
+        "arrive meanwhile still join it (-1 = always at once)",
+    )
     step_deadline: float = setting(
         0.0,
         "seconds a worker may take to answer a step before it is declared lost and its "
@@ -319,6 +325,10 @@ class SchedulerServiceConfig(ServiceConfig):
         _require(self.max_waiting >= 1, "--max-waiting must be >= 1")
         _require(self.stream_interval >= 1, "--stream-interval must be >= 1 (1 = send every step's tokens)")
         _require(self.step_deadline >= 0, "--step-deadline must be >= 0 (0 = derived)")
+        _require(
+            self.lookahead_margin_ms >= 0 or self.lookahead_margin_ms == -1,
+            "--lookahead-margin-ms must be >= 0 (or -1: plans ahead go out at once)",
+        )
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
         _require(
