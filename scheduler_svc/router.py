@@ -171,7 +171,7 @@ class Router:
     def submit(self, link: WorkerLink, req_id: str, prompt_ids: list[int], **params) -> None:
         link.sched.add_request(req_id, prompt_ids, **params)
         self.owner[req_id] = link
-        link.wake()
+        link.note_arrival()
 
     def abort(self, req_id: str) -> RequestEvent | None:
         """Cancel a request wherever it is; its final event (None if no worker held it)."""

@@ -3,8 +3,10 @@
     python scripts/async_cpu_probe.py --rows 4 --repeats 2
 
 Each variant is one worker process (n-gram k=3); for it, sync (1 plan in flight) and async (2)
-schedulers run the same rows at concurrency 1, interleaved. Reported per run: tokens/s, steps,
-worker busy ms per step (ModelInfo.stats), idle fraction.
+schedulers run the same rows at concurrency 1, interleaved (the order reverses every round).
+`--with-at-once` adds async with plans ahead sent at once (`--lookahead-margin-ms -1`) to
+compare with the just-in-time default. Reported per run: tokens/s, TTFT p50, worker busy ms
+per step (ModelInfo.stats), idle fraction; per configuration: tokens/s over all its runs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--concurrency", type=int, default=1)
     p.add_argument("--variants", nargs="+", default=["default", "bound"])
+    p.add_argument("--with-at-once", action="store_true", help="also async with plans ahead sent at once")
     args = p.parse_args()
+    # (name, max_inflight_steps, lookahead_margin_ms)
+    configs = [("sync", 1, 20.0), ("async", 2, 20.0)] + ([("async-at-once", 2, -1.0)] if args.with_at_once else [])
     rows = load_dataset(DATASET, limit=args.rows, max_tokens_cap=0)
     variants = {
         "default": ({}, {}),
@@ -55,28 +60,33 @@ def main() -> None:
         opts, env = variants[name]
         worker = start_worker(kv_cache_memory_gb=0.5, spec_method="ngram", num_spec_tokens=3, env=env, **opts)
         try:
-            totals = {1: [0, 0.0], 2: [0, 0.0]}
-            for _ in range(args.repeats):
-                for inflight in (1, 2):
-                    sched = start_scheduler([worker], max_inflight_steps=inflight)
+            totals = {cname: [0, 0.0] for cname, _, _ in configs}
+            for round_ in range(args.repeats):
+                for cname, inflight, margin in configs if round_ % 2 == 0 else configs[::-1]:
+                    sched = start_scheduler([worker], max_inflight_steps=inflight, lookahead_margin_ms=margin)
                     try:
                         wait_serving(sched.target)
                         if name == "bound":
                             pin(sched.proc.pid, host)
                             pin(os.getpid(), host)
-                        r = asyncio.run(run_bench_async(sched.target, rows, args.concurrency, request_timeout=1800))
+                        res = asyncio.run(run_bench_async(sched.target, rows, args.concurrency, request_timeout=1800))
                     finally:
                         sched.stop()
-                    st = r.get("server_stats") or {}
-                    totals[inflight][0] += r["output_tokens"]
-                    totals[inflight][1] += r["wall_s"]
+                    st = res.get("server_stats") or {}
+                    totals[cname][0] += res["output_tokens"]
+                    totals[cname][1] += res["wall_s"]
+                    busy_ms = 1000 * st.get("worker_busy_s", 0.0) / max(1, st.get("num_steps", 1))
                     print(
-                        f"{name} inflight={inflight}: {r['output_tokens_per_s']:.1f} tok/s, "
-                        f"ttft p50 {r['ttft_p50_s']:.3f}s, idle {r.get('worker_idle_fraction')}, stats {st}",
+                        f"{name} {cname}: {res['output_tokens_per_s']:.1f} tok/s, ttft p50 {res['ttft_p50_s']:.3f}s, "
+                        f"busy {busy_ms:.1f} ms/step, idle {res.get('worker_idle_fraction')}, stats {st}",
                         flush=True,
                     )
-            ratio = (totals[2][0] / totals[2][1]) / (totals[1][0] / totals[1][1])
-            print(f"== {name}: async/sync = {ratio:.3f}", flush=True)
+            sync_rate = totals["sync"][0] / totals["sync"][1]
+            for cname, (tokens, wall_s) in totals.items():
+                print(
+                    f"== {name} {cname}: {tokens / wall_s:.2f} tok/s, / sync {tokens / wall_s / sync_rate:.3f}",
+                    flush=True,
+                )
         finally:
             worker.stop()
             pin(os.getpid(), everything)

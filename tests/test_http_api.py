@@ -254,9 +254,13 @@ def test_full_queue_is_429(base_url) -> None:
 
     async def run() -> httpx.Response:
         async with httpx.AsyncClient(base_url=base_url, timeout=300) as http, contextlib.AsyncExitStack() as stack:
+            # Every line iterator stays referenced: a dropped one is finalized, which closes its
+            # response, and the server then cancels that request (correctly) and admits a
+            # queued one, so the queue would no longer be full.
+            readers = []
             for _ in range(MAX_NUM_SEQS):  # running: each has streamed a token
                 response = await stack.enter_async_context(http.stream("POST", "/v1/chat/completions", json=long))
-                lines = response.aiter_lines()
+                readers.append(lines := response.aiter_lines())
                 while '"content": ""' in (line := await anext(lines)) or not line.startswith("data:"):
                     pass
             for _ in range(MAX_WAITING):  # queued behind them (accepted: 200 and headers sent)

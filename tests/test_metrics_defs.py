@@ -302,9 +302,7 @@ def test_tokens_sharing_a_gap_count_as_that_many_observations() -> None:
     got, want = _scrape(batched), _scrape(single)
     family = "zerobubble_inter_token_latency_seconds"
     for suffix in ("_bucket", "_count", "_sum"):
-        by_labels = [
-            {tuple(sorted(lab.items())): v for _, lab, v in s[family + suffix]} for s in (got, want)
-        ]
+        by_labels = [{tuple(sorted(lab.items())): v for _, lab, v in s[family + suffix]} for s in (got, want)]
         assert by_labels[0] == pytest.approx(by_labels[1])
     assert _value(got, family + "_count", model="b") == 6
     assert all(lab["model"] == "b" for _, lab, _ in got[family + "_count"])

@@ -222,6 +222,9 @@ def test_plans_ahead_go_out_just_in_time_only_when_steps_are_long() -> None:
     assert due(100.0, 2, 0.120, 0.020) == pytest.approx(100.21)
     # A larger margin wins over the quarter step.
     assert due(100.0, 1, 0.120, 0.050) == pytest.approx(100.07)
+    # Plans are held back only while requests arrive: within 8 steps of the latest arrival.
+    recent = worker_link.arrivals_recent
+    assert recent(0.5, 0.120) and not recent(1.5, 0.120) and not recent(float("inf"), 0.120)
 
 
 def test_derived_step_deadline() -> None:
