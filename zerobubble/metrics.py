@@ -15,7 +15,7 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import (
@@ -599,7 +599,7 @@ class ServiceMetrics:
         (tokens confirmed together share the step's gap)."""
         child = self._itl_child
         if child is None:
-            child = self._itl_child = self.inter_token_latency.labels(model=self.model)
+            child = self._itl_child = cast(GapHistogram, self.inter_token_latency.labels(model=self.model))
         child.observe_many(seconds, count)
 
     def set_queues(self, running: int, waiting: int) -> None:
