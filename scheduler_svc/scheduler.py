@@ -473,6 +473,10 @@ class Scheduler:
                 budget -= num_tokens
         if not plan.requests:
             return None
+        return self._issue(plan, records)
+
+    def _issue(self, plan: worker_pb2.StepPlan, records: dict[str, _Scheduled]) -> worker_pb2.StepPlan:
+        """Number a built plan, attach the pending finish notices and track it as in flight."""
         plan.step_id = self._next_step_id
         self._next_step_id += 1
         plan.finished_req_ids.extend(self._pending_finished)
@@ -495,12 +499,7 @@ class Scheduler:
             records and all(self._is_stale(rec) for rec in records.values()) for records in self._inflight.values()
         ):
             return None
-        plan = worker_pb2.StepPlan(step_id=self._next_step_id, finished_req_ids=self._pending_finished)
-        self._next_step_id += 1
-        self._pending_finished.clear()
-        self._inflight[plan.step_id] = {}
-        self.stats.num_steps_planned += 1
-        return plan
+        return self._issue(worker_pb2.StepPlan(), {})
 
     @staticmethod
     def _is_stale(rec: _Scheduled) -> bool:

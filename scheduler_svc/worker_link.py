@@ -327,9 +327,9 @@ class WorkerLink:
                 if self._sent:
                     sent_at, num_tokens = self._sent[0]
                     deadline = self.step_deadline(num_tokens)
-                    timeout = max(0.0, sent_at + deadline - time.monotonic())
-                if due is not None:
-                    timeout = max(0.0, min(timeout if timeout is not None else due, due - time.monotonic()))
+                    # Wake for the deadline or, when a plan ahead is held back, for its due time.
+                    until = sent_at + deadline if due is None else min(sent_at + deadline, due)
+                    timeout = max(0.0, until - time.monotonic())
                 done, _ = await asyncio.wait({waiter, receiver}, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
                 if receiver in done:
                     waiter.cancel()

@@ -349,16 +349,7 @@ def test_notice_plans_only_when_a_step_in_flight_is_all_finished() -> None:
     assert case.scheduler.block_pool.num_used == 0
 
     # A step in flight that still has a live row gets no notice plan: its result is needed.
-    config = SchedulerConfig(
-        num_blocks=50,
-        block_size=4,
-        max_model_len=128,
-        max_num_seqs=4,
-        max_num_batched_tokens=32,
-        num_spec_tokens=0,
-        eos_token_ids=(EOS_ID,),
-    )
-    scheduler = Scheduler(config, TOY)
+    scheduler = make_case(num_requests=0, num_spec_tokens=0, eos_per_mille=0).scheduler
     scheduler.add_request("a", [5, 6, 7], seed=1, max_tokens=50)
     scheduler.add_request("b", [8, 9, 10], seed=2, max_tokens=50)
     first = scheduler.schedule()
