@@ -65,14 +65,15 @@ class Detokenizer:
         self._stream: StreamStep | None = (
             make_stream(self._ids, skip_special_tokens) if make_stream is not None else None
         )
-        self._text = ""  # all decoded output text, including held-back stop-string candidates
-        self._num_emitted_chars = 0
+        # With stop strings: the decoded text not yet dropped, i.e. the last `_num_kept_chars`
+        # characters already emitted (a stop string may begin in them) and everything held back
+        # after them. It stays as short as the longest stop string plus what is held, so a token
+        # costs the same at the end of a long output as at its start (appending to the whole
+        # output copied it: O(n^2) per request). Without stop strings nothing is kept.
+        self._text = ""
+        self._num_emitted_chars = 0  # leading characters of `_text` already emitted
+        self._num_kept_chars = max((len(s) for s in self._stop), default=1) - 1
         self._stopped = False
-
-    @property
-    def text(self) -> str:
-        """Text emitted so far."""
-        return self._text[: self._num_emitted_chars]
 
     @property
     def stopped(self) -> bool:
@@ -96,9 +97,11 @@ class Detokenizer:
             new_text = self._window_text()
         if new_text is None:
             return "", False
-        self._text += new_text
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
+        if not self._stop:
+            return new_text, False  # most requests: nothing is held back
+        self._text += new_text
         return self._release(final=False)
 
     def _window_text(self) -> str | None:
@@ -117,8 +120,10 @@ class Detokenizer:
         # Bytes that never completed a character are emitted as U+FFFD, as a full decode would.
         tail = self._decode(self._ids[self._prefix_offset :])
         prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        self._text += tail[len(prefix_text) :]
         self._prefix_offset = self._read_offset = len(self._ids)
+        if not self._stop:
+            return tail[len(prefix_text) :]
+        self._text += tail[len(prefix_text) :]
         text, _ = self._release(final=True)
         return text
 
@@ -127,11 +132,6 @@ class Detokenizer:
 
     def _release(self, final: bool) -> tuple[str, bool]:
         """Emit what can no longer be part of a stop string; cut at a stop string."""
-        if not self._stop:
-            # Most requests have no stop strings: everything decoded so far can go.
-            new_text = self._text[self._num_emitted_chars :]
-            self._num_emitted_chars = len(self._text)
-            return new_text, False
         stop_at = self._find_stop()
         if stop_at is not None:
             self._stopped = True
@@ -144,6 +144,11 @@ class Detokenizer:
         # The hold-back guarantees a stop string never starts before what was already emitted.
         end = max(end, self._num_emitted_chars)
         new_text = self._text[self._num_emitted_chars : end]
+        # Drop emitted text no stop string could still start in.
+        num_dropped = end - self._num_kept_chars
+        if num_dropped > 0:
+            self._text = self._text[num_dropped:]
+            end -= num_dropped
         self._num_emitted_chars = end
         return new_text, self._stopped
 

@@ -161,7 +161,6 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
-    output_text: str = ""
     num_computed: int = 0
     num_placeholders: int = 0
     # Known tokens (prompt + confirmed outputs) at the latest admission: what the prefill covers.

@@ -260,6 +260,8 @@ class ModelRunner:
         self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
         # Room for the lookahead slots a step may feed past max_model_len's last block.
         self.max_blocks_per_seq = -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
+        # Prefill token ids are checked against it (0: unknown, no check).
+        self.vocab_size: int = getattr(getattr(loaded, "hf_config", None), "vocab_size", 0)
         widths = draft_widths(self.num_spec_tokens)
         # Padding rows of graphed steps write into blocks past the scheduler's (never handed out).
         num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
@@ -411,10 +413,17 @@ class ModelRunner:
             self.proposer.admit(slot, entry.num_cached_tokens)
         return info
 
-    def _append_blocks(self, info: SlotInfo, new: list[int]) -> None:
-        start = len(info.block_ids)
-        staging.write(self.state.block_table[info.slot, start : start + len(new)], new)
-        info.block_ids.extend(new)
+    def _write_block_tables(self, slots: list[int], cols: list[int], block_ids: list[int]) -> None:
+        """``block_table[slots[i], cols[i]] = block_ids[i]`` for a whole step in one indexed
+        write: one upload per step instead of a tensor (and, on an accelerator, a pinned copy)
+        per row that gained blocks. No (slot, column) repeats within a step (a request appears
+        once per plan), so the write order does not matter."""
+        if not slots:
+            return
+        dev = self.device
+        self.state.block_table[_to_device_list(slots, dev, torch.long), _to_device_list(cols, dev, torch.long)] = (
+            _to_device_list(block_ids, dev)
+        )
 
     # -- one step ------------------------------------------------------------------------------
 
@@ -423,45 +432,49 @@ class ModelRunner:
     ) -> str | None:
         """Why an entry cannot run (None: it can), checked before anything is changed, so a
         bad row is left out whole instead of half admitted."""
+        # Every row of every step passes here: each protobuf field is read once.
         req_id = entry.req_id
+        is_new = entry.is_new
         if req_id in seen:
             return f"request {req_id}: scheduled twice in one plan"
-        if not entry.is_new and req_id in self.failed:
+        if not is_new and req_id in self.failed:
             return f"request {req_id}: an earlier step failed for it: {self.failed[req_id]}"
         if self.test_fault_hook is not None:
             try:
                 self.test_fault_hook(plan, entry)
             except Exception as exc:
                 return f"request {req_id}: {exc}"
-        info = None if entry.is_new else self.slots.get(req_id)
-        if not entry.is_new and info is None:
+        info = None if is_new else self.slots.get(req_id)
+        if not is_new and info is None:
             return f"request {req_id}: unknown to this worker and not is_new"
-        if entry.is_new and num_free_slots < 1:
+        if is_new and num_free_slots < 1:
             return f"request {req_id}: no free state slot (max_num_seqs={self.config.max_num_seqs})"
-        new = list(entry.new_block_ids)
-        if new and (min(new) < 0 or max(new) >= self.config.num_blocks):
-            return f"request {req_id}: block id out of range [0, {self.config.num_blocks})"
-        num_blocks = (0 if info is None else len(info.block_ids)) + len(new)
-        if num_blocks > self.max_blocks_per_seq:
-            return (
-                f"request {req_id}: block table would hold {num_blocks} blocks, more than "
-                f"max_model_len allows ({self.max_blocks_per_seq})"
-            )
-        if len(entry.token_ids) == 0:
-            if entry.is_new:
+        new = entry.new_block_ids
+        num_blocks = len(new)
+        if num_blocks:
+            if min(new) < 0 or max(new) >= self.config.num_blocks:
+                return f"request {req_id}: block id out of range [0, {self.config.num_blocks})"
+            if info is not None:
+                num_blocks += len(info.block_ids)
+            if num_blocks > self.max_blocks_per_seq:
+                return (
+                    f"request {req_id}: block table would hold {num_blocks} blocks, more than "
+                    f"max_model_len allows ({self.max_blocks_per_seq})"
+                )
+        chunk = entry.token_ids
+        if not chunk:
+            if is_new:
                 return f"request {req_id}: a new request must start with a prefill chunk"
             assert info is not None  # not new: checked above
             if not info.has_sample:
                 return f"request {req_id}: decode step before any sample"
-            if not 0 <= entry.num_draft_slots <= self.num_spec_tokens:
+            num_draft_slots = entry.num_draft_slots
+            if not 0 <= num_draft_slots <= self.num_spec_tokens:
                 return (
-                    f"request {req_id}: {entry.num_draft_slots} draft slots, worker "
-                    f"proposes at most {self.num_spec_tokens}"
+                    f"request {req_id}: {num_draft_slots} draft slots, worker proposes at most {self.num_spec_tokens}"
                 )
-        else:
-            vocab_size = getattr(getattr(self.loaded, "hf_config", None), "vocab_size", 0)
-            if vocab_size and (min(entry.token_ids) < 0 or max(entry.token_ids) >= vocab_size):
-                return f"request {req_id}: token id outside the vocabulary [0, {vocab_size})"
+        elif self.vocab_size and (min(chunk) < 0 or max(chunk) >= self.vocab_size):
+            return f"request {req_id}: token id outside the vocabulary [0, {self.vocab_size})"
         return None
 
     def _runnable(self, plan: worker_pb2.StepPlan) -> tuple[list[worker_pb2.ScheduledRequest], dict[str, str]]:
@@ -549,28 +562,40 @@ class ModelRunner:
         is_decode: list[bool] = []
         do_sample: list[bool] = []
         prefill_ids: list[int] = []
+        table_slots: list[int] = []  # block-table cells this step writes (see _write_block_tables)
+        table_cols: list[int] = []
+        table_ids: list[int] = []
         for entry in plan.requests:
-            info = self._admit(entry) if entry.is_new else self.slots[entry.req_id]
-            if entry.new_block_ids:
-                self._append_blocks(info, list(entry.new_block_ids))
-            decode = len(entry.token_ids) == 0
+            # Each protobuf field read builds a Python object: read each once.
+            req_id = entry.req_id
+            info = self._admit(entry) if entry.is_new else self.slots[req_id]
+            new_blocks = entry.new_block_ids
+            if new_blocks:
+                start = len(info.block_ids)
+                info.block_ids.extend(new_blocks)
+                table_slots.extend([info.slot] * len(new_blocks))
+                table_cols.extend(range(start, start + len(new_blocks)))
+                table_ids.extend(new_blocks)
+            chunk = entry.token_ids
+            decode = len(chunk) == 0
             if decode:
                 n = 1 + entry.num_draft_slots
                 if self.trim_empty_drafts:
                     # Slots without a real draft can only be rejected; on the CPU the draft count
                     # is already host memory, so skip computing them. (On CUDA reading it would
                     # stall the host behind the device, so the plan's shape is kept.)
-                    n = 1 + min(entry.num_draft_slots, int(self.state.num_drafts[info.slot]))
+                    n = 1 + min(n - 1, int(self.state.num_drafts[info.slot]))
                 prefill_ids.extend([0] * n)
             else:
-                n = len(entry.token_ids)
-                prefill_ids.extend(entry.token_ids)
+                n = len(chunk)
+                prefill_ids.extend(chunk)
             rows.append(info)
-            req_ids.append(entry.req_id)
+            req_ids.append(req_id)
             num_scheduled.append(n)
             is_decode.append(decode)
             do_sample.append(decode or entry.sample)
 
+        self._write_block_tables(table_slots, table_cols, table_ids)
         dev = self.device
         qsl_host = [0]
         for n in num_scheduled:
