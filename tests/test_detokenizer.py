@@ -55,7 +55,20 @@ class _StreamGivesUp(_PythonOnly):
         return flaky
 
 
-DECODERS = {"native": lambda t: t, "python": _PythonOnly, "native-then-python": _StreamGivesUp}
+class _WindowStream(_PythonOnly):
+    """The library's `DecodeStream` even where a byte table would serve (the path of tokenizers
+    that are not byte-level)."""
+
+    def stream_decoder(self, context_ids: Sequence[int], skip_special_tokens: bool = True):
+        return self.tokenizer.window_stream_decoder(context_ids, skip_special_tokens)
+
+
+DECODERS = {
+    "native": lambda t: t,
+    "window": _WindowStream,
+    "python": _PythonOnly,
+    "native-then-python": _StreamGivesUp,
+}
 
 
 def _stream(tokenizer: Any, prompt: list[int], ids: list[int], stop: list[str]) -> tuple[list[str], bool]:
@@ -246,3 +259,32 @@ def test_nothing_after_a_stop() -> None:
 def test_empty_stop_string_rejected() -> None:
     with pytest.raises(ValueError):
         Detokenizer(TOY, [], [""])
+
+
+@settings(max_examples=200, deadline=None)
+@given(ids=st.lists(st.integers(0, 49151), min_size=1, max_size=16), skip=st.booleans())
+def test_byte_table_stream_equals_full_decode_of_any_ids(ids: list[int], skip: bool, smol_tokenizer: Tokenizer) -> None:
+    """Any ids at all, special ones and invalid UTF-8 included: the byte-table stream renders
+    what a full decode renders (the flush decodes what is still held)."""
+    tok = smol_tokenizer
+    assert tok.byte_pieces(skip) is not None  # SmolLM2 is byte-level BPE: the table serves it
+    detok = Detokenizer(tok, [], [], skip_special_tokens=skip)
+    text = "".join(detok.append(t)[0] for t in ids) + detok.flush()
+    assert text == tok.decode(ids, skip_special_tokens=skip)
+
+
+def test_tokenizers_that_are_not_byte_level_stream_through_decode_stream() -> None:
+    """A decoder chain (here a Metaspace tokenizer's, as Llama 2 and Mistral have) renders an
+    id differently by position: no byte table, the window decoder serves it, correctly."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "▁hello": 1, "▁world": 2, "!": 3}
+    hf = HFTokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    hf.decoder = decoders.Metaspace()
+    tok = Tokenizer(hf.to_str())
+    assert tok.byte_pieces() is None
+    ids = [1, 2, 3]
+    chunks, _ = _stream(tok, [], ids, [])
+    assert "".join(chunks) == tok.decode(ids) == "hello world!"
