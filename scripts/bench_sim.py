@@ -2,8 +2,11 @@
 
     python scripts/bench_sim.py host     # host ms per step, zero-time device: 1/16/64/256 requests, k=0 and k=3
     python scripts/bench_sim.py bubble   # device 2/5/10/20 ms x 16/64/256 requests x n-gram on/off: async / sync
+    python scripts/bench_sim.py logic    # the scheduler's and worker's step logic alone, one process, no gRPC
 
-Both run the real services as processes (`zerobubble worker --simulate-device-ms MS`, `zerobubble
+`logic` takes everything but the transport away: the scheduler's and the worker's step code in
+this one process (plans and results still through protobuf bytes), to tell their cost apart
+from gRPC's and the client streams'. `host` and `bubble` run the real services as processes (`zerobubble worker --simulate-device-ms MS`, `zerobubble
 scheduler`) and this script as the gRPC client, so a step's figure covers the whole path: plan ->
 protobuf -> gRPC -> worker (plan decoding, slots, input assembly, proposer bookkeeping, result)
 -> gRPC -> reconcile -> detokenize -> client streams.
@@ -206,12 +209,81 @@ def suite_bubble(args: argparse.Namespace) -> dict:
     return out
 
 
+def logic_ms_per_step(num_requests: int, k: int, num_steps: int, inflight: int) -> tuple[float, float]:
+    """Scheduler and worker milliseconds per step of the step logic alone, in this process.
+
+    The real `Scheduler` and a runner on a zero-time simulated device, `inflight` plans ahead,
+    every plan and result through protobuf bytes as on the wire; no gRPC, no client streams,
+    no other process. Measured over `num_steps` steps once all N requests decode.
+    """
+    import gc
+    import random
+
+    from tests.drive import make_scheduler  # the WorkerInfo a worker link would read from Describe
+    from worker_svc.server import build_runner
+    from zerobubble.api import worker_pb2
+    from zerobubble.config import WorkerConfig
+
+    runner, _ = build_runner(
+        WorkerConfig(
+            simulate_device_ms=0.0,
+            spec_method="ngram" if k else "none",
+            num_spec_tokens=max(k, 1),
+            max_num_seqs=max(num_requests, 1),
+            kv_cache_memory_gb=16.0,
+        )
+    )
+    sched = make_scheduler(runner, max_num_batched_tokens=8192, max_num_seqs=max(num_requests, 1))
+    rng = random.Random(0)
+    for i in range(num_requests):
+        prompt = [rng.randrange(1000, 20000) for _ in range(100)]
+        sched.add_request(f"{i:032x}", prompt, max_tokens=runner.config.max_model_len - 200)
+    gc.freeze()  # as the services run (zerobubble/rpc.py:tuned_gc)
+    gc.set_threshold(50_000, *gc.get_threshold()[1:])
+    pending: list = []
+    sched_s = worker_s = 0.0
+    num_warmup = 30  # admission and the first decodes
+    for step in range(num_warmup + num_steps):
+        t0 = time.perf_counter()
+        plan_bytes = []
+        while len(pending) + len(plan_bytes) < inflight:
+            plan_bytes.append(sched.schedule().SerializeToString())
+        t1 = time.perf_counter()
+        for data in plan_bytes:
+            pending.append(runner.execute(worker_pb2.StepPlan.FromString(data)))
+        result_bytes = pending.pop(0).materialize(0.0, runner.num_spec_tokens).SerializeToString()
+        t2 = time.perf_counter()
+        sched.on_step_result(worker_pb2.StepResult.FromString(result_bytes))
+        t3 = time.perf_counter()
+        if step >= num_warmup:
+            sched_s += (t1 - t0) + (t3 - t2)
+            worker_s += t2 - t1
+    gc.unfreeze()
+    return 1e3 * sched_s / num_steps, 1e3 * worker_s / num_steps
+
+
+def suite_logic(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    for k in (0, 3):
+        for n in args.requests:
+            figures = [logic_ms_per_step(n, k, args.steps, args.async_inflight) for _ in range(args.repeats)]
+            sched_ms = min(f[0] for f in figures)
+            worker_ms = min(f[1] for f in figures)
+            out[f"k{k}/n{n}"] = {"scheduler_ms_per_step": sched_ms, "worker_ms_per_step": worker_ms}
+            print(f"k={k} n={n:4d}: scheduler {sched_ms:.2f} ms/step, worker {worker_ms:.2f} ms/step", flush=True)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", choices=("host", "bubble"))
+    parser.add_argument("suite", choices=("host", "bubble", "logic"))
     parser.add_argument(
-        "--requests", type=int, nargs="+", help="running requests (default: host 1 16 64 256, bubble 16 64 256)"
+        "--requests",
+        type=int,
+        nargs="+",
+        help="running requests (default: host and logic 1 16 64 256, bubble 16 64 256)",
     )
+    parser.add_argument("--steps", type=int, default=400, help="logic suite: steps measured per run")
     parser.add_argument("--device-ms", type=float, nargs="+", default=[2, 5, 10, 20])
     parser.add_argument(
         "--max-tokens",
@@ -219,7 +291,7 @@ def main() -> None:
         default=0,
         help="per request (0: 128 + N/2, so that the steady-state window outlasts the admission ramp of N requests)",
     )
-    parser.add_argument("--repeats", type=int, default=2, help="host suite: runs per figure (best kept)")
+    parser.add_argument("--repeats", type=int, default=2, help="host and logic suites: runs per figure (best kept)")
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
     parser.add_argument(
         "--async-inflight", type=int, default=2, help="the scheduler's --max-inflight-steps in async runs"
@@ -236,8 +308,8 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.requests is None:
-        args.requests = [1, 16, 64, 256] if args.suite == "host" else [16, 64, 256]
-    result = {"host": suite_host, "bubble": suite_bubble}[args.suite](args)
+        args.requests = [16, 64, 256] if args.suite == "bubble" else [1, 16, 64, 256]
+    result = {"host": suite_host, "bubble": suite_bubble, "logic": suite_logic}[args.suite](args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))
