@@ -4,12 +4,12 @@
     python scripts/bench_sim.py bubble   # device 2/5/10/20 ms x 16/64/256 requests x n-gram on/off: async / sync
     python scripts/bench_sim.py logic    # the scheduler's and worker's step logic alone, one process, no gRPC
 
-`logic` takes everything but the transport away: the scheduler's and the worker's step code in
-this one process (plans and results still through protobuf bytes), to tell their cost apart
-from gRPC's and the client streams'. `host` and `bubble` run the real services as processes (`zerobubble worker --simulate-device-ms MS`, `zerobubble
-scheduler`) and this script as the gRPC client, so a step's figure covers the whole path: plan ->
-protobuf -> gRPC -> worker (plan decoding, slots, input assembly, proposer bookkeeping, result)
--> gRPC -> reconcile -> detokenize -> client streams.
+`host` and `bubble` run the real services as processes (`zerobubble worker --simulate-device-ms
+MS`, `zerobubble scheduler`) and this script as the gRPC client, so a step's figure covers the
+whole path: plan -> protobuf -> gRPC -> worker (plan decoding, slots, input assembly, proposer
+bookkeeping, result) -> gRPC -> reconcile -> detokenize -> client streams. `logic` takes the
+transport away: the scheduler's and the worker's step code in this one process (plans and
+results still through protobuf bytes), to tell their cost apart from gRPC's and the streams'.
 
 A run sends N short chat prompts at once, each with the same `max_tokens` (the simulated tokens
 never include EOS). Figures cover the steady state only: the window from the moment every
