@@ -142,3 +142,34 @@ def test_acceptance_follows_the_configured_rate(grounded_rows, rate: float):
     assert COPY_LAG > K + 1
     # About 8 x 160 tokens: the binomial spread is a few percent; 0.08 is several sigma.
     assert abs(measured - expected) < 0.08, (rate, measured, expected)
+
+
+def test_kv_usage_counts_each_held_block_once_as_requests_come_and_go():
+    """The worker's KV gauge is a count kept as blocks are appended and released: after every
+    step it equals the distinct blocks the live requests hold (prefix-shared ones once), and 0
+    once they are all gone. Requests share a long prompt prefix (prefix-cache hits) and end at
+    different lengths, so blocks are shared, appended and freed while others run."""
+    from tests.drive import make_scheduler
+
+    runner, _ = build_runner(
+        WorkerConfig(simulate_device_ms=0.0, spec_method="ngram", num_spec_tokens=K, kv_cache_memory_gb=1.0)
+    )
+    runner.reset()
+    sched = make_scheduler(runner, max_num_batched_tokens=256, max_num_seqs=8)
+    shared = list(range(1000, 1100))  # 100 tokens: several full blocks to share
+    for i in range(6):
+        sched.add_request(f"r{i}", shared + [2000 + i] * (3 + i), max_tokens=20 + 15 * i)
+    inflight: list = []
+    num_checked = 0
+    while sched.has_unfinished() or inflight:
+        while len(inflight) < 2 and (plan := sched.schedule()) is not None:
+            inflight.append(runner.execute(plan))
+            held = set(itertools.chain.from_iterable(info.block_ids for info in runner.slots.values()))
+            assert runner.kv_usage() * runner.config.num_blocks == pytest.approx(len(held))
+            num_checked += 1
+        if not inflight:
+            break
+        sched.on_step_result(inflight.pop(0).materialize(0.0, runner.num_spec_tokens))
+    assert num_checked > 20 and sched.prefix_cache_counters.num_hit_tokens > 0
+    runner.reset()
+    assert runner.kv_usage() == 0.0

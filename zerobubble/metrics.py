@@ -546,14 +546,21 @@ class ServiceMetrics:
         A draft counts once per request that had drafts verified in the step, as vLLM counts
         ``num_drafts``.
         """
-        per_request = list(result.results)
+        # One pass, each field read once: this runs for every step, over every row.
+        num_drafts = num_draft_tokens = num_accepted = 0
+        for r in result.results:
+            n = r.num_draft_tokens
+            if n > 0:
+                num_drafts += 1
+                num_draft_tokens += n
+                num_accepted += r.num_accepted
         self.record_step(
             worker,
             float(result.forward_s),
             float(result.idle_s),
-            num_drafts=sum(1 for r in per_request if r.num_draft_tokens > 0),
-            num_draft_tokens=sum(int(r.num_draft_tokens) for r in per_request),
-            num_accepted=sum(int(r.num_accepted) for r in per_request),
+            num_drafts=num_drafts,
+            num_draft_tokens=num_draft_tokens,
+            num_accepted=num_accepted,
             accepted_per_pos=[int(n) for n in result.accepted_per_pos],
         )
         if inflight is not None:
