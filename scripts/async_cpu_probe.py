@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,22 +27,24 @@ from zerobubble.tools.launch import start_scheduler, start_worker, wait_serving 
 DATASET = ROOT.parent / "shared" / "workloads" / "grounded.jsonl"
 
 
-def pin(pid: int, cores: set[int]) -> None:
-    """Every thread of process `pid` on `cores` (a process's mask is per thread on Linux)."""
+def each_thread(pid: int, apply: Callable[[int], object]) -> None:
+    """`apply(tid)` for every thread of process `pid` (affinity and nice values are per thread
+    on Linux); threads that end meanwhile are skipped."""
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
-            os.sched_setaffinity(int(tid), cores)
+            apply(int(tid))
         except ProcessLookupError:
             pass
+
+
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process `pid` on `cores`."""
+    each_thread(pid, lambda tid: os.sched_setaffinity(tid, cores))
 
 
 def renice(pid: int, niceness: int) -> None:
-    """Every thread of process `pid` at `niceness` (on Linux a nice value is per thread)."""
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            os.setpriority(os.PRIO_PROCESS, int(tid), niceness)
-        except ProcessLookupError:
-            pass
+    """Every thread of process `pid` at `niceness`."""
+    each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, niceness))
 
 
 def main() -> None:

@@ -24,6 +24,7 @@ from concurrent import futures
 from pathlib import Path
 
 import grpc
+from bench_sim import cpu_seconds  # this script's folder is on the path
 
 SERVICE, METHOD = "pingpong.PingPong", "Echo"
 NUM_WARMUP = 100
@@ -102,12 +103,6 @@ def ping(api: str, port: int, num_messages: int, size: int) -> tuple[float, floa
     return figures
 
 
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process `pid` so far (from /proc)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def main() -> None:
     if len(sys.argv) == 4 and sys.argv[1] == "serve":
         serve(sys.argv[2], Path(sys.argv[3]))
@@ -126,9 +121,9 @@ def main() -> None:
                     try:
                         while not port_file.exists() or not port_file.read_text():
                             time.sleep(0.05)
-                        server_cpu = process_cpu_s(server.pid)
+                        server_cpu = cpu_seconds(server.pid)
                         wall, cpu = ping(client_api, int(port_file.read_text()), args.messages, args.size)
-                        server_cpu = process_cpu_s(server.pid) - server_cpu
+                        server_cpu = cpu_seconds(server.pid) - server_cpu
                     finally:
                         server.kill()
                         server.wait()

@@ -17,7 +17,7 @@ import pytest
 
 from scheduler_svc.scheduler import SchedulerStats
 from scheduler_svc.tokenizer import Tokenizer
-from tests.drive import run_job
+from tests.drive import make_scheduler, run_job
 from tests.e2e import bench_rows, run_workload
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from worker_svc.server import WorkerConfig, build_runner, tokenizer_fields
@@ -149,8 +149,6 @@ def test_kv_usage_counts_each_held_block_once_as_requests_come_and_go():
     step it equals the distinct blocks the live requests hold (prefix-shared ones once), and 0
     once they are all gone. Requests share a long prompt prefix (prefix-cache hits) and end at
     different lengths, so blocks are shared, appended and freed while others run."""
-    from tests.drive import make_scheduler
-
     runner, _ = build_runner(
         WorkerConfig(simulate_device_ms=0.0, spec_method="ngram", num_spec_tokens=K, kv_cache_memory_gb=1.0)
     )
