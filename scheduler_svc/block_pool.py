@@ -32,11 +32,18 @@ def block_hash(parent_hash: BlockHash | None, token_ids: Sequence[int]) -> Block
     return h.digest()
 
 
-def extend_hash_chain(hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int) -> None:
-    """Grow `hashes` (the chain of `token_ids`' first full blocks) to `num_blocks` entries."""
+def extend_hash_chain(
+    hashes: list[BlockHash], token_ids: Sequence[int], block_size: int, num_blocks: int, first: int = 0
+) -> None:
+    """Grow `hashes` (the chain of a sequence's first full blocks) to `num_blocks` entries.
+
+    `token_ids` holds the sequence from position `first` on (a block boundary at or before the
+    first block still to hash), so a long sequence need not be copied to hash its newest block.
+    """
     for i in range(len(hashes), num_blocks):
         parent = hashes[-1] if hashes else None
-        hashes.append(block_hash(parent, token_ids[i * block_size : (i + 1) * block_size]))
+        start = i * block_size - first
+        hashes.append(block_hash(parent, token_ids[start : start + block_size]))
 
 
 @dataclass(slots=True)

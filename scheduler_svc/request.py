@@ -211,3 +211,12 @@ class Request:
     def all_token_ids(self) -> list[int]:
         """Prompt followed by the confirmed outputs."""
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_between(self, start: int, stop: int) -> list[int]:
+        """Known tokens at positions [start, stop), without copying the whole sequence."""
+        num_prompt = len(self.prompt_token_ids)
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt : stop - num_prompt]
+        if stop <= num_prompt:
+            return self.prompt_token_ids[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - num_prompt]

@@ -520,7 +520,7 @@ class Scheduler:
                 return 0
             num_tokens = min(req.num_prefill_tokens - req.num_computed, budget, self._capacity(req))
             start = req.num_computed
-            token_ids = req.all_token_ids()[start : start + num_tokens]
+            token_ids = req.token_ids_between(start, start + num_tokens)
             self._add_prefill(req, token_ids, plan, records, is_new=False, num_cached_tokens=0)
             return num_tokens
         # Tokens confirmed or in flight; slots beyond the limit could never be verified.
@@ -843,7 +843,10 @@ class Scheduler:
         num_full = min(num_written // block_size, len(req.block_ids))
         if num_full <= req.num_registered_blocks:
             return
-        extend_hash_chain(req.block_hashes, req.all_token_ids(), block_size, num_full)
+        first = len(req.block_hashes) * block_size
+        extend_hash_chain(
+            req.block_hashes, req.token_ids_between(first, num_full * block_size), block_size, num_full, first
+        )
         for i in range(req.num_registered_blocks, num_full):
             self._pool.register(req.block_ids[i], req.block_hashes[i])
         req.num_registered_blocks = num_full

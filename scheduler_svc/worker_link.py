@@ -180,6 +180,7 @@ class WorkerLink:
         self.inflight = 0
         self.stats = LinkStats()
         self._wake = asyncio.Event()
+        self._send_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._closing = False
 
@@ -307,20 +308,7 @@ class WorkerLink:
         receiver = asyncio.create_task(self._receive(call))
         try:
             while True:
-                due: float | None = None
-                while self.inflight < self.max_inflight:
-                    due = self._ahead_due()
-                    plan = None
-                    if due is None or due <= time.monotonic():
-                        due = None
-                        plan = self.sched.schedule()
-                    if plan is None and self.inflight:
-                        plan = self.sched.notice_plan()  # finish notices never wait
-                    if plan is None:
-                        break
-                    self.inflight += 1
-                    self._sent.append((time.monotonic(), plan_tokens(plan)))
-                    await call.write(plan)
+                due = await self._send_plans(call)
                 self._wake.clear()
                 waiter = asyncio.create_task(self._wake.wait())
                 timeout = None
@@ -347,6 +335,26 @@ class WorkerLink:
         finally:
             receiver.cancel()
             call.cancel()
+
+    async def _send_plans(self, call) -> float | None:
+        """Fill the window of plans in flight; returns when a plan ahead that is held back is
+        due (None: none is held back)."""
+        async with self._send_lock:  # the serving loop and the receiver both send
+            due: float | None = None
+            while self.inflight < self.max_inflight:
+                due = self._ahead_due()
+                plan = None
+                if due is None or due <= time.monotonic():
+                    due = None
+                    plan = self.sched.schedule()
+                if plan is None and self.inflight:
+                    plan = self.sched.notice_plan()  # finish notices never wait
+                if plan is None:
+                    break
+                self.inflight += 1
+                self._sent.append((time.monotonic(), plan_tokens(plan)))
+                await call.write(plan)
+            return due
 
     async def _receive(self, call) -> None:
         while True:
@@ -379,8 +387,13 @@ class WorkerLink:
                 events = self.sched.on_step_result(result)
             if self.on_step is not None:
                 self.on_step(self, result)
-            if events:
-                self.on_events(self, events)
+            # The next plan goes out before the clients' streams are served: the worker may be
+            # waiting for it, while a client's tokens can wait the few hundred microseconds.
+            try:
+                await self._send_plans(call)
+            finally:
+                if events:
+                    self.on_events(self, events)
             self.wake()
 
     def _account(self, result: worker_pb2.StepResult) -> None:

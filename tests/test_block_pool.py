@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
@@ -100,6 +100,25 @@ def test_register_keeps_the_first_copy() -> None:
     assert pool.lookup([1, 2]) == first
     pool.free(second)
     assert pool.num_cached == 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    token_ids=st.lists(st.integers(0, 50), max_size=60),
+    block_size=st.integers(1, 5),
+    cuts=st.lists(st.integers(0, 20), max_size=6),
+)
+def test_a_chain_grown_block_by_block_from_slices_is_the_whole_chain(
+    token_ids: list[int], block_size: int, cuts: list[int]
+) -> None:
+    """As the scheduler grows a request's chain: each time only the tokens from the first
+    block still to hash on, never the whole sequence."""
+    num_blocks = len(token_ids) // block_size
+    hashes: list[bytes] = []
+    for target in sorted(min(c, num_blocks) for c in cuts) + [num_blocks]:
+        first = len(hashes) * block_size
+        extend_hash_chain(hashes, token_ids[first : target * block_size], block_size, max(target, len(hashes)), first)
+    assert hashes == _chain(token_ids, block_size)
 
 
 def test_prefix_counters_count_tokens() -> None:

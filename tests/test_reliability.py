@@ -132,6 +132,63 @@ def test_a_bad_result_for_one_request_ends_only_that_request() -> None:
     assert case.scheduler.block_pool.num_used == 0
 
 
+def test_the_next_plan_goes_out_before_a_results_events_are_delivered(monkeypatch) -> None:
+    """The worker may be waiting for the next plan while the scheduler serves the clients'
+    streams, so the link plans and sends first and hands the result's events on after."""
+    order: list[str] = []
+
+    class RecordingCall(SimCall):
+        async def write(self, plan: worker_pb2.StepPlan) -> None:
+            order.append("plan")
+            await super().write(plan)
+
+        async def read(self):
+            result = await super().read()
+            order.append("result")
+            return result
+
+    class Stub:
+        def __init__(self, channel) -> None:
+            pass
+
+        async def Describe(self, request, timeout=None, metadata=None):
+            return toy_info("sim")
+
+        def Execute(self, metadata=None):
+            return RecordingCall(128)
+
+    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", Stub)
+    monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
+    finished: set[str] = set()
+
+    def on_events(link, events: list[RequestEvent]) -> None:
+        order.append("events")
+        finished.update(ev.req_id for ev in events if ev.finish_reason is not None)
+
+    ps = prompts(4)
+
+    async def scenario() -> None:
+        router = Router(SchedulerConfig(max_num_batched_tokens=64), max_inflight_steps=2)
+        router.on_events = on_events
+        await router.start(["sim:1"])
+        await wait_for(lambda: router.links[0].ready)
+        for i, (req_id, prompt) in enumerate(ps.items()):
+            router.submit(router.links[0], req_id, prompt, seed=1000 + i, max_tokens=30)
+        await wait_for(lambda: len(finished) == len(ps))
+        await router.close()
+
+    asyncio.run(scenario())
+    # What happened between each result and the delivery of its events, while all four
+    # requests were still decoding (the first 10 results: each gives at most 4 tokens).
+    between = []
+    for i, what in enumerate(order):
+        if what == "events":
+            last_result = max(j for j in range(i) if order[j] == "result")
+            between.append(order[last_result + 1 : i])
+    assert len(between) >= 10
+    assert all(b == ["plan"] for b in between[:10]), between[:10]
+
+
 class HangingCall(SimCall):
     """A worker that stops answering after `num_answers` plans (alive, stream open, silent)."""
 

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from scheduler_svc.request import StoppingOptions
+from scheduler_svc.request import Request, SamplingOptions, StoppingOptions
 from scheduler_svc.scheduler import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -534,6 +536,30 @@ def test_preempted_request_resumes_with_prompt_plus_confirmed_outputs() -> None:
     got = drive(case.scheduler, case.worker, 2, after_plan=after_plan)
     assert_matches_reference(case, got)
     assert any(num_outputs > 0 for _, num_outputs in resumed_prefills)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    num_prompt=st.integers(1, 12),
+    num_output=st.integers(0, 12),
+    bounds=st.tuples(st.integers(0, 24), st.integers(0, 24)),
+)
+def test_token_ids_between_is_the_slice_of_the_whole_sequence(
+    num_prompt: int, num_output: int, bounds: tuple[int, int]
+) -> None:
+    req = Request(
+        req_id="r",
+        prompt_token_ids=list(range(100, 100 + num_prompt)),
+        sampling=SamplingOptions(),
+        stopping=StoppingOptions(max_tokens=32),
+        max_tokens=32,
+        eos_token_ids=frozenset(),
+        detokenizer=None,  # type: ignore[arg-type]  # not read here
+        arrival_time=0.0,
+        output_token_ids=list(range(500, 500 + num_output)),
+    )
+    start, stop = min(bounds), max(bounds)
+    assert req.token_ids_between(start, stop) == req.all_token_ids()[start:stop]
 
 
 # ------------------------------------------------------------------------ prefix cache
