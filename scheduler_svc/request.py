@@ -146,7 +146,7 @@ def validate_sampling_controls(sampling: SamplingOptions, vocab_size: int) -> No
     require(0 <= top <= MAX_TOP_LOGPROBS, f"response.top_logprobs: must be in [0, {MAX_TOP_LOGPROBS}], got {top}")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity: `list.remove` on the running list compared every field
 class Request:
     """One generation request as the scheduler tracks it."""
 

@@ -36,6 +36,10 @@ WARMUP_STEP_DEADLINE_S = 60.0
 NUM_LATENCY_SAMPLES = 256
 # Steps of a size comparable to a plan's needed before their latencies alone set its deadline.
 NUM_COMPARABLE_STEPS = 5
+# A derived deadline is reused for plans of the same size until this many more results came
+# back: deriving it reads every recent latency, and the link asks after every wake-up (0.4 ms
+# a step at 256 requests), while a deadline only has to follow the worker's pace over time.
+DEADLINE_REFRESH_STEPS = 32
 # A plan ahead of the running step goes out this long (at least LOOKAHEAD_STEP_FRACTION of a
 # step) before the worker is expected to need it (see `plan_ahead_due`).
 DEFAULT_LOOKAHEAD_MARGIN_S = 0.02
@@ -156,6 +160,8 @@ class WorkerLink:
         # (send time, tokens) of the plans in flight, oldest first; (latency, tokens) of recent.
         self._sent: deque[tuple[float, int]] = deque()
         self._latencies: deque[tuple[float, int]] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        self._deadlines: dict[int, float] = {}  # derived deadline by plan size class (see DEADLINE_REFRESH_STEPS)
+        self._num_since_refresh = 0
         # Each deadline miss doubles the next deadline (reset after a run of answered steps),
         # so a worker that is merely slow cannot be dropped and re-added in a loop.
         self._num_misses = 0
@@ -286,7 +292,14 @@ class WorkerLink:
 
     def step_deadline(self, num_tokens: int = 1) -> float:
         """Seconds the oldest plan in flight (of `num_tokens`) may wait for its result."""
-        base = self.step_deadline_s or derived_step_deadline(self._latencies, num_tokens)
+        base = self.step_deadline_s
+        if not base:
+            # Plans of one size class (a power of two) share it: decode plans differ by a few
+            # tokens from step to step as draft slots vary.
+            size_class = num_tokens.bit_length()
+            base = self._deadlines.get(size_class, 0.0)
+            if not base:
+                base = self._deadlines[size_class] = derived_step_deadline(self._latencies, num_tokens)
         return base * 2 ** min(self._num_misses, 5)
 
     def _ahead_due(self) -> float | None:
@@ -376,6 +389,10 @@ class WorkerLink:
             if self._sent:
                 sent_at, num_tokens = self._sent.popleft()
                 self._latencies.append((self._last_result_at - sent_at, num_tokens))
+                self._num_since_refresh += 1
+                if self._num_since_refresh >= DEADLINE_REFRESH_STEPS or len(self._latencies) <= NUM_WARMUP_STEPS:
+                    self._deadlines.clear()
+                    self._num_since_refresh = 0
                 self._num_answered += 1
                 if self._num_answered >= NUM_LATENCY_SAMPLES:
                     self._num_misses = 0

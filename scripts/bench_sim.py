@@ -160,8 +160,8 @@ async def steady_state(target: str, num_requests: int, max_tokens: int, pids: di
 
 def suite_host(args: argparse.Namespace) -> dict:
     out: dict = {}
-    for spec in ("none", "ngram"):
-        k = 3 if spec == "ngram" else 0
+    for k in args.num_spec_tokens:
+        spec = "ngram" if k else "none"
         with sim_worker(0.0, spec, args) as worker:
             for n in args.requests:
                 figures = [run(worker, n, args.async_inflight, 0.0, args) for _ in range(args.repeats)]
@@ -264,7 +264,7 @@ def logic_ms_per_step(num_requests: int, k: int, num_steps: int, inflight: int) 
 
 def suite_logic(args: argparse.Namespace) -> dict:
     out: dict = {}
-    for k in (0, 3):
+    for k in args.num_spec_tokens:
         for n in args.requests:
             figures = [logic_ms_per_step(n, k, args.steps, args.async_inflight) for _ in range(args.repeats)]
             sched_ms = min(f[0] for f in figures)
@@ -293,6 +293,14 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=2, help="host and logic suites: runs per figure (best kept)")
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
+    parser.add_argument(
+        "--num-spec-tokens",
+        type=int,
+        nargs="+",
+        choices=(0, 3),
+        default=[0, 3],
+        help="host and logic suites: without n-gram (0), with k = 3 n-gram drafts (3), or both",
+    )
     parser.add_argument(
         "--async-inflight", type=int, default=2, help="the scheduler's --max-inflight-steps in async runs"
     )
