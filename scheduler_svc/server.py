@@ -119,6 +119,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     def on_events(self, link: WorkerLink, events: list[RequestEvent]) -> None:
         now = time.monotonic()
         interval = self.cfg.stream_interval
+        gaps: list[tuple[float, int]] = []  # (inter-token gap, tokens) of each stream, observed at once
         for ev in events:
             stream = self.streams.get(ev.req_id)
             if stream is None:
@@ -130,8 +131,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     if self.metrics is not None:
                         self.metrics.observe_ttft(now - stream.arrival)
                 elif self.metrics is not None and stream.last_token_at is not None:
-                    gap = (now - stream.last_token_at) / len(ev.token_ids)
-                    self.metrics.observe_inter_token(gap, len(ev.token_ids))
+                    gaps.append(((now - stream.last_token_at) / len(ev.token_ids), len(ev.token_ids)))
                 stream.last_token_at = now
                 stream.num_output_tokens += len(ev.token_ids)
             # --stream-interval: gather tokens until there are enough for one message; the
@@ -146,6 +146,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 stream.num_held_tokens += len(ev.token_ids)
                 continue
             stream.queue.put_nowait(take_held(stream, ev))
+        if gaps and self.metrics is not None:
+            self.metrics.observe_inter_token(gaps)
 
     # -- RPCs ----------------------------------------------------------------------------------
 

@@ -60,7 +60,7 @@ def _record_everything(m: ServiceMetrics, worker: str = "w0") -> None:
     )
     m.observe_ttft(0.05)
     m.record_finished("eos", e2e_s=1.2, queue_s=0.01, num_prompt_tokens=17, num_generation_tokens=40)
-    m.observe_inter_token(0.02)
+    m.observe_inter_token([(0.02, 1)])
     m.add_rolled_back(3)
     m.add_preemptions(1)
     m.add_prefix_cache(queries=16, hits=8)
@@ -289,20 +289,24 @@ def test_model_label_can_be_set_once_known() -> None:
 
 
 def test_tokens_sharing_a_gap_count_as_that_many_observations() -> None:
-    # observe_inter_token(gap, n) must expose exactly what n single observations would, also
-    # after the model label changed (the cached child belongs to the old name).
+    # observe_inter_token([(gap, n), ...]) must expose exactly what n observations of each gap
+    # through prometheus_client's own `observe` would, also after the model label changed (the
+    # cached child belongs to the old name), and with gaps on a bucket's bound.
     batched, single = ServiceMetrics(model="a"), ServiceMetrics(model="a")
-    batched.observe_inter_token(0.5, 2)
+    batched.observe_inter_token([(0.5, 2)])
     batched.set_model("b")
     single.set_model("b")
-    for gap, n in ((0.03, 3), (0.2, 1), (7.0, 2), (0.001, 0)):
-        batched.observe_inter_token(gap, n)
+    gaps = [(0.03, 3), (0.2, 1), (7.0, 2), (0.001, 0), (0.03, 1), (0.0, 2)]
+    bounds = batched.inter_token_latency._upper_bounds
+    gaps += [(bounds[0], 1), (bounds[-2], 2)]
+    batched.observe_inter_token(gaps)
+    for gap, n in gaps:
         for _ in range(n):
-            single.observe_inter_token(gap)
+            single.inter_token_latency.labels(model="b").observe(gap)
     got, want = _scrape(batched), _scrape(single)
     family = "zerobubble_inter_token_latency_seconds"
     for suffix in ("_bucket", "_count", "_sum"):
         by_labels = [{tuple(sorted(lab.items())): v for _, lab, v in s[family + suffix]} for s in (got, want)]
         assert by_labels[0] == pytest.approx(by_labels[1])
-    assert _value(got, family + "_count", model="b") == 6
+    assert _value(got, family + "_count", model="b") == 12
     assert all(lab["model"] == "b" for _, lab, _ in got[family + "_count"])
