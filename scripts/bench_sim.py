@@ -187,7 +187,7 @@ def suite_host(args: argparse.Namespace) -> dict:
 def suite_bubble(args: argparse.Namespace) -> dict:
     out: dict = {}
     for device_ms in args.device_ms:
-        for spec in ("none", "ngram"):
+        for spec in ["ngram" if k else "none" for k in args.num_spec_tokens]:
             with sim_worker(device_ms, spec, args) as worker:
                 for n in args.requests:
                     sync = run(worker, n, 1, device_ms, args)
@@ -299,7 +299,7 @@ def main() -> None:
         nargs="+",
         choices=(0, 3),
         default=[0, 3],
-        help="host and logic suites: without n-gram (0), with k = 3 n-gram drafts (3), or both",
+        help="without n-gram (0), with k = 3 n-gram drafts (3), or both",
     )
     parser.add_argument(
         "--async-inflight", type=int, default=2, help="the scheduler's --max-inflight-steps in async runs"

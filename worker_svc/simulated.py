@@ -169,19 +169,19 @@ class LagNgramProposer:
         idx = slots.to(torch.int64)
         last_pos = st.seq_len[idx].to(torch.int64)  # position of the last sampled token
         last = st.last_token[idx].to(torch.int64)
-        n = self.ngram_min
-        match = last_pos >= COPY_LAG + n - 1
-        for i in range(n):
-            pos = last_pos - i
-            here = last if i == 0 else SimulatedDevice.history_tokens(runner, idx, pos)
-            match &= here == SimulatedDevice.history_tokens(runner, idx, pos - COPY_LAG)
-        cols = torch.arange(self.k)
-        follow = (last_pos - COPY_LAG + 1)[:, None] + cols[None, :]
-        drafts = SimulatedDevice.history_tokens(runner, idx.repeat_interleave(self.k), follow.flatten()).view(
-            -1, self.k
-        )
-        st.drafts[idx, : self.k] = drafts.to(torch.int32)
-        st.num_drafts[idx] = torch.where(match, self.k, 0).to(torch.int32)
+        n, k = self.ngram_min, self.k
+        # Everything read from the history in one gather (it stands for one device kernel; a
+        # gather per token cost ~40 small ops a step): the suffix's n - 1 tokens before the last,
+        # the n tokens COPY_LAG earlier, and the k that followed those.
+        back = torch.arange(n)
+        offsets = torch.cat([-back[1:], -back - COPY_LAG, torch.arange(1, k + 1) - COPY_LAG])
+        pos = last_pos[:, None] + offsets[None, :]
+        tokens = SimulatedDevice.history_tokens(runner, idx.repeat_interleave(len(offsets)), pos.flatten())
+        tokens = tokens.view(len(idx), len(offsets))
+        suffix = torch.cat([last[:, None], tokens[:, : n - 1]], dim=1)  # at last_pos - i, i < n
+        match = (last_pos >= COPY_LAG + n - 1) & (suffix == tokens[:, n - 1 : 2 * n - 1]).all(dim=1)
+        st.drafts[idx, :k] = tokens[:, 2 * n - 1 :].to(torch.int32)
+        st.num_drafts[idx] = torch.where(match, k, 0).to(torch.int32)
 
     def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:
         raise NotImplementedError("n-gram drafts have no distribution")
