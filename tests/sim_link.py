@@ -55,17 +55,23 @@ class SimCall:
         self.results.put_nowait(grpc.aio.EOF)
 
 
-def sim_stub(describes: list[float], max_model_len: int = 128):
+def sim_stub(
+    describes: list[float] | None = None, max_model_len: int = 128, call: type[SimCall] = SimCall, name: str = "sim"
+):
+    """A `WorkerStub` class whose `Execute` calls are `call`s; `describes` collects the times of
+    its `Describe` calls (each (re)connection of a link makes one)."""
+
     class Stub:
         def __init__(self, channel) -> None:
             pass
 
         async def Describe(self, request, timeout=None, metadata=None):
-            describes.append(time.monotonic())
-            return toy_info("sim", max_model_len)
+            if describes is not None:
+                describes.append(time.monotonic())
+            return toy_info(name, max_model_len)
 
         def Execute(self, metadata=None):
-            return SimCall(max_model_len)
+            return call(max_model_len)
 
     return Stub
 

@@ -17,7 +17,7 @@ from prometheus_client import generate_latest
 
 from scheduler_svc import worker_link
 from scheduler_svc.server import serve_scheduler
-from tests.sim_link import FakeChannel, SimCall, toy_info
+from tests.sim_link import FakeChannel, SimCall, sim_stub
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.client import build_request, complete
@@ -35,15 +35,7 @@ class SlowSimCall(SimCall):
         asyncio.get_running_loop().call_later(STEP_S, self.results.put_nowait, result)
 
 
-class SlowStub:
-    def __init__(self, channel) -> None:
-        pass
-
-    async def Describe(self, request, timeout=None, metadata=None):
-        return toy_info("slow")
-
-    def Execute(self, metadata=None):
-        return SlowSimCall(128)
+SlowStub = sim_stub(call=SlowSimCall, name="slow")
 
 
 def test_sigterm_drains_running_requests_then_cancels_the_rest(monkeypatch) -> None:

@@ -147,17 +147,7 @@ def test_the_next_plan_goes_out_before_a_results_events_are_delivered(monkeypatc
             order.append("result")
             return result
 
-    class Stub:
-        def __init__(self, channel) -> None:
-            pass
-
-        async def Describe(self, request, timeout=None, metadata=None):
-            return toy_info("sim")
-
-        def Execute(self, metadata=None):
-            return RecordingCall(128)
-
-    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", Stub)
+    monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", sim_stub(call=RecordingCall))
     monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)
     finished: set[str] = set()
 
