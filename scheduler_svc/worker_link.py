@@ -294,12 +294,14 @@ class WorkerLink:
         """Seconds the oldest plan in flight (of `num_tokens`) may wait for its result."""
         base = self.step_deadline_s
         if not base:
-            # Plans of one size class (a power of two) share it: decode plans differ by a few
-            # tokens from step to step as draft slots vary.
+            # Plans of one size class (up to the next power of two) share it, derived for the
+            # class's largest plan so that it is never short for any of them: decode plans
+            # differ by a few tokens from step to step as draft slots vary.
             size_class = num_tokens.bit_length()
             base = self._deadlines.get(size_class, 0.0)
             if not base:
-                base = self._deadlines[size_class] = derived_step_deadline(self._latencies, num_tokens)
+                largest = (1 << size_class) - 1
+                base = self._deadlines[size_class] = derived_step_deadline(self._latencies, largest)
         return base * 2 ** min(self._num_misses, 5)
 
     def _ahead_due(self) -> float | None:

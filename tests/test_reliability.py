@@ -274,6 +274,22 @@ def test_plans_ahead_go_out_just_in_time_only_when_steps_are_long() -> None:
     assert recent(0.5, 0.120) and not recent(1.5, 0.120) and not recent(float("inf"), 0.120)
 
 
+def test_a_cached_step_deadline_is_never_shorter_than_the_one_derived_for_the_plan() -> None:
+    """The link reuses a derived deadline for plans of one size class; a 2,000-token prefill
+    must not inherit the deadline of a 1,100-token one."""
+    from collections import deque
+
+    link = worker_link.WorkerLink("sim:1", SchedulerConfig(), 2, on_events=lambda *a: None, on_lost=lambda *a: None)
+    rng = random.Random(5)
+    decodes = [(0.06 * rng.uniform(0.8, 1.5), 16) for _ in range(100)]
+    prefills = [(2.0 * rng.uniform(0.8, 1.5), 1100) for _ in range(3)]
+    link._latencies = deque(decodes + prefills, maxlen=worker_link.NUM_LATENCY_SAMPLES)
+    for num_tokens in (1, 16, 17, 700, 1100, 1500, 2047, 2048, 4000):
+        derived = worker_link.derived_step_deadline(link._latencies, num_tokens)
+        assert link.step_deadline(num_tokens) >= derived, num_tokens
+    assert link.step_deadline(2047) > worker_link.MIN_STEP_DEADLINE_S  # the case that matters
+
+
 def test_derived_step_deadline() -> None:
     from collections import deque
 
