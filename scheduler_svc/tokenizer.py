@@ -78,10 +78,9 @@ class Tokenizer:
         self.bos_token = bos_token
         self.eos_token = eos_token
         # Per skip_special_tokens: each id's bytes, when decoding is context-free (see
-        # `byte_pieces`); built on first use.
-        self._pieces: dict[bool, list[bytes] | None] = {}
-        # ... and the text of each piece that is whole, valid UTF-8 on its own (None otherwise).
-        self._piece_texts: dict[bool, list[str | None]] = {}
+        # `byte_pieces`), and the text of each that is whole, valid UTF-8 on its own (None
+        # otherwise); None when decoding is not context-free. Built on first use.
+        self._byte_tables: dict[bool, tuple[list[bytes], list[str | None]] | None] = {}
 
     @classmethod
     def from_worker_info(cls, info: worker_pb2.WorkerInfo) -> Tokenizer:
@@ -142,9 +141,9 @@ class Tokenizer:
         `DecodeStream`, which decodes a window of ids twice per token and serves the other
         tokenizers.
         """
-        pieces = self.byte_pieces(skip_special_tokens)
-        if pieces is not None:
-            return byte_stream(pieces, self._piece_texts[skip_special_tokens])
+        tables = self._byte_tables_for(skip_special_tokens)
+        if tables is not None:
+            return byte_stream(*tables)
         return self.window_stream_decoder(context_ids, skip_special_tokens)
 
     def window_stream_decoder(
@@ -163,8 +162,13 @@ class Tokenizer:
         Regular ids map their characters through the byte-level alphabet; added tokens decode
         to their literal content (empty when special and skipped), as `decode` renders them.
         """
-        if skip_special_tokens in self._pieces:
-            return self._pieces[skip_special_tokens]
+        tables = self._byte_tables_for(skip_special_tokens)
+        return tables[0] if tables is not None else None
+
+    def _byte_tables_for(self, skip_special_tokens: bool) -> tuple[list[bytes], list[str | None]] | None:
+        """`byte_pieces` and each piece's text when whole, valid UTF-8 (see `_byte_tables`)."""
+        if skip_special_tokens in self._byte_tables:
+            return self._byte_tables[skip_special_tokens]
         pieces: list[bytes] | None = None
         if isinstance(self._tok.decoder, decoders.ByteLevel):
             pieces = []
@@ -182,10 +186,9 @@ class Tokenizer:
                     pieces = None
                     break
                 pieces.append(bytes(to_byte[c] for c in piece))
-        self._pieces[skip_special_tokens] = pieces
-        if pieces is not None:
-            self._piece_texts[skip_special_tokens] = [_whole_text(piece) for piece in pieces]
-        return pieces
+        tables = (pieces, [_whole_text(piece) for piece in pieces]) if pieces is not None else None
+        self._byte_tables[skip_special_tokens] = tables
+        return tables
 
     def id_to_token(self, token_id: int) -> str | None:
         """The vocabulary string of one id (byte-level form), or None when out of range."""

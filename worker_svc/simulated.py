@@ -151,6 +151,11 @@ class LagNgramProposer:
         self.k = num_spec_tokens
         self.ngram_min = ngram_min
         self.runner: ModelRunner | None = None
+        # Where `propose` reads the history, relative to the last token's position: the
+        # suffix's n - 1 tokens before the last, the n tokens COPY_LAG earlier, and the k that
+        # followed those.
+        back = torch.arange(ngram_min)
+        self._offsets = torch.cat([-back[1:], -back - COPY_LAG, torch.arange(1, num_spec_tokens + 1) - COPY_LAG])
 
     def bind(self, runner: object) -> None:
         assert isinstance(runner, ModelRunner)
@@ -169,12 +174,9 @@ class LagNgramProposer:
         idx = slots.to(torch.int64)
         last_pos = st.seq_len[idx].to(torch.int64)  # position of the last sampled token
         last = st.last_token[idx].to(torch.int64)
-        n, k = self.ngram_min, self.k
+        n, k, offsets = self.ngram_min, self.k, self._offsets
         # Everything read from the history in one gather (it stands for one device kernel; a
-        # gather per token cost ~40 small ops a step): the suffix's n - 1 tokens before the last,
-        # the n tokens COPY_LAG earlier, and the k that followed those.
-        back = torch.arange(n)
-        offsets = torch.cat([-back[1:], -back - COPY_LAG, torch.arange(1, k + 1) - COPY_LAG])
+        # gather per token cost ~40 small ops a step).
         pos = last_pos[:, None] + offsets[None, :]
         tokens = SimulatedDevice.history_tokens(runner, idx.repeat_interleave(len(offsets)), pos.flatten())
         tokens = tokens.view(len(idx), len(offsets))
