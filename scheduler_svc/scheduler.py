@@ -40,6 +40,7 @@ from scheduler_svc.request import (
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble.api import generate_pb2, worker_pb2
 from zerobubble.config import SchedulerServiceConfig, default_of
+from zerobubble.result_rows import RowResult, result_rows
 
 logger = logging.getLogger(__name__)
 
@@ -706,7 +707,7 @@ class Scheduler:
         if result.error:
             self.stats.num_failed_steps += 1
             logger.error("step %d failed on the worker: %s", result.step_id, result.error)
-        by_id = {r.req_id: r for r in result.results}
+        by_id = result_rows(result)
         events: list[RequestEvent] = []
         for req_id, rec in records.items():
             req = rec.request
@@ -749,7 +750,7 @@ class Scheduler:
         """Finish the requests of a failed step with ERROR (same as an error `StepResult`)."""
         return self.on_step_result(worker_pb2.StepResult(step_id=step_id, error=error))
 
-    def _count_speculation(self, res: worker_pb2.RequestResult) -> None:
+    def _count_speculation(self, res: RowResult) -> None:
         """Account the drafts one applied result verified.
 
         Accepted drafts are a prefix of the proposed ones, so a row with `a` accepted adds one
@@ -769,9 +770,9 @@ class Scheduler:
         for pos in range(num_accepted):
             per_pos[pos] += 1
 
-    def _reconcile(self, req: Request, rec: _Scheduled, res: worker_pb2.RequestResult) -> RequestEvent:
+    def _reconcile(self, req: Request, rec: _Scheduled, res: RowResult) -> RequestEvent:
         """Replace placeholders with real tokens, roll back rejected slots, check stops."""
-        token_ids = list(res.token_ids)
+        token_ids = res.token_ids
         num_rejected = rec.num_draft_slots + 1 - len(token_ids)
         req.num_computed -= num_rejected
         req.num_placeholders -= num_rejected + len(token_ids)

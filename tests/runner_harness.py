@@ -19,6 +19,7 @@ from scheduler_svc.scheduler import (
 )
 from tests.drive import make_scheduler  # noqa: F401  (re-exported for the harness users)
 from zerobubble.api import worker_pb2
+from zerobubble.result_rows import result_rows
 
 K = 3  # draft tokens per decode (the issue's --num-spec-tokens 3)
 
@@ -214,7 +215,7 @@ class HandPlanner:
         self.results.append(result)
         assert len(self.rec.target.calls) == num_calls + 1, "one target forward per plan"
         call = self.rec.target.calls[-1]
-        by_id = {r.req_id: r for r in result.results}
+        by_id = result_rows(result)
         for i, entry in enumerate(entries):
             req = self.reqs[entry.req_id]
             ids, positions = call.row(i)
@@ -256,7 +257,7 @@ class HandPlanner:
                 self._check_proposal(entry.req_id, req)
             else:
                 req.drafts = []
-        assert sum(result.accepted_per_pos) == sum(r.num_accepted for r in result.results)
+        assert sum(result.accepted_per_pos) == sum(r.num_accepted for r in by_id.values())
         return result
 
     def _check_proposal(self, req_id: str, req: HandRequest) -> None:
@@ -379,7 +380,7 @@ def audit(trace: Trace, prompts: dict[str, list[int]], *, ngram: bool) -> None:
     held (a draft from another request, or -1, would not be).
     """
     for plan, call, result in trace.steps:
-        by_id = {r.req_id: r for r in result.results}
+        by_id = result_rows(result)
         for i, entry in enumerate(plan.requests):
             seq = prompts[entry.req_id] + trace.outputs[entry.req_id].token_ids
             ids, positions = call.row(i)

@@ -34,6 +34,7 @@ from tests.metrics_scrape import scrape, total
 from tests.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from zerobubble.client import build_request, complete
+from zerobubble.result_rows import result_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -403,7 +404,7 @@ def test_fuzzed_execute_plans(smollm2_dir, reference):
                 result = await asyncio.wait_for(call.read(), 60)
                 assert result is not grpc.aio.EOF and result.step_id == step_id
                 num_answers += 1
-                num_errors += bool(result.error) or any(r.error for r in result.results)
+                num_errors += bool(result.error) or any(r.error for r in result_rows(result).values())
             call.cancel()
             await stub.Describe(worker_pb2.DescribeRequest(), timeout=10, metadata=md)
         return num_answers, num_errors

@@ -27,6 +27,7 @@ from worker_svc.model import build_model
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import build_proposer
 from worker_svc.runner import ModelRunner, RunnerConfig
+from zerobubble.result_rows import result_rows
 
 
 def test_batch_buckets() -> None:
@@ -117,7 +118,9 @@ def _run(loaded: LoadedModel, spec: str, graphs: bool) -> tuple[list, ModelRunne
     results = []
     for plan in plans:
         result = runner.execute(plan).materialize(0.0, k)
-        results.append([(r.req_id, list(r.token_ids), list(r.logprobs), r.num_accepted) for r in result.results])
+        results.append(
+            [(req_id, r.token_ids, list(r.logprobs), r.num_accepted) for req_id, r in result_rows(result).items()]
+        )
     return results, runner
 
 

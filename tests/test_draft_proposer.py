@@ -28,6 +28,7 @@ from worker_svc.model import build_model
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers.draft import DraftModelProposer
 from worker_svc.runner import ModelRunner, RunnerConfig
+from zerobubble.result_rows import result_rows
 
 VOCAB = 258  # the toy byte tokenizer's vocabulary
 K = 3
@@ -104,7 +105,7 @@ def _drive(runner: ModelRunner, scheduler: Scheduler, window: int) -> tuple[dict
         while len(inflight) < window and (plan := scheduler.schedule()) is not None:
             inflight.append(runner.execute(plan))
         result = inflight.popleft().materialize(0.0, K)
-        for entry in result.results:
+        for entry in result_rows(result).values():
             drafted += entry.num_draft_tokens
             accepted += entry.num_accepted
         for event in scheduler.on_step_result(result):

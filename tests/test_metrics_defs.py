@@ -17,6 +17,7 @@ from zerobubble.metrics import (
     metric_spec,
     start_metrics_server,
 )
+from zerobubble.result_rows import add_row_columns
 
 # Copied from DESIGN.md on purpose rather than derived from zerobubble.metrics: the names are a
 # public contract, and a rename in the code must break this test.
@@ -252,6 +253,8 @@ def _step_result() -> worker_pb2.StepResult:
     result.results.add(req_id="a", token_ids=[1, 2, 3], num_draft_tokens=3, num_accepted=2)
     result.results.add(req_id="b", token_ids=[4, 5], num_draft_tokens=3, num_accepted=1)
     result.results.add(req_id="c", token_ids=[6])  # a prefill or a request without drafts
+    # Rows in columns count the same: d has 3 drafts, 2 accepted; e none; f is a silent chunk.
+    add_row_columns(result, ["d", "e", "f"], [3, 1, 0], [7, 8, 9, 10], [3, 0, 0])
     return result
 
 
@@ -259,9 +262,9 @@ def test_step_result_is_accounted_from_the_proto() -> None:
     m = ServiceMetrics(model="m")
     m.record_step_result("w0", _step_result(), inflight=2)
     s = _scrape(m)
-    assert _value(s, "zerobubble_spec_decode_num_drafts_total", worker="w0") == 2
-    assert _value(s, "zerobubble_spec_decode_num_draft_tokens_total", worker="w0") == 6
-    assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 3
+    assert _value(s, "zerobubble_spec_decode_num_drafts_total", worker="w0") == 3
+    assert _value(s, "zerobubble_spec_decode_num_draft_tokens_total", worker="w0") == 9
+    assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 5
     assert _value(s, "zerobubble_inflight_steps", worker="w0") == 2
     assert _value(s, "zerobubble_worker_step_duration_seconds_sum", worker="w0") == pytest.approx(0.003)
     per_pos = {lab["position"]: v for _, lab, v in s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}

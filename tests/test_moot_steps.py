@@ -22,6 +22,7 @@ from scheduler_svc.tokenizer import Tokenizer
 from tests.drive import make_scheduler
 from worker_svc.server import run_step, tokenizer_fields
 from zerobubble.api import worker_pb2
+from zerobubble.result_rows import result_rows
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -93,7 +94,7 @@ def one_after_another(
         if not isinstance(result, worker_pb2.StepResult):
             result = result.materialize(0.0, runner.num_spec_tokens)
         if runner.num_cut_steps > before:
-            assert not result.results and not result.error, result
+            assert not result_rows(result) and not result.error, result
             cut.append(plan.step_id)
         for event in scheduler.on_step_result(result):
             assert not event.error, event.error

@@ -14,6 +14,7 @@ from tests.e2e import hf_reference, prompt_ids
 from tests.hf_oracle import report_divergence
 from worker_svc.server import WorkerConfig, build_runner
 from zerobubble.api import worker_pb2
+from zerobubble.result_rows import result_rows
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -75,10 +76,11 @@ def test_a_bad_row_leaves_no_half_admitted_slot(runner, bad: str):
     free_before = list(runner.free_slots)
     # The bad row is left out with an error of its own (fault isolation); the good row runs.
     result = runner.execute(worker_pb2.StepPlan(step_id=1, requests=[good, bad_row])).materialize(0.0, 0)
-    errors = [r for r in result.results if r.error]
-    assert errors and all(r.req_id in ("bad", "good") for r in errors), result
+    rows = result_rows(result)
+    errors = [req_id for req_id, r in rows.items() if r.error]
+    assert errors and all(req_id in ("bad", "good") for req_id in errors), result
     assert "bad" not in runner.slots
     if bad != "twice":
-        assert [r.req_id for r in result.results if not r.error] == ["good"]
+        assert [req_id for req_id, r in rows.items() if not r.error] == ["good"]
         assert len(runner.slots) == 1 and len(runner.free_slots) == len(free_before) - 1
     runner.reset()

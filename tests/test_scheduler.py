@@ -44,6 +44,7 @@ from tests.sim_worker import (
     toy_logprob,
 )
 from zerobubble.api import worker_pb2
+from zerobubble.result_rows import result_rows
 
 TOY = make_toy_tokenizer()
 
@@ -154,8 +155,8 @@ def test_spec_counters_count_only_applied_results_under_preemption_and_aborts() 
     def on_step_result(result: worker_pb2.StepResult) -> list[RequestEvent]:
         events = real_on_step_result(result)
         used = {ev.req_id for ev in events if ev.token_ids}
-        for res in result.results:
-            if res.req_id in used and res.num_draft_tokens > 0:
+        for req_id, res in result_rows(result).items():
+            if req_id in used and res.num_draft_tokens > 0:
                 applied["drafts"] += 1
                 applied["draft_tokens"] += res.num_draft_tokens
                 applied["accepted"] += res.num_accepted

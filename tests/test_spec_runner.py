@@ -48,6 +48,7 @@ from tests.runner_harness import (  # noqa: F401  (fixtures are used by name)
     ngram_reference,
     recording,
 )
+from zerobubble.result_rows import result_rows
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -85,7 +86,7 @@ def test_decode_inputs_are_own_state_after_join_skip_finish_and_resume(spec_runn
     for name, row in zip("ABC", (a, b, c)):
         assert_greedy_prefix(name, p.reqs[name].outputs, reference[row])
     # The scenario is only meaningful if drafts were really in play.
-    assert sum(r.num_accepted for res in p.results for r in res.results) > 0
+    assert sum(r.num_accepted for res in p.results for r in result_rows(res).values()) > 0
     assert p.trimmed > 0
     if rec.draft is not None:
         assert rec.draft.calls, "the draft model never ran"
@@ -109,7 +110,7 @@ def test_trimmed_drafts_report_only_the_verified_drafts(spec_runner, smollm2_dir
                 break
             offered = list(p.reqs["r"].drafts)
             fed_before = len(rec.target.calls)
-            res = p.step(p.decode("r", k)).results[0]
+            res = result_rows(p.step(p.decode("r", k)))["r"]
             ids, _ = rec.target.calls[fed_before].row(0)
             fed = ids[1 : 1 + min(k, len(offered))]
             # Ground truth for acceptance: how many fed drafts equal the greedy tokens there.

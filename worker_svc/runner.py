@@ -44,6 +44,7 @@ from worker_svc.sampler import (
 )
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
+from zerobubble.result_rows import add_row_columns
 
 logger = logging.getLogger(__name__)
 
@@ -193,15 +194,31 @@ class PendingResult:
         logprobs = self.logprobs.tolist() if self.logprobs is not None else []
         top_ids = self.top_ids.tolist() if self.top_ids is not None else []
         top_lps = self.top_logprobs.tolist() if self.top_logprobs is not None else []
+        # Rows without logprobs go into columns (most rows, most steps); the others get a
+        # message each. Every runnable row appears once, a non-sampling chunk with no tokens.
+        col_ids: list[str] = []
+        col_num_tokens: list[int] = []
+        col_tokens: list[int] = []
+        col_drafts: list[int] = []
         for row, req_id in enumerate(self.req_ids):
-            entry = result.results.add(req_id=req_id)
             i = by_row.get(row)
             if i is None:
+                col_ids.append(req_id)
+                col_num_tokens.append(0)
+                col_drafts.append(0)
                 continue
-            num_acc = int(accepted[i])
-            entry.token_ids.extend(tokens[i][: num_acc + 1])
-            entry.num_draft_tokens = int(drafted[i])
-            entry.num_accepted = num_acc
+            num_acc = accepted[i]
+            for pos in range(num_acc):
+                accepted_per_pos[pos] += 1
+            if not self.want_logprobs[row] and not (top_ids and self.num_top[i] > 0):
+                col_ids.append(req_id)
+                col_num_tokens.append(num_acc + 1)
+                col_tokens.extend(tokens[i][: num_acc + 1])
+                col_drafts.append(drafted[i])
+                continue
+            entry = result.results.add(
+                req_id=req_id, token_ids=tokens[i][: num_acc + 1], num_draft_tokens=drafted[i], num_accepted=num_acc
+            )
             if self.want_logprobs[row]:
                 entry.logprobs.extend(logprobs[i][: num_acc + 1])
             if top_ids and self.num_top[i] > 0:
@@ -209,8 +226,7 @@ class PendingResult:
                 n = self.num_top[i]
                 for col in range(num_acc + 1):
                     entry.top_logprobs.add(token_ids=top_ids[i][col][:n], logprobs=top_lps[i][col][:n])
-            for pos in range(num_acc):
-                accepted_per_pos[pos] += 1
+        add_row_columns(result, col_ids, col_num_tokens, col_tokens, col_drafts)
         for req_id, error in self.errors.items():
             result.results.add(req_id=req_id, error=error)
         result.accepted_per_pos.extend(accepted_per_pos)

@@ -29,6 +29,8 @@ from prometheus_client import (
     start_http_server,
 )
 
+from zerobubble.result_rows import speculation_counts
+
 logger = logging.getLogger(__name__)
 
 # Buckets follow what an LLM server actually sees: a decode step on a GPU takes a few ms, a
@@ -284,6 +286,9 @@ class StepResultLike(Protocol):
 
     @property
     def results(self) -> Sequence[Any]: ...
+
+    @property
+    def rows(self) -> Any: ...
 
 
 @dataclass(slots=True)
@@ -553,14 +558,7 @@ class ServiceMetrics:
         A draft counts once per request that had drafts verified in the step, as vLLM counts
         ``num_drafts``.
         """
-        # One pass, each field read once: this runs for every step, over every row.
-        num_drafts = num_draft_tokens = num_accepted = 0
-        for r in result.results:
-            n = r.num_draft_tokens
-            if n > 0:
-                num_drafts += 1
-                num_draft_tokens += n
-                num_accepted += r.num_accepted
+        num_drafts, num_draft_tokens, num_accepted = speculation_counts(result)
         self.record_step(
             worker,
             float(result.forward_s),

@@ -97,10 +97,23 @@ class TopLogprobs(_message.Message):
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
+class RowColumns(_message.Message):
+    __slots__ = ("req_ids", "num_tokens", "token_ids", "num_draft_tokens")
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "results", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining")
+    __slots__ = ("step_id", "results", "rows", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PER_POS_FIELD_NUMBER: _ClassVar[int]
@@ -109,13 +122,14 @@ class StepResult(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[RequestResult]
+    rows: RowColumns
     forward_s: float
     idle_s: float
     accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
     error: str
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., rows: _Optional[_Union[RowColumns, _Mapping]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
