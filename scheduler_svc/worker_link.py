@@ -117,7 +117,12 @@ def plan_ahead_due(start_s: float, num_inflight: int, step_s: float, margin_s: f
 
 def plan_tokens(plan: worker_pb2.StepPlan) -> int:
     """Tokens a plan feeds the model (prefill chunks, 1 + drafts per decode)."""
-    return sum(len(e.token_ids) or 1 + e.num_draft_slots for e in plan.requests)
+    decodes = plan.decodes
+    return (
+        len(decodes.req_ids)
+        + sum(decodes.num_draft_slots)
+        + sum(len(e.token_ids) or 1 + e.num_draft_slots for e in plan.requests)
+    )
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ from scheduler_svc.scheduler import (
 )
 from tests.drive import make_scheduler  # noqa: F401  (re-exported for the harness users)
 from zerobubble.api import worker_pb2
-from zerobubble.result_rows import result_rows
+from zerobubble.rows import plan_rows, result_rows
 
 K = 3  # draft tokens per decode (the issue's --num-spec-tokens 3)
 
@@ -350,7 +350,7 @@ def drive(
                 break
             num_plans += 1
             assert num_plans <= max_plans, "livelock?"
-            for entry in plan.requests:
+            for entry in plan_rows(plan):
                 req = scheduler.get_request(entry.req_id)
                 # Never a slot that could not be verified before max_tokens.
                 assert req.num_pending_outputs <= req.max_tokens, (entry.req_id, req.max_tokens)
@@ -381,7 +381,7 @@ def audit(trace: Trace, prompts: dict[str, list[int]], *, ngram: bool) -> None:
     """
     for plan, call, result in trace.steps:
         by_id = result_rows(result)
-        for i, entry in enumerate(plan.requests):
+        for i, entry in enumerate(plan_rows(plan)):
             seq = prompts[entry.req_id] + trace.outputs[entry.req_id].token_ids
             ids, positions = call.row(i)
             start = positions[0]

@@ -42,6 +42,7 @@ from scheduler_svc.scheduler import (
 )
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble.api import worker_pb2
+from zerobubble.rows import PlanRow, plan_rows
 
 # Toy vocabulary: ids 0..255 are bytes (byte-level BPE without merges), then specials.
 EOS_ID = 256
@@ -232,15 +233,16 @@ class SimWorker:
         for req_id in plan.finished_req_ids:
             self._reqs.pop(req_id, None)
             self._broken.discard(req_id)
-        scheduled = {e.req_id for e in plan.requests}
-        assert len(scheduled) == len(plan.requests), "a request twice in one plan"
+        rows = plan_rows(plan)
+        scheduled = {e.req_id for e in rows}
+        assert len(scheduled) == len(rows), "a request twice in one plan"
         if plan.step_id in self.fail_step_ids:
             self._broken |= scheduled
             return worker_pb2.StepResult(step_id=plan.step_id, error="injected failure")
         self.stats.num_skipped += sum(1 for r in self._reqs if r not in scheduled)
         result = worker_pb2.StepResult(step_id=plan.step_id)
         accepted_per_pos: list[int] = []
-        for entry in plan.requests:
+        for entry in rows:
             if entry.is_new:
                 self._broken.discard(entry.req_id)
             if (plan.step_id, entry.req_id) in self.fail_rows:
@@ -265,11 +267,11 @@ class SimWorker:
 
     # ------------------------------------------------------------------------- internals
 
-    def _prepare(self, step_id: int, entry: worker_pb2.ScheduledRequest) -> _SimRequest:
+    def _prepare(self, step_id: int, entry: PlanRow) -> _SimRequest:
         bs = self.block_size
         if entry.is_new:
             assert entry.req_id not in self._reqs, f"{entry.req_id}: is_new for a live request"
-            assert entry.HasField("sampling"), "is_new without sampling params"
+            assert entry.sampling is not None, "is_new without sampling params"
             assert entry.num_cached_tokens % bs == 0
             assert entry.token_ids, "a new request must start with a prefill chunk"
             num_shared = entry.num_cached_tokens // bs
@@ -296,7 +298,7 @@ class SimWorker:
             self._reqs[entry.req_id] = req
         else:
             assert entry.req_id in self._reqs, f"{entry.req_id}: not new but unknown to the worker"
-            assert not entry.HasField("sampling") and entry.num_cached_tokens == 0
+            assert entry.sampling is None and entry.num_cached_tokens == 0
             req = self._reqs[entry.req_id]
             req.table.extend(entry.new_block_ids)
             fresh = list(entry.new_block_ids)
@@ -381,7 +383,7 @@ class SimWorker:
         req.drafts = toy_propose(req.seed, req.tokens, k, self.eos_per_mille) if k else []
         req.drafts_for_len = len(req.tokens)
 
-    def _prefill(self, step_id: int, entry: worker_pb2.ScheduledRequest, req: _SimRequest) -> worker_pb2.RequestResult:
+    def _prefill(self, step_id: int, entry: PlanRow, req: _SimRequest) -> worker_pb2.RequestResult:
         assert not req.sampled, f"{entry.req_id}: prefill chunk after sampling started"
         assert req.seq_len == len(req.tokens)
         assert entry.num_draft_slots == 0
@@ -401,7 +403,7 @@ class SimWorker:
     def _decode(
         self,
         step_id: int,
-        entry: worker_pb2.ScheduledRequest,
+        entry: PlanRow,
         req: _SimRequest,
         accepted_per_pos: list[int],
     ) -> worker_pb2.RequestResult:

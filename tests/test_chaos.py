@@ -34,7 +34,7 @@ from tests.metrics_scrape import scrape, total
 from tests.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from zerobubble.client import build_request, complete
-from zerobubble.result_rows import result_rows
+from zerobubble.rows import result_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 

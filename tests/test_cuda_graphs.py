@@ -27,7 +27,7 @@ from worker_svc.model import build_model
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers import build_proposer
 from worker_svc.runner import ModelRunner, RunnerConfig
-from zerobubble.result_rows import result_rows
+from zerobubble.rows import result_rows
 
 
 def test_batch_buckets() -> None:

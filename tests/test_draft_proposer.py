@@ -28,7 +28,7 @@ from worker_svc.model import build_model
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers.draft import DraftModelProposer
 from worker_svc.runner import ModelRunner, RunnerConfig
-from zerobubble.result_rows import result_rows
+from zerobubble.rows import result_rows
 
 VOCAB = 258  # the toy byte tokenizer's vocabulary
 K = 3

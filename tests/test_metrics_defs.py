@@ -17,7 +17,7 @@ from zerobubble.metrics import (
     metric_spec,
     start_metrics_server,
 )
-from zerobubble.result_rows import add_row_columns
+from zerobubble.rows import add_row_columns
 
 # Copied from DESIGN.md on purpose rather than derived from zerobubble.metrics: the names are a
 # public contract, and a rename in the code must break this test.

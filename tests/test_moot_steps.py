@@ -22,7 +22,7 @@ from scheduler_svc.tokenizer import Tokenizer
 from tests.drive import make_scheduler
 from worker_svc.server import run_step, tokenizer_fields
 from zerobubble.api import worker_pb2
-from zerobubble.result_rows import result_rows
+from zerobubble.rows import plan_rows, result_rows
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -81,7 +81,7 @@ def one_after_another(
         if plan is None and notices and pending and len(pending) < window:
             plan = scheduler.notice_plan()
             if plan is not None:
-                assert not plan.requests and plan.finished_req_ids
+                assert not plan_rows(plan) and plan.finished_req_ids
         if plan is not None:
             runner.note_finished(plan)
             pending.append(plan)

@@ -14,7 +14,7 @@ from tests.e2e import hf_reference, prompt_ids
 from tests.hf_oracle import report_divergence
 from worker_svc.server import WorkerConfig, build_runner
 from zerobubble.api import worker_pb2
-from zerobubble.result_rows import result_rows
+from zerobubble.rows import result_rows
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -33,6 +33,7 @@ from worker_svc.sampler import (
     target_probs,
     top_logprobs,
 )
+from zerobubble.rows import plan_rows
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -453,9 +454,9 @@ def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):  # noqa: F8
         trace = drive(ngram_runner, scheduler, rec, window=2)
     block_size = ngram_runner.config.block_size
     first_plan = trace.steps[0][0]
-    assert [e.req_id for e in first_plan.requests] == ["n#0"]
+    assert [e.req_id for e in plan_rows(first_plan)] == ["n#0"]
     shared = (len(prompt) - 1) // block_size * block_size
-    later = [e for plan, _, _ in trace.steps for e in plan.requests if e.is_new and e.req_id != "n#0"]
+    later = [e for plan, _, _ in trace.steps for e in plan_rows(plan) if e.is_new and e.req_id != "n#0"]
     assert sorted(e.req_id for e in later) == ["n#1", "n#2"]
     assert all(e.num_cached_tokens == shared > 0 for e in later)
     outs = [trace.outputs[f"n#{i}"].token_ids for i in range(3)]

@@ -44,7 +44,7 @@ from tests.sim_worker import (
     toy_logprob,
 )
 from zerobubble.api import worker_pb2
-from zerobubble.result_rows import result_rows
+from zerobubble.rows import plan_rows, result_rows
 
 TOY = make_toy_tokenizer()
 
@@ -214,7 +214,7 @@ def test_no_draft_slots_that_could_not_be_verified() -> None:
     seen: list[int] = []
 
     def after_plan(scheduler: Scheduler, plan: worker_pb2.StepPlan) -> None:
-        for entry in plan.requests:
+        for entry in plan_rows(plan):
             req = scheduler.get_request(entry.req_id)
             assert req is not None
             # After planning, confirmed + in-flight outputs never exceed the limit.
@@ -342,7 +342,7 @@ def test_notice_plans_only_when_a_step_in_flight_is_all_finished() -> None:
     notice_plans: list[worker_pb2.StepPlan] = []
 
     def after_plan(scheduler: Scheduler, plan: worker_pb2.StepPlan) -> None:
-        if not plan.requests:
+        if not plan_rows(plan):
             notice_plans.append(plan)
             assert plan.finished_req_ids
 
@@ -356,13 +356,13 @@ def test_notice_plans_only_when_a_step_in_flight_is_all_finished() -> None:
     scheduler.add_request("a", [5, 6, 7], seed=1, max_tokens=50)
     scheduler.add_request("b", [8, 9, 10], seed=2, max_tokens=50)
     first = scheduler.schedule()
-    assert first is not None and len(first.requests) == 2
+    assert first is not None and len(plan_rows(first)) == 2
     assert scheduler.notice_plan() is None  # nothing has finished
     assert scheduler.abort_request("a") is not None
     assert scheduler.notice_plan() is None  # the step in flight still runs b
     assert scheduler.abort_request("b") is not None
     notice = scheduler.notice_plan()
-    assert notice is not None and not notice.requests
+    assert notice is not None and not plan_rows(notice)
     assert notice.step_id > first.step_id and set(notice.finished_req_ids) == {"a", "b"}
     assert scheduler.notice_plan() is None  # the notices went out once
     assert scheduler.on_step_result(worker_pb2.StepResult(step_id=first.step_id)) == []
@@ -494,7 +494,7 @@ def test_block_reused_by_a_plan_is_only_written_by_its_new_owner_from_then_on() 
     incarnation: dict[str, int] = {}
     block_size = case.scheduler.config.block_size
     for plan in case.worker.plans:
-        for entry in plan.requests:
+        for entry in plan_rows(plan):
             if entry.is_new:
                 incarnation[entry.req_id] = plan.step_id
             fresh = entry.new_block_ids[entry.num_cached_tokens // block_size :]
@@ -527,7 +527,7 @@ def test_preempted_request_resumes_with_prompt_plus_confirmed_outputs() -> None:
     resumed_prefills: list[tuple[str, int]] = []
 
     def after_plan(scheduler: Scheduler, plan: worker_pb2.StepPlan) -> None:
-        for entry in plan.requests:
+        for entry in plan_rows(plan):
             req = scheduler.get_request(entry.req_id)
             if entry.is_new and req is not None and req.num_preemptions:
                 assert req.num_prefill_tokens == req.num_tokens
@@ -645,7 +645,7 @@ def test_identical_prompt_recomputes_its_last_block() -> None:
     got = drive(case.scheduler, case.worker, 2, after_result=after_result)
     assert got["b"].token_ids == got["a"].token_ids
     assert got["b"].last_event is not None and got["b"].last_event.num_cached_tokens == 4
-    new_b = [e for p in case.worker.plans for e in p.requests if e.req_id == "b" and e.is_new]
+    new_b = [e for p in case.worker.plans for e in plan_rows(p) if e.req_id == "b" and e.is_new]
     assert [list(e.token_ids) for e in new_b] == [list(b"efgh")]
 
 
@@ -717,19 +717,19 @@ def test_first_entry_after_admission_is_new_with_sampling_and_full_table() -> No
     scheduler.add_request("a", list(b"hello world"), seed=3, temperature=0.5)
     plan = scheduler.schedule()
     assert plan is not None and plan.step_id == 1
-    [entry] = plan.requests
+    [entry] = plan_rows(plan)
     assert entry.is_new and entry.sampling.seed == 3 and entry.sampling.temperature == 0.5
     assert list(entry.token_ids) == list(b"hello ") and not entry.sample
     assert len(entry.new_block_ids) == 2
     plan = scheduler.schedule()  # next chunk while the first is in flight
     assert plan is not None
-    [entry] = plan.requests
-    assert not entry.is_new and not entry.HasField("sampling")
+    [entry] = plan_rows(plan)
+    assert not entry.is_new and entry.sampling is None
     assert list(entry.token_ids) == list(b"world") and entry.sample
     assert len(entry.new_block_ids) == 1
     plan = scheduler.schedule()  # a decode, still without any result back
     assert plan is not None
-    [entry] = plan.requests
+    [entry] = plan_rows(plan)
     assert not entry.token_ids and entry.num_draft_slots == 2
     req = scheduler.get_request("a")
     assert req is not None

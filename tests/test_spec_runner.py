@@ -48,7 +48,7 @@ from tests.runner_harness import (  # noqa: F401  (fixtures are used by name)
     ngram_reference,
     recording,
 )
-from zerobubble.result_rows import result_rows
+from zerobubble.rows import plan_rows, result_rows
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -236,7 +236,7 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
 
     def cancel_b_in_flight(sched: Scheduler, trace: Trace, inflight: deque) -> list[RequestEvent]:
         out = trace.outputs.get(f"r{b}")
-        planned = any(e.req_id == f"r{b}" for plan, _, _ in inflight for e in plan.requests)
+        planned = any(e.req_id == f"r{b}" for plan, _, _ in inflight for e in plan_rows(plan))
         if out is not None and len(out.token_ids) >= 5 and planned and not cancelled:
             cancelled["at"] = len(out.token_ids)
             return [sched.abort_request(f"r{b}")]  # the final event the client gets
@@ -258,7 +258,7 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
 
     # Steps that ran after each finish were discarded and the worker was told to forget them.
     def steps_with(req_id: str) -> list[int]:
-        return [i for i, (plan, _, _) in enumerate(trace.steps) if any(e.req_id == req_id for e in plan.requests)]
+        return [i for i, (plan, _, _) in enumerate(trace.steps) if any(e.req_id == req_id for e in plan_rows(plan))]
 
     for req_id in (f"r{a}", f"r{b}"):
         notices = [i for i, (plan, _, _) in enumerate(trace.steps) if req_id in plan.finished_req_ids]
@@ -272,7 +272,7 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
     )
 
     def blocks_of(req_id: str) -> set[int]:
-        return {b for plan, _, _ in trace.steps for e in plan.requests if e.req_id == req_id for b in e.new_block_ids}
+        return {b for plan, _, _ in trace.steps for e in plan_rows(plan) if e.req_id == req_id for b in e.new_block_ids}
 
     assert blocks_of(f"r{d}") & (blocks_of(f"r{a}") | blocks_of(f"r{b}"))
     assert not runner.slots.keys() & {f"r{a}", f"r{b}"}
@@ -300,9 +300,9 @@ def test_preemption_with_chunked_prefill_and_steps_in_flight(request, grounded, 
     assert scheduler.stats.num_preemptions > 0
     assert scheduler.stats.num_stale_results > 0, "no preemption hit a step in flight"
     assert any(
-        len(plan.requests) > 1
-        and any(e.token_ids for e in plan.requests)
-        and any(not e.token_ids for e in plan.requests)
+        len(plan_rows(plan)) > 1
+        and any(e.token_ids for e in plan_rows(plan))
+        and any(not e.token_ids for e in plan_rows(plan))
         for plan, _, _ in trace.steps
     ), "prefill chunks never shared a step with decodes"
     stats = scheduler.stats

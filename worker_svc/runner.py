@@ -44,7 +44,7 @@ from worker_svc.sampler import (
 )
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
-from zerobubble.result_rows import add_row_columns
+from zerobubble.rows import PlanRow, add_row_columns, plan_rows
 
 logger = logging.getLogger(__name__)
 
@@ -315,7 +315,7 @@ class ModelRunner:
         # with (plan, None) when a step starts, where an exception fails the whole step as a
         # crash in the model would, then with (plan, entry) for each row, where an exception
         # fails that row alone.
-        self.test_fault_hook: Callable[[worker_pb2.StepPlan, worker_pb2.ScheduledRequest | None], None] | None = None
+        self.test_fault_hook: Callable[[worker_pb2.StepPlan, PlanRow | None], None] | None = None
         self.free_slots: list[int] = list(range(num_slots - 1, -1, -1))
         self.slot_sampling = SlotSampling(num_slots)
         # Request id -> step id of the latest received plan whose finish notices name it
@@ -423,12 +423,15 @@ class ModelRunner:
         """
         return len(self._block_refs) / self.config.num_blocks
 
-    def _admit(self, entry: worker_pb2.ScheduledRequest) -> SlotInfo:
+    def _admit(self, entry: PlanRow) -> SlotInfo:
         """Give a new (or resumed) request a state slot; `_runnable` checked that one is free."""
         self.release(entry.req_id)
         slot = self.free_slots.pop()
-        info = SlotInfo(slot=slot, block_ids=[], sampling=entry.sampling)
-        self.slot_sampling.set(slot, entry.sampling)
+        # A new row without sampling parameters samples greedily (every field zero), as its
+        # message's default would.
+        sampling = entry.sampling if entry.sampling is not None else worker_pb2.SamplingParams()
+        info = SlotInfo(slot=slot, block_ids=[], sampling=sampling)
+        self.slot_sampling.set(slot, sampling)
         self.slots[entry.req_id] = info
         self.slots_by_index[slot] = info
         self.state.seq_len[slot] = entry.num_cached_tokens
@@ -452,11 +455,11 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
 
     def _entry_error(
-        self, plan: worker_pb2.StepPlan, entry: worker_pb2.ScheduledRequest, seen: set[str], num_free_slots: int
+        self, plan: worker_pb2.StepPlan, entry: PlanRow, seen: set[str], num_free_slots: int
     ) -> str | None:
         """Why an entry cannot run (None: it can), checked before anything is changed, so a
         bad row is left out whole instead of half admitted."""
-        # Every row of every step passes here: each protobuf field is read once.
+        # Every row of every step passes here: each field is read once.
         req_id = entry.req_id
         is_new = entry.is_new
         if req_id in seen:
@@ -501,17 +504,17 @@ class ModelRunner:
             return f"request {req_id}: token id outside the vocabulary [0, {self.vocab_size})"
         return None
 
-    def _runnable(self, plan: worker_pb2.StepPlan) -> tuple[list[worker_pb2.ScheduledRequest], dict[str, str]]:
+    def _runnable(self, plan: worker_pb2.StepPlan) -> tuple[list[PlanRow], dict[str, str]]:
         """Split a plan's entries into the ones to run and per-request errors for the rest.
 
         A failed row drops the request's state (`fail_requests`), so its later rows fail too
         until the scheduler re-admits or finishes it; the other rows are untouched.
         """
-        good: list[worker_pb2.ScheduledRequest] = []
+        good: list[PlanRow] = []
         errors: dict[str, str] = {}
         seen: set[str] = set()
         num_free = len(self.free_slots)
-        for entry in plan.requests:
+        for entry in plan_rows(plan):
             error = self._entry_error(plan, entry, seen, num_free)
             seen.add(entry.req_id)
             if error is not None:
@@ -540,11 +543,10 @@ class ModelRunner:
             self.release(req_id)
         if self.test_fault_hook is not None:
             self.test_fault_hook(plan, None)
+        # Rows that cannot run are left out: the others run as if they had never been planned.
         entries, errors = self._runnable(plan)
-        if errors:  # run the others as if the bad rows had never been planned
-            plan = worker_pb2.StepPlan(step_id=plan.step_id, requests=entries)
         self._forget_notices_before(plan.step_id)
-        batch = self.prepare(plan)
+        batch = self.prepare(plan, entries)
         if batch is None:
             return PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, 0.0, errors=errors)
         self._current = (plan.step_id, batch.req_ids)
@@ -567,17 +569,20 @@ class ModelRunner:
         pending.errors = errors
         return pending
 
-    def prepare(self, plan: worker_pb2.StepPlan) -> StepBatch | None:
-        """Apply the plan's finish notices and admissions, then build the step's device inputs:
-        input ids (decode rows from the device state), positions, slot mapping, attention
-        metadata and sampling tensors. None when the plan runs nothing.
+    def prepare(self, plan: worker_pb2.StepPlan, entries: list[PlanRow] | None = None) -> StepBatch | None:
+        """Apply the plan's finish notices and the admissions of its rows (``entries``, by
+        default all of them), then build the step's device inputs: input ids (decode rows from
+        the device state), positions, slot mapping, attention metadata and sampling tensors.
+        None when the step runs nothing.
 
-        Every row must be one `_runnable` accepted (`execute` runs only those), so nothing
+        Every row must be one `_runnable` accepted (`execute` passes only those), so nothing
         here can fail half way through the admissions.
         """
         for req_id in plan.finished_req_ids:
             self.release(req_id)
-        if not plan.requests:
+        if entries is None:
+            entries = plan_rows(plan)
+        if not entries:
             return None
 
         rows: list[SlotInfo] = []
@@ -589,8 +594,7 @@ class ModelRunner:
         table_slots: list[int] = []  # block-table cells this step writes (see _write_block_tables)
         table_cols: list[int] = []
         table_ids: list[int] = []
-        for entry in plan.requests:
-            # Each protobuf field read builds a Python object: read each once.
+        for entry in entries:
             req_id = entry.req_id
             info = self._admit(entry) if entry.is_new else self.slots[req_id]
             new_blocks = entry.new_block_ids

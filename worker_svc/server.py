@@ -30,6 +30,7 @@ from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
 from zerobubble.config import ConfigError, WorkerConfig, parse_cores
+from zerobubble.rows import PlanRow, plan_req_ids
 
 logger = logging.getLogger(__name__)
 
@@ -188,7 +189,7 @@ def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | 
     except Exception as exc:
         logger.exception("step %d failed", plan.step_id)
         error = f"step failed: {exc}"
-        runner.fail_requests([e.req_id for e in plan.requests], error)
+        runner.fail_requests(plan_req_ids(plan), error)
         return worker_pb2.StepResult(step_id=plan.step_id, error=error)
 
 
@@ -204,7 +205,7 @@ def injected_fault_hook_from_env(env: dict[str, str]):
         return None
     count = [0]
 
-    def hook(plan: worker_pb2.StepPlan, entry: worker_pb2.ScheduledRequest | None) -> None:
+    def hook(plan: worker_pb2.StepPlan, entry: PlanRow | None) -> None:
         if entry is None or entry.token_ids:
             return
         count[0] += 1

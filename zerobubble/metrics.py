@@ -29,7 +29,7 @@ from prometheus_client import (
     start_http_server,
 )
 
-from zerobubble.result_rows import speculation_counts
+from zerobubble.rows import speculation_counts
 
 logger = logging.getLogger(__name__)
 

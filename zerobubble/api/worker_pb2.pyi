@@ -61,15 +61,29 @@ class ScheduledRequest(_message.Message):
     sampling: SamplingParams
     def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_new: bool = ..., num_cached_tokens: _Optional[int] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
+class DecodeColumns(_message.Message):
+    __slots__ = ("req_ids", "num_draft_slots", "num_new_blocks", "new_block_ids")
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_draft_slots: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_draft_slots: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "requests", "finished_req_ids")
+    __slots__ = ("step_id", "requests", "decodes", "finished_req_ids")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DECODES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     requests: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
+    decodes: DecodeColumns
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., decodes: _Optional[_Union[DecodeColumns, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_draft_tokens", "num_accepted", "logprobs", "top_logprobs", "error")

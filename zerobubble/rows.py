@@ -1,0 +1,177 @@
+"""The rows of a plan and of a result, whichever of their two wire forms carries them.
+
+A `StepPlan` carries its decode rows in columns (`DecodeColumns`) and prefill chunks as one
+`ScheduledRequest` each; a `StepResult` carries most rows in columns (`RowColumns`) and the
+rest (logprobs wanted, or an error) as one `RequestResult` each. At 256 rows a message per row
+cost each side about half a millisecond a step to build and read. Readers take both forms
+through `plan_rows` and `result_rows`; writers fill the columns with `add_decode_columns` and
+`add_row_columns`. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class PlanRow:
+    """One request's row of a plan, read once into plain Python values (the fields of
+    ``ScheduledRequest``; a decode row from the columns has no tokens, is not new and samples)."""
+
+    req_id: str
+    token_ids: Sequence[int] = ()
+    num_draft_slots: int = 0
+    new_block_ids: Sequence[int] = ()
+    is_new: bool = False
+    num_cached_tokens: int = 0
+    sample: bool = True
+    sampling: Any = None  # the SamplingParams message where the row carries one
+
+
+def plan_rows(plan: Any) -> list[PlanRow]:
+    """Every row of a ``StepPlan`` in the order the worker runs them: the decode columns,
+    then the ``requests`` messages.
+
+    Raises:
+        ValueError: the decode columns do not line up (a broken scheduler); nothing of the
+            plan can be trusted then.
+    """
+    dec = plan.decodes
+    req_ids = list(dec.req_ids)
+    num_new = list(dec.num_new_blocks)
+    block_ids = list(dec.new_block_ids)
+    if len(dec.num_draft_slots) != len(req_ids) or len(num_new) != len(req_ids) or sum(num_new) != len(block_ids):
+        raise ValueError(
+            f"decode columns do not line up: {len(req_ids)} request ids, {len(dec.num_draft_slots)} draft "
+            f"counts, {len(num_new)} block counts for {len(block_ids)} block ids"
+        )
+    rows: list[PlanRow] = []
+    start = 0
+    for req_id, num_drafts, n in zip(req_ids, dec.num_draft_slots, num_new):
+        if n:
+            if n < 0:
+                raise ValueError(f"request {req_id}: {n} new blocks")
+            rows.append(PlanRow(req_id, (), num_drafts, block_ids[start : start + n]))
+            start += n
+        else:
+            rows.append(PlanRow(req_id, (), num_drafts))
+    for e in plan.requests:
+        rows.append(
+            PlanRow(
+                e.req_id,
+                e.token_ids,
+                e.num_draft_slots,
+                e.new_block_ids,
+                e.is_new,
+                e.num_cached_tokens,
+                e.sample,
+                e.sampling if e.HasField("sampling") else None,
+            )
+        )
+    return rows
+
+
+def plan_req_ids(plan: Any) -> list[str]:
+    """The request ids a plan schedules (both forms), without reading anything else."""
+    return [*plan.decodes.req_ids, *(e.req_id for e in plan.requests)]
+
+
+def add_decode_columns(
+    plan: Any,
+    req_ids: Sequence[str],
+    num_draft_slots: Sequence[int],
+    num_new_blocks: Sequence[int],
+    new_block_ids: Sequence[int],
+) -> None:
+    """Append decode rows to a ``StepPlan``'s columns (see `DecodeColumns`)."""
+    if (
+        len(req_ids) != len(num_draft_slots)
+        or len(req_ids) != len(num_new_blocks)
+        or sum(num_new_blocks) != len(new_block_ids)
+    ):
+        raise ValueError("decode columns of unequal lengths")
+    dec = plan.decodes
+    dec.req_ids.extend(req_ids)
+    dec.num_draft_slots.extend(num_draft_slots)
+    dec.num_new_blocks.extend(num_new_blocks)
+    dec.new_block_ids.extend(new_block_ids)
+
+
+@dataclass(slots=True)
+class RowResult:
+    """One request's row of a step result, read once into plain Python values.
+
+    ``token_ids`` are the accepted drafts followed by the sampled token (empty for a prefill
+    chunk that did not sample); ``top_logprobs`` holds one ``TopLogprobs``-like message per
+    token when the request asked for them.
+    """
+
+    token_ids: list[int]
+    num_draft_tokens: int
+    num_accepted: int
+    logprobs: Sequence[float] = ()
+    top_logprobs: Sequence[Any] = ()
+    error: str = ""
+
+
+def result_rows(result: Any) -> dict[str, RowResult]:
+    """Every row of a ``StepResult`` by request id, columns and messages alike.
+
+    A column row's accepted drafts are its tokens but the last. Columns of unequal lengths or
+    too few token ids (a broken worker) give short rows, which the scheduler refuses as it
+    refuses any row with the wrong number of tokens.
+    """
+    rows: dict[str, RowResult] = {}
+    cols = result.rows
+    token_ids = list(cols.token_ids)
+    start = 0
+    for req_id, num_tokens, num_drafts in zip(cols.req_ids, cols.num_tokens, cols.num_draft_tokens):
+        stop = start + max(num_tokens, 0)
+        rows[req_id] = RowResult(token_ids[start:stop], num_drafts, max(num_tokens - 1, 0))
+        start = stop
+    for r in result.results:
+        rows[r.req_id] = RowResult(
+            list(r.token_ids), r.num_draft_tokens, r.num_accepted, r.logprobs, r.top_logprobs, r.error
+        )
+    return rows
+
+
+def add_row_columns(
+    result: Any,
+    req_ids: Sequence[str],
+    num_tokens: Sequence[int],
+    token_ids: Sequence[int],
+    num_draft_tokens: Sequence[int],
+) -> None:
+    """Append rows to a ``StepResult``'s columns: row i has ``num_tokens[i]`` of ``token_ids``
+    (in row order) and ``num_draft_tokens[i]`` verified drafts."""
+    if len(req_ids) != len(num_tokens) or len(req_ids) != len(num_draft_tokens) or sum(num_tokens) != len(token_ids):
+        raise ValueError("row columns of unequal lengths")
+    cols = result.rows
+    cols.req_ids.extend(req_ids)
+    cols.num_tokens.extend(num_tokens)
+    cols.token_ids.extend(token_ids)
+    cols.num_draft_tokens.extend(num_draft_tokens)
+
+
+def speculation_counts(result: Any) -> tuple[int, int, int]:
+    """(rows with drafts verified, drafts verified, drafts accepted) over a result's rows.
+
+    Read straight from the columns: this runs for every step on the worker, over every row.
+    """
+    num_drafts = num_draft_tokens = num_accepted = 0
+    cols = result.rows
+    for n, num_tokens in zip(cols.num_draft_tokens, cols.num_tokens):
+        if n > 0:
+            num_drafts += 1
+            num_draft_tokens += n
+            num_accepted += num_tokens - 1
+    for r in result.results:
+        n = r.num_draft_tokens
+        if n > 0:
+            num_drafts += 1
+            num_draft_tokens += n
+            num_accepted += r.num_accepted
+    return num_drafts, num_draft_tokens, num_accepted
