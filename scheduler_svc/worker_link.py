@@ -293,6 +293,10 @@ class WorkerLink:
         cfg = self.base_config.with_worker(info)
         if self.tokenizer is None:
             self.tokenizer = Tokenizer(info.tokenizer_json, info.chat_template, info.bos_token, info.eos_token)
+            # The streaming tables (one entry per vocabulary id: 125 ms for SmolLM2's 49k) are
+            # built now, not inside the first request's admission, which would stall every
+            # stream on the loop and add them to that request's time to first token.
+            self.tokenizer.byte_pieces()
         self.scheduler = Scheduler(cfg, self.tokenizer)
 
     def step_deadline(self, num_tokens: int = 1) -> float:
