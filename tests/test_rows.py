@@ -72,9 +72,9 @@ def test_columns_that_do_not_line_up_are_refused() -> None:
     plan.decodes.num_new_blocks.extend([1, 0])  # one block counted, none given
     with pytest.raises(ValueError, match="do not line up"):
         plan_rows(plan)
-    with pytest.raises(ValueError, match="unequal"):
+    with pytest.raises(ValueError, match="unequal lengths"):
         add_decode_columns(plan, ["c"], [1, 2], [0], [])
-    with pytest.raises(ValueError, match="unequal"):
+    with pytest.raises(ValueError, match="unequal lengths"):
         add_row_columns(worker_pb2.StepResult(), ["c"], [2], [5], [0])
 
 

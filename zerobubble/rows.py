@@ -86,17 +86,8 @@ def add_decode_columns(
     new_block_ids: Sequence[int],
 ) -> None:
     """Append decode rows to a ``StepPlan``'s columns (see `DecodeColumns`)."""
-    if (
-        len(req_ids) != len(num_draft_slots)
-        or len(req_ids) != len(num_new_blocks)
-        or sum(num_new_blocks) != len(new_block_ids)
-    ):
-        raise ValueError("decode columns of unequal lengths")
-    dec = plan.decodes
-    dec.req_ids.extend(req_ids)
-    dec.num_draft_slots.extend(num_draft_slots)
-    dec.num_new_blocks.extend(num_new_blocks)
-    dec.new_block_ids.extend(new_block_ids)
+    per_row = {"req_ids": req_ids, "num_draft_slots": num_draft_slots, "num_new_blocks": num_new_blocks}
+    _extend_columns(plan.decodes, per_row, num_new_blocks, "new_block_ids", new_block_ids)
 
 
 @dataclass(slots=True)
@@ -147,13 +138,20 @@ def add_row_columns(
 ) -> None:
     """Append rows to a ``StepResult``'s columns: row i has ``num_tokens[i]`` of ``token_ids``
     (in row order) and ``num_draft_tokens[i]`` verified drafts."""
-    if len(req_ids) != len(num_tokens) or len(req_ids) != len(num_draft_tokens) or sum(num_tokens) != len(token_ids):
-        raise ValueError("row columns of unequal lengths")
-    cols = result.rows
-    cols.req_ids.extend(req_ids)
-    cols.num_tokens.extend(num_tokens)
-    cols.token_ids.extend(token_ids)
-    cols.num_draft_tokens.extend(num_draft_tokens)
+    per_row = {"req_ids": req_ids, "num_tokens": num_tokens, "num_draft_tokens": num_draft_tokens}
+    _extend_columns(result.rows, per_row, num_tokens, "token_ids", token_ids)
+
+
+def _extend_columns(
+    cols: Any, per_row: dict[str, Sequence[Any]], counts: Sequence[int], flat_name: str, flat: Sequence[int]
+) -> None:
+    """Append rows to a columns message: each of ``per_row`` has one entry per row, and the
+    array ``flat_name`` gets ``counts[i]`` entries of ``flat`` for row i."""
+    if any(len(values) != len(counts) for values in per_row.values()) or sum(counts) != len(flat):
+        raise ValueError(f"columns of unequal lengths for {type(cols).__name__}")
+    for name, values in per_row.items():
+        getattr(cols, name).extend(values)
+    getattr(cols, flat_name).extend(flat)
 
 
 def speculation_counts(result: Any) -> tuple[int, int, int]:
