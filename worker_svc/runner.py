@@ -569,19 +569,17 @@ class ModelRunner:
         pending.errors = errors
         return pending
 
-    def prepare(self, plan: worker_pb2.StepPlan, entries: list[PlanRow] | None = None) -> StepBatch | None:
-        """Apply the plan's finish notices and the admissions of its rows (``entries``, by
-        default all of them), then build the step's device inputs: input ids (decode rows from
-        the device state), positions, slot mapping, attention metadata and sampling tensors.
-        None when the step runs nothing.
+    def prepare(self, plan: worker_pb2.StepPlan, entries: list[PlanRow]) -> StepBatch | None:
+        """Apply the plan's finish notices and the admissions of the rows to run (``entries``),
+        then build the step's device inputs: input ids (decode rows from the device state),
+        positions, slot mapping, attention metadata and sampling tensors. None when the step
+        runs nothing.
 
         Every row must be one `_runnable` accepted (`execute` passes only those), so nothing
         here can fail half way through the admissions.
         """
         for req_id in plan.finished_req_ids:
             self.release(req_id)
-        if entries is None:
-            entries = plan_rows(plan)
         if not entries:
             return None
 

@@ -10,6 +10,7 @@ through `plan_rows` and `result_rows`; writers fill the columns with `add_decode
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -159,17 +160,16 @@ def speculation_counts(result: Any) -> tuple[int, int, int]:
 
     Read straight from the columns: this runs for every step on the worker, over every row.
     """
-    num_drafts = num_draft_tokens = num_accepted = 0
     cols = result.rows
-    for n, num_tokens in zip(cols.num_draft_tokens, cols.num_tokens):
+    # (drafts, accepted) of each row: a column row's accepted drafts are its tokens but the last.
+    pairs = itertools.chain(
+        zip(cols.num_draft_tokens, [n - 1 for n in cols.num_tokens]),
+        ((r.num_draft_tokens, r.num_accepted) for r in result.results),
+    )
+    num_drafts = num_draft_tokens = num_accepted = 0
+    for n, accepted in pairs:
         if n > 0:
             num_drafts += 1
             num_draft_tokens += n
-            num_accepted += num_tokens - 1
-    for r in result.results:
-        n = r.num_draft_tokens
-        if n > 0:
-            num_drafts += 1
-            num_draft_tokens += n
-            num_accepted += r.num_accepted
+            num_accepted += accepted
     return num_drafts, num_draft_tokens, num_accepted
