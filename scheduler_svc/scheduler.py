@@ -549,11 +549,19 @@ class Scheduler:
         )
         if num_draft_slots < 0:
             return 0  # the in-flight results will finish it
-        if not self._make_room(req):
-            return 0
-        num_draft_slots = min(num_draft_slots, self._capacity(req) - 1)
         num_tokens = 1 + num_draft_slots
-        new_block_ids = self._grow(req, num_tokens)
+        config = self.config
+        if len(req.block_ids) * config.block_size - req.num_computed >= num_tokens + config.num_lookahead_slots:
+            # Most decodes: the blocks held already cover this step's slots and the lookahead,
+            # so nothing is allocated and nobody is preempted (`_make_room` and `_grow` would
+            # find the same, at a visible share of the step at hundreds of rows).
+            new_block_ids: list[int] = []
+        else:
+            if not self._make_room(req):
+                return 0
+            num_draft_slots = min(num_draft_slots, self._capacity(req) - 1)
+            num_tokens = 1 + num_draft_slots
+            new_block_ids = self._grow(req, num_tokens)
         req.num_computed += num_tokens
         req.num_placeholders += num_tokens
         decodes.req_ids.append(req.req_id)
@@ -842,7 +850,8 @@ class Scheduler:
         self.stats.num_generation_tokens += len(new_ids)
         # The newest token's K/V is written by the next step; everything before it is done.
         self._register_confirmed(req, req.num_tokens - 1)
-        self._release_siblings(req)
+        if self._deferred:  # only the first sequence of an n > 1 request has siblings waiting
+            self._release_siblings(req)
         if finish_reason is not None:
             self._finish(req, finish_reason)
         event = self._event(req, new_ids, text, new_logprobs)
