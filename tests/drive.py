@@ -8,25 +8,16 @@ import random
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from scheduler_svc.tokenizer import Tokenizer
 from worker_svc.runner import ModelRunner
-from worker_svc.server import tokenizer_fields
-from zerobubble.api import worker_pb2
+from worker_svc.server import tokenizer_fields, worker_info
 
 
 def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None = None, **policy) -> Scheduler:
     """The real Scheduler configured from the runner, as the worker link does from `Describe`."""
-    cfg = runner.config
-    info = worker_pb2.WorkerInfo(
-        num_blocks=num_blocks or cfg.num_blocks,
-        block_size=cfg.block_size,
-        max_model_len=cfg.max_model_len,
-        max_num_seqs=cfg.max_num_seqs,
-        num_spec_tokens=runner.num_spec_tokens if num_spec_tokens is None else num_spec_tokens,
-        spec_method="draft" if getattr(runner.proposer, "draft", None) is not None else "ngram",
-        # What the worker reports in `Describe`: a draft model writes its chain past the step.
-        num_lookahead_slots=runner.proposer.num_lookahead_slots if runner.proposer else 0,
-        eos_token_ids=runner.loaded.eos_token_ids,
-        vocab_size=runner.loaded.hf_config.vocab_size,
-    )
+    info = worker_info(runner)
+    if num_blocks:
+        info.num_blocks = num_blocks
+    if num_spec_tokens is not None:
+        info.num_spec_tokens = num_spec_tokens
     fields = tokenizer_fields(runner.loaded.path)
     tokenizer = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
     return Scheduler(SchedulerConfig(**policy).with_worker(info), tokenizer, rng=random.Random(0))

@@ -18,7 +18,10 @@ shape logic the same way.
 
 `TransferAudit` records every host<->device copy of the steps: each must be ``non_blocking``
 from (or into) memory allocated with ``pin_memory=True``. A pageable upload (``torch.tensor(list,
-device=...)``, indexing a device tensor with a Python list) would show up here.
+device=...)``, indexing a device tensor with a Python list) would show up here, and so would a
+Python number written into one element (``t[i] = 5``): for a CUDA tensor the binding builds the
+number as a host scalar and copies it into the element with a blocking copy, a sync, while on
+``meta`` the scalar is built on the device; the audit counts it as the upload it is on CUDA.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ class TransferAudit(TorchDispatchMode):
 
     copies: list[Copy] = field(default_factory=list)
     pinned: dict[int, torch.Tensor] = field(default_factory=dict)  # id -> tensor (kept alive)
+    # Python numbers made tensors by the binding (`t[i] = 5`; also `torch.where(m, t, 0)`, whose
+    # number CUDA kernels take by value): id -> tensor (kept alive).
+    numbers: dict[int, torch.Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         TorchDispatchMode.__init__(self)
@@ -75,10 +81,16 @@ class TransferAudit(TorchDispatchMode):
             and any(id(a) in self.pinned for a in args if isinstance(a, torch.Tensor))
         ):
             self.pinned[id(out)] = out  # a view or alias of pinned memory (torch.empty detaches)
+        if func is aten.scalar_tensor.default:
+            self.numbers[id(out)] = out
         if func is aten.copy_.default:
             dst, src = args[0], args[1]
             non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
-            self._record(src, dst, non_blocking)
+            if id(src) in self.numbers and dst.device.type != "cpu":
+                # `t[i] = number`: on CUDA a blocking copy from a pageable host scalar.
+                self.copies.append(Copy("h2d", non_blocking=False, pinned=False))
+            else:
+                self._record(src, dst, non_blocking)
         elif func is aten._to_copy.default and "device" in kwargs:
             self._record(args[0], out, bool(kwargs.get("non_blocking", False)))
         return out
@@ -181,7 +193,8 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
 
 
 def test_audit_catches_a_pageable_upload_and_a_read() -> None:
-    """The instruments work: a plain `torch.tensor(..., device=)` upload is flagged, `.item()` raises."""
+    """The instruments work: a plain `torch.tensor(..., device=)` upload and a number written
+    into an element are flagged, `.item()` raises; `fill_` and a number operand are not."""
     from torch._subclasses.fake_tensor import DataDependentOutputException
 
     with FakeTensorMode(allow_non_fake_inputs=True):
@@ -189,6 +202,9 @@ def test_audit_catches_a_pageable_upload_and_a_read() -> None:
         audit = TransferAudit()
         with audit:
             x.copy_(torch.ones(4))  # pageable, blocking
+            x[1] = 3.0  # on CUDA: a host scalar copied into the element, blocking
+            x[2].fill_(3.0)  # a kernel with the number as its argument
+            torch.where(x > 0, x, 0.0)  # likewise
         with pytest.raises(DataDependentOutputException):
             x.sum().item()
-    assert [(c.direction, c.non_blocking, c.pinned) for c in audit.copies] == [("h2d", False, False)]
+    assert [(c.direction, c.non_blocking, c.pinned) for c in audit.copies] == [("h2d", False, False)] * 2

@@ -406,7 +406,8 @@ class ModelRunner:
         if info is None:
             return
         del self.slots_by_index[info.slot]
-        self.state.num_drafts[info.slot] = 0
+        # `fill_`, not `t[i] = 0`: on CUDA that assignment copies a host scalar, blocking.
+        self.state.num_drafts[info.slot].fill_(0)
         self.free_slots.append(info.slot)
         refs = self._block_refs
         for block_id in info.block_ids:
@@ -434,8 +435,8 @@ class ModelRunner:
         self.slot_sampling.set(slot, sampling)
         self.slots[entry.req_id] = info
         self.slots_by_index[slot] = info
-        self.state.seq_len[slot] = entry.num_cached_tokens
-        self.state.num_drafts[slot] = 0
+        self.state.seq_len[slot].fill_(entry.num_cached_tokens)
+        self.state.num_drafts[slot].fill_(0)
         if self.proposer is not None:
             self.proposer.admit(slot, entry.num_cached_tokens)
         return info

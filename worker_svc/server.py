@@ -177,6 +177,29 @@ def tokenizer_fields(model_dir: Path) -> dict[str, str]:
     )
 
 
+def worker_info(runner: ModelRunner, **fields) -> worker_pb2.WorkerInfo:
+    """What a worker tells a scheduler about a runner (`Describe`): capacity, speculation, EOS
+    ids and vocabulary, the fields `SchedulerConfig.with_worker` reads; ``fields`` adds the
+    rest (ids, device, tokenizer). Tests and scripts that drive a runner in-process configure
+    their scheduler from it too, so they plan as a scheduler facing this worker would.
+    """
+    cfg = runner.config
+    proposer = runner.proposer
+    return worker_pb2.WorkerInfo(
+        max_model_len=cfg.max_model_len,
+        block_size=cfg.block_size,
+        num_blocks=cfg.num_blocks,
+        vocab_size=runner.loaded.hf_config.vocab_size,
+        eos_token_ids=runner.loaded.eos_token_ids,
+        spec_method=proposer.method if proposer is not None else "none",
+        num_spec_tokens=runner.num_spec_tokens,
+        # A draft model writes its chain past the step: the scheduler allocates those slots too.
+        num_lookahead_slots=proposer.num_lookahead_slots if proposer is not None else 0,
+        max_num_seqs=cfg.max_num_seqs,
+        **fields,
+    )
+
+
 def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | worker_pb2.StepResult:
     """Execute one plan; a step that raises becomes an error result and the worker goes on.
 
@@ -258,26 +281,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         if self.draining:  # a scheduler must not (re)connect to a worker that is leaving
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
-        cfg = self.runner.config
         model = self.loaded.model
         if model is None:
             device, dtype = f"simulated ({self.cfg.simulate_device_ms:g} ms per step)", "none"
         else:
             device, dtype = str(model.device), str(model.dtype).removeprefix("torch.")
-        return worker_pb2.WorkerInfo(
+        return worker_info(
+            self.runner,
             worker_id=self.worker_id,
             model=self.loaded.name,
-            max_model_len=cfg.max_model_len,
-            block_size=cfg.block_size,
-            num_blocks=cfg.num_blocks,
-            vocab_size=self.loaded.hf_config.vocab_size,
-            eos_token_ids=self.loaded.eos_token_ids,
-            spec_method=self.cfg.spec_method if self.runner.proposer is not None else "none",
-            num_spec_tokens=self.runner.num_spec_tokens,
             device=device,
             dtype=dtype,
-            num_lookahead_slots=self.runner.proposer.num_lookahead_slots if self.runner.proposer else 0,
-            max_num_seqs=cfg.max_num_seqs,
             **self.tokenizer_fields,
         )
 

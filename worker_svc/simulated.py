@@ -144,6 +144,7 @@ class SimulatedDevice:
 class LagNgramProposer:
     """N-gram drafts for the simulated device's token function (see the module docstring)."""
 
+    method = "ngram"
     has_draft_probs = False
     num_lookahead_slots = 0  # proposals are read from history; nothing is written
 

@@ -14,6 +14,8 @@ class Proposer(Protocol):
     # True when proposals come with a draft distribution (rejection sampling verifies them);
     # False for proposals verified by keyed sample-and-compare (n-gram; draft models by default).
     has_draft_probs: bool
+    # `--spec-method` it implements ("ngram" or "draft"), reported in `WorkerInfo.spec_method`.
+    method: str
     # KV slots the proposer writes past a step's tokens; the scheduler must allocate them
     # (reported to it in `WorkerInfo.num_lookahead_slots`).
     num_lookahead_slots: int

@@ -60,6 +60,8 @@ ACCEPTANCE_METHODS = ("keyed", "rejection")
 class DraftModelProposer:
     """Runs a draft model beside the target over the runner's block tables."""
 
+    method = "draft"
+
     def __init__(self, draft, num_spec_tokens: int, acceptance: str = "keyed") -> None:
         if acceptance not in ACCEPTANCE_METHODS:
             raise ValueError(f"unknown draft acceptance {acceptance!r} (expected keyed or rejection)")

@@ -16,6 +16,7 @@ from kernels.ngram import ngram_propose
 class NgramProposer:
     """Proposes the tokens that followed the most recent earlier occurrence of the suffix."""
 
+    method = "ngram"
     has_draft_probs = False
 
     def __init__(self, num_spec_tokens: int, ngram_min: int, ngram_max: int) -> None:
