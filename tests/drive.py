@@ -7,8 +7,8 @@ import random
 
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from scheduler_svc.tokenizer import Tokenizer
-from worker_svc.runner import ModelRunner
-from worker_svc.server import tokenizer_fields, worker_info
+from worker_svc.runner import ModelRunner, worker_info
+from worker_svc.server import tokenizer_fields
 
 
 def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None = None, **policy) -> Scheduler:

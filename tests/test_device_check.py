@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -28,7 +31,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "device_check.json").read_text())
-    assert report["ok"] and report["dry_run"]
+    assert report["ok"] and report["dry_run"] and report["complete"]
     by_section: dict[str, list[dict]] = {}
     for record in report["records"]:
         by_section.setdefault(record["section"], []).append(record)
@@ -43,6 +46,9 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
         "count_accepted",
         "rejection_sample",
     } <= kernels
+    environment = {r["name"]: r for r in by_section["environment"]}
+    assert environment["versions"]["values"]["torch"] == torch_version()
+    assert all(environment[f"import {m}"]["status"] == "pass" for m in ("worker_svc.runner", "zerobubble.rpc"))
     assert {r["name"] for r in by_section["families"] if r["status"] == "pass"} == {
         f"{family} {dtype}" for family in ("llama", "qwen2", "qwen3", "mistral") for dtype in ("float32", "bfloat16")
     }
@@ -56,3 +62,40 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
         assert values["none_async_gpu_busy"] is None  # no CUDA events on the CPU
     table = (tmp_path / "device_check.md").read_text()
     assert "| kernels | assemble_inputs | PASS |" in table and "dry run" in table
+
+
+def torch_version() -> str:
+    from importlib.metadata import version
+
+    return version("torch")
+
+
+def test_device_check_sigterm_still_writes_what_was_found(tmp_path: Path) -> None:
+    """The wrapper's timeout sends SIGTERM: the section running in its own process is stopped,
+    and the report holds the records it had written, marked incomplete."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "device_check.py"), str(tmp_path), "--dry-run"]
+    proc = subprocess.Popen(cmd + ["--only", "environment,kernels,families"], env=env, cwd=REPO_ROOT)
+    try:
+        deadline = time.monotonic() + 120
+        # Wait until the kernels section has written a record of its own, then terminate.
+        while not any(r.get("section") == "kernels" for r in _records(tmp_path / ".part-kernels.json")):
+            assert proc.poll() is None and time.monotonic() < deadline, "kernels never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report = json.loads((tmp_path / "device_check.json").read_text())
+    assert not report["ok"] and not report["complete"]
+    sections = [r["section"] for r in report["records"]]
+    assert "kernels" in sections and "families" not in sections and sections[-1] == "run"
+    assert "incomplete" in (tmp_path / "device_check.md").read_text()
+
+
+def _records(path: Path) -> list[dict]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []

@@ -245,6 +245,29 @@ class SimulatedStep(Protocol):
         ...
 
 
+def worker_info(runner: ModelRunner, **fields) -> worker_pb2.WorkerInfo:
+    """What a worker tells a scheduler about a runner (`Describe`): capacity, speculation, EOS
+    ids and vocabulary, the fields `SchedulerConfig.with_worker` reads; ``fields`` adds the
+    rest (ids, device, tokenizer). Tests and scripts that drive a runner in-process configure
+    their scheduler from it too, so they plan as a scheduler facing this worker would.
+    """
+    cfg = runner.config
+    proposer = runner.proposer
+    return worker_pb2.WorkerInfo(
+        max_model_len=cfg.max_model_len,
+        block_size=cfg.block_size,
+        num_blocks=cfg.num_blocks,
+        vocab_size=runner.loaded.hf_config.vocab_size,
+        eos_token_ids=runner.loaded.eos_token_ids,
+        spec_method=proposer.method if proposer is not None else "none",
+        num_spec_tokens=runner.num_spec_tokens,
+        # A draft model writes its chain past the step: the scheduler allocates those slots too.
+        num_lookahead_slots=proposer.num_lookahead_slots if proposer is not None else 0,
+        max_num_seqs=cfg.max_num_seqs,
+        **fields,
+    )
+
+
 def _to_device_list(values: staging.HostValues, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:
     # Pinned staging and an async copy: a pageable copy would wait for the previous step.
     return staging.to_device(values, dtype, device)

@@ -25,7 +25,7 @@ import torch
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
-from worker_svc.runner import ModelRunner, PendingResult, RunnerConfig
+from worker_svc.runner import ModelRunner, PendingResult, RunnerConfig, worker_info
 from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
@@ -174,29 +174,6 @@ def tokenizer_fields(model_dir: Path) -> dict[str, str]:
         chat_template=template if isinstance(template, str) else "",
         bos_token=token_str(config.get("bos_token")),
         eos_token=token_str(config.get("eos_token")),
-    )
-
-
-def worker_info(runner: ModelRunner, **fields) -> worker_pb2.WorkerInfo:
-    """What a worker tells a scheduler about a runner (`Describe`): capacity, speculation, EOS
-    ids and vocabulary, the fields `SchedulerConfig.with_worker` reads; ``fields`` adds the
-    rest (ids, device, tokenizer). Tests and scripts that drive a runner in-process configure
-    their scheduler from it too, so they plan as a scheduler facing this worker would.
-    """
-    cfg = runner.config
-    proposer = runner.proposer
-    return worker_pb2.WorkerInfo(
-        max_model_len=cfg.max_model_len,
-        block_size=cfg.block_size,
-        num_blocks=cfg.num_blocks,
-        vocab_size=runner.loaded.hf_config.vocab_size,
-        eos_token_ids=runner.loaded.eos_token_ids,
-        spec_method=proposer.method if proposer is not None else "none",
-        num_spec_tokens=runner.num_spec_tokens,
-        # A draft model writes its chain past the step: the scheduler allocates those slots too.
-        num_lookahead_slots=proposer.num_lookahead_slots if proposer is not None else 0,
-        max_num_seqs=cfg.max_num_seqs,
-        **fields,
     )
 
 
