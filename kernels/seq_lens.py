@@ -29,7 +29,9 @@ def _update_torch(
     # Slots in one step are distinct, so gather-modify-scatter is race free.
     seq_len[slots] = (seq_len[slots].to(torch.int64) + growth).to(seq_len.dtype)
     last_token[slots] = torch.where(do_sample, sampled_last.to(last_token.dtype), last_token[slots])
-    num_drafts[slots] = 0
+    # `index_fill_` takes the number as a kernel argument; `num_drafts[slots] = 0` would copy
+    # a host scalar to the device first, a host sync on CUDA.
+    num_drafts.index_fill_(0, slots, 0)
 
 
 if HAS_TRITON:

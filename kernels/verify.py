@@ -55,7 +55,7 @@ def _count_accepted_triton(target_tokens: Tensor, draft_tokens: Tensor, num_draf
     _count_accepted_kernel[(num_reqs,)](
         target_tokens.contiguous(),
         draft_tokens.contiguous(),
-        num_drafts,
+        num_drafts.contiguous(),
         out,
         max_drafts,
         BLOCK_K=next_power_of_2(max_drafts),
@@ -237,9 +237,11 @@ def _rejection_triton(
         target_probs.contiguous(),
         draft_probs.contiguous(),
         draft_tokens.contiguous(),
-        num_drafts,
-        seeds.to(torch.int64),
-        positions.to(torch.int64),
+        num_drafts.contiguous(),
+        # The kernel reads element `row` of each: a strided view (the runner passes one
+        # column of a [R, K+1] spread) would hand row r another row's key.
+        seeds.to(torch.int64).contiguous(),
+        positions.to(torch.int64).contiguous(),
         out,
         num_accepted,
         max_drafts,

@@ -56,7 +56,7 @@ def _hf_greedy(hf: LlamaForCausalLM, prompt: list[int], num_tokens: int) -> list
     return ids[len(prompt) :]
 
 
-def _tiny_hf(seed: int) -> LlamaForCausalLM:
+def _tiny_hf(seed: int, max_positions: int = 256) -> LlamaForCausalLM:
     cfg = LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=64,
@@ -64,7 +64,7 @@ def _tiny_hf(seed: int) -> LlamaForCausalLM:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=max_positions,
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM(cfg).eval()
@@ -170,3 +170,24 @@ def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:
     assert run("keyed", 2, ["s1"])[0]["s1"] == baseline["s1"]  # alone
     rejection, _, _ = run("rejection", 2, every)
     assert rejection != baseline
+
+
+def test_a_draft_covering_just_the_model_length_drafts_to_the_end() -> None:
+    """The draft's rotary table ends at the model length (128): a request that runs to the end
+    feeds its chain past it, which must not index the table (on CUDA a device-side assert that
+    poisons the context); the output is still the target's greedy continuation. A draft that
+    covers less than the model length is refused when it is bound."""
+    target = _tiny_hf(0)
+    runner, scheduler = _runner_and_scheduler(target, DraftModelProposer(_loaded(_tiny_hf(0, max_positions=128)), K))
+    gen = torch.Generator().manual_seed(4)
+    prompts = {f"r{i}": torch.randint(0, 256, (20 + 7 * i,), generator=gen).tolist() for i in range(3)}
+    for rid, prompt in prompts.items():
+        scheduler.add_request(rid, prompt, ignore_eos=True)  # up to the model length
+    outputs, drafted, accepted = _drive(runner, scheduler, window=2)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == _hf_greedy(target, prompt, 128 - len(prompt)), rid
+    assert scheduler.stats.num_failed_steps == 0
+    # Same weights: the drafts are the target's own tokens.
+    assert drafted > 0 and accepted >= 0.9 * drafted, (accepted, drafted)
+    with pytest.raises(ValueError, match="fewer than max_model_len 128"):
+        _runner_and_scheduler(target, DraftModelProposer(_loaded(_tiny_hf(0, max_positions=100)), K))

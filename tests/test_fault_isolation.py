@@ -13,7 +13,7 @@ import pytest
 from scheduler_svc.scheduler import FINISH_ERROR
 from scheduler_svc.tokenizer import Tokenizer
 from tests.drive import make_scheduler
-from worker_svc.server import build_runner, run_step, tokenizer_fields
+from worker_svc.server import build_runner, materialize_result, run_step, tokenizer_fields
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig
 
@@ -36,11 +36,19 @@ def runner(smollm2_dir):
     return runner
 
 
-def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0):
+class FailingCopy:
+    """Stands for the CUDA event of a step whose kernels faulted: waiting for it raises."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0, fault_at_copy: int = 0):
     """The prompts through Scheduler + runner (results `window - 1` plans late).
 
     With `late_after_step`, the last prompt joins right after that step was executed (so the
-    plans in flight behind it mix it with the earlier requests). Returns req_id -> (tokens,
+    plans in flight behind it mix it with the earlier requests). With `fault_at_copy`, waiting
+    for that step's result copy raises, as CUDA reports a fault in a step's kernels. Returns req_id -> (tokens,
     finish reason, error) and the step-level errors seen.
     """
     scheduler = make_scheduler(runner, max_num_batched_tokens=64)
@@ -62,11 +70,15 @@ def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0):
             if mutate_plan is not None:
                 mutate_plan(plan)
             inflight.append(run_step(runner, plan))
+            if plan.step_id == fault_at_copy:
+                inflight[-1].ready = FailingCopy()
             if plan.step_id == late_after_step:
                 add(len(PROMPTS) - 1)
         pending = inflight.pop(0)
         result = (
-            pending if isinstance(pending, worker_pb2.StepResult) else pending.materialize(0.0, runner.num_spec_tokens)
+            pending
+            if isinstance(pending, worker_pb2.StepResult)
+            else materialize_result(pending, 0.0, runner.num_spec_tokens)
         )
         if result.error:
             step_errors.append(result.error)
@@ -132,3 +144,15 @@ def test_a_step_that_raises_fails_its_requests_and_not_the_next_plans(runner):
         assert got[req_id][1] == FINISH_ERROR and "injected step fault" in got[req_id][2]
     assert got["r3"][0] == reference["r3"][0] and len(got["r3"][0]) == MAX_TOKENS
     assert not {"r0", "r1", "r2"} & set(runner.slots)
+
+
+def test_a_fault_at_the_result_copy_answers_its_step_with_an_error(runner):
+    """On CUDA a fault in a step's kernels surfaces at the wait for its result copy, on the
+    copier thread: the step is answered with an error (not left unanswered until the step
+    deadline), its requests end with ERROR, and a request that joined behind it is unaffected."""
+    reference, _ = run(runner, late_after_step=2)
+    got, errors = run(runner, late_after_step=2, fault_at_copy=2)
+    assert len(errors) == 1 and "illegal memory access" in errors[0]
+    for req_id in ("r0", "r1", "r2"):
+        assert got[req_id][1] == FINISH_ERROR and "illegal memory access" in got[req_id][2]
+    assert got["r3"][0] == reference["r3"][0] and len(got["r3"][0]) == MAX_TOKENS

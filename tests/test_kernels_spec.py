@@ -415,3 +415,9 @@ def test_rejection_sample_triton_matches_reference() -> None:
     assert torch.equal(ref[0], tri[0]) and torch.equal(ref[1], tri[1])
     assert ref[1][:2].tolist() == [MAX_DRAFTS, MAX_DRAFTS]
     assert ref[1][2] == 0 and ref[0][2, 0] == 5
+    # Keys as the runner passes them: one column of a [R, K+1] spread, a strided view.
+    spread_seeds = seeds[:, None].expand(num_rows, MAX_DRAFTS + 1).contiguous()[:, 0]
+    spread_positions = positions[:, None].expand(num_rows, MAX_DRAFTS + 1).contiguous()[:, 0]
+    assert not spread_seeds.is_contiguous()
+    strided = rejection_sample(target, draft, tokens, num_drafts, spread_seeds, spread_positions, impl="triton")
+    assert torch.equal(strided[0], ref[0]) and torch.equal(strided[1], ref[1])

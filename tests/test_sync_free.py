@@ -19,9 +19,10 @@ shape logic the same way.
 `TransferAudit` records every host<->device copy of the steps: each must be ``non_blocking``
 from (or into) memory allocated with ``pin_memory=True``. A pageable upload (``torch.tensor(list,
 device=...)``, indexing a device tensor with a Python list) would show up here, and so would a
-Python number written into one element (``t[i] = 5``): for a CUDA tensor the binding builds the
-number as a host scalar and copies it into the element with a blocking copy, a sync, while on
-``meta`` the scalar is built on the device; the audit counts it as the upload it is on CUDA.
+Python number written into a device tensor (``t[i] = 5``, ``t[index] = 5``): for a CUDA tensor
+the binding builds the number as a host scalar and copies it to the device with a blocking copy,
+a sync, while on ``meta`` the scalar is built on the device; the audit counts it as the upload
+it is on CUDA.
 """
 
 from __future__ import annotations
@@ -91,6 +92,9 @@ class TransferAudit(TorchDispatchMode):
                 self.copies.append(Copy("h2d", non_blocking=False, pinned=False))
             else:
                 self._record(src, dst, non_blocking)
+        elif func is aten.index_put_.default and id(args[2]) in self.numbers and args[0].device.type != "cpu":
+            # `t[index] = number`: on CUDA the number is moved to the device first, blocking.
+            self.copies.append(Copy("h2d", non_blocking=False, pinned=False))
         elif func is aten._to_copy.default and "device" in kwargs:
             self._record(args[0], out, bool(kwargs.get("non_blocking", False)))
         return out
@@ -203,8 +207,9 @@ def test_audit_catches_a_pageable_upload_and_a_read() -> None:
         with audit:
             x.copy_(torch.ones(4))  # pageable, blocking
             x[1] = 3.0  # on CUDA: a host scalar copied into the element, blocking
+            x[torch.tensor([0, 2], device="meta")] = 1.0  # likewise, through index_put_
             x[2].fill_(3.0)  # a kernel with the number as its argument
             torch.where(x > 0, x, 0.0)  # likewise
         with pytest.raises(DataDependentOutputException):
             x.sum().item()
-    assert [(c.direction, c.non_blocking, c.pinned) for c in audit.copies] == [("h2d", False, False)] * 2
+    assert [(c.direction, c.non_blocking, c.pinned) for c in audit.copies] == [("h2d", False, False)] * 3

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -174,16 +174,30 @@ class PendingResult:
     top_ids: torch.Tensor | None = None
     top_logprobs: torch.Tensor | None = None
     num_top: list[int] = field(default_factory=list)
+    # CUDA: timing events (the previous step's end while requests were live, or None; this
+    # step's begin and end on the compute stream).
+    device_span: tuple[Any, Any, Any] | None = None
 
     def materialize(self, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
         """Wait for the copy (if any) and build the wire result (`idle_s`: the step thread's
         wait for this plan while requests were live)."""
         if self.ready is not None:
             self.ready.synchronize()
+        forward_s = self.forward_s
+        if self.idle_s is not None:
+            idle_s = self.idle_s
+        if self.device_span is not None:
+            # The step's time on the device and the device's gap before it: the step thread
+            # runs ahead of the device, so its own times (launching, waiting for the next
+            # plan) say nothing about the bubble there.
+            prev_end, begin, end = self.device_span
+            end.synchronize()
+            forward_s = begin.elapsed_time(end) / 1000
+            idle_s = max(prev_end.elapsed_time(begin) / 1000, 0.0) if prev_end is not None else 0.0
         result = worker_pb2.StepResult(
             step_id=self.step_id,
-            forward_s=self.forward_s,
-            idle_s=idle_s if self.idle_s is None else self.idle_s,
+            forward_s=forward_s,
+            idle_s=idle_s,
             num_tokens=self.num_tokens,
         )
         accepted_per_pos = [0] * num_spec_tokens
@@ -352,6 +366,7 @@ class ModelRunner:
         if proposer is not None:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self._last_step_end: Any = None  # CUDA: the latest step's end event while requests were live
         # Off the CPU the host never reads device values during a step (see worker_svc/staging.py).
         self.accelerator = staging.is_accelerator(self.device)
         # A simulated device stands for an accelerator too: the host never reads device state.
@@ -374,6 +389,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every request (a new scheduler stream starts from scratch)."""
+        self._last_step_end = None
         for req_id in list(self.slots):
             self.release(req_id)
         if self.simulator is not None:
@@ -580,11 +596,18 @@ class ModelRunner:
             if self.simulator is not None:
                 pending = self.simulator.step(self, batch)
             else:
+                begin = self._device_event()
                 logits = self.run_model(batch)
                 pending = self.sample(batch, logits)
                 pending.forward_s = time.perf_counter() - start
+                if begin is not None:
+                    end = self._device_event()
+                    pending.device_span = (self._last_step_end, begin, end)
+                    # The next step's gap counts from here while requests stay live.
+                    self._last_step_end = end if self.slots else None
         except StepInterrupted:
             # Nothing of the step is used: no state advances, no tokens, no drafts.
+            self._last_step_end = None
             self.num_cut_steps += 1
             logger.debug("step %d cut short: a later plan finished all its rows", plan.step_id)
             pending = PendingResult(plan.step_id, [], [], None, None, None, None, [], 0, time.perf_counter() - start)
@@ -990,6 +1013,14 @@ class ModelRunner:
             )
         return penalties, bias
 
+    def _device_event(self) -> Any:
+        """A timing event recorded now on the compute stream (CUDA); None elsewhere."""
+        if self._copy_stream is None:
+            return None
+        event = torch.cuda.Event(enable_timing=True, blocking=True)
+        event.record()
+        return event
+
     def _start_copy(self, pending: PendingResult) -> None:
         """Start the device-to-host copy of a step's outputs without blocking the next step.
 
@@ -1013,6 +1044,8 @@ class ModelRunner:
                 if t is not None:
                     t.record_stream(self._copy_stream)
                     setattr(pending, name, staging.to_host(t))
-            event = torch.cuda.Event()
+            # Blocking: the copier thread sleeps in `synchronize` instead of spinning a core
+            # for most of every step (the copy runs after the whole step).
+            event = torch.cuda.Event(blocking=True)
             event.record(self._copy_stream)
         pending.ready = event

@@ -193,6 +193,22 @@ def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | 
         return worker_pb2.StepResult(step_id=plan.step_id, error=error)
 
 
+def materialize_result(pending: PendingResult, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
+    """A step's wire result once its copy is done (on the copier thread), or an error result.
+
+    On CUDA the step thread only launches work, so a fault in a step's kernels (an illegal
+    access, a device-side assert) usually surfaces here, at the wait for the copy. Raised on the
+    copier thread it would be lost and the step never answered: the scheduler would wait for
+    its step deadline while this worker still looked healthy. Answered with an error, the
+    scheduler ends the step's requests with ERROR at once.
+    """
+    try:
+        return pending.materialize(idle_s, num_spec_tokens)
+    except Exception as exc:
+        logger.exception("step %d: reading its result failed", pending.step_id)
+        return worker_pb2.StepResult(step_id=pending.step_id, error=f"reading the step's result failed: {exc}")
+
+
 # Test-only fault injection for the chaos suite (tests/test_chaos.py), never set in manifests:
 # every N-th decode row fails (its request ends with ERROR, the rest of its step runs).
 TEST_FAULT_ENV = "ZEROBUBBLE_TEST_FAIL_EVERY_NTH_DECODE_ROW"
@@ -305,7 +321,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             loop.call_soon_threadsafe(results.put_nowait, item)
 
         def materialize_and_deliver(pending, idle_s: float) -> None:
-            deliver(pending.materialize(idle_s, self.runner.num_spec_tokens))
+            deliver(materialize_result(pending, idle_s, self.runner.num_spec_tokens))
 
         self._notify.append(deliver)
         self.num_streams += 1

@@ -79,8 +79,16 @@ class DraftModelProposer:
                 f"draft model vocab {self.draft.hf_config.vocab_size} differs from the "
                 f"target's {runner.loaded.hf_config.vocab_size}: they must share a tokenizer"
             )
-        self.runner = runner
         cfg = runner.config
+        max_pos = self.draft.model.rope_cos.shape[0]
+        if max_pos < cfg.max_model_len:
+            # It runs on every position the target computes (`observe`): past its rotary
+            # table it could not (an out-of-range index; on CUDA a device-side assert).
+            raise ValueError(
+                f"the draft model covers {max_pos} positions, fewer than max_model_len {cfg.max_model_len}: "
+                "lower --max-model-len or use a draft model with a longer context"
+            )
+        self.runner = runner
         # One block more than the target: the scratch block that takes writes without room.
         self.scratch_block = cfg.num_blocks
         self.kv_caches = allocate_kv_cache(
@@ -118,6 +126,12 @@ class DraftModelProposer:
         vocab_size = self.draft.hf_config.vocab_size
         qsl = torch.arange(num_rows + 1, dtype=torch.int32, device=dev)
         max_seq_len = tables.shape[1] * bs
+        # Positions the draft's rotary table covers (at least the model length, see `bind`).
+        # The chain of a request near the end of the model length runs past it: indexing the
+        # table there would be out of range, a device-side assert that poisons a CUDA context.
+        # Such positions feed the draft a clamped position and write to the scratch block, and
+        # their drafts are never offered (num_drafts below).
+        max_pos = self.draft.model.rope_cos.shape[0]
         token = st.last_token[idx].to(torch.int64)
         drafts = torch.zeros(num_rows, self.k, dtype=torch.int32, device=dev)
         probs = (
@@ -125,6 +139,7 @@ class DraftModelProposer:
         )
         for j in range(self.k):
             pos = seq_len + j  # the fed token's position; it drafts position pos + 1
+            fed_pos = pos.clamp(max=max_pos - 1)
             if penalties is not None:
                 # The fed token is an output token of the context of position pos + 1.
                 fed = token[penalties.rows][:, None]
@@ -132,18 +147,20 @@ class DraftModelProposer:
                     penalties.output_counts.scatter_add_(1, fed, torch.ones_like(fed, dtype=torch.int32))
                 if penalties.seen is not None:
                     penalties.seen.scatter_(1, fed, True)
-            room = pos < caps
-            block = tables.gather(1, (pos // bs).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
-            slot_mapping = torch.where(room, block.to(torch.int64) * bs + pos % bs, self.scratch_block * bs + pos % bs)
+            room = (pos < caps) & (pos < max_pos)
+            block = tables.gather(1, (fed_pos // bs).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
+            slot_mapping = torch.where(
+                room, block.to(torch.int64) * bs + fed_pos % bs, self.scratch_block * bs + fed_pos % bs
+            )
             meta = AttentionMetadata(
                 query_start_loc=qsl,
-                seq_lens=(pos + 1).to(torch.int32),
+                seq_lens=(fed_pos + 1).to(torch.int32),
                 block_tables=tables,
                 max_query_len=1,
                 max_seq_len=max_seq_len,
                 slot_mapping=slot_mapping,
             )
-            hidden = self.draft.model(token, pos, meta, self.kv_caches)
+            hidden = self.draft.model(token, fed_pos, meta, self.kv_caches)
             logits = self.draft.model.compute_logits(hidden)
             t = dataclasses.replace(sampling, positions=pos + 1)
             if probs is None:
@@ -158,7 +175,7 @@ class DraftModelProposer:
             drafts[:, j] = token.to(torch.int32)
         st.drafts[idx, : self.k] = drafts
         # Draft j is offered only if every position fed up to it was written to the real cache.
-        st.num_drafts[idx] = (caps - seq_len).clamp(min=0, max=self.k).to(torch.int32)
+        st.num_drafts[idx] = (caps.clamp(max=max_pos) - seq_len).clamp(min=0, max=self.k).to(torch.int32)
         if probs is not None:
             self.probs[idx] = probs
 
