@@ -126,14 +126,14 @@ class _Graph:
     pad_seq_lens: torch.Tensor
     pad_tables: torch.Tensor
     graph: torch.cuda.CUDAGraph | None = None
-    logits: torch.Tensor | None = None  # the captured forward's output buffer
+    output: torch.Tensor | None = None  # the captured forward's output buffer
 
 
 Forward = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata], torch.Tensor]
 
 
 class DecodeGraphs:
-    """Captures ``forward`` (ids, positions, meta -> logits of every token) per `GraphKey`
+    """Captures ``forward`` (ids, positions, meta -> one output row per token) per `GraphKey`
     and replays it for pure-decode steps."""
 
     def __init__(
@@ -209,7 +209,7 @@ class DecodeGraphs:
                 torch.cuda.current_stream().wait_stream(stream)
                 cuda_graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(cuda_graph, pool=self._pool):
-                    g.logits = self.forward(g.input_ids, g.positions, g.meta)
+                    g.output = self.forward(g.input_ids, g.positions, g.meta)
                 self._pool = cuda_graph.pool()
                 g.graph = cuda_graph
             self.graphs[key] = g
@@ -229,7 +229,7 @@ class DecodeGraphs:
         meta: AttentionMetadata,
         block_table_rows: torch.Tensor,
     ) -> torch.Tensor:
-        """Logits ``[T, vocab]`` of the step's ``T = rows * width`` tokens, through graph ``key``.
+        """The forward's output for the step's ``T = rows * width`` tokens (``[T, ...]``), through graph ``key``.
 
         ``block_table_rows``: ``[rows, max_blocks]`` full block-table rows of the step's requests.
         Device-to-device copies only: real rows first, then the padding tail.
@@ -254,5 +254,5 @@ class DecodeGraphs:
         if g.graph is None:  # emulated: the same forward on the same padded buffers
             return self.forward(g.input_ids, g.positions, g.meta)[:num_tokens]
         g.graph.replay()
-        assert g.logits is not None
-        return g.logits[:num_tokens]
+        assert g.output is not None
+        return g.output[:num_tokens]

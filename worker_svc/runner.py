@@ -374,7 +374,7 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         if config.cuda_graphs and simulator is None:
             self.graphs = DecodeGraphs(
-                self._forward_logits,
+                self._forward_hidden,
                 self.device,
                 batch_buckets(config.max_num_seqs),
                 widths,
@@ -793,12 +793,15 @@ class ModelRunner:
             num_top=row_top.tolist() if row_top.max() > 0 else [],
         )
 
-    def _forward_logits(
+    def _forward_hidden(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        """Logits of every token (what a decode graph captures)."""
+        """The model body (writes K/V): what a decode graph captures. Its logits are computed
+        after the replay: captured, every graph would keep its own ``[rows * width, vocab]``
+        output alive (outputs outlive their capture), over 20 GB for 256 sequences, k = 3 and
+        a 128k vocabulary, against a few hundred MB of hidden states."""
         assert self.model is not None
-        return self.model.compute_logits(self.model(input_ids, positions, meta, self.kv_caches))
+        return self.model(input_ids, positions, meta, self.kv_caches)
 
     def run_model(self, batch: StepBatch) -> torch.Tensor | None:
         """The forward over the flat batch (writes K/V) and the logits of the sampled slots
@@ -810,13 +813,14 @@ class ModelRunner:
             key = self.graphs.choose(batch.row_widths, [True] * len(batch.row_widths))
         if key is not None and self.graphs is not None:
             # Every token of a decode row is sampled, in order: the logits are already [G, vocab].
-            logits = self.graphs.run(
+            hidden = self.graphs.run(
                 key,
                 batch.input_ids,
                 batch.positions,
                 batch.meta,
                 self.state.block_table.index_select(0, batch.req_slots.long()),
             )
+            logits = self.model.compute_logits(hidden)
             if self.proposer is not None:
                 self.proposer.observe(batch)
             return logits
