@@ -289,3 +289,41 @@ def test_killed_worker_loses_no_request_and_changes_no_output(cluster):
         assert total(sched, name, worker=next(iter(dead))) == 0, name
     assert total(sched, "zerobubble_num_requests_running") == 0
     assert total(sched, "zerobubble_num_requests_waiting") == 0
+
+
+def test_a_device_fault_exits_the_worker_and_its_requests_finish_elsewhere():
+    """On CUDA a kernel fault (an illegal access) surfaces at the wait for a step's result copy,
+    and the context then refuses all work. The worker exits at once, leaving the step
+    unanswered, so its scheduler moves its requests, confirmed tokens and all, to the other
+    worker: none is lost, none changes. Simulated devices (greedy output depends on the prompt
+    only); the fault is injected into one worker's 10th result copy."""
+    opts = dict(simulate_device_ms=2.0, spec_method="ngram", num_spec_tokens=3, max_num_seqs=16)
+    healthy = start_worker(**opts)
+    faulty = start_worker(**opts, env={"ZEROBUBBLE_TEST_DEVICE_FAULT_AT_STEP": "10"})
+    requests = [dict(r, max_tokens=96) for r in (chat(q) for q in QUESTIONS)]
+    schedulers = []
+    try:
+        alone = start_scheduler([healthy])
+        schedulers.append(alone)
+        wait_serving(alone.target)
+        reference, _, _ = asyncio.run(run_all(alone.target, requests))
+        both = start_scheduler([healthy, faulty])
+        schedulers.append(both)
+        wait_serving(both.target)
+        deadline = time.monotonic() + 60
+        with grpc.insecure_channel(both.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            while stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).num_workers < 2:
+                assert time.monotonic() < deadline, "the scheduler did not connect to both workers"
+                time.sleep(0.1)
+        outputs, _, info = asyncio.run(run_all(both.target, requests))
+        assert faulty.proc.wait(timeout=30) == 70
+        assert "device fault, exiting" in "".join(faulty.log)
+        assert "re-queueing" in "".join(both.log), "the faulty worker held no request: the test proved nothing"
+        assert info.num_workers == 1
+        for i, c in enumerate(outputs):
+            assert c.finish_reason == "max_tokens", (i, c.finish_reason, c.error)
+            assert c.token_ids == reference[i].token_ids, f"request {i} changed after the failover"
+    finally:
+        for service in (*schedulers, healthy, faulty):
+            service.stop()

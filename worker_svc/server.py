@@ -15,7 +15,9 @@ import logging
 import os
 import queue
 import socket
+import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -177,34 +179,59 @@ def tokenizer_fields(model_dir: Path) -> dict[str, str]:
     )
 
 
-def run_step(runner: ModelRunner, plan: worker_pb2.StepPlan) -> PendingResult | worker_pb2.StepResult:
+# Exit status of a worker whose device failed: its supervisor (Kubernetes) restarts it.
+EXIT_DEVICE_FAULT = 70
+
+DeviceFaultHandler = Callable[[BaseException], None]
+
+
+def is_device_fault(exc: BaseException) -> bool:
+    """Whether ``exc`` is the accelerator failing (a kernel fault, after which a CUDA context
+    refuses all further work), not one step's bad input or a bug in its host code."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(exc, accelerator_error):
+        return True
+    return "CUDA error" in str(exc)
+
+
+def run_step(
+    runner: ModelRunner, plan: worker_pb2.StepPlan, on_device_fault: DeviceFaultHandler | None = None
+) -> PendingResult | worker_pb2.StepResult:
     """Execute one plan; a step that raises becomes an error result and the worker goes on.
 
     The failed step's requests lose their state (none stays half admitted) and are remembered,
     so plans already sent that hold rows for them answer those rows with a per-request error
     instead of failing as a whole; their co-batched requests in those plans are unaffected.
+    A device fault goes to ``on_device_fault`` instead (when given): nothing more can run.
     """
     try:
         return runner.execute(plan)
     except Exception as exc:
+        if on_device_fault is not None and is_device_fault(exc):
+            on_device_fault(exc)
         logger.exception("step %d failed", plan.step_id)
         error = f"step failed: {exc}"
         runner.fail_requests(plan_req_ids(plan), error)
         return worker_pb2.StepResult(step_id=plan.step_id, error=error)
 
 
-def materialize_result(pending: PendingResult, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
+def materialize_result(
+    pending: PendingResult, idle_s: float, num_spec_tokens: int, on_device_fault: DeviceFaultHandler | None = None
+) -> worker_pb2.StepResult:
     """A step's wire result once its copy is done (on the copier thread), or an error result.
 
     On CUDA the step thread only launches work, so a fault in a step's kernels (an illegal
     access, a device-side assert) usually surfaces here, at the wait for the copy. Raised on the
     copier thread it would be lost and the step never answered: the scheduler would wait for
     its step deadline while this worker still looked healthy. Answered with an error, the
-    scheduler ends the step's requests with ERROR at once.
+    scheduler ends the step's requests with ERROR at once. A device fault goes to
+    ``on_device_fault`` instead (when given).
     """
     try:
         return pending.materialize(idle_s, num_spec_tokens)
     except Exception as exc:
+        if on_device_fault is not None and is_device_fault(exc):
+            on_device_fault(exc)
         logger.exception("step %d: reading its result failed", pending.step_id)
         return worker_pb2.StepResult(step_id=pending.step_id, error=f"reading the step's result failed: {exc}")
 
@@ -212,6 +239,18 @@ def materialize_result(pending: PendingResult, idle_s: float, num_spec_tokens: i
 # Test-only fault injection for the chaos suite (tests/test_chaos.py), never set in manifests:
 # every N-th decode row fails (its request ends with ERROR, the rest of its step runs).
 TEST_FAULT_ENV = "ZEROBUBBLE_TEST_FAIL_EVERY_NTH_DECODE_ROW"
+
+
+# Test-only, like the above: the result copy of the worker's N-th step (of each stream) fails
+# as CUDA reports a kernel fault.
+TEST_DEVICE_FAULT_ENV = "ZEROBUBBLE_TEST_DEVICE_FAULT_AT_STEP"
+
+
+class InjectedDeviceFault:
+    """A step's copy event whose wait raises the error CUDA gives after an illegal access."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError(f"CUDA error: an illegal memory access was encountered (injected: {TEST_DEVICE_FAULT_ENV})")
 
 
 def injected_fault_hook_from_env(env: dict[str, str]):
@@ -270,6 +309,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.draining = False
         self.num_streams = 0
         self._notify: list = []  # puts an item into the open stream's result queue
+        # Test-only (TEST_DEVICE_FAULT_ENV): the step of each stream whose result copy fails.
+        self.test_device_fault_at = int(os.environ.get(TEST_DEVICE_FAULT_ENV, "0") or 0)
+        if self.test_device_fault_at:
+            logger.warning("TEST FAULT INJECTION ON: step %d's result copy fails", self.test_device_fault_at)
 
     async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         if self.draining:  # a scheduler must not (re)connect to a worker that is leaving
@@ -287,6 +330,18 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             dtype=dtype,
             **self.tokenizer_fields,
         )
+
+    def device_fault(self, exc: BaseException) -> None:
+        """The device failed (see `is_device_fault`): nothing more can run in this process.
+
+        Exit at once, leaving the step unanswered: the scheduler sees the stream end and moves
+        this worker's requests, with their confirmed tokens, to another worker (an error answer
+        would end them with ERROR instead), and the supervisor restarts the worker.
+        """
+        logger.critical("device fault, exiting (status %d): %s", EXIT_DEVICE_FAULT, exc)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_DEVICE_FAULT)
 
     def start_draining(self) -> None:
         """SIGTERM: refuse new streams and tell the open one (see `draining` in worker.proto)."""
@@ -321,12 +376,14 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             loop.call_soon_threadsafe(results.put_nowait, item)
 
         def materialize_and_deliver(pending, idle_s: float) -> None:
-            deliver(materialize_result(pending, idle_s, self.runner.num_spec_tokens))
+            deliver(materialize_result(pending, idle_s, self.runner.num_spec_tokens, self.device_fault))
 
         self._notify.append(deliver)
         self.num_streams += 1
         if self.draining:
             deliver(worker_pb2.StepResult(step_id=0, draining=True))
+
+        num_steps = [0]
 
         def step_loop() -> None:
             while True:
@@ -338,10 +395,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 if plan is _END:
                     copier.submit(deliver, _END)
                     return
-                pending = run_step(self.runner, plan)
+                pending = run_step(self.runner, plan, self.device_fault)
                 if isinstance(pending, worker_pb2.StepResult):
                     copier.submit(deliver, pending)
                     continue
+                num_steps[0] += 1
+                if num_steps[0] == self.test_device_fault_at:
+                    pending.ready = InjectedDeviceFault()
                 # The host copy overlaps the next step: it happens on the copier thread.
                 copier.submit(materialize_and_deliver, pending, idle)
 
