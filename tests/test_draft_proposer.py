@@ -191,3 +191,24 @@ def test_a_draft_covering_just_the_model_length_drafts_to_the_end() -> None:
     assert drafted > 0 and accepted >= 0.9 * drafted, (accepted, drafted)
     with pytest.raises(ValueError, match="fewer than max_model_len 128"):
         _runner_and_scheduler(target, DraftModelProposer(_loaded(_tiny_hf(0, max_positions=100)), K))
+
+
+def test_kv_budget_counts_the_draft_cache_at_its_own_size() -> None:
+    """The draft keeps a cache of its own shape block for block beside the target's: the blocks
+    that fit are the budget over the sum of the two models' bytes per block (not twice the
+    target's, which wasted most of the budget for a small draft beside a large target)."""
+    from types import SimpleNamespace
+
+    from worker_svc.model import kv_cache_bytes_per_block
+    from worker_svc.server import kv_capacity_blocks
+    from zerobubble.config import WorkerConfig
+
+    big, small = _tiny_hf(0).config, LlamaConfig(**{**_tiny_hf(0).config.to_dict(), "num_hidden_layers": 1})
+    cfg = WorkerConfig(kv_cache_memory_gb=0.01, block_size=4)
+    cpu = torch.device("cpu")
+    per_big, per_small = (kv_cache_bytes_per_block(c, 4, torch.float32) for c in (big, small))
+    assert per_small < per_big
+    target, draft = SimpleNamespace(hf_config=big), SimpleNamespace(hf_config=small)
+    budget = 0.01 * (1 << 30)
+    assert kv_capacity_blocks(cfg, target, cpu, torch.float32) == int(budget // per_big)
+    assert kv_capacity_blocks(cfg, target, cpu, torch.float32, draft) == int(budget // (per_big + per_small))

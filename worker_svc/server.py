@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from kernels._triton import HAS_TRITON
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
@@ -53,10 +54,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def kv_capacity_blocks(
-    cfg: WorkerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, num_models: int = 1
+    cfg: WorkerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, draft: LoadedModel | None = None
 ) -> int:
-    """KV blocks that fit: a memory budget on CPU, free memory on CUDA."""
-    per_block = kv_cache_bytes_per_block(loaded.hf_config, cfg.block_size, dtype) * num_models
+    """KV blocks that fit: a memory budget on CPU, free memory on CUDA. A draft model keeps a
+    cache of its own shape block for block beside the target's."""
+    models = (loaded,) if draft is None else (loaded, draft)
+    per_block = sum(kv_cache_bytes_per_block(m.hf_config, cfg.block_size, dtype) for m in models)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         budget = free - (1 - cfg.gpu_memory_utilization) * total
@@ -79,6 +82,10 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
+    if device.type == "cuda" and not HAS_TRITON:
+        # The attention's torch twin for accelerators gathers every token's whole context:
+        # fine for the tests' fake device, out of memory at once at real lengths on a GPU.
+        raise ConfigError("--device cuda needs triton (Linux CUDA builds of torch bring it): pip install triton")
     dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights)
     draft = load_model(cfg.draft_model, dtype, device, cfg.prepack_weights) if cfg.spec_method == "draft" else None
@@ -88,7 +95,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     max_model_len = loaded.max_model_len
     if cfg.max_model_len > 0:
         max_model_len = min(max_model_len, cfg.max_model_len)
-    num_blocks = kv_capacity_blocks(cfg, loaded, device, dtype, 2 if draft is not None else 1)
+    num_blocks = kv_capacity_blocks(cfg, loaded, device, dtype, draft)
     if cfg.cuda_graphs and device.type != "cuda":
         logger.warning("--cuda-graphs ignored: the model runs on %s", device)
     runner = ModelRunner(
