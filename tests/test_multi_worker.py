@@ -189,6 +189,18 @@ async def run_all(target: str, requests: list[dict], on_response=None, stagger: 
     return completions, replies, info
 
 
+def wait_for_workers(target: str, num_workers: int) -> None:
+    """Until the scheduler at ``target`` serves with ``num_workers`` workers connected (serving
+    means one is)."""
+    wait_serving(target)
+    deadline = time.monotonic() + 60
+    with grpc.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        while stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).num_workers < num_workers:
+            assert time.monotonic() < deadline, f"the scheduler did not connect to {num_workers} workers"
+            time.sleep(0.1)
+
+
 @pytest.fixture(scope="module")
 def cluster(smollm2_dir):
     started = time.monotonic()
@@ -198,14 +210,7 @@ def cluster(smollm2_dir):
     ]
     scheduler = start_scheduler(workers)
     try:
-        wait_serving(scheduler.target)
-        # Serving means one worker is connected; wait for both.
-        deadline = time.monotonic() + 60
-        with grpc.insecure_channel(scheduler.target) as channel:
-            stub = generate_pb2_grpc.GenerationStub(channel)
-            while stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).num_workers < 2:
-                assert time.monotonic() < deadline, "the scheduler did not connect to both workers"
-                time.sleep(0.2)
+        wait_for_workers(scheduler.target, 2)
         print(f"cluster up in {time.monotonic() - started:.1f}s")
         yield scheduler, workers
     finally:
@@ -309,13 +314,7 @@ def test_a_device_fault_exits_the_worker_and_its_requests_finish_elsewhere():
         reference, _, _ = asyncio.run(run_all(alone.target, requests))
         both = start_scheduler([healthy, faulty])
         schedulers.append(both)
-        wait_serving(both.target)
-        deadline = time.monotonic() + 60
-        with grpc.insecure_channel(both.target) as channel:
-            stub = generate_pb2_grpc.GenerationStub(channel)
-            while stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).num_workers < 2:
-                assert time.monotonic() < deadline, "the scheduler did not connect to both workers"
-                time.sleep(0.1)
+        wait_for_workers(both.target, 2)
         outputs, _, info = asyncio.run(run_all(both.target, requests))
         assert faulty.proc.wait(timeout=30) == 70
         assert "device fault, exiting" in "".join(faulty.log)
