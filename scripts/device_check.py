@@ -100,13 +100,15 @@ class Context:
     def add(self, section: str, name: str, status: str, detail: str = "", **values: Any) -> None:
         self.records.append(Record(section, name, status, detail, values))
         logger.info("%-10s %-40s %s %s", section, name, status.upper(), detail)
-        if self.part_file is not None:  # the parent reads them even if this process is killed
-            _write_atomic(self.part_file, json.dumps([asdict(r) for r in self.records]))
+        self._save_part()
 
     def finish_last(self, started: float) -> None:
         """Time the latest record from ``started`` (and save it again with its time)."""
         self.records[-1].seconds = time.perf_counter() - started
-        if self.part_file is not None:
+        self._save_part()
+
+    def _save_part(self) -> None:
+        if self.part_file is not None:  # the parent reads them even if this process is killed
             _write_atomic(self.part_file, json.dumps([asdict(r) for r in self.records]))
 
 
@@ -128,6 +130,23 @@ def _close(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-4, rtol: float = 1
     err = (a.float() - b.float()).abs().max().item() if a.numel() else 0.0
     ok = bool(torch.allclose(a.float(), b.float(), atol=atol, rtol=rtol))
     return ok, f"max abs diff {err:.2e}"
+
+
+Compare = Callable[[tuple, tuple], tuple[bool, str]]
+
+
+def _near_tie_draws(ref: tuple, out: tuple) -> tuple[bool, str]:
+    """``rejection_sample``'s (tokens, accepted counts) of the torch twin and the kernel on CUDA.
+
+    Triton's float32 log and division are approximate there; a draw is an exponential race
+    whose winner has a tiny -log(u), so a near tie may go to the other token. The acceptance
+    counts must agree; at most 1/32 of the tokens may differ.
+    """
+    (ref_tokens, ref_accepted), (tokens, num_accepted) = ref, out
+    num_diff = int((tokens != ref_tokens).sum())
+    same_counts = bool(torch.equal(num_accepted, ref_accepted))
+    ok = same_counts and num_diff <= max(1, tokens.numel() // 32)
+    return ok, f"accepted counts {'equal' if same_counts else 'DIFFER'}; {num_diff} of {tokens.numel()} tokens differ"
 
 
 def word_tokenizer_json(vocab_size: int) -> str:
@@ -290,15 +309,19 @@ def check_kernels(ctx: Context) -> None:
     num_tokens = int(q_lens.sum())
     prefill_ids = ints(0, vocab, num_tokens)
 
-    def case(name: str, run: Callable[[str], Any]) -> None:
+    def case(name: str, run: Callable[[str], Any], compare: Compare | None = None) -> None:
+        """The torch twin's outputs against Triton's: every one close (`_close`), or ``compare``."""
         started = time.perf_counter()
         try:
             ref, out = run("torch"), run("triton")
             ref = ref if isinstance(ref, tuple) else (ref,)
             out = out if isinstance(out, tuple) else (out,)
-            results = [_close(a, b) for a, b in zip(ref, out)]
-            ok = all(r[0] for r in results)
-            ctx.add(section, name, PASS if ok else FAIL, "; ".join(r[1] for r in results))
+            if compare is not None:
+                ok, detail = compare(ref, out)
+            else:
+                results = [_close(a, b) for a, b in zip(ref, out)]
+                ok, detail = all(r[0] for r in results), "; ".join(r[1] for r in results)
+            ctx.add(section, name, PASS if ok else FAIL, detail)
         except Exception as exc:  # a kernel that fails to compile is a finding, not a crash
             ctx.add(section, name, FAIL, f"{type(exc).__name__}: {exc}")
         ctx.finish_last(started)
@@ -364,27 +387,12 @@ def check_kernels(ctx: Context) -> None:
     q = torch.softmax(torch.randn(num_reqs, k, vocab, generator=gen), -1).to(dev)
     draft_tok = torch.multinomial(q.view(-1, vocab).cpu(), 1, generator=gen).view(num_reqs, k).to(dev)
     fed_rs = num_drafts[req_slots.long()]
-    if not ctx.cuda:  # the interpreter computes log and division exactly, as torch does
-        case("rejection_sample", lambda impl: rejection_sample(p, q, draft_tok, fed_rs, seeds, pos, impl=impl))
-    else:
-        started = time.perf_counter()
-        try:
-            (ref_tokens, ref_accepted), (tokens, num_acc) = (
-                rejection_sample(p, q, draft_tok, fed_rs, seeds, pos, impl=impl) for impl in ("torch", "triton")
-            )
-            # Triton's float32 log and division are approximate on CUDA; a draw is an
-            # exponential race whose winner has a tiny -log(u), so a near tie may go to the
-            # other token. The acceptance counts must agree; a few tokens may differ.
-            num_diff = int((tokens != ref_tokens).sum())
-            same_counts = bool(torch.equal(num_acc, ref_accepted))
-            ok = same_counts and num_diff <= max(1, tokens.numel() // 32)
-            detail = (
-                f"accepted counts {'equal' if same_counts else 'DIFFER'}; {num_diff} of {tokens.numel()} tokens differ"
-            )
-            ctx.add(section, "rejection_sample", PASS if ok else FAIL, detail, num_tokens_differing=num_diff)
-        except Exception as exc:
-            ctx.add(section, "rejection_sample", FAIL, f"{type(exc).__name__}: {exc}")
-        ctx.finish_last(started)
+    case(
+        "rejection_sample",
+        lambda impl: rejection_sample(p, q, draft_tok, fed_rs, seeds, pos, impl=impl),
+        # The interpreter computes log and division exactly, as torch does; CUDA does not.
+        compare=_near_tie_draws if ctx.cuda else None,
+    )
 
     from transformers import LlamaConfig
 
@@ -616,25 +624,27 @@ def check_service(ctx: Context) -> None:
                     + (f"; first differing prompt {mismatches[0]}" if mismatches else ""),
                 )
             except Exception as exc:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+                _stop(proc)  # its last words are in the log then
                 output = log_path.read_text(errors="replace")[-2000:]
                 ctx.add("service", name, FAIL, f"{type(exc).__name__}: {exc}; server output: {output}")
             finally:
-                if proc.poll() is None:
-                    proc.terminate()
-                    try:
-                        proc.wait(timeout=15)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
+                _stop(proc)
             ctx.finish_last(started)
             started = time.perf_counter()
 
 
 # --------------------------------------------------------------------------- 4/5. steps driven
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Terminate a server (kill it if it does not end within 15 s)."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def make_scheduler(runner: Any, vocab_size: int) -> Any:
@@ -966,6 +976,15 @@ def markdown(ctx: Context, meta: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def run_in_process(name: str, ctx: Context) -> None:
+    """One section here; an exception it raises becomes a record (in its own process too)."""
+    try:
+        SECTIONS[name](ctx)
+    except Exception as exc:  # one broken section must not hide the others' findings
+        tb = traceback.format_exc()[-3000:]
+        ctx.add(name, "section", FAIL, f"{type(exc).__name__}: {exc}", traceback=tb)
+
+
 def run_section(name: str, ctx: Context, args: argparse.Namespace) -> None:
     """One section in a process of its own (``--part``); its records join ``ctx``.
 
@@ -1044,7 +1063,7 @@ def main(argv: list[str] | None = None) -> int:
     selected = [s for s in args.only.split(",") if s] or list(SECTIONS)
     if args.part is not None:  # one section, in its own process, for the parent's report
         for name in selected:
-            SECTIONS[name](ctx)
+            run_in_process(name, ctx)
         return 0
 
     def on_term(signum: int, frame: Any) -> None:
@@ -1074,11 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
             elif args.isolate:
                 run_section(name, ctx, args)
             else:
-                try:
-                    SECTIONS[name](ctx)
-                except Exception as exc:  # one broken section must not hide the others' findings
-                    tb = traceback.format_exc()[-3000:]
-                    ctx.add(name, "section", FAIL, f"{type(exc).__name__}: {exc}", traceback=tb)
+                run_in_process(name, ctx)
             logger.info("section %s took %.1f s", name, time.perf_counter() - section_started)
             write_report(ctx, meta, started)
     except OutOfTime:
