@@ -212,3 +212,35 @@ def test_kv_budget_counts_the_draft_cache_at_its_own_size() -> None:
     budget = 0.01 * (1 << 30)
     assert kv_capacity_blocks(cfg, target, cpu, torch.float32) == int(budget // per_big)
     assert kv_capacity_blocks(cfg, target, cpu, torch.float32, draft) == int(budget // (per_big + per_small))
+
+
+def test_kv_budget_on_cuda_leaves_room_for_a_full_steps_logits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the KV cache gets --gpu-memory-utilization of the device less what is in use and
+    less a full step's logits and sampling (every sequence sampling 1 + k rows): sized from
+    free memory alone, a full batch sampling with top-p ran out of memory mid-run."""
+    from types import SimpleNamespace
+
+    from worker_svc.model import kv_cache_bytes_per_block
+    from worker_svc.sampler import PEAK_BYTES_PER_LOGIT
+    from worker_svc.server import kv_capacity_blocks, step_reserve_bytes
+    from zerobubble.config import WorkerConfig
+
+    hf = _tiny_hf(0).config
+    target = SimpleNamespace(hf_config=hf)
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 24 * gib))
+    cuda = torch.device("cuda")
+    per_block = kv_cache_bytes_per_block(hf, 16, torch.bfloat16)
+    cfg = WorkerConfig(max_num_seqs=256, spec_method="ngram", num_spec_tokens=3, gpu_memory_utilization=0.9)
+    reserve = step_reserve_bytes(cfg, target)
+    assert reserve == 256 * 4 * hf.vocab_size * PEAK_BYTES_PER_LOGIT
+    # 0.9 of 24 GiB less the 4 GiB in use, less the reserve.
+    budget = 20 * gib - 0.1 * 24 * gib - reserve
+    assert kv_capacity_blocks(cfg, target, cuda, torch.bfloat16) == int(budget // per_block)
+    # Without speculation a sequence samples one row.
+    plain = WorkerConfig(max_num_seqs=256, spec_method="none", gpu_memory_utilization=0.9)
+    assert step_reserve_bytes(plain, target) == reserve // 4
+    # A reserve that leaves no room for the cache is refused with what to change.
+    huge = SimpleNamespace(hf_config=SimpleNamespace(**{**hf.to_dict(), "vocab_size": 40_000_000}))
+    with pytest.raises(ValueError, match="lower --max-num-seqs"):
+        kv_capacity_blocks(cfg, huge, cuda, torch.bfloat16)

@@ -150,3 +150,37 @@ def test_from_params_summaries() -> None:
     assert from_tensor.positions.dtype == torch.int64 and from_tensor.positions.tolist() == [9]
     with pytest.raises(ValueError):
         SamplingTensors.from_params([1.0], [0, 0], [1.0], [1], [1])
+
+
+def test_peak_bytes_per_logit_covers_a_full_sampling_step() -> None:
+    """The KV budget on CUDA leaves PEAK_BYTES_PER_LOGIT per logit for a step's sampling: what
+    drawing with every filter on, the rejection target's probabilities and the log-probabilities
+    hold at their peak beside the float32 logits, measured as the growth of a fresh process's
+    peak resident memory (large enough that the allocator's own slack is small beside it)."""
+    import json
+    import subprocess
+    import sys
+
+    code = """
+import gc, json, resource, torch
+from worker_svc.sampler import SamplingTensors, sample, target_probs, token_logprobs, top_logprobs
+G, V = 128, 131072
+logits = torch.randn(G, V)
+t = SamplingTensors.from_params([0.8] * G, [50] * G, [0.9] * G, list(range(G)), list(range(G)), min_ps=[0.05] * G)
+warm = SamplingTensors.from_params([0.8] * 2, [50] * 2, [0.9] * 2, [0, 1], [0, 1], min_ps=[0.05] * 2)
+sample(logits[:2], warm), target_probs(logits[:2], warm)  # one-time allocations (thread pools) first
+gc.collect()
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+for fn in (sample, target_probs):
+    fn(logits, t)
+token_logprobs(logits, torch.zeros(G, dtype=torch.long))
+top_logprobs(logits, 5)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps((peak - base) * 1024 / (G * V)))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    bytes_per_logit = json.loads(out.stdout.strip().splitlines()[-1])
+    from worker_svc.sampler import PEAK_BYTES_PER_LOGIT
+
+    # Beside the logits themselves (4 bytes each, float32), which the reserve also covers.
+    assert 8 < bytes_per_logit + 4 <= PEAK_BYTES_PER_LOGIT, bytes_per_logit

@@ -30,6 +30,15 @@ from worker_svc.staging import to_device
 # Seeds are uint64 on the wire; the keyed-noise kernels take int64.
 SEED_MASK = (1 << 63) - 1
 
+PEAK_BYTES_PER_LOGIT = 48
+"""Peak bytes a step's logits and sampling hold per logit (sampled row x vocabulary entry).
+
+Measured on CPU (`tests/test_sampler.py`): drawing with top-k, top-p and min-p, the rejection
+target's probabilities and the log-probabilities hold about 33 bytes per logit beyond the
+float32 logits (the sort's values and order, masks, softmaxes, the Gumbel noise), 37 with them.
+Set above that for CUDA, whose sort keeps double buffers. The worker's KV budget leaves this
+much for a full step (`worker_svc.server.step_reserve_bytes`)."""
+
 
 @dataclass(slots=True)
 class SamplingTensors:

@@ -29,6 +29,7 @@ from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
 from worker_svc.runner import ModelRunner, PendingResult, RunnerConfig, worker_info
+from worker_svc.sampler import PEAK_BYTES_PER_LOGIT
 from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
@@ -53,23 +54,48 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
+def step_reserve_bytes(cfg: WorkerConfig, loaded: LoadedModel) -> int:
+    """Accelerator memory the KV budget leaves for a full step's logits and sampler.
+
+    Every running sequence samples 1 + k rows at once, so at the defaults (256 sequences, k = 3,
+    a 152k vocabulary) that is 7.5 GB: more than the 10 % that `--gpu-memory-utilization 0.9`
+    leaves on a 24 GB card, where a full batch sampling with top-p would run out of memory
+    after the KV cache had taken the rest.
+    """
+    num_rows = cfg.max_num_seqs * (1 + (cfg.num_spec_tokens if cfg.speculative else 0))
+    return num_rows * loaded.hf_config.vocab_size * PEAK_BYTES_PER_LOGIT
+
+
 def kv_capacity_blocks(
     cfg: WorkerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, draft: LoadedModel | None = None
 ) -> int:
-    """KV blocks that fit: a memory budget on CPU, free memory on CUDA. A draft model keeps a
-    cache of its own shape block for block beside the target's."""
+    """KV blocks that fit: a memory budget on CPU; on CUDA, `--gpu-memory-utilization` of the
+    device less what is in use (the weights) and a full step's logits and sampler
+    (`step_reserve_bytes`). A draft model keeps a cache of its own shape block for block beside
+    the target's."""
     models = (loaded,) if draft is None else (loaded, draft)
     per_block = sum(kv_cache_bytes_per_block(m.hf_config, cfg.block_size, dtype) for m in models)
+    reserve = 0
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        budget = free - (1 - cfg.gpu_memory_utilization) * total
+        reserve = step_reserve_bytes(cfg, loaded)
+        budget = free - (1 - cfg.gpu_memory_utilization) * total - reserve
     else:
         budget = cfg.kv_cache_memory_gb * (1 << 30)
     num_blocks = int(budget // per_block)
     if num_blocks < 2:
-        raise ValueError(
-            f"KV budget too small: {budget / 2**20:.1f} MiB holds {num_blocks} blocks of {per_block} bytes"
+        hint = (
+            f" after {reserve / 2**30:.2f} GiB for a step of {cfg.max_num_seqs} sequences' logits "
+            "(lower --max-num-seqs or raise --gpu-memory-utilization)"
+            if reserve
+            else ""
         )
+        raise ValueError(
+            f"KV budget too small: {max(budget, 0) / 2**20:.1f} MiB{hint} holds {max(num_blocks, 0)} blocks "
+            f"of {per_block} bytes"
+        )
+    if reserve:
+        logger.info("KV cache: %d blocks; %.2f GiB left for a full step's logits", num_blocks, reserve / 2**30)
     return num_blocks
 
 

@@ -160,7 +160,9 @@ class WorkerConfig(ServiceConfig):
     device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gb: float = setting(2.0, "KV cache budget on CPU, in GiB")
-    gpu_memory_utilization: float = setting(0.9, "fraction of GPU memory the worker may fill (weights + KV cache)")
+    gpu_memory_utilization: float = setting(
+        0.9, "fraction of GPU memory the worker may fill (weights, KV cache and a full step's logits)"
+    )
     max_model_len: int = setting(0, "longest sequence in tokens (0 = from the model config, capped at 8192)")
     spec_method: str = setting("none", "speculative decoding proposer", choices=("none", "ngram", "draft"))
     num_spec_tokens: int = setting(3, "draft tokens per decode step")
