@@ -312,6 +312,10 @@ def test_a_device_fault_exits_the_worker_and_its_requests_finish_elsewhere():
         schedulers.append(alone)
         wait_serving(alone.target)
         reference, _, _ = asyncio.run(run_all(alone.target, requests))
+        # A worker serves one scheduler: left running, this one's link would reconnect and take
+        # the healthy worker's stream from the next one, again and again (a flaky "no worker is
+        # ready" there; the requests still finished, each loss re-queued them).
+        alone.stop()
         both = start_scheduler([healthy, faulty])
         schedulers.append(both)
         wait_for_workers(both.target, 2)

@@ -156,7 +156,8 @@ def test_peak_bytes_per_logit_covers_a_full_sampling_step() -> None:
     """The KV budget on CUDA leaves PEAK_BYTES_PER_LOGIT per logit for a step's sampling: what
     drawing with every filter on, the rejection target's probabilities and the log-probabilities
     hold at their peak beside the float32 logits, measured as the growth of a fresh process's
-    peak resident memory, its high-water mark reset first (large enough that the allocator's own slack is small beside it)."""
+    peak resident memory, its high-water mark reset first (large enough that the allocator's
+    own slack is small beside it)."""
     import json
     import subprocess
     import sys
