@@ -62,7 +62,7 @@ def step_reserve_bytes(cfg: WorkerConfig, loaded: LoadedModel) -> int:
     leaves on a 24 GB card, where a full batch sampling with top-p would run out of memory
     after the KV cache had taken the rest.
     """
-    num_rows = cfg.max_num_seqs * (1 + (cfg.num_spec_tokens if cfg.speculative else 0))
+    num_rows = cfg.max_num_seqs * (1 + cfg.num_draft_tokens)
     return num_rows * loaded.hf_config.vocab_size * PEAK_BYTES_PER_LOGIT
 
 
@@ -153,7 +153,7 @@ def build_simulated_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]
     """A runner on a simulated device (`worker_svc/simulated.py`): the model's config and
     tokenizer, no weights; KV capacity as if the cache were allocated on the CPU."""
     loaded = load_model(cfg.model, weights=False)
-    num_spec_tokens = cfg.num_spec_tokens if cfg.speculative else 0
+    num_spec_tokens = cfg.num_draft_tokens
     special = json.loads(tokenizer_fields(loaded.path)["tokenizer_json"]).get("added_tokens", [])
     simulator = SimulatedDevice(
         cfg.simulate_device_ms,

@@ -229,6 +229,11 @@ class WorkerConfig(ServiceConfig):
         """Whether this worker proposes drafts (the one place that decides it)."""
         return self.spec_method != "none" and self.num_spec_tokens > 0
 
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens a decode row carries: `--num-spec-tokens`, 0 without speculation."""
+        return self.num_spec_tokens if self.speculative else 0
+
     def validate(self) -> None:
         ServiceConfig.validate(self)
         _require(self.block_size >= 1, "--block-size must be >= 1")
