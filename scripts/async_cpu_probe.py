@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zerobubble.bench import load_dataset, run_bench_async  # noqa: E402
+from zerobubble.bench import BenchRow, load_dataset, run_bench_async  # noqa: E402
 from zerobubble.tools.launch import start_scheduler, start_worker, wait_serving  # noqa: E402
 
 DATASET = ROOT.parent / "shared" / "workloads" / "grounded.jsonl"
@@ -53,10 +54,8 @@ def renice(pid: int, niceness: int) -> None:
     each_thread(pid, lambda tid: os.setpriority(os.PRIO_PROCESS, tid, niceness))
 
 
-def paired(rows: list, concurrency: int, repeats: int) -> None:
+def paired(rows: list[BenchRow], concurrency: int, repeats: int) -> None:
     """Sync and async stacks side by side; every batch of rows runs on both (see the docstring)."""
-    import statistics
-
     stacks = {}
     try:
         for cname, inflight in (("sync", 1), ("async", 2)):
