@@ -23,6 +23,11 @@ builds results. What a GPU would compute is replaced by:
   kernel it stands for. Once a match exists, each draft is accepted with probability
   `acceptance_rate` given the previous one was, so a row with k = 3 drafts accepts
   `r + r^2 + r^3` of them on average.
+
+The token function and the drafts are computed in numpy, on views of the runner's CPU tensors.
+They stand for device work, which costs a GPU's host no more than a few launches; as torch ops
+on small CPU tensors (about a hundred a step, several microseconds of dispatch each) they would
+have charged a third of the worker's step logic to the host path that `bench_sim.py` measures.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.verify import count_accepted
@@ -43,7 +49,7 @@ COPY_LAG = 32
 _MASK32 = 0xFFFFFFFF
 
 
-def _hash32(x: torch.Tensor) -> torch.Tensor:
+def _hash32(x: np.ndarray) -> np.ndarray:
     """A cheap avalanche of 32-bit words held in int64 (multiplier < 2**31: no overflow).
 
     The token function stands for device work, so it is kept to a few ops; it needs to be
@@ -80,9 +86,9 @@ class SimulatedDevice:
             raise ValueError(f"a simulated device supports at most {COPY_LAG - 2} draft tokens")
         self.device_s = device_ms / 1000.0
         self.acceptance_rate = acceptance_rate
-        self.allowed = torch.ones(vocab_size, dtype=torch.bool)
+        self.allowed = np.ones(vocab_size, dtype=bool)
         self.allowed[[i for i in special_ids if 0 <= i < vocab_size]] = False
-        self.allowed_ids = self.allowed.nonzero().flatten()
+        self.allowed_ids = self.allowed.nonzero()[0]
         self.busy_until = 0.0
         self.live = False  # requests were live when the device finished its last step
 
@@ -119,26 +125,26 @@ class SimulatedDevice:
         """The token after every sampled slot (``[G]`` int64), from the sequence up to it."""
         s = batch.sampled
         assert s is not None
-        positions = s.positions  # absolute position of each new token
-        previous = batch.input_ids[s.gather].to(torch.int64)
-        seeds = torch.where(s.sampling.temperature > 0, s.sampling.seeds, 0)
+        positions = s.positions.numpy()  # absolute position of each new token
+        previous = batch.input_ids.numpy()[s.gather.numpy()].astype(np.int64)
+        seeds = np.where(s.sampling.temperature.numpy() > 0, s.sampling.seeds.numpy(), 0)
         # The previous token keys the hash too: the function reads the sequence, not a counter.
         key = (seeds ^ (seeds >> 32)) & _MASK32
         h = _hash32(key ^ _hash32(positions & _MASK32 ^ _hash32(previous)))
-        slots = torch.repeat_interleave(s.slots.to(torch.int64), s.num_cols.to(torch.int64))
+        slots = np.repeat(s.slots.numpy().astype(np.int64), s.num_cols.numpy())
         source = self.history_tokens(runner, slots, positions - COPY_LAG)
         copy = (positions >= COPY_LAG) & ((h & 0xFFFF) < int(self.acceptance_rate * 65536))
         copy &= self.allowed[source]
         fresh = self.allowed_ids[((h >> 16) * len(self.allowed_ids)) >> 16]
-        return torch.where(copy, source, fresh)
+        return torch.from_numpy(np.where(copy, source, fresh))
 
     @staticmethod
-    def history_tokens(runner: ModelRunner, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def history_tokens(runner: ModelRunner, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Tokens at ``positions`` (< the slot's written length) of the requests in ``slots``."""
         bs = runner.config.block_size
-        positions = positions.clamp(min=0)
-        blocks = runner.state.block_table[slots, positions // bs].to(torch.int64)
-        return runner.state.history.view(-1)[blocks * bs + positions % bs].to(torch.int64)
+        positions = np.maximum(positions, 0)
+        blocks = runner.state.block_table.numpy()[slots, positions // bs].astype(np.int64)
+        return runner.state.history.numpy().reshape(-1)[blocks * bs + positions % bs].astype(np.int64)
 
 
 class LagNgramProposer:
@@ -155,8 +161,8 @@ class LagNgramProposer:
         # Where `propose` reads the history, relative to the last token's position: the
         # suffix's n - 1 tokens before the last, the n tokens COPY_LAG earlier, and the k that
         # followed those.
-        back = torch.arange(ngram_min)
-        self._offsets = torch.cat([-back[1:], -back - COPY_LAG, torch.arange(1, num_spec_tokens + 1) - COPY_LAG])
+        back = np.arange(ngram_min)
+        self._offsets = np.concatenate([-back[1:], -back - COPY_LAG, np.arange(1, num_spec_tokens + 1) - COPY_LAG])
 
     def bind(self, runner: object) -> None:
         assert isinstance(runner, ModelRunner)
@@ -172,19 +178,19 @@ class LagNgramProposer:
         runner = self.runner
         assert runner is not None
         st = runner.state
-        idx = slots.to(torch.int64)
-        last_pos = st.seq_len[idx].to(torch.int64)  # position of the last sampled token
-        last = st.last_token[idx].to(torch.int64)
+        idx = slots.numpy().astype(np.int64)
+        last_pos = st.seq_len.numpy()[idx].astype(np.int64)  # position of the last sampled token
+        last = st.last_token.numpy()[idx].astype(np.int64)
         n, k, offsets = self.ngram_min, self.k, self._offsets
-        # Everything read from the history in one gather (it stands for one device kernel; a
-        # gather per token cost ~40 small ops a step).
+        # Everything read from the history in one gather (it stands for one device kernel).
         pos = last_pos[:, None] + offsets[None, :]
-        tokens = SimulatedDevice.history_tokens(runner, idx.repeat_interleave(len(offsets)), pos.flatten())
-        tokens = tokens.view(len(idx), len(offsets))
-        suffix = torch.cat([last[:, None], tokens[:, : n - 1]], dim=1)  # at last_pos - i, i < n
-        match = (last_pos >= COPY_LAG + n - 1) & (suffix == tokens[:, n - 1 : 2 * n - 1]).all(dim=1)
-        st.drafts[idx, :k] = tokens[:, 2 * n - 1 :].to(torch.int32)
-        st.num_drafts[idx] = torch.where(match, k, 0).to(torch.int32)
+        tokens = SimulatedDevice.history_tokens(runner, np.repeat(idx, len(offsets)), pos.reshape(-1))
+        tokens = tokens.reshape(len(idx), len(offsets))
+        suffix = np.concatenate([last[:, None], tokens[:, : n - 1]], axis=1)  # at last_pos - i, i < n
+        match = (last_pos >= COPY_LAG + n - 1) & (suffix == tokens[:, n - 1 : 2 * n - 1]).all(axis=1)
+        # The state tensors live on the CPU here: their numpy views write through.
+        st.drafts.numpy()[idx, :k] = tokens[:, 2 * n - 1 :]
+        st.num_drafts.numpy()[idx] = np.where(match, k, 0)
 
     def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:
         raise NotImplementedError("n-gram drafts have no distribution")
