@@ -21,6 +21,7 @@ from worker_svc.model_loader import (
     load_model,
     resolve_model,
 )
+from worker_svc.server import resolve_dtype
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,3 +188,17 @@ def test_a_scaled_rope_config_is_resolved_by_transformers_every_time(tmp_path: P
     for _ in range(2):
         assert isinstance(read_config(tmp_path), Reference)
     assert not (tmp_path / "cache" / "configs").exists() or not any((tmp_path / "cache" / "configs").iterdir())
+
+
+def test_dtype_auto_follows_the_device_and_refuses_emulated_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert resolve_dtype("auto", cpu) is torch.float32
+    assert resolve_dtype("float16", cpu) is torch.float16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # Ampere
+    assert resolve_dtype("auto", cuda) is torch.bfloat16
+    assert resolve_dtype("bfloat16", cuda) is torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # Turing (T4)
+    assert resolve_dtype("auto", cuda) is torch.float16
+    assert resolve_dtype("float32", cuda) is torch.float32
+    with pytest.raises(ValueError, match=r"compute capability 8\.0 or later, this one is 7\.5: use --dtype float16"):
+        resolve_dtype("bfloat16", cuda)

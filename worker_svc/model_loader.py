@@ -208,7 +208,7 @@ def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
         "fp16": torch.float16,
     }
     if dtype not in by_name:
-        raise ModelLoadError(f"unsupported dtype {dtype!r} (use float32 or bfloat16)")
+        raise ModelLoadError(f"unsupported dtype {dtype!r} (use float32, bfloat16 or float16)")
     return by_name[dtype]
 
 

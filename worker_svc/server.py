@@ -49,8 +49,26 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The weights' and KV cache's dtype for ``--dtype name`` on ``device``.
+
+    ``auto`` is float32 on CPU and bfloat16 on CUDA where the GPU computes in it natively
+    (compute capability 8.0, Ampere, and later); before that float16, as bfloat16 there is
+    emulated (slow) and Triton does not compile it. An explicit bfloat16 on such a GPU is
+    refused for the same reason.
+    """
+    native_bf16 = device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 8
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        if not native_bf16:
+            logger.info("--dtype auto: float16 (this GPU has no native bfloat16)")
+        return torch.bfloat16 if native_bf16 else torch.float16
+    if name == "bfloat16" and not native_bf16:
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(
+            f"--dtype bfloat16 needs a GPU of compute capability 8.0 or later, this one is {major}.{minor}: "
+            "use --dtype float16 (or auto)"
+        )
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 

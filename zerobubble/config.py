@@ -154,8 +154,8 @@ class WorkerConfig(ServiceConfig):
     model: str = setting("smollm2-135m", "'smollm2-135m' (embedded), a Hugging Face directory or a .gguf file")
     dtype: str = setting(
         "auto",
-        "weights and KV dtype (auto = float32 on CPU, bfloat16 on CUDA)",
-        choices=("auto", "float32", "bfloat16"),
+        "weights and KV dtype (auto = float32 on CPU, bfloat16 on CUDA from compute capability 8.0, float16 before)",
+        choices=("auto", "float32", "bfloat16", "float16"),
     )
     device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
     block_size: int = setting(16, "tokens per KV cache block")
