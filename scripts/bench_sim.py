@@ -242,7 +242,7 @@ def logic_ms_per_step(num_requests: int, k: int, num_steps: int, inflight: int) 
     import gc
     import random
 
-    from tests.drive import make_scheduler  # the WorkerInfo a worker link would read from Describe
+    from zerobubble.tools.in_process import make_scheduler
     from worker_svc.server import build_runner
     from zerobubble.api import worker_pb2
     from zerobubble.config import WorkerConfig

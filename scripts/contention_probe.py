@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.drive import make_scheduler  # noqa: E402  (the WorkerInfo a worker link reads)
+from zerobubble.tools.in_process import make_scheduler  # noqa: E402
 from worker_svc.server import build_runner  # noqa: E402
 from zerobubble.config import WorkerConfig  # noqa: E402
 

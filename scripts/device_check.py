@@ -648,13 +648,11 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def make_scheduler(runner: Any, vocab_size: int) -> Any:
-    """The real scheduler, configured from the runner as a worker link is from `Describe`
-    (`worker_info`), with a word-level tokenizer."""
-    from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-    from worker_svc.runner import worker_info
+    """The real scheduler, configured from the runner as a worker link is from `Describe`,
+    with a word-level tokenizer."""
+    from zerobubble.tools.in_process import make_scheduler as in_process_scheduler
 
-    config = SchedulerConfig(max_num_batched_tokens=2048).with_worker(worker_info(runner))
-    return Scheduler(config, _word_tokenizer(vocab_size))
+    return in_process_scheduler(runner, tokenizer=_word_tokenizer(vocab_size), max_num_batched_tokens=2048)
 
 
 @functools.cache

@@ -3,24 +3,9 @@ exactly as the worker link does over the network (no gRPC)."""
 
 from __future__ import annotations
 
-import random
-
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig, SchedulerStats
-from scheduler_svc.tokenizer import Tokenizer
-from worker_svc.runner import ModelRunner, worker_info
-from worker_svc.server import tokenizer_fields
-
-
-def make_scheduler(runner, *, num_blocks: int = 0, num_spec_tokens: int | None = None, **policy) -> Scheduler:
-    """The real Scheduler configured from the runner, as the worker link does from `Describe`."""
-    info = worker_info(runner)
-    if num_blocks:
-        info.num_blocks = num_blocks
-    if num_spec_tokens is not None:
-        info.num_spec_tokens = num_spec_tokens
-    fields = tokenizer_fields(runner.loaded.path)
-    tokenizer = Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
-    return Scheduler(SchedulerConfig(**policy).with_worker(info), tokenizer, rng=random.Random(0))
+from scheduler_svc.scheduler import SchedulerStats
+from worker_svc.runner import ModelRunner
+from zerobubble.tools.in_process import make_scheduler
 
 
 def run_job(
