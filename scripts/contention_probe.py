@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from zerobubble.tools.in_process import make_scheduler  # noqa: E402
 from worker_svc.server import build_runner  # noqa: E402
 from zerobubble.config import WorkerConfig  # noqa: E402
+from zerobubble.tools.in_process import make_scheduler  # noqa: E402
 
 BUFFER = os.urandom(1 << 16)
 
