@@ -244,3 +244,29 @@ def test_kv_budget_on_cuda_leaves_room_for_a_full_steps_logits(monkeypatch: pyte
     huge = SimpleNamespace(hf_config=SimpleNamespace(**{**hf.to_dict(), "vocab_size": 40_000_000}))
     with pytest.raises(ValueError, match="lower --max-num-seqs"):
         kv_capacity_blocks(cfg, huge, cuda, torch.bfloat16)
+
+
+def test_the_result_copy_is_queued_before_the_draft_chain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the copier thread waits for the copy's event: queued after the draft model's
+    k forwards, every step's result would wait for them as well."""
+    hf = _tiny_hf(0)
+    proposer = DraftModelProposer(_loaded(hf), K, "keyed")
+    runner, scheduler = _runner_and_scheduler(hf, proposer)
+    calls: list[str] = []
+    start_copy, propose = runner._start_copy, proposer.propose
+
+    def logged_copy(pending):
+        calls.append("copy")
+        start_copy(pending)
+
+    def logged_propose(*args):
+        calls.append("propose")
+        propose(*args)
+
+    monkeypatch.setattr(runner, "_start_copy", logged_copy)
+    monkeypatch.setattr(proposer, "propose", logged_propose)
+    scheduler.add_request("r", list(range(1, 12)), max_tokens=10, ignore_eos=True)
+    outputs, drafted, _ = _drive(runner, scheduler, window=2)
+    assert outputs["r"] == _hf_greedy(hf, list(range(1, 12)), 10)
+    assert drafted > 0 and calls.count("propose") >= 3
+    assert calls == ["copy", "propose"] * (len(calls) // 2), calls  # each step: its copy, then its drafts

@@ -891,7 +891,7 @@ class ModelRunner:
 
     def advance(self, batch: StepBatch, out: StepOutputs | None) -> PendingResult:
         """Sequence-length correction on the device (the true accepted counts, not the plan's),
-        the next drafts, and the start of the result copy. ``out`` is None when no row sampled."""
+        the start of the result copy, then the next drafts. ``out`` is None when no row sampled."""
         dev = self.device
         num_rows = len(batch.rows)
         st = self.state
@@ -918,8 +918,6 @@ class ModelRunner:
             )
         for i in s.rows:
             batch.rows[i].has_sample = True
-        if self.proposer is not None:
-            self.proposer.propose(s.slots, batch)
         pending = PendingResult(
             batch.step_id,
             batch.req_ids,
@@ -935,7 +933,11 @@ class ModelRunner:
         if out.top_ids is not None:
             pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
             pending.num_top = s.num_top
+        # The copy is queued before the next drafts: on a GPU it then waits for this step's
+        # sampling only, not for a draft model's k forwards, and the scheduler hears sooner.
         self._start_copy(pending)
+        if self.proposer is not None:
+            self.proposer.propose(s.slots, batch)
         return pending
 
     def sampling_tensors(self, slots: np.ndarray, valid_cols: np.ndarray, sample_pos: torch.Tensor) -> SamplingTensors:
