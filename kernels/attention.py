@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
+from kernels._triton import HAS_TRITON, KernelImpl, is_interpreted, next_power_of_2, tl, triton, use_triton
 
 # Requests with at most this many query tokens (decodes, speculative verification) are batched
 # into one padded computation; longer ones (prefill chunks) run one request at a time, where
@@ -369,7 +369,13 @@ def _paged_attention_triton(
     if q.stride(-1) != 1:  # the kernel walks head_dim with unit stride in q and out
         q = q.contiguous()
     out = torch.empty_like(q)
-    grid = (meta.max_query_len, num_requests, num_kv_heads)
+    group = num_q_heads // num_kv_heads
+    block_g = next_power_of_2(group)
+    # Rows of a tile = its query tokens x the KV head's query heads. Decode and verification
+    # rows take the smallest tile a tensor-core dot allows; prefill chunks take 64 rows.
+    block_m = max(16 if meta.max_query_len <= MAX_BATCHED_QUERY_LEN else 64, block_g)
+    tokens_per_tile = block_m // block_g
+    grid = (triton.cdiv(meta.max_query_len, tokens_per_tile), num_requests, num_kv_heads)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -379,9 +385,12 @@ def _paged_attention_triton(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         out.stride(0), out.stride(1),
         meta.block_tables.stride(0),
-        k_cache.shape[1], num_q_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_G=next_power_of_2(num_q_heads // num_kv_heads), BLOCK_N=32,
+        k_cache.shape[1], group,
+        HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), 16),
+        BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=32,
+        # Triton's CPU interpreter multiplies 16-bit dot operands wrongly (3.9: bfloat16 dots
+        # come out as garbage), so there they are widened to float32 first: the same values.
+        DOT_F32=q.dtype == torch.float32 or is_interpreted(_paged_attention_kernel),
     )  # fmt: skip
     return out
 
@@ -425,55 +434,81 @@ if HAS_TRITON:
         stride_ot, stride_oh,
         stride_bt,
         block_size, num_queries_per_kv,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
     ):  # fmt: skip
-        """One program per (query token, KV head): its query heads share each K/V tile; online softmax."""
-        i = tl.program_id(0)
+        """One program per (tile of query tokens, request, KV head); online softmax.
+
+        The tile's ``BLOCK_M // BLOCK_G`` query tokens times the KV head's query heads are the
+        rows of one matrix, so each tile of keys and values is read once for all of them and
+        both products are dots (tensor cores on a GPU). Row ``m`` is token ``m // BLOCK_G`` of
+        the tile and query head ``m % BLOCK_G`` of the group.
+        """
+        tile = tl.program_id(0)
         r = tl.program_id(1)
         kv_head = tl.program_id(2)
+        tokens_per_tile: tl.constexpr = BLOCK_M // BLOCK_G
         q_start = tl.load(query_start_loc_ptr + r)
         q_len = tl.load(query_start_loc_ptr + r + 1) - q_start
-        if i < q_len:
-            query_pos = tl.load(seq_lens_ptr + r) - q_len + i
+        first_i = tile * tokens_per_tile
+        if first_i < q_len:
+            seq_len = tl.load(seq_lens_ptr + r)
+            rows = tl.arange(0, BLOCK_M)
+            i = first_i + rows // BLOCK_G  # the row's query token within the request
+            group_index = rows % BLOCK_G
+            row_valid = (i < q_len) & (group_index < num_queries_per_kv)
+            query_pos = seq_len - q_len + i
             t = (q_start + i).to(tl.int64)
-            heads = kv_head * num_queries_per_kv + tl.arange(0, BLOCK_G)
-            head_mask = tl.arange(0, BLOCK_G) < num_queries_per_kv
+            heads = kv_head * num_queries_per_kv + group_index
             dims = tl.arange(0, BLOCK_D)
             dim_mask = dims < HEAD_DIM
-            q_mask = head_mask[:, None] & dim_mask[None, :]
-            q_offsets = t * stride_qt + heads[:, None] * stride_qh + dims[None, :]
-            q = tl.load(q_ptr + q_offsets, mask=q_mask, other=0.0).to(tl.float32)  # [G, D]
+            q_mask = row_valid[:, None] & dim_mask[None, :]
+            q = tl.load(
+                q_ptr + t[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0
+            )  # [M, D]
+            dot_dtype = tl.float32 if DOT_F32 else q.dtype
+            q = q.to(dot_dtype)
             # The host passes a huge window for full attention, which keeps this branch-free.
             first_key = tl.maximum(query_pos - sliding_window + 1, 0)
-            m_i = tl.full((BLOCK_G,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_G,), tl.float32)
-            acc = tl.zeros((BLOCK_G, BLOCK_D), tl.float32)
-            # Tiles start at a multiple of BLOCK_N, so each tile holds at least one visible key.
-            for tile_start in range((first_key // BLOCK_N) * BLOCK_N, query_pos + 1, BLOCK_N):
+            # Keys any row of the tile sees: from its first token's window to its last token.
+            lo = tl.maximum(seq_len - q_len + first_i - sliding_window + 1, 0)
+            hi = seq_len - q_len + tl.minimum(first_i + tokens_per_tile, q_len) - 1
+            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            for tile_start in range((lo // BLOCK_N) * BLOCK_N, hi + 1, BLOCK_N):
                 keys_pos = tile_start + tl.arange(0, BLOCK_N)
-                visible = (keys_pos <= query_pos) & (keys_pos >= first_key)
-                block = tl.load(block_tables_ptr + r * stride_bt + keys_pos // block_size, mask=visible, other=0)
+                in_range = (keys_pos >= lo) & (keys_pos <= hi)
+                block = tl.load(block_tables_ptr + r * stride_bt + keys_pos // block_size, mask=in_range, other=0)
                 block = block.to(tl.int64)
                 offset = keys_pos % block_size
-                kv_mask = visible[:, None] & dim_mask[None, :]
+                kv_mask = in_range[:, None] & dim_mask[None, :]
                 k = tl.load(
                     k_cache_ptr + block[:, None] * stride_kc_block + offset[:, None] * stride_kc_slot
                     + kv_head * stride_kc_head + dims[None, :] * stride_kc_dim,
                     mask=kv_mask, other=0.0,
-                ).to(tl.float32)  # fmt: skip
-                scores = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * scale  # [G, N]
-                scores = tl.where(visible[None, :], scores, float("-inf"))
+                ).to(dot_dtype)  # fmt: skip
+                # "ieee": float32 models get float32 products (tf32 would drift from the torch
+                # twin); 16-bit inputs are unaffected.
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
+                visible = (keys_pos[None, :] <= query_pos[:, None]) & (keys_pos[None, :] >= first_key[:, None])
+                scores = tl.where(visible, scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-                p = tl.exp(scores - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
+                # A row that has seen no key yet keeps m = -inf; its exponentials are then taken
+                # against 0, which gives 0 where -inf - -inf would give NaN.
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(scores - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
                 v = tl.load(
                     v_cache_ptr + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_slot
                     + kv_head * stride_vc_head + dims[None, :] * stride_vc_dim,
                     mask=kv_mask, other=0.0,
-                ).to(tl.float32)  # fmt: skip
-                acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+                ).to(dot_dtype)  # fmt: skip
+                # Probabilities in the values' dtype, as flash attention does (bfloat16: ~3 digits).
+                p_dot = p.to(v_cache_ptr.dtype.element_ty).to(dot_dtype)
+                acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision="ieee")
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
-            result = acc / l_i[:, None]
-            out_offsets = t * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+            result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+            out_offsets = t[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
             tl.store(out_ptr + out_offsets, result.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -20,6 +20,10 @@ NUM_Q_HEADS, NUM_KV_HEADS = 4, 2
 # (tokens already in the cache, query tokens this step) per request: decodes, a verification
 # row, a chunk continuing a prefill, a fresh prefill longer than the batched threshold.
 REQUESTS = [(9, 1), (0, 7), (3, 1), (5, 3), (4, 20), (0, 18)]
+# Decode and verification rows only (the Triton kernel's small tiles), and prefill chunks that
+# span several of its large tiles, one of them beside a decode.
+DECODES = [(9, 1), (30, 4), (3, 1), (0, 2), (17, 4)]
+LONG_PREFILLS = [(0, 70), (6, 1), (37, 45)]
 
 
 def _random_cache(
@@ -35,22 +39,27 @@ def _random_cache(
 
 
 def _batch(
-    block_size: int, head_dim: int, seed: int, num_kv_heads: int = NUM_KV_HEADS, layout: str = "new_kv_cache"
+    block_size: int,
+    head_dim: int,
+    seed: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+    layout: str = "new_kv_cache",
+    requests: list[tuple[int, int]] = REQUESTS,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Random q, caches full of random values, and metadata with scattered, -1-padded block tables."""
     g = torch.Generator().manual_seed(seed)
-    q_lens = [q for _, q in REQUESTS]
-    seq_lens = [c + q for c, q in REQUESTS]
+    q_lens = [q for _, q in requests]
+    seq_lens = [c + q for c, q in requests]
     blocks_needed = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(blocks_needed) + 5
     perm = torch.randperm(num_blocks, generator=g).tolist()
     max_blocks = max(blocks_needed) + 2
-    block_tables = torch.full((len(REQUESTS), max_blocks), -1, dtype=torch.int32)
+    block_tables = torch.full((len(requests), max_blocks), -1, dtype=torch.int32)
     for r, n in enumerate(blocks_needed):
         block_tables[r, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
     k_cache, v_cache = _random_cache((num_blocks, block_size, num_kv_heads, head_dim), layout, g)
     query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    positions = torch.cat([torch.arange(c, c + q) for c, q in REQUESTS])
+    positions = torch.cat([torch.arange(c, c + q) for c, q in requests])
     meta = AttentionMetadata(
         query_start_loc=query_start_loc,
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
@@ -99,14 +108,15 @@ def test_paged_attention_torch_matches_dense(block_size: int, head_dim: int, win
 
 @needs_triton
 @pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("requests", [REQUESTS, DECODES, LONG_PREFILLS], ids=["mixed", "decodes", "long-prefills"])
 @pytest.mark.parametrize(
     ("block_size", "head_dim", "num_kv_heads", "layout"),
-    [(4, 16, 2, "new_kv_cache"), (5, 24, 2, "new_kv_cache"), (4, 16, 4, "new_kv_cache"), (4, 16, 2, "contiguous")],
+    [(4, 16, 2, "new_kv_cache"), (5, 24, 2, "new_kv_cache"), (4, 16, 4, "new_kv_cache"), (4, 16, 1, "contiguous")],
 )
 def test_paged_attention_triton_matches_torch(
-    block_size: int, head_dim: int, num_kv_heads: int, layout: str, window: int
+    block_size: int, head_dim: int, num_kv_heads: int, layout: str, requests: list[tuple[int, int]], window: int
 ) -> None:
-    q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size, num_kv_heads=num_kv_heads, layout=layout)
+    q, k_cache, v_cache, meta = _batch(block_size, head_dim, block_size, num_kv_heads, layout, requests)
     scale = head_dim**-0.5
     triton_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="triton", sliding_window=window or None)
     torch.testing.assert_close(
@@ -115,6 +125,19 @@ def test_paged_attention_triton_matches_torch(
     if layout == "new_kv_cache":  # the torch path reads only that layout
         torch_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
         torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("requests", [DECODES, LONG_PREFILLS], ids=["decodes", "long-prefills"])
+def test_paged_attention_triton_in_bfloat16_matches_torch(requests: list[tuple[int, int]]) -> None:
+    q, k_cache, v_cache, meta = _batch(4, 16, 1, requests=requests)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    scale = 0.25
+    triton_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="triton")
+    assert triton_out.dtype == torch.bfloat16
+    expected = _dense_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, 0)
+    # bfloat16 inputs, probabilities rounded to bfloat16 before the value product: ~3 digits.
+    torch.testing.assert_close(triton_out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_torch_path_rejects_other_layouts() -> None:
