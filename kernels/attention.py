@@ -376,6 +376,9 @@ def _paged_attention_triton(
     block_m = max(16 if meta.max_query_len <= MAX_BATCHED_QUERY_LEN else 64, block_g)
     tokens_per_tile = block_m // block_g
     grid = (triton.cdiv(meta.max_query_len, tokens_per_tile), num_requests, num_kv_heads)
+    # Triton's CPU interpreter multiplies 16-bit dot operands wrongly (3.9: bfloat16 dots come
+    # out as garbage), so there they are widened to float32 first: the same values.
+    dot_f32 = q.dtype == torch.float32 or is_interpreted(_paged_attention_kernel)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         meta.query_start_loc, meta.seq_lens, meta.block_tables,
@@ -388,9 +391,10 @@ def _paged_attention_triton(
         k_cache.shape[1], group,
         HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), 16),
         BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=32,
-        # Triton's CPU interpreter multiplies 16-bit dot operands wrongly (3.9: bfloat16 dots
-        # come out as garbage), so there they are widened to float32 first: the same values.
-        DOT_F32=q.dtype == torch.float32 or is_interpreted(_paged_attention_kernel),
+        DOT_F32=dot_f32,
+        # float32 operands get float32 products (tf32 would drift from the torch twin); the
+        # setting means nothing to 16-bit operands, which keep the compiler's default.
+        DOT_PRECISION="ieee" if dot_f32 else "tf32",
     )  # fmt: skip
     return out
 
@@ -435,7 +439,7 @@ if HAS_TRITON:
         stride_bt,
         block_size, num_queries_per_kv,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):  # fmt: skip
         """One program per (tile of query tokens, request, KV head); online softmax.
 
@@ -488,9 +492,7 @@ if HAS_TRITON:
                     + kv_head * stride_kc_head + dims[None, :] * stride_kc_dim,
                     mask=kv_mask, other=0.0,
                 ).to(dot_dtype)  # fmt: skip
-                # "ieee": float32 models get float32 products (tf32 would drift from the torch
-                # twin); 16-bit inputs are unaffected.
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale  # [M, N]
+                scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [M, N]
                 visible = (keys_pos[None, :] <= query_pos[:, None]) & (keys_pos[None, :] >= first_key[:, None])
                 scores = tl.where(visible, scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))
@@ -506,7 +508,7 @@ if HAS_TRITON:
                 ).to(dot_dtype)  # fmt: skip
                 # Probabilities in the values' dtype, as flash attention does (bfloat16: ~3 digits).
                 p_dot = p.to(v_cache_ptr.dtype.element_ty).to(dot_dtype)
-                acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision="ieee")
+                acc = acc * alpha[:, None] + tl.dot(p_dot, v, input_precision=DOT_PRECISION)
                 l_i = l_i * alpha + tl.sum(p, axis=1)
                 m_i = m_new
             result = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
