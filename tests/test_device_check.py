@@ -20,6 +20,34 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
+def test_every_kernel_compiles_for_ampere_and_hopper(tmp_path: Path) -> None:
+    """`scripts/compile_kernels.py`: every kernel of `kernels/`, launched as device_check's
+    kernel section launches it at a real model's shapes, compiled to a cubin for sm_80 and
+    sm_90 with the Triton wheel's own ptxas (no GPU, no driver)."""
+    import pytest
+
+    triton = pytest.importorskip("triton")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists():
+        pytest.skip("this Triton wheel has no NVIDIA backend")
+    out = tmp_path / "compile.json"
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "scripts" / "compile_kernels.py"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["missing"] == []
+    compiled = {(r["kernel"], r["target"]) for r in report["results"] if r["ok"]}
+    kernels = {r["kernel"] for r in report["results"]}
+    assert len(kernels) >= 9 and compiled == {(k, t) for k in kernels for t in ("sm_80", "sm_90")}
+    # The attention kernel's 16-bit variants multiply on tensor cores; float32 ones may not.
+    attention = [r for r in report["results"] if r["kernel"] == "_paged_attention_kernel"]
+    assert {r["constexprs"]["BLOCK_M"] for r in attention} == {16, 64}
+    assert all(r["mma"] for r in attention if not r["constexprs"]["DOT_F32"])
+
+
 def test_device_check_dry_run(tmp_path: Path) -> None:
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
@@ -45,6 +73,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
         "keyed_uniform",
         "count_accepted",
         "rejection_sample",
+        *(f"write_kv_cache + paged_attention {d}{b}" for d in ("float32", "bfloat16") for b in ("", " decodes")),
     } <= kernels
     environment = {r["name"]: r for r in by_section["environment"]}
     assert environment["versions"]["values"]["torch"] == torch_version()
