@@ -250,7 +250,7 @@ BROKEN = [
     pytest.param(
         "k8s/overlays/cpu-demo/worker.env",
         "ZEROBUBBLE_DTYPE=float32",
-        "ZEROBUBBLE_DTYPE=float16",
+        "ZEROBUBBLE_DTYPE=float64",
         "cpu-demo",
         "`zerobubble worker` rejects its environment: ",
         id="value-the-cli-rejects",
