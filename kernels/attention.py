@@ -372,8 +372,12 @@ def _paged_attention_triton(
     group = num_q_heads // num_kv_heads
     block_g = next_power_of_2(group)
     # Rows of a tile = its query tokens x the KV head's query heads. Decode and verification
-    # rows take the smallest tile a tensor-core dot allows; prefill chunks take 64 rows.
-    block_m = max(16 if meta.max_query_len <= MAX_BATCHED_QUERY_LEN else 64, block_g)
+    # rows take the smallest tile a tensor-core dot allows; prefill chunks take 64 rows. The
+    # tile shapes and warps are the ones that compile without spilling registers on sm_80 and
+    # sm_90 at head_dim 128 (scripts/compile_kernels.py reports registers and spills): 16 x 16
+    # keys on 4 warps, 64 x 32 on 8 (on 4 warps 64 x 32 spills).
+    decode = meta.max_query_len <= MAX_BATCHED_QUERY_LEN
+    block_m = max(16 if decode else 64, block_g)
     tokens_per_tile = block_m // block_g
     grid = (triton.cdiv(meta.max_query_len, tokens_per_tile), num_requests, num_kv_heads)
     # Triton's CPU interpreter multiplies 16-bit dot operands wrongly (3.9: bfloat16 dots come
@@ -390,11 +394,12 @@ def _paged_attention_triton(
         meta.block_tables.stride(0),
         k_cache.shape[1], group,
         HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), 16),
-        BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=32,
+        BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=16 if decode else 32,
         DOT_F32=dot_f32,
         # float32 operands get float32 products (tf32 would drift from the torch twin); the
         # setting means nothing to 16-bit operands, which keep the compiler's default.
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
+        num_warps=4 if decode else 8,
     )  # fmt: skip
     return out
 

@@ -24,6 +24,8 @@ import argparse  # noqa: E402
 import inspect  # noqa: E402
 import json  # noqa: E402
 import logging  # noqa: E402
+import re  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -64,16 +66,22 @@ def arg_type(value: Any) -> str:
     raise TypeError(f"no Triton type for {type(value).__name__}")
 
 
-def record_launches() -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
-    """Make every `JITFunction` launch record (kernel, signature, constexprs) instead of running."""
+Launch = tuple[Any, dict[str, str], dict[str, Any], dict[str, Any]]
+
+
+def record_launches() -> list[Launch]:
+    """Make every `JITFunction` launch record (kernel, signature, constexprs, launch options)
+    instead of running."""
     from triton.runtime.jit import JITFunction
 
     import kernels._triton
     import kernels.attention
 
-    launches: list[tuple[Any, dict[str, str], dict[str, Any]]] = []
+    launches: list[Launch] = []
 
     def run(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        # Launch options (num_warps, num_stages, ...) are not the kernel's parameters.
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k not in self.arg_names}
         bound = inspect.signature(self.fn).bind(*args, **kwargs)
         bound.apply_defaults()
         signature: dict[str, str] = {}
@@ -84,7 +92,7 @@ def record_launches() -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
                 constexprs[name] = value
             else:
                 signature[name] = arg_type(value)
-        launches.append((self, signature, constexprs))
+        launches.append((self, signature, constexprs, options))
 
     JITFunction.run = run  # type: ignore[method-assign]
     # The host wrappers accept CPU tensors for Triton only under the interpreter; here the
@@ -93,6 +101,24 @@ def record_launches() -> list[tuple[Any, dict[str, str], dict[str, Any]]]:
     kernels._triton.is_interpreted = lambda kernel: True  # type: ignore[assignment]
     kernels.attention.is_interpreted = lambda kernel: False  # type: ignore[assignment]
     return launches
+
+
+def resource_usage(cuobjdump: Path, cubin: bytes) -> dict[str, int]:
+    """Registers per thread and stack bytes (register spills) of a cubin, read by the wheel's
+    `cuobjdump`; empty where it cannot be run."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        try:
+            out = subprocess.run(
+                [str(cuobjdump), "--dump-resource-usage", f.name], capture_output=True, text=True, timeout=60
+            ).stdout
+        except (OSError, subprocess.SubprocessError):
+            return {}
+    usage = dict(re.findall(r"\b(REG|STACK):(\d+)", out))
+    if not usage:
+        return {}
+    return {"registers": int(usage["REG"]), "stack_bytes": int(usage["STACK"])}
 
 
 def defined_kernels() -> set[str]:
@@ -123,26 +149,37 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as out:
         ctx = device_check.Context(device=torch.device("cpu"), dry_run=False, out_dir=Path(out))
         device_check.check_kernels(ctx)  # its comparisons fail (nothing ran); only the launches count
-    variants: dict[str, tuple[Any, dict[str, str], dict[str, Any]]] = {}
-    for kernel, signature, constexprs in launches:
-        key = f"{kernel.__name__}({', '.join(f'{k}={v}' for k, v in constexprs.items())}; {signature})"
-        variants.setdefault(key, (kernel, signature, constexprs))
+    variants: dict[str, Launch] = {}
+    for kernel, signature, constexprs, options in launches:
+        key = f"{kernel.__name__}({constexprs}; {signature}; {options})"
+        variants.setdefault(key, (kernel, signature, constexprs, options))
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     results: list[dict[str, Any]] = []
-    for kernel, signature, constexprs in variants.values():
+    for kernel, signature, constexprs, options in variants.values():
         for arch, arch_name in TARGETS:
             started = time.perf_counter()
-            entry: dict[str, Any] = {"kernel": kernel.__name__, "target": f"sm_{arch}", "constexprs": constexprs}
+            entry: dict[str, Any] = {
+                "kernel": kernel.__name__,
+                "target": f"sm_{arch}",
+                "constexprs": constexprs,
+                "options": options,
+            }
             try:
                 source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-                compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32))
-                ptx = compiled.asm["ptx"]
-                entry.update(ok=True, cubin_bytes=len(compiled.asm["cubin"]), mma="mma" in ptx)
+                compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options)
+                entry.update(
+                    ok=True, mma="mma" in compiled.asm["ptx"], **resource_usage(cuobjdump, compiled.asm["cubin"])
+                )
             except Exception as exc:  # every failure is reported, not only the first
                 entry.update(ok=False, error=f"{type(exc).__name__}: {str(exc).strip()[:2000]}")
             entry["seconds"] = round(time.perf_counter() - started, 2)
             results.append(entry)
-            shown = ", ".join(f"{k}={v}" for k, v in constexprs.items() if k.isupper())
-            status = "ok" if entry["ok"] else "FAILED " + entry["error"].splitlines()[0]
+            shown = ", ".join(f"{k}={v}" for k, v in {**constexprs, **options}.items() if k.isupper() or k in options)
+            if entry["ok"]:
+                registers, stack = entry.get("registers", "?"), entry.get("stack_bytes", "?")
+                status = f"ok, {registers} registers, {stack} bytes of stack (spills)"
+            else:
+                status = "FAILED " + entry["error"].splitlines()[0]
             print(f"{kernel.__name__:28s} sm_{arch} ({arch_name}) [{shown}]: {status}", flush=True)
     missing = sorted(defined_kernels() - {r["kernel"] for r in results})
     for name in missing:
