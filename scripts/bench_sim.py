@@ -180,15 +180,37 @@ async def steady_state(target: str, num_requests: int, max_tokens: int, pids: di
     return first, last, tokens1 - tokens0, t1 - t0, cpu
 
 
+def reference_loop_ms() -> float:
+    """Milliseconds of a fixed single-threaded Python loop (dict and list work, as a scheduler
+    does), best of 5: how fast this machine is right now.
+
+    On a shared VM the same code measures 1.5-2x apart from one hour to the next, and every
+    process's CPU per step moves with it; printed beside each host figure, this tells a slow
+    hour from a slower change.
+    """
+    best = float("inf")
+    for _ in range(5):
+        started = time.perf_counter()
+        counts: dict[int, int] = {}
+        items: list[int] = []
+        for i in range(200_000):
+            counts[i & 1023] = counts.get(i & 1023, 0) + 1
+            items.append(i)
+        best = min(best, time.perf_counter() - started)
+    return 1e3 * best
+
+
 def suite_host(args: argparse.Namespace) -> dict:
     out: dict = {}
     for k in args.num_spec_tokens:
         spec = "ngram" if k else "none"
         with sim_worker(0.0, spec, args) as worker:
             for n in args.requests:
+                reference_ms = reference_loop_ms()
                 figures = [run(worker, n, args.async_inflight, 0.0, args) for _ in range(args.repeats)]
                 best = min(figures, key=lambda f: f["ms_per_step"])
                 out[f"k{k}/n{n}"] = {
+                    "reference_loop_ms": reference_ms,
                     "ms_per_step": best["ms_per_step"],
                     "all_ms_per_step": [f["ms_per_step"] for f in figures],
                     "tokens_per_step": best["tokens_per_step"],
@@ -201,7 +223,8 @@ def suite_host(args: argparse.Namespace) -> dict:
                     f"k={k} n={n:4d}: {best['ms_per_step']:.2f} ms/step "
                     f"({', '.join(f'{f:.2f}' for f in out[f'k{k}/n{n}']['all_ms_per_step'])}), "
                     f"{best['tokens_per_step']:.2f} tokens/step; CPU ms/step "
-                    + ", ".join(f"{name} {ms:.2f} (busiest thread {busiest[name]:.2f})" for name, ms in cpu.items()),
+                    + ", ".join(f"{name} {ms:.2f} (busiest thread {busiest[name]:.2f})" for name, ms in cpu.items())
+                    + f"; reference loop {reference_ms:.1f} ms",
                     flush=True,
                 )
     return out
