@@ -212,6 +212,7 @@ class HandPlanner:
         plan = worker_pb2.StepPlan(step_id=self.step_id, requests=entries, finished_req_ids=finished)
         num_calls = len(self.rec.target.calls)
         result = self.runner.execute(plan).materialize(0.0, self.runner.num_spec_tokens)
+        self.runner.propose_next()  # as the worker's step loop does once the result is handed on
         self.results.append(result)
         assert len(self.rec.target.calls) == num_calls + 1, "one target forward per plan"
         call = self.rec.target.calls[-1]
@@ -357,6 +358,7 @@ def drive(
                 assert req.num_placeholders >= 0
             num_calls = len(rec.target.calls)
             pending = runner.execute(plan)
+            runner.propose_next()  # as the worker's step loop does once the result is handed on
             assert len(rec.target.calls) == num_calls + 1
             inflight.append((plan, rec.target.calls[-1], pending))
             trace.max_inflight_seen = max(trace.max_inflight_seen, len(inflight))

@@ -28,6 +28,7 @@ from worker_svc.model import build_model
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers.draft import DraftModelProposer
 from worker_svc.runner import ModelRunner, RunnerConfig
+from zerobubble.api import worker_pb2
 from zerobubble.rows import result_rows
 
 VOCAB = 258  # the toy byte tokenizer's vocabulary
@@ -269,4 +270,34 @@ def test_the_result_copy_is_queued_before_the_draft_chain(monkeypatch: pytest.Mo
     outputs, drafted, _ = _drive(runner, scheduler, window=2)
     assert outputs["r"] == _hf_greedy(hf, list(range(1, 12)), 10)
     assert drafted > 0 and calls.count("propose") >= 3
-    assert calls == ["copy", "propose"] * (len(calls) // 2), calls  # each step: its copy, then its drafts
+    # Each sampling step: its copy, then its drafts (the last step's are never asked for).
+    num_proposals = calls.count("propose")
+    assert calls[: 2 * num_proposals] == ["copy", "propose"] * num_proposals, calls
+    assert calls[2 * num_proposals :] in ([], ["copy"]), calls
+
+
+def test_drafts_come_after_the_result_and_stop_at_a_finish_notice() -> None:
+    """A step's result is complete before its next drafts are made (`propose_next`, which the
+    worker calls once the result is handed on), and a draft chain whose every request a later
+    plan has finished stops there: the next request's prefill does not wait for it."""
+    hf = _tiny_hf(0)
+    runner, scheduler = _runner_and_scheduler(hf, DraftModelProposer(_loaded(hf), K, "keyed"))
+    prompt = list(range(1, 12))
+    scheduler.add_request("r", prompt, max_tokens=10, ignore_eos=True)
+    pending = runner.execute(scheduler.schedule())  # the prefill samples the first token
+    slot = runner.slots["r"].slot
+    assert int(runner.state.num_drafts[slot]) == 0  # no drafts yet ...
+    events = scheduler.on_step_result(pending.materialize(0.0, K))
+    assert events[0].token_ids == _hf_greedy(hf, prompt, 1)  # ... and the result is whole
+    runner.propose_next()
+    assert int(runner.state.num_drafts[slot]) == K
+    runner.propose_next()  # made once
+    assert int(runner.state.num_drafts[slot]) == K
+
+    decode = scheduler.schedule()
+    pending = runner.execute(decode)
+    scheduler.on_step_result(pending.materialize(0.0, K))
+    num_cut = runner.num_cut_steps
+    runner.note_finished(worker_pb2.StepPlan(step_id=decode.step_id + 1, finished_req_ids=["r"]))
+    runner.propose_next()  # its drafts serve only "r", finished by a later plan
+    assert runner.num_cut_steps == num_cut + 1

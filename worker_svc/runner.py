@@ -367,6 +367,7 @@ class ModelRunner:
             proposer.bind(self)
         self._copy_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._last_step_end: Any = None  # CUDA: the latest step's end event while requests were live
+        self._next_drafts: tuple[torch.Tensor, StepBatch] | None = None  # see `propose_next`
         # Off the CPU the host never reads device values during a step (see worker_svc/staging.py).
         self.accelerator = staging.is_accelerator(self.device)
         # A simulated device stands for an accelerator too: the host never reads device state.
@@ -390,6 +391,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request (a new scheduler stream starts from scratch)."""
         self._last_step_end = None
+        self._next_drafts = None
         for req_id in list(self.slots):
             self.release(req_id)
         if self.simulator is not None:
@@ -579,6 +581,7 @@ class ModelRunner:
         result; the others run as if those rows had never been planned.
         """
         start = time.perf_counter()
+        self.propose_next()  # the previous step's drafts, if the caller has not made them
         for req_id in plan.finished_req_ids:
             self.release(req_id)
         if self.test_fault_hook is not None:
@@ -890,8 +893,9 @@ class ModelRunner:
         return batch.input_ids[draft_idx], num_verified
 
     def advance(self, batch: StepBatch, out: StepOutputs | None) -> PendingResult:
-        """Sequence-length correction on the device (the true accepted counts, not the plan's),
-        the start of the result copy, then the next drafts. ``out`` is None when no row sampled."""
+        """Sequence-length correction on the device (the true accepted counts, not the plan's)
+        and the start of the result copy; the next drafts wait for `propose_next`. ``out`` is
+        None when no row sampled."""
         dev = self.device
         num_rows = len(batch.rows)
         st = self.state
@@ -933,12 +937,39 @@ class ModelRunner:
         if out.top_ids is not None:
             pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
             pending.num_top = s.num_top
-        # The copy is queued before the next drafts: on a GPU it then waits for this step's
-        # sampling only, not for a draft model's k forwards, and the scheduler hears sooner.
         self._start_copy(pending)
+        # The next drafts are left to `propose_next`, after the caller has handed this result
+        # on: the copy then waits for this step's sampling only, and the scheduler hears the
+        # step while a draft model's k forwards run (on a GPU: while they are launched).
         if self.proposer is not None:
-            self.proposer.propose(s.slots, batch)
+            self._next_drafts = (s.slots, batch)
         return pending
+
+    @torch.inference_mode()
+    def propose_next(self) -> None:
+        """Make the drafts of the rows the last executed step sampled (a no-op when made).
+
+        The worker's step loop calls it once the step's result is on its way to the copier;
+        `execute` calls it first thing, so a caller that does not still gets every draft, in
+        the same order.
+        """
+        if self._next_drafts is None:
+            return
+        slots, batch = self._next_drafts
+        self._next_drafts = None
+        assert self.proposer is not None
+        # Drafts for requests a later plan has finished are never used: a draft model's chain
+        # stops between layers then (its forward asks `_moot`, as the target's does). With the
+        # result already out, the finish notice for a request's last step arrives while its
+        # chain runs, and the next request's prefill no longer waits for that chain.
+        self._current = (batch.step_id, batch.req_ids)
+        try:
+            self.proposer.propose(slots, batch)
+        except StepInterrupted:
+            self.num_cut_steps += 1
+            logger.debug("drafts after step %d cut short: a later plan finished all its rows", batch.step_id)
+        finally:
+            self._current = None
 
     def sampling_tensors(self, slots: np.ndarray, valid_cols: np.ndarray, sample_pos: torch.Tensor) -> SamplingTensors:
         """Per-logits-row sampling tensors; ``valid_cols[i]`` rows belong to state slot ``slots[i]``.

@@ -266,6 +266,19 @@ def run_step(
         return worker_pb2.StepResult(step_id=plan.step_id, error=error)
 
 
+def run_proposer(runner: ModelRunner, req_ids: list[str], on_device_fault: DeviceFaultHandler | None = None) -> None:
+    """The drafts a step left to make (`ModelRunner.propose_next`), after its result was handed
+    on. If they fail, the step's requests fail as a failed step's would (their result already
+    went out): later plans answer their rows with a per-request error."""
+    try:
+        runner.propose_next()
+    except Exception as exc:
+        if on_device_fault is not None and is_device_fault(exc):
+            on_device_fault(exc)
+        logger.exception("drafts after a step failed")
+        runner.fail_requests(req_ids, f"step failed: {exc}")
+
+
 def materialize_result(
     pending: PendingResult, idle_s: float, num_spec_tokens: int, on_device_fault: DeviceFaultHandler | None = None
 ) -> worker_pb2.StepResult:
@@ -455,6 +468,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     pending.ready = InjectedDeviceFault()
                 # The host copy overlaps the next step: it happens on the copier thread.
                 copier.submit(materialize_and_deliver, pending, idle)
+                run_proposer(self.runner, pending.req_ids, self.device_fault)
 
         async def read_plans() -> None:
             try:

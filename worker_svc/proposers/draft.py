@@ -89,6 +89,9 @@ class DraftModelProposer:
                 "lower --max-model-len or use a draft model with a longer context"
             )
         self.runner = runner
+        # The draft's forwards stop where the target's would: once a later plan has finished
+        # every row they serve (`ModelRunner._moot`).
+        self.draft.model.interrupt = runner.model.interrupt
         # One block more than the target: the scratch block that takes writes without room.
         self.scratch_block = cfg.num_blocks
         self.kv_caches = allocate_kv_cache(
