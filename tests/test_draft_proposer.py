@@ -297,7 +297,7 @@ def test_drafts_come_after_the_result_and_stop_at_a_finish_notice() -> None:
     decode = scheduler.schedule()
     pending = runner.execute(decode)
     scheduler.on_step_result(pending.materialize(0.0, K))
-    num_cut = runner.num_cut_steps
+    num_cut = runner.num_cut_drafts
     runner.note_finished(worker_pb2.StepPlan(step_id=decode.step_id + 1, finished_req_ids=["r"]))
     runner.propose_next()  # its drafts serve only "r", finished by a later plan
-    assert runner.num_cut_steps == num_cut + 1
+    assert runner.num_cut_drafts == num_cut + 1

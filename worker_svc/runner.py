@@ -361,6 +361,7 @@ class ModelRunner:
         self._finished_lock = threading.Lock()
         self._current: tuple[int, list[str]] | None = None  # (step id, rows) of the running step
         self.num_cut_steps = 0  # steps cut short because a later plan finished all their rows
+        self.num_cut_drafts = 0  # draft chains cut short the same way (see `propose_next`)
         if self.model is not None:
             self.model.interrupt = self._moot
         if proposer is not None:
@@ -966,7 +967,7 @@ class ModelRunner:
         try:
             self.proposer.propose(slots, batch)
         except StepInterrupted:
-            self.num_cut_steps += 1
+            self.num_cut_drafts += 1
             logger.debug("drafts after step %d cut short: a later plan finished all its rows", batch.step_id)
         finally:
             self._current = None
