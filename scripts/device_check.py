@@ -306,8 +306,16 @@ def check_kernels(ctx: Context) -> None:
     req_slots = torch.randperm(num_slots, generator=gen)[:num_reqs].to(torch.int32).to(dev)
     is_decode = (torch.arange(num_reqs) % 2 == 0).to(dev)
     q_lens = torch.where(is_decode.cpu(), 1 + k, torch.tensor(block_size + 3))
-    qsl = torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(torch.int32).to(dev)
-    num_tokens = int(q_lens.sum())
+
+    def flat_batch(lens: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """``lens[r]`` query tokens for request r after its context: (query_start_loc, tokens,
+        each token's position)."""
+        num = int(lens.sum())
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).to(dev)
+        pos = seq_len[req_slots.long()].repeat_interleave(lens.to(dev), output_size=num).long()
+        return starts, num, pos + torch.cat([torch.arange(int(n)) for n in lens]).to(dev)
+
+    qsl, num_tokens, positions = flat_batch(q_lens)
     prefill_ids = ints(0, vocab, num_tokens)
 
     def case(name: str, run: Callable[[str], Any], compare: Compare | None = None) -> None:
@@ -327,9 +335,6 @@ def check_kernels(ctx: Context) -> None:
             ctx.add(section, name, FAIL, f"{type(exc).__name__}: {exc}")
         ctx.finish_last(started)
 
-    positions = seq_len[req_slots.long()].repeat_interleave(q_lens.to(dev), output_size=num_tokens).long() + torch.cat(
-        [torch.arange(int(n)) for n in q_lens]
-    ).to(dev)
     case(
         "slot_mapping",
         lambda impl: compute_slot_mapping(qsl, positions, block_table[req_slots.long()], block_size, impl=impl),
@@ -410,15 +415,11 @@ def check_kernels(ctx: Context) -> None:
     batches = {"": q_lens, " decodes": torch.full_like(q_lens, 1 + k)}
     for (batch_name, lens), dtype in itertools.product(batches.items(), (torch.float32, torch.bfloat16)):
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-        lens_qsl = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).to(dev)
-        lens_tokens = int(lens.sum())
-        lens_positions = seq_len[req_slots.long()].repeat_interleave(lens.to(dev), output_size=lens_tokens).long()
-        lens_positions += torch.cat([torch.arange(int(n)) for n in lens]).to(dev)
 
         def attention(
-            impl: str, dtype: torch.dtype = dtype, lens: torch.Tensor = lens, qsl: torch.Tensor = lens_qsl,
-            num_tokens: int = lens_tokens, positions: torch.Tensor = lens_positions,
-        ) -> tuple:  # fmt: skip
+            impl: str, dtype: torch.dtype = dtype, lens: torch.Tensor = lens, batch: tuple = flat_batch(lens)
+        ) -> tuple:
+            qsl, num_tokens, positions = batch
             torch.manual_seed(3)
             ((k_cache, v_cache),) = allocate_kv_cache(cfg, num_blocks, block_size, dtype, dev)
             k_cache.copy_(torch.randn(k_cache.shape, dtype=dtype).to(dev))
