@@ -56,20 +56,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     emulated (slow) and Triton does not compile it. An explicit bfloat16 on such a GPU is
     refused for the same reason.
     """
-    native_bf16 = device.type != "cuda" or torch.cuda.get_device_capability(device)[0] >= 8
+    by_name = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if device.type != "cuda":
+        return torch.float32 if name == "auto" else by_name[name]
+    major, minor = torch.cuda.get_device_capability(device)
+    native_bf16 = major >= 8
     if name == "auto":
-        if device.type != "cuda":
-            return torch.float32
         if not native_bf16:
             logger.info("--dtype auto: float16 (this GPU has no native bfloat16)")
         return torch.bfloat16 if native_bf16 else torch.float16
     if name == "bfloat16" and not native_bf16:
-        major, minor = torch.cuda.get_device_capability(device)
         raise ValueError(
             f"--dtype bfloat16 needs a GPU of compute capability 8.0 or later, this one is {major}.{minor}: "
             "use --dtype float16 (or auto)"
         )
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return by_name[name]
 
 
 def step_reserve_bytes(cfg: WorkerConfig, loaded: LoadedModel) -> int:
@@ -258,11 +259,7 @@ def run_step(
     try:
         return runner.execute(plan)
     except Exception as exc:
-        if on_device_fault is not None and is_device_fault(exc):
-            on_device_fault(exc)
-        logger.exception("step %d failed", plan.step_id)
-        error = f"step failed: {exc}"
-        runner.fail_requests(plan_req_ids(plan), error)
+        error = fail_step(runner, plan_req_ids(plan), exc, on_device_fault, f"step {plan.step_id}")
         return worker_pb2.StepResult(step_id=plan.step_id, error=error)
 
 
@@ -273,10 +270,21 @@ def run_proposer(runner: ModelRunner, req_ids: list[str], on_device_fault: Devic
     try:
         runner.propose_next()
     except Exception as exc:
-        if on_device_fault is not None and is_device_fault(exc):
-            on_device_fault(exc)
-        logger.exception("drafts after a step failed")
-        runner.fail_requests(req_ids, f"step failed: {exc}")
+        fail_step(runner, req_ids, exc, on_device_fault, "the drafts after a step")
+
+
+def fail_step(
+    runner: ModelRunner, req_ids: list[str], exc: Exception, on_device_fault: DeviceFaultHandler | None, what: str
+) -> str:
+    """What a raising step (or its drafts) does to its requests: a device fault goes to
+    ``on_device_fault``; otherwise they lose their state, later rows for them get the returned
+    error, and the worker goes on."""
+    if on_device_fault is not None and is_device_fault(exc):
+        on_device_fault(exc)
+    logger.exception("%s failed", what)
+    error = f"step failed: {exc}"
+    runner.fail_requests(req_ids, error)
+    return error
 
 
 def materialize_result(
