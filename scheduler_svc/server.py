@@ -502,5 +502,4 @@ async def serve_scheduler(
 
 def run_scheduler(cfg: SchedulerServiceConfig) -> None:
     """Entry point of `zerobubble scheduler`."""
-    with rpc.tuned_gc():
-        asyncio.run(serve_scheduler(cfg))
+    rpc.run_service(serve_scheduler(cfg), cfg.event_loop)

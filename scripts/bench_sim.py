@@ -69,6 +69,7 @@ def sim_worker(device_ms: float, spec: str, args: argparse.Namespace) -> Iterato
         max_num_seqs=256,
         kv_cache_memory_gb=args.kv_gb,
         simulate_acceptance_rate=args.acceptance_rate,
+        event_loop=args.event_loop,
     )
     try:
         yield worker
@@ -105,6 +106,7 @@ def run(worker: Service, num_requests: int, window: int, device_ms: float, args:
         max_num_seqs=256,
         max_num_batched_tokens=2048,
         stream_interval=args.stream_interval,
+        event_loop=args.event_loop,
     )
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
     try:
@@ -353,6 +355,12 @@ def main() -> None:
     )
     parser.add_argument(
         "--stream-interval", type=int, default=1, help="the scheduler's --stream-interval (tokens per client message)"
+    )
+    parser.add_argument(
+        "--event-loop",
+        choices=("auto", "uvloop", "asyncio"),
+        default="auto",
+        help="the services' --event-loop (this client runs on asyncio's)",
     )
     parser.add_argument(
         "--kv-gb",

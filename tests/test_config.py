@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import importlib.util
 
 import pytest
 
@@ -19,6 +21,7 @@ from zerobubble.config import (
     setting_info,
 )
 from zerobubble.entrypoints.cli import build_parser, check_config
+from zerobubble.rpc import run_service
 
 
 def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
@@ -144,3 +147,25 @@ print(json.dumps(device.submit(on_device).result() + [sorted(os.sched_getaffinit
     step, started, rest = json.loads(out.stdout.strip().splitlines()[-1])
     assert step == started == [available[-1]]
     assert rest == available[:-1]
+
+
+def test_event_loop_uvloop_without_the_package_is_a_usage_error(monkeypatch, capsys) -> None:
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "uvloop" else real_find_spec(name, *a)
+    )
+    err = _usage_error(["worker", "--event-loop", "uvloop"], capsys)
+    assert "--event-loop uvloop" in err and "not installed" in err
+    # auto falls back to asyncio's loop instead (rpc.run_service)
+    from_env(WorkerConfig, {"ZEROBUBBLE_EVENT_LOOP": "auto"})
+
+
+async def _running_loop() -> asyncio.AbstractEventLoop:
+    return asyncio.get_running_loop()
+
+
+@pytest.mark.parametrize("choice", ["auto", "uvloop", "asyncio"])
+def test_run_service_runs_on_the_chosen_event_loop(choice: str) -> None:
+    uvloop = pytest.importorskip("uvloop")
+    loop = run_service(_running_loop(), choice)
+    assert isinstance(loop, uvloop.Loop) == (choice != "asyncio"), type(loop)

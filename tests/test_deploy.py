@@ -7,6 +7,7 @@ install when missing, a failure under CI).
 
 from __future__ import annotations
 
+import re
 import shutil
 import stat
 import subprocess
@@ -401,3 +402,13 @@ def test_untested_alerts_counts_firing_and_silent_cases_separately() -> None:
         }
     ]
     assert prom.untested_alerts(groups, tests) == ["alert B has no promtool test case where it fires"]
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cuda"])
+def test_images_install_the_services_dependencies(dockerfile: str) -> None:
+    """A plain `pip install .` is the light client (grpcio and protobuf only): an image built
+    that way has no torch-side or HTTP-side packages and its services fail at start-up."""
+    text = (Path(deploy_check.__file__).parent / dockerfile).read_text()
+    installs = re.findall(r"pip install\s+\"?\.(?:\[([a-z,]+)\])?\"?(?:\s|$)", text)
+    assert len(installs) == 1, installs
+    assert {"scheduler", "worker"} <= set(installs[0].split(",")), installs

@@ -31,6 +31,14 @@ K = 3
 # Copies (and so accepted drafts) start COPY_LAG = 32 tokens in: at 40 tokens n-gram saved only
 # 2-3 of ~48 steps, within the admission jitter, and the fewer-steps check failed about 1 run in 6.
 MAX_TOKENS = 96
+# Both event loops serve in the identity test below, as workers and as schedulers.
+EVENT_LOOP = {"none": "asyncio", "ngram": "auto", 1: "uvloop", 2: "asyncio"}
+
+
+def runs_uvloop(service: Service) -> bool:
+    """Whether the service process has loaded uvloop (its event loop when it has)."""
+    with open(f"/proc/{service.proc.pid}/maps") as f:
+        return "uvloop" in f.read()
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +47,12 @@ def sim_workers():
     try:
         for spec in ("none", "ngram"):
             workers[spec] = start_worker(
-                simulate_device_ms=1.0, spec_method=spec, num_spec_tokens=K, max_num_seqs=16, kv_cache_memory_gb=1.0
+                simulate_device_ms=1.0,
+                spec_method=spec,
+                num_spec_tokens=K,
+                max_num_seqs=16,
+                kv_cache_memory_gb=1.0,
+                event_loop=EVENT_LOOP[spec],
             )
         yield workers
     finally:
@@ -48,14 +61,20 @@ def sim_workers():
 
 
 def test_greedy_output_is_identical_sync_async_and_with_speculation(sim_workers, grounded_rows):
+    """The same greedy tokens sync or async, with n-gram drafts or without, and on either
+    `--event-loop` (the workers and the schedulers below use both)."""
     rows = bench_rows(grounded_rows[:16], max_tokens=MAX_TOKENS)
     outputs = {}
     reports = {}
     for spec, window in itertools.product(("none", "ngram"), (1, 2)):
-        scheduler = start_scheduler([sim_workers[spec]], max_inflight_steps=window, max_num_seqs=16)
+        scheduler = start_scheduler(
+            [sim_workers[spec]], max_inflight_steps=window, max_num_seqs=16, event_loop=EVENT_LOOP[window]
+        )
         try:
             wait_serving(scheduler.target)
             report = run_workload(scheduler.target, rows, concurrency=16)
+            assert runs_uvloop(scheduler) == (EVENT_LOOP[window] == "uvloop")
+            assert runs_uvloop(sim_workers[spec]) == (EVENT_LOOP[spec] != "asyncio")
         finally:
             scheduler.stop()
         assert report["num_errors"] == 0, report["finish_reasons"]

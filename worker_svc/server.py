@@ -594,5 +594,4 @@ async def serve_worker(cfg: WorkerConfig) -> None:
 def run_worker(cfg: WorkerConfig) -> None:
     """Entry point of `zerobubble worker`."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    with rpc.tuned_gc():
-        asyncio.run(serve_worker(cfg))
+    rpc.run_service(serve_worker(cfg), cfg.event_loop)

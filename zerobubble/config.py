@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 ENV_PREFIX = "ZEROBUBBLE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 
 _Config = TypeVar("_Config")
 
@@ -133,10 +135,20 @@ class ServiceConfig:
     # The worker sizes its state slots and the scheduler its batches from the same number, so
     # `serve` gives both one value.
     max_num_seqs: int = setting(64, "most requests running at once")
+    event_loop: str = setting(
+        "auto",
+        "asyncio event loop of the service: uvloop (libuv: less host CPU per gRPC message and stream), the "
+        "standard library's asyncio, or auto = uvloop where it is installed",
+        choices=EVENT_LOOPS,
+    )
 
     def validate(self) -> None:
         """:class:`ConfigError` naming the flags when a setting or a combination cannot work."""
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
+        _require(
+            self.event_loop != "uvloop" or importlib.util.find_spec("uvloop") is not None,
+            "--event-loop uvloop: the uvloop package is not installed (pip install uvloop; or --event-loop asyncio)",
+        )
         _require(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")
         _require(-1 <= self.metrics_port <= 65535, "--metrics-port must be -1 (off) or a port")
         _require(0 <= self.port <= 65535, "--port must be a port number (0 = pick one)")

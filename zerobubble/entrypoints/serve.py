@@ -7,7 +7,6 @@ across machines. With `--workers`, no local worker is started.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 import secrets
@@ -16,6 +15,7 @@ import sys
 from dataclasses import fields
 
 from scheduler_svc.server import serve_scheduler
+from zerobubble import rpc
 from zerobubble.config import SERVE_WORKER_HIDDEN, ServeConfig, WorkerConfig
 from zerobubble.tools.launch import command_flags
 
@@ -68,7 +68,7 @@ def run_serve(cfg: ServeConfig) -> None:
         proc, port = start_local_worker(cfg)
         addresses = [f"127.0.0.1:{port}"]
     try:
-        asyncio.run(serve_scheduler(cfg.scheduler, addresses))
+        rpc.run_service(serve_scheduler(cfg.scheduler, addresses), cfg.scheduler.event_loop)
     finally:
         if proc is not None:
             proc.terminate()
