@@ -82,10 +82,10 @@ def run_service(main: Coroutine[Any, Any, T], event_loop: str) -> T:
     on the event loop `--event-loop` names ("auto": uvloop where it is installed).
 
     Why uvloop: with hundreds of client streams a service's loop runs a few callbacks per gRPC
-    message, and libuv's loop runs them with less CPU than the standard library's. Measured on
-    the 2-core VM (scripts/bench_sim.py host, 256 requests, k = 3, --stream-interval 8, services
-    on one loop and then the other, 3 rounds): ms per step 0.84-0.89x, the scheduler's CPU per step
-    0.90-0.95x. gRPC's asyncio stack works on any asyncio loop; it only needs `add_reader`.
+    message, and libuv's loop runs them with less CPU than the standard library's. On the 2-core
+    VM (scripts/bench_sim.py host --event-loop asyncio|auto, k = 3, --stream-interval 8, 4 rounds
+    interleaved) ms per step went 6.00 -> 5.18 (0.86x) at 256 requests and 2.29 -> 2.14 at 64.
+    gRPC's asyncio stack runs on any asyncio loop.
     """
     with tuned_gc():
         if event_loop != "asyncio":
