@@ -9,6 +9,7 @@ fault-free run, and the worker must keep no state for the failed requests.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from scheduler_svc.scheduler import FINISH_ERROR
 from scheduler_svc.tokenizer import Tokenizer
@@ -156,3 +157,95 @@ def test_a_fault_at_the_result_copy_answers_its_step_with_an_error(runner):
     for req_id in ("r0", "r1", "r2"):
         assert got[req_id][1] == FINISH_ERROR and "illegal memory access" in got[req_id][2]
     assert got["r3"][0] == reference["r3"][0] and len(got["r3"][0]) == MAX_TOKENS
+
+
+def _decoding_runners(num_requests: int = 4):
+    """Two simulated runners (no weights) in the same state, and the scheduler's next plan for
+    them: every request a decode row in the columns, some gaining a block."""
+    config = WorkerConfig(
+        simulate_device_ms=0.0, spec_method="ngram", num_spec_tokens=3, max_num_seqs=8, kv_cache_memory_gb=1.0
+    )
+    runners = [build_runner(config)[0] for _ in range(2)]
+    scheduler = make_scheduler(runners[0], max_num_batched_tokens=256)
+    for i in range(num_requests):
+        scheduler.add_request(f"r{i}", list(range(100 + i, 115 + i)), max_tokens=200, ignore_eos=True)
+    for _ in range(200):
+        plan = scheduler.schedule()
+        assert plan is not None
+        if len(plan.decodes.req_ids) == num_requests and any(plan.decodes.num_new_blocks):
+            return runners, plan
+        results = [materialize_result(run_step(r, plan), 0.0, r.num_spec_tokens) for r in runners]
+        assert results[0].SerializeToString() == results[1].SerializeToString()
+        scheduler.on_step_result(results[0])
+    raise AssertionError("no all-decode plan with a new block")
+
+
+def _outcome(runner, plan, row_by_row: bool) -> tuple[dict[str, str], worker_pb2.StepResult]:
+    """Errors and result of one plan; `row_by_row`: a fault hook that does nothing, which makes
+    the runner check every row on its own instead of the decode columns at once."""
+    runner.test_fault_hook = (lambda plan, entry: None) if row_by_row else None
+    try:
+        pending = runner.execute(plan)
+    finally:
+        runner.test_fault_hook = None
+    result = materialize_result(pending, 0.0, runner.num_spec_tokens)
+    result.forward_s = result.idle_s = 0.0  # timings
+    return pending.errors, result
+
+
+def _break_row(plan: worker_pb2.StepPlan, how: str, num_blocks: int) -> str:
+    """Make decode column row 1 or 2 of `plan` unrunnable; returns the request id that errs."""
+    dec = plan.decodes
+    if how == "unknown":
+        dec.req_ids[1] = "ghost"
+    elif how == "twice":
+        dec.req_ids[2] = dec.req_ids[1]
+    elif how == "drafts":
+        dec.num_draft_slots[1] = 9
+    else:  # a block id past the pool, given to row 1
+        dec.new_block_ids.insert(dec.num_new_blocks[0], num_blocks)
+        dec.num_new_blocks[1] += 1
+    return dec.req_ids[1]
+
+
+@pytest.mark.parametrize("how", ["none", "unknown", "twice", "drafts", "block"])
+def test_decode_columns_checked_at_once_run_as_row_by_row(how: str) -> None:
+    """The decode rows a plan carries in columns are checked a column at a time. That must
+    change nothing: a clean plan gives the same result as row-by-row checking, and a row that
+    cannot run still gets its own error while the other rows run."""
+    runners, plan = _decoding_runners()
+    bad_id = _break_row(plan, how, runners[0].config.num_blocks) if how != "none" else None
+    errors, result = _outcome(runners[0], plan, row_by_row=False)
+    twin_errors, twin_result = _outcome(runners[1], plan, row_by_row=True)
+    assert errors == twin_errors
+    assert result == twin_result
+    # ... and the same state left behind: slots, block tables (host and device), references.
+    state, twin = runners
+    assert {r: (i.slot, i.block_ids) for r, i in state.slots.items()} == {
+        r: (i.slot, i.block_ids) for r, i in twin.slots.items()
+    }
+    assert state._block_refs == twin._block_refs
+    assert torch.equal(state.state.block_table, twin.state.block_table)
+    assert torch.equal(state.state.seq_len, twin.state.seq_len)
+    ran = set(result.rows.req_ids) | {r.req_id for r in result.results if not r.error}
+    # Every row that ran holds the blocks the plan gave it, on the host and in the device table.
+    dec, start = plan.decodes, 0
+    for req_id, n in zip(dec.req_ids, dec.num_new_blocks):
+        new_blocks, start = list(dec.new_block_ids[start : start + n]), start + n
+        if req_id in ran and req_id not in errors:
+            info = state.slots[req_id]
+            assert info.block_ids[len(info.block_ids) - n :] == new_blocks, req_id
+            assert state.state.block_table[info.slot, : len(info.block_ids)].tolist() == info.block_ids
+    if bad_id is None:
+        assert not errors and ran == set(plan.decodes.req_ids)
+        return
+    expected = {
+        "unknown": "unknown to this worker",
+        "twice": "scheduled twice",
+        "drafts": "draft slots",
+        "block": "block id out of range",
+    }[how]
+    assert list(errors) == [bad_id] and expected in errors[bad_id], errors
+    others = set(plan.decodes.req_ids) - {bad_id}
+    assert others <= ran
+    assert not result.error

@@ -31,47 +31,83 @@ class PlanRow:
     sampling: Any = None  # the SamplingParams message where the row carries one
 
 
+@dataclass(slots=True)
+class DecodeColumnLists:
+    """A plan's ``DecodeColumns`` read once into lists: row i is ``req_ids[i]`` with
+    ``num_draft_slots[i]`` draft slots and the next ``num_new_blocks[i]`` of ``new_block_ids``."""
+
+    req_ids: list[str]
+    num_draft_slots: list[int]
+    num_new_blocks: list[int]
+    new_block_ids: list[int]
+
+
+def decode_columns(plan: Any) -> DecodeColumnLists:
+    """A plan's decode columns as lists, checked to line up.
+
+    Raises:
+        ValueError: the columns do not line up or a row gains a negative number of blocks (a
+            broken scheduler); nothing of the plan can be trusted then.
+    """
+    dec = plan.decodes
+    cols = DecodeColumnLists(
+        list(dec.req_ids), list(dec.num_draft_slots), list(dec.num_new_blocks), list(dec.new_block_ids)
+    )
+    num_rows = len(cols.req_ids)
+    if (
+        len(cols.num_draft_slots) != num_rows
+        or len(cols.num_new_blocks) != num_rows
+        or sum(cols.num_new_blocks) != len(cols.new_block_ids)
+    ):
+        raise ValueError(
+            f"decode columns do not line up: {num_rows} request ids, {len(cols.num_draft_slots)} draft "
+            f"counts, {len(cols.num_new_blocks)} block counts for {len(cols.new_block_ids)} block ids"
+        )
+    if num_rows and min(cols.num_new_blocks) < 0:
+        i = next(i for i, n in enumerate(cols.num_new_blocks) if n < 0)
+        raise ValueError(f"request {cols.req_ids[i]}: {cols.num_new_blocks[i]} new blocks")
+    return cols
+
+
+def column_rows(cols: DecodeColumnLists) -> list[PlanRow]:
+    """The decode rows of `decode_columns` one `PlanRow` each."""
+    rows: list[PlanRow] = []
+    start = 0
+    block_ids = cols.new_block_ids
+    for req_id, num_drafts, n in zip(cols.req_ids, cols.num_draft_slots, cols.num_new_blocks):
+        if n:
+            rows.append(PlanRow(req_id, (), num_drafts, block_ids[start : start + n]))
+            start += n
+        else:
+            rows.append(PlanRow(req_id, (), num_drafts))
+    return rows
+
+
+def message_rows(plan: Any) -> list[PlanRow]:
+    """The rows a plan carries as ``ScheduledRequest`` messages (prefill chunks, new requests)."""
+    return [
+        PlanRow(
+            e.req_id,
+            e.token_ids,
+            e.num_draft_slots,
+            e.new_block_ids,
+            e.is_new,
+            e.num_cached_tokens,
+            e.sample,
+            e.sampling if e.HasField("sampling") else None,
+        )
+        for e in plan.requests
+    ]
+
+
 def plan_rows(plan: Any) -> list[PlanRow]:
     """Every row of a ``StepPlan`` in the order the worker runs them: the decode columns,
     then the ``requests`` messages.
 
     Raises:
-        ValueError: the decode columns do not line up (a broken scheduler); nothing of the
-            plan can be trusted then.
+        ValueError: as `decode_columns`.
     """
-    dec = plan.decodes
-    req_ids = list(dec.req_ids)
-    num_new = list(dec.num_new_blocks)
-    block_ids = list(dec.new_block_ids)
-    if len(dec.num_draft_slots) != len(req_ids) or len(num_new) != len(req_ids) or sum(num_new) != len(block_ids):
-        raise ValueError(
-            f"decode columns do not line up: {len(req_ids)} request ids, {len(dec.num_draft_slots)} draft "
-            f"counts, {len(num_new)} block counts for {len(block_ids)} block ids"
-        )
-    rows: list[PlanRow] = []
-    start = 0
-    for req_id, num_drafts, n in zip(req_ids, dec.num_draft_slots, num_new):
-        if n:
-            if n < 0:
-                raise ValueError(f"request {req_id}: {n} new blocks")
-            rows.append(PlanRow(req_id, (), num_drafts, block_ids[start : start + n]))
-            start += n
-        else:
-            rows.append(PlanRow(req_id, (), num_drafts))
-    for e in plan.requests:
-        rows.append(
-            PlanRow(
-                e.req_id,
-                e.token_ids,
-                e.num_draft_slots,
-                e.new_block_ids,
-                e.is_new,
-                e.num_cached_tokens,
-                e.sample,
-                e.sampling if e.HasField("sampling") else None,
-            )
-        )
-    return rows
+    return column_rows(decode_columns(plan)) + message_rows(plan)
 
 
 def plan_req_ids(plan: Any) -> list[str]:
