@@ -42,6 +42,7 @@ import grpc  # noqa: E402
 from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
 from zerobubble.bench import BenchRow  # noqa: E402
 from zerobubble.client import build_request  # noqa: E402
+from zerobubble.config import EVENT_LOOPS  # noqa: E402
 from zerobubble.tools.launch import Service, start_scheduler, start_worker, wait_serving  # noqa: E402
 
 TOPICS = ("rivers", "compilers", "bread", "volcanoes", "chess", "bridges", "owls", "tides")
@@ -358,7 +359,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--event-loop",
-        choices=("auto", "uvloop", "asyncio"),
+        choices=EVENT_LOOPS,
         default="auto",
         help="the services' --event-loop (this client runs on asyncio's)",
     )
