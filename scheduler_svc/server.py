@@ -502,4 +502,4 @@ async def serve_scheduler(
 
 def run_scheduler(cfg: SchedulerServiceConfig) -> None:
     """Entry point of `zerobubble scheduler`."""
-    rpc.run_service(serve_scheduler(cfg), cfg.event_loop)
+    rpc.run_service(serve_scheduler(cfg), cfg.event_loop, cfg.cpu_affinity)

@@ -20,6 +20,12 @@ process (scheduler, worker, this client) used in the window is read from /proc a
 on a machine with fewer cores than busy processes, ms per step is bounded below by their sum
 divided by the cores, whatever the critical path. Configurations that
 are compared are run back to back (sync, async, sync, async ...) because the machine is shared.
+
+`--placement` says where the three processes run: `shared` (the default) lets the kernel move
+every thread across all cores; `apart` gives the scheduler the first core to itself
+(`--cpu-affinity`) and puts the worker and this client on the others, as a deployment that
+gives the scheduler a core of its own would. `--placement shared apart` measures both, the
+runs alternating.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,7 +48,8 @@ import grpc  # noqa: E402
 from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
 from zerobubble.bench import BenchRow  # noqa: E402
 from zerobubble.client import build_request  # noqa: E402
-from zerobubble.config import EVENT_LOOPS  # noqa: E402
+from zerobubble.config import EVENT_LOOPS, parse_cores  # noqa: E402
+from zerobubble.rpc import bind_process  # noqa: E402
 from zerobubble.tools.launch import Service, start_scheduler, start_worker, wait_serving  # noqa: E402
 
 TOPICS = ("rivers", "compilers", "bread", "volcanoes", "chess", "bridges", "owls", "tides")
@@ -61,8 +68,24 @@ def rows(num_requests: int, max_tokens: int) -> list[BenchRow]:
     ]
 
 
+PLACEMENTS = ("shared", "apart")
+ALL_CORES = frozenset(os.sched_getaffinity(0))  # taken before this client binds itself
+
+
+def placement_cores(placement: str) -> tuple[str, str]:
+    """The scheduler's `--cpu-affinity` and the worker's (this client's too) under `placement`."""
+    if placement == "shared":
+        return "", ""
+    cores = sorted(ALL_CORES)
+    if len(cores) < 2:
+        raise SystemExit("--placement apart needs at least 2 cores")
+    # The first core: on the 2-core VM the second one takes the disk's interrupts, and the
+    # scheduler (the critical path) ran 10-20 % slower there than on the first.
+    return str(cores[0]), ",".join(map(str, cores[1:]))
+
+
 @contextmanager
-def sim_worker(device_ms: float, spec: str, args: argparse.Namespace) -> Iterator[Service]:
+def sim_worker(device_ms: float, spec: str, args: argparse.Namespace, placement: str = "shared") -> Iterator[Service]:
     worker = start_worker(
         simulate_device_ms=device_ms,
         spec_method=spec,
@@ -71,6 +94,7 @@ def sim_worker(device_ms: float, spec: str, args: argparse.Namespace) -> Iterato
         kv_cache_memory_gb=args.kv_gb,
         simulate_acceptance_rate=args.acceptance_rate,
         event_loop=args.event_loop,
+        cpu_affinity=placement_cores(placement)[1],
     )
     try:
         yield worker
@@ -99,8 +123,16 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
     return {tid: cpu_seconds(pid, tid) for tid in tids}
 
 
-def run(worker: Service, num_requests: int, window: int, device_ms: float, args: argparse.Namespace) -> dict:
+def run(
+    worker: Service,
+    num_requests: int,
+    window: int,
+    device_ms: float,
+    args: argparse.Namespace,
+    placement: str = "shared",
+) -> dict:
     """One run through a fresh scheduler in front of `worker`; steady-state figures."""
+    scheduler_cores, client_cores = placement_cores(placement)
     scheduler = start_scheduler(
         [worker],
         max_inflight_steps=window,
@@ -108,13 +140,18 @@ def run(worker: Service, num_requests: int, window: int, device_ms: float, args:
         max_num_batched_tokens=2048,
         stream_interval=args.stream_interval,
         event_loop=args.event_loop,
+        cpu_affinity=scheduler_cores,
     )
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
     try:
         wait_serving(scheduler.target)
         max_tokens = args.max_tokens or 128 + num_requests // 2
+        if client_cores:  # only while it runs: processes started later must not inherit it
+            bind_process(parse_cores(client_cores))
         window_stats = asyncio.run(steady_state(scheduler.target, num_requests, max_tokens, pids))
     finally:
+        if client_cores:
+            bind_process(ALL_CORES)
         scheduler.stop()
     first, last, tokens, wall, cpu = window_stats
     steps = last.num_steps - first.num_steps
@@ -205,43 +242,55 @@ def reference_loop_ms() -> float:
 
 def suite_host(args: argparse.Namespace) -> dict:
     out: dict = {}
+    placements = args.placement
     for k in args.num_spec_tokens:
         spec = "ngram" if k else "none"
-        with sim_worker(0.0, spec, args) as worker:
+        with ExitStack() as stack:
+            workers = {p: stack.enter_context(sim_worker(0.0, spec, args, p)) for p in placements}
             for n in args.requests:
                 reference_ms = reference_loop_ms()
-                figures = [run(worker, n, args.async_inflight, 0.0, args) for _ in range(args.repeats)]
-                best = min(figures, key=lambda f: f["ms_per_step"])
-                out[f"k{k}/n{n}"] = {
-                    "reference_loop_ms": reference_ms,
-                    "ms_per_step": best["ms_per_step"],
-                    "all_ms_per_step": [f["ms_per_step"] for f in figures],
-                    "tokens_per_step": best["tokens_per_step"],
-                    "acceptance_rate": best["acceptance_rate"],
-                    "cpu_ms_per_step": best["cpu_ms_per_step"],
-                    "busiest_thread_ms_per_step": best["busiest_thread_ms_per_step"],
-                }
-                cpu, busiest = best["cpu_ms_per_step"], best["busiest_thread_ms_per_step"]
-                print(
-                    f"k={k} n={n:4d}: {best['ms_per_step']:.2f} ms/step "
-                    f"({', '.join(f'{f:.2f}' for f in out[f'k{k}/n{n}']['all_ms_per_step'])}), "
-                    f"{best['tokens_per_step']:.2f} tokens/step; CPU ms/step "
-                    + ", ".join(f"{name} {ms:.2f} (busiest thread {busiest[name]:.2f})" for name, ms in cpu.items())
-                    + f"; reference loop {reference_ms:.1f} ms",
-                    flush=True,
-                )
+                runs: dict[str, list[dict]] = {p: [] for p in placements}
+                for i in range(args.repeats):  # placements alternate: A B, B A, ...
+                    for p in placements if i % 2 == 0 else placements[::-1]:
+                        runs[p].append(run(workers[p], n, args.async_inflight, 0.0, args, p))
+                for p, figures in runs.items():
+                    _report_host(out, k, n, p if len(placements) > 1 else "", figures, reference_ms)
     return out
+
+
+def _report_host(out: dict, k: int, n: int, placement: str, figures: list[dict], reference_ms: float) -> None:
+    """Keep and print the best of one configuration's host runs."""
+    key = f"{placement + '/' if placement else ''}k{k}/n{n}"
+    best = min(figures, key=lambda f: f["ms_per_step"])
+    out[key] = {
+        "reference_loop_ms": reference_ms,
+        "ms_per_step": best["ms_per_step"],
+        "all_ms_per_step": [f["ms_per_step"] for f in figures],
+        "tokens_per_step": best["tokens_per_step"],
+        "acceptance_rate": best["acceptance_rate"],
+        "cpu_ms_per_step": best["cpu_ms_per_step"],
+        "busiest_thread_ms_per_step": best["busiest_thread_ms_per_step"],
+    }
+    cpu, busiest = best["cpu_ms_per_step"], best["busiest_thread_ms_per_step"]
+    print(
+        f"{placement + ' ' if placement else ''}k={k} n={n:4d}: {best['ms_per_step']:.2f} ms/step "
+        f"({', '.join(f'{f:.2f}' for f in out[key]['all_ms_per_step'])}), "
+        f"{best['tokens_per_step']:.2f} tokens/step; CPU ms/step "
+        + ", ".join(f"{name} {ms:.2f} (busiest thread {busiest[name]:.2f})" for name, ms in cpu.items())
+        + f"; reference loop {reference_ms:.1f} ms",
+        flush=True,
+    )
 
 
 def suite_bubble(args: argparse.Namespace) -> dict:
     out: dict = {}
-    for device_ms in args.device_ms:
+    for placement, device_ms in ((p, ms) for p in args.placement for ms in args.device_ms):
         for spec in ["ngram" if k else "none" for k in args.num_spec_tokens]:
-            with sim_worker(device_ms, spec, args) as worker:
+            with sim_worker(device_ms, spec, args, placement) as worker:
                 for n in args.requests:
-                    sync = run(worker, n, 1, device_ms, args)
-                    async_ = run(worker, n, args.async_inflight, device_ms, args)
-                    key = f"{device_ms:g}ms/{spec}/n{n}"
+                    sync = run(worker, n, 1, device_ms, args, placement)
+                    async_ = run(worker, n, args.async_inflight, device_ms, args, placement)
+                    key = f"{placement + '/' if len(args.placement) > 1 else ''}{device_ms:g}ms/{spec}/n{n}"
                     out[key] = {
                         "sync": sync,
                         "async": async_,
@@ -362,6 +411,14 @@ def main() -> None:
         choices=EVENT_LOOPS,
         default="auto",
         help="the services' --event-loop (this client runs on asyncio's)",
+    )
+    parser.add_argument(
+        "--placement",
+        nargs="+",
+        choices=PLACEMENTS,
+        default=["shared"],
+        help="host and bubble: shared = every process on any core; apart = the scheduler on a core of its "
+        "own (--cpu-affinity), the worker and this client on the others; both = alternate runs",
     )
     parser.add_argument(
         "--kv-gb",

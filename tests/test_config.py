@@ -77,6 +77,10 @@ def test_draft_without_a_draft_model_is_a_usage_error_naming_the_flags(capsys) -
         (["serve", "--max-num-seqs", "0"], ["--max-num-seqs"]),
         (["worker", "--cpu-cores", "3-1"], ["--cpu-cores"]),
         (["worker", "--cpu-cores", "one"], ["--cpu-cores"]),
+        (["scheduler", "--workers", "w:1", "--cpu-affinity", "0-"], ["--cpu-affinity"]),
+        (["serve", "--cpu-affinity", "4096"], ["--cpu-affinity", "not available"]),
+        (["worker", "--cpu-affinity", "4096-4097"], ["--cpu-affinity", "not available"]),
+        (["worker", "--cpu-affinity", "0", "--cpu-cores", "0-1"], ["--cpu-cores", "outside --cpu-affinity"]),
     ],
 )
 def test_bad_combinations_name_their_flags(argv: list[str], flags: list[str], capsys) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+from pathlib import Path
 
 import grpc
 import pytest
@@ -24,6 +26,7 @@ from worker_svc.server import WorkerConfig, build_runner, tokenizer_fields
 from worker_svc.simulated import COPY_LAG
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
+from zerobubble.config import parse_cores
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,6 +36,28 @@ K = 3
 MAX_TOKENS = 96
 # Both event loops serve in the identity test below, as workers and as schedulers.
 EVENT_LOOP = {"none": "asyncio", "ngram": "auto", 1: "uvloop", 2: "asyncio"}
+# And --cpu-affinity: the async schedulers on the last core, the n-gram worker on the others
+# (the same core where there is one); the rest unbound.
+_CORES = sorted(os.sched_getaffinity(0))
+CPU_AFFINITY = {"none": "", "ngram": ",".join(map(str, _CORES[:-1])) or str(_CORES[-1]), 1: "", 2: str(_CORES[-1])}
+
+
+def thread_cores(service: Service) -> list[frozenset[int]]:
+    """The cores each thread of the service process may run on."""
+    out = []
+    for task in Path(f"/proc/{service.proc.pid}/task").iterdir():
+        for line in (task / "status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                out.append(parse_cores(line.split(":", 1)[1].strip()))
+    return out
+
+
+def assert_bound(service: Service, cpu_affinity: str) -> None:
+    """Every thread of the process (gRPC's included) is on `cpu_affinity`, or unbound."""
+    cores = thread_cores(service)
+    assert len(cores) > 1  # the loop's thread and gRPC's at least
+    expected = parse_cores(cpu_affinity) if cpu_affinity else frozenset(_CORES)
+    assert all(c == expected for c in cores), (cpu_affinity, cores)
 
 
 def runs_uvloop(service: Service) -> bool:
@@ -53,6 +78,7 @@ def sim_workers():
                 max_num_seqs=16,
                 kv_cache_memory_gb=1.0,
                 event_loop=EVENT_LOOP[spec],
+                cpu_affinity=CPU_AFFINITY[spec],
             )
         yield workers
     finally:
@@ -61,20 +87,27 @@ def sim_workers():
 
 
 def test_greedy_output_is_identical_sync_async_and_with_speculation(sim_workers, grounded_rows):
-    """The same greedy tokens sync or async, with n-gram drafts or without, and on either
-    `--event-loop` (the workers and the schedulers below use both)."""
+    """The same greedy tokens sync or async, with n-gram drafts or without, on either
+    `--event-loop` (the workers and the schedulers below use both), with services bound to
+    cores by `--cpu-affinity` or not."""
     rows = bench_rows(grounded_rows[:16], max_tokens=MAX_TOKENS)
     outputs = {}
     reports = {}
     for spec, window in itertools.product(("none", "ngram"), (1, 2)):
         scheduler = start_scheduler(
-            [sim_workers[spec]], max_inflight_steps=window, max_num_seqs=16, event_loop=EVENT_LOOP[window]
+            [sim_workers[spec]],
+            max_inflight_steps=window,
+            max_num_seqs=16,
+            event_loop=EVENT_LOOP[window],
+            cpu_affinity=CPU_AFFINITY[window],
         )
         try:
             wait_serving(scheduler.target)
             report = run_workload(scheduler.target, rows, concurrency=16)
             assert runs_uvloop(scheduler) == (EVENT_LOOP[window] == "uvloop")
             assert runs_uvloop(sim_workers[spec]) == (EVENT_LOOP[spec] != "asyncio")
+            assert_bound(scheduler, CPU_AFFINITY[window])
+            assert_bound(sim_workers[spec], CPU_AFFINITY[spec])
         finally:
             scheduler.stop()
         assert report["num_errors"] == 0, report["finish_reasons"]

@@ -33,7 +33,7 @@ from worker_svc.sampler import PEAK_BYTES_PER_LOGIT
 from worker_svc.simulated import LagNgramProposer, SimulatedDevice
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
-from zerobubble.config import ConfigError, WorkerConfig, parse_cores
+from zerobubble.config import ConfigError, WorkerConfig, available_cores
 from zerobubble.rows import PlanRow, plan_req_ids
 
 logger = logging.getLogger(__name__)
@@ -530,10 +530,8 @@ def bind_cpu_cores(cfg: WorkerConfig, device: ThreadPoolExecutor) -> None:
     work of an async window really overlaps it. Threads started later inherit their creator's
     mask, so this runs before the model loads and before gRPC starts its threads.
     """
-    cores = set(parse_cores(cfg.cpu_cores))
+    cores = available_cores(cfg.cpu_cores, "--cpu-cores")  # within --cpu-affinity, bound by now
     available = os.sched_getaffinity(0)
-    if not cores <= available:
-        raise ConfigError(f"--cpu-cores {cfg.cpu_cores}: cores {sorted(cores - available)} are not available here")
     device.submit(os.sched_setaffinity, 0, cores).result()  # 0: the calling thread on Linux
     if cfg.num_threads == 0:
         device.submit(torch.set_num_threads, len(cores)).result()
@@ -594,4 +592,4 @@ async def serve_worker(cfg: WorkerConfig) -> None:
 def run_worker(cfg: WorkerConfig) -> None:
     """Entry point of `zerobubble worker`."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    rpc.run_service(serve_worker(cfg), cfg.event_loop)
+    rpc.run_service(serve_worker(cfg), cfg.event_loop, cfg.cpu_affinity)

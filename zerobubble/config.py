@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -141,10 +142,18 @@ class ServiceConfig:
         "standard library's asyncio, or auto = uvloop where it is installed",
         choices=EVENT_LOOPS,
     )
+    cpu_affinity: str = setting(
+        "",
+        "cores (e.g. 0 or 2-7,9) the service's process runs on, every thread of it: a core of its own "
+        "for the scheduler beside a worker on one machine keeps the two from preempting each other "
+        "(serve: the scheduler's process; empty = any core)",
+    )
 
     def validate(self) -> None:
         """:class:`ConfigError` naming the flags when a setting or a combination cannot work."""
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
+        if self.cpu_affinity:
+            available_cores(self.cpu_affinity, "--cpu-affinity")
         _require(
             self.event_loop != "uvloop" or importlib.util.find_spec("uvloop") is not None,
             "--event-loop uvloop: the uvloop package is not installed (pip install uvloop; or --event-loop asyncio)",
@@ -255,10 +264,12 @@ class WorkerConfig(ServiceConfig):
         _require(self.num_spec_tokens >= 0, "--num-spec-tokens must be >= 0")
         _require(self.num_threads >= 0, "--num-threads must be >= 0")
         if self.cpu_cores:
-            try:
-                parse_cores(self.cpu_cores)
-            except ValueError as exc:
-                raise ConfigError(f"--cpu-cores {self.cpu_cores!r}: {exc}") from None
+            cores = available_cores(self.cpu_cores, "--cpu-cores")
+            if self.cpu_affinity:
+                outside = cores - available_cores(self.cpu_affinity, "--cpu-affinity")
+                _require(
+                    not outside, f"--cpu-cores {self.cpu_cores}: cores {sorted(outside)} are outside --cpu-affinity"
+                )
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         if self.spec_method == "ngram":
             _require(
@@ -380,9 +391,12 @@ class ServeConfig:
             self.worker.validate()
 
 
-# Settings of a worker that `serve` does not expose: the local worker's own listener, and its
-# auth token (serve makes a fresh one per run; `--auth-token` on serve is the clients' token).
-SERVE_WORKER_HIDDEN = frozenset({"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "auth_token"})
+# Settings of a worker that `serve` does not expose: the local worker's own listener, its auth
+# token (serve makes a fresh one per run; `--auth-token` on serve is the clients' token) and its
+# process's cores (`--cpu-affinity` on serve binds the scheduler; the local worker runs on any).
+SERVE_WORKER_HIDDEN = frozenset(
+    {"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "auth_token", "cpu_affinity"}
+)
 
 
 def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
@@ -438,6 +452,20 @@ def parse_cores(spec: str) -> frozenset[int]:
             raise ValueError(f"range {part.strip()!r} runs backwards")
         cores.update(range(first, last + 1))
     return frozenset(cores)
+
+
+def available_cores(spec: str, flag: str) -> frozenset[int]:
+    """The cores `spec` names (see :func:`parse_cores`), each one this process may run on;
+    :class:`ConfigError` naming `flag` otherwise."""
+    if not hasattr(os, "sched_setaffinity"):
+        raise ConfigError(f"{flag}: binding threads to cores needs Linux")
+    try:
+        cores = parse_cores(spec)
+    except ValueError as exc:
+        raise ConfigError(f"{flag} {spec!r}: {exc}") from None
+    missing = cores - os.sched_getaffinity(0)
+    _require(not missing, f"{flag} {spec}: cores {sorted(missing)} are not available here")
+    return cores
 
 
 def _require(condition: bool, message: str) -> None:

@@ -68,7 +68,7 @@ def run_serve(cfg: ServeConfig) -> None:
         proc, port = start_local_worker(cfg)
         addresses = [f"127.0.0.1:{port}"]
     try:
-        rpc.run_service(serve_scheduler(cfg.scheduler, addresses), cfg.scheduler.event_loop)
+        rpc.run_service(serve_scheduler(cfg.scheduler, addresses), cfg.scheduler.event_loop, cfg.scheduler.cpu_affinity)
     finally:
         if proc is not None:
             proc.terminate()
