@@ -22,9 +22,10 @@ divided by the cores, whatever the critical path. Configurations that
 are compared are run back to back (sync, async, sync, async ...) because the machine is shared.
 
 `--placement` says where the three processes run: `shared` (the default) lets the kernel move
-every thread across all cores; `apart` gives the scheduler the first core to itself
-(`--cpu-affinity`) and puts the worker and this client on the others, as a deployment that
-gives the scheduler a core of its own would. `--placement shared apart` measures both, the
+every thread across all cores; `apart` gives the scheduler's event-loop thread the first core
+to itself (`--loop-cores`) and puts every other thread (the scheduler's gRPC threads, the
+worker, this client) on the others, as a deployment that gives the scheduler's loop a core of
+its own would. `--placement shared apart` measures both, the
 runs alternating.
 """
 
@@ -73,7 +74,8 @@ ALL_CORES = frozenset(os.sched_getaffinity(0))  # taken before this client binds
 
 
 def placement_cores(placement: str) -> tuple[str, str]:
-    """The scheduler's `--cpu-affinity` and the worker's (this client's too) under `placement`."""
+    """The scheduler's `--loop-cores` and the worker's `--cpu-affinity` (this client's cores
+    too) under `placement`."""
     if placement == "shared":
         return "", ""
     cores = sorted(ALL_CORES)
@@ -140,7 +142,7 @@ def run(
         max_num_batched_tokens=2048,
         stream_interval=args.stream_interval,
         event_loop=args.event_loop,
-        cpu_affinity=scheduler_cores,
+        loop_cores=scheduler_cores,
     )
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
     try:
@@ -417,8 +419,8 @@ def main() -> None:
         nargs="+",
         choices=PLACEMENTS,
         default=["shared"],
-        help="host and bubble: shared = every process on any core; apart = the scheduler on a core of its "
-        "own (--cpu-affinity), the worker and this client on the others; both = alternate runs",
+        help="host and bubble: shared = every process on any core; apart = the scheduler's event-loop thread "
+        "on a core of its own (--loop-cores), every other thread on the others; both = alternate runs",
     )
     parser.add_argument(
         "--kv-gb",

@@ -81,6 +81,9 @@ def test_draft_without_a_draft_model_is_a_usage_error_naming_the_flags(capsys) -
         (["serve", "--cpu-affinity", "4096"], ["--cpu-affinity", "not available"]),
         (["worker", "--cpu-affinity", "4096-4097"], ["--cpu-affinity", "not available"]),
         (["worker", "--cpu-affinity", "0", "--cpu-cores", "0-1"], ["--cpu-cores", "outside --cpu-affinity"]),
+        (["serve", "--cpu-affinity", "0", "--loop-cores", "0"], ["--loop-cores", "leaves no core"]),
+        (["serve", "--cpu-affinity", "0", "--loop-cores", "1"], ["--loop-cores", "outside --cpu-affinity"]),
+        (["serve", "--loop-cores", "x"], ["--loop-cores"]),
     ],
 )
 def test_bad_combinations_name_their_flags(argv: list[str], flags: list[str], capsys) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import time
 from pathlib import Path
 
 import grpc
@@ -37,27 +38,41 @@ MAX_TOKENS = 96
 # Both event loops serve in the identity test below, as workers and as schedulers.
 EVENT_LOOP = {"none": "asyncio", "ngram": "auto", 1: "uvloop", 2: "asyncio"}
 # And --cpu-affinity: the async schedulers on the last core, the n-gram worker on the others
-# (the same core where there is one); the rest unbound.
+# (the same core where there is one); the rest unbound. The sync schedulers run their loop
+# thread alone on the first core (--loop-cores) where there are two or more.
 _CORES = sorted(os.sched_getaffinity(0))
 CPU_AFFINITY = {"none": "", "ngram": ",".join(map(str, _CORES[:-1])) or str(_CORES[-1]), 1: "", 2: str(_CORES[-1])}
+LOOP_CORES = {1: str(_CORES[0]) if len(_CORES) > 1 else "", 2: ""}
 
 
-def thread_cores(service: Service) -> list[frozenset[int]]:
-    """The cores each thread of the service process may run on."""
-    out = []
+def thread_cores(service: Service) -> dict[int, frozenset[int]]:
+    """The cores each thread of the service process may run on, by thread id."""
+    out = {}
     for task in Path(f"/proc/{service.proc.pid}/task").iterdir():
         for line in (task / "status").read_text().splitlines():
             if line.startswith("Cpus_allowed_list:"):
-                out.append(parse_cores(line.split(":", 1)[1].strip()))
+                out[int(task.name)] = parse_cores(line.split(":", 1)[1].strip())
     return out
 
 
-def assert_bound(service: Service, cpu_affinity: str) -> None:
-    """Every thread of the process (gRPC's included) is on `cpu_affinity`, or unbound."""
-    cores = thread_cores(service)
-    assert len(cores) > 1  # the loop's thread and gRPC's at least
-    expected = parse_cores(cpu_affinity) if cpu_affinity else frozenset(_CORES)
-    assert all(c == expected for c in cores), (cpu_affinity, cores)
+def assert_bound(service: Service, cpu_affinity: str, loop_cores: str = "") -> None:
+    """Every thread of the process (gRPC's included) is on `cpu_affinity` (all cores if empty),
+    but for the event loop's (the main thread) on `loop_cores` where that is given, the others
+    then on the rest. A thread started since the last sweep (once a second) may still be on the
+    loop's cores: wait for the next one."""
+    allowed = parse_cores(cpu_affinity) if cpu_affinity else frozenset(_CORES)
+    loop = parse_cores(loop_cores) if loop_cores else allowed
+    others = allowed - loop if loop_cores else allowed
+    deadline = time.monotonic() + 5.0
+    while True:
+        cores = thread_cores(service)
+        assert len(cores) > 1  # the loop's thread and gRPC's at least
+        main = cores.pop(service.proc.pid)
+        if main == loop and all(c == others for c in cores.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert main == loop, (loop_cores, main)
+    assert all(c == others for c in cores.values()), (cpu_affinity, loop_cores, cores)
 
 
 def runs_uvloop(service: Service) -> bool:
@@ -89,7 +104,7 @@ def sim_workers():
 def test_greedy_output_is_identical_sync_async_and_with_speculation(sim_workers, grounded_rows):
     """The same greedy tokens sync or async, with n-gram drafts or without, on either
     `--event-loop` (the workers and the schedulers below use both), with services bound to
-    cores by `--cpu-affinity` or not."""
+    cores by `--cpu-affinity` or `--loop-cores` or not."""
     rows = bench_rows(grounded_rows[:16], max_tokens=MAX_TOKENS)
     outputs = {}
     reports = {}
@@ -100,13 +115,14 @@ def test_greedy_output_is_identical_sync_async_and_with_speculation(sim_workers,
             max_num_seqs=16,
             event_loop=EVENT_LOOP[window],
             cpu_affinity=CPU_AFFINITY[window],
+            loop_cores=LOOP_CORES[window],
         )
         try:
             wait_serving(scheduler.target)
             report = run_workload(scheduler.target, rows, concurrency=16)
             assert runs_uvloop(scheduler) == (EVENT_LOOP[window] == "uvloop")
             assert runs_uvloop(sim_workers[spec]) == (EVENT_LOOP[spec] != "asyncio")
-            assert_bound(scheduler, CPU_AFFINITY[window])
+            assert_bound(scheduler, CPU_AFFINITY[window], LOOP_CORES[window])
             assert_bound(sim_workers[spec], CPU_AFFINITY[spec])
         finally:
             scheduler.stop()

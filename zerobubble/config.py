@@ -264,12 +264,7 @@ class WorkerConfig(ServiceConfig):
         _require(self.num_spec_tokens >= 0, "--num-spec-tokens must be >= 0")
         _require(self.num_threads >= 0, "--num-threads must be >= 0")
         if self.cpu_cores:
-            cores = available_cores(self.cpu_cores, "--cpu-cores")
-            if self.cpu_affinity:
-                outside = cores - available_cores(self.cpu_affinity, "--cpu-affinity")
-                _require(
-                    not outside, f"--cpu-cores {self.cpu_cores}: cores {sorted(outside)} are outside --cpu-affinity"
-                )
+            cores_within(self.cpu_cores, "--cpu-cores", self.cpu_affinity)
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         if self.spec_method == "ngram":
             _require(
@@ -328,6 +323,12 @@ class SchedulerServiceConfig(ServiceConfig):
         "token sent to the workers' --auth-token (a different secret from the clients' --auth-token; empty = none)",
         secret=True,
     )
+    loop_cores: str = setting(
+        "",
+        "cores (e.g. 0) for the scheduler's event-loop thread alone, its critical path at hundreds of "
+        "streams; its other threads (gRPC's, the metrics server's) run on the rest of --cpu-affinity "
+        "(empty = no binding)",
+    )
     lookahead_margin_ms: float = setting(
         20.0,
         "with long steps, a plan ahead of the running one goes out this many ms (at least a quarter "
@@ -360,6 +361,9 @@ class SchedulerServiceConfig(ServiceConfig):
             "--lookahead-margin-ms must be >= 0 (or -1: plans ahead go out at once)",
         )
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        if self.loop_cores:
+            _, rest = cores_within(self.loop_cores, "--loop-cores", self.cpu_affinity)
+            _require(bool(rest), f"--loop-cores {self.loop_cores}: leaves no core for the scheduler's other threads")
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
         _require(
             bool(self.worker_tls_cert) == bool(self.worker_tls_key),
@@ -466,6 +470,16 @@ def available_cores(spec: str, flag: str) -> frozenset[int]:
     missing = cores - os.sched_getaffinity(0)
     _require(not missing, f"{flag} {spec}: cores {sorted(missing)} are not available here")
     return cores
+
+
+def cores_within(spec: str, flag: str, cpu_affinity: str) -> tuple[frozenset[int], frozenset[int]]:
+    """(the cores `spec` names, the process's other cores: those of `cpu_affinity`, or all it
+    may run on); :class:`ConfigError` naming `flag` where `spec` names a core outside them."""
+    cores = available_cores(spec, flag)
+    allowed = available_cores(cpu_affinity, "--cpu-affinity") if cpu_affinity else frozenset(os.sched_getaffinity(0))
+    outside = cores - allowed
+    _require(not outside, f"{flag} {spec}: cores {sorted(outside)} are outside --cpu-affinity")
+    return cores, allowed - cores
 
 
 def _require(condition: bool, message: str) -> None:

@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import signal
+import threading
 from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,22 +87,46 @@ def bind_process(cores: frozenset[int]) -> None:
 
     Why: on a machine the scheduler shares with a worker (and, in a benchmark, with its
     clients), the kernel moves each process's threads across the cores; the scheduler's loop
-    then waits behind the others' threads, and every hand-off between its loop and gRPC's
-    poller thread wakes the other core. On the 2-core VM (scripts/bench_sim.py host --placement
-    shared|apart, k = 3, --stream-interval 8) the scheduler on one core and the worker with the
-    benchmark's client on the other took ms per step at 256 requests from 6.0-7.0 to 4.6-5.4, and
-    every process used less CPU per step.
+    then waits behind the others' threads, and hand-offs between threads wake the other core.
+    On the 2-core VM (scripts/bench_sim.py host, 256 requests, k = 3, --stream-interval 8) the
+    scheduler bound to one core and the worker with the benchmark's client to the other took
+    ms per step to 0.9x of unbound over 16 alternating pairs, every process using less CPU per
+    step. `keep_loop_thread_on` goes further for the scheduler.
     """
-    try:
-        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
-    except OSError:
-        threads = [0]  # no /proc: the calling thread (the only one at start-up)
-    for tid in threads:
-        try:
+    for tid in _thread_ids() or [0]:  # no /proc: the calling thread, the only one at start-up
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
             os.sched_setaffinity(tid, cores)
-        except ProcessLookupError:
-            pass  # the thread ended meanwhile
     logger.info("process bound to cores %s", sorted(cores))
+
+
+def _thread_ids() -> list[int]:
+    """The native ids of this process's threads (Linux /proc; empty where there is none)."""
+    try:
+        return [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        return []
+
+
+async def keep_loop_thread_on(cores: frozenset[int], interval_s: float = 1.0) -> None:
+    """Run the event loop's thread (the caller's) alone on `cores` and every other thread of
+    the process on the cores left, for as long as the task runs.
+
+    Why: at hundreds of streams the scheduler's loop thread is its critical path, while gRPC's
+    threads (its poller, event engine and timer) wake many times per step to move bytes. On
+    the same core they preempt the loop; apart, they run beside it. Threads gRPC starts later
+    from the loop's thread inherit its cores until the next sweep, `interval_s` later.
+    """
+    rest = frozenset(os.sched_getaffinity(0)) - cores
+    loop_thread = threading.get_native_id()
+    os.sched_setaffinity(0, cores)
+    logger.info("event-loop thread on cores %s, the process's other threads on %s", sorted(cores), sorted(rest))
+    while True:
+        for tid in _thread_ids():
+            if tid != loop_thread:
+                with contextlib.suppress(ProcessLookupError):
+                    if os.sched_getaffinity(tid) != rest:
+                        os.sched_setaffinity(tid, rest)
+        await asyncio.sleep(interval_s)
 
 
 def run_service(main: Coroutine[Any, Any, T], event_loop: str, cpu_affinity: str = "") -> T:
