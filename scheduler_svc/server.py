@@ -25,7 +25,7 @@ from scheduler_svc.submission import RequestError, Stream, Submission
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
-from zerobubble.config import SchedulerServiceConfig, parse_cores
+from zerobubble.config import SchedulerServiceConfig
 
 logger = logging.getLogger(__name__)
 
@@ -489,7 +489,7 @@ async def serve_scheduler(
     stop = stop or asyncio.Event()
     rpc.install_stop_signals(stop)
     # Started once gRPC's threads exist, so its first sweep moves them off the loop's cores.
-    pinning = asyncio.create_task(rpc.keep_loop_thread_on(parse_cores(cfg.loop_cores))) if cfg.loop_cores else None
+    pinning = asyncio.create_task(rpc.keep_loop_thread_on(cfg.loop_core_set())) if cfg.loop_cores else None
     await stop.wait()
     if pinning is not None:
         pinning.cancel()

@@ -84,6 +84,7 @@ def test_draft_without_a_draft_model_is_a_usage_error_naming_the_flags(capsys) -
         (["serve", "--cpu-affinity", "0", "--loop-cores", "0"], ["--loop-cores", "leaves no core"]),
         (["serve", "--cpu-affinity", "0", "--loop-cores", "1"], ["--loop-cores", "outside --cpu-affinity"]),
         (["serve", "--loop-cores", "x"], ["--loop-cores"]),
+        (["serve", "--cpu-affinity", "0", "--loop-cores", "first"], ["--loop-cores first", "leaves no core"]),
     ],
 )
 def test_bad_combinations_name_their_flags(argv: list[str], flags: list[str], capsys) -> None:

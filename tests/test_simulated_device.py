@@ -39,10 +39,10 @@ MAX_TOKENS = 96
 EVENT_LOOP = {"none": "asyncio", "ngram": "auto", 1: "uvloop", 2: "asyncio"}
 # And --cpu-affinity: the async schedulers on the last core, the n-gram worker on the others
 # (the same core where there is one); the rest unbound. The sync schedulers run their loop
-# thread alone on the first core (--loop-cores) where there are two or more.
+# thread alone on the first core (--loop-cores first) where there are two or more.
 _CORES = sorted(os.sched_getaffinity(0))
 CPU_AFFINITY = {"none": "", "ngram": ",".join(map(str, _CORES[:-1])) or str(_CORES[-1]), 1: "", 2: str(_CORES[-1])}
-LOOP_CORES = {1: str(_CORES[0]) if len(_CORES) > 1 else "", 2: ""}
+LOOP_CORES = {1: "first" if len(_CORES) > 1 else "", 2: ""}
 
 
 def thread_cores(service: Service) -> dict[int, frozenset[int]]:
@@ -61,7 +61,7 @@ def assert_bound(service: Service, cpu_affinity: str, loop_cores: str = "") -> N
     then on the rest. A thread started since the last sweep (once a second) may still be on the
     loop's cores: wait for the next one."""
     allowed = parse_cores(cpu_affinity) if cpu_affinity else frozenset(_CORES)
-    loop = parse_cores(loop_cores) if loop_cores else allowed
+    loop = parse_cores(str(min(allowed)) if loop_cores == "first" else loop_cores) if loop_cores else allowed
     others = allowed - loop if loop_cores else allowed
     deadline = time.monotonic() + 5.0
     while True:

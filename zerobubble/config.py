@@ -326,8 +326,8 @@ class SchedulerServiceConfig(ServiceConfig):
     loop_cores: str = setting(
         "",
         "cores (e.g. 0) for the scheduler's event-loop thread alone, its critical path at hundreds of "
-        "streams; its other threads (gRPC's, the metrics server's) run on the rest of --cpu-affinity "
-        "(empty = no binding)",
+        "streams; its other threads (gRPC's, the metrics server's) run on the rest of --cpu-affinity. "
+        "'first': the first core the process may run on, e.g. of a container's cpuset (empty = no binding)",
     )
     lookahead_margin_ms: float = setting(
         20.0,
@@ -349,6 +349,19 @@ class SchedulerServiceConfig(ServiceConfig):
         """``--workers`` split into its addresses."""
         return [a.strip() for a in self.workers.split(",") if a.strip()]
 
+    def loop_core_set(self) -> frozenset[int]:
+        """The cores `--loop-cores` names ('first': the lowest core the process may run on);
+        :class:`ConfigError` unless they leave a core for the other threads."""
+        allowed = (
+            available_cores(self.cpu_affinity, "--cpu-affinity")
+            if self.cpu_affinity
+            else frozenset(os.sched_getaffinity(0))
+        )
+        spec = str(min(allowed)) if self.loop_cores == "first" else self.loop_cores
+        cores, rest = cores_within(spec, "--loop-cores", self.cpu_affinity)
+        _require(bool(rest), f"--loop-cores {self.loop_cores}: leaves no core for the scheduler's other threads")
+        return cores
+
     def validate(self) -> None:
         ServiceConfig.validate(self)
         _require(self.max_inflight_steps >= 1, "--max-inflight-steps must be >= 1 (1 = synchronous)")
@@ -362,8 +375,7 @@ class SchedulerServiceConfig(ServiceConfig):
         )
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         if self.loop_cores:
-            _, rest = cores_within(self.loop_cores, "--loop-cores", self.cpu_affinity)
-            _require(bool(rest), f"--loop-cores {self.loop_cores}: leaves no core for the scheduler's other threads")
+            self.loop_core_set()
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
         _require(
             bool(self.worker_tls_cert) == bool(self.worker_tls_key),
