@@ -526,6 +526,18 @@ class ModelRunner:
         table_cols.extend(range(start, start + len(new_blocks)))
         table_ids.extend(new_blocks)
 
+    def _decode_widths(self, slots: list[int], num_draft_slots: list[int]) -> list[int]:
+        """The slots each decode row computes: its sampled token plus its draft slots.
+
+        Draft slots without a real draft can only be rejected; on the CPU the draft counts are
+        already host memory, so those are trimmed. (On an accelerator reading them would stall
+        the host behind the device, so the plan's shape is kept.)
+        """
+        if not self.trim_empty_drafts or not slots:
+            return [1 + d for d in num_draft_slots]
+        have = self.state.num_drafts[slots].tolist()
+        return [1 + min(d, h) for d, h in zip(num_draft_slots, have)]
+
     def _write_block_tables(self, slots: list[int], cols: list[int], block_ids: list[int]) -> None:
         """``block_table[slots[i], cols[i]] = block_ids[i]`` for a whole step in one indexed
         write: one upload per step instead of a tensor (and, on an accelerator, a pinned copy)
@@ -731,13 +743,7 @@ class ModelRunner:
             if n:
                 self._take_blocks(info, decodes.new_block_ids[start : start + n], table_slots, table_cols, table_ids)
                 start += n
-        drafts = decodes.num_draft_slots
-        if self.trim_empty_drafts and rows:
-            # See the row loop below: on the CPU the draft counts are host memory.
-            have = self.state.num_drafts[[info.slot for info in rows]].tolist()
-            num_scheduled = [1 + min(d, h) for d, h in zip(drafts, have)]
-        else:
-            num_scheduled = [1 + d for d in drafts]
+        num_scheduled = self._decode_widths([info.slot for info in rows], decodes.num_draft_slots)
         prefill_ids: list[int] = [0] * sum(num_scheduled)
         is_decode: list[bool] = [True] * len(rows)
         do_sample: list[bool] = [True] * len(rows)
@@ -750,12 +756,7 @@ class ModelRunner:
             chunk = entry.token_ids
             decode = len(chunk) == 0
             if decode:
-                n = 1 + entry.num_draft_slots
-                if self.trim_empty_drafts:
-                    # Slots without a real draft can only be rejected; on the CPU the draft count
-                    # is already host memory, so skip computing them. (On CUDA reading it would
-                    # stall the host behind the device, so the plan's shape is kept.)
-                    n = 1 + min(n - 1, int(self.state.num_drafts[info.slot]))
+                n = self._decode_widths([info.slot], [entry.num_draft_slots])[0]
                 prefill_ids.extend([0] * n)
             else:
                 n = len(chunk)
