@@ -352,12 +352,7 @@ class SchedulerServiceConfig(ServiceConfig):
     def loop_core_set(self) -> frozenset[int]:
         """The cores `--loop-cores` names ('first': the lowest core the process may run on);
         :class:`ConfigError` unless they leave a core for the other threads."""
-        allowed = (
-            available_cores(self.cpu_affinity, "--cpu-affinity")
-            if self.cpu_affinity
-            else frozenset(os.sched_getaffinity(0))
-        )
-        spec = str(min(allowed)) if self.loop_cores == "first" else self.loop_cores
+        spec = str(min(allowed_cores(self.cpu_affinity))) if self.loop_cores == "first" else self.loop_cores
         cores, rest = cores_within(spec, "--loop-cores", self.cpu_affinity)
         _require(bool(rest), f"--loop-cores {self.loop_cores}: leaves no core for the scheduler's other threads")
         return cores
@@ -484,11 +479,16 @@ def available_cores(spec: str, flag: str) -> frozenset[int]:
     return cores
 
 
+def allowed_cores(cpu_affinity: str) -> frozenset[int]:
+    """The cores the process runs on: those `--cpu-affinity` names, or all it may use."""
+    return available_cores(cpu_affinity, "--cpu-affinity") if cpu_affinity else frozenset(os.sched_getaffinity(0))
+
+
 def cores_within(spec: str, flag: str, cpu_affinity: str) -> tuple[frozenset[int], frozenset[int]]:
     """(the cores `spec` names, the process's other cores: those of `cpu_affinity`, or all it
     may run on); :class:`ConfigError` naming `flag` where `spec` names a core outside them."""
     cores = available_cores(spec, flag)
-    allowed = available_cores(cpu_affinity, "--cpu-affinity") if cpu_affinity else frozenset(os.sched_getaffinity(0))
+    allowed = allowed_cores(cpu_affinity)
     outside = cores - allowed
     _require(not outside, f"{flag} {spec}: cores {sorted(outside)} are outside --cpu-affinity")
     return cores, allowed - cores
