@@ -3,6 +3,7 @@
     python scripts/bench_sim.py host     # host ms per step, zero-time device: 1/16/64/256 requests, k=0 and k=3
     python scripts/bench_sim.py bubble   # device 2/5/10/20 ms x 16/64/256 requests x n-gram on/off: async / sync
     python scripts/bench_sim.py logic    # the scheduler's and worker's step logic alone, one process, no gRPC
+    python scripts/bench_sim.py churn    # requests arriving and ending all the time: device busy, host cost per request
 
 `host` and `bubble` run the real services as processes (`zerobubble worker --simulate-device-ms
 MS`, `zerobubble scheduler`) and this script as the gRPC client, so a step's figure covers the
@@ -21,6 +22,14 @@ on a machine with fewer cores than busy processes, ms per step is bounded below 
 divided by the cores, whatever the critical path. Configurations that
 are compared are run back to back (sync, async, sync, async ...) because the machine is shared.
 
+`churn` keeps N requests running the way a serving system sees them: N clients, each sending
+its next request the moment its last one ends, with output lengths drawn from
+`--output-tokens LO HI` (seeded), so that requests arrive, prefill and finish every step. The
+window is `--seconds` long and starts once `--warmup-s` have passed; besides the device's busy
+fraction it reports requests per second and the scheduler's CPU per request and as a share of
+a core (its loop is one thread: near 1.0, the host is what the device waits for). Sync and
+async runs alternate, as in `bubble`.
+
 `--placement` says where the three processes run: `shared` (the default) lets the kernel move
 every thread across all cores; `apart` gives the scheduler's event-loop thread the first core
 to itself (`--loop-cores`) and puts every other thread (the scheduler's gRPC threads, the
@@ -35,10 +44,12 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,6 +136,24 @@ def thread_cpu_seconds(pid: int) -> dict[int, float]:
     return {tid: cpu_seconds(pid, tid) for tid in tids}
 
 
+@dataclass(slots=True)
+class Window:
+    """What a driver saw in its measuring window: the scheduler's stats at both ends, the tokens
+    streamed and requests finished in it, its length, and each process's CPU in it (the process
+    and its busiest thread, in seconds)."""
+
+    first: generate_pb2.ServerStats
+    last: generate_pb2.ServerStats
+    num_tokens: int
+    num_finished: int
+    wall_s: float
+    cpu: dict[str, tuple[float, float]]
+
+
+# A client load against a scheduler: (target, N, the processes' pids, options) -> its window.
+Driver = Callable[[str, int, dict[str, int], argparse.Namespace], Awaitable[Window]]
+
+
 def run(
     worker: Service,
     num_requests: int,
@@ -132,8 +161,10 @@ def run(
     device_ms: float,
     args: argparse.Namespace,
     placement: str = "shared",
+    drive: Driver | None = None,
 ) -> dict:
-    """One run through a fresh scheduler in front of `worker`; steady-state figures."""
+    """One run through a fresh scheduler in front of `worker`, loaded by `drive` (default:
+    `steady_state`); the figures of its window."""
     scheduler_cores, client_cores = placement_cores(placement)
     scheduler = start_scheduler(
         [worker],
@@ -147,38 +178,64 @@ def run(
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
     try:
         wait_serving(scheduler.target)
-        max_tokens = args.max_tokens or 128 + num_requests // 2
         if client_cores:  # only while it runs: processes started later must not inherit it
             bind_process(parse_cores(client_cores))
-        window_stats = asyncio.run(steady_state(scheduler.target, num_requests, max_tokens, pids))
+        seen = asyncio.run((drive or steady_state)(scheduler.target, num_requests, pids, args))
     finally:
         if client_cores:
             bind_process(ALL_CORES)
         scheduler.stop()
-    first, last, tokens, wall, cpu = window_stats
+    first, last, wall = seen.first, seen.last, seen.wall_s
     steps = last.num_steps - first.num_steps
+    if steps <= 0:
+        raise RuntimeError("no step in the measuring window")
     idle = last.worker_idle_s - first.worker_idle_s
     busy = last.worker_busy_s - first.worker_busy_s
     drafts = last.num_draft_tokens - first.num_draft_tokens
-    return {
+    figures = {
         "ms_per_step": 1000 * wall / steps,
-        "tokens_per_s": tokens / wall,
-        "tokens_per_step": tokens / steps,
+        "tokens_per_s": seen.num_tokens / wall,
+        "tokens_per_step": seen.num_tokens / steps,
         # Share of the wall time the device was computing: 1.0 is the device-bound rate.
         "device_busy_fraction": steps * device_ms / 1000 / wall,
         "worker_idle_fraction": idle / (idle + busy) if idle + busy > 0 else 0.0,
         "acceptance_rate": (last.num_accepted_tokens - first.num_accepted_tokens) / drafts if drafts else None,
         "num_steps": steps,
         # CPU ms per step of each process in the window (their sum over the cores bounds ms_per_step).
-        "cpu_ms_per_step": {name: 1000 * seconds / steps for name, (seconds, _) in cpu.items()},
+        "cpu_ms_per_step": {name: 1000 * seconds / steps for name, (seconds, _) in seen.cpu.items()},
         # ... and of its busiest thread (one at ms_per_step is the critical path).
-        "busiest_thread_ms_per_step": {name: 1000 * seconds / steps for name, (_, seconds) in cpu.items()},
+        "busiest_thread_ms_per_step": {name: 1000 * seconds / steps for name, (_, seconds) in seen.cpu.items()},
+        # The scheduler's CPU as a share of one core (its event loop is one thread).
+        "scheduler_core_fraction": seen.cpu["scheduler"][0] / wall,
+    }
+    if seen.num_finished:
+        figures["requests_per_s"] = seen.num_finished / wall
+        figures["scheduler_cpu_ms_per_request"] = 1000 * seen.cpu["scheduler"][0] / seen.num_finished
+    return figures
+
+
+def process_cpu(pids: dict[str, int]) -> dict[str, tuple[float, dict[int, float]]]:
+    """Each process's CPU time so far, and that of each of its threads."""
+    return {name: (cpu_seconds(pid), thread_cpu_seconds(pid)) for name, pid in pids.items()}
+
+
+def cpu_between(cpu0: dict, cpu1: dict) -> dict[str, tuple[float, float]]:
+    """Per process: its CPU time between two `process_cpu` reads, and that of its busiest
+    thread (a process whose busiest thread is busy the whole window is the critical path,
+    whatever the cores)."""
+    return {
+        name: (
+            cpu1[name][0] - cpu0[name][0],
+            max((t - cpu0[name][1].get(tid, 0.0) for tid, t in cpu1[name][1].items()), default=0.0),
+        )
+        for name in cpu0
     }
 
 
-async def steady_state(target: str, num_requests: int, max_tokens: int, pids: dict[str, int]):
-    """Stream every request; ModelInfo stats (and each process's CPU time) when all have started
-    and when the first ends."""
+async def steady_state(target: str, num_requests: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
+    """Stream N requests sent at once, each `max_tokens` long; the window runs from the moment
+    all have started to the moment the first one ends."""
+    max_tokens = args.max_tokens or 128 + num_requests // 2
     started, tokens = set(), [0]
     all_started, first_done = asyncio.Event(), asyncio.Event()
     async with grpc.aio.insecure_channel(target) as channel:
@@ -202,24 +259,57 @@ async def steady_state(target: str, num_requests: int, max_tokens: int, pids: di
             await event.wait()
             count = tokens[0]
             info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
-            cpu = {name: (cpu_seconds(pid), thread_cpu_seconds(pid)) for name, pid in pids.items()}
-            marks.append((info.stats, count, time.perf_counter(), cpu))
+            marks.append((info.stats, count, time.perf_counter(), process_cpu(pids)))
 
         tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(rows(num_requests, max_tokens))]
         await asyncio.gather(mark(all_started), mark(first_done), *tasks)
     (first, tokens0, t0, cpu0), (last, tokens1, t1, cpu1) = marks
     if not all_started.is_set() or last.num_steps <= first.num_steps:
         raise RuntimeError("no steady-state window: raise --max-tokens")
-    # Per process: its CPU time in the window, and that of its busiest thread (a process whose
-    # busiest thread is busy all the window long is the critical path, whatever the cores).
-    cpu = {
-        name: (
-            cpu1[name][0] - cpu0[name][0],
-            max((t - cpu0[name][1].get(tid, 0.0) for tid, t in cpu1[name][1].items()), default=0.0),
-        )
-        for name in cpu0
-    }
-    return first, last, tokens1 - tokens0, t1 - t0, cpu
+    return Window(first, last, tokens1 - tokens0, 0, t1 - t0, cpu_between(cpu0, cpu1))
+
+
+async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
+    """N clients, each sending its next request as soon as its last one ended, output lengths
+    uniform in `--output-tokens` (seeded); the window is `--seconds` long, after `--warmup-s`."""
+    low, high = args.output_tokens
+    tokens, finished = [0], [0]
+    measuring = asyncio.Event()
+    stop = asyncio.Event()
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+
+        async def lane(lane_id: int) -> None:
+            rng = random.Random(lane_id)  # each client's lengths are the same from run to run
+            num_sent = 0
+            while not stop.is_set():
+                topic = TOPICS[(lane_id + num_sent) % len(TOPICS)]
+                content = f"Client {lane_id}, request {num_sent}: write about {topic}."
+                request = build_request(
+                    messages=[{"role": "user", "content": content}], max_tokens=rng.randint(low, high)
+                )
+                num_sent += 1
+                async for reply in stub.Generate(request):
+                    tokens[0] += len(reply.token_ids)
+                    if reply.finish_reason:
+                        if reply.error:
+                            raise RuntimeError(reply.error)
+                        finished[0] += measuring.is_set()
+
+        async def read() -> tuple:
+            info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+            return info.stats, tokens[0], time.perf_counter(), process_cpu(pids)
+
+        lanes = [asyncio.create_task(lane(i)) for i in range(num_lanes)]
+        await asyncio.sleep(args.warmup_s)
+        first, tokens0, t0, cpu0 = await read()
+        measuring.set()
+        await asyncio.sleep(args.seconds)
+        last, tokens1, t1, cpu1 = await read()
+        num_finished = finished[0]
+        stop.set()
+        await asyncio.gather(*lanes)
+    return Window(first, last, tokens1 - tokens0, num_finished, t1 - t0, cpu_between(cpu0, cpu1))
 
 
 def reference_loop_ms() -> float:
@@ -374,17 +464,57 @@ def suite_logic(args: argparse.Namespace) -> dict:
     return out
 
 
+def suite_churn(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    for placement, device_ms in ((p, ms) for p in args.placement for ms in args.device_ms):
+        for spec in ["ngram" if k else "none" for k in args.num_spec_tokens]:
+            with sim_worker(device_ms, spec, args, placement) as worker:
+                for n in args.requests:
+                    runs: dict[str, list[dict]] = {"sync": [], "async": []}
+                    for i in range(args.repeats):  # sync, async, async, sync, ...
+                        for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
+                            window = 1 if mode == "sync" else args.async_inflight
+                            runs[mode].append(run(worker, n, window, device_ms, args, placement, churn))
+                    key = f"{placement + '/' if len(args.placement) > 1 else ''}{device_ms:g}ms/{spec}/n{n}"
+                    out[key] = runs
+                    for mode, figures in runs.items():
+                        print(
+                            f"{key:>18} {mode:>5}: device busy "
+                            + " ".join(f"{f['device_busy_fraction']:.2f}" for f in figures)
+                            + "  requests/s "
+                            + " ".join(f"{f['requests_per_s']:.0f}" for f in figures)
+                            + "  scheduler core "
+                            + " ".join(f"{f['scheduler_core_fraction']:.2f}" for f in figures)
+                            + "  scheduler CPU ms/request "
+                            + " ".join(f"{f['scheduler_cpu_ms_per_request']:.2f}" for f in figures)
+                            + "  tokens/s "
+                            + " ".join(f"{f['tokens_per_s']:.0f}" for f in figures),
+                            flush=True,
+                        )
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("suite", choices=("host", "bubble", "logic"))
+    parser.add_argument("suite", choices=("host", "bubble", "logic", "churn"))
     parser.add_argument(
         "--requests",
         type=int,
         nargs="+",
-        help="running requests (default: host and logic 1 16 64 256, bubble 16 64 256)",
+        help="running requests (default: host and logic 1 16 64 256, bubble 16 64 256, churn 64 256)",
     )
     parser.add_argument("--steps", type=int, default=400, help="logic suite: steps measured per run")
-    parser.add_argument("--device-ms", type=float, nargs="+", default=[2, 5, 10, 20])
+    parser.add_argument("--device-ms", type=float, nargs="+", help="default: bubble 2 5 10 20, churn 10")
+    parser.add_argument(
+        "--output-tokens",
+        type=int,
+        nargs=2,
+        default=[32, 160],
+        metavar=("LO", "HI"),
+        help="churn: each request's max_tokens, uniform in [LO, HI]",
+    )
+    parser.add_argument("--seconds", type=float, default=10.0, help="churn: the measuring window")
+    parser.add_argument("--warmup-s", type=float, default=4.0, help="churn: from the first request to the window")
     parser.add_argument(
         "--max-tokens",
         type=int,
@@ -392,7 +522,12 @@ def main() -> None:
         help="per request (0: 640 for host, whose zero-time steps make a short window noisy; 128 + N/2 for "
         "bubble, so that the steady-state window outlasts the admission ramp of N requests)",
     )
-    parser.add_argument("--repeats", type=int, default=2, help="host and logic suites: runs per figure (best kept)")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="host and logic suites: runs per figure (best kept); churn: runs of each mode (all kept)",
+    )
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
     parser.add_argument(
         "--num-spec-tokens",
@@ -419,7 +554,7 @@ def main() -> None:
         nargs="+",
         choices=PLACEMENTS,
         default=["shared"],
-        help="host and bubble: shared = every process on any core; apart = the scheduler's event-loop thread "
+        help="host, bubble and churn: shared = every process on any core; apart = the scheduler's event-loop thread "
         "on a core of its own (--loop-cores), every other thread on the others; both = alternate runs",
     )
     parser.add_argument(
@@ -431,12 +566,18 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.requests is None:
-        args.requests = [16, 64, 256] if args.suite == "bubble" else [1, 16, 64, 256]
+        args.requests = {"bubble": [16, 64, 256], "churn": [64, 256]}.get(args.suite, [1, 16, 64, 256])
+    if args.device_ms is None:
+        args.device_ms = [10.0] if args.suite == "churn" else [2.0, 5.0, 10.0, 20.0]
+    low, high = args.output_tokens
+    if not 1 <= low <= high:
+        parser.error(f"--output-tokens: need 1 <= LO <= HI, got {low} {high}")
     if args.suite == "host" and not args.max_tokens:
         # With 128 + N/2 tokens one run's window at N = 256 was two steps long, and "best of"
         # kept it.
         args.max_tokens = 640
-    result = {"host": suite_host, "bubble": suite_bubble, "logic": suite_logic}[args.suite](args)
+    suites = {"host": suite_host, "bubble": suite_bubble, "logic": suite_logic, "churn": suite_churn}
+    result = suites[args.suite](args)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=2))

@@ -1,0 +1,41 @@
+"""`scripts/bench_sim.py churn` against real services on a simulated device: its clients keep
+every lane busy, its window counts what ended in it, and its figures agree with each other."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
+    out = tmp_path / "churn.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_sim.py"),
+        "churn",
+        "--requests", "6",
+        "--device-ms", "2",
+        "--output-tokens", "4", "12",
+        "--seconds", "2",
+        "--warmup-s", "1",
+        "--repeats", "1",
+        "--num-spec-tokens", "3",
+        "--json", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    runs = json.loads(out.read_text())["2ms/ngram/n6"]
+    for mode in ("sync", "async"):
+        (figures,) = runs[mode]
+        # Requests of 4-12 tokens on 2 ms steps end many times a second in each of 6 lanes.
+        assert figures["requests_per_s"] > 6
+        # Every request streams at least LO tokens and no more than HI.
+        per_request = figures["tokens_per_s"] / figures["requests_per_s"]
+        assert 4 * 0.7 <= per_request <= 12 * 1.3
+        # The device can be busy at most all of the time.
+        assert 0 < figures["device_busy_fraction"] <= 1.05
+        assert figures["scheduler_cpu_ms_per_request"] > 0
+        assert 0 < figures["scheduler_core_fraction"] <= 1.2
