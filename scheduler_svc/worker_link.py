@@ -160,6 +160,9 @@ class WorkerLink:
         # (device seconds, tokens) of recent steps, and when the latest result arrived (the
         # worker then starts the next queued step): what `plan_ahead_due` is computed from.
         self._step_times: deque[tuple[float, int]] = deque(maxlen=NUM_LATENCY_SAMPLES)
+        # `predicted_step_s` of the last plan size asked, until the next step time arrives:
+        # while requests arrive, every arrival asks again for the same oldest plan in flight.
+        self._predicted: tuple[int, float | None] | None = None
         self._last_result_at = 0.0
         self._last_arrival_at = float("-inf")
         # (send time, tokens) of the plans in flight, oldest first; (latency, tokens) of recent.
@@ -318,7 +321,10 @@ class WorkerLink:
         if self.lookahead_margin_s is None or not self._sent:
             return None
         sent_at, num_tokens = self._sent[0]
-        step_s = predicted_step_s(self._step_times, max(num_tokens, 1))
+        num_tokens = max(num_tokens, 1)
+        if self._predicted is None or self._predicted[0] != num_tokens:
+            self._predicted = (num_tokens, predicted_step_s(self._step_times, num_tokens))
+        step_s = self._predicted[1]
         if step_s is None or not arrivals_recent(time.monotonic() - self._last_arrival_at, step_s):
             return None
         # The oldest plan started when it was sent or when the step before it ended, whichever
@@ -329,6 +335,7 @@ class WorkerLink:
     async def _serve(self, call) -> None:
         self._sent.clear()
         self._step_times.clear()
+        self._predicted = None
         receiver = asyncio.create_task(self._receive(call))
         try:
             while True:
@@ -397,6 +404,7 @@ class WorkerLink:
             self._last_result_at = time.monotonic()
             if result.num_tokens > 0 and result.forward_s > 0 and not result.error:
                 self._step_times.append((result.forward_s, result.num_tokens))
+                self._predicted = None
             if self._sent:
                 sent_at, num_tokens = self._sent.popleft()
                 self._latencies.append((self._last_result_at - sent_at, num_tokens))

@@ -213,6 +213,35 @@ def test_forget_worker_drops_its_series() -> None:
     m.forget_worker("never-seen")  # a no-op, not an error
 
 
+def test_a_worker_forgotten_and_back_records_into_exported_series() -> None:
+    # Series are looked up once and kept: a kept one that forget_worker (or set_model) removed
+    # would still count, but into a child nobody exports.
+    m = ServiceMetrics(model="m")
+    for _ in range(2):
+        m.record_step("w0", 0.01, 0.002, num_drafts=1, num_draft_tokens=3, num_accepted=2, accepted_per_pos=[1, 1, 0])
+        m.set_inflight("w0", 2)
+        m.set_kv_usage("w0", 0.25)
+    m.forget_worker("w0")
+    m.record_step("w0", 0.01, 0.002, num_drafts=1, num_draft_tokens=3, num_accepted=1, accepted_per_pos=[1, 0, 0])
+    m.set_inflight("w0", 1)
+    m.set_kv_usage("w0", 0.5)
+    s = _scrape(m)
+    assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 1
+    assert _value(s, "zerobubble_worker_step_duration_seconds_count", worker="w0") == 1
+    assert _value(s, "zerobubble_inflight_steps", worker="w0") == 1
+    assert _value(s, "zerobubble_kv_cache_usage_ratio", worker="w0") == 0.5
+    per_pos = {lab["position"]: v for _, lab, v in s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
+    assert per_pos == {"0": 1, "1": 0, "2": 0}
+    m.record_finished("eos", 1.0, 0.1, 10, 5)
+    m.set_model("n")
+    m.record_finished("eos", 1.0, 0.1, 10, 7)
+    m.observe_ttft(0.2)
+    s = _scrape(m)
+    assert _value(s, "zerobubble_generation_tokens_total", model="n") == 7
+    assert _value(s, "zerobubble_time_to_first_token_seconds_count", model="n") == 1
+    assert {lab["model"] for _, lab, _ in s["zerobubble_generation_tokens_total"]} == {"n"}
+
+
 def test_a_known_worker_exports_its_counters_at_zero_before_traffic() -> None:
     # rate() needs a zero sample: a series born already incremented reads as flat.
     m = ServiceMetrics(model="m")

@@ -28,6 +28,7 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
+from prometheus_client.metrics import MetricWrapperBase
 
 from zerobubble.rows import speculation_counts
 
@@ -364,7 +365,7 @@ class ServiceMetrics:
         "worker_idle",
         "inflight_steps",
         "placeholders_rolled_back",
-        "_itl_child",
+        "_children",
         "_positions",
         "_lock",
         "_http",
@@ -406,8 +407,6 @@ class ServiceMetrics:
         self.num_preemptions = counter("zerobubble_num_preemptions_total")
         self.time_to_first_token = histogram("zerobubble_time_to_first_token_seconds")
         self.inter_token_latency = histogram("zerobubble_inter_token_latency_seconds", GapHistogram)
-        # Observed once per stream per step: the child is looked up once per model name.
-        self._itl_child: GapHistogram | None = None
         self.e2e_request_latency = histogram("zerobubble_e2e_request_latency_seconds")
         self.request_queue_time = histogram("zerobubble_request_queue_time_seconds")
         self.spec_num_drafts = counter("zerobubble_spec_decode_num_drafts_total")
@@ -418,6 +417,8 @@ class ServiceMetrics:
         self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
         self.inflight_steps = gauge("zerobubble_inflight_steps")
         self.placeholders_rolled_back = counter("zerobubble_placeholder_tokens_rolled_back_total")
+        # Each series' child by (family, label values), see `_child`.
+        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # Positions seen per worker: forget_worker() must know which children to remove.
         self._positions: dict[str, set[str]] = {}
         self._lock = threading.Lock()
@@ -460,6 +461,20 @@ class ServiceMetrics:
         for reason in FINISHED_REASONS:
             self.request_success.labels(model=self.model, finished_reason=reason)
 
+    def _child(self, family: MetricWrapperBase, *values: str) -> Any:
+        """``family.labels(*values)`` (values in the family's label order), looked up once.
+
+        `labels` takes a lock and checks its values on every call, and the scheduler records
+        a dozen series a step and as many per request: at hundreds of requests a second that
+        was a few percent of its event loop. Series dropped (`set_model`, `forget_worker`) are
+        forgotten here too.
+        """
+        key = (family, values)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = family.labels(*values)
+        return child
+
     def _warn_once(self, key: str, message: str) -> None:
         # The recording helpers run inside the serving loops: a bad figure from a caller must
         # not raise there and break a stream. It is logged (once per kind, not per step) and
@@ -486,8 +501,8 @@ class ServiceMetrics:
             metric.clear()
         with self._lock:
             self._positions.clear()
+        self._children.clear()
         self.model = model
-        self._itl_child = None
         self._init_request_series()
 
     def add_worker(self, worker: str, num_spec_tokens: int = 0) -> None:
@@ -538,19 +553,19 @@ class ServiceMetrics:
             )
             num_accepted = num_draft_tokens
         self.add_worker(worker)
-        labels = {"model": self.model, "worker": worker}
-        self.worker_step_duration.labels(**labels).observe(forward_s)
-        self.worker_idle.labels(**labels).inc(idle_s)
-        self.spec_num_drafts.labels(**labels).inc(num_drafts)
-        self.spec_num_draft_tokens.labels(**labels).inc(num_draft_tokens)
-        self.spec_num_accepted_tokens.labels(**labels).inc(num_accepted)
+        model = self.model
+        self._child(self.worker_step_duration, model, worker).observe(forward_s)
+        self._child(self.worker_idle, model, worker).inc(idle_s)
+        self._child(self.spec_num_drafts, model, worker).inc(num_drafts)
+        self._child(self.spec_num_draft_tokens, model, worker).inc(num_draft_tokens)
+        self._child(self.spec_num_accepted_tokens, model, worker).inc(num_accepted)
         seen = self._positions.get(worker)
         for pos, accepted in enumerate(accepted_per_pos):
             position = str(pos)
-            if seen is not None:
+            if seen is not None and position not in seen:
                 with self._lock:
                     seen.add(position)
-            self.spec_accepted_per_pos.labels(position=position, **labels).inc(accepted)
+            self._child(self.spec_accepted_per_pos, model, worker, position).inc(accepted)
 
     def record_step_result(self, worker: str, result: StepResultLike, inflight: int | None = None) -> None:
         """Account a ``StepResult`` of ``worker``; ``inflight`` also updates its window gauge.
@@ -586,7 +601,7 @@ class ServiceMetrics:
         is None for a request cancelled before it was ever scheduled: it has no queue time, and
         recording its age instead would bend the distribution.
         """
-        labels = {"model": self.model}
+        model = self.model
         finished_reason = normalize_finished_reason(reason)
         if finished_reason is None:
             # A free-form label value would grow the series without bound.
@@ -595,30 +610,27 @@ class ServiceMetrics:
                 f"unknown finished_reason {reason!r}, counted as 'error' (known: {', '.join(FINISHED_REASONS)})",
             )
             finished_reason = "error"
-        self.request_success.labels(finished_reason=finished_reason, **labels).inc()
-        self.e2e_request_latency.labels(**labels).observe(e2e_s)
+        self._child(self.request_success, model, finished_reason).inc()
+        self._child(self.e2e_request_latency, model).observe(e2e_s)
         if queue_s is not None:
-            self.request_queue_time.labels(**labels).observe(queue_s)
-        self.prompt_tokens.labels(**labels).inc(num_prompt_tokens)
-        self.generation_tokens.labels(**labels).inc(num_generation_tokens)
+            self._child(self.request_queue_time, model).observe(queue_s)
+        self._child(self.prompt_tokens, model).inc(num_prompt_tokens)
+        self._child(self.generation_tokens, model).inc(num_generation_tokens)
 
     def observe_ttft(self, seconds: float) -> None:
         """Account the time from a request's arrival to its first streamed token."""
-        self.time_to_first_token.labels(model=self.model).observe(seconds)
+        self._child(self.time_to_first_token, self.model).observe(seconds)
 
     def observe_inter_token(self, gaps: Iterable[tuple[float, int]]) -> None:
         """Account each ``(seconds, count)``: ``count`` gaps of ``seconds`` between consecutive
         streamed tokens of one request (tokens confirmed together share the step's gap); one
         call per step for every stream."""
-        child = self._itl_child
-        if child is None:
-            child = self._itl_child = cast(GapHistogram, self.inter_token_latency.labels(model=self.model))
-        child.observe_many(gaps)
+        cast(GapHistogram, self._child(self.inter_token_latency, self.model)).observe_many(gaps)
 
     def set_queues(self, running: int, waiting: int) -> None:
         """Publish the scheduler's queue lengths (the autoscaler reads ``waiting``)."""
-        self.num_requests_running.labels(model=self.model).set(running)
-        self.num_requests_waiting.labels(model=self.model).set(waiting)
+        self._child(self.num_requests_running, self.model).set(running)
+        self._child(self.num_requests_waiting, self.model).set(waiting)
 
     def set_kv_usage(self, worker: str, ratio: float) -> None:
         """Publish the fraction (0-1) of ``worker``'s KV blocks in use."""
@@ -626,28 +638,28 @@ class ServiceMetrics:
             self._warn_once("kv", f"KV cache usage ratio {ratio} of worker {worker} is outside [0, 1]; clamped")
             ratio = min(max(ratio, 0.0), 1.0)
         self.add_worker(worker)
-        self.kv_cache_usage_ratio.labels(model=self.model, worker=worker).set(ratio)
+        self._child(self.kv_cache_usage_ratio, self.model, worker).set(ratio)
 
     def set_inflight(self, worker: str, n: int) -> None:
         """Publish how many plans were sent to ``worker`` and not answered yet."""
         self.add_worker(worker)
-        self.inflight_steps.labels(model=self.model, worker=worker).set(n)
+        self._child(self.inflight_steps, self.model, worker).set(n)
 
     def add_rolled_back(self, n: int) -> None:
         """Account ``n`` optimistic draft slots undone by reconciliation."""
-        self.placeholders_rolled_back.labels(model=self.model).inc(n)
+        self._child(self.placeholders_rolled_back, self.model).inc(n)
 
     def add_preemptions(self, n: int = 1) -> None:
         """Account ``n`` preempted requests."""
-        self.num_preemptions.labels(model=self.model).inc(n)
+        self._child(self.num_preemptions, self.model).inc(n)
 
     def add_prefix_cache(self, queries: int, hits: int) -> None:
         """Account a prefix-cache lookup of ``queries`` prompt tokens that found ``hits``."""
         if hits > queries:
             self._warn_once("prefix", f"prefix cache hits={hits} exceed queries={queries}; counting the queries only")
             hits = queries
-        self.prefix_cache_queries.labels(model=self.model).inc(queries)
-        self.prefix_cache_hits.labels(model=self.model).inc(hits)
+        self._child(self.prefix_cache_queries, self.model).inc(queries)
+        self._child(self.prefix_cache_hits, self.model).inc(hits)
 
     def forget_worker(self, worker: str) -> None:
         """Drop every series of a worker that left (scaled down, disconnected for good)."""
@@ -655,6 +667,7 @@ class ServiceMetrics:
             positions = self._positions.pop(worker, None)
         if positions is None:
             return
+        self._children.clear()
         for metric in self._worker_metrics():
             metric.remove(self.model, worker)
         for position in positions:
