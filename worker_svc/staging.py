@@ -28,10 +28,26 @@ def is_accelerator(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+# numpy's twin of each dtype a step builds on the host.
+_NUMPY_DTYPES = {torch.int32: np.int32, torch.int64: np.int64, torch.bool: np.bool_, torch.float32: np.float32}
+
+
+def cpu_tensor(values: HostValues, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` as a new 1-D CPU tensor.
+
+    Through numpy: ``torch.tensor`` of a short list or array costs 3-6 µs (three dispatched
+    ops), ``from_numpy`` of a fresh array 1-2 µs, and a step makes a dozen of them.
+    """
+    np_dtype = _NUMPY_DTYPES.get(dtype)
+    if np_dtype is None:
+        return torch.tensor(values, dtype=dtype)
+    return torch.from_numpy(np.array(values, dtype=np_dtype))
+
+
 def to_device(values: HostValues, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """``values`` as a 1-D tensor on ``device``, through pinned memory and an async copy."""
     if not is_accelerator(device):
-        return torch.tensor(values, dtype=dtype)
+        return cpu_tensor(values, dtype)
     out = torch.empty(len(values), dtype=dtype, device=device)
     write(out, values)
     return out
@@ -40,7 +56,7 @@ def to_device(values: HostValues, dtype: torch.dtype, device: torch.device) -> t
 def write(dst: torch.Tensor, values: HostValues) -> None:
     """``dst[:] = values`` for a 1-D device view (a block-table row), without a sync."""
     if not is_accelerator(dst.device):
-        dst.copy_(torch.tensor(values, dtype=dst.dtype))
+        dst.copy_(cpu_tensor(values, dst.dtype))
         return
     host = torch.empty(len(values), dtype=dst.dtype, pin_memory=True)
     host.copy_(torch.tensor(values, dtype=dst.dtype))
