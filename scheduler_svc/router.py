@@ -166,6 +166,8 @@ class Router:
             return None
         least = min(link.load() for link in ready)
         candidates = [link for link in ready if link.load() <= least + AFFINITY_MAX_EXTRA_LOAD]
+        if len(candidates) == 1:  # nothing to weigh: skip hashing the prompt's blocks
+            return candidates[0]
         return max(candidates, key=lambda link: (link.sched.cached_prefix_blocks(prompt_ids), -link.load()))
 
     def submit(self, link: WorkerLink, req_id: str, prompt_ids: list[int], **params) -> None:
