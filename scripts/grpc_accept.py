@@ -9,12 +9,14 @@ as a scheduler's loop runs its planning, result handling and client streams. Rep
 completed a second, loop turns a second, and turns per call.
 
 grpc's asyncio server takes new calls in one at a time (its accept loop awaits each before
-asking for the next), and each takes several turns of the loop to come in. So while the loop is
-busy its turns are few, and the server takes in new calls at a fraction of that rate however
-many clients are waiting (2026-12-04, 2-core VM: about five turns per call; 1 ms of other work
-per turn capped it at 190 calls a second, 3 ms at 68). A scheduler whose loop carries long turns
-(hundreds of streams written per step) admits new requests no faster than that:
-`scripts/bench_sim.py churn` measures it end to end.
+asking for the next), and each takes several turns of the loop to come in. So while every turn
+of the loop is long, the server takes in new calls at a fraction of the turn rate however many
+clients are waiting (2026-12-04, 2-core VM: about five turns per call; 1 ms of other work in
+every turn capped it at 190 calls a second, 3 ms at 68). A service whose loop runs long turns
+back to back (a scheduler with hundreds of streams written per step and no idle moment) would
+admit new requests no faster than that. The scheduler's loop is not there yet: under
+`scripts/bench_sim.py churn` at 256 clients it still runs tens of thousands of short turns a
+second between its long ones (counted with a callback that rescheduled itself every turn).
 """
 
 from __future__ import annotations
