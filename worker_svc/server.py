@@ -438,7 +438,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
 
     async def _execute(self, request_iterator, context, generation: int):
         loop = asyncio.get_running_loop()
-        plans: queue.Queue = queue.Queue()
+        plans: queue.SimpleQueue = queue.SimpleQueue()  # C-level: no Python lock and condition per plan
         results: asyncio.Queue = asyncio.Queue()
         copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="d2h")
         self.runner.reset()
