@@ -26,8 +26,10 @@ are compared are run back to back (sync, async, sync, async ...) because the mac
 its next request the moment its last one ends, with output lengths drawn from
 `--output-tokens LO HI` (seeded), so that requests arrive, prefill and finish every step. The
 window is `--seconds` long and starts once `--warmup-s` have passed; besides the device's busy
-fraction it reports requests per second and the scheduler's CPU per request and as a share of
-a core (its loop is one thread: near 1.0, the host is what the device waits for). Sync and
+fraction it reports requests per second, the scheduler's CPU per request and as a share of a
+core (its loop is one thread: near 1.0, the host is what the device waits for), and what the
+clients saw: time to first token of the requests sent in the window and the gaps between a
+stream's replies (p50 and p99). Sync and
 async runs alternate, as in `bubble`.
 
 `--placement` says where the three processes run: `shared` (the default) lets the kernel move
@@ -49,7 +51,7 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -148,6 +150,10 @@ class Window:
     num_finished: int
     wall_s: float
     cpu: dict[str, tuple[float, float]]
+    # Client-side latencies in the window (churn only): time to first token of each request
+    # sent in it, and the gaps between consecutive replies of a stream.
+    ttft_s: list[float] = field(default_factory=list)
+    reply_gaps_s: list[float] = field(default_factory=list)
 
 
 # A client load against a scheduler: (target, N, the processes' pids, options) -> its window.
@@ -211,7 +217,17 @@ def run(
     if seen.num_finished:
         figures["requests_per_s"] = seen.num_finished / wall
         figures["scheduler_cpu_ms_per_request"] = 1000 * seen.cpu["scheduler"][0] / seen.num_finished
+    for name, values in (("ttft", seen.ttft_s), ("reply_gap", seen.reply_gaps_s)):
+        if values:
+            figures[f"{name}_p50_ms"] = 1000 * percentile(values, 0.5)
+            figures[f"{name}_p99_ms"] = 1000 * percentile(values, 0.99)
     return figures
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The `q` quantile of `values` (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def process_cpu(pids: dict[str, int]) -> dict[str, tuple[float, dict[int, float]]]:
@@ -274,6 +290,8 @@ async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argpars
     uniform in `--output-tokens` (seeded); the window is `--seconds` long, after `--warmup-s`."""
     low, high = args.output_tokens
     tokens, finished = [0], [0]
+    ttft: list[float] = []
+    gaps: list[float] = []
     measuring = asyncio.Event()
     stop = asyncio.Event()
     async with grpc.aio.insecure_channel(target) as channel:
@@ -289,8 +307,19 @@ async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argpars
                     messages=[{"role": "user", "content": content}], max_tokens=rng.randint(low, high)
                 )
                 num_sent += 1
+                timed = measuring.is_set() and not stop.is_set()
+                sent_at = last_at = time.perf_counter()
                 async for reply in stub.Generate(request):
+                    now = time.perf_counter()
                     tokens[0] += len(reply.token_ids)
+                    if measuring.is_set() and not stop.is_set():
+                        if last_at == sent_at:
+                            if timed and reply.token_ids:
+                                ttft.append(now - sent_at)
+                        else:
+                            gaps.append(now - last_at)
+                    if reply.token_ids:
+                        last_at = now
                     if reply.finish_reason:
                         if reply.error:
                             raise RuntimeError(reply.error)
@@ -309,7 +338,8 @@ async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argpars
         num_finished = finished[0]
         stop.set()
         await asyncio.gather(*lanes)
-    return Window(first, last, tokens1 - tokens0, num_finished, t1 - t0, cpu_between(cpu0, cpu1))
+    cpu = cpu_between(cpu0, cpu1)
+    return Window(first, last, tokens1 - tokens0, num_finished, t1 - t0, cpu, ttft, gaps)
 
 
 def reference_loop_ms() -> float:
@@ -488,7 +518,11 @@ def suite_churn(args: argparse.Namespace) -> dict:
                             + "  scheduler CPU ms/request "
                             + " ".join(f"{f['scheduler_cpu_ms_per_request']:.2f}" for f in figures)
                             + "  tokens/s "
-                            + " ".join(f"{f['tokens_per_s']:.0f}" for f in figures),
+                            + " ".join(f"{f['tokens_per_s']:.0f}" for f in figures)
+                            + "  TTFT p50/p99 ms "
+                            + " ".join(f"{f['ttft_p50_ms']:.0f}/{f['ttft_p99_ms']:.0f}" for f in figures)
+                            + "  reply gap p99 ms "
+                            + " ".join(f"{f['reply_gap_p99_ms']:.0f}" for f in figures),
                             flush=True,
                         )
     return out

@@ -39,3 +39,6 @@ def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
         assert 0 < figures["device_busy_fraction"] <= 1.05
         assert figures["scheduler_cpu_ms_per_request"] > 0
         assert 0 < figures["scheduler_core_fraction"] <= 1.2
+        # Client-side latencies: a first token needs at least one 2 ms step (its prefill).
+        assert 2 <= figures["ttft_p50_ms"] <= figures["ttft_p99_ms"] < 10_000
+        assert 0 < figures["reply_gap_p50_ms"] <= figures["reply_gap_p99_ms"] < 10_000
