@@ -15,8 +15,8 @@ clients are waiting (2026-12-04, 2-core VM: about five turns per call; 1 ms of o
 every turn capped it at 190 calls a second, 3 ms at 68). A service whose loop runs long turns
 back to back (a scheduler with hundreds of streams written per step and no idle moment) would
 admit new requests no faster than that. The scheduler's loop is not there yet: under
-`scripts/bench_sim.py churn` at 256 clients it still runs tens of thousands of short turns a
-second between its long ones (counted with a callback that rescheduled itself every turn).
+`scripts/bench_sim.py churn` at 256 clients it ran 5-11 thousand turns a second, median
+0.01 ms (every turn of the standard library's loop timed).
 """
 
 from __future__ import annotations
