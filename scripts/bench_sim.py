@@ -404,28 +404,35 @@ def _report_host(out: dict, k: int, n: int, placement: str, figures: list[dict],
     )
 
 
-def suite_bubble(args: argparse.Namespace) -> dict:
-    out: dict = {}
+def device_grid(args: argparse.Namespace) -> Iterator[tuple[str, Service, int, str, float]]:
+    """Each configuration of a `bubble` or `churn` run, its worker started: the key its figures
+    go under, the worker, N, the placement and the device time."""
     for placement, device_ms in ((p, ms) for p in args.placement for ms in args.device_ms):
         for spec in ["ngram" if k else "none" for k in args.num_spec_tokens]:
             with sim_worker(device_ms, spec, args, placement) as worker:
                 for n in args.requests:
-                    sync = run(worker, n, 1, device_ms, args, placement)
-                    async_ = run(worker, n, args.async_inflight, device_ms, args, placement)
                     key = f"{placement + '/' if len(args.placement) > 1 else ''}{device_ms:g}ms/{spec}/n{n}"
-                    out[key] = {
-                        "sync": sync,
-                        "async": async_,
-                        "async_over_sync": async_["tokens_per_s"] / sync["tokens_per_s"],
-                    }
-                    print(
-                        f"{key:>18}: async/sync {out[key]['async_over_sync']:.2f}  "
-                        f"device busy sync {sync['device_busy_fraction']:.2f} async "
-                        f"{async_['device_busy_fraction']:.2f}  idle sync "
-                        f"{sync['worker_idle_fraction']:.3f} async {async_['worker_idle_fraction']:.3f}"
-                        f"  host {sync['ms_per_step'] - device_ms:.2f} ms",
-                        flush=True,
-                    )
+                    yield key, worker, n, placement, device_ms
+
+
+def suite_bubble(args: argparse.Namespace) -> dict:
+    out: dict = {}
+    for key, worker, n, placement, device_ms in device_grid(args):
+        sync = run(worker, n, 1, device_ms, args, placement)
+        async_ = run(worker, n, args.async_inflight, device_ms, args, placement)
+        out[key] = {
+            "sync": sync,
+            "async": async_,
+            "async_over_sync": async_["tokens_per_s"] / sync["tokens_per_s"],
+        }
+        print(
+            f"{key:>18}: async/sync {out[key]['async_over_sync']:.2f}  "
+            f"device busy sync {sync['device_busy_fraction']:.2f} async "
+            f"{async_['device_busy_fraction']:.2f}  idle sync "
+            f"{sync['worker_idle_fraction']:.3f} async {async_['worker_idle_fraction']:.3f}"
+            f"  host {sync['ms_per_step'] - device_ms:.2f} ms",
+            flush=True,
+        )
     return out
 
 
@@ -496,35 +503,28 @@ def suite_logic(args: argparse.Namespace) -> dict:
 
 def suite_churn(args: argparse.Namespace) -> dict:
     out: dict = {}
-    for placement, device_ms in ((p, ms) for p in args.placement for ms in args.device_ms):
-        for spec in ["ngram" if k else "none" for k in args.num_spec_tokens]:
-            with sim_worker(device_ms, spec, args, placement) as worker:
-                for n in args.requests:
-                    runs: dict[str, list[dict]] = {"sync": [], "async": []}
-                    for i in range(args.repeats):  # sync, async, async, sync, ...
-                        for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
-                            window = 1 if mode == "sync" else args.async_inflight
-                            runs[mode].append(run(worker, n, window, device_ms, args, placement, churn))
-                    key = f"{placement + '/' if len(args.placement) > 1 else ''}{device_ms:g}ms/{spec}/n{n}"
-                    out[key] = runs
-                    for mode, figures in runs.items():
-                        print(
-                            f"{key:>18} {mode:>5}: device busy "
-                            + " ".join(f"{f['device_busy_fraction']:.2f}" for f in figures)
-                            + "  requests/s "
-                            + " ".join(f"{f['requests_per_s']:.0f}" for f in figures)
-                            + "  scheduler core "
-                            + " ".join(f"{f['scheduler_core_fraction']:.2f}" for f in figures)
-                            + "  scheduler CPU ms/request "
-                            + " ".join(f"{f['scheduler_cpu_ms_per_request']:.2f}" for f in figures)
-                            + "  tokens/s "
-                            + " ".join(f"{f['tokens_per_s']:.0f}" for f in figures)
-                            + "  TTFT p50/p99 ms "
-                            + " ".join(f"{f['ttft_p50_ms']:.0f}/{f['ttft_p99_ms']:.0f}" for f in figures)
-                            + "  reply gap p99 ms "
-                            + " ".join(f"{f['reply_gap_p99_ms']:.0f}" for f in figures),
-                            flush=True,
-                        )
+    for key, worker, n, placement, device_ms in device_grid(args):
+        runs: dict[str, list[dict]] = {"sync": [], "async": []}
+        for i in range(args.repeats):  # sync, async, async, sync, ...
+            for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
+                window = 1 if mode == "sync" else args.async_inflight
+                runs[mode].append(run(worker, n, window, device_ms, args, placement, churn))
+        out[key] = runs
+        for mode, figures in runs.items():
+
+            def each(fmt: str, figures: list[dict] = figures) -> str:
+                return " ".join(fmt.format(**f) for f in figures)
+
+            print(
+                f"{key:>18} {mode:>5}: device busy {each('{device_busy_fraction:.2f}')}"
+                f"  requests/s {each('{requests_per_s:.0f}')}"
+                f"  scheduler core {each('{scheduler_core_fraction:.2f}')}"
+                f"  scheduler CPU ms/request {each('{scheduler_cpu_ms_per_request:.2f}')}"
+                f"  tokens/s {each('{tokens_per_s:.0f}')}"
+                f"  TTFT p50/p99 ms {each('{ttft_p50_ms:.0f}/{ttft_p99_ms:.0f}')}"
+                f"  reply gap p99 ms {each('{reply_gap_p99_ms:.0f}')}",
+                flush=True,
+            )
     return out
 
 
