@@ -60,7 +60,7 @@ sys.path.insert(0, str(ROOT))
 import grpc  # noqa: E402
 
 from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
-from zerobubble.bench import BenchRow  # noqa: E402
+from zerobubble.bench import BenchRow, percentile  # noqa: E402
 from zerobubble.client import build_request  # noqa: E402
 from zerobubble.config import EVENT_LOOPS, parse_cores  # noqa: E402
 from zerobubble.rpc import bind_process  # noqa: E402
@@ -219,15 +219,9 @@ def run(
         figures["scheduler_cpu_ms_per_request"] = 1000 * seen.cpu["scheduler"][0] / seen.num_finished
     for name, values in (("ttft", seen.ttft_s), ("reply_gap", seen.reply_gaps_s)):
         if values:
-            figures[f"{name}_p50_ms"] = 1000 * percentile(values, 0.5)
-            figures[f"{name}_p99_ms"] = 1000 * percentile(values, 0.99)
+            figures[f"{name}_p50_ms"] = 1000 * percentile(values, 50)
+            figures[f"{name}_p99_ms"] = 1000 * percentile(values, 99)
     return figures
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The `q` quantile of `values` (nearest rank)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def process_cpu(pids: dict[str, int]) -> dict[str, tuple[float, dict[int, float]]]:
