@@ -302,16 +302,16 @@ async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argpars
                 )
                 num_sent += 1
                 timed = measuring.is_set() and not stop.is_set()
-                sent_at = last_at = time.perf_counter()
+                sent_at = time.perf_counter()
+                last_at: float | None = None  # when this stream's latest token arrived
                 async for reply in stub.Generate(request):
                     now = time.perf_counter()
                     tokens[0] += len(reply.token_ids)
                     if measuring.is_set() and not stop.is_set():
-                        if last_at == sent_at:
-                            if timed and reply.token_ids:
-                                ttft.append(now - sent_at)
-                        else:
+                        if last_at is not None:
                             gaps.append(now - last_at)
+                        elif timed and reply.token_ids:
+                            ttft.append(now - sent_at)
                     if reply.token_ids:
                         last_at = now
                     if reply.finish_reason:
