@@ -82,6 +82,19 @@ def rows(num_requests: int, max_tokens: int) -> list[BenchRow]:
     ]
 
 
+def steady_requests(num_requests: int, max_tokens: int, args: argparse.Namespace) -> list:
+    """The requests of a steady-state run: the chat `rows`, or, where the caller set
+    ``args.prompt_token_ids`` (a model without a chat template, as `device_check.py`'s random
+    ones), those prompts in turn, EOS ignored so that every request runs to `max_tokens`."""
+    prompts = getattr(args, "prompt_token_ids", None)
+    if prompts:
+        return [
+            build_request(token_ids=prompts[i % len(prompts)], max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+            for i in range(num_requests)
+        ]
+    return [build_request(messages=r.messages, max_tokens=max_tokens) for r in rows(num_requests, max_tokens)]
+
+
 PLACEMENTS = ("shared", "apart")
 ALL_CORES = frozenset(os.sched_getaffinity(0))  # taken before this client binds itself
 
@@ -252,8 +265,7 @@ async def steady_state(target: str, num_requests: int, pids: dict[str, int], arg
         stub = generate_pb2_grpc.GenerationStub(channel)
         marks: list = []
 
-        async def one(i: int, row: BenchRow) -> None:
-            request = build_request(messages=row.messages, max_tokens=max_tokens)
+        async def one(i: int, request: generate_pb2.GenerateRequest) -> None:
             async for reply in stub.Generate(request):
                 tokens[0] += len(reply.token_ids)
                 if reply.token_ids and i not in started:
@@ -271,7 +283,8 @@ async def steady_state(target: str, num_requests: int, pids: dict[str, int], arg
             info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
             marks.append((info.stats, count, time.perf_counter(), process_cpu(pids)))
 
-        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(rows(num_requests, max_tokens))]
+        requests = steady_requests(num_requests, max_tokens, args)
+        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
         await asyncio.gather(mark(all_started), mark(first_done), *tasks)
     (first, tokens0, t0, cpu0), (last, tokens1, t1, cpu1) = marks
     if not all_started.is_set() or last.num_steps <= first.num_steps:

@@ -51,6 +51,7 @@ import torch
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Runnable as `python scripts/device_check.py` from a checkout that is not pip-installed.
 sys.path.insert(0, str(REPO_ROOT))
+sys.path.insert(0, str(REPO_ROOT / "scripts"))  # bench_sim, for the `served` section
 # Triton decides between compiling and interpreting when a kernel is defined, so the interpreter
 # must be chosen before `kernels` is imported (only the CPU dry run uses it).
 if not torch.cuda.is_available():
@@ -192,9 +193,26 @@ def random_state_dict(hf_config: Any, device: torch.device, dtype: torch.dtype, 
 def write_model_dir(path: Path, hf_model: Any, vocab_size: int) -> Path:
     """A Hugging Face directory the worker can load: weights, config, generated tokenizer."""
     hf_model.save_pretrained(path, safe_serialization=True)
+    _write_tokenizer(path, vocab_size)
+    return path
+
+
+def write_random_model_dir(path: Path, hf_config: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Path:
+    """A Hugging Face directory of random weights of ``hf_config``'s shape, written without
+    instantiating the HF module (`random_state_dict`), so a 1.7B model takes seconds."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True)
+    weights = {name: t.contiguous().cpu() for name, t in random_state_dict(hf_config, device, dtype, seed).items()}
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(path)
+    _write_tokenizer(path, hf_config.vocab_size)
+    return path
+
+
+def _write_tokenizer(path: Path, vocab_size: int) -> None:
     (path / "tokenizer.json").write_text(word_tokenizer_json(vocab_size))
     (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>"}))
-    return path
 
 
 def in_memory_model(hf_config: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
@@ -883,6 +901,84 @@ def check_throughput(ctx: Context) -> None:
             ctx.add("throughput", f"{num_prompts} prompts, cuda_graphs={graphs}", status, detail, **values)
 
 
+def check_served(ctx: Context) -> None:
+    """The whole stack on this device: `zerobubble worker` on the GPU and `zerobubble scheduler`
+    processes, gRPC between them and to the clients, a Qwen3-1.7B-shaped random model in
+    bfloat16 with n-gram k = 3 and without, N requests decoding at once. Sync and async
+    schedulers alternate in front of one worker (`bench_sim.py`'s steady-state window), so
+    each pair is measured side by side; the worker's idle share comes from its CUDA events."""
+    import bench_sim
+
+    from zerobubble.tools.launch import start_worker
+
+    cfg = qwen3_1p7b_config(ctx.dry_run or not ctx.cuda)
+    dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    prompt_len, max_tokens = (16, 12) if ctx.dry_run else (256, 192)
+    sizes = (2,) if ctx.dry_run else (16, 64)
+    windows = (1, 2) if ctx.dry_run else (1, 2, 1, 2)  # interleaved: A B A B
+    args = argparse.Namespace(
+        max_tokens=max_tokens,
+        stream_interval=1,
+        event_loop="auto",
+        prompt_token_ids=repetitive_prompts(max(sizes), prompt_len, cfg.vocab_size, 11),
+    )
+    memory = {"gpu_memory_utilization": 0.4} if ctx.cuda else {"kv_cache_memory_gb": 0.05}
+    with tempfile.TemporaryDirectory() as tmp:
+        started = time.perf_counter()
+        model_dir = write_random_model_dir(Path(tmp) / "qwen3-1.7b-random", cfg, ctx.device, dtype)
+        ctx.add("served", "model written", PASS, f"{time.perf_counter() - started:.1f} s")
+        for spec in ("ngram",) if ctx.dry_run else ("ngram", "none"):
+            started = time.perf_counter()
+            if ctx.time_left() < 60:
+                ctx.add("served", f"spec={spec}", SKIP, "out of time (--time-budget)")
+                continue
+            try:
+                worker = start_worker(
+                    model=str(model_dir),
+                    device=ctx.device.type,
+                    dtype="bfloat16" if ctx.cuda else "float32",
+                    spec_method=spec,
+                    num_spec_tokens=3,
+                    max_num_seqs=max(sizes),
+                    max_model_len=1024,
+                    log_level="warning",
+                    **memory,
+                )
+            except Exception as exc:
+                ctx.add("served", f"spec={spec} worker", FAIL, f"{type(exc).__name__}: {exc}"[-3000:])
+                continue
+            ctx.add("served", f"spec={spec} worker started", PASS, f"{time.perf_counter() - started:.1f} s")
+            try:
+                for n in sizes:
+                    runs: dict[str, list[dict]] = {}
+                    for window in windows:
+                        if ctx.time_left() < 20:
+                            break
+                        mode = "async" if window > 1 else "sync"
+                        try:
+                            runs.setdefault(mode, []).append(bench_sim.run(worker, n, window, 0.0, args))
+                        except Exception as exc:
+                            tail = "".join(worker.log[-20:])
+                            ctx.add("served", f"spec={spec} n={n} {mode}", FAIL, f"{type(exc).__name__}: {exc}; {tail}")
+                    values: dict[str, Any] = {}
+                    for mode, figures in runs.items():
+                        values[f"{mode}_tok_s"] = [round(f["tokens_per_s"], 1) for f in figures]
+                        values[f"{mode}_ms_per_step"] = [round(f["ms_per_step"], 2) for f in figures]
+                        values[f"{mode}_worker_idle"] = [round(f["worker_idle_fraction"], 4) for f in figures]
+                        values[f"{mode}_scheduler_cpu_ms_per_step"] = [
+                            round(f["cpu_ms_per_step"]["scheduler"], 2) for f in figures
+                        ]
+                        if f"{mode}_acceptance" not in values and figures[0]["acceptance_rate"] is not None:
+                            values[f"{mode}_acceptance"] = round(figures[0]["acceptance_rate"], 3)
+                    pairs = list(zip(values.get("async_tok_s", []), values.get("sync_tok_s", [])))
+                    values["async_over_sync"] = [round(a / s, 3) for a, s in pairs]
+                    detail = "async ÷ sync per pair " + ", ".join(map(str, values["async_over_sync"]))
+                    ctx.add("served", f"spec={spec} n={n}", PASS if pairs else FAIL, detail if pairs else "no pair ran", **values)
+            finally:
+                worker.stop()
+            ctx.finish_last(started)
+
+
 # Imported by the service but not among the packages a GPU machine is said to have: bring their
 # wheels (`pip download --no-deps` these, well under 64 MiB together) and `pip install` them there.
 EXTRA_MODULES = {
@@ -934,6 +1030,7 @@ SECTIONS: dict[str, Callable[[Context], None]] = {
     "families": check_families,
     "service": check_service,
     "sync_free": check_sync_free,
+    "served": check_served,
     "throughput": check_throughput,
 }
 
@@ -946,8 +1043,36 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+# Sections whose measured rows get a table of their own, with these columns.
+VALUE_TABLES = {
+    "throughput": [
+        "none_sync_tok_s",
+        "none_async_tok_s",
+        "ngram_sync_tok_s",
+        "ngram_async_tok_s",
+        "async_over_sync_none",
+        "async_over_sync_ngram",
+        "ngram_over_none_async",
+        "none_async_gpu_busy",
+        "ngram_async_gpu_busy",
+        "none_sync_gpu_busy",
+    ],
+    "served": [
+        "sync_tok_s",
+        "async_tok_s",
+        "async_over_sync",
+        "sync_worker_idle",
+        "async_worker_idle",
+        "sync_ms_per_step",
+        "async_ms_per_step",
+        "async_scheduler_cpu_ms_per_step",
+        "async_acceptance",
+    ],
+}
+
+
 def markdown(ctx: Context, meta: dict[str, Any]) -> str:
-    """The report as markdown: environment, one table of checks, one table of throughput."""
+    """The report as markdown: environment, one table of checks, one table per measured section."""
     lines = [
         f"# device check ({'dry run, ' if ctx.dry_run else ''}{meta['device_name']})"
         + ("" if meta.get("complete", True) else " — incomplete: out of time"),
@@ -959,25 +1084,14 @@ def markdown(ctx: Context, meta: dict[str, Any]) -> str:
         "|---|---|---|---|",
     ]
     for r in ctx.records:
-        if r.section != "throughput" or r.status != PASS:
+        if r.section not in VALUE_TABLES or r.status != PASS or not r.values:
             lines.append(f"| {r.section} | {r.name} | {r.status.upper()} | {r.detail.replace('|', '/')[:300]} |")
-    rows = [r for r in ctx.records if r.section == "throughput" and r.status == PASS]
-    if rows:
-        cols = [
-            "none_sync_tok_s",
-            "none_async_tok_s",
-            "ngram_sync_tok_s",
-            "ngram_async_tok_s",
-            "async_over_sync_none",
-            "async_over_sync_ngram",
-            "ngram_over_none_async",
-            "none_async_gpu_busy",
-            "ngram_async_gpu_busy",
-            "none_sync_gpu_busy",
-        ]
-        lines += ["", "| workload | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
-        for r in rows:
-            lines.append(f"| {r.name} | " + " | ".join(_fmt(r.values.get(c)) for c in cols) + " |")
+    for section, cols in VALUE_TABLES.items():
+        rows = [r for r in ctx.records if r.section == section and r.status == PASS and r.values]
+        if rows:
+            lines += ["", f"| {section} | " + " | ".join(cols) + " |", "|---|" + "---|" * len(cols)]
+            for r in rows:
+                lines.append(f"| {r.name} | " + " | ".join(_fmt(r.values.get(c)) for c in cols) + " |")
     return "\n".join(lines) + "\n"
 
 
