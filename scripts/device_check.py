@@ -973,7 +973,13 @@ def check_served(ctx: Context) -> None:
                     pairs = list(zip(values.get("async_tok_s", []), values.get("sync_tok_s", [])))
                     values["async_over_sync"] = [round(a / s, 3) for a, s in pairs]
                     detail = "async ÷ sync per pair " + ", ".join(map(str, values["async_over_sync"]))
-                    ctx.add("served", f"spec={spec} n={n}", PASS if pairs else FAIL, detail if pairs else "no pair ran", **values)
+                    ctx.add(
+                        "served",
+                        f"spec={spec} n={n}",
+                        PASS if pairs else FAIL,
+                        detail if pairs else "no pair ran",
+                        **values,
+                    )
             finally:
                 worker.stop()
             ctx.finish_last(started)
