@@ -193,6 +193,7 @@ def run(
         stream_interval=args.stream_interval,
         event_loop=args.event_loop,
         loop_cores=scheduler_cores,
+        http_port=-1,  # gRPC only (the HTTP front needs FastAPI, which a GPU image may lack)
     )
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
     try:

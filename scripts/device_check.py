@@ -927,10 +927,13 @@ def check_served(ctx: Context) -> None:
         started = time.perf_counter()
         model_dir = write_random_model_dir(Path(tmp) / "qwen3-1.7b-random", cfg, ctx.device, dtype)
         ctx.add("served", "model written", PASS, f"{time.perf_counter() - started:.1f} s")
-        for spec in ("ngram",) if ctx.dry_run else ("ngram", "none"):
+        # The project's point first (n-gram), CUDA graphs on before off.
+        configs = [("ngram", False)] if not ctx.cuda else [(s, g) for s in ("ngram", "none") for g in (True, False)]
+        for spec, graphs in configs:
+            label = f"spec={spec} graphs={graphs}"
             started = time.perf_counter()
             if ctx.time_left() < 60:
-                ctx.add("served", f"spec={spec}", SKIP, "out of time (--time-budget)")
+                ctx.add("served", label, SKIP, "out of time (--time-budget)")
                 continue
             try:
                 worker = start_worker(
@@ -941,13 +944,14 @@ def check_served(ctx: Context) -> None:
                     num_spec_tokens=3,
                     max_num_seqs=max(sizes),
                     max_model_len=1024,
+                    cuda_graphs=graphs,
                     log_level="warning",
                     **memory,
                 )
             except Exception as exc:
-                ctx.add("served", f"spec={spec} worker", FAIL, f"{type(exc).__name__}: {exc}"[-3000:])
+                ctx.add("served", f"{label} worker", FAIL, f"{type(exc).__name__}: {exc}"[-3000:])
                 continue
-            ctx.add("served", f"spec={spec} worker started", PASS, f"{time.perf_counter() - started:.1f} s")
+            ctx.add("served", f"{label} worker started", PASS, f"{time.perf_counter() - started:.1f} s")
             try:
                 for n in sizes:
                     runs: dict[str, list[dict]] = {}
@@ -956,10 +960,11 @@ def check_served(ctx: Context) -> None:
                             break
                         mode = "async" if window > 1 else "sync"
                         try:
-                            runs.setdefault(mode, []).append(bench_sim.run(worker, n, window, 0.0, args))
+                            figures = bench_sim.run(worker, n, window, 0.0, args)
+                            runs.setdefault(mode, []).append(figures)
                         except Exception as exc:
                             tail = "".join(worker.log[-20:])
-                            ctx.add("served", f"spec={spec} n={n} {mode}", FAIL, f"{type(exc).__name__}: {exc}; {tail}")
+                            ctx.add("served", f"{label} n={n} {mode}", FAIL, f"{type(exc).__name__}: {exc}; {tail}")
                     values: dict[str, Any] = {}
                     for mode, figures in runs.items():
                         values[f"{mode}_tok_s"] = [round(f["tokens_per_s"], 1) for f in figures]
@@ -975,7 +980,7 @@ def check_served(ctx: Context) -> None:
                     detail = "async ÷ sync per pair " + ", ".join(map(str, values["async_over_sync"]))
                     ctx.add(
                         "served",
-                        f"spec={spec} n={n}",
+                        f"{label} n={n}",
                         PASS if pairs else FAIL,
                         detail if pairs else "no pair ran",
                         **values,
