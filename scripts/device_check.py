@@ -957,10 +957,13 @@ def check_served(ctx: Context) -> None:
                 continue
             ctx.add("served", f"{label} worker started", PASS, f"{time.perf_counter() - started:.1f} s")
             try:
-                for n in sizes:
+                # Eager steps are bound by kernel launches: 256 rows show nothing 64 do not.
+                for n in sizes if graphs or not ctx.cuda else sizes[:2]:
                     runs: dict[str, list[dict]] = {}
+                    out_of_time = False
                     for window in windows:
                         if ctx.time_left() < 20:
+                            out_of_time = True
                             break
                         mode = "async" if window > 1 else "sync"
                         try:
@@ -982,13 +985,12 @@ def check_served(ctx: Context) -> None:
                     pairs = list(zip(values.get("async_tok_s", []), values.get("sync_tok_s", [])))
                     values["async_over_sync"] = [round(a / s, 3) for a, s in pairs]
                     detail = "async ÷ sync per pair " + ", ".join(map(str, values["async_over_sync"]))
-                    ctx.add(
-                        "served",
-                        f"{label} n={n}",
-                        PASS if pairs else FAIL,
-                        detail if pairs else "no pair ran",
-                        **values,
-                    )
+                    if pairs:
+                        ctx.add("served", f"{label} n={n}", PASS, detail, **values)
+                    elif out_of_time:
+                        ctx.add("served", f"{label} n={n}", SKIP, "out of time (--time-budget)")
+                    else:
+                        ctx.add("served", f"{label} n={n}", FAIL, "no pair ran")
             finally:
                 worker.stop()
             ctx.finish_last(started)
@@ -1045,8 +1047,8 @@ SECTIONS: dict[str, Callable[[Context], None]] = {
     "families": check_families,
     "service": check_service,
     "sync_free": check_sync_free,
-    "served": check_served,
     "throughput": check_throughput,
+    "served": check_served,  # last: what the budget leaves (its eager half is the least news)
 }
 
 

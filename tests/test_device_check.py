@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -53,7 +55,8 @@ def test_every_kernel_compiles_for_ampere_and_hopper(tmp_path: Path) -> None:
 
 
 def test_device_check_dry_run(tmp_path: Path) -> None:
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # No carried wheels: a checkout may hold the GPU machine's (another Python's) in .device-wheels.
+    env = dict(os.environ, TRITON_INTERPRET="1", DEVICE_WHEELS=str(tmp_path / "no-wheels"))
     proc = subprocess.run(
         [str(REPO_ROOT / "scripts" / "device_check.sh"), str(tmp_path), "--dry-run"],
         env=env,
@@ -67,7 +70,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     by_section: dict[str, list[dict]] = {}
     for record in report["records"]:
         by_section.setdefault(record["section"], []).append(record)
-    assert set(by_section) == {"environment", "kernels", "families", "service", "sync_free", "throughput"}
+    assert set(by_section) == {"environment", "kernels", "families", "service", "sync_free", "throughput", "served"}
     kernels = {r["name"] for r in by_section["kernels"] if r["status"] == "pass"}
     assert {
         "slot_mapping",
@@ -93,6 +96,13 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
         values = throughput[f"{n} prompts, cuda_graphs=False"]["values"]
         assert values["ngram_async_tok_s"] > 0 and values["none_sync_tok_s"] > 0
         assert values["none_async_gpu_busy"] is None  # no CUDA events on the CPU
+    # The real worker and scheduler processes, sync and async in front of one worker.
+    served = {r["name"]: r for r in by_section["served"]}
+    assert served["spec=ngram graphs=False n=2"]["status"] == "pass"
+    values = served["spec=ngram graphs=False n=2"]["values"]
+    assert len(values["async_tok_s"]) == len(values["sync_tok_s"]) == len(values["async_over_sync"]) == 1
+    assert values["async_over_sync"][0] == pytest.approx(values["async_tok_s"][0] / values["sync_tok_s"][0], rel=0.01)
+    assert 0.0 <= values["async_worker_idle"][0] <= 1.0
     table = (tmp_path / "device_check.md").read_text()
     assert "| kernels | assemble_inputs | PASS |" in table and "dry run" in table
 

@@ -141,8 +141,6 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     if cfg.max_model_len > 0:
         max_model_len = min(max_model_len, cfg.max_model_len)
     num_blocks = kv_capacity_blocks(cfg, loaded, device, dtype, draft)
-    if cfg.cuda_graphs and device.type != "cuda":
-        logger.warning("--cuda-graphs ignored: the model runs on %s", device)
     runner = ModelRunner(
         loaded,
         RunnerConfig(
