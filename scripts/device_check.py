@@ -11,7 +11,10 @@
    ``torch.cuda.set_sync_debug_mode("error")``, so any host synchronisation raises;
 5. ``throughput``: async ÷ sync and n-gram ÷ none at 2 / 8 / 16 prompts on a Qwen3-1.7B-shaped
    random-weight model in bfloat16, CUDA graphs on and off, with the GPU busy fraction measured
-   from CUDA events (the share of the run's GPU timeline covered by steps).
+   from CUDA events (the share of the run's GPU timeline covered by steps);
+6. ``served``: the same model behind the real services (a ``zerobubble worker`` process on the
+   device, sync and async ``zerobubble scheduler`` processes alternating in front of it, gRPC
+   clients) at 16 / 64 / 256 requests, n-gram on and off, CUDA graphs on and off.
 
 Nothing is downloaded: models are random weights of the named shapes, and tokenizers are
 generated word-level vocabularies. It writes ``device_check.json`` and ``device_check.md`` to

@@ -234,7 +234,7 @@ class WorkerConfig(ServiceConfig):
         "earlier, i.e. that an n-gram draft is accepted when the one before it was",
     )
     # On since the first GPU run (README, "On a GPU"): exact against Hugging Face, no host sync,
-    # 2.4-2.9x the eager decode rate of a 1.7B model, whose eager steps are bound by launches.
+    # 2.4-3.3x the eager decode rate of a 1.7B model, whose eager steps are bound by launches.
     cuda_graphs: bool = setting(
         True,
         "CUDA: capture decode-only steps as CUDA graphs at start-up (one per padded batch "
