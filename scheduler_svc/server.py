@@ -18,13 +18,14 @@ from collections.abc import AsyncGenerator, Sequence
 
 import grpc
 
+from scheduler_svc import front_gateway
 from scheduler_svc.request import InvalidRequest, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.submission import RequestError, Stream, Submission
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
-from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc
 from zerobubble.config import SchedulerServiceConfig
 
 logger = logging.getLogger(__name__)
@@ -444,7 +445,11 @@ async def serve_scheduler(
     creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None, cfg.worker_tls_key or None)
     server = grpc.aio.server(
         options=rpc.SERVER_OPTIONS,
-        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"})]
+        # Fronts are clients too: they send the same token.
+        interceptors=[
+            rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"}),
+            rpc.BearerAuthInterceptor(cfg.auth_token, front_gateway.SERVICE_NAME, {"Attach": "stream_stream"}),
+        ]
         if cfg.auth_token
         else None,
     )
@@ -466,6 +471,7 @@ async def serve_scheduler(
 
     router.on_readiness = on_readiness
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    front_pb2_grpc.add_FrontGatewayServicer_to_server(front_gateway.FrontGateway(servicer), server)
     server_creds = rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None)
     port = rpc.bind(server, cfg.host, cfg.port, server_creds)
     await server.start()

@@ -385,6 +385,40 @@ class SchedulerServiceConfig(ServiceConfig):
 
 
 @dataclass(slots=True)
+class FrontConfig:
+    """`zerobubble front`: a process that owns client `Generate` calls and relays them to a
+    scheduler over one stream (`scheduler_svc/front.py`), so that the scheduler's planning loop
+    sends one message per loop turn instead of one per client reply."""
+
+    log_level: str = setting("info", "logging verbosity", choices=LOG_LEVELS)
+    host: str = setting("0.0.0.0", "address to bind the client gRPC server to")
+    port: int = setting(50052, "client gRPC port (0 = pick a free port)")
+    scheduler: str = setting("localhost:50051", "the scheduler to relay to, HOST:PORT")
+    tls_cert: str = setting("", "PEM server certificate for clients; TLS is on when set", secret=True)
+    tls_key: str = setting("", "PEM private key of --tls-cert", secret=True)
+    auth_token: str = setting("", "bearer token clients must send (empty = no auth)", secret=True)
+    scheduler_tls_ca: str = setting("", "PEM CA of the scheduler's certificate; TLS to it when set")
+    scheduler_auth_token: str = setting("", "bearer token the scheduler requires of its clients", secret=True)
+    event_loop: str = setting(
+        "auto", "asyncio event loop: uvloop, the standard library's asyncio, or auto", choices=EVENT_LOOPS
+    )
+    cpu_affinity: str = setting("", "cores the front's process runs on (empty = any core)")
+    drain_timeout: float = setting(60.0, "seconds SIGTERM lets running requests finish before cancelling the rest")
+
+    def validate(self) -> None:
+        _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
+        _require(0 <= self.port <= 65535, "--port must be a port number (0 = pick one)")
+        _require(bool(self.scheduler.strip()), "--scheduler is required (HOST:PORT)")
+        _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        if self.cpu_affinity:
+            available_cores(self.cpu_affinity, "--cpu-affinity")
+        _require(
+            self.event_loop != "uvloop" or importlib.util.find_spec("uvloop") is not None,
+            "--event-loop uvloop: the uvloop package is not installed (pip install uvloop; or --event-loop asyncio)",
+        )
+
+
+@dataclass(slots=True)
 class ServeConfig:
     """`zerobubble serve`: a scheduler and, unless ``--workers`` is given, one local worker.
 
@@ -422,6 +456,8 @@ def service_settings(command: str) -> list[tuple[type, dataclasses.Field]]:
         return [(WorkerConfig, f) for f in dataclasses.fields(WorkerConfig)]
     if command == "scheduler":
         return [(SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)]
+    if command == "front":
+        return [(FrontConfig, f) for f in dataclasses.fields(FrontConfig)]
     if command == "serve":
         out: list[tuple[type, dataclasses.Field]] = [
             (SchedulerServiceConfig, f) for f in dataclasses.fields(SchedulerServiceConfig)
@@ -437,7 +473,7 @@ def secret_settings() -> frozenset[str]:
     """Names of the settings that manifests must take from a Secret."""
     return frozenset(
         f.name
-        for cls in (WorkerConfig, SchedulerServiceConfig)
+        for cls in (WorkerConfig, SchedulerServiceConfig, FrontConfig)
         for f in dataclasses.fields(cls)
         if setting_info(f).secret
     )

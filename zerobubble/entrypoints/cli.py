@@ -23,6 +23,7 @@ from typing import Any
 from zerobubble.config import (
     LOG_LEVELS,
     ConfigError,
+    FrontConfig,
     SchedulerServiceConfig,
     WorkerConfig,
     env_name,
@@ -285,6 +286,7 @@ def build_parser(env: Mapping[str, str] | None = None) -> Parser:
         ("serve", "scheduler + one local worker (or --workers) in one process"),
         ("worker", "one worker service (a model replica)"),
         ("scheduler", "the scheduler service (client API)"),
+        ("front", "a client-facing front process relaying Generate calls to a scheduler"),
     ):
         add_setting_flags(sub.add_parser(command, help=help), command, env)
 
@@ -327,6 +329,11 @@ def dispatch(args: argparse.Namespace) -> int | None:
 
         run_scheduler(from_namespace(SchedulerServiceConfig, args))
         return None
+    if args.command == "front":
+        from scheduler_svc.front import run_front
+
+        run_front(from_namespace(FrontConfig, args))
+        return None
     if args.command == "generate":
         from zerobubble.client import run_generate
 
@@ -345,6 +352,8 @@ def check_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
             serve_config(args).validate()
         elif args.command == "worker":
             from_namespace(WorkerConfig, args).validate()
+        elif args.command == "front":
+            from_namespace(FrontConfig, args).validate()
         elif args.command == "scheduler":
             cfg = from_namespace(SchedulerServiceConfig, args)
             cfg.validate()

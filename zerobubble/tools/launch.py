@@ -27,7 +27,7 @@ class Service:
 
     @property
     def port(self) -> int:
-        return self.ports.get("SCHEDULER", self.ports.get("WORKER", 0))
+        return self.ports.get("SCHEDULER", self.ports.get("WORKER", self.ports.get("FRONT", 0)))
 
     @property
     def target(self) -> str:
@@ -108,6 +108,14 @@ def start_scheduler(workers: list[Service] | list[str], **options) -> Service:
     options.setdefault("http_port", 0)  # never the fixed default: tests run side by side
     wait_for = ("SCHEDULER", "METRICS") + (("HTTP",) if options["http_port"] >= 0 else ())
     return start("scheduler", wait_for, workers=",".join(targets), **options)
+
+
+def start_front(scheduler: Service | str, **options) -> Service:
+    """A `zerobubble front` relaying to `scheduler`."""
+    options.setdefault("port", 0)
+    options.setdefault("host", "127.0.0.1")
+    target = scheduler.target if isinstance(scheduler, Service) else scheduler
+    return start("front", ("FRONT",), scheduler=target, **options)
 
 
 def wait_serving(target: str, timeout: float = 120.0) -> None:

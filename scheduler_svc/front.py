@@ -1,0 +1,254 @@
+"""`zerobubble front`: a client-facing process in front of a scheduler.
+
+It serves the same `Generation` API as the scheduler, but owns only the client calls: every
+`Generate` goes to the scheduler as one entry of a `FrontMessage` on a single `Attach` stream
+(`scheduler_svc/front_gateway.py`), and the replies of a scheduler loop turn come back in one
+`EngineMessage`, which this process fans out to its clients. The scheduler's planning loop so
+pays one gRPC message per turn instead of one per client reply; the per-reply cost moves here,
+to a process that can run on other cores (several fronts can share one port: gRPC listens with
+`SO_REUSEPORT`, and the kernel spreads client connections over them).
+
+Validation, tokenization, detokenization and stop strings stay in the scheduler for now
+(docs/INTERNALS.md, "Fronts"); a refused request gets the scheduler's status and message.
+`Tokenize` and `ModelInfo` are passed through. If the stream to the scheduler is lost, running
+calls end with UNAVAILABLE, the front reports NOT_SERVING and reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from zerobubble import rpc
+from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc
+from zerobubble.config import FrontConfig
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+STATUS_BY_CODE = {code.value[0]: code for code in grpc.StatusCode}
+
+
+@dataclass(slots=True, frozen=True)
+class Refused:
+    """A call the scheduler refused (or that cannot reach it): the status its client gets."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+DONE = object()  # a call's last reply has been queued
+LOST = Refused(grpc.StatusCode.UNAVAILABLE, "the front lost its connection to the scheduler")
+
+
+class _Outgoing:
+    """What one `Attach` stream has yet to send, taken whole once per loop turn."""
+
+    __slots__ = ("pending", "wake")
+
+    def __init__(self) -> None:
+        self.pending = front_pb2.FrontMessage()
+        self.wake = asyncio.Event()
+
+    async def messages(self) -> AsyncIterator[front_pb2.FrontMessage]:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            message, self.pending = self.pending, front_pb2.FrontMessage()
+            yield message
+
+
+class EngineLink:
+    """The front's one stream to the scheduler: submits and cancels out, batched per loop turn
+    (as the scheduler batches its replies); replies, refusals and ends dispatched to the
+    calls' queues by tag."""
+
+    def __init__(self, cfg: FrontConfig) -> None:
+        self.target = cfg.scheduler
+        self.creds = rpc.channel_credentials(cfg.scheduler_tls_ca or None)
+        self.metadata = rpc.bearer_metadata(cfg.scheduler_auth_token)
+        self.calls: dict[int, asyncio.Queue] = {}
+        self.unary: generate_pb2_grpc.GenerationStub | None = None  # set while connected
+        self.on_readiness: Callable[[bool], Awaitable[None]] | None = None
+        self._next_tag = 0
+        self._out: _Outgoing | None = None  # the current stream's, while connected
+
+    @property
+    def connected(self) -> bool:
+        return self.unary is not None
+
+    def open(self, request: generate_pb2.GenerateRequest) -> tuple[int, asyncio.Queue]:
+        """Queue a call for the scheduler; its replies, then DONE (or a `Refused`), arrive on
+        the returned queue."""
+        tag = self._next_tag
+        self._next_tag += 1
+        queue: asyncio.Queue = asyncio.Queue()
+        if self._out is None:
+            queue.put_nowait(LOST)
+            return tag, queue
+        self.calls[tag] = queue
+        self._out.pending.submit.add(tag=tag).request.CopyFrom(request)
+        self._out.wake.set()
+        return tag, queue
+
+    def close(self, tag: int, cancel: bool) -> None:
+        """The call is over; ``cancel``: it ended early (its client left), so abort it."""
+        if self.calls.pop(tag, None) is not None and cancel and self._out is not None:
+            self._out.pending.cancel.append(tag)
+            self._out.wake.set()
+
+    def _dispatch(self, message: front_pb2.EngineMessage) -> None:
+        calls = self.calls
+        for tagged in message.replies:
+            queue = calls.get(tagged.tag)
+            if queue is not None:
+                queue.put_nowait(tagged.response)
+        for refusal in message.refused:
+            queue = calls.get(refusal.tag)
+            if queue is not None:
+                code = STATUS_BY_CODE.get(refusal.code, grpc.StatusCode.UNKNOWN)
+                queue.put_nowait(Refused(code, refusal.message))
+        for tag in message.done:
+            queue = calls.get(tag)
+            if queue is not None:
+                queue.put_nowait(DONE)
+
+    async def _set_ready(self, ready: bool) -> None:
+        if self.on_readiness is not None:
+            await self.on_readiness(ready)
+
+    def _lose_calls(self) -> None:
+        for queue in self.calls.values():
+            queue.put_nowait(LOST)
+        self.calls.clear()
+        self._out = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Keep one `Attach` stream open until `stop`, reconnecting with backoff."""
+        backoff = 0.1
+        while not stop.is_set():
+            try:
+                async with rpc.aio_channel(self.target, self.creds) as channel:
+                    # Each stream has its own outbox: a lost stream's request iterator may
+                    # still be waiting and must not take the next stream's messages.
+                    self._out = _Outgoing()
+                    call = front_pb2_grpc.FrontGatewayStub(channel).Attach(self._out.messages(), metadata=self.metadata)
+                    await call.wait_for_connection()
+                    self.unary = generate_pb2_grpc.GenerationStub(channel)
+                    logger.info("attached to the scheduler at %s", self.target)
+                    await self._set_ready(True)
+                    backoff = 0.1
+                    async for message in call:
+                        self._dispatch(message)
+                    logger.warning("the scheduler closed the stream")
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("stream to the scheduler at %s: %s %s", self.target, exc.code().name, exc.details())
+            finally:
+                was_connected = self.connected
+                self.unary = None
+                self._lose_calls()
+                if was_connected:
+                    await self._set_ready(False)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff)
+            backoff = min(backoff * 2, 2.0)
+
+
+class FrontServicer(generate_pb2_grpc.GenerationServicer):
+    """The client API, relayed to the scheduler through `link`."""
+
+    def __init__(self, link: EngineLink) -> None:
+        self.link = link
+        self.draining = False
+
+    async def Generate(self, request: generate_pb2.GenerateRequest, context):
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not self.link.connected:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no connection to the scheduler")
+        tag, queue = self.link.open(request)
+        ended = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is DONE:
+                    ended = True
+                    return
+                if isinstance(item, Refused):
+                    ended = True
+                    await context.abort(item.code, item.message)
+                yield item
+        finally:
+            # Cancelled by its client, past its deadline, or the front stopping: abort it there.
+            self.link.close(tag, cancel=not ended)
+
+    async def _unary(self, method: str, request, context):
+        stub = self.link.unary
+        if stub is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no connection to the scheduler")
+        try:
+            return await getattr(stub, method)(request, metadata=self.link.metadata)
+        except grpc.aio.AioRpcError as exc:
+            await context.abort(exc.code(), exc.details() or "")
+
+    async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
+        return await self._unary("Tokenize", request, context)
+
+    async def ModelInfo(self, request: generate_pb2.ModelInfoRequest, context):
+        return await self._unary("ModelInfo", request, context)
+
+
+async def serve_front(
+    cfg: FrontConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None, bound: list | None = None
+) -> None:
+    """Run a front until `stop` (or SIGTERM/SIGINT); `bound` gets its port."""
+    link = EngineLink(cfg)
+    servicer = FrontServicer(link)
+    server = grpc.aio.server(
+        options=rpc.SERVER_OPTIONS,
+        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"})]
+        if cfg.auth_token
+        else None,
+    )
+    health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
+
+    async def on_readiness(serving: bool) -> None:
+        await rpc.set_serving(health, [SERVICE_NAME], serving)
+
+    link.on_readiness = on_readiness
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = rpc.bind(server, cfg.host, cfg.port, rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None))
+    await server.start()
+    await rpc.set_serving(health, [SERVICE_NAME], False)  # until the scheduler is attached
+    stop = stop or asyncio.Event()
+    rpc.install_stop_signals(stop)
+    linking = asyncio.create_task(link.run(stop))
+    logger.info("front listening on %s:%d, relaying to %s", cfg.host, port, cfg.scheduler)
+    print(f"ZEROBUBBLE_FRONT_PORT={port}", flush=True)
+    if bound is not None:
+        bound.append(("grpc", port))
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    # Health first (load balancers stop routing), then the running calls get the drain time.
+    servicer.draining = True
+    await rpc.set_serving(health, [SERVICE_NAME], False)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + cfg.drain_timeout
+    while link.calls and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=1.0)
+    await asyncio.sleep(0.05)  # the cancels of calls cut short go out before the stream closes
+    linking.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await linking
+
+
+def run_front(cfg: FrontConfig) -> None:
+    """Entry point of `zerobubble front`."""
+    rpc.run_service(serve_front(cfg), cfg.event_loop, cfg.cpu_affinity)

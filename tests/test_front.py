@@ -1,0 +1,244 @@
+"""`zerobubble front`: client calls relayed to a scheduler over one stream.
+
+Real processes over gRPC on loopback (a worker on the simulated device, a scheduler, a front):
+what a client gets through a front must be what it gets from the scheduler directly, message
+for message; refusals keep their status and message; a client that leaves frees its request in
+the scheduler; a lost scheduler ends the front's calls with UNAVAILABLE instead of hanging them,
+and the front attaches again when the scheduler is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.metrics_scrape import scrape, total
+from tests.servers import Service, start_scheduler, start_worker, wait_serving
+from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.client import build_request
+from zerobubble.tools.launch import start_front
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def services():
+    worker = start_worker(simulate_device_ms=2.0, spec_method="ngram", num_spec_tokens=3, max_num_seqs=32)
+    scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=32, stream_interval=2)
+    front = start_front(scheduler)
+    try:
+        wait_serving(scheduler.target)
+        wait_serving(front.target)
+        yield worker, scheduler, front
+    finally:
+        front.stop()
+        scheduler.stop()
+        worker.stop()
+
+
+def requests() -> list[generate_pb2.GenerateRequest]:
+    """A mix that exercises every reply field: stop strings, n > 1 with seeded sampling,
+    logprobs and top logprobs, token-id prompts, --stream-interval's held tokens."""
+    chat = [{"role": "user", "content": "Write a long list of rivers and the seas they reach."}]
+    return [
+        build_request(messages=chat, max_tokens=70),
+        build_request(messages=chat, max_tokens=60, stop=[" rivers"]),
+        build_request(prompt="Once upon a time", max_tokens=40, temperature=0.8, seed=5, n=3),
+        build_request(messages=chat, max_tokens=30, logprobs=True, top_logprobs=2),
+        build_request(token_ids=[1, 2, 3, 4, 5, 6, 7, 8], max_tokens=50, ignore_eos=True),
+    ]
+
+
+async def replies(target: str, request: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateResponse]:
+    async with grpc.aio.insecure_channel(target) as channel:
+        return [r async for r in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)]
+
+
+def tokens_by_index(messages: list[generate_pb2.GenerateResponse]) -> dict[int, tuple]:
+    """Per sequence: its token ids, text, logprobs, top logprobs, finish reason and counts."""
+    out: dict[int, tuple] = {}
+    for index in sorted({m.index for m in messages}):
+        mine = [m for m in messages if m.index == index]
+        out[index] = (
+            [t for m in mine for t in m.token_ids],
+            "".join(m.text for m in mine),
+            [round(x, 4) for m in mine for x in m.logprobs],
+            [(list(t.token_ids), [round(x, 4) for x in t.logprobs]) for m in mine for t in m.top_logprobs],
+            [m.finish_reason for m in mine if m.finish_reason],
+            mine[-1].num_output_tokens,
+            mine[-1].num_prompt_tokens,
+            len({m.request_id for m in mine}),
+        )
+    return out
+
+
+def test_a_front_relays_every_reply_as_the_scheduler_sends_it(services) -> None:
+    _, scheduler, front = services
+
+    async def both() -> tuple[list, list]:
+        # All at once through the front (one stream carries them all), then the same directly.
+        via_front = await asyncio.gather(*(replies(front.target, r) for r in requests()))
+        direct = await asyncio.gather(*(replies(scheduler.target, r) for r in requests()))
+        return via_front, direct
+
+    via_front, direct = asyncio.run(both())
+    for request, got, expected in zip(requests(), via_front, direct):
+        assert tokens_by_index(got) == tokens_by_index(expected), request
+        finishes = [m.finish_reason for m in got if m.finish_reason]
+        assert len(finishes) == max(request.sampling.n, 1)
+    stop = tokens_by_index(via_front[1])[0]
+    assert stop[4] == [generate_pb2.FINISH_REASON_STOP_SEQUENCE] and " rivers" not in stop[1]
+
+
+def test_refusals_keep_the_schedulers_status_and_message(services) -> None:
+    _, scheduler, front = services
+    bad = [
+        build_request(prompt="hi", max_tokens=4, top_p=2.0),
+        build_request(prompt="hi", max_tokens=4, n=99),
+        generate_pb2.GenerateRequest(prompt="hi", model="no-such-model"),
+    ]
+
+    async def outcome(target: str, request) -> tuple:
+        try:
+            await replies(target, request)
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details()
+        return None
+
+    async def run() -> list[tuple]:
+        return [(await outcome(front.target, r), await outcome(scheduler.target, r)) for r in bad]
+
+    for via_front, direct in asyncio.run(run()):
+        assert via_front is not None and via_front[0] == grpc.StatusCode.INVALID_ARGUMENT
+        assert via_front == direct
+    # Unary calls pass through too.
+
+    async def unary() -> tuple:
+        async with grpc.aio.insecure_channel(front.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+            tokens = await stub.Tokenize(generate_pb2.TokenizeRequest(prompt="hello world"))
+        async with grpc.aio.insecure_channel(scheduler.target) as channel:
+            direct = await generate_pb2_grpc.GenerationStub(channel).Tokenize(
+                generate_pb2.TokenizeRequest(prompt="hello world")
+            )
+        return info, tokens, direct
+
+    info, tokens, direct = asyncio.run(unary())
+    assert info.num_workers == 1 and info.num_spec_tokens == 3
+    assert list(tokens.token_ids) == list(direct.token_ids) and tokens.token_ids
+
+
+def running(scheduler: Service) -> float:
+    return total(scrape(scheduler.ports["METRICS"]), "zerobubble_num_requests_running")
+
+
+def test_a_client_that_leaves_frees_its_request_in_the_scheduler(services) -> None:
+    _, scheduler, front = services
+
+    async def leave_early() -> int:
+        received = 0
+        async with grpc.aio.insecure_channel(front.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+            call = stub.Generate(build_request(prompt="Count:", max_tokens=5000, ignore_eos=True))
+            async for reply in call:
+                received += len(reply.token_ids)
+                if received >= 10:
+                    call.cancel()
+                    break
+        return received
+
+    assert asyncio.run(leave_early()) >= 10
+    deadline = time.monotonic() + 10
+    while running(scheduler) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert running(scheduler) == 0
+
+
+def front_health(front: Service) -> int:
+    with grpc.insecure_channel(front.target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_a_lost_scheduler_ends_the_fronts_calls_and_the_front_attaches_again() -> None:
+    worker = start_worker(simulate_device_ms=5.0, max_num_seqs=8)
+    scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=8)
+    port = scheduler.port
+    front = start_front(scheduler)
+    try:
+        wait_serving(front.target)
+
+        async def cut_off() -> tuple:
+            got = 0
+            async with grpc.aio.insecure_channel(front.target) as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+                try:
+                    async for reply in stub.Generate(build_request(prompt="a", max_tokens=5000, ignore_eos=True)):
+                        got += len(reply.token_ids)
+                        if got >= 5 and scheduler.proc.poll() is None:
+                            scheduler.kill()  # no drain: the stream just breaks
+                except grpc.aio.AioRpcError as exc:
+                    return got, exc.code()
+            return got, None
+
+        got, code = asyncio.run(asyncio.wait_for(cut_off(), 30))
+        assert got >= 5 and code == grpc.StatusCode.UNAVAILABLE
+        deadline = time.monotonic() + 10
+        while front_health(front) == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert front_health(front) == health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def refused() -> grpc.StatusCode | None:
+            try:
+                await replies(front.target, build_request(prompt="a", max_tokens=3))
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+            return None
+
+        assert asyncio.run(refused()) == grpc.StatusCode.UNAVAILABLE
+        # The scheduler back on its port: the front attaches again and serves.
+        scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=8, port=port)
+        wait_serving(front.target, timeout=30)
+        done = asyncio.run(replies(front.target, build_request(prompt="a", max_tokens=6, ignore_eos=True)))
+        assert sum(len(m.token_ids) for m in done) == 6
+    finally:
+        front.stop()
+        scheduler.stop()
+        worker.stop()
+
+
+def test_tokens_guard_both_hops() -> None:
+    """The front checks its clients' token; the scheduler checks the front's."""
+    worker = start_worker(simulate_device_ms=1.0, max_num_seqs=4)
+    scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=4, auth_token="engine-secret")
+    fronts = [
+        start_front(scheduler, auth_token="client-secret", scheduler_auth_token="engine-secret"),
+        start_front(scheduler, scheduler_auth_token="wrong"),
+    ]
+    try:
+        wait_serving(fronts[0].target)
+
+        async def call(target: str, token: str) -> grpc.StatusCode | int:
+            metadata = (("authorization", f"Bearer {token}"),) if token else None
+            try:
+                async with grpc.aio.insecure_channel(target) as channel:
+                    stub = generate_pb2_grpc.GenerationStub(channel)
+                    out = [r async for r in stub.Generate(build_request(prompt="a", max_tokens=4), metadata=metadata)]
+                return sum(len(m.token_ids) for m in out)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code()
+
+        assert asyncio.run(call(fronts[0].target, "client-secret")) == 4
+        assert asyncio.run(call(fronts[0].target, "")) == grpc.StatusCode.UNAUTHENTICATED
+        # A front without the scheduler's token never attaches: it refuses, it does not hang.
+        assert front_health(fronts[1]) == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert asyncio.run(call(fronts[1].target, "")) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        for front in fronts:
+            front.stop()
+        scheduler.stop()
+        worker.stop()

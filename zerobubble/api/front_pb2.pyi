@@ -1,0 +1,52 @@
+from zerobubble.api import generate_pb2 as _generate_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Submit(_message.Message):
+    __slots__ = ("tag", "request")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    request: _generate_pb2.GenerateRequest
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
+
+class FrontMessage(_message.Message):
+    __slots__ = ("submit", "cancel")
+    SUBMIT_FIELD_NUMBER: _ClassVar[int]
+    CANCEL_FIELD_NUMBER: _ClassVar[int]
+    submit: _containers.RepeatedCompositeFieldContainer[Submit]
+    cancel: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, submit: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class TaggedResponse(_message.Message):
+    __slots__ = ("tag", "response")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    response: _generate_pb2.GenerateResponse
+    def __init__(self, tag: _Optional[int] = ..., response: _Optional[_Union[_generate_pb2.GenerateResponse, _Mapping]] = ...) -> None: ...
+
+class Refusal(_message.Message):
+    __slots__ = ("tag", "code", "message")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    code: int
+    message: str
+    def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class EngineMessage(_message.Message):
+    __slots__ = ("replies", "refused", "done")
+    REPLIES_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    replies: _containers.RepeatedCompositeFieldContainer[TaggedResponse]
+    refused: _containers.RepeatedCompositeFieldContainer[Refusal]
+    done: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replies: _Optional[_Iterable[_Union[TaggedResponse, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., done: _Optional[_Iterable[int]] = ...) -> None: ...
