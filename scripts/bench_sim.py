@@ -64,7 +64,7 @@ from zerobubble.bench import BenchRow, percentile  # noqa: E402
 from zerobubble.client import build_request  # noqa: E402
 from zerobubble.config import EVENT_LOOPS, parse_cores  # noqa: E402
 from zerobubble.rpc import bind_process  # noqa: E402
-from zerobubble.tools.launch import Service, start_scheduler, start_worker, wait_serving  # noqa: E402
+from zerobubble.tools.launch import Service, start_front, start_scheduler, start_worker, wait_serving  # noqa: E402
 
 TOPICS = ("rivers", "compilers", "bread", "volcanoes", "chess", "bridges", "owls", "tides")
 
@@ -181,9 +181,11 @@ def run(
     args: argparse.Namespace,
     placement: str = "shared",
     drive: Driver | None = None,
+    via: str = "direct",
 ) -> dict:
     """One run through a fresh scheduler in front of `worker`, loaded by `drive` (default:
-    `steady_state`); the figures of its window."""
+    `steady_state`); the figures of its window. ``via="front"``: the clients call a `zerobubble
+    front` (on the clients' cores) that relays to the scheduler."""
     scheduler_cores, client_cores = placement_cores(placement)
     scheduler = start_scheduler(
         [worker],
@@ -196,14 +198,23 @@ def run(
         http_port=-1,  # gRPC only (the HTTP front needs FastAPI, which a GPU image may lack)
     )
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
+    front = None
     try:
         wait_serving(scheduler.target)
+        target = scheduler.target
+        if via == "front":
+            front = start_front(scheduler, cpu_affinity=client_cores, event_loop=args.event_loop)
+            pids["front"] = front.proc.pid
+            target = front.target
+            wait_serving(target)
         if client_cores:  # only while it runs: processes started later must not inherit it
             bind_process(parse_cores(client_cores))
-        seen = asyncio.run((drive or steady_state)(scheduler.target, num_requests, pids, args))
+        seen = asyncio.run((drive or steady_state)(target, num_requests, pids, args))
     finally:
         if client_cores:
             bind_process(ALL_CORES)
+        if front is not None:
+            front.stop()
         scheduler.stop()
     first, last, wall = seen.first, seen.last, seen.wall_s
     steps = last.num_steps - first.num_steps
@@ -377,14 +388,16 @@ def suite_host(args: argparse.Namespace) -> dict:
         spec = "ngram" if k else "none"
         with ExitStack() as stack:
             workers = {p: stack.enter_context(sim_worker(0.0, spec, args, p)) for p in placements}
+            variants = [(p, v) for p in placements for v in args.via]
             for n in args.requests:
                 reference_ms = reference_loop_ms()
-                runs: dict[str, list[dict]] = {p: [] for p in placements}
-                for i in range(args.repeats):  # placements alternate: A B, B A, ...
-                    for p in placements if i % 2 == 0 else placements[::-1]:
-                        runs[p].append(run(workers[p], n, args.async_inflight, 0.0, args, p))
-                for p, figures in runs.items():
-                    _report_host(out, k, n, p if len(placements) > 1 else "", figures, reference_ms)
+                runs: dict[tuple[str, str], list[dict]] = {pv: [] for pv in variants}
+                for i in range(args.repeats):  # variants alternate: A B, B A, ...
+                    for p, v in variants if i % 2 == 0 else variants[::-1]:
+                        runs[p, v].append(run(workers[p], n, args.async_inflight, 0.0, args, p, via=v))
+                for (p, v), figures in runs.items():
+                    label = "/".join(x for x, many in ((p, len(placements) > 1), (v, len(args.via) > 1)) if many)
+                    _report_host(out, k, n, label, figures, reference_ms)
     return out
 
 
@@ -412,22 +425,26 @@ def _report_host(out: dict, k: int, n: int, placement: str, figures: list[dict],
     )
 
 
-def device_grid(args: argparse.Namespace) -> Iterator[tuple[str, Service, int, str, float]]:
+def device_grid(args: argparse.Namespace) -> Iterator[tuple[str, Service, int, str, float, str]]:
     """Each configuration of a `bubble` or `churn` run, its worker started: the key its figures
-    go under, the worker, N, the placement and the device time."""
+    go under, the worker, N, the placement, the device time and the clients' way in."""
     for placement, device_ms in ((p, ms) for p in args.placement for ms in args.device_ms):
         for spec in ["ngram" if k else "none" for k in args.num_spec_tokens]:
             with sim_worker(device_ms, spec, args, placement) as worker:
                 for n in args.requests:
-                    key = f"{placement + '/' if len(args.placement) > 1 else ''}{device_ms:g}ms/{spec}/n{n}"
-                    yield key, worker, n, placement, device_ms
+                    for via in args.via:
+                        key = (
+                            f"{placement + '/' if len(args.placement) > 1 else ''}"
+                            f"{via + '/' if len(args.via) > 1 else ''}{device_ms:g}ms/{spec}/n{n}"
+                        )
+                        yield key, worker, n, placement, device_ms, via
 
 
 def suite_bubble(args: argparse.Namespace) -> dict:
     out: dict = {}
-    for key, worker, n, placement, device_ms in device_grid(args):
-        sync = run(worker, n, 1, device_ms, args, placement)
-        async_ = run(worker, n, args.async_inflight, device_ms, args, placement)
+    for key, worker, n, placement, device_ms, via in device_grid(args):
+        sync = run(worker, n, 1, device_ms, args, placement, via=via)
+        async_ = run(worker, n, args.async_inflight, device_ms, args, placement, via=via)
         out[key] = {
             "sync": sync,
             "async": async_,
@@ -511,12 +528,12 @@ def suite_logic(args: argparse.Namespace) -> dict:
 
 def suite_churn(args: argparse.Namespace) -> dict:
     out: dict = {}
-    for key, worker, n, placement, device_ms in device_grid(args):
+    for key, worker, n, placement, device_ms, via in device_grid(args):
         runs: dict[str, list[dict]] = {"sync": [], "async": []}
         for i in range(args.repeats):  # sync, async, async, sync, ...
             for mode in ("sync", "async") if i % 2 == 0 else ("async", "sync"):
                 window = 1 if mode == "sync" else args.async_inflight
-                runs[mode].append(run(worker, n, window, device_ms, args, placement, churn))
+                runs[mode].append(run(worker, n, window, device_ms, args, placement, churn, via))
         out[key] = runs
         for mode, figures in runs.items():
 
@@ -598,6 +615,14 @@ def main() -> None:
         default=["shared"],
         help="host, bubble and churn: shared = every process on any core; apart = the scheduler's event-loop thread "
         "on a core of its own (--loop-cores), every other thread on the others; both = alternate runs",
+    )
+    parser.add_argument(
+        "--via",
+        nargs="+",
+        choices=("direct", "front"),
+        default=["direct"],
+        help="host, bubble and churn: the clients call the scheduler directly, or a `zerobubble front` that relays "
+        "to it (on the clients' cores with --placement apart); both = alternate runs",
     )
     parser.add_argument(
         "--kv-gb",
