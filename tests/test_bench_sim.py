@@ -1,5 +1,6 @@
-"""`scripts/bench_sim.py churn` against real services on a simulated device: its clients keep
-every lane busy, its window counts what ended in it, and its figures agree with each other."""
+"""`scripts/bench_sim.py churn` against real services on a simulated device, the clients calling
+the scheduler directly and through a `zerobubble front`: its clients keep every lane busy, its
+window counts what ended in it, and its figures agree with each other."""
 
 from __future__ import annotations
 
@@ -24,12 +25,15 @@ def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
         "--warmup-s", "1",
         "--repeats", "1",
         "--num-spec-tokens", "3",
+        "--via", "direct", "front",
         "--json", str(out),
     ]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
-    runs = json.loads(out.read_text())["2ms/ngram/n6"]
-    for mode in ("sync", "async"):
-        (figures,) = runs[mode]
+    report = json.loads(out.read_text())
+    for via, mode in ((v, m) for v in ("direct", "front") for m in ("sync", "async")):
+        (figures,) = report[f"{via}/2ms/ngram/n6"][mode]
+        # Through a front, its process is measured beside the others.
+        assert ("front" in figures["cpu_ms_per_step"]) == (via == "front")
         # Requests of 4-12 tokens on 2 ms steps end many times a second in each of 6 lanes.
         assert figures["requests_per_s"] > 6
         # Every request streams at least LO tokens and no more than HI.
