@@ -2,10 +2,10 @@
 
 A front owns client `Generate` calls and relays them to the scheduler over one `Attach`
 stream. Here each relayed call becomes a submission of the servicer, exactly as a direct call
-(`GenerationServicer.submit` / `.responses`, so validation, routing, `--stream-interval`,
-metrics and aborts are the same code); only its replies differ: instead of one gRPC message
-per reply on a client call, they gather into the stream's outbox and leave as one
-`EngineMessage` per loop turn. What that takes off the planning loop is the per-message cost
+(`GenerationServicer.submit`, so validation, routing, `--stream-interval`, metrics and aborts
+are the same code); only its replies differ: `GenerationServicer.relay` hands them over as the
+scheduler produces them (no queue, no task per request), they gather in the stream's outbox and
+leave as one `EngineMessage` per loop turn. What that takes off the planning loop is the per-message cost
 of gRPC (a `sendmsg` and the call's bookkeeping per reply: ~75-130 µs each on the 2-core VM),
 which at hundreds of streams is most of what the loop spends per step.
 """
@@ -13,11 +13,10 @@ which at hundreds of streams is most of what the loop spends per step.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
-from scheduler_svc.submission import Frontend, RequestError, Submission
+from scheduler_svc.submission import Frontend, ReplyOrEnd, RequestError, Submission
 from zerobubble.api import front_pb2, front_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -62,16 +61,17 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
 
     async def Attach(self, request_iterator, context) -> AsyncIterator[front_pb2.EngineMessage]:
         outbox = Outbox()
-        relays: dict[int, asyncio.Task] = {}
+        running: dict[int, Submission] = {}
 
-        async def relay(tag: int, submission: Submission) -> None:
-            try:
-                async with contextlib.aclosing(self.servicer.responses(submission)) as replies:
-                    async for reply in replies:
-                        outbox.reply(tag, reply)
-            finally:
-                relays.pop(tag, None)
-            outbox.done(tag)
+        def deliver_to(tag: int) -> Callable[[ReplyOrEnd], None]:
+            def deliver(reply: ReplyOrEnd) -> None:
+                if reply is None:
+                    running.pop(tag, None)
+                    outbox.done(tag)
+                else:
+                    outbox.reply(tag, reply)
+
+            return deliver
 
         async def read() -> None:
             async for message in request_iterator:
@@ -81,11 +81,12 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                     except RequestError as exc:
                         outbox.refuse(submit.tag, exc)
                         continue
-                    relays[submit.tag] = asyncio.create_task(relay(submit.tag, submission))
+                    running[submit.tag] = submission
+                    self.servicer.relay(submission, deliver_to(submit.tag))
                 for tag in message.cancel:
-                    task = relays.pop(tag, None)
-                    if task is not None:
-                        task.cancel()  # `responses` aborts the request on its way out
+                    cancelled = running.pop(tag, None)
+                    if cancelled is not None:
+                        self.servicer.close(cancelled)  # aborts it, frees its blocks
 
         self.num_attached += 1
         peer = context.peer()
@@ -104,6 +105,8 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
             # The front is gone (or closed): its requests have nobody to stream to.
             self.num_attached -= 1
             reader.cancel()
-            for task in list(relays.values()):
-                task.cancel()
-            logger.info("front detached: %s (%d requests aborted)", peer, len(relays))
+            aborted = list(running.values())
+            running.clear()
+            for submission in aborted:
+                self.servicer.close(submission)
+            logger.info("front detached: %s (%d requests aborted)", peer, len(aborted))

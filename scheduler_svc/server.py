@@ -14,7 +14,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 
 import grpc
 
@@ -146,7 +146,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 stream.held.append(ev)
                 stream.num_held_tokens += len(ev.token_ids)
                 continue
-            stream.queue.put_nowait(take_held(stream, ev))
+            stream.deliver(take_held(stream, ev))
         if gaps and self.metrics is not None:
             self.metrics.observe_inter_token(gaps)
 
@@ -175,7 +175,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                     num_cached_tokens=0,
                 )
             event.error = "the server is shutting down"
-            stream.queue.put_nowait(take_held(stream, event))
+            stream.deliver(take_held(stream, event))
         while self.streams and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.05)  # the final messages go out
 
@@ -215,8 +215,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if n > 1 and params["seed"] is None:
             params["seed"] = random.getrandbits(64)
         queue: asyncio.Queue = asyncio.Queue()  # shared: the servicer reads every sequence's events
+        now = time.monotonic()
         streams = tuple(
-            Stream(queue=queue, arrival=time.monotonic(), num_prompt_tokens=len(prompt_ids), index=i) for i in range(n)
+            Stream(queue=queue, arrival=now, num_prompt_tokens=len(prompt_ids), deliver=queue.put_nowait, index=i)
+            for i in range(n)
         )
         for seq_id, stream in zip(seq_ids, streams):
             self.streams[seq_id] = stream
@@ -253,52 +255,82 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         Leaving early (client cancel, deadline, a closed HTTP connection) aborts the request and
         gives its KV blocks back.
         """
-        req_id = submission.req_id
-        seq_ids = submission.seq_ids or (req_id,)
         streams = submission.streams or (submission.stream,)
         queue = streams[0].queue
-        finished: set[int] = set()
         try:
-            while len(finished) < len(streams):
+            while not all(stream.finished for stream in streams):
                 for ev in merge_pending(await queue.get(), queue):
-                    stream = self.streams.get(ev.req_id)
-                    if stream is None:
-                        continue
-                    reply = generate_pb2.GenerateResponse(
-                        request_id=req_id,
-                        text=ev.text,
-                        token_ids=ev.token_ids,
-                        logprobs=ev.logprobs,
-                        num_prompt_tokens=ev.num_prompt_tokens,
-                        num_output_tokens=ev.num_output_tokens,
-                        num_cached_prompt_tokens=ev.num_cached_tokens,
-                        index=stream.index,
-                    )
-                    for ids, lps in ev.top_logprobs:
-                        reply.top_logprobs.add(token_ids=ids, logprobs=lps)
-                    if ev.finish_reason is not None:
-                        reply.finish_reason = ev.finish_reason  # type: ignore[assignment]
-                        reply.error = ev.error or ""
-                        finished.add(stream.index)
-                        self._record_finished(stream, ev)
-                    yield reply
+                    reply = self._reply(submission, ev)
+                    if reply is not None:
+                        yield reply
         finally:
-            for seq_id, stream in zip(seq_ids, streams):
-                self.streams.pop(seq_id, None)
-                if stream.index in finished:
-                    continue
-                # Client cancel or deadline: abort and give the KV blocks back. The tokens it
-                # already generated still count as generated (the counter is tokens out).
-                # Its queue time counts if it had been scheduled (None if it never was).
-                event = self.router.abort(seq_id)
-                if self.metrics is not None:
-                    self.metrics.record_finished(
-                        "cancelled",
-                        time.monotonic() - stream.arrival,
-                        event.queue_s if event is not None else None,
-                        stream.num_prompt_tokens,
-                        stream.num_output_tokens,
-                    )
+            self.close(submission)
+
+    def relay(self, submission: Submission, deliver: Callable[[generate_pb2.GenerateResponse | None], None]) -> None:
+        """Hand each reply of `submission` to ``deliver`` as the scheduler produces it, and
+        None after the last one: `responses` without its queue and task, for a caller that
+        batches replies itself (a front's stream, `front_gateway.py`). `close` it if its reader
+        leaves early."""
+        streams = submission.streams or (submission.stream,)
+
+        def on_event(ev: RequestEvent) -> None:
+            reply = self._reply(submission, ev)
+            if reply is not None:
+                deliver(reply)
+            if all(stream.finished for stream in streams):
+                self.close(submission)
+                deliver(None)
+
+        for stream in streams:
+            stream.deliver = on_event
+            while not stream.queue.empty():  # whatever arrived before the relay was set up
+                on_event(stream.queue.get_nowait())
+
+    def _reply(self, submission: Submission, ev: RequestEvent) -> generate_pb2.GenerateResponse | None:
+        """The client message for one event of `submission` (None: its sequence was dropped);
+        a final event marks its sequence finished and counts it in the metrics."""
+        stream = self.streams.get(ev.req_id)
+        if stream is None:
+            return None
+        reply = generate_pb2.GenerateResponse(
+            request_id=submission.req_id,
+            text=ev.text,
+            token_ids=ev.token_ids,
+            logprobs=ev.logprobs,
+            num_prompt_tokens=ev.num_prompt_tokens,
+            num_output_tokens=ev.num_output_tokens,
+            num_cached_prompt_tokens=ev.num_cached_tokens,
+            index=stream.index,
+        )
+        for ids, lps in ev.top_logprobs:
+            reply.top_logprobs.add(token_ids=ids, logprobs=lps)
+        if ev.finish_reason is not None:
+            reply.finish_reason = ev.finish_reason  # type: ignore[assignment]
+            reply.error = ev.error or ""
+            stream.finished = True
+            self._record_finished(stream, ev)
+        return reply
+
+    def close(self, submission: Submission) -> None:
+        """The replies of `submission` are over: forget its streams. Sequences that did not
+        finish (client cancel, deadline, its front gone) are aborted, their KV blocks given
+        back; the tokens they generated still count as generated (the counter is tokens out),
+        and their queue time counts if they had been scheduled."""
+        seq_ids = submission.seq_ids or (submission.req_id,)
+        streams = submission.streams or (submission.stream,)
+        for seq_id, stream in zip(seq_ids, streams):
+            if self.streams.pop(seq_id, None) is None or stream.finished:
+                continue
+            stream.finished = True  # closed once
+            event = self.router.abort(seq_id)
+            if self.metrics is not None:
+                self.metrics.record_finished(
+                    "cancelled",
+                    time.monotonic() - stream.arrival,
+                    event.queue_s if event is not None else None,
+                    stream.num_prompt_tokens,
+                    stream.num_output_tokens,
+                )
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context):
         try:

@@ -9,7 +9,7 @@ module, which starts the HTTP front (no import cycle).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,6 +20,10 @@ from zerobubble.api import generate_pb2
 if TYPE_CHECKING:
     from scheduler_svc.router import Router
     from scheduler_svc.scheduler import RequestEvent
+
+
+# What a relay hands on: the next reply of a request, or None after its last.
+ReplyOrEnd = generate_pb2.GenerateResponse | None
 
 
 class RequestError(Exception):
@@ -57,10 +61,14 @@ class Stream:
     queue: asyncio.Queue
     arrival: float
     num_prompt_tokens: int
+    # Where its events go: ``queue.put_nowait`` for a reader of `responses`; a front's relay
+    # takes them straight from the scheduler's callback instead (`GenerationServicer.relay`).
+    deliver: Callable[[RequestEvent], None]
     first_token_at: float | None = None
     last_token_at: float | None = None
     num_output_tokens: int = 0
     index: int = 0  # which of the request's n sequences
+    finished: bool = False  # its final event was replied
     # Events gathered under --stream-interval, not yet queued, and how many tokens they carry.
     held: list[RequestEvent] = field(default_factory=list)
     num_held_tokens: int = 0
@@ -77,3 +85,7 @@ class Frontend(Protocol):
     def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]: ...
 
     def withdraw(self, submission: Submission) -> None: ...
+
+    def relay(self, submission: Submission, deliver: Callable[[ReplyOrEnd], None]) -> None: ...
+
+    def close(self, submission: Submission) -> None: ...
