@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from zerobubble import rpc
 from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -122,6 +123,18 @@ class EngineLink:
         if self.on_readiness is not None:
             await self.on_readiness(ready)
 
+    async def _mirror_health(self, channel: grpc.aio.Channel) -> None:
+        """Serve while the scheduler does (it does not while no worker is ready), so that a
+        probe of the front tells what a probe of the scheduler would."""
+        try:
+            watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
+            async for response in watch:
+                await self._set_ready(response.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                logger.warning("cannot watch the scheduler's health (%s): serving while attached", exc.code().name)
+                await self._set_ready(True)
+
     def _lose_calls(self) -> None:
         for queue in self.calls.values():
             queue.put_nowait(LOST)
@@ -141,10 +154,13 @@ class EngineLink:
                     await call.wait_for_connection()
                     self.unary = generate_pb2_grpc.GenerationStub(channel)
                     logger.info("attached to the scheduler at %s", self.target)
-                    await self._set_ready(True)
                     backoff = 0.1
-                    async for message in call:
-                        self._dispatch(message)
+                    watch = asyncio.create_task(self._mirror_health(channel))
+                    try:
+                        async for message in call:
+                            self._dispatch(message)
+                    finally:
+                        watch.cancel()
                     logger.warning("the scheduler closed the stream")
             except grpc.aio.AioRpcError as exc:
                 logger.warning("stream to the scheduler at %s: %s %s", self.target, exc.code().name, exc.details())
@@ -209,8 +225,9 @@ async def serve_front(
     """Run a front until `stop` (or SIGTERM/SIGINT); `bound` gets its port."""
     link = EngineLink(cfg)
     servicer = FrontServicer(link)
+    options = [(name, 1 if name == "grpc.so_reuseport" else v) for name, v in rpc.SERVER_OPTIONS]
     server = grpc.aio.server(
-        options=rpc.SERVER_OPTIONS,
+        options=options if cfg.reuse_port else rpc.SERVER_OPTIONS,
         interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"})]
         if cfg.auth_token
         else None,

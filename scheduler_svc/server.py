@@ -19,6 +19,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 import grpc
 
 from scheduler_svc import front_gateway
+from scheduler_svc.front_pool import FrontPool
 from scheduler_svc.request import InvalidRequest, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
@@ -504,11 +505,20 @@ async def serve_scheduler(
     router.on_readiness = on_readiness
     generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     front_pb2_grpc.add_FrontGatewayServicer_to_server(front_gateway.FrontGateway(servicer), server)
-    server_creds = rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None)
-    port = rpc.bind(server, cfg.host, cfg.port, server_creds)
+    if cfg.fronts:
+        # The fronts own the client port; the scheduler listens for them on loopback only.
+        port = rpc.bind(server, "127.0.0.1", 0, None)
+    else:
+        port = rpc.bind(server, cfg.host, cfg.port, rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None))
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], False)  # until a worker is connected
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
+    fronts, supervising = None, None
+    if cfg.fronts:
+        logger.info("scheduler listening for its fronts on 127.0.0.1:%d", port)
+        fronts = FrontPool(cfg, port)
+        port = await fronts.start()
+        supervising = asyncio.create_task(fronts.supervise())
     logger.info("scheduler listening on %s:%d", cfg.host, port)
     print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
     if bound is not None:
@@ -535,7 +545,11 @@ async def serve_scheduler(
     router.on_readiness = None
     await rpc.set_serving(health, [SERVICE_NAME], False)
     logger.info("shutting down: draining %d requests for up to %.0fs", len(servicer.streams), cfg.drain_timeout)
-    await servicer.drain(cfg.drain_timeout)
+    drain_until = time.monotonic() + cfg.drain_timeout
+    if fronts is not None and supervising is not None:
+        supervising.cancel()
+        await fronts.stop()  # each front lets its calls finish first, while this process serves them
+    await servicer.drain(max(drain_until - time.monotonic(), 0.0))
     if http is not None:
         await http.stop(grace_s=2.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=2.0)

@@ -10,7 +10,9 @@ and the front attaches again when the scheduler is back.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -242,3 +244,74 @@ def test_tokens_guard_both_hops() -> None:
             front.stop()
         scheduler.stop()
         worker.stop()
+
+
+def front_children(pid: int) -> list[int]:
+    """Pids of the `zerobubble front` processes whose parent is `pid`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"front" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def test_a_scheduler_with_fronts_serves_its_clients_through_them() -> None:
+    """`--fronts 2`: the announced client port is the fronts' (both listen on it), the
+    scheduler's own gRPC is elsewhere, on loopback; the fronts stop with the scheduler."""
+    worker = start_worker(simulate_device_ms=2.0, max_num_seqs=16)
+    scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=16, fronts=2)
+    fronts = front_children(scheduler.proc.pid)
+    try:
+        wait_serving(scheduler.target)
+        assert len(fronts) == 2
+        # Both fronts listen on the client port; the scheduler does not.
+        assert all(scheduler.port in listening_ports(pid) for pid in fronts)
+        assert scheduler.port not in listening_ports(scheduler.proc.pid)
+
+        async def clients() -> list[int]:
+            async def one(i: int) -> int:  # each on its own connection: the kernel spreads them
+                out = await replies(
+                    scheduler.target, build_request(prompt=f"client {i}", max_tokens=12, ignore_eos=True)
+                )
+                return sum(len(m.token_ids) for m in out)
+
+            return await asyncio.gather(*(one(i) for i in range(8)))
+
+        assert asyncio.run(clients()) == [12] * 8
+    finally:
+        scheduler.stop()
+        worker.stop()
+    assert not [pid for pid in fronts if Path(f"/proc/{pid}").exists() and "Z" not in state(pid)]
+
+
+def state(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "Z"
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports the process `pid` listens on (its sockets' inodes in /proc/net/tcp*)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
+                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return ports

@@ -325,6 +325,13 @@ class SchedulerServiceConfig(ServiceConfig):
         "token sent to the workers' --auth-token (a different secret from the clients' --auth-token; empty = none)",
         secret=True,
     )
+    fronts: int = setting(
+        0,
+        "client-facing front processes (`zerobubble front`) that own the gRPC client calls on --host:--port "
+        "and relay them over one stream each, so the planning loop sends one message per loop turn instead "
+        "of one per client reply; the scheduler then listens for them on loopback (0 = it serves clients "
+        "itself; HTTP stays in the scheduler)",
+    )
     loop_cores: str = setting(
         "",
         "cores (e.g. 0) for the scheduler's event-loop thread alone, its critical path at hundreds of "
@@ -374,6 +381,7 @@ class SchedulerServiceConfig(ServiceConfig):
         if self.loop_cores:
             self.loop_core_set()
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
+        _require(self.fronts >= 0, "--fronts must be >= 0 (0 = no front processes)")
         _require(
             bool(self.worker_tls_cert) == bool(self.worker_tls_key),
             "--worker-tls-cert and --worker-tls-key go together",
@@ -404,6 +412,9 @@ class FrontConfig:
     )
     cpu_affinity: str = setting("", "cores the front's process runs on (empty = any core)")
     drain_timeout: float = setting(60.0, "seconds SIGTERM lets running requests finish before cancelling the rest")
+    reuse_port: bool = setting(
+        False, "share --port with other fronts (SO_REUSEPORT): the kernel spreads client connections over them"
+    )
 
     def validate(self) -> None:
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
