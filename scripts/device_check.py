@@ -907,13 +907,52 @@ def check_throughput(ctx: Context) -> None:
             ctx.add("throughput", f"{num_prompts} prompts, cuda_graphs={graphs}", status, detail, **values)
 
 
+def served_pairs(
+    ctx: Context, worker: Any, n: int, windows: tuple[int, ...], args: argparse.Namespace, name: str, via: str
+) -> None:
+    """Sync and async schedulers alternating in front of `worker` with N requests (`bench_sim.run`),
+    the clients direct or through a front; one record of the pairs' figures."""
+    import bench_sim
+
+    runs: dict[str, list[dict]] = {}
+    out_of_time = False
+    for window in windows:
+        if ctx.time_left() < 20:
+            out_of_time = True
+            break
+        mode = "async" if window > 1 else "sync"
+        try:
+            figures = bench_sim.run(worker, n, window, 0.0, args, via=via)
+            runs.setdefault(mode, []).append(figures)
+        except Exception as exc:
+            tail = "".join(worker.log[-20:])
+            ctx.add("served", f"{name} {mode}", FAIL, f"{type(exc).__name__}: {exc}; {tail}")
+    values: dict[str, Any] = {}
+    for mode, figures in runs.items():
+        values[f"{mode}_tok_s"] = [round(f["tokens_per_s"], 1) for f in figures]
+        values[f"{mode}_ms_per_step"] = [round(f["ms_per_step"], 2) for f in figures]
+        values[f"{mode}_worker_idle"] = [round(f["worker_idle_fraction"], 4) for f in figures]
+        values[f"{mode}_scheduler_cpu_ms_per_step"] = [round(f["cpu_ms_per_step"]["scheduler"], 2) for f in figures]
+        if f"{mode}_acceptance" not in values and figures[0]["acceptance_rate"] is not None:
+            values[f"{mode}_acceptance"] = round(figures[0]["acceptance_rate"], 3)
+    pairs = list(zip(values.get("async_tok_s", []), values.get("sync_tok_s", [])))
+    values["async_over_sync"] = [round(a / s, 3) for a, s in pairs]
+    if pairs:
+        ctx.add(
+            "served", name, PASS, "async ÷ sync per pair " + ", ".join(map(str, values["async_over_sync"])), **values
+        )
+    elif out_of_time:
+        ctx.add("served", name, SKIP, "out of time (--time-budget)")
+    else:
+        ctx.add("served", name, FAIL, "no pair ran")
+
+
 def check_served(ctx: Context) -> None:
     """The whole stack on this device: `zerobubble worker` on the GPU and `zerobubble scheduler`
     processes, gRPC between them and to the clients, a Qwen3-1.7B-shaped random model in
     bfloat16 with n-gram k = 3 and without, N requests decoding at once. Sync and async
     schedulers alternate in front of one worker (`bench_sim.py`'s steady-state window), so
     each pair is measured side by side; the worker's idle share comes from its CUDA events."""
-    import bench_sim
 
     from zerobubble.tools.launch import start_worker
 
@@ -960,40 +999,13 @@ def check_served(ctx: Context) -> None:
                 continue
             ctx.add("served", f"{label} worker started", PASS, f"{time.perf_counter() - started:.1f} s")
             try:
-                # Eager steps are bound by kernel launches: 256 rows show nothing 64 do not.
+                # Eager steps are bound by kernel launches: 256 rows show nothing 64 do not. With
+                # graphs, each size also through a `zerobubble front` (the clients' calls out of
+                # the scheduler's loop).
                 for n in sizes if graphs or not ctx.cuda else sizes[:2]:
-                    runs: dict[str, list[dict]] = {}
-                    out_of_time = False
-                    for window in windows:
-                        if ctx.time_left() < 20:
-                            out_of_time = True
-                            break
-                        mode = "async" if window > 1 else "sync"
-                        try:
-                            figures = bench_sim.run(worker, n, window, 0.0, args)
-                            runs.setdefault(mode, []).append(figures)
-                        except Exception as exc:
-                            tail = "".join(worker.log[-20:])
-                            ctx.add("served", f"{label} n={n} {mode}", FAIL, f"{type(exc).__name__}: {exc}; {tail}")
-                    values: dict[str, Any] = {}
-                    for mode, figures in runs.items():
-                        values[f"{mode}_tok_s"] = [round(f["tokens_per_s"], 1) for f in figures]
-                        values[f"{mode}_ms_per_step"] = [round(f["ms_per_step"], 2) for f in figures]
-                        values[f"{mode}_worker_idle"] = [round(f["worker_idle_fraction"], 4) for f in figures]
-                        values[f"{mode}_scheduler_cpu_ms_per_step"] = [
-                            round(f["cpu_ms_per_step"]["scheduler"], 2) for f in figures
-                        ]
-                        if f"{mode}_acceptance" not in values and figures[0]["acceptance_rate"] is not None:
-                            values[f"{mode}_acceptance"] = round(figures[0]["acceptance_rate"], 3)
-                    pairs = list(zip(values.get("async_tok_s", []), values.get("sync_tok_s", [])))
-                    values["async_over_sync"] = [round(a / s, 3) for a, s in pairs]
-                    detail = "async ÷ sync per pair " + ", ".join(map(str, values["async_over_sync"]))
-                    if pairs:
-                        ctx.add("served", f"{label} n={n}", PASS, detail, **values)
-                    elif out_of_time:
-                        ctx.add("served", f"{label} n={n}", SKIP, "out of time (--time-budget)")
-                    else:
-                        ctx.add("served", f"{label} n={n}", FAIL, "no pair ran")
+                    for via in ("direct", "front") if graphs or not ctx.cuda else ("direct",):
+                        name = f"{label} n={n}" + (" via front" if via == "front" else "")
+                        served_pairs(ctx, worker, n, windows, args, name, via)
             finally:
                 worker.stop()
             ctx.finish_last(started)
