@@ -25,8 +25,10 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from scheduler_svc.request import InvalidRequest, request_prompt_ids
+from scheduler_svc.tokenizer import Tokenizer
 from zerobubble import rpc
-from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc
+from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.config import FrontConfig
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,10 @@ class EngineLink:
         self.metadata = rpc.bearer_metadata(cfg.scheduler_auth_token)
         self.calls: dict[int, asyncio.Queue] = {}
         self.unary: generate_pb2_grpc.GenerationStub | None = None  # set while connected
+        # What prompts are tokenized with here (None: not described yet; the scheduler then
+        # tokenizes them), and the worker facts it came with.
+        self.tokenizer: Tokenizer | None = None
+        self.info: worker_pb2.WorkerInfo | None = None
         self.on_readiness: Callable[[bool], Awaitable[None]] | None = None
         self._next_tag = 0
         self._out: _Outgoing | None = None  # the current stream's, while connected
@@ -83,9 +89,10 @@ class EngineLink:
     def connected(self) -> bool:
         return self.unary is not None
 
-    def open(self, request: generate_pb2.GenerateRequest) -> tuple[int, asyncio.Queue]:
-        """Queue a call for the scheduler; its replies, then DONE (or a `Refused`), arrive on
-        the returned queue."""
+    def open(self, request: generate_pb2.GenerateRequest, tokenized_for: str = "") -> tuple[int, asyncio.Queue]:
+        """Queue a call for the scheduler (its prompt tokenized here for the model
+        `tokenized_for`, if set); its replies, then DONE (or a `Refused`), arrive on the
+        returned queue."""
         tag = self._next_tag
         self._next_tag += 1
         queue: asyncio.Queue = asyncio.Queue()
@@ -93,7 +100,7 @@ class EngineLink:
             queue.put_nowait(LOST)
             return tag, queue
         self.calls[tag] = queue
-        self._out.pending.submit.add(tag=tag).request.CopyFrom(request)
+        self._out.pending.submit.add(tag=tag, tokenized_for=tokenized_for).request.CopyFrom(request)
         self._out.wake.set()
         return tag, queue
 
@@ -129,11 +136,34 @@ class EngineLink:
         try:
             watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE_NAME))
             async for response in watch:
-                await self._set_ready(response.status == health_pb2.HealthCheckResponse.SERVING)
+                serving = response.status == health_pb2.HealthCheckResponse.SERVING
+                if serving:  # a worker is ready: (again) what it tokenizes with
+                    await self._describe(channel)
+                await self._set_ready(serving)
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.CANCELLED:
                 logger.warning("cannot watch the scheduler's health (%s): serving while attached", exc.code().name)
                 await self._set_ready(True)
+
+    async def _describe(self, channel: grpc.aio.Channel) -> None:
+        """Take the tokenizer of the scheduler's workers, unless it is the one held already."""
+        try:
+            info = await front_pb2_grpc.FrontGatewayStub(channel).Describe(
+                front_pb2.DescribeRequest(), metadata=self.metadata
+            )
+        except grpc.aio.AioRpcError as exc:
+            logger.warning("cannot describe the scheduler's model (%s): it tokenizes", exc.code().name)
+            return
+        held = self.info
+        if held is None or (held.model, held.tokenizer_json, held.chat_template) != (
+            info.model,
+            info.tokenizer_json,
+            info.chat_template,
+        ):
+            # Off the loop: a large vocabulary takes a while to load.
+            self.tokenizer = await asyncio.to_thread(Tokenizer.from_worker_info, info)
+            logger.info("tokenizing for %s here", info.model)
+        self.info = info
 
     def _lose_calls(self) -> None:
         for queue in self.calls.values():
@@ -187,7 +217,11 @@ class FrontServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if not self.link.connected:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no connection to the scheduler")
-        tag, queue = self.link.open(request)
+        relayed, tokenized_for = self._tokenized(request)
+        if isinstance(relayed, Refused):
+            await context.abort(relayed.code, relayed.message)
+            return
+        tag, queue = self.link.open(relayed, tokenized_for)
         ended = False
         try:
             while True:
@@ -202,6 +236,24 @@ class FrontServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             # Cancelled by its client, past its deadline, or the front stopping: abort it there.
             self.link.close(tag, cancel=not ended)
+
+    def _tokenized(self, request: generate_pb2.GenerateRequest) -> tuple[generate_pb2.GenerateRequest | Refused, str]:
+        """The request with its text or messages replaced by their token ids, and the model they
+        were made for; as it is (and "") where the scheduler must read it: no tokenizer yet, ids
+        already, or another model asked for (the scheduler refuses that with its own words)."""
+        tokenizer, info = self.link.tokenizer, self.link.info
+        if tokenizer is None or info is None or request.WhichOneof("input") == "token_ids":
+            return request, ""
+        if request.model and request.model != info.model:
+            return request, ""
+        try:
+            ids = request_prompt_ids(request, tokenizer, info)
+        except InvalidRequest as exc:
+            return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)), ""
+        relayed = generate_pb2.GenerateRequest()
+        relayed.CopyFrom(request)
+        relayed.token_ids.ids[:] = ids  # the input is a oneof: this clears the text or messages
+        return relayed, info.model
 
     async def _unary(self, method: str, request, context):
         stub = self.link.unary

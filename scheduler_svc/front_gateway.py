@@ -16,8 +16,10 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 
+import grpc
+
 from scheduler_svc.submission import Frontend, ReplyOrEnd, RequestError, Submission
-from zerobubble.api import front_pb2, front_pb2_grpc
+from zerobubble.api import front_pb2, front_pb2_grpc, worker_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,26 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
         self.servicer = servicer
         self.num_attached = 0
 
+    async def Describe(self, request: front_pb2.DescribeRequest, context) -> worker_pb2.WorkerInfo:
+        link = self.servicer.router.any_ready()
+        if link is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
+            raise AssertionError("unreachable: abort raises")
+        info, _ = link.described()
+        return info
+
+    def _check_tokenized_for(self, model: str) -> None:
+        """A front tokenized the prompt for `model` (empty: it did not): refuse its ids if the
+        scheduler now serves another model (the front describes it again once it is ready)."""
+        if not model:
+            return
+        link = self.servicer.router.any_ready()
+        if link is not None and link.info is not None and link.info.model != model:
+            raise RequestError(
+                grpc.StatusCode.UNAVAILABLE,
+                f"the front tokenized for {model!r} but the scheduler now serves {link.info.model!r}; retry",
+            )
+
     async def Attach(self, request_iterator, context) -> AsyncIterator[front_pb2.EngineMessage]:
         outbox = Outbox()
         running: dict[int, Submission] = {}
@@ -77,6 +99,7 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
             async for message in request_iterator:
                 for submit in message.submit:
                     try:
+                        self._check_tokenized_for(submit.tokenized_for)
                         submission = self.servicer.submit(submit.request)
                     except RequestError as exc:
                         outbox.refuse(submit.tag, exc)

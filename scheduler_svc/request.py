@@ -16,9 +16,15 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from scheduler_svc.block_pool import BlockHash
 from scheduler_svc.detokenizer import Detokenizer
+
+if TYPE_CHECKING:
+    from scheduler_svc.tokenizer import Tokenizer
+    from zerobubble.api import generate_pb2
+    from zerobubble.api.worker_pb2 import WorkerInfo
 
 
 class RequestStatus(enum.Enum):
@@ -72,6 +78,54 @@ def require(cond: bool, message: str) -> None:
     """:class:`InvalidRequest` with ``message`` unless ``cond``."""
     if not cond:
         raise InvalidRequest(message)
+
+
+MAX_PROMPT_CHARS = 1_000_000
+MAX_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def request_prompt_ids(
+    request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest, tokenizer: Tokenizer, info: WorkerInfo
+) -> list[int]:
+    """The prompt of a `GenerateRequest` (or `TokenizeRequest`) as token ids: its text tokenized, its messages through
+    the chat template, or its ids checked against the vocabulary. The one place a request's
+    input is read, in the scheduler and in a front (`scheduler_svc/front.py`), which tokenizes
+    before relaying.
+
+    Raises:
+        InvalidRequest: an empty, too long or malformed input.
+    """
+    kind = request.WhichOneof("input")
+    if kind == "prompt":
+        require(len(request.prompt) > 0, "prompt: must not be empty")
+        require(
+            len(request.prompt) <= MAX_PROMPT_CHARS,
+            f"prompt: {len(request.prompt)} characters, limit is {MAX_PROMPT_CHARS}",
+        )
+        ids = tokenizer.encode(request.prompt)
+    elif kind == "messages":
+        msgs = request.messages.messages
+        require(len(msgs) > 0, "messages: must not be empty")
+        require(len(msgs) <= MAX_MESSAGES, f"messages: {len(msgs)} messages, limit is {MAX_MESSAGES}")
+        total = sum(len(m.content) for m in msgs)
+        require(total <= MAX_PROMPT_CHARS, f"messages: {total} characters of content, limit is {MAX_PROMPT_CHARS}")
+        for i, m in enumerate(msgs):
+            require(m.role in CHAT_ROLES, f"messages[{i}].role: unknown role {m.role!r}")
+        try:
+            ids = tokenizer.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs])
+        except Exception as exc:  # a template's raise_exception, e.g. bad role order
+            raise InvalidRequest(f"messages: chat template rejected them: {exc}") from exc
+    elif kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        require(len(ids) > 0, "token_ids: must not be empty")
+        vocab = info.vocab_size
+        bad = [i for i in ids if not 0 <= i < vocab]
+        require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
+    else:
+        raise InvalidRequest("input: one of prompt, messages or token_ids is required")
+    require(len(ids) > 0, "input: tokenizes to no tokens")
+    return ids
 
 
 def validate_options(

@@ -20,7 +20,7 @@ import grpc
 
 from scheduler_svc import front_gateway
 from scheduler_svc.front_pool import FrontPool
-from scheduler_svc.request import InvalidRequest, require
+from scheduler_svc.request import InvalidRequest, request_prompt_ids, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.submission import RequestError, Stream, Submission
@@ -34,8 +34,6 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH = generate_pb2.FinishReason
 # Our own input limits: far below the transport cap so oversized input gets a clear message.
-MAX_PROMPT_CHARS = 1_000_000
-MAX_MESSAGES = 1024
 MAX_N = 16  # sequences per request (n); each holds its own KV blocks past the shared prompt
 
 
@@ -191,7 +189,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         link = self.router.any_ready()
         if link is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        info, _ = link.described()
+        info, tokenizer = link.described()
         if request.model and request.model != info.model:
             raise RequestError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -199,7 +197,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 unknown_model=True,
             )
         try:
-            prompt_ids = self._prompt_ids(request, link)
+            prompt_ids = request_prompt_ids(request, tokenizer, info)
             n = num_sequences(request)
         except InvalidRequest as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
@@ -347,11 +345,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if link is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
             return None  # abort raises; this tells the type checker
+        info, tok = link.described()
         try:
-            ids = self._prompt_ids(request, link)
+            ids = request_prompt_ids(request, tok, info)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        _, tok = link.described()
         return generate_pb2.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def ModelInfo(self, request, context):
@@ -384,41 +382,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         )
 
     # -- validation ----------------------------------------------------------------------------
-
-    def _prompt_ids(self, request, link: WorkerLink) -> list[int]:
-        kind = request.WhichOneof("input")
-        info, tok = link.described()
-        if kind == "prompt":
-            require(len(request.prompt) > 0, "prompt: must not be empty")
-            require(
-                len(request.prompt) <= MAX_PROMPT_CHARS,
-                f"prompt: {len(request.prompt)} characters, limit is {MAX_PROMPT_CHARS}",
-            )
-            ids = tok.encode(request.prompt)
-        elif kind == "messages":
-            msgs = request.messages.messages
-            require(len(msgs) > 0, "messages: must not be empty")
-            require(len(msgs) <= MAX_MESSAGES, f"messages: {len(msgs)} messages, limit is {MAX_MESSAGES}")
-            total = sum(len(m.content) for m in msgs)
-            require(total <= MAX_PROMPT_CHARS, f"messages: {total} characters of content, limit is {MAX_PROMPT_CHARS}")
-            for i, m in enumerate(msgs):
-                require(
-                    m.role in ("system", "user", "assistant", "tool"), f"messages[{i}].role: unknown role {m.role!r}"
-                )
-            try:
-                ids = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs])
-            except Exception as exc:  # a template's raise_exception, e.g. bad role order
-                raise InvalidRequest(f"messages: chat template rejected them: {exc}") from exc
-        elif kind == "token_ids":
-            ids = list(request.token_ids.ids)
-            require(len(ids) > 0, "token_ids: must not be empty")
-            vocab = info.vocab_size
-            bad = [i for i in ids if not 0 <= i < vocab]
-            require(not bad, f"token_ids: {bad[0] if bad else 0} is outside the vocabulary [0, {vocab})")
-        else:
-            raise InvalidRequest("input: one of prompt, messages or token_ids is required")
-        require(len(ids) > 0, "input: tokenizes to no tokens")
-        return ids
 
     @staticmethod
     def _params(request: generate_pb2.GenerateRequest) -> dict:

@@ -88,6 +88,8 @@ def test_a_front_relays_every_reply_as_the_scheduler_sends_it(services) -> None:
         return via_front, direct
 
     via_front, direct = asyncio.run(both())
+    # The front tokenized those prompts itself, with the workers' tokenizer.
+    assert any("tokenizing for" in line for line in front.log)
     for request, got, expected in zip(requests(), via_front, direct):
         assert tokens_by_index(got) == tokens_by_index(expected), request
         finishes = [m.finish_reason for m in got if m.finish_reason]
@@ -102,6 +104,10 @@ def test_refusals_keep_the_schedulers_status_and_message(services) -> None:
         build_request(prompt="hi", max_tokens=4, top_p=2.0),
         build_request(prompt="hi", max_tokens=4, n=99),
         generate_pb2.GenerateRequest(prompt="hi", model="no-such-model"),
+        # Refused by the front's own tokenization, in the scheduler's words.
+        generate_pb2.GenerateRequest(prompt=""),
+        build_request(messages=[{"role": "robot", "content": "hi"}], max_tokens=4),
+        generate_pb2.GenerateRequest(),
     ]
 
     async def outcome(target: str, request) -> tuple:

@@ -1,4 +1,5 @@
 from zerobubble.api import generate_pb2 as _generate_pb2
+from zerobubble.api import worker_pb2 as _worker_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,13 +8,19 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class Submit(_message.Message):
-    __slots__ = ("tag", "request")
+    __slots__ = ("tag", "request", "tokenized_for")
     TAG_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZED_FOR_FIELD_NUMBER: _ClassVar[int]
     tag: int
     request: _generate_pb2.GenerateRequest
-    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ...) -> None: ...
+    tokenized_for: str
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ..., tokenized_for: _Optional[str] = ...) -> None: ...
 
 class FrontMessage(_message.Message):
     __slots__ = ("submit", "cancel")

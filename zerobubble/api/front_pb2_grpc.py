@@ -4,6 +4,7 @@ import grpc
 import warnings
 
 from zerobubble.api import front_pb2 as zerobubble_dot_api_dot_front__pb2
+from zerobubble.api import worker_pb2 as zerobubble_dot_api_dot_worker__pb2
 
 GRPC_GENERATED_VERSION = '1.75.1'
 GRPC_VERSION = grpc.__version__
@@ -39,6 +40,11 @@ class FrontGatewayStub(object):
                 request_serializer=zerobubble_dot_api_dot_front__pb2.FrontMessage.SerializeToString,
                 response_deserializer=zerobubble_dot_api_dot_front__pb2.EngineMessage.FromString,
                 _registered_method=True)
+        self.Describe = channel.unary_unary(
+                '/zerobubble.front.v1.FrontGateway/Describe',
+                request_serializer=zerobubble_dot_api_dot_front__pb2.DescribeRequest.SerializeToString,
+                response_deserializer=zerobubble_dot_api_dot_worker__pb2.WorkerInfo.FromString,
+                _registered_method=True)
 
 
 class FrontGatewayServicer(object):
@@ -52,6 +58,14 @@ class FrontGatewayServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Describe(self, request, context):
+        """What a front tokenizes with: a ready worker's facts, tokenizer and chat template
+        (UNAVAILABLE while no worker is ready).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FrontGatewayServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -59,6 +73,11 @@ def add_FrontGatewayServicer_to_server(servicer, server):
                     servicer.Attach,
                     request_deserializer=zerobubble_dot_api_dot_front__pb2.FrontMessage.FromString,
                     response_serializer=zerobubble_dot_api_dot_front__pb2.EngineMessage.SerializeToString,
+            ),
+            'Describe': grpc.unary_unary_rpc_method_handler(
+                    servicer.Describe,
+                    request_deserializer=zerobubble_dot_api_dot_front__pb2.DescribeRequest.FromString,
+                    response_serializer=zerobubble_dot_api_dot_worker__pb2.WorkerInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -88,6 +107,33 @@ class FrontGateway(object):
             '/zerobubble.front.v1.FrontGateway/Attach',
             zerobubble_dot_api_dot_front__pb2.FrontMessage.SerializeToString,
             zerobubble_dot_api_dot_front__pb2.EngineMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Describe(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zerobubble.front.v1.FrontGateway/Describe',
+            zerobubble_dot_api_dot_front__pb2.DescribeRequest.SerializeToString,
+            zerobubble_dot_api_dot_worker__pb2.WorkerInfo.FromString,
             options,
             channel_credentials,
             insecure,
