@@ -45,10 +45,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import random
 import sys
 import time
+from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -538,7 +540,8 @@ def suite_churn(args: argparse.Namespace) -> dict:
         for mode, figures in runs.items():
 
             def each(fmt: str, figures: list[dict] = figures) -> str:
-                return " ".join(fmt.format(**f) for f in figures)
+                # A figure a run has none of (reply gaps of one-token requests) prints as nan.
+                return " ".join(fmt.format_map(defaultdict(lambda: math.nan, f)) for f in figures)
 
             print(
                 f"{key:>18} {mode:>5}: device busy {each('{device_busy_fraction:.2f}')}"
