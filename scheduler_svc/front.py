@@ -8,8 +8,10 @@ pays one gRPC message per turn instead of one per client reply; the per-reply co
 to a process that can run on other cores (several fronts can share one port: gRPC listens with
 `SO_REUSEPORT`, and the kernel spreads client connections over them).
 
-Validation, tokenization, detokenization and stop strings stay in the scheduler for now
-(docs/INTERNALS.md, "Fronts"); a refused request gets the scheduler's status and message.
+The front tokenizes: it takes the workers' tokenizer from the scheduler (`Describe`) and sends
+prompts as token ids, read by the scheduler's own `request_prompt_ids`. The checks of the other
+options, detokenization and stop strings stay in the scheduler for now (docs/INTERNALS.md,
+"Fronts"); a refused request gets the scheduler's status and message either way.
 `Tokenize` and `ModelInfo` are passed through. If the stream to the scheduler is lost, running
 calls end with UNAVAILABLE, the front reports NOT_SERVING and reconnects.
 """
