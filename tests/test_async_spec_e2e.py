@@ -106,8 +106,9 @@ def check_greedy(
     max_tokens: int,
     min_identical: int,
     model_dir: Path,
+    fronts: int = 0,
 ) -> dict:
-    with scheduler_on(pool.get(spec), max_inflight_steps=inflight) as scheduler:
+    with scheduler_on(pool.get(spec), max_inflight_steps=inflight, fronts=fronts) as scheduler:
         report = run_workload(scheduler.target, bench_rows(rows, max_tokens=max_tokens), concurrency=16)
     identical = assert_matches_reference(
         report, [r[:max_tokens] for r in ref], model_dir, rows, min_identical=min_identical
@@ -148,6 +149,14 @@ def test_greedy_matches_hf_on_a_subset(pool, smollm2_dir, grounded_rows, referen
     rows = [grounded_rows[i] for i in subset]
     ref = [reference.get(i, SUBSET_MAX_TOKENS) for i in subset]
     check_greedy(pool, spec, inflight, rows, ref, SUBSET_MAX_TOKENS, len(rows) - 1, smollm2_dir)
+
+
+def test_greedy_through_fronts_matches_hf(pool, smollm2_dir, grounded_rows, reference):
+    """The same subset through two front processes (`--fronts 2`), which tokenize the chat rows
+    themselves and relay the calls: as close to Hugging Face as the direct path."""
+    rows = [grounded_rows[i] for i in SUBSET]
+    ref = [reference.get(i, SUBSET_MAX_TOKENS) for i in SUBSET]
+    check_greedy(pool, "ngram", 2, rows, ref, SUBSET_MAX_TOKENS, len(rows) - 1, smollm2_dir, fronts=2)
 
 
 @pytest.mark.slow
