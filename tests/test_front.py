@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -321,3 +322,38 @@ def listening_ports(pid: int) -> set[int]:
             if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
                 ports.add(int(cols[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+@pytest.mark.parametrize("stopped", ["front", "scheduler with --fronts"])
+def test_stopping_lets_running_calls_through_a_front_finish(stopped: str) -> None:
+    """SIGTERM to a front, or to a scheduler with its own fronts: calls already running finish
+    whole (the fronts drain before the scheduler does), then the processes exit cleanly."""
+    worker = start_worker(simulate_device_ms=5.0, max_num_seqs=8)
+    own = stopped != "front"
+    scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=8, fronts=1 if own else 0)
+    front = None if own else start_front(scheduler)
+    target = scheduler.target if own else front.target
+    victim = scheduler if own else front
+    try:
+        wait_serving(target)
+
+        async def run() -> list[generate_pb2.GenerateResponse]:
+            got: list[generate_pb2.GenerateResponse] = []
+            async with grpc.aio.insecure_channel(target) as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+                async for reply in stub.Generate(
+                    build_request(prompt="a", max_tokens=150, ignore_eos=True), timeout=60
+                ):
+                    got.append(reply)
+                    if len(got) == 3:
+                        victim.proc.send_signal(signal.SIGTERM)
+            return got
+
+        got = asyncio.run(run())
+        assert sum(len(m.token_ids) for m in got) == 150
+        assert got[-1].finish_reason == generate_pb2.FINISH_REASON_MAX_TOKENS
+        assert victim.proc.wait(timeout=30) == 0
+    finally:
+        for service in (front, scheduler, worker):
+            if service is not None:
+                service.stop()
