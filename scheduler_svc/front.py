@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_svc.request import InvalidRequest, request_prompt_ids
+from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble import rpc
 from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2
@@ -47,6 +49,7 @@ class Refused:
     message: str
 
 
+ACCEPTED = object()  # the scheduler queued the call
 DONE = object()  # a call's last reply has been queued
 LOST = Refused(grpc.StatusCode.UNAVAILABLE, "the front lost its connection to the scheduler")
 
@@ -114,6 +117,10 @@ class EngineLink:
 
     def _dispatch(self, message: front_pb2.EngineMessage) -> None:
         calls = self.calls
+        for tag in message.accepted:  # before the replies: a call's acceptance comes first
+            queue = calls.get(tag)
+            if queue is not None:
+                queue.put_nowait(ACCEPTED)
         for tagged in message.replies:
             queue = calls.get(tagged.tag)
             if queue is not None:
@@ -207,6 +214,98 @@ class EngineLink:
             backoff = min(backoff * 2, 2.0)
 
 
+def tokenized(
+    request: generate_pb2.GenerateRequest, link: EngineLink
+) -> tuple[generate_pb2.GenerateRequest | Refused, str]:
+    """The request with its text or messages replaced by their token ids, and the model they
+    were made for; as it is (and "") where the scheduler must read it: no tokenizer yet, ids
+    already, or another model asked for (the scheduler refuses that with its own words)."""
+    tokenizer, info = link.tokenizer, link.info
+    if tokenizer is None or info is None or request.WhichOneof("input") == "token_ids":
+        return request, ""
+    if request.model and request.model != info.model:
+        return request, ""
+    try:
+        ids = request_prompt_ids(request, tokenizer, info)
+    except InvalidRequest as exc:
+        return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)), ""
+    relayed = generate_pb2.GenerateRequest()
+    relayed.CopyFrom(request)
+    relayed.token_ids.ids[:] = ids  # the input is a oneof: this clears the text or messages
+    return relayed, info.model
+
+
+@dataclass(slots=True)
+class ReadyView:
+    """What the HTTP API reads of a ready worker link, from the scheduler's `Describe`."""
+
+    info: worker_pb2.WorkerInfo
+    tokenizer: Tokenizer
+
+
+class RelayFrontend:
+    """The HTTP API's servicer in a front (`http_api.Frontend`): requests tokenized here and
+    relayed through the front's stream like its gRPC calls; `router.any_ready()` answers from
+    the scheduler's health and `Describe`."""
+
+    def __init__(self, link: EngineLink) -> None:
+        self.link = link
+        self.router = self  # the HTTP API asks `router.any_ready()`
+        self.ready = False
+        self.draining = False
+
+    def any_ready(self) -> ReadyView | None:
+        link = self.link
+        if not (self.ready and link.connected and link.info is not None and link.tokenizer is not None):
+            return None
+        return ReadyView(link.info, link.tokenizer)
+
+    def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
+        if self.draining:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        if not self.link.connected:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no connection to the scheduler")
+        info = self.link.info
+        if info is not None and request.model and request.model != info.model:
+            raise unknown_model(request.model, info.model)  # here: the API answers it with a 404
+        relayed, tokenized_for = tokenized(request, self.link)
+        if isinstance(relayed, Refused):
+            raise RequestError(relayed.code, relayed.message)
+        tag, queue = self.link.open(relayed, tokenized_for)
+        stream = Stream(queue=queue, arrival=time.monotonic(), num_prompt_tokens=0, deliver=queue.put_nowait)
+        return Submission(str(tag), stream)
+
+    async def admitted(self, submission: Submission) -> None:
+        queue = submission.stream.queue
+        first = await queue.get()
+        if isinstance(first, Refused):
+            self.link.calls.pop(int(submission.req_id), None)
+            raise RequestError(first.code, first.message)
+        if first is not ACCEPTED:  # an end or a reply cannot come first; keep it for `responses`
+            queue.put_nowait(first)
+
+    async def responses(self, submission: Submission) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        tag, queue = int(submission.req_id), submission.stream.queue
+        ended = False
+        try:
+            while True:
+                item = await queue.get()
+                if item is ACCEPTED:
+                    continue
+                if item is DONE:
+                    ended = True
+                    return
+                if isinstance(item, Refused):
+                    ended = True
+                    raise RequestError(item.code, item.message)
+                yield item
+        finally:
+            self.link.close(tag, cancel=not ended)
+
+    def withdraw(self, submission: Submission) -> None:
+        self.link.close(int(submission.req_id), cancel=True)
+
+
 class FrontServicer(generate_pb2_grpc.GenerationServicer):
     """The client API, relayed to the scheduler through `link`."""
 
@@ -219,7 +318,7 @@ class FrontServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         if not self.link.connected:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "no connection to the scheduler")
-        relayed, tokenized_for = self._tokenized(request)
+        relayed, tokenized_for = tokenized(request, self.link)
         if isinstance(relayed, Refused):
             await context.abort(relayed.code, relayed.message)
             return
@@ -228,6 +327,8 @@ class FrontServicer(generate_pb2_grpc.GenerationServicer):
         try:
             while True:
                 item = await queue.get()
+                if item is ACCEPTED:
+                    continue
                 if item is DONE:
                     ended = True
                     return
@@ -238,24 +339,6 @@ class FrontServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             # Cancelled by its client, past its deadline, or the front stopping: abort it there.
             self.link.close(tag, cancel=not ended)
-
-    def _tokenized(self, request: generate_pb2.GenerateRequest) -> tuple[generate_pb2.GenerateRequest | Refused, str]:
-        """The request with its text or messages replaced by their token ids, and the model they
-        were made for; as it is (and "") where the scheduler must read it: no tokenizer yet, ids
-        already, or another model asked for (the scheduler refuses that with its own words)."""
-        tokenizer, info = self.link.tokenizer, self.link.info
-        if tokenizer is None or info is None or request.WhichOneof("input") == "token_ids":
-            return request, ""
-        if request.model and request.model != info.model:
-            return request, ""
-        try:
-            ids = request_prompt_ids(request, tokenizer, info)
-        except InvalidRequest as exc:
-            return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)), ""
-        relayed = generate_pb2.GenerateRequest()
-        relayed.CopyFrom(request)
-        relayed.token_ids.ids[:] = ids  # the input is a oneof: this clears the text or messages
-        return relayed, info.model
 
     async def _unary(self, method: str, request, context):
         stub = self.link.unary
@@ -288,7 +371,10 @@ async def serve_front(
     )
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
 
+    relay_http = RelayFrontend(link)
+
     async def on_readiness(serving: bool) -> None:
+        relay_http.ready = serving
         await rpc.set_serving(health, [SERVICE_NAME], serving)
 
     link.on_readiness = on_readiness
@@ -300,19 +386,36 @@ async def serve_front(
     rpc.install_stop_signals(stop)
     linking = asyncio.create_task(link.run(stop))
     logger.info("front listening on %s:%d, relaying to %s", cfg.host, port, cfg.scheduler)
-    print(f"ZEROBUBBLE_FRONT_PORT={port}", flush=True)
+    rpc.announce_port("FRONT", port)
     if bound is not None:
         bound.append(("grpc", port))
+    http = None
+    if cfg.http_port >= 0:
+        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+
+        http = await start_http(
+            relay_http,  # type: ignore[arg-type]  # its `router` is itself: `any_ready` is all the API asks
+            cfg.host,
+            cfg.http_port,
+            auth_token=cfg.auth_token,
+            tls_cert=cfg.tls_cert,
+            tls_key=cfg.tls_key,
+            reuse_port=cfg.reuse_port,
+        )
+        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
+        rpc.announce_port("HTTP", http.port)
     if ready is not None:
         ready.set()
     await stop.wait()
     # Health first (load balancers stop routing), then the running calls get the drain time.
-    servicer.draining = True
+    servicer.draining = relay_http.draining = True
     await rpc.set_serving(health, [SERVICE_NAME], False)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + cfg.drain_timeout
     while link.calls and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    if http is not None:
+        await http.stop(grace_s=1.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=1.0)
     await asyncio.sleep(0.05)  # the cancels of calls cut short go out before the stream closes
     linking.cancel()

@@ -15,13 +15,30 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from scheduler_svc.submission import Frontend, ReplyOrEnd, RequestError, Submission
-from zerobubble.api import front_pb2, front_pb2_grpc, worker_pb2
+from scheduler_svc.submission import ReplyOrEnd, RequestError, Submission
+from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from scheduler_svc.router import Router
 
 logger = logging.getLogger(__name__)
+
+
+class RelayingServicer(Protocol):
+    """What the gateway needs of the scheduler's servicer (`GenerationServicer`)."""
+
+    router: Router
+
+    def submit(self, request: generate_pb2.GenerateRequest) -> Submission: ...
+
+    def relay(self, submission: Submission, deliver: Callable[[ReplyOrEnd], None]) -> None: ...
+
+    def close(self, submission: Submission) -> None: ...
+
 
 SERVICE_NAME = front_pb2.DESCRIPTOR.services_by_name["FrontGateway"].full_name
 
@@ -43,6 +60,10 @@ class Outbox:
         self._message.refused.add(tag=tag, code=error.code.value[0], message=error.message)
         self._ready.set()
 
+    def accept(self, tag: int) -> None:
+        self._message.accepted.append(tag)
+        self._ready.set()
+
     def done(self, tag: int) -> None:
         self._message.done.append(tag)
         self._ready.set()
@@ -57,7 +78,7 @@ class Outbox:
 class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
     """`Attach`: one stream per front process, its calls relayed through `servicer`."""
 
-    def __init__(self, servicer: Frontend) -> None:
+    def __init__(self, servicer: RelayingServicer) -> None:
         self.servicer = servicer
         self.num_attached = 0
 
@@ -105,6 +126,7 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                         outbox.refuse(submit.tag, exc)
                         continue
                     running[submit.tag] = submission
+                    outbox.accept(submit.tag)
                     self.servicer.relay(submission, deliver_to(submit.tag))
                 for tag in message.cancel:
                     cancelled = running.pop(tag, None)

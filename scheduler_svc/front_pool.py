@@ -1,8 +1,8 @@
 """`zerobubble scheduler --fronts N` (and `serve --fronts N`): the scheduler's own fronts.
 
-N `zerobubble front` processes share the client port (`--host`:`--port`, `SO_REUSEPORT`: the
-kernel spreads client connections over them) and relay to this scheduler, which then listens
-for them on loopback only. They get the scheduler's client TLS and token; secrets travel in
+N `zerobubble front` processes share the client ports (`--host`:`--port` and `--http-port`,
+`SO_REUSEPORT`: the kernel spreads client connections over them) and relay to this scheduler,
+which then listens for them on loopback only. They get the scheduler's client TLS and token; secrets travel in
 their environment, not on their command line. A front that exits is started again. With
 `--loop-cores`, the fronts run on the process's other cores.
 """
@@ -23,7 +23,7 @@ from zerobubble.config import FrontConfig, SchedulerServiceConfig, allowed_cores
 logger = logging.getLogger(__name__)
 
 
-def front_settings(cfg: SchedulerServiceConfig, scheduler_port: int, port: int) -> FrontConfig:
+def front_settings(cfg: SchedulerServiceConfig, scheduler_port: int, port: int, http_port: int) -> FrontConfig:
     """The settings of one front of `cfg`'s scheduler (listening on loopback at `scheduler_port`)."""
     cores = ""
     if cfg.loop_cores:
@@ -33,6 +33,7 @@ def front_settings(cfg: SchedulerServiceConfig, scheduler_port: int, port: int) 
         log_level=cfg.log_level,
         host=cfg.host,
         port=port,
+        http_port=http_port,
         scheduler=f"127.0.0.1:{scheduler_port}",
         tls_cert=cfg.tls_cert,
         tls_key=cfg.tls_key,
@@ -45,16 +46,21 @@ def front_settings(cfg: SchedulerServiceConfig, scheduler_port: int, port: int) 
     )
 
 
-def _pump(proc: subprocess.Popen, port_line: list[str], announced: threading.Event) -> None:
-    """Pass a front's output on to ours; catch the line that announces its port."""
+def _pump(proc: subprocess.Popen, ports: dict[str, int], wanted: int, announced: threading.Event) -> None:
+    """Pass a front's output on to ours; catch the lines that announce its ports (`wanted` of
+    them: gRPC, and HTTP where it serves it)."""
     assert proc.stdout is not None
     for line in proc.stdout:
-        if line.startswith("ZEROBUBBLE_FRONT_PORT="):
-            port_line.append(line.strip())
-            announced.set()
-            continue  # the scheduler announces the client port itself
-        sys.stdout.write(line)
-        sys.stdout.flush()
+        if line.startswith(("ZEROBUBBLE_FRONT_PORT=", "ZEROBUBBLE_HTTP_PORT=")):
+            key, value = line.strip().split("=", 1)
+            ports[key] = int(value)
+            if len(ports) == wanted:
+                announced.set()
+            continue  # the scheduler announces the client ports itself
+        # One write per line, past the buffer of sys.stdout: its text layer is not shared
+        # safely between threads, and a line of ours (the port lines that launchers read)
+        # must not be cut by one of a front's.
+        os.write(sys.stdout.fileno(), line.encode())
     announced.set()
 
 
@@ -65,11 +71,12 @@ class FrontPool:
         self.cfg = cfg
         self.scheduler_port = scheduler_port
         self.port = cfg.port
+        self.http_port = cfg.http_port
         self.procs: list[subprocess.Popen] = []
         self._stopping = False
 
-    def _spawn(self, port: int) -> tuple[subprocess.Popen, int]:
-        settings = front_settings(self.cfg, self.scheduler_port, port)
+    def _spawn(self, port: int, http_port: int) -> tuple[subprocess.Popen, int, int]:
+        settings = front_settings(self.cfg, self.scheduler_port, port, http_port)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.update({env_name(f.name): str(getattr(settings, f.name)) for f in fields(FrontConfig)})
         proc = subprocess.Popen(
@@ -79,23 +86,25 @@ class FrontPool:
             text=True,
             env=env,
         )
-        port_line: list[str] = []
+        ports: dict[str, int] = {}
+        wanted = 2 if http_port >= 0 else 1
         announced = threading.Event()
-        threading.Thread(target=_pump, args=(proc, port_line, announced), daemon=True).start()
-        if not announced.wait(60) or not port_line:
+        threading.Thread(target=_pump, args=(proc, ports, wanted, announced), daemon=True).start()
+        if not announced.wait(60) or len(ports) < wanted:
             proc.kill()
             raise RuntimeError(f"a front process did not start (exit code {proc.poll()})")
-        return proc, int(port_line[0].split("=", 1)[1])
+        return proc, ports["ZEROBUBBLE_FRONT_PORT"], ports.get("ZEROBUBBLE_HTTP_PORT", -1)
 
-    async def start(self) -> int:
-        """Start the fronts; the client port they share (the first one picks it for --port 0)."""
-        proc, self.port = await asyncio.to_thread(self._spawn, self.cfg.port)
+    async def start(self) -> tuple[int, int]:
+        """Start the fronts; the gRPC and HTTP ports they share (-1: no HTTP). The first one
+        picks them where they are 0."""
+        proc, self.port, self.http_port = await asyncio.to_thread(self._spawn, self.cfg.port, self.cfg.http_port)
         self.procs.append(proc)
         for _ in range(self.cfg.fronts - 1):
-            proc, _port = await asyncio.to_thread(self._spawn, self.port)
+            proc, _port, _http = await asyncio.to_thread(self._spawn, self.port, self.http_port)
             self.procs.append(proc)
         logger.info("%d front processes on %s:%d", len(self.procs), self.cfg.host, self.port)
-        return self.port
+        return self.port, self.http_port
 
     async def supervise(self, interval_s: float = 1.0) -> None:
         """Start again any front that exited (until `stop`)."""
@@ -105,7 +114,7 @@ class FrontPool:
                 if proc.poll() is not None and not self._stopping:
                     logger.warning("front process %d exited with %s: starting it again", proc.pid, proc.returncode)
                     try:
-                        self.procs[i], _port = await asyncio.to_thread(self._spawn, self.port)
+                        self.procs[i], _port, _http = await asyncio.to_thread(self._spawn, self.port, self.http_port)
                     except RuntimeError as exc:
                         logger.error("%s", exc)
 

@@ -330,6 +330,8 @@ def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
         try:
             for req in requests:
                 submissions.append(servicer.submit(req))
+            for submission in submissions:
+                await servicer.admitted(submission)
         except RequestError as exc:
             for submission in submissions:  # a later prompt was refused: drop the queued ones
                 servicer.withdraw(submission)
@@ -430,12 +432,22 @@ class HTTPFront:
 
 
 async def start_http(
-    servicer: Frontend, host: str, port: int, *, auth_token: str = "", tls_cert: str = "", tls_key: str = ""
+    servicer: Frontend,
+    host: str,
+    port: int,
+    *,
+    auth_token: str = "",
+    tls_cert: str = "",
+    tls_key: str = "",
+    reuse_port: bool = False,
 ) -> HTTPFront:
-    """Bind `host:port` (0 = a free port) and serve the app on the running event loop."""
+    """Bind `host:port` (0 = a free port) and serve the app on the running event loop;
+    `reuse_port`: share the port with other processes that set it too (fronts)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
     sock.setblocking(False)

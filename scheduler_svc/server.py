@@ -23,7 +23,7 @@ from scheduler_svc.front_pool import FrontPool
 from scheduler_svc.request import InvalidRequest, request_prompt_ids, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
-from scheduler_svc.submission import RequestError, Stream, Submission
+from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -191,11 +191,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         info, tokenizer = link.described()
         if request.model and request.model != info.model:
-            raise RequestError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"model: unknown model {request.model!r}; this server serves {info.model!r}",
-                unknown_model=True,
-            )
+            raise unknown_model(request.model, info.model)
         try:
             prompt_ids = request_prompt_ids(request, tokenizer, info)
             n = num_sequences(request)
@@ -236,6 +232,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             )
             raise RequestError(code, str(exc)) from exc
         return Submission(req_id, streams[0], seq_ids, streams)
+
+    async def admitted(self, submission: Submission) -> None:
+        """Queued already: `submit` refuses synchronously here."""
 
     def withdraw(self, submission: Submission) -> None:
         """Drop a submitted request whose replies will never be read (a front end refused the
@@ -434,7 +433,7 @@ async def serve_scheduler(
     if cfg.metrics_port >= 0:
         mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("scheduler metrics on :%d/metrics", mport)
-        print(f"ZEROBUBBLE_METRICS_PORT={mport}", flush=True)
+        rpc.announce_port("METRICS", mport)
         if bound is not None:
             bound.append(("metrics", mport))
     sched_cfg = SchedulerConfig.from_service(cfg)
@@ -480,21 +479,24 @@ async def serve_scheduler(
     if cfg.fronts:
         logger.info("scheduler listening for its fronts on 127.0.0.1:%d", port)
         fronts = FrontPool(cfg, port)
-        port = await fronts.start()
+        port, http_port = await fronts.start()
         supervising = asyncio.create_task(fronts.supervise())
+        if http_port >= 0:
+            logger.info("OpenAI-compatible HTTP on %s:%d (the fronts)", cfg.host, http_port)
+            rpc.announce_port("HTTP", http_port)
     logger.info("scheduler listening on %s:%d", cfg.host, port)
-    print(f"ZEROBUBBLE_SCHEDULER_PORT={port}", flush=True)
+    rpc.announce_port("SCHEDULER", port)
     if bound is not None:
         bound.append(("grpc", port))
     http = None
-    if cfg.http_port >= 0:
+    if cfg.http_port >= 0 and not cfg.fronts:  # with fronts, they serve it
         from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
 
         http = await start_http(
             servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
         )
         logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
-        print(f"ZEROBUBBLE_HTTP_PORT={http.port}", flush=True)
+        rpc.announce_port("HTTP", http.port)
     if ready is not None:
         ready.set()
     stop = stop or asyncio.Event()

@@ -39,6 +39,15 @@ class RequestError(Exception):
         self.unknown_model = unknown_model
 
 
+def unknown_model(requested: str, served: str) -> RequestError:
+    """The refusal of a request that names a model this server does not serve (HTTP: 404)."""
+    return RequestError(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"model: unknown model {requested!r}; this server serves {served!r}",
+        unknown_model=True,
+    )
+
+
 @dataclass(slots=True, frozen=True)
 class Submission:
     """A queued request: its id and the stream its events arrive on.
@@ -75,10 +84,11 @@ class Stream:
 
 
 class Frontend(Protocol):
-    """The servicer as a front end sees it (`GenerationServicer` is one)."""
+    """The servicer as a front end sees it: `GenerationServicer` in the scheduler, and
+    `RelayFrontend` in a front process (`scheduler_svc/front.py`), whose `router` stands in for
+    the scheduler's with the workers' facts and tokenizer."""
 
     router: Router
-    streams: dict[str, Stream]
 
     def submit(self, request: generate_pb2.GenerateRequest) -> Submission: ...
 
@@ -86,6 +96,7 @@ class Frontend(Protocol):
 
     def withdraw(self, submission: Submission) -> None: ...
 
-    def relay(self, submission: Submission, deliver: Callable[[ReplyOrEnd], None]) -> None: ...
-
-    def close(self, submission: Submission) -> None: ...
+    async def admitted(self, submission: Submission) -> None:
+        """Return once the request is queued; `RequestError` if it was refused after `submit`
+        returned (a front learns of the scheduler's refusal one message later)."""
+        ...

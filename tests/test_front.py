@@ -10,6 +10,7 @@ and the front attaches again when the scheduler is back.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -357,3 +358,62 @@ def test_stopping_lets_running_calls_through_a_front_finish(stopped: str) -> Non
         for service in (front, scheduler, worker):
             if service is not None:
                 service.stop()
+
+
+def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
+    """`--fronts 2` serve the OpenAI API too: the same completions (streamed or not), the same
+    errors for a refused request, models and health, as a scheduler serving HTTP itself."""
+    import httpx
+
+    worker = start_worker(simulate_device_ms=2.0, max_num_seqs=16)
+    try:
+        chat = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 24, "temperature": 0}
+        bodies = [
+            chat,
+            {**chat, "n": 2, "temperature": 0.7, "seed": 3, "logprobs": True, "top_logprobs": 2},
+            {**chat, "stop": [" the"]},
+        ]
+
+        def answers(fronts: int) -> tuple:
+            # One scheduler at a time on the one worker (a worker serves one scheduler).
+            scheduler = start_scheduler([worker], max_num_seqs=16, fronts=fronts)
+            try:
+                wait_serving(scheduler.target)
+                return ask(scheduler), listening_ports(scheduler.proc.pid), scheduler.ports["HTTP"]
+            finally:
+                scheduler.stop()
+
+        def ask(scheduler: Service) -> tuple:
+            base = f"http://127.0.0.1:{scheduler.ports['HTTP']}"
+            with httpx.Client(base_url=base, timeout=60) as client:
+                out = []
+                for body in bodies:
+                    reply = client.post("/v1/chat/completions", json=body).json()
+                    out.append((reply["choices"], reply["usage"]))
+                streamed = client.post("/v1/chat/completions", json={**chat, "stream": True}).text
+                deltas = [line for line in streamed.splitlines() if line.startswith("data: ")]
+                texts = "".join(
+                    json.loads(d[6:])["choices"][0]["delta"].get("content", "")
+                    for d in deltas
+                    if d != "data: [DONE]" and json.loads(d[6:])["choices"]
+                )
+                refused = [
+                    (r.status_code, r.json()["error"]["message"])
+                    for r in (
+                        client.post("/v1/chat/completions", json={**chat, "top_p": 2}),
+                        client.post("/v1/chat/completions", json={**chat, "model": "no-such-model"}),
+                        client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 4}),
+                    )
+                ]
+                models = client.get("/v1/models").json()
+                health = client.get("/health").status_code
+            return out, texts, deltas[-1], refused, models, health
+
+        (itself, own_ports, own_http), (via_fronts, ports, http) = answers(0), answers(2)
+        assert via_fronts == itself
+        assert via_fronts[5] == 200 and via_fronts[2] == "data: [DONE]"
+        assert [status for status, _ in via_fronts[3]] == [400, 404, 400]
+        # The scheduler itself serves no HTTP then: its fronts do.
+        assert own_http in own_ports and http not in ports
+    finally:
+        worker.stop()

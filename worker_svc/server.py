@@ -554,7 +554,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         port = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
         logger.info("worker metrics on :%d/metrics", port)
         # Announced like the gRPC port, so tests and launchers can find a port picked with 0.
-        print(f"ZEROBUBBLE_METRICS_PORT={port}", flush=True)
+        rpc.announce_port("METRICS", port)
     servicer = WorkerServicer(runner, loaded, cfg, metrics, device)
     interceptors = None
     if cfg.auth_token:
@@ -572,7 +572,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     await rpc.set_serving(health, [SERVICE_NAME], True)
     logger.info("worker %s listening on %s:%d", servicer.worker_id, cfg.host, port)
     # The port line is parsed by `zerobubble serve` when it starts a local worker.
-    print(f"ZEROBUBBLE_WORKER_PORT={port}", flush=True)
+    rpc.announce_port("WORKER", port)
     stop = asyncio.Event()
     rpc.install_stop_signals(stop)
     await stop.wait()

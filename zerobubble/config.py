@@ -329,8 +329,8 @@ class SchedulerServiceConfig(ServiceConfig):
         0,
         "client-facing front processes (`zerobubble front`) that own the gRPC client calls on --host:--port "
         "and relay them over one stream each, so the planning loop sends one message per loop turn instead "
-        "of one per client reply; the scheduler then listens for them on loopback (0 = it serves clients "
-        "itself; HTTP stays in the scheduler)",
+        "of one per client reply; they serve --http-port too, and the scheduler listens for them on "
+        "loopback (0 = it serves its clients itself)",
     )
     loop_cores: str = setting(
         "",
@@ -401,6 +401,7 @@ class FrontConfig:
     log_level: str = setting("info", "logging verbosity", choices=LOG_LEVELS)
     host: str = setting("0.0.0.0", "address to bind the client gRPC server to")
     port: int = setting(50052, "client gRPC port (0 = pick a free port)")
+    http_port: int = setting(-1, "OpenAI-compatible HTTP port on --host (-1 = off, 0 = pick a free port)")
     scheduler: str = setting("localhost:50051", "the scheduler to relay to, HOST:PORT")
     tls_cert: str = setting("", "PEM server certificate for clients; TLS is on when set", secret=True)
     tls_key: str = setting("", "PEM private key of --tls-cert", secret=True)
@@ -419,6 +420,7 @@ class FrontConfig:
     def validate(self) -> None:
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
         _require(0 <= self.port <= 65535, "--port must be a port number (0 = pick one)")
+        _require(-1 <= self.http_port <= 65535, "--http-port must be -1 (off) or a port")
         _require(bool(self.scheduler.strip()), "--scheduler is required (HOST:PORT)")
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         if self.cpu_affinity:

@@ -9,6 +9,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Coroutine, Iterable, Iterator
 from pathlib import Path
@@ -268,6 +269,13 @@ def bind(server: grpc.aio.Server, host: str, port: int, creds: grpc.ServerCreden
     if bound == 0:
         raise OSError(f"cannot listen on {address}: the port is in use or the address is not available")
     return bound
+
+
+def announce_port(name: str, port: int) -> None:
+    """Print ``ZEROBUBBLE_<NAME>_PORT=<port>``, the line launchers read, in one write: the
+    scheduler passes its fronts' output on from another thread, which must not cut it."""
+    sys.stdout.write(f"ZEROBUBBLE_{name}_PORT={port}\n")
+    sys.stdout.flush()
 
 
 def install_stop_signals(stop: asyncio.Event) -> None:

@@ -49,11 +49,13 @@ class Refusal(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class EngineMessage(_message.Message):
-    __slots__ = ("replies", "refused", "done")
+    __slots__ = ("replies", "refused", "done", "accepted")
     REPLIES_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     replies: _containers.RepeatedCompositeFieldContainer[TaggedResponse]
     refused: _containers.RepeatedCompositeFieldContainer[Refusal]
     done: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, replies: _Optional[_Iterable[_Union[TaggedResponse, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., done: _Optional[_Iterable[int]] = ...) -> None: ...
+    accepted: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, replies: _Optional[_Iterable[_Union[TaggedResponse, _Mapping]]] = ..., refused: _Optional[_Iterable[_Union[Refusal, _Mapping]]] = ..., done: _Optional[_Iterable[int]] = ..., accepted: _Optional[_Iterable[int]] = ...) -> None: ...
