@@ -1,7 +1,8 @@
 """`zerobubble front`: a client-facing process in front of a scheduler.
 
-It serves the same `Generation` API as the scheduler, but owns only the client calls: every
-`Generate` goes to the scheduler as one entry of a `FrontMessage` on a single `Attach` stream
+It serves the same `Generation` API as the scheduler (and, with `--http-port`, its OpenAI HTTP
+API), but owns only the client calls: every request goes to the scheduler as one entry of a
+`FrontMessage` on a single `Attach` stream
 (`scheduler_svc/front_gateway.py`), and the replies of a scheduler loop turn come back in one
 `EngineMessage`, which this process fans out to its clients. The scheduler's planning loop so
 pays one gRPC message per turn instead of one per client reply; the per-reply cost moves here,
@@ -22,7 +23,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
@@ -244,8 +245,8 @@ class ReadyView:
 
 
 class RelayFrontend:
-    """The HTTP API's servicer in a front (`http_api.Frontend`): requests tokenized here and
-    relayed through the front's stream like its gRPC calls; `router.any_ready()` answers from
+    """A front's request path, for its gRPC and HTTP APIs alike (`http_api.Frontend`): requests
+    tokenized here and relayed through the front's stream; `router.any_ready()` answers from
     the scheduler's health and `Describe`."""
 
     def __init__(self, link: EngineLink) -> None:
@@ -284,7 +285,7 @@ class RelayFrontend:
         if first is not ACCEPTED:  # an end or a reply cannot come first; keep it for `responses`
             queue.put_nowait(first)
 
-    async def responses(self, submission: Submission) -> AsyncIterator[generate_pb2.GenerateResponse]:
+    async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
         tag, queue = int(submission.req_id), submission.stream.queue
         ended = False
         try:
@@ -307,38 +308,25 @@ class RelayFrontend:
 
 
 class FrontServicer(generate_pb2_grpc.GenerationServicer):
-    """The client API, relayed to the scheduler through `link`."""
+    """The gRPC client API, relayed to the scheduler through `relay` (the same path as the
+    HTTP API's)."""
 
-    def __init__(self, link: EngineLink) -> None:
-        self.link = link
-        self.draining = False
+    def __init__(self, relay: RelayFrontend) -> None:
+        self.relay = relay
+        self.link = relay.link
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context):
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
-        if not self.link.connected:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no connection to the scheduler")
-        relayed, tokenized_for = tokenized(request, self.link)
-        if isinstance(relayed, Refused):
-            await context.abort(relayed.code, relayed.message)
-            return
-        tag, queue = self.link.open(relayed, tokenized_for)
-        ended = False
         try:
-            while True:
-                item = await queue.get()
-                if item is ACCEPTED:
-                    continue
-                if item is DONE:
-                    ended = True
-                    return
-                if isinstance(item, Refused):
-                    ended = True
-                    await context.abort(item.code, item.message)
-                yield item
-        finally:
-            # Cancelled by its client, past its deadline, or the front stopping: abort it there.
-            self.link.close(tag, cancel=not ended)
+            submission = self.relay.submit(request)
+        except RequestError as exc:
+            await context.abort(exc.code, exc.message)
+            return
+        try:
+            async with contextlib.aclosing(self.relay.responses(submission)) as replies:
+                async for reply in replies:
+                    yield reply
+        except RequestError as exc:  # refused by the scheduler, or the scheduler lost
+            await context.abort(exc.code, exc.message)
 
     async def _unary(self, method: str, request, context):
         stub = self.link.unary
@@ -361,7 +349,8 @@ async def serve_front(
 ) -> None:
     """Run a front until `stop` (or SIGTERM/SIGINT); `bound` gets its port."""
     link = EngineLink(cfg)
-    servicer = FrontServicer(link)
+    relay = RelayFrontend(link)
+    servicer = FrontServicer(relay)
     options = [(name, 1 if name == "grpc.so_reuseport" else v) for name, v in rpc.SERVER_OPTIONS]
     server = grpc.aio.server(
         options=options if cfg.reuse_port else rpc.SERVER_OPTIONS,
@@ -371,10 +360,8 @@ async def serve_front(
     )
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
 
-    relay_http = RelayFrontend(link)
-
     async def on_readiness(serving: bool) -> None:
-        relay_http.ready = serving
+        relay.ready = serving
         await rpc.set_serving(health, [SERVICE_NAME], serving)
 
     link.on_readiness = on_readiness
@@ -394,7 +381,7 @@ async def serve_front(
         from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
 
         http = await start_http(
-            relay_http,  # type: ignore[arg-type]  # its `router` is itself: `any_ready` is all the API asks
+            relay,  # type: ignore[arg-type]  # its `router` is itself: `any_ready` is all the API asks
             cfg.host,
             cfg.http_port,
             auth_token=cfg.auth_token,
@@ -408,7 +395,7 @@ async def serve_front(
         ready.set()
     await stop.wait()
     # Health first (load balancers stop routing), then the running calls get the drain time.
-    servicer.draining = relay_http.draining = True
+    relay.draining = True
     await rpc.set_serving(health, [SERVICE_NAME], False)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + cfg.drain_timeout
