@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -344,6 +345,18 @@ class FrontServicer(generate_pb2_grpc.GenerationServicer):
         return await self._unary("ModelInfo", request, context)
 
 
+async def stop_with_parent(parent_pid: int, stop: asyncio.Event, interval_s: float = 0.5) -> None:
+    """Set `stop` once `parent_pid` is no longer this process's parent: a scheduler's fronts
+    must not outlive it (killed with SIGKILL, it cannot stop them), or they would hold its
+    client port, answering UNAVAILABLE beside the next scheduler's fronts."""
+    while not stop.is_set():
+        if os.getppid() != parent_pid:
+            logger.warning("the scheduler (pid %d) is gone: stopping", parent_pid)
+            stop.set()
+            return
+        await asyncio.sleep(interval_s)
+
+
 async def serve_front(
     cfg: FrontConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None, bound: list | None = None
 ) -> None:
@@ -372,6 +385,7 @@ async def serve_front(
     stop = stop or asyncio.Event()
     rpc.install_stop_signals(stop)
     linking = asyncio.create_task(link.run(stop))
+    orphaning = asyncio.create_task(stop_with_parent(cfg.parent_pid, stop)) if cfg.parent_pid else None
     logger.info("front listening on %s:%d, relaying to %s", cfg.host, port, cfg.scheduler)
     rpc.announce_port("FRONT", port)
     if bound is not None:
@@ -406,6 +420,8 @@ async def serve_front(
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=1.0)
     await asyncio.sleep(0.05)  # the cancels of calls cut short go out before the stream closes
     linking.cancel()
+    if orphaning is not None:
+        orphaning.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await linking
 

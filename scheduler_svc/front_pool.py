@@ -43,6 +43,7 @@ def front_settings(cfg: SchedulerServiceConfig, scheduler_port: int, port: int, 
         cpu_affinity=cores or cfg.cpu_affinity,
         drain_timeout=cfg.drain_timeout,
         reuse_port=True,
+        parent_pid=os.getpid(),
     )
 
 

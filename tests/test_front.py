@@ -299,6 +299,25 @@ def test_a_scheduler_with_fronts_serves_its_clients_through_them() -> None:
     assert not [pid for pid in fronts if Path(f"/proc/{pid}").exists() and "Z" not in state(pid)]
 
 
+def test_fronts_do_not_outlive_a_killed_scheduler() -> None:
+    """SIGKILL leaves a scheduler no chance to stop its fronts: they stop by themselves, instead
+    of holding the client port beside the next scheduler's fronts."""
+    worker = start_worker(simulate_device_ms=2.0, max_num_seqs=4)
+    scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=4, fronts=2)
+    try:
+        wait_serving(scheduler.target)
+        fronts = front_children(scheduler.proc.pid)
+        assert len(fronts) == 2
+        scheduler.kill()
+        deadline = time.monotonic() + 15
+        while any(state(pid) != "Z" for pid in fronts) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(state(pid) == "Z" for pid in fronts)
+    finally:
+        scheduler.stop()
+        worker.stop()
+
+
 def state(pid: int) -> str:
     try:
         return (Path(f"/proc/{pid}") / "stat").read_text().rsplit(")", 1)[1].split()[0]

@@ -416,6 +416,9 @@ class FrontConfig:
     reuse_port: bool = setting(
         False, "share --port with other fronts (SO_REUSEPORT): the kernel spreads client connections over them"
     )
+    parent_pid: int = setting(
+        0, "stop when this process is gone (a scheduler's --fronts set it: its fronts must not outlive it; 0 = off)"
+    )
 
     def validate(self) -> None:
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
