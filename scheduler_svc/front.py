@@ -216,21 +216,21 @@ class EngineLink:
             backoff = min(backoff * 2, 2.0)
 
 
-def tokenized(
-    request: generate_pb2.GenerateRequest, link: EngineLink
-) -> tuple[generate_pb2.GenerateRequest | Refused, str]:
+def tokenized(request: generate_pb2.GenerateRequest, link: EngineLink) -> tuple[generate_pb2.GenerateRequest, str]:
     """The request with its text or messages replaced by their token ids, and the model they
-    were made for; as it is (and "") where the scheduler must read it: no tokenizer yet, ids
-    already, or another model asked for (the scheduler refuses that with its own words)."""
+    were made for; as it is (and "") where the scheduler must read it: no tokenizer yet, or ids
+    already.
+
+    Raises:
+        RequestError: the input is empty, too long or malformed (the scheduler's words).
+    """
     tokenizer, info = link.tokenizer, link.info
     if tokenizer is None or info is None or request.WhichOneof("input") == "token_ids":
-        return request, ""
-    if request.model and request.model != info.model:
         return request, ""
     try:
         ids = request_prompt_ids(request, tokenizer, info)
     except InvalidRequest as exc:
-        return Refused(grpc.StatusCode.INVALID_ARGUMENT, str(exc)), ""
+        raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
     relayed = generate_pb2.GenerateRequest()
     relayed.CopyFrom(request)
     relayed.token_ids.ids[:] = ids  # the input is a oneof: this clears the text or messages
@@ -271,8 +271,6 @@ class RelayFrontend:
         if info is not None and request.model and request.model != info.model:
             raise unknown_model(request.model, info.model)  # here: the API answers it with a 404
         relayed, tokenized_for = tokenized(request, self.link)
-        if isinstance(relayed, Refused):
-            raise RequestError(relayed.code, relayed.message)
         tag, queue = self.link.open(relayed, tokenized_for)
         stream = Stream(queue=queue, arrival=time.monotonic(), num_prompt_tokens=0, deliver=queue.put_nowait)
         return Submission(str(tag), stream)

@@ -80,7 +80,6 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
 
     def __init__(self, servicer: RelayingServicer) -> None:
         self.servicer = servicer
-        self.num_attached = 0
 
     async def Describe(self, request: front_pb2.DescribeRequest, context) -> worker_pb2.WorkerInfo:
         link = self.servicer.router.any_ready()
@@ -133,7 +132,6 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                     if cancelled is not None:
                         self.servicer.close(cancelled)  # aborts it, frees its blocks
 
-        self.num_attached += 1
         peer = context.peer()
         logger.info("front attached: %s", peer)
         reader = asyncio.create_task(read())
@@ -148,7 +146,6 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
             reader.result()  # raises what ended the read, if anything
         finally:
             # The front is gone (or closed): its requests have nobody to stream to.
-            self.num_attached -= 1
             reader.cancel()
             aborted = list(running.values())
             running.clear()

@@ -75,6 +75,7 @@ class FrontPool:
         self.http_port = cfg.http_port
         self.procs: list[subprocess.Popen] = []
         self._stopping = False
+        self._supervising: asyncio.Task | None = None
 
     def _spawn(self, port: int, http_port: int) -> tuple[subprocess.Popen, int, int]:
         settings = front_settings(self.cfg, self.scheduler_port, port, http_port)
@@ -97,17 +98,18 @@ class FrontPool:
         return proc, ports["ZEROBUBBLE_FRONT_PORT"], ports.get("ZEROBUBBLE_HTTP_PORT", -1)
 
     async def start(self) -> tuple[int, int]:
-        """Start the fronts; the gRPC and HTTP ports they share (-1: no HTTP). The first one
-        picks them where they are 0."""
+        """Start the fronts, kept running until `stop`; the gRPC and HTTP ports they share (-1:
+        no HTTP). The first one picks them where they are 0."""
         proc, self.port, self.http_port = await asyncio.to_thread(self._spawn, self.cfg.port, self.cfg.http_port)
         self.procs.append(proc)
         for _ in range(self.cfg.fronts - 1):
             proc, _port, _http = await asyncio.to_thread(self._spawn, self.port, self.http_port)
             self.procs.append(proc)
         logger.info("%d front processes on %s:%d", len(self.procs), self.cfg.host, self.port)
+        self._supervising = asyncio.create_task(self._supervise())
         return self.port, self.http_port
 
-    async def supervise(self, interval_s: float = 1.0) -> None:
+    async def _supervise(self, interval_s: float = 1.0) -> None:
         """Start again any front that exited (until `stop`)."""
         while not self._stopping:
             await asyncio.sleep(interval_s)
@@ -122,6 +124,8 @@ class FrontPool:
     async def stop(self) -> None:
         """SIGTERM every front (each lets its calls finish for --drain-timeout), then wait."""
         self._stopping = True
+        if self._supervising is not None:
+            self._supervising.cancel()
         for proc in self.procs:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

@@ -23,7 +23,7 @@ from scheduler_svc.front_pool import FrontPool
 from scheduler_svc.request import InvalidRequest, request_prompt_ids, require
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
-from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
+from scheduler_svc.submission import ReplyOrEnd, RequestError, Stream, Submission, unknown_model
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -264,7 +264,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         finally:
             self.close(submission)
 
-    def relay(self, submission: Submission, deliver: Callable[[generate_pb2.GenerateResponse | None], None]) -> None:
+    def relay(self, submission: Submission, deliver: Callable[[ReplyOrEnd], None]) -> None:
         """Hand each reply of `submission` to ``deliver`` as the scheduler produces it, and
         None after the last one: `responses` without its queue and task, for a caller that
         batches replies itself (a front's stream, `front_gateway.py`). `close` it if its reader
@@ -475,12 +475,11 @@ async def serve_scheduler(
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], False)  # until a worker is connected
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
-    fronts, supervising = None, None
+    fronts = None
     if cfg.fronts:
         logger.info("scheduler listening for its fronts on 127.0.0.1:%d", port)
         fronts = FrontPool(cfg, port)
         port, http_port = await fronts.start()
-        supervising = asyncio.create_task(fronts.supervise())
         if http_port >= 0:
             logger.info("OpenAI-compatible HTTP on %s:%d (the fronts)", cfg.host, http_port)
             rpc.announce_port("HTTP", http_port)
@@ -511,8 +510,7 @@ async def serve_scheduler(
     await rpc.set_serving(health, [SERVICE_NAME], False)
     logger.info("shutting down: draining %d requests for up to %.0fs", len(servicer.streams), cfg.drain_timeout)
     drain_until = time.monotonic() + cfg.drain_timeout
-    if fronts is not None and supervising is not None:
-        supervising.cancel()
+    if fronts is not None:
         await fronts.stop()  # each front lets its calls finish first, while this process serves them
     await servicer.drain(max(drain_until - time.monotonic(), 0.0))
     if http is not None:
