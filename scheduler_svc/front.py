@@ -237,6 +237,34 @@ def tokenized(request: generate_pb2.GenerateRequest, link: EngineLink) -> tuple[
     return relayed, info.model
 
 
+def join_replies(replies: list[generate_pb2.GenerateResponse]) -> list[generate_pb2.GenerateResponse]:
+    """`replies` joined per sequence (``index``), in order of first appearance: each sequence's
+    tokens, text and log-probabilities in one message whose counts and finish reason are its
+    last reply's.
+
+    A client that is written to more slowly than the scheduler confirms tokens (a busy front,
+    a slow reader) so gets fewer, larger messages instead of falling further behind.
+    """
+    if len(replies) <= 1:
+        return replies
+    by_index: dict[int, list[generate_pb2.GenerateResponse]] = {}
+    for reply in replies:
+        by_index.setdefault(reply.index, []).append(reply)
+    joined = []
+    for same in by_index.values():
+        if len(same) == 1:
+            joined.append(same[0])
+            continue
+        # Repeated fields concatenate and set scalars take the later value; text is a scalar,
+        # so it is joined by hand.
+        reply = generate_pb2.GenerateResponse()
+        for part in same:
+            reply.MergeFrom(part)
+        reply.text = "".join([part.text for part in same])
+        joined.append(reply)
+    return joined
+
+
 @dataclass(slots=True)
 class ReadyView:
     """What the HTTP API reads of a ready worker link, from the scheduler's `Describe`."""
@@ -285,20 +313,30 @@ class RelayFrontend:
             queue.put_nowait(first)
 
     async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
+        """The call's replies; those that queued up while its client was being written to go
+        out joined, as the scheduler's own `merge_pending` does for a direct call."""
         tag, queue = int(submission.req_id), submission.stream.queue
         ended = False
         try:
-            while True:
-                item = await queue.get()
-                if item is ACCEPTED:
-                    continue
-                if item is DONE:
+            while not ended:
+                items = [await queue.get()]
+                while not queue.empty():
+                    items.append(queue.get_nowait())
+                replies: list[generate_pb2.GenerateResponse] = []
+                end: object = None
+                for item in items:
+                    if item is ACCEPTED:
+                        continue
+                    if item is DONE or isinstance(item, Refused):
+                        end = item  # nothing is queued for a call after its end
+                        break
+                    replies.append(item)
+                for reply in join_replies(replies):
+                    yield reply
+                if isinstance(end, Refused):
                     ended = True
-                    return
-                if isinstance(item, Refused):
-                    ended = True
-                    raise RequestError(item.code, item.message)
-                yield item
+                    raise RequestError(end.code, end.message)
+                ended = end is DONE
         finally:
             self.link.close(tag, cancel=not ended)
 

@@ -20,6 +20,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from scheduler_svc.front import join_replies
 from tests.metrics_scrape import scrape, total
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
@@ -98,6 +99,34 @@ def test_a_front_relays_every_reply_as_the_scheduler_sends_it(services) -> None:
         assert len(finishes) == max(request.sampling.n, 1)
     stop = tokens_by_index(via_front[1])[0]
     assert stop[4] == [generate_pb2.FINISH_REASON_STOP_SEQUENCE] and " rivers" not in stop[1]
+
+
+def test_replies_that_queued_up_go_out_joined_per_sequence() -> None:
+    """A call whose client is written to more slowly than tokens come gets them joined: every
+    sequence's tokens, text and logprobs in order, its last counts and finish reason."""
+    r = generate_pb2.GenerateResponse
+    first = r(
+        request_id="a", text="Hel", token_ids=[1, 2], logprobs=[-0.5, -0.25], num_output_tokens=2, num_prompt_tokens=7
+    )
+    other = r(request_id="a", index=1, text="X", token_ids=[5], num_output_tokens=1)
+    second = r(request_id="a", text="lo", token_ids=[3], logprobs=[-1.0], num_output_tokens=3, num_prompt_tokens=7)
+    first.top_logprobs.add(token_ids=[1, 9], logprobs=[-0.5, -1.0])
+    first.top_logprobs.add(token_ids=[2, 9], logprobs=[-0.25, -2.0])
+    second.top_logprobs.add(token_ids=[3, 8], logprobs=[-1.0, -1.5])
+    last = r(request_id="a", text="!", token_ids=[4], logprobs=[-2.0], num_output_tokens=4, num_prompt_tokens=7)
+    last.finish_reason = generate_pb2.FINISH_REASON_MAX_TOKENS
+    joined = join_replies([first, other, second, last])
+    assert [m.index for m in joined] == [0, 1]
+    zero, one = joined
+    assert (zero.text, list(zero.token_ids), list(zero.logprobs)) == ("Hello!", [1, 2, 3, 4], [-0.5, -0.25, -1.0, -2.0])
+    assert (zero.num_output_tokens, zero.num_prompt_tokens, zero.finish_reason) == (
+        4,
+        7,
+        generate_pb2.FINISH_REASON_MAX_TOKENS,
+    )
+    assert [list(t.token_ids) for t in zero.top_logprobs] == [[1, 9], [2, 9], [3, 8]]
+    assert one == other
+    assert join_replies([second]) == [second]
 
 
 def test_refusals_keep_the_schedulers_status_and_message(services) -> None:
