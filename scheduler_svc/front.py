@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler_svc.request import InvalidRequest, request_prompt_ids
+from scheduler_svc.request import MAX_N, InvalidRequest, request_prompt_ids
 from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble import rpc
@@ -110,6 +110,17 @@ class EngineLink:
         self._out.pending.submit.add(tag=tag, tokenized_for=tokenized_for).request.CopyFrom(request)
         self._out.wake.set()
         return tag, queue
+
+    def observe(self, ttft_s: float | None = None, e2e_s: float | None = None) -> None:
+        """Report what a client saw to the scheduler's histograms (with the next message)."""
+        out = self._out
+        if out is None:
+            return  # no scheduler to count it
+        if ttft_s is not None:
+            out.pending.ttft_s.append(ttft_s)
+        if e2e_s is not None:
+            out.pending.e2e_s.append(e2e_s)
+        out.wake.set()
 
     def close(self, tag: int, cancel: bool) -> None:
         """The call is over; ``cancel``: it ended early (its client left), so abort it."""
@@ -298,10 +309,17 @@ class RelayFrontend:
         info = self.link.info
         if info is not None and request.model and request.model != info.model:
             raise unknown_model(request.model, info.model)  # here: the API answers it with a 404
+        arrival = time.monotonic()  # the client's clock starts before tokenization
         relayed, tokenized_for = tokenized(request, self.link)
         tag, queue = self.link.open(relayed, tokenized_for)
-        stream = Stream(queue=queue, arrival=time.monotonic(), num_prompt_tokens=0, deliver=queue.put_nowait)
-        return Submission(str(tag), stream)
+        # One stream per sequence, as in the scheduler, for the first-token and end times of
+        # each (an n outside [1, MAX_N] is the scheduler's to refuse: one then).
+        n = request.sampling.n if 1 <= request.sampling.n <= MAX_N else 1
+        streams = tuple(
+            Stream(queue=queue, arrival=arrival, num_prompt_tokens=0, deliver=queue.put_nowait, index=i)
+            for i in range(n)
+        )
+        return Submission(str(tag), streams[0], (), streams)
 
     async def admitted(self, submission: Submission) -> None:
         queue = submission.stream.queue
@@ -314,9 +332,14 @@ class RelayFrontend:
 
     async def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]:
         """The call's replies; those that queued up while its client was being written to go
-        out joined, as the scheduler's own `merge_pending` does for a direct call."""
+        out joined, as the scheduler's own `merge_pending` does for a direct call.
+
+        Each sequence's time to its first token and to its end, as its client sees them, go to
+        the scheduler's histograms (`EngineLink.observe`).
+        """
         tag, queue = int(submission.req_id), submission.stream.queue
-        ended = False
+        streams = submission.streams
+        ended = refused = False
         try:
             while not ended:
                 items = [await queue.get()]
@@ -332,13 +355,34 @@ class RelayFrontend:
                         break
                     replies.append(item)
                 for reply in join_replies(replies):
+                    self._observe(streams[reply.index] if reply.index < len(streams) else None, reply)
                     yield reply
                 if isinstance(end, Refused):
-                    ended = True
+                    ended = refused = True
                     raise RequestError(end.code, end.message)
                 ended = end is DONE
         finally:
+            if not refused:  # a refused call was never counted; a cancelled one was
+                now = time.monotonic()
+                for stream in streams:
+                    if not stream.finished:
+                        stream.finished = True
+                        self.link.observe(e2e_s=now - stream.arrival)
             self.link.close(tag, cancel=not ended)
+
+    def _observe(self, stream: Stream | None, reply: generate_pb2.GenerateResponse) -> None:
+        if stream is None or stream.finished:
+            return
+        now = time.monotonic()
+        ttft_s = e2e_s = None
+        if reply.token_ids and stream.first_token_at is None:
+            stream.first_token_at = now
+            ttft_s = now - stream.arrival
+        if reply.finish_reason:
+            stream.finished = True
+            e2e_s = now - stream.arrival
+        if ttft_s is not None or e2e_s is not None:
+            self.link.observe(ttft_s, e2e_s)
 
     def withdraw(self, submission: Submission) -> None:
         self.link.close(int(submission.req_id), cancel=True)

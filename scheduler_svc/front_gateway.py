@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import grpc
@@ -38,6 +38,8 @@ class RelayingServicer(Protocol):
     def relay(self, submission: Submission, deliver: Callable[[ReplyOrEnd], None]) -> None: ...
 
     def close(self, submission: Submission) -> None: ...
+
+    def observe_relayed(self, ttft_s: Sequence[float], e2e_s: Sequence[float]) -> None: ...
 
 
 SERVICE_NAME = front_pb2.DESCRIPTOR.services_by_name["FrontGateway"].full_name
@@ -131,6 +133,8 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                     cancelled = running.pop(tag, None)
                     if cancelled is not None:
                         self.servicer.close(cancelled)  # aborts it, frees its blocks
+                if message.ttft_s or message.e2e_s:
+                    self.servicer.observe_relayed(message.ttft_s, message.e2e_s)
 
         peer = context.peer()
         logger.info("front attached: %s", peer)

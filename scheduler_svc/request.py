@@ -85,6 +85,19 @@ MAX_MESSAGES = 1024
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
+# Sequences per request (n), far below what the transport allows so that too many gets a
+# clear message; each holds its own KV blocks past the shared prompt.
+MAX_N = 16
+
+
+def num_sequences(request: generate_pb2.GenerateRequest) -> int:
+    """``sampling.n`` (0 means 1); :class:`InvalidRequest` outside [1, MAX_N]. The other
+    sampling controls are checked with every option by `validate_options`."""
+    n = request.sampling.n or 1
+    require(1 <= n <= MAX_N, f"sampling.n: must be in [1, {MAX_N}], got {request.sampling.n}")
+    return n
+
+
 def request_prompt_ids(
     request: generate_pb2.GenerateRequest | generate_pb2.TokenizeRequest, tokenizer: Tokenizer, info: WorkerInfo
 ) -> list[int]:

@@ -20,7 +20,7 @@ import grpc
 
 from scheduler_svc import front_gateway
 from scheduler_svc.front_pool import FrontPool
-from scheduler_svc.request import InvalidRequest, request_prompt_ids, require
+from scheduler_svc.request import InvalidRequest, num_sequences, request_prompt_ids
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.submission import ReplyOrEnd, RequestError, Stream, Submission, unknown_model
@@ -33,8 +33,6 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 FINISH = generate_pb2.FinishReason
-# Our own input limits: far below the transport cap so oversized input gets a clear message.
-MAX_N = 16  # sequences per request (n); each holds its own KV blocks past the shared prompt
 
 
 def merge_pending(ev: RequestEvent, queue: asyncio.Queue) -> list[RequestEvent]:
@@ -96,14 +94,6 @@ def sequence_seed(seed: int, index: int) -> int:
     return x ^ (x >> 31)
 
 
-def num_sequences(request: generate_pb2.GenerateRequest) -> int:
-    """``sampling.n`` (0 means 1); :class:`InvalidRequest` outside [1, MAX_N]. The other
-    sampling controls are checked with every option by `request.validate_options`."""
-    n = request.sampling.n or 1
-    require(1 <= n <= MAX_N, f"sampling.n: must be in [1, {MAX_N}], got {request.sampling.n}")
-    return n
-
-
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     """Client API over a router of worker links."""
 
@@ -128,7 +118,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if ev.token_ids:
                 if is_first:
                     stream.first_token_at = now
-                    if self.metrics is not None:
+                    if self.metrics is not None and not stream.relayed:
                         self.metrics.observe_ttft(now - stream.arrival)
                 elif self.metrics is not None and stream.last_token_at is not None:
                     gaps.append(((now - stream.last_token_at) / len(ev.token_ids), len(ev.token_ids)))
@@ -281,6 +271,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
         for stream in streams:
             stream.deliver = on_event
+            stream.relayed = True
             while not stream.queue.empty():  # whatever arrived before the relay was set up
                 on_event(stream.queue.get_nowait())
 
@@ -324,7 +315,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             if self.metrics is not None:
                 self.metrics.record_finished(
                     "cancelled",
-                    time.monotonic() - stream.arrival,
+                    None if stream.relayed else time.monotonic() - stream.arrival,
                     event.queue_s if event is not None else None,
                     stream.num_prompt_tokens,
                     stream.num_output_tokens,
@@ -415,8 +406,21 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         now = time.monotonic()
         reason = FINISH.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
         self.metrics.record_finished(
-            reason, now - stream.arrival, ev.queue_s, stream.num_prompt_tokens, stream.num_output_tokens
+            reason,
+            None if stream.relayed else now - stream.arrival,
+            ev.queue_s,
+            stream.num_prompt_tokens,
+            stream.num_output_tokens,
         )
+
+    def observe_relayed(self, ttft_s: Sequence[float], e2e_s: Sequence[float]) -> None:
+        """Account what a front's clients saw (the calls it relays are not timed here)."""
+        if self.metrics is None:
+            return
+        for seconds in ttft_s:
+            self.metrics.observe_ttft(seconds)
+        for seconds in e2e_s:
+            self.metrics.observe_e2e(seconds)
 
 
 async def serve_scheduler(

@@ -78,6 +78,9 @@ class Stream:
     num_output_tokens: int = 0
     index: int = 0  # which of the request's n sequences
     finished: bool = False  # its final event was replied
+    # Relayed by a front, which measures what its client sees (time to first token, end to
+    # end) and reports it (`FrontMessage.ttft_s`, `e2e_s`): the servicer observes neither.
+    relayed: bool = False
     # Events gathered under --stream-interval, not yet queued, and how many tokens they carry.
     held: list[RequestEvent] = field(default_factory=list)
     num_held_tokens: int = 0

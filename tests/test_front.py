@@ -198,6 +198,66 @@ def test_a_client_that_leaves_frees_its_request_in_the_scheduler(services) -> No
     assert running(scheduler) == 0
 
 
+def request_figures(scheduler: Service) -> tuple[float, float, float, float]:
+    """The scheduler's count of first tokens, of ends and of finished requests, and its summed
+    end-to-end seconds."""
+    samples = scrape(scheduler.ports["METRICS"])
+    return (
+        total(samples, "zerobubble_time_to_first_token_seconds_count"),
+        total(samples, "zerobubble_e2e_request_latency_seconds_count"),
+        total(samples, "zerobubble_request_success_total"),
+        total(samples, "zerobubble_e2e_request_latency_seconds_sum"),
+    )
+
+
+def test_the_scheduler_counts_what_a_fronts_clients_saw_once(services) -> None:
+    """Calls through a front are timed where their client is: each sequence's first token and
+    end are counted once (the front reports them, the scheduler does not time them itself),
+    a cancelled call's too, and no end takes longer than its client waited."""
+    _, scheduler, front = services
+    before = request_figures(scheduler)
+    chat = [{"role": "user", "content": "Name three rivers."}]
+    calls = [
+        build_request(messages=chat, max_tokens=20),
+        build_request(prompt="Once upon a time", max_tokens=15, temperature=0.8, seed=3, n=3),
+        build_request(token_ids=[5, 6, 7], max_tokens=10, ignore_eos=True),
+    ]
+
+    async def timed(request: generate_pb2.GenerateRequest) -> float:
+        start = time.monotonic()
+        await replies(front.target, request)
+        return time.monotonic() - start
+
+    async def cancelled() -> float:
+        start = time.monotonic()
+        async with grpc.aio.insecure_channel(front.target) as channel:
+            call = generate_pb2_grpc.GenerationStub(channel).Generate(
+                build_request(prompt="Count:", max_tokens=5000, ignore_eos=True)
+            )
+            async for reply in call:
+                if reply.num_output_tokens >= 5:
+                    call.cancel()
+                    break
+        return time.monotonic() - start
+
+    async def run() -> list[float]:
+        return list(await asyncio.gather(*(timed(r) for r in calls), cancelled()))
+
+    waited = asyncio.run(run())
+    num_sequences = [1, 3, 1, 1]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        after = request_figures(scheduler)
+        if after[1] - before[1] >= sum(num_sequences) and after[2] - before[2] >= sum(num_sequences):
+            break
+        time.sleep(0.1)
+    time.sleep(0.3)  # anything counted twice would arrive by now
+    after = request_figures(scheduler)
+    ttft, e2e, finished, e2e_sum = (a - b for a, b in zip(after, before))
+    assert (ttft, e2e, finished) == (6, 6, 6)
+    assert 0 < e2e_sum <= sum(n * w for n, w in zip(num_sequences, waited))
+
+
 def front_health(front: Service) -> int:
     with grpc.insecure_channel(front.target) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status

@@ -589,7 +589,7 @@ class ServiceMetrics:
     def record_finished(
         self,
         reason: str,
-        e2e_s: float,
+        e2e_s: float | None,
         queue_s: float | None,
         num_prompt_tokens: int,
         num_generation_tokens: int,
@@ -599,7 +599,9 @@ class ServiceMetrics:
         TTFT is not observed here but by :meth:`observe_ttft` when the first token streams, so
         the histogram is current while long requests are still running. ``queue_s``
         is None for a request cancelled before it was ever scheduled: it has no queue time, and
-        recording its age instead would bend the distribution.
+        recording its age instead would bend the distribution. ``e2e_s`` is None for a request
+        whose client is measured elsewhere (a front's call: :meth:`observe_e2e` when the front
+        reports it).
         """
         model = self.model
         finished_reason = normalize_finished_reason(reason)
@@ -611,7 +613,8 @@ class ServiceMetrics:
             )
             finished_reason = "error"
         self._child(self.request_success, model, finished_reason).inc()
-        self._child(self.e2e_request_latency, model).observe(e2e_s)
+        if e2e_s is not None:
+            self._child(self.e2e_request_latency, model).observe(e2e_s)
         if queue_s is not None:
             self._child(self.request_queue_time, model).observe(queue_s)
         self._child(self.prompt_tokens, model).inc(num_prompt_tokens)
@@ -620,6 +623,11 @@ class ServiceMetrics:
     def observe_ttft(self, seconds: float) -> None:
         """Account the time from a request's arrival to its first streamed token."""
         self._child(self.time_to_first_token, self.model).observe(seconds)
+
+    def observe_e2e(self, seconds: float) -> None:
+        """Account the time from a request's arrival to its end, measured where its client is
+        (a front); its other figures are accounted by :meth:`record_finished`."""
+        self._child(self.e2e_request_latency, self.model).observe(seconds)
 
     def observe_inter_token(self, gaps: Iterable[tuple[float, int]]) -> None:
         """Account each ``(seconds, count)``: ``count`` gaps of ``seconds`` between consecutive

@@ -23,12 +23,16 @@ class Submit(_message.Message):
     def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ..., tokenized_for: _Optional[str] = ...) -> None: ...
 
 class FrontMessage(_message.Message):
-    __slots__ = ("submit", "cancel")
+    __slots__ = ("submit", "cancel", "ttft_s", "e2e_s")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    TTFT_S_FIELD_NUMBER: _ClassVar[int]
+    E2E_S_FIELD_NUMBER: _ClassVar[int]
     submit: _containers.RepeatedCompositeFieldContainer[Submit]
     cancel: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, submit: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ...) -> None: ...
+    ttft_s: _containers.RepeatedScalarFieldContainer[float]
+    e2e_s: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, submit: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[_Iterable[float]] = ..., e2e_s: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class TaggedResponse(_message.Message):
     __slots__ = ("tag", "response")
