@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.servers import start_scheduler, start_worker
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import ChannelSettings, build_request, complete, open_channel
-from zerobubble.tools.launch import ROOT
+from zerobubble.tools.launch import ROOT, start_front
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -327,3 +327,40 @@ def test_plaintext_scheduler_cannot_use_a_tls_worker(mtls_worker):
         _never_serves(scheduler, None)
     finally:
         scheduler.stop()
+
+
+# -- a front in front of a TLS scheduler ----------------------------------------------------------
+
+
+def test_a_front_relays_to_a_tls_scheduler_and_serves_its_own_clients_over_tls(secure_scheduler, pki):
+    """A hand-started front: TLS with the scheduler's CA and the scheduler's token on its hop,
+    its own certificate and token towards its clients. The same greedy text as a direct call;
+    a front that does not trust the scheduler's certificate never attaches, and its clients get
+    UNAVAILABLE instead of a hang."""
+    front_token = "front-" + TOKEN
+    front = start_front(
+        secure_scheduler,
+        scheduler_tls_ca=pki["ca"],
+        scheduler_auth_token=TOKEN,
+        tls_cert=pki["server_cert"],
+        tls_key=pki["server_key"],
+        auth_token=front_token,
+    )
+    untrusting = start_front(secure_scheduler, scheduler_tls_ca=pki["other_ca"], scheduler_auth_token=TOKEN)
+    try:
+        wait_serving_tls(front.target, pki["ca"])
+        via_front = ChannelSettings(front.target, tls_ca=pki["ca"], auth_token=front_token)
+        direct = ChannelSettings(secure_scheduler.target, tls_ca=pki["ca"], auth_token=TOKEN)
+        relayed = generate(via_front, prompt="1, 2, 3, 4,", max_tokens=6)
+        assert relayed.finish_reason == "max_tokens"
+        assert relayed.token_ids == generate(direct, prompt="1, 2, 3, 4,", max_tokens=6).token_ids
+        assert call_unary(via_front, "ModelInfo").num_workers == 1
+        # The front checks its own clients' token, not the scheduler's.
+        err = rpc_error(generate, ChannelSettings(front.target, tls_ca=pki["ca"], auth_token=TOKEN), prompt="hi")
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+        err = rpc_error(generate, ChannelSettings(untrusting.target), timeout=20, prompt="hi", max_tokens=2)
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, err
+        assert "attached to the scheduler" not in "".join(untrusting.log)
+    finally:
+        untrusting.stop()
+        front.stop()
