@@ -525,3 +525,77 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
         assert own_http in own_ports and http not in ports
     finally:
         worker.stop()
+
+
+def test_a_killed_worker_behind_a_front_loses_no_call_and_changes_no_output() -> None:
+    """Failover through a front: two workers, one SIGKILLed once every call is under way. The
+    scheduler moves the dead worker's requests to the other; through the front each call still
+    gets exactly the tokens of a run without the fault, none lost or repeated (each message's
+    running count agrees with the tokens delivered)."""
+    workers = [
+        start_worker(simulate_device_ms=5.0, spec_method="ngram", num_spec_tokens=3, max_num_seqs=16) for _ in range(2)
+    ]
+    scheduler = start_scheduler(workers, http_port=-1, max_num_seqs=16)
+    front = start_front(scheduler)
+    num_tokens = 150
+    calls = [
+        build_request(
+            messages=[{"role": "user", "content": f"Question {i}: list some {topic}."}],
+            max_tokens=num_tokens,
+            ignore_eos=True,
+            seed=i,
+        )
+        for i, topic in enumerate(["rivers", "primes", "poems", "planets", "cities", "colours", "trees", "stars"])
+    ]
+
+    async def run(on_reply) -> list[list[generate_pb2.GenerateResponse]]:
+        got: list[list[generate_pb2.GenerateResponse]] = [[] for _ in calls]
+        async with grpc.aio.insecure_channel(front.target) as channel:
+            stub = generate_pb2_grpc.GenerationStub(channel)
+
+            async def one(i: int) -> None:
+                async for reply in stub.Generate(calls[i], timeout=120):
+                    got[i].append(reply)
+                    on_reply(got)
+
+            await asyncio.gather(*(one(i) for i in range(len(calls))))
+        return got
+
+    try:
+        wait_serving(front.target)
+        deadline = time.monotonic() + 30
+        while info(front).num_workers < 2:
+            assert time.monotonic() < deadline, "the scheduler did not connect to both workers"
+            time.sleep(0.1)
+        reference = asyncio.run(run(lambda got: None))
+        killed_at: list[int] = []
+
+        def kill_when_all_under_way(got: list) -> None:
+            counts = [sum(len(r.token_ids) for r in replies) for replies in got]
+            if not killed_at and min(counts) >= 5:
+                killed_at.extend(counts)
+                workers[1].proc.send_signal(signal.SIGKILL)
+
+        faulted = asyncio.run(run(kill_when_all_under_way))
+        workers[1].proc.wait(timeout=10)
+        assert killed_at and max(killed_at) < num_tokens, killed_at
+        assert "re-queueing" in "".join(scheduler.log), "the killed worker held no request: the test proved nothing"
+        assert info(front).num_workers == 1
+        for i, (got, expected) in enumerate(zip(faulted, reference)):
+            count = 0
+            for reply in got:
+                count += len(reply.token_ids)
+                assert reply.num_output_tokens == count, (i, reply.num_output_tokens, count)
+            assert got[-1].finish_reason == generate_pb2.FINISH_REASON_MAX_TOKENS, (i, got[-1].error)
+            assert tokens_by_index(got)[0][:2] == tokens_by_index(expected)[0][:2], f"call {i} changed"
+            assert count == num_tokens
+    finally:
+        front.stop()
+        scheduler.stop()
+        for worker in workers:
+            worker.stop()
+
+
+def info(service: Service) -> generate_pb2.ModelInfoResponse:
+    with grpc.insecure_channel(service.target) as channel:
+        return generate_pb2_grpc.GenerationStub(channel).ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10)
