@@ -9,10 +9,12 @@ pays one gRPC message per turn instead of one per client reply; the per-reply co
 to a process that can run on other cores (several fronts can share one port: gRPC listens with
 `SO_REUSEPORT`, and the kernel spreads client connections over them).
 
-The front tokenizes: it takes the workers' tokenizer from the scheduler (`Describe`) and sends
-prompts as token ids, read by the scheduler's own `request_prompt_ids`. The checks of the other
-options, detokenization and stop strings stay in the scheduler for now (docs/INTERNALS.md,
-"Fronts"); a refused request gets the scheduler's status and message either way.
+The front tokenizes and detokenizes: it takes the workers' tokenizer from the scheduler
+(`Describe`), sends prompts as token ids, read by the scheduler's own `request_prompt_ids`,
+makes the replies' text from their token ids (`CallText`, the scheduler's `Detokenizer`) and
+finds the stop strings, ending a sequence in the scheduler when one hits (`Stopped`). The
+checks of the options stay in the scheduler (docs/INTERNALS.md, "Fronts"); a refused request
+gets the scheduler's status and message either way.
 `Tokenize` and `ModelInfo` are passed through. If the stream to the scheduler is lost, running
 calls end with UNAVAILABLE, the front reports NOT_SERVING and reconnects.
 """
@@ -25,11 +27,12 @@ import logging
 import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from scheduler_svc.detokenizer import Detokenizer
 from scheduler_svc.request import MAX_N, InvalidRequest, request_prompt_ids
 from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from scheduler_svc.tokenizer import Tokenizer
@@ -97,7 +100,7 @@ class EngineLink:
         return self.unary is not None
 
     def open(self, request: generate_pb2.GenerateRequest, tokenized_for: str = "") -> tuple[int, asyncio.Queue]:
-        """Queue a call for the scheduler (its prompt tokenized here for the model
+        """Queue a call for the scheduler (tokenized and detokenized here for the model
         `tokenized_for`, if set); its replies, then DONE (or a `Refused`), arrive on the
         returned queue."""
         tag = self._next_tag
@@ -107,9 +110,18 @@ class EngineLink:
             queue.put_nowait(LOST)
             return tag, queue
         self.calls[tag] = queue
-        self._out.pending.submit.add(tag=tag, tokenized_for=tokenized_for).request.CopyFrom(request)
+        submit = self._out.pending.submit.add(
+            tag=tag, tokenized_for=tokenized_for, front_detokenizes=bool(tokenized_for)
+        )
+        submit.request.CopyFrom(request)
         self._out.wake.set()
         return tag, queue
+
+    def stop_sequence(self, tag: int, index: int, num_output_tokens: int) -> None:
+        """Sequence `index` of call `tag` reached a stop string here: the scheduler ends it."""
+        if self._out is not None:
+            self._out.pending.stopped.add(tag=tag, index=index, num_output_tokens=num_output_tokens)
+            self._out.wake.set()
 
     def observe(self, ttft_s: float | None = None, e2e_s: float | None = None) -> None:
         """Report what a client saw to the scheduler's histograms (with the next message)."""
@@ -229,15 +241,17 @@ class EngineLink:
 
 def tokenized(request: generate_pb2.GenerateRequest, link: EngineLink) -> tuple[generate_pb2.GenerateRequest, str]:
     """The request with its text or messages replaced by their token ids, and the model they
-    were made for; as it is (and "") where the scheduler must read it: no tokenizer yet, or ids
-    already.
+    were made for (its outputs are then detokenized here too); as it is (and "") where the
+    scheduler must read it: no tokenizer yet. Token ids stay as they are.
 
     Raises:
         RequestError: the input is empty, too long or malformed (the scheduler's words).
     """
     tokenizer, info = link.tokenizer, link.info
-    if tokenizer is None or info is None or request.WhichOneof("input") == "token_ids":
+    if tokenizer is None or info is None:
         return request, ""
+    if request.WhichOneof("input") == "token_ids":
+        return request, info.model  # this front detokenizes their outputs, for this model
     try:
         ids = request_prompt_ids(request, tokenizer, info)
     except InvalidRequest as exc:
@@ -276,6 +290,63 @@ def join_replies(replies: list[generate_pb2.GenerateResponse]) -> list[generate_
     return joined
 
 
+FINISH = generate_pb2.FinishReason
+
+
+@dataclass(slots=True)
+class CallText:
+    """A call's text, made here (`Submit.front_detokenizes`): the scheduler's replies carry
+    token ids only, and the stop strings are found here.
+
+    A sequence's detokenizer is made at its first reply, when the scheduler has checked the
+    stop strings (`Detokenizer` refuses an empty one).
+    """
+
+    tokenizer: Tokenizer
+    prompt_ids: list[int]
+    stop: list[str]
+    detokenizers: dict[int, Detokenizer] = field(default_factory=dict)
+
+    def fill(self, reply: generate_pb2.GenerateResponse) -> bool:
+        """Put the text of `reply`'s tokens in it, as the scheduler's `_reconcile` would have.
+
+        At a stop string the reply is cut after the token that completed it and finishes its
+        sequence (STOP_SEQUENCE); returns whether that happened.
+        """
+        det = self.detokenizers.get(reply.index)
+        if det is None:
+            det = self.detokenizers[reply.index] = Detokenizer(self.tokenizer, self.prompt_ids, self.stop)
+        ids = reply.token_ids
+        num_ids = len(ids)
+        final = reply.finish_reason
+        # The token that ended a sequence on EOS or a stop token id renders no text there.
+        num_text = (
+            num_ids - 1
+            if num_ids and final in (FINISH.FINISH_REASON_EOS, FINISH.FINISH_REASON_STOP_SEQUENCE)
+            else num_ids
+        )
+        parts = []
+        for i in range(num_text):
+            text, stopped = det.append(ids[i])
+            parts.append(text)
+            if stopped:
+                num_cut = num_ids - (i + 1)
+                if num_cut:
+                    if len(reply.logprobs) == num_ids:
+                        del reply.logprobs[i + 1 :]
+                    if len(reply.top_logprobs) == num_ids:
+                        del reply.top_logprobs[i + 1 :]
+                    del reply.token_ids[i + 1 :]
+                    reply.num_output_tokens -= num_cut
+                reply.finish_reason = FINISH.FINISH_REASON_STOP_SEQUENCE
+                reply.text = "".join(parts)
+                return True
+        if final in (FINISH.FINISH_REASON_EOS, FINISH.FINISH_REASON_MAX_TOKENS):
+            parts.append(det.flush())
+        reply.text = "".join(parts)
+        return False
+
+
 @dataclass(slots=True)
 class ReadyView:
     """What the HTTP API reads of a ready worker link, from the scheduler's `Describe`."""
@@ -294,6 +365,7 @@ class RelayFrontend:
         self.router = self  # the HTTP API asks `router.any_ready()`
         self.ready = False
         self.draining = False
+        self.texts: dict[int, CallText] = {}  # by tag: the calls detokenized here
 
     def any_ready(self) -> ReadyView | None:
         link = self.link
@@ -312,6 +384,8 @@ class RelayFrontend:
         arrival = time.monotonic()  # the client's clock starts before tokenization
         relayed, tokenized_for = tokenized(request, self.link)
         tag, queue = self.link.open(relayed, tokenized_for)
+        if tokenized_for and self.link.tokenizer is not None:
+            self.texts[tag] = CallText(self.link.tokenizer, list(relayed.token_ids.ids), list(request.stopping.stop))
         # One stream per sequence, as in the scheduler, for the first-token and end times of
         # each (an n outside [1, MAX_N] is the scheduler's to refuse: one then).
         n = request.sampling.n if 1 <= request.sampling.n <= MAX_N else 1
@@ -326,6 +400,7 @@ class RelayFrontend:
         first = await queue.get()
         if isinstance(first, Refused):
             self.link.calls.pop(int(submission.req_id), None)
+            self.texts.pop(int(submission.req_id), None)
             raise RequestError(first.code, first.message)
         if first is not ACCEPTED:  # an end or a reply cannot come first; keep it for `responses`
             queue.put_nowait(first)
@@ -339,6 +414,7 @@ class RelayFrontend:
         """
         tag, queue = int(submission.req_id), submission.stream.queue
         streams = submission.streams
+        text = self.texts.get(tag)
         ended = refused = False
         try:
             while not ended:
@@ -355,13 +431,21 @@ class RelayFrontend:
                         break
                     replies.append(item)
                 for reply in join_replies(replies):
-                    self._observe(streams[reply.index] if reply.index < len(streams) else None, reply)
+                    stream = streams[reply.index] if reply.index < len(streams) else None
+                    if stream is not None and stream.finished:
+                        continue  # tokens the scheduler made before it learnt of a stop string
+                    if text is not None and text.fill(reply):
+                        self.link.stop_sequence(tag, reply.index, reply.num_output_tokens)
+                    self._observe(stream, reply)
                     yield reply
                 if isinstance(end, Refused):
                     ended = refused = True
                     raise RequestError(end.code, end.message)
-                ended = end is DONE
+                # Every sequence finished (a stop string here ends one before the scheduler's
+                # DONE), or the scheduler says the call is over.
+                ended = end is DONE or all(stream.finished for stream in streams)
         finally:
+            self.texts.pop(tag, None)
             if not refused:  # a refused call was never counted; a cancelled one was
                 now = time.monotonic()
                 for stream in streams:
@@ -385,6 +469,7 @@ class RelayFrontend:
             self.link.observe(ttft_s, e2e_s)
 
     def withdraw(self, submission: Submission) -> None:
+        self.texts.pop(int(submission.req_id), None)
         self.link.close(int(submission.req_id), cancel=True)
 
 

@@ -33,7 +33,9 @@ class RelayingServicer(Protocol):
 
     router: Router
 
-    def submit(self, request: generate_pb2.GenerateRequest) -> Submission: ...
+    def submit(self, request: generate_pb2.GenerateRequest, detokenize: bool = True) -> Submission: ...
+
+    def stop_sequence(self, submission: Submission, index: int, num_output_tokens: int) -> bool: ...
 
     def relay(self, submission: Submission, deliver: Callable[[ReplyOrEnd], None]) -> None: ...
 
@@ -122,7 +124,7 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                 for submit in message.submit:
                     try:
                         self._check_tokenized_for(submit.tokenized_for)
-                        submission = self.servicer.submit(submit.request)
+                        submission = self.servicer.submit(submit.request, detokenize=not submit.front_detokenizes)
                     except RequestError as exc:
                         outbox.refuse(submit.tag, exc)
                         continue
@@ -133,6 +135,13 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                     cancelled = running.pop(tag, None)
                     if cancelled is not None:
                         self.servicer.close(cancelled)  # aborts it, frees its blocks
+                for stopped in message.stopped:
+                    stopping = running.get(stopped.tag)
+                    if stopping is not None and self.servicer.stop_sequence(
+                        stopping, stopped.index, stopped.num_output_tokens
+                    ):
+                        del running[stopped.tag]  # its front has ended the call
+                        self.servicer.close(stopping)
                 if message.ttft_s or message.e2e_s:
                     self.servicer.observe_relayed(message.ttft_s, message.e2e_s)
 

@@ -223,7 +223,9 @@ class Request:
     stopping: StoppingOptions
     max_tokens: int  # effective limit: the client's, capped by the model length
     eos_token_ids: frozenset[int]
-    detokenizer: Detokenizer
+    # None: the request's text and stop strings are its front's (`scheduler_svc/front.py`),
+    # and its events carry token ids only.
+    detokenizer: Detokenizer | None
     arrival_time: float
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -277,6 +277,7 @@ class Scheduler:
         stop_token_ids: Sequence[int] = (),
         ignore_eos: bool = False,
         share_prompt_with: str | None = None,
+        detokenize: bool = True,
     ) -> Request:
         """Queue a request. `InvalidRequest` (a `ValueError` naming the field) on bad fields,
         `QueueFullError` when the queue is full.
@@ -284,7 +285,8 @@ class Scheduler:
         `seed` None: the scheduler draws one. `max_tokens` None or larger than what fits:
         up to the model length. `share_prompt_with`: the id of an active request with the same
         prompt (the first sequence of an n > 1 request); this one waits until that one's prompt
-        is computed and then takes its KV blocks from the prefix cache.
+        is computed and then takes its KV blocks from the prefix cache. `detokenize` False: no
+        text and no stop strings here (its front detokenizes; they are still validated).
         """
         if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
@@ -317,7 +319,7 @@ class Scheduler:
             stopping=stopping,
             max_tokens=room if max_tokens is None else min(max_tokens, room),
             eos_token_ids=self._eos_token_ids,
-            detokenizer=Detokenizer(self._tokenizer, prompt, stopping.stop),
+            detokenizer=Detokenizer(self._tokenizer, prompt, stopping.stop) if detokenize else None,
             arrival_time=self._clock(),
         )
         self._requests[req_id] = req
@@ -836,15 +838,16 @@ class Scheduler:
                 if token_id in stop_ids:
                     finish_reason = FINISH_STOP_SEQUENCE
                     break
-            text, stopped = detokenizer.append(token_id)
-            text_parts.append(text)
-            if stopped:
-                finish_reason = FINISH_STOP_SEQUENCE
-                break
+            if detokenizer is not None:
+                text, stopped = detokenizer.append(token_id)
+                text_parts.append(text)
+                if stopped:
+                    finish_reason = FINISH_STOP_SEQUENCE
+                    break
             if num_outputs >= req.max_tokens:
                 finish_reason = FINISH_MAX_TOKENS
                 break
-        if finish_reason is not None and finish_reason != FINISH_STOP_SEQUENCE:
+        if detokenizer is not None and finish_reason is not None and finish_reason != FINISH_STOP_SEQUENCE:
             text_parts.append(detokenizer.flush())
         text = "".join(text_parts)
         self.stats.num_generation_tokens += len(new_ids)

@@ -168,8 +168,10 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         while self.streams and time.monotonic() < deadline + 5.0:
             await asyncio.sleep(0.05)  # the final messages go out
 
-    def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
+    def submit(self, request: generate_pb2.GenerateRequest, detokenize: bool = True) -> Submission:
         """Validate, tokenize, route and queue one request: the one path gRPC and HTTP share.
+        `detokenize` False: the replies carry no text and stop strings are not looked for (a
+        front does both, and reports stops with `stop_sequence`).
 
         Raises:
             RequestError: the request was refused (the status says why; nothing was queued).
@@ -197,6 +199,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         if link is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
         params = self._params(request)
+        params["detokenize"] = detokenize
         if n > 1 and params["seed"] is None:
             params["seed"] = random.getrandbits(64)
         queue: asyncio.Queue = asyncio.Queue()  # shared: the servicer reads every sequence's events
@@ -297,7 +300,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             reply.finish_reason = ev.finish_reason  # type: ignore[assignment]
             reply.error = ev.error or ""
             stream.finished = True
-            self._record_finished(stream, ev)
+            self._record_finished(stream, ev.finish_reason, ev.queue_s)
         return reply
 
     def close(self, submission: Submission) -> None:
@@ -400,15 +403,33 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             top_logprobs=request.response.top_logprobs,
         )
 
-    def _record_finished(self, stream: Stream, ev: RequestEvent) -> None:
+    def stop_sequence(self, submission: Submission, index: int, num_output_tokens: int) -> bool:
+        """A front found a stop string in sequence `index` of `submission` after
+        `num_output_tokens` tokens: end it as the scheduler would have (abort it, KV blocks
+        back, counted as stopped with that many tokens). Returns whether every sequence of the
+        submission has finished now. A sequence that finished meanwhile is left as it ended."""
+        seq_ids = submission.seq_ids or (submission.req_id,)
+        streams = submission.streams or (submission.stream,)
+        if 0 <= index < len(streams) and self.streams.pop(seq_ids[index], None) is not None:
+            stream = streams[index]
+            if not stream.finished:
+                stream.finished = True
+                event = self.router.abort(seq_ids[index])
+                stream.num_output_tokens = num_output_tokens
+                self._record_finished(
+                    stream, FINISH.FINISH_REASON_STOP_SEQUENCE, event.queue_s if event is not None else None
+                )
+        return all(stream.finished for stream in streams)
+
+    def _record_finished(self, stream: Stream, finish_reason: int, queue_s: float | None) -> None:
         if self.metrics is None:
             return
         now = time.monotonic()
-        reason = FINISH.Name(ev.finish_reason).removeprefix("FINISH_REASON_").lower()
+        reason = FINISH.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
         self.metrics.record_finished(
             reason,
             None if stream.relayed else now - stream.arrival,
-            ev.queue_s,
+            queue_s,
             stream.num_prompt_tokens,
             stream.num_output_tokens,
         )

@@ -594,13 +594,16 @@ def add_requests(
     stopping: dict[str, StoppingOptions] | StoppingOptions,
     *,
     logprobs: bool = False,
+    detokenize: bool = True,
 ) -> dict[str, int]:
     """Queue prompts with seeds 1000+i; tells the worker their limits. Returns the seeds."""
     seeds: dict[str, int] = {}
     for i, (req_id, prompt) in enumerate(prompts.items()):
         stop = stopping[req_id] if isinstance(stopping, dict) else stopping
         seeds[req_id] = 1000 + i
-        req = scheduler.add_request(req_id, prompt, seed=1000 + i, logprobs=logprobs, **stopping_kwargs(stop))
+        req = scheduler.add_request(
+            req_id, prompt, seed=1000 + i, logprobs=logprobs, detokenize=detokenize, **stopping_kwargs(stop)
+        )
         worker.limits[req_id] = (len(prompt), req.max_tokens)
     return seeds
 
@@ -635,6 +638,7 @@ def make_case(
     prompts: dict[str, list[int]] | None = None,
     tokenizer: Tokenizer | None = None,
     prompt_seed: int = 5,
+    detokenize: bool = True,
 ) -> Case:
     config = SchedulerConfig(
         num_blocks=num_blocks,
@@ -655,7 +659,7 @@ def make_case(
         }
     stopping = stopping or StoppingOptions(max_tokens=40)
     per_req = stopping if isinstance(stopping, dict) else {r: stopping for r in prompts}
-    seeds = add_requests(scheduler, worker, prompts, per_req, logprobs=logprobs)
+    seeds = add_requests(scheduler, worker, prompts, per_req, logprobs=logprobs, detokenize=detokenize)
     max_len = min(max_model_len, num_blocks * block_size)
     return Case(scheduler, worker, prompts, seeds, per_req, max_len, eos_per_mille)
 

@@ -55,6 +55,8 @@ def requests() -> list[generate_pb2.GenerateRequest]:
         build_request(prompt="Once upon a time", max_tokens=40, temperature=0.8, seed=5, n=3),
         build_request(messages=chat, max_tokens=30, logprobs=True, top_logprobs=2),
         build_request(token_ids=[1, 2, 3, 4, 5, 6, 7, 8], max_tokens=50, ignore_eos=True),
+        # Each sequence ends at its own stop-string hit, found in the front; the others go on.
+        build_request(prompt="Once upon a time", max_tokens=60, temperature=0.9, seed=11, n=3, stop=["e"]),
     ]
 
 
@@ -99,6 +101,9 @@ def test_a_front_relays_every_reply_as_the_scheduler_sends_it(services) -> None:
         assert len(finishes) == max(request.sampling.n, 1)
     stop = tokens_by_index(via_front[1])[0]
     assert stop[4] == [generate_pb2.FINISH_REASON_STOP_SEQUENCE] and " rivers" not in stop[1]
+    stops = tokens_by_index(via_front[5])
+    ends = [len(seq[0]) for seq in stops.values() if seq[4] == [generate_pb2.FINISH_REASON_STOP_SEQUENCE]]
+    assert len(set(ends)) >= 2, f"the n = 3 stop-string request proves nothing: {stops}"
 
 
 def test_replies_that_queued_up_go_out_joined_per_sequence() -> None:
@@ -256,6 +261,35 @@ def test_the_scheduler_counts_what_a_fronts_clients_saw_once(services) -> None:
     ttft, e2e, finished, e2e_sum = (a - b for a, b in zip(after, before))
     assert (ttft, e2e, finished) == (6, 6, 6)
     assert 0 < e2e_sum <= sum(n * w for n, w in zip(num_sequences, waited))
+
+
+def test_a_stop_string_found_in_the_front_ends_the_sequence_in_the_scheduler(services) -> None:
+    """The front detokenizes and finds stop strings: the sequence it ends there is ended in the
+    scheduler too (not run on to max_tokens), counted as a stop with the tokens its client got."""
+    _, scheduler, front = services
+
+    def figures() -> tuple[float, float, float]:
+        samples = scrape(scheduler.ports["METRICS"])
+        return (
+            total(samples, "zerobubble_request_success_total", finished_reason="stop_sequence"),
+            total(samples, "zerobubble_request_success_total"),
+            total(samples, "zerobubble_generation_tokens_total"),
+        )
+
+    before = figures()
+    request = build_request(
+        prompt="Once upon a time", max_tokens=3000, ignore_eos=True, temperature=0.9, seed=11, stop=["e"]
+    )
+    got = asyncio.run(replies(front.target, request))
+    assert got[-1].finish_reason == generate_pb2.FINISH_REASON_STOP_SEQUENCE, "no stop string met: proves nothing"
+    num_tokens = sum(len(r.token_ids) for r in got)
+    assert num_tokens == got[-1].num_output_tokens < 3000 and "e" not in "".join(r.text for r in got)
+    deadline = time.monotonic() + 20
+    while figures()[1] == before[1] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stops, finished, generated = (a - b for a, b in zip(figures(), before))
+    assert (stops, finished, generated) == (1, 1, num_tokens)
+    assert running(scheduler) == 0
 
 
 def front_health(front: Service) -> int:

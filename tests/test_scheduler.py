@@ -310,6 +310,25 @@ def test_stop_checks_never_see_placeholder_ids() -> None:
     assert case.scheduler.stats.num_preemptions > 0
 
 
+def test_a_request_detokenized_by_its_front_gets_ids_only_and_no_stop_string_check() -> None:
+    """`detokenize=False` (a front makes the text and finds the stop strings): events carry no
+    text and a stop string ends nothing here; the tokens are those of the same requests with
+    text, up to where their stop string ended them."""
+    stopping = StoppingOptions(max_tokens=30, stop=["a"])
+    with_text = make_case(stopping=stopping, eos_per_mille=0)
+    ids_only = make_case(stopping=stopping, eos_per_mille=0, detokenize=False)
+    got_text = drive(with_text.scheduler, with_text.worker, 2)
+    got_ids = drive(ids_only.scheduler, ids_only.worker, 2)
+    stopped = [
+        r for r, out in got_text.items() if out.last_event and out.last_event.finish_reason == FINISH_STOP_SEQUENCE
+    ]
+    assert stopped, "no request met its stop string: the test proves nothing"
+    for req_id, out in got_ids.items():
+        assert out.text == "" and len(out.token_ids) == 30, req_id
+        assert out.last_event is not None and out.last_event.finish_reason == FINISH_MAX_TOKENS
+        assert out.token_ids[: len(got_text[req_id].token_ids)] == got_text[req_id].token_ids
+
+
 def test_logprobs_are_aligned_with_accepted_tokens() -> None:
     case = make_case(logprobs=True, num_spec_tokens=4, num_blocks=50)
     got = drive(case.scheduler, case.worker, 3)

@@ -13,26 +13,40 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Submit(_message.Message):
-    __slots__ = ("tag", "request", "tokenized_for")
+    __slots__ = ("tag", "request", "tokenized_for", "front_detokenizes")
     TAG_FIELD_NUMBER: _ClassVar[int]
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     TOKENIZED_FOR_FIELD_NUMBER: _ClassVar[int]
+    FRONT_DETOKENIZES_FIELD_NUMBER: _ClassVar[int]
     tag: int
     request: _generate_pb2.GenerateRequest
     tokenized_for: str
-    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ..., tokenized_for: _Optional[str] = ...) -> None: ...
+    front_detokenizes: bool
+    def __init__(self, tag: _Optional[int] = ..., request: _Optional[_Union[_generate_pb2.GenerateRequest, _Mapping]] = ..., tokenized_for: _Optional[str] = ..., front_detokenizes: bool = ...) -> None: ...
+
+class Stopped(_message.Message):
+    __slots__ = ("tag", "index", "num_output_tokens")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tag: int
+    index: int
+    num_output_tokens: int
+    def __init__(self, tag: _Optional[int] = ..., index: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
 class FrontMessage(_message.Message):
-    __slots__ = ("submit", "cancel", "ttft_s", "e2e_s")
+    __slots__ = ("submit", "cancel", "ttft_s", "e2e_s", "stopped")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    STOPPED_FIELD_NUMBER: _ClassVar[int]
     submit: _containers.RepeatedCompositeFieldContainer[Submit]
     cancel: _containers.RepeatedScalarFieldContainer[int]
     ttft_s: _containers.RepeatedScalarFieldContainer[float]
     e2e_s: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, submit: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[_Iterable[float]] = ..., e2e_s: _Optional[_Iterable[float]] = ...) -> None: ...
+    stopped: _containers.RepeatedCompositeFieldContainer[Stopped]
+    def __init__(self, submit: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[_Iterable[float]] = ..., e2e_s: _Optional[_Iterable[float]] = ..., stopped: _Optional[_Iterable[_Union[Stopped, _Mapping]]] = ...) -> None: ...
 
 class TaggedResponse(_message.Message):
     __slots__ = ("tag", "response")
