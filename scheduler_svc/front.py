@@ -290,7 +290,10 @@ def join_replies(replies: list[generate_pb2.GenerateResponse]) -> list[generate_
     return joined
 
 
-FINISH = generate_pb2.FinishReason
+# Plain ints: an enum wrapper's attribute costs a Python call per lookup, per reply here.
+_EOS = generate_pb2.FINISH_REASON_EOS
+_MAX_TOKENS = generate_pb2.FINISH_REASON_MAX_TOKENS
+_STOP_SEQUENCE = generate_pb2.FINISH_REASON_STOP_SEQUENCE
 
 
 @dataclass(slots=True)
@@ -317,14 +320,14 @@ class CallText:
         if det is None:
             det = self.detokenizers[reply.index] = Detokenizer(self.tokenizer, self.prompt_ids, self.stop)
         ids = reply.token_ids
-        num_ids = len(ids)
         final = reply.finish_reason
+        if not final and not self.stop:  # most replies: every token renders, nothing to cut
+            append = det.append
+            reply.text = "".join([append(token_id)[0] for token_id in ids])
+            return False
+        num_ids = len(ids)
         # The token that ended a sequence on EOS or a stop token id renders no text there.
-        num_text = (
-            num_ids - 1
-            if num_ids and final in (FINISH.FINISH_REASON_EOS, FINISH.FINISH_REASON_STOP_SEQUENCE)
-            else num_ids
-        )
+        num_text = num_ids - 1 if num_ids and final in (_EOS, _STOP_SEQUENCE) else num_ids
         parts = []
         for i in range(num_text):
             text, stopped = det.append(ids[i])
@@ -338,10 +341,10 @@ class CallText:
                         del reply.top_logprobs[i + 1 :]
                     del reply.token_ids[i + 1 :]
                     reply.num_output_tokens -= num_cut
-                reply.finish_reason = FINISH.FINISH_REASON_STOP_SEQUENCE
+                reply.finish_reason = _STOP_SEQUENCE
                 reply.text = "".join(parts)
                 return True
-        if final in (FINISH.FINISH_REASON_EOS, FINISH.FINISH_REASON_MAX_TOKENS):
+        if final in (_EOS, _MAX_TOKENS):
             parts.append(det.flush())
         reply.text = "".join(parts)
         return False
@@ -436,7 +439,8 @@ class RelayFrontend:
                         continue  # tokens the scheduler made before it learnt of a stop string
                     if text is not None and text.fill(reply):
                         self.link.stop_sequence(tag, reply.index, reply.num_output_tokens)
-                    self._observe(stream, reply)
+                    if stream is not None and (stream.first_token_at is None or reply.finish_reason):
+                        self._observe(stream, reply)
                     yield reply
                 if isinstance(end, Refused):
                     ended = refused = True
@@ -454,9 +458,8 @@ class RelayFrontend:
                         self.link.observe(e2e_s=now - stream.arrival)
             self.link.close(tag, cancel=not ended)
 
-    def _observe(self, stream: Stream | None, reply: generate_pb2.GenerateResponse) -> None:
-        if stream is None or stream.finished:
-            return
+    def _observe(self, stream: Stream, reply: generate_pb2.GenerateResponse) -> None:
+        """Time `stream`'s first token and end, with `reply` about to be handed to its client."""
         now = time.monotonic()
         ttft_s = e2e_s = None
         if reply.token_ids and stream.first_token_at is None:
