@@ -437,7 +437,7 @@ class RelayFrontend:
                     stream = streams[reply.index] if reply.index < len(streams) else None
                     if stream is not None and stream.finished:
                         continue  # tokens the scheduler made before it learnt of a stop string
-                    if text is not None and text.fill(reply):
+                    if text is not None and self._fill(text, reply):
                         self.link.stop_sequence(tag, reply.index, reply.num_output_tokens)
                     if stream is not None and (stream.first_token_at is None or reply.finish_reason):
                         self._observe(stream, reply)
@@ -457,6 +457,16 @@ class RelayFrontend:
                         stream.finished = True
                         self.link.observe(e2e_s=now - stream.arrival)
             self.link.close(tag, cancel=not ended)
+
+    @staticmethod
+    def _fill(text: CallText, reply: generate_pb2.GenerateResponse) -> bool:
+        """`text.fill`; a failure ends this call only, with INTERNAL and the cause (the
+        scheduler's `_reconcile` ends one request on its own detokenizer's failure the same way)."""
+        try:
+            return text.fill(reply)
+        except Exception as exc:
+            logger.exception("detokenizing a reply failed")
+            raise RequestError(grpc.StatusCode.INTERNAL, f"detokenizing the reply failed: {exc}") from exc
 
     def _observe(self, stream: Stream, reply: generate_pb2.GenerateResponse) -> None:
         """Time `stream`'s first token and end, with `reply` about to be handed to its client."""

@@ -931,6 +931,7 @@ def served_pairs(
     for mode, figures in runs.items():
         values[f"{mode}_tok_s"] = [round(f["tokens_per_s"], 1) for f in figures]
         values[f"{mode}_ms_per_step"] = [round(f["ms_per_step"], 2) for f in figures]
+        values[f"{mode}_clients_ms_per_step"] = [round(f["clients_ms_per_step"], 2) for f in figures]
         values[f"{mode}_worker_idle"] = [round(f["worker_idle_fraction"], 4) for f in figures]
         values[f"{mode}_scheduler_cpu_ms_per_step"] = [round(f["cpu_ms_per_step"]["scheduler"], 2) for f in figures]
         if f"{mode}_acceptance" not in values and figures[0]["acceptance_rate"] is not None:
@@ -1097,6 +1098,7 @@ VALUE_TABLES = {
         "async_worker_idle",
         "sync_ms_per_step",
         "async_ms_per_step",
+        "async_clients_ms_per_step",
         "async_scheduler_cpu_ms_per_step",
         "async_acceptance",
     ],

@@ -20,9 +20,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler_svc.front import join_replies
+from scheduler_svc.front import CallText, RelayFrontend, join_replies
+from scheduler_svc.submission import RequestError
 from tests.metrics_scrape import scrape, total
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
+from tests.sim_worker import EOS_ID, make_toy_tokenizer
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import build_request
 from zerobubble.tools.launch import start_front
@@ -132,6 +134,35 @@ def test_replies_that_queued_up_go_out_joined_per_sequence() -> None:
     assert [list(t.token_ids) for t in zero.top_logprobs] == [[1, 9], [2, 9], [3, 8]]
     assert one == other
     assert join_replies([second]) == [second]
+
+
+def test_a_stop_string_cuts_a_reply_after_the_token_that_completed_it() -> None:
+    """The front's text rules (`CallText`): a reply is cut after the token that completed the
+    stop string, its logprobs, top logprobs and count with it, the text before the stop string;
+    the token that ended a sequence on EOS renders no text."""
+    text = CallText(make_toy_tokenizer(), list(b"hi"), ["cd"])
+    reply = generate_pb2.GenerateResponse(token_ids=list(b"abcde"), logprobs=[-1, -2, -3, -4, -5], num_output_tokens=9)
+    for token_id in b"abcde":
+        reply.top_logprobs.add(token_ids=[token_id], logprobs=[-0.5])
+    assert text.fill(reply)
+    assert (bytes(reply.token_ids), list(reply.logprobs), reply.text) == (b"abcd", [-1, -2, -3, -4], "ab")
+    assert [list(t.token_ids) for t in reply.top_logprobs] == [[t] for t in b"abcd"]
+    assert (reply.num_output_tokens, reply.finish_reason) == (8, generate_pb2.FINISH_REASON_STOP_SEQUENCE)
+    eos = CallText(make_toy_tokenizer(), list(b"hi"), [])
+    last = generate_pb2.GenerateResponse(token_ids=[*b"xy", EOS_ID], finish_reason=generate_pb2.FINISH_REASON_EOS)
+    assert not eos.fill(last) and last.text == "xy" and len(last.token_ids) == 3
+
+
+class _BrokenVocabulary:
+    def decode(self, token_ids, skip_special_tokens: bool = True) -> str:
+        raise RuntimeError("no such token")
+
+
+def test_a_reply_that_cannot_be_detokenized_ends_its_call_with_internal() -> None:
+    text = CallText(_BrokenVocabulary(), [1, 2], [])  # type: ignore[arg-type]
+    with pytest.raises(RequestError) as info:
+        RelayFrontend._fill(text, generate_pb2.GenerateResponse(token_ids=[3]))
+    assert info.value.code == grpc.StatusCode.INTERNAL and "no such token" in info.value.message
 
 
 def test_refusals_keep_the_schedulers_status_and_message(services) -> None:
