@@ -544,7 +544,7 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
         bodies = [
             chat,
             {**chat, "n": 2, "temperature": 0.7, "seed": 3, "logprobs": True, "top_logprobs": 2},
-            {**chat, "stop": [" the"]},
+            {**chat, "stop": ["e"]},
         ]
 
         def answers(fronts: int) -> tuple:
@@ -585,6 +585,10 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
         (itself, own_ports, own_http), (via_fronts, ports, http) = answers(0), answers(2)
         assert via_fronts == itself
         assert via_fronts[5] == 200 and via_fronts[2] == "data: [DONE]"
+        # The stop string was met (found by the fronts, which detokenize): cut, and counted.
+        stopped_choices, stopped_usage = via_fronts[0][2]
+        assert stopped_choices[0]["finish_reason"] == "stop" and stopped_usage["completion_tokens"] < 24
+        assert "e" not in stopped_choices[0]["message"]["content"]
         assert [status for status, _ in via_fronts[3]] == [400, 404, 400]
         # The scheduler itself serves no HTTP then: its fronts do.
         assert own_http in own_ports and http not in ports
