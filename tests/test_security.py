@@ -364,3 +364,41 @@ def test_a_front_relays_to_a_tls_scheduler_and_serves_its_own_clients_over_tls(s
     finally:
         untrusting.stop()
         front.stop()
+
+
+def test_fronts_of_a_tls_scheduler_serve_its_clients_with_its_certificate_and_token(pki):
+    """`--fronts` on a scheduler with TLS and a token (the gpu overlays' shape): its fronts
+    take the client port with its certificate and check its token; the scheduler itself moves
+    to loopback."""
+    worker = start_worker(
+        simulate_device_ms=2.0,
+        max_num_seqs=4,
+        tls_cert=pki["worker_cert"],
+        tls_key=pki["worker_key"],
+        tls_client_ca=pki["ca"],
+    )
+    scheduler = start_scheduler(
+        [dns_target(worker)],
+        tls_cert=pki["server_cert"],
+        tls_key=pki["server_key"],
+        worker_tls_ca=pki["ca"],
+        worker_tls_cert=pki["client_cert"],
+        worker_tls_key=pki["client_key"],
+        auth_token=TOKEN,
+        fronts=1,
+        http_port=-1,
+    )
+    try:
+        wait_serving_tls(scheduler.target, pki["ca"])
+        reply = generate(
+            ChannelSettings(scheduler.target, tls_ca=pki["ca"], auth_token=TOKEN), prompt="1, 2,", max_tokens=5
+        )
+        assert reply.finish_reason == "max_tokens" and len(reply.token_ids) == 5
+        assert "front attached" in "".join(scheduler.log), "the scheduler answered, not a front"
+        wrong = ChannelSettings(scheduler.target, tls_ca=pki["ca"], auth_token="wrong-token")
+        assert rpc_error(generate, wrong, prompt="hi", max_tokens=2).code() == grpc.StatusCode.UNAUTHENTICATED
+        plain = ChannelSettings(scheduler.target, auth_token=TOKEN)
+        assert rpc_error(generate, plain, timeout=20, prompt="hi", max_tokens=2).code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        scheduler.stop()
+        worker.stop()
