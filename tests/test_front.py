@@ -62,8 +62,15 @@ def requests() -> list[generate_pb2.GenerateRequest]:
     ]
 
 
-async def replies(target: str, request: generate_pb2.GenerateRequest) -> list[generate_pb2.GenerateResponse]:
-    async with grpc.aio.insecure_channel(target) as channel:
+# A channel of its own connection: gRPC otherwise shares one between a process's channels to a
+# target, and the kernel could not spread the calls over several fronts.
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]
+
+
+async def replies(
+    target: str, request: generate_pb2.GenerateRequest, options: list | None = None
+) -> list[generate_pb2.GenerateResponse]:
+    async with grpc.aio.insecure_channel(target, options=options) as channel:
         return [r async for r in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60)]
 
 
@@ -440,7 +447,9 @@ def test_a_scheduler_with_fronts_serves_its_clients_through_them() -> None:
         async def clients() -> list[int]:
             async def one(i: int) -> int:  # each on its own connection: the kernel spreads them
                 out = await replies(
-                    scheduler.target, build_request(prompt=f"client {i}", max_tokens=12, ignore_eos=True)
+                    scheduler.target,
+                    build_request(prompt=f"client {i}", max_tokens=12, ignore_eos=True),
+                    OWN_CONNECTION,
                 )
                 return sum(len(m.token_ids) for m in out)
 
@@ -668,3 +677,69 @@ def test_a_killed_worker_behind_a_front_loses_no_call_and_changes_no_output() ->
 def info(service: Service) -> generate_pb2.ModelInfoResponse:
     with grpc.insecure_channel(service.target) as channel:
         return generate_pb2_grpc.GenerationStub(channel).ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10)
+
+
+def test_a_killed_front_is_started_again_and_harms_no_call_of_the_other() -> None:
+    """`--fronts 2`, one SIGKILLed while calls stream through both: its clients' calls end with
+    UNAVAILABLE instead of hanging, the scheduler aborts what it relayed for it (nothing is left
+    running), the other front's calls finish whole, and a new front takes the port again."""
+    worker = start_worker(simulate_device_ms=5.0, max_num_seqs=32)
+    scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=32, fronts=2)
+    num_clients, num_tokens = 12, 400
+    try:
+        wait_serving(scheduler.target)
+        fronts = front_children(scheduler.proc.pid)
+        assert len(fronts) == 2
+        counts = [0] * num_clients
+        killed: list[int] = []
+
+        async def one(i: int) -> tuple:
+            async with grpc.aio.insecure_channel(scheduler.target, options=OWN_CONNECTION) as channel:
+                stub = generate_pb2_grpc.GenerationStub(channel)
+                request = build_request(prompt=f"client {i}", max_tokens=num_tokens, ignore_eos=True)
+                try:
+                    async for reply in stub.Generate(request, timeout=60):
+                        counts[i] += len(reply.token_ids)
+                        if not killed and min(counts) >= 5:
+                            killed.append(fronts[0])
+                            os.kill(fronts[0], signal.SIGKILL)
+                except grpc.aio.AioRpcError as exc:
+                    return exc.code(), counts[i]
+                return "finished", counts[i]
+
+        async def clients() -> list[tuple]:
+            return list(await asyncio.gather(*(one(i) for i in range(num_clients))))
+
+        outcomes = asyncio.run(clients())
+        assert killed, "the front was never killed"
+        lost = [o for o in outcomes if o[0] != "finished"]
+        whole = [o for o in outcomes if o[0] == "finished"]
+        assert lost and whole, f"every client was on one front: the test proves nothing ({outcomes})"
+        assert all(code == grpc.StatusCode.UNAVAILABLE and n < num_tokens for code, n in lost), lost
+        assert all(n == num_tokens for _, n in whole), whole
+        # The scheduler aborted the dead front's calls: nothing left running.
+        deadline = time.monotonic() + 10
+        while running(scheduler) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running(scheduler) == 0
+        # Started again: two fronts, the new one serving too.
+        while len(front_children(scheduler.proc.pid)) < 2 and time.monotonic() < deadline + 20:
+            time.sleep(0.2)
+        again = front_children(scheduler.proc.pid)
+        assert len(again) == 2 and fronts[0] not in again
+        assert any("starting it again" in line for line in scheduler.log)
+        wait_serving(scheduler.target)
+
+        async def after() -> list[int]:
+            async def short(i: int) -> int:
+                out = await replies(
+                    scheduler.target, build_request(prompt=f"again {i}", max_tokens=8, ignore_eos=True), OWN_CONNECTION
+                )
+                return sum(len(m.token_ids) for m in out)
+
+            return list(await asyncio.gather(*(short(i) for i in range(8))))
+
+        assert asyncio.run(after()) == [8] * 8
+    finally:
+        scheduler.stop()
+        worker.stop()
