@@ -10,6 +10,7 @@ and the front attaches again when the scheduler is back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -26,7 +27,8 @@ from tests.metrics_scrape import scrape, total
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from tests.sim_worker import EOS_ID, make_toy_tokenizer
 from zerobubble.api import generate_pb2, generate_pb2_grpc
-from zerobubble.client import build_request
+from zerobubble.bench import BenchRow, run_bench_async
+from zerobubble.client import ChannelSettings, build_request, open_channel, wait_connected
 from zerobubble.tools.launch import start_front
 
 pytestmark = pytest.mark.timeout(300)
@@ -505,6 +507,62 @@ def listening_ports(pid: int) -> set[int]:
             if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
                 ports.add(int(cols[1].rsplit(":", 1)[1], 16))
     return ports
+
+
+def established_on(pid: int, port: int) -> int:
+    """Connections the process `pid` holds on its local TCP `port`, established."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            cols = line.split()
+            if cols[3] == "01" and cols[9] in inodes and int(cols[1].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+def test_a_client_with_connections_of_its_own_reaches_every_front() -> None:
+    """gRPC shares one connection between a process's channels to a target, so one client
+    process reaches one of a scheduler's fronts; channels opened with connections of their own
+    (`open_channel(own_connection=True)`, `zerobubble bench --connections N`) are spread over
+    all of them by the kernel."""
+    worker = start_worker(simulate_device_ms=2.0, max_num_seqs=16)
+    scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=16, fronts=2)
+    try:
+        wait_serving(scheduler.target)
+        fronts = front_children(scheduler.proc.pid)
+        settings = ChannelSettings(scheduler.target)
+
+        async def held(own: bool, num_channels: int = 16) -> list[int]:
+            async with contextlib.AsyncExitStack() as stack:
+                channels = [
+                    await stack.enter_async_context(open_channel(settings, own_connection=own))
+                    for _ in range(num_channels)
+                ]
+                for channel in channels:
+                    await wait_connected(channel, 10)
+                per_front = [established_on(pid, scheduler.port) for pid in fronts]
+                request = build_request(prompt="hello", max_tokens=4, ignore_eos=True)
+                for channel in channels:
+                    got = [r async for r in generate_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30)]
+                    assert sum(len(r.token_ids) for r in got) == 4
+                return per_front
+
+        shared, own = asyncio.run(held(False)), asyncio.run(held(True))
+        assert sorted(shared) == [0, 1], shared
+        assert sum(own) == 16 and min(own) >= 1, own
+
+        rows = [BenchRow(index=i, kind="k", max_tokens=5, prompt=f"row {i}") for i in range(8)]
+        report = asyncio.run(run_bench_async(settings, rows, concurrency=4, num_connections=3))
+        assert report["num_errors"] == 0 and report["output_tokens"] == 40
+    finally:
+        scheduler.stop()
+        worker.stop()
 
 
 @pytest.mark.parametrize("stopped", ["front", "scheduler with --fronts"])

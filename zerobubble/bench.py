@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
@@ -410,28 +411,41 @@ async def run_bench_async(
     request_timeout: float | None = None,
     connect_timeout: float = 10.0,
     request_rate: float = 0.0,
+    num_connections: int = 1,
 ) -> dict[str, Any]:
     """Run ``rows`` against a scheduler over gRPC and return the report (see :func:`summarize`).
 
+    ``num_connections`` > 1 spreads the requests round-robin over that many connections of
+    their own, as that many client processes would (a scheduler's fronts share its port by
+    connection; one connection reaches one front).
+
     Raises:
-        ValueError: ``concurrency`` < 1.
+        ValueError: ``concurrency`` or ``num_connections`` < 1.
         grpc.aio.AioRpcError: the server is unreachable or ``ModelInfo`` fails.
     """
     if concurrency < 1:
         raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+    if num_connections < 1:
+        raise ValueError(f"connections must be at least 1, got {num_connections}")
     settings = ChannelSettings(target=target) if isinstance(target, str) else target
-    async with open_channel(settings) as channel:
-        await wait_connected(channel, connect_timeout)
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        info_before = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [
+            await stack.enter_async_context(open_channel(settings, own_connection=num_connections > 1))
+            for _ in range(num_connections)
+        ]
+        for channel in channels:
+            await wait_connected(channel, connect_timeout)
+        stubs = [generate_pb2_grpc.GenerationStub(channel) for channel in channels]
+        turn = itertools.count()
+        info_before = await stubs[0].ModelInfo(generate_pb2.ModelInfoRequest())
         completions, wall_s = await drive(
             rows,
-            lambda row: _run_one(stub, row, request_timeout),
+            lambda row: _run_one(stubs[next(turn) % len(stubs)], row, request_timeout),
             concurrency,
             request_rate=request_rate,
             progress=progress,
         )
-        info_after = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
+        info_after = await stubs[0].ModelInfo(generate_pb2.ModelInfoRequest())
     return summarize(
         rows,
         completions,

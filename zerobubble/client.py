@@ -135,22 +135,25 @@ class _BearerTokenUnaryStream(grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(_with_bearer_token(client_call_details, self._token), request)
 
 
-def open_channel(settings: ChannelSettings) -> grpc.aio.Channel:
+def open_channel(settings: ChannelSettings, own_connection: bool = False) -> grpc.aio.Channel:
     """Open an aio channel to the scheduler: TLS when a CA or client cert is given, else plaintext.
 
-    Must be called with an event loop running (grpc.aio binds the channel to it).
+    ``own_connection``: a connection of its own; by default gRPC shares one between a
+    process's channels to the same target. Must be called with an event loop running (grpc.aio
+    binds the channel to it).
     """
     interceptors: list[grpc.aio.ClientInterceptor] | None = None
     if settings.auth_token:
         interceptors = [_BearerTokenUnaryUnary(settings.auth_token), _BearerTokenUnaryStream(settings.auth_token)]
+    options = (*CHANNEL_OPTIONS, ("grpc.use_local_subchannel_pool", 1)) if own_connection else CHANNEL_OPTIONS
     if not (settings.tls_ca or settings.tls_cert):
-        return grpc.aio.insecure_channel(settings.target, options=CHANNEL_OPTIONS, interceptors=interceptors)
+        return grpc.aio.insecure_channel(settings.target, options=options, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=_read_optional(settings.tls_ca),
         private_key=_read_optional(settings.tls_key),
         certificate_chain=_read_optional(settings.tls_cert),
     )
-    return grpc.aio.secure_channel(settings.target, credentials, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return grpc.aio.secure_channel(settings.target, credentials, options=options, interceptors=interceptors)
 
 
 def _read_optional(path: str) -> bytes | None:

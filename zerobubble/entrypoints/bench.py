@@ -64,6 +64,7 @@ def run_bench(args: argparse.Namespace) -> int:
                     request_rate=args.request_rate,
                     progress=args.progress,
                     connect_timeout=args.connect_timeout,
+                    num_connections=args.connections,
                 )
             )
     except grpc.aio.AioRpcError as exc:

@@ -250,6 +250,15 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
     )
     add_flag(
         parser,
+        "--connections",
+        default=1,
+        type=int,
+        env=env,
+        help="gRPC connections to --target, requests spread round-robin: a scheduler's --fronts share "
+        "its port by connection, so one connection reaches one front (1 = all requests on one)",
+    )
+    add_flag(
+        parser,
         "--backend",
         default="grpc",
         choices=("grpc", "openai"),
