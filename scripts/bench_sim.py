@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -51,7 +52,7 @@ import random
 import sys
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -66,7 +67,14 @@ from zerobubble.bench import BenchRow, percentile  # noqa: E402
 from zerobubble.client import build_request  # noqa: E402
 from zerobubble.config import EVENT_LOOPS, parse_cores  # noqa: E402
 from zerobubble.rpc import bind_process  # noqa: E402
-from zerobubble.tools.launch import Service, start_front, start_scheduler, start_worker, wait_serving  # noqa: E402
+from zerobubble.tools.launch import (  # noqa: E402
+    Service,
+    front_children,
+    start_front,
+    start_scheduler,
+    start_worker,
+    wait_serving,
+)
 
 TOPICS = ("rivers", "compilers", "bread", "volcanoes", "chess", "bridges", "owls", "tides")
 
@@ -187,7 +195,8 @@ def run(
 ) -> dict:
     """One run through a fresh scheduler in front of `worker`, loaded by `drive` (default:
     `steady_state`); the figures of its window. ``via="front"``: the clients call a `zerobubble
-    front` (on the clients' cores) that relays to the scheduler."""
+    front` (on the clients' cores) that relays to the scheduler; ``via="fronts"``: the
+    scheduler's own `--fronts` (`--num-fronts`), the clients over `--connections`."""
     scheduler_cores, client_cores = placement_cores(placement)
     scheduler = start_scheduler(
         [worker],
@@ -198,8 +207,11 @@ def run(
         event_loop=args.event_loop,
         loop_cores=scheduler_cores,
         http_port=-1,  # gRPC only (the HTTP front needs FastAPI, which a GPU image may lack)
+        fronts=args.num_fronts if via == "fronts" else 0,
     )
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
+    for i, pid in enumerate(front_children(scheduler.proc.pid) if via == "fronts" else ()):
+        pids[f"front {i + 1}"] = pid
     front = None
     try:
         wait_serving(scheduler.target)
@@ -275,18 +287,32 @@ def cpu_between(cpu0: dict, cpu1: dict) -> dict[str, tuple[float, float]]:
     }
 
 
+@contextlib.asynccontextmanager
+async def stubs(target: str, args: argparse.Namespace) -> AsyncIterator[list[generate_pb2_grpc.GenerationStub]]:
+    """`--connections` stubs: one channel, or that many with connections of their own (gRPC
+    shares one between a process's channels, and a scheduler's fronts share its port by
+    connection)."""
+    options = [("grpc.use_local_subchannel_pool", 1)] if args.connections > 1 else None
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [
+            await stack.enter_async_context(grpc.aio.insecure_channel(target, options=options))
+            for _ in range(args.connections)
+        ]
+        yield [generate_pb2_grpc.GenerationStub(channel) for channel in channels]
+
+
 async def steady_state(target: str, num_requests: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
     """Stream N requests sent at once, each `max_tokens` long; the window runs from the moment
     all have started to the moment the first one ends."""
     max_tokens = args.max_tokens or 128 + num_requests // 2
     started, tokens = set(), [0]
     all_started, first_done = asyncio.Event(), asyncio.Event()
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    async with stubs(target, args) as all_stubs:
+        stub = all_stubs[0]
         marks: list = []
 
         async def one(i: int, request: generate_pb2.GenerateRequest) -> None:
-            async for reply in stub.Generate(request):
+            async for reply in all_stubs[i % len(all_stubs)].Generate(request):
                 tokens[0] += len(reply.token_ids)
                 if reply.token_ids and i not in started:
                     started.add(i)
@@ -321,8 +347,8 @@ async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argpars
     gaps: list[float] = []
     measuring = asyncio.Event()
     stop = asyncio.Event()
-    async with grpc.aio.insecure_channel(target) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
+    async with stubs(target, args) as all_stubs:
+        stub = all_stubs[0]
 
         async def lane(lane_id: int) -> None:
             rng = random.Random(lane_id)  # each client's lengths are the same from run to run
@@ -337,7 +363,7 @@ async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argpars
                 timed = measuring.is_set() and not stop.is_set()
                 sent_at = time.perf_counter()
                 last_at: float | None = None  # when this stream's latest token arrived
-                async for reply in stub.Generate(request):
+                async for reply in all_stubs[lane_id % len(all_stubs)].Generate(request):
                     now = time.perf_counter()
                     tokens[0] += len(reply.token_ids)
                     if measuring.is_set() and not stop.is_set():
@@ -632,10 +658,18 @@ def main() -> None:
     parser.add_argument(
         "--via",
         nargs="+",
-        choices=("direct", "front"),
+        choices=("direct", "front", "fronts"),
         default=["direct"],
-        help="host, bubble and churn: the clients call the scheduler directly, or a `zerobubble front` that relays "
-        "to it (on the clients' cores with --placement apart); both = alternate runs",
+        help="host, bubble and churn: the clients call the scheduler directly, a `zerobubble front` that relays "
+        "to it (on the clients' cores with --placement apart), or the scheduler's own --fronts (--num-fronts); "
+        "several = alternate runs",
+    )
+    parser.add_argument("--num-fronts", type=int, default=2, help="the scheduler's --fronts with --via fronts")
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=1,
+        help="the clients' gRPC connections, requests spread over them (fronts share a port by connection)",
     )
     parser.add_argument(
         "--kv-gb",

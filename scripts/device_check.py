@@ -967,6 +967,10 @@ def check_served(ctx: Context) -> None:
         stream_interval=1,
         event_loop="auto",
         prompt_token_ids=repetitive_prompts(max(sizes), prompt_len, cfg.vocab_size, 11),
+        # Through fronts: the gpu overlay's shape, the scheduler's own two, the clients over
+        # connections enough for the kernel to spread them.
+        num_fronts=2,
+        connections=8,
     )
     memory = {"gpu_memory_utilization": 0.4} if ctx.cuda else {"kv_cache_memory_gb": 0.05}
     with tempfile.TemporaryDirectory() as tmp:
@@ -1004,8 +1008,8 @@ def check_served(ctx: Context) -> None:
                 # graphs, each size also through a `zerobubble front` (the clients' calls out of
                 # the scheduler's loop).
                 for n in sizes if graphs or not ctx.cuda else sizes[:2]:
-                    for via in ("direct", "front") if graphs or not ctx.cuda else ("direct",):
-                        name = f"{label} n={n}" + (" via front" if via == "front" else "")
+                    for via in ("direct", "fronts") if graphs or not ctx.cuda else ("direct",):
+                        name = f"{label} n={n}" + (" via fronts" if via == "fronts" else "")
                         served_pairs(ctx, worker, n, windows, args, name, via)
             finally:
                 worker.stop()

@@ -1,6 +1,7 @@
 """`scripts/bench_sim.py churn` against real services on a simulated device, the clients calling
-the scheduler directly and through a `zerobubble front`: its clients keep every lane busy, its
-window counts what ended in it, and its figures agree with each other."""
+the scheduler directly, through a `zerobubble front` and through the scheduler's own fronts:
+its clients keep every lane busy, its window counts what ended in it, and its figures agree
+with each other."""
 
 from __future__ import annotations
 
@@ -25,15 +26,17 @@ def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
         "--warmup-s", "1",
         "--repeats", "1",
         "--num-spec-tokens", "3",
-        "--via", "direct", "front",
+        "--via", "direct", "front", "fronts",
+        "--connections", "2",
         "--json", str(out),
     ]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
     report = json.loads(out.read_text())
-    for via, mode in ((v, m) for v in ("direct", "front") for m in ("sync", "async")):
+    for via, mode in ((v, m) for v in ("direct", "front", "fronts") for m in ("sync", "async")):
         (figures,) = report[f"{via}/2ms/ngram/n6"][mode]
-        # Through a front, its process is measured beside the others.
-        assert ("front" in figures["cpu_ms_per_step"]) == (via == "front")
+        # Through fronts, their processes are measured beside the others (the scheduler's two).
+        fronts = sorted(name for name in figures["cpu_ms_per_step"] if name.startswith("front"))
+        assert fronts == {"direct": [], "front": ["front"], "fronts": ["front 1", "front 2"]}[via]
         # Requests of 4-12 tokens on 2 ms steps end many times a second in each of 6 lanes.
         assert figures["requests_per_s"] > 6
         # Every request streams at least LO tokens and no more than HI.

@@ -99,7 +99,7 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     # The real worker and scheduler processes, sync and async in front of one worker.
     served = {r["name"]: r for r in by_section["served"]}
     assert served["spec=ngram graphs=False n=2"]["status"] == "pass"
-    assert served["spec=ngram graphs=False n=2 via front"]["status"] == "pass"
+    assert served["spec=ngram graphs=False n=2 via fronts"]["status"] == "pass"
     values = served["spec=ngram graphs=False n=2"]["values"]
     assert len(values["async_tok_s"]) == len(values["sync_tok_s"]) == len(values["async_over_sync"]) == 1
     assert values["async_over_sync"][0] == pytest.approx(values["async_tok_s"][0] / values["sync_tok_s"][0], rel=0.01)

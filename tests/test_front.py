@@ -29,7 +29,7 @@ from tests.sim_worker import EOS_ID, make_toy_tokenizer
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.bench import BenchRow, run_bench_async
 from zerobubble.client import ChannelSettings, build_request, open_channel, wait_connected
-from zerobubble.tools.launch import start_front
+from zerobubble.tools.launch import front_children, start_front
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -415,22 +415,6 @@ def test_tokens_guard_both_hops() -> None:
             front.stop()
         scheduler.stop()
         worker.stop()
-
-
-def front_children(pid: int) -> list[int]:
-    """Pids of the `zerobubble front` processes whose parent is `pid`."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"front" in cmdline:
-            out.append(int(entry.name))
-    return out
 
 
 def test_a_scheduler_with_fronts_serves_its_clients_through_them() -> None:

@@ -118,6 +118,22 @@ def start_front(scheduler: Service | str, **options) -> Service:
     return start("front", ("FRONT",), scheduler=target, **options)
 
 
+def front_children(pid: int) -> list[int]:
+    """Pids of the `zerobubble front` processes whose parent is `pid`."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"front" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
 def wait_serving(target: str, timeout: float = 120.0) -> None:
     """Block until the service's grpc.health.v1 reports SERVING."""
     import time
