@@ -157,15 +157,14 @@ def wait_serving_tls(target: str, ca: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{target} not SERVING over TLS after {timeout}s")
 
 
+def mtls_worker_options(pki) -> dict:
+    """TLS with a client certificate required from the scheduler."""
+    return dict(tls_cert=pki["worker_cert"], tls_key=pki["worker_key"], tls_client_ca=pki["ca"])
+
+
 @pytest.fixture(scope="module")
 def mtls_worker(pki, smollm2_dir):
-    worker = start_worker(
-        kv_cache_memory_gb=0.1,
-        max_num_seqs=4,
-        tls_cert=pki["worker_cert"],
-        tls_key=pki["worker_key"],
-        tls_client_ca=pki["ca"],
-    )
+    worker = start_worker(kv_cache_memory_gb=0.1, max_num_seqs=4, **mtls_worker_options(pki))
     yield worker
     worker.stop()
 
@@ -179,10 +178,9 @@ def dns_target(worker) -> str:
     return f"dns:///localhost:{worker.port}"
 
 
-@pytest.fixture(scope="module")
-def secure_scheduler(pki, mtls_worker):
-    scheduler = start_scheduler(
-        [dns_target(mtls_worker)],
+def secure_scheduler_options(pki) -> dict:
+    """TLS towards clients with the token, mutual TLS towards the workers."""
+    return dict(
         tls_cert=pki["server_cert"],
         tls_key=pki["server_key"],
         worker_tls_ca=pki["ca"],
@@ -190,6 +188,11 @@ def secure_scheduler(pki, mtls_worker):
         worker_tls_key=pki["client_key"],
         auth_token=TOKEN,
     )
+
+
+@pytest.fixture(scope="module")
+def secure_scheduler(pki, mtls_worker):
+    scheduler = start_scheduler([dns_target(mtls_worker)], **secure_scheduler_options(pki))
     wait_serving_tls(scheduler.target, pki["ca"])
     yield scheduler
     scheduler.stop()
@@ -370,24 +373,8 @@ def test_fronts_of_a_tls_scheduler_serve_its_clients_with_its_certificate_and_to
     """`--fronts` on a scheduler with TLS and a token (the gpu overlays' shape): its fronts
     take the client port with its certificate and check its token; the scheduler itself moves
     to loopback."""
-    worker = start_worker(
-        simulate_device_ms=2.0,
-        max_num_seqs=4,
-        tls_cert=pki["worker_cert"],
-        tls_key=pki["worker_key"],
-        tls_client_ca=pki["ca"],
-    )
-    scheduler = start_scheduler(
-        [dns_target(worker)],
-        tls_cert=pki["server_cert"],
-        tls_key=pki["server_key"],
-        worker_tls_ca=pki["ca"],
-        worker_tls_cert=pki["client_cert"],
-        worker_tls_key=pki["client_key"],
-        auth_token=TOKEN,
-        fronts=1,
-        http_port=-1,
-    )
+    worker = start_worker(simulate_device_ms=2.0, max_num_seqs=4, **mtls_worker_options(pki))
+    scheduler = start_scheduler([dns_target(worker)], **secure_scheduler_options(pki), fronts=1, http_port=-1)
     try:
         wait_serving_tls(scheduler.target, pki["ca"])
         reply = generate(
