@@ -311,18 +311,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         seq_ids = submission.seq_ids or (submission.req_id,)
         streams = submission.streams or (submission.stream,)
         for seq_id, stream in zip(seq_ids, streams):
-            if self.streams.pop(seq_id, None) is None or stream.finished:
-                continue
-            stream.finished = True  # closed once
-            event = self.router.abort(seq_id)
-            if self.metrics is not None:
-                self.metrics.record_finished(
-                    "cancelled",
-                    None if stream.relayed else time.monotonic() - stream.arrival,
-                    event.queue_s if event is not None else None,
-                    stream.num_prompt_tokens,
-                    stream.num_output_tokens,
-                )
+            self._end(seq_id, stream, FINISH.FINISH_REASON_CANCELLED)
+
+    def _end(self, seq_id: str, stream: Stream, finish_reason: int) -> None:
+        """Forget a sequence's stream and, unless it finished already, abort it (KV blocks
+        back) and count it finished for `finish_reason`, once."""
+        if self.streams.pop(seq_id, None) is None or stream.finished:
+            return
+        stream.finished = True
+        event = self.router.abort(seq_id)
+        self._record_finished(stream, finish_reason, event.queue_s if event is not None else None)
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context):
         try:
@@ -410,15 +408,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         submission has finished now. A sequence that finished meanwhile is left as it ended."""
         seq_ids = submission.seq_ids or (submission.req_id,)
         streams = submission.streams or (submission.stream,)
-        if 0 <= index < len(streams) and self.streams.pop(seq_ids[index], None) is not None:
+        if 0 <= index < len(streams):
             stream = streams[index]
             if not stream.finished:
-                stream.finished = True
-                event = self.router.abort(seq_ids[index])
-                stream.num_output_tokens = num_output_tokens
-                self._record_finished(
-                    stream, FINISH.FINISH_REASON_STOP_SEQUENCE, event.queue_s if event is not None else None
-                )
+                stream.num_output_tokens = num_output_tokens  # what its client got
+            self._end(seq_ids[index], stream, FINISH.FINISH_REASON_STOP_SEQUENCE)
         return all(stream.finished for stream in streams)
 
     def _record_finished(self, stream: Stream, finish_reason: int, queue_s: float | None) -> None:
