@@ -474,40 +474,32 @@ def state(pid: int) -> str:
         return "Z"
 
 
-def listening_ports(pid: int) -> set[int]:
-    """TCP ports the process `pid` listens on (its sockets' inodes in /proc/net/tcp*)."""
-    inodes = set()
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            target = os.readlink(fd)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[len("socket:[") : -1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
-            cols = line.split()
-            if cols[3] == "0A" and cols[9] in inodes:  # LISTEN
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
-
-
-def established_on(pid: int, port: int) -> int:
-    """Connections the process `pid` holds on its local TCP `port`, established."""
+def tcp_sockets(pid: int) -> list[tuple[str, int]]:
+    """(state, local port) of each TCP socket the process `pid` holds (its sockets' inodes in
+    /proc/net/tcp*; state 0A is LISTEN, 01 ESTABLISHED)."""
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
         with contextlib.suppress(OSError):
             target = os.readlink(fd)
             if target.startswith("socket:["):
                 inodes.add(target[len("socket:[") : -1])
-    count = 0
+    sockets = []
     for table in ("tcp", "tcp6"):
         for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
             cols = line.split()
-            if cols[3] == "01" and cols[9] in inodes and int(cols[1].rsplit(":", 1)[1], 16) == port:
-                count += 1
-    return count
+            if cols[9] in inodes:
+                sockets.append((cols[3], int(cols[1].rsplit(":", 1)[1], 16)))
+    return sockets
+
+
+def listening_ports(pid: int) -> set[int]:
+    """TCP ports the process `pid` listens on."""
+    return {port for state, port in tcp_sockets(pid) if state == "0A"}
+
+
+def established_on(pid: int, port: int) -> int:
+    """Connections the process `pid` holds on its local TCP `port`, established."""
+    return sum(1 for state, local in tcp_sockets(pid) if state == "01" and local == port)
 
 
 def test_a_client_with_connections_of_its_own_reaches_every_front() -> None:
