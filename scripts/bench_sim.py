@@ -60,11 +60,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import grpc  # noqa: E402
 
 from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
 from zerobubble.bench import BenchRow, percentile  # noqa: E402
-from zerobubble.client import build_request  # noqa: E402
+from zerobubble.client import ChannelSettings, build_request, open_channels  # noqa: E402
 from zerobubble.config import EVENT_LOOPS, parse_cores  # noqa: E402
 from zerobubble.rpc import bind_process  # noqa: E402
 from zerobubble.tools.launch import (  # noqa: E402
@@ -292,12 +291,7 @@ async def stubs(target: str, args: argparse.Namespace) -> AsyncIterator[list[gen
     """`--connections` stubs: one channel, or that many with connections of their own (gRPC
     shares one between a process's channels, and a scheduler's fronts share its port by
     connection)."""
-    options = [("grpc.use_local_subchannel_pool", 1)] if args.connections > 1 else None
-    async with contextlib.AsyncExitStack() as stack:
-        channels = [
-            await stack.enter_async_context(grpc.aio.insecure_channel(target, options=options))
-            for _ in range(args.connections)
-        ]
+    async with open_channels(ChannelSettings(target), args.connections) as channels:
         yield [generate_pb2_grpc.GenerationStub(channel) for channel in channels]
 
 

@@ -43,7 +43,7 @@ from zerobubble.client import (
     build_request,
     complete,
     format_rpc_error,
-    open_channel,
+    open_channels,
     wait_connected,
 )
 
@@ -428,11 +428,7 @@ async def run_bench_async(
     if num_connections < 1:
         raise ValueError(f"connections must be at least 1, got {num_connections}")
     settings = ChannelSettings(target=target) if isinstance(target, str) else target
-    async with contextlib.AsyncExitStack() as stack:
-        channels = [
-            await stack.enter_async_context(open_channel(settings, own_connection=num_connections > 1))
-            for _ in range(num_connections)
-        ]
+    async with open_channels(settings, num_connections) as channels:
         for channel in channels:
             await wait_connected(channel, connect_timeout)
         stubs = [generate_pb2_grpc.GenerationStub(channel) for channel in channels]

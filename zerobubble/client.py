@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -154,6 +155,18 @@ def open_channel(settings: ChannelSettings, own_connection: bool = False) -> grp
         certificate_chain=_read_optional(settings.tls_cert),
     )
     return grpc.aio.secure_channel(settings.target, credentials, options=options, interceptors=interceptors)
+
+
+@contextlib.asynccontextmanager
+async def open_channels(settings: ChannelSettings, num_channels: int) -> AsyncIterator[list[grpc.aio.Channel]]:
+    """`num_channels` channels to the scheduler, closed on exit: one, or that many with
+    connections of their own, as that many client processes would hold (a scheduler's fronts
+    share its port by connection; one connection reaches one front)."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            await stack.enter_async_context(open_channel(settings, own_connection=num_channels > 1))
+            for _ in range(num_channels)
+        ]
 
 
 def _read_optional(path: str) -> bytes | None:
