@@ -237,12 +237,21 @@ def run(
     busy = last.worker_busy_s - first.worker_busy_s
     drafts = last.num_draft_tokens - first.num_draft_tokens
     generated = last.num_generation_tokens - first.num_generation_tokens
+    accepted = last.num_accepted_tokens - first.num_accepted_tokens
+    # A row's step yields one sampled token plus its accepted drafts, so a step over all N rows
+    # yields N * generated / (generated - accepted) tokens.
+    rows_per_step = (generated - accepted) / steps
+    full_step_tokens = num_requests * generated / (generated - accepted) if generated > accepted else num_requests
     figures = {
         "ms_per_step": 1000 * wall / steps,
-        # The same paced by what the clients received: above ms_per_step when the scheduler
-        # runs ahead of the replies' delivery (a front that cannot keep up), so that a cheaper
-        # loop does not pass for a cheaper full path.
-        "clients_ms_per_step": 1000 * wall * generated / steps / seen.num_tokens if seen.num_tokens else float("inf"),
+        # The pace of full N-row steps as the clients received their tokens: above ms_per_step
+        # when the scheduler runs ahead of the replies' delivery (a front that cannot keep up),
+        # so that a cheaper loop does not pass for a cheaper full path. Normalised by a full
+        # step's tokens, not the window's: a front far enough behind leaves the scheduler
+        # with fewer than N rows (finished there, still streaming here) while its clients
+        # drain the backlog, and their pace per short step would flatter it.
+        "clients_ms_per_step": 1000 * wall * full_step_tokens / seen.num_tokens if seen.num_tokens else float("inf"),
+        "rows_per_step": rows_per_step,
         "tokens_per_s": seen.num_tokens / wall,
         "tokens_per_step": seen.num_tokens / steps,
         "generated_tokens_per_step": generated / steps,
@@ -441,6 +450,7 @@ def _report_host(out: dict, k: int, n: int, placement: str, figures: list[dict],
         "all_clients_ms_per_step": [f["clients_ms_per_step"] for f in figures],
         "tokens_per_step": best["tokens_per_step"],
         "generated_tokens_per_step": best["generated_tokens_per_step"],
+        "rows_per_step": best["rows_per_step"],
         "acceptance_rate": best["acceptance_rate"],
         "cpu_ms_per_step": best["cpu_ms_per_step"],
         "busiest_thread_ms_per_step": best["busiest_thread_ms_per_step"],
@@ -450,7 +460,8 @@ def _report_host(out: dict, k: int, n: int, placement: str, figures: list[dict],
         f"{placement + ' ' if placement else ''}k={k} n={n:4d}: {best['ms_per_step']:.2f} ms/step "
         f"({', '.join(f'{f:.2f}' for f in out[key]['all_ms_per_step'])}), as the clients received them "
         f"{best['clients_ms_per_step']:.2f} ({', '.join(f'{f:.2f}' for f in out[key]['all_clients_ms_per_step'])}), "
-        f"{best['tokens_per_step']:.2f} tokens/step received of {best['generated_tokens_per_step']:.2f}; CPU ms/step "
+        f"{best['tokens_per_step']:.2f} tokens/step received of {best['generated_tokens_per_step']:.2f} generated "
+        f"over {best['rows_per_step']:.1f} rows; CPU ms/step "
         + ", ".join(f"{name} {ms:.2f} (busiest thread {busiest[name]:.2f})" for name, ms in cpu.items())
         + f"; reference loop {reference_ms:.1f} ms",
         flush=True,
