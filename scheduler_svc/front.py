@@ -33,7 +33,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.request import MAX_N, InvalidRequest, request_prompt_ids
+from scheduler_svc.request import MAX_N, InvalidRequest, request_prompt_ids, tokenize_response
 from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble import rpc
@@ -517,7 +517,15 @@ class FrontServicer(generate_pb2_grpc.GenerationServicer):
             await context.abort(exc.code(), exc.details() or "")
 
     async def Tokenize(self, request: generate_pb2.TokenizeRequest, context):
-        return await self._unary("Tokenize", request, context)
+        """Answered here with the scheduler's tokenizer once it is held (as a Generate call's
+        prompt is tokenized here), so that tokenizing load stays off the planning loop."""
+        ready = self.relay.any_ready()
+        if ready is None:
+            return await self._unary("Tokenize", request, context)
+        try:
+            return tokenize_response(request, ready.tokenizer, ready.info)
+        except InvalidRequest as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def ModelInfo(self, request: generate_pb2.ModelInfoRequest, context):
         return await self._unary("ModelInfo", request, context)

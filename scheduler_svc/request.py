@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING
 
 from scheduler_svc.block_pool import BlockHash
 from scheduler_svc.detokenizer import Detokenizer
+from zerobubble.api import generate_pb2
 
 if TYPE_CHECKING:
     from scheduler_svc.tokenizer import Tokenizer
-    from zerobubble.api import generate_pb2
     from zerobubble.api.worker_pb2 import WorkerInfo
 
 
@@ -139,6 +139,19 @@ def request_prompt_ids(
         raise InvalidRequest("input: one of prompt, messages or token_ids is required")
     require(len(ids) > 0, "input: tokenizes to no tokens")
     return ids
+
+
+def tokenize_response(
+    request: generate_pb2.TokenizeRequest, tokenizer: Tokenizer, info: WorkerInfo
+) -> generate_pb2.TokenizeResponse:
+    """The answer to `Tokenize`: the request's input as `request_prompt_ids` reads it, with
+    each id's token string; the scheduler and a front answer it alike.
+
+    Raises:
+        InvalidRequest: an empty, too long or malformed input.
+    """
+    ids = request_prompt_ids(request, tokenizer, info)
+    return generate_pb2.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(i) or "" for i in ids])
 
 
 def validate_options(

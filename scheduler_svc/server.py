@@ -20,7 +20,7 @@ import grpc
 
 from scheduler_svc import front_gateway
 from scheduler_svc.front_pool import FrontPool
-from scheduler_svc.request import InvalidRequest, num_sequences, request_prompt_ids
+from scheduler_svc.request import InvalidRequest, num_sequences, request_prompt_ids, tokenize_response
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.submission import ReplyOrEnd, RequestError, Stream, Submission, unknown_model
@@ -338,10 +338,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             return None  # abort raises; this tells the type checker
         info, tok = link.described()
         try:
-            ids = request_prompt_ids(request, tok, info)
+            return tokenize_response(request, tok, info)
         except InvalidRequest as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return generate_pb2.TokenizeResponse(token_ids=ids, tokens=[tok.id_to_token(i) or "" for i in ids])
 
     async def ModelInfo(self, request, context):
         link = self.router.any_ready()

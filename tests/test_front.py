@@ -215,6 +215,53 @@ def test_refusals_keep_the_schedulers_status_and_message(services) -> None:
     info, tokens, direct = asyncio.run(unary())
     assert info.num_workers == 1 and info.num_spec_tokens == 3
     assert list(tokens.token_ids) == list(direct.token_ids) and tokens.token_ids
+    assert list(tokens.tokens) == list(direct.tokens)
+
+    # Tokenize, answered in the front, says what the scheduler says: chat messages through the
+    # template, and refusals with the same status and message.
+    async def tokenize(target: str, request: generate_pb2.TokenizeRequest) -> tuple:
+        async with grpc.aio.insecure_channel(target) as channel:
+            try:
+                reply = await generate_pb2_grpc.GenerationStub(channel).Tokenize(request)
+            except grpc.aio.AioRpcError as exc:
+                return exc.code(), exc.details()
+            return list(reply.token_ids), list(reply.tokens)
+
+    chat = generate_pb2.TokenizeRequest()
+    chat.messages.messages.add(role="user", content="hello there")
+    for request in (chat, generate_pb2.TokenizeRequest(prompt=""), generate_pb2.TokenizeRequest()):
+        via_front, direct = (asyncio.run(tokenize(t, request)) for t in (front.target, scheduler.target))
+        assert via_front == direct
+
+
+class _NoRelay:
+    """A scheduler connection that fails the test if a call is relayed through it."""
+
+    async def Tokenize(self, request, metadata=None):
+        raise AssertionError("Tokenize was relayed to the scheduler")
+
+
+class _Context:
+    async def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RequestError(code, details)
+
+
+def test_a_front_that_holds_the_tokenizer_answers_tokenize_itself() -> None:
+    from scheduler_svc.front import EngineLink, FrontServicer
+    from zerobubble.api import worker_pb2
+    from zerobubble.config import FrontConfig
+
+    link = EngineLink(FrontConfig())
+    link.tokenizer, link.info = make_toy_tokenizer(), worker_pb2.WorkerInfo(model="toy", vocab_size=300)
+    link.unary = _NoRelay()  # type: ignore[assignment]
+    relay = RelayFrontend(link)
+    relay.ready = True
+    servicer = FrontServicer(relay)
+    reply = asyncio.run(servicer.Tokenize(generate_pb2.TokenizeRequest(prompt="ab"), _Context()))
+    assert list(reply.token_ids) == list(link.tokenizer.encode("ab")) and len(reply.tokens) == len(reply.token_ids)
+    with pytest.raises(RequestError) as refused:
+        asyncio.run(servicer.Tokenize(generate_pb2.TokenizeRequest(prompt=""), _Context()))
+    assert refused.value.code == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in refused.value.message
 
 
 def running(scheduler: Service) -> float:
