@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class Refused:
 ACCEPTED = object()  # the scheduler queued the call
 DONE = object()  # a call's last reply has been queued
 LOST = Refused(grpc.StatusCode.UNAVAILABLE, "the front lost its connection to the scheduler")
+LOAD_INTERVAL_S = 1.0  # how often a front reports its load (`FrontLoad`) to the scheduler
 
 
 class _Outgoing:
@@ -94,6 +96,7 @@ class EngineLink:
         self.on_readiness: Callable[[bool], Awaitable[None]] | None = None
         self._next_tag = 0
         self._out: _Outgoing | None = None  # the current stream's, while connected
+        self.name = f"{socket.gethostname()}:{os.getpid()}"  # the scheduler's series of this front
 
     @property
     def connected(self) -> bool:
@@ -199,6 +202,18 @@ class EngineLink:
             logger.info("tokenizing for %s here", info.model)
         self.info = info
 
+    def load(self) -> front_pb2.FrontLoad:
+        """This front's load now: its process's CPU time and its open calls."""
+        times = os.times()
+        return front_pb2.FrontLoad(name=self.name, cpu_seconds=times.user + times.system, num_calls=len(self.calls))
+
+    async def _report_load(self, out: _Outgoing) -> None:
+        """Send `load` with the stream's next message, at once and every `LOAD_INTERVAL_S`."""
+        while True:
+            out.pending.load.CopyFrom(self.load())
+            out.wake.set()
+            await asyncio.sleep(LOAD_INTERVAL_S)
+
     def _lose_calls(self) -> None:
         for queue in self.calls.values():
             queue.put_nowait(LOST)
@@ -220,11 +235,13 @@ class EngineLink:
                     logger.info("attached to the scheduler at %s", self.target)
                     backoff = 0.1
                     watch = asyncio.create_task(self._mirror_health(channel))
+                    report = asyncio.create_task(self._report_load(self._out))
                     try:
                         async for message in call:
                             self._dispatch(message)
                     finally:
                         watch.cancel()
+                        report.cancel()
                     logger.warning("the scheduler closed the stream")
             except grpc.aio.AioRpcError as exc:
                 logger.warning("stream to the scheduler at %s: %s %s", self.target, exc.code().name, exc.details())

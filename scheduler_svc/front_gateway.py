@@ -43,6 +43,10 @@ class RelayingServicer(Protocol):
 
     def observe_relayed(self, ttft_s: Sequence[float], e2e_s: Sequence[float]) -> None: ...
 
+    def observe_front_load(self, front: str, cpu_seconds: float, num_calls: int) -> None: ...
+
+    def forget_front(self, front: str) -> None: ...
+
 
 SERVICE_NAME = front_pb2.DESCRIPTOR.services_by_name["FrontGateway"].full_name
 
@@ -108,6 +112,7 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
     async def Attach(self, request_iterator, context) -> AsyncIterator[front_pb2.EngineMessage]:
         outbox = Outbox()
         running: dict[int, Submission] = {}
+        names: set[str] = set()  # what the front reports its load as (one name, in practice)
 
         def deliver_to(tag: int) -> Callable[[ReplyOrEnd], None]:
             def deliver(reply: ReplyOrEnd) -> None:
@@ -144,6 +149,10 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                         self.servicer.close(stopping)
                 if message.ttft_s or message.e2e_s:
                     self.servicer.observe_relayed(message.ttft_s, message.e2e_s)
+                if message.HasField("load"):
+                    load = message.load
+                    names.add(load.name)
+                    self.servicer.observe_front_load(load.name, load.cpu_seconds, load.num_calls)
 
         peer = context.peer()
         logger.info("front attached: %s", peer)
@@ -164,4 +173,6 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
             running.clear()
             for submission in aborted:
                 self.servicer.close(submission)
+            for name in names:
+                self.servicer.forget_front(name)
             logger.info("front detached: %s (%d requests aborted)", peer, len(aborted))

@@ -427,6 +427,16 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             stream.num_output_tokens,
         )
 
+    def observe_front_load(self, front: str, cpu_seconds: float, num_calls: int) -> None:
+        """Account a front's own load (`FrontLoad`)."""
+        if self.metrics is not None:
+            self.metrics.record_front_load(front, cpu_seconds, num_calls)
+
+    def forget_front(self, front: str) -> None:
+        """A front detached: its series go."""
+        if self.metrics is not None:
+            self.metrics.forget_front(front)
+
     def observe_relayed(self, ttft_s: Sequence[float], e2e_s: Sequence[float]) -> None:
         """Account what a front's clients saw (the calls it relays are not timed here)."""
         if self.metrics is None:

@@ -58,7 +58,7 @@ def test_repository_deploy_tree_passes(promtool: str) -> None:
     assert result.problems == []
     assert any("overlays/gpu:" in n and "objects" in n for n in result.notes)
     # The plain rules file and the PrometheusRule of both monitoring overlays.
-    assert any("promtool: 3 rule document(s) checked, 11 alerts unit-tested" in n for n in result.notes), result.notes
+    assert any("promtool: 3 rule document(s) checked, 12 alerts unit-tested" in n for n in result.notes), result.notes
 
 
 @pytest.mark.usefixtures("kubectl")

@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -268,6 +269,23 @@ def running(scheduler: Service) -> float:
     return total(scrape(scheduler.ports["METRICS"]), "zerobubble_num_requests_running")
 
 
+def front_series(scheduler: Service) -> dict[str, tuple[float, float]]:
+    """The scheduler's series of its attached fronts: by front name, (CPU seconds, open calls)."""
+    samples = scrape(scheduler.ports["METRICS"])
+    names = {s.labels["front"] for s in samples if s.name.startswith("zerobubble_front_")}
+    return {
+        name: (
+            total(samples, "zerobubble_front_cpu_seconds_total", front=name),
+            total(samples, "zerobubble_front_calls_running", front=name),
+        )
+        for name in names
+    }
+
+
+def front_name(pid: int) -> str:
+    return f"{socket.gethostname()}:{pid}"
+
+
 def test_a_client_that_leaves_frees_its_request_in_the_scheduler(services) -> None:
     _, scheduler, front = services
 
@@ -489,6 +507,16 @@ def test_a_scheduler_with_fronts_serves_its_clients_through_them() -> None:
             return await asyncio.gather(*(one(i) for i in range(8)))
 
         assert asyncio.run(clients()) == [12] * 8
+        # Each front reports its load on the scheduler's metrics port: its CPU time (it has
+        # tokenized and streamed) and, once its calls are over, none open.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            series = front_series(scheduler)
+            if set(series) == {front_name(pid) for pid in fronts} and all(calls == 0 for _, calls in series.values()):
+                break
+            time.sleep(0.2)
+        assert set(series) == {front_name(pid) for pid in fronts}, series
+        assert all(cpu > 0 and calls == 0 for cpu, calls in series.values()), series
     finally:
         scheduler.stop()
         worker.stop()
@@ -821,6 +849,28 @@ def test_a_killed_front_is_started_again_and_harms_no_call_of_the_other() -> Non
             return list(await asyncio.gather(*(short(i) for i in range(8))))
 
         assert asyncio.run(after()) == [8] * 8
+        # The killed front's series went with its stream; the new one reports in its place.
+        deadline = time.monotonic() + 10
+        while set(front_series(scheduler)) != {front_name(pid) for pid in again} and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert set(front_series(scheduler)) == {front_name(pid) for pid in again}
     finally:
         scheduler.stop()
         worker.stop()
+
+
+def test_a_fronts_load_counts_its_open_calls_and_its_cpu() -> None:
+    from scheduler_svc.front import EngineLink, _Outgoing
+    from zerobubble.config import FrontConfig
+
+    async def run() -> tuple:
+        link = EngineLink(FrontConfig())
+        link._out = _Outgoing()  # attached
+        empty = link.load()
+        tags = [link.open(build_request(prompt=f"p{i}", max_tokens=2))[0] for i in range(3)]
+        link.close(tags[0], cancel=True)
+        return empty, link.load()
+
+    empty, two = asyncio.run(run())
+    assert (empty.num_calls, two.num_calls) == (0, 2)
+    assert two.name == front_name(os.getpid()) and two.cpu_seconds >= empty.cpu_seconds > 0

@@ -83,8 +83,32 @@ def _value(samples: dict[str, list[tuple[str, dict[str, str], float]]], name: st
     return matches[0]
 
 
+# Beyond DESIGN.md's table (README, "Scrape"): the fronts' load, reported over their stream.
+EXTENSIONS: dict[str, tuple[str, frozenset[str]]] = {
+    "zerobubble_front_cpu_seconds_total": ("counter", frozenset({"model", "front"})),
+    "zerobubble_front_calls_running": ("gauge", frozenset({"model", "front"})),
+}
+
+
 def test_metric_names_match_the_contract() -> None:
-    assert sorted(METRIC_NAMES) == sorted(CONTRACT)
+    assert sorted(METRIC_NAMES) == sorted(CONTRACT | EXTENSIONS)
+
+
+def test_a_fronts_series_count_its_reports_and_go_when_it_detaches() -> None:
+    m = ServiceMetrics(model="m")
+    m.record_front_load("h:1", cpu_seconds=2.5, num_calls=4)
+    m.record_front_load("h:2", cpu_seconds=1.0, num_calls=0)
+    m.record_front_load("h:1", cpu_seconds=3.0, num_calls=1)
+    s = _scrape(m)
+    for name, (kind, labels) in EXTENSIONS.items():
+        assert {t for t, _, _ in s[name]} == {kind} and all(set(lab) == labels for _, lab, _ in s[name])
+    # The counter holds the front's CPU time (it grows by the difference of two reports).
+    assert _value(s, "zerobubble_front_cpu_seconds_total", front="h:1") == pytest.approx(3.0)
+    assert _value(s, "zerobubble_front_calls_running", front="h:1") == 1
+    m.forget_front("h:1")
+    s = _scrape(m)
+    assert [lab["front"] for _, lab, _ in s["zerobubble_front_calls_running"]] == ["h:2"]
+    assert m.fronts() == ["h:2"]
 
 
 def test_scrape_has_every_family_with_type_and_labels() -> None:

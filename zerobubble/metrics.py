@@ -135,6 +135,7 @@ FINISHED_REASONS: tuple[str, ...] = ("eos", "max_tokens", "stop_sequence", "canc
 
 MODEL_LABELS: tuple[str, ...] = ("model",)
 WORKER_LABELS: tuple[str, ...] = ("model", "worker")
+FRONT_LABELS: tuple[str, ...] = ("model", "front")
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +245,15 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         MODEL_LABELS,
         "Optimistic draft slots undone when results were reconciled.",
     ),
+    # Beyond DESIGN.md's table: the fronts (`--fronts`, `zerobubble front`) report their load
+    # over their stream, so that the scheduler's one port tells whether they are the limit.
+    MetricSpec(
+        "zerobubble_front_cpu_seconds_total",
+        "counter",
+        FRONT_LABELS,
+        "CPU time (user + system) of a front process attached to this scheduler.",
+    ),
+    MetricSpec("zerobubble_front_calls_running", "gauge", FRONT_LABELS, "Client calls open in a front."),
 )
 
 # What dashboards, alerts and autoscalers may query (histograms add _bucket/_sum/_count).
@@ -365,6 +375,9 @@ class ServiceMetrics:
         "worker_idle",
         "inflight_steps",
         "placeholders_rolled_back",
+        "front_cpu",
+        "front_calls_running",
+        "_fronts",
         "_children",
         "_positions",
         "_lock",
@@ -417,6 +430,10 @@ class ServiceMetrics:
         self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
         self.inflight_steps = gauge("zerobubble_inflight_steps")
         self.placeholders_rolled_back = counter("zerobubble_placeholder_tokens_rolled_back_total")
+        self.front_cpu = counter("zerobubble_front_cpu_seconds_total")
+        self.front_calls_running = gauge("zerobubble_front_calls_running")
+        # Each attached front's CPU seconds as last reported: the counter grows by the difference.
+        self._fronts: dict[str, float] = {}
         # Each series' child by (family, label values), see `_child`.
         self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
         # Positions seen per worker: forget_worker() must know which children to remove.
@@ -497,10 +514,13 @@ class ServiceMetrics:
             self.request_success,
             *self._worker_metrics(),
             self.spec_accepted_per_pos,
+            self.front_cpu,
+            self.front_calls_running,
         ):
             metric.clear()
         with self._lock:
             self._positions.clear()
+            self._fronts.clear()
         self._children.clear()
         self.model = model
         self._init_request_series()
@@ -680,6 +700,30 @@ class ServiceMetrics:
             metric.remove(self.model, worker)
         for position in positions:
             self.spec_accepted_per_pos.remove(self.model, worker, position)
+
+    def record_front_load(self, front: str, cpu_seconds: float, num_calls: int) -> None:
+        """Account a front's report (`FrontLoad`): its process's CPU time so far and its open calls."""
+        with self._lock:
+            last = self._fronts.get(front)
+            self._fronts[front] = cpu_seconds
+        cpu = self._child(self.front_cpu, self.model, front)
+        # The first report counts from zero, as the process did; CPU time never goes back.
+        cpu.inc(max(0.0, cpu_seconds - (last or 0.0)))
+        self._child(self.front_calls_running, self.model, front).set(num_calls)
+
+    def forget_front(self, front: str) -> None:
+        """Drop the series of a front that detached (stopped, or lost)."""
+        with self._lock:
+            if self._fronts.pop(front, None) is None:
+                return
+        self._children.clear()
+        for metric in (self.front_cpu, self.front_calls_running):
+            metric.remove(self.model, front)
+
+    def fronts(self) -> list[str]:
+        """Fronts that currently have series (for tests and debugging)."""
+        with self._lock:
+            return sorted(self._fronts)
 
     def workers(self) -> list[str]:
         """Workers that currently have series (for tests and debugging)."""

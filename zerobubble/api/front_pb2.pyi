@@ -34,19 +34,31 @@ class Stopped(_message.Message):
     num_output_tokens: int
     def __init__(self, tag: _Optional[int] = ..., index: _Optional[int] = ..., num_output_tokens: _Optional[int] = ...) -> None: ...
 
+class FrontLoad(_message.Message):
+    __slots__ = ("name", "cpu_seconds", "num_calls")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CPU_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CALLS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    cpu_seconds: float
+    num_calls: int
+    def __init__(self, name: _Optional[str] = ..., cpu_seconds: _Optional[float] = ..., num_calls: _Optional[int] = ...) -> None: ...
+
 class FrontMessage(_message.Message):
-    __slots__ = ("submit", "cancel", "ttft_s", "e2e_s", "stopped")
+    __slots__ = ("submit", "cancel", "ttft_s", "e2e_s", "stopped", "load")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
     STOPPED_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
     submit: _containers.RepeatedCompositeFieldContainer[Submit]
     cancel: _containers.RepeatedScalarFieldContainer[int]
     ttft_s: _containers.RepeatedScalarFieldContainer[float]
     e2e_s: _containers.RepeatedScalarFieldContainer[float]
     stopped: _containers.RepeatedCompositeFieldContainer[Stopped]
-    def __init__(self, submit: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[_Iterable[float]] = ..., e2e_s: _Optional[_Iterable[float]] = ..., stopped: _Optional[_Iterable[_Union[Stopped, _Mapping]]] = ...) -> None: ...
+    load: FrontLoad
+    def __init__(self, submit: _Optional[_Iterable[_Union[Submit, _Mapping]]] = ..., cancel: _Optional[_Iterable[int]] = ..., ttft_s: _Optional[_Iterable[float]] = ..., e2e_s: _Optional[_Iterable[float]] = ..., stopped: _Optional[_Iterable[_Union[Stopped, _Mapping]]] = ..., load: _Optional[_Union[FrontLoad, _Mapping]] = ...) -> None: ...
 
 class TaggedResponse(_message.Message):
     __slots__ = ("tag", "response")
