@@ -306,9 +306,16 @@ async def stubs(target: str, args: argparse.Namespace) -> AsyncIterator[list[gen
 
 async def steady_state(target: str, num_requests: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
     """Stream N requests sent at once, each `max_tokens` long; the window runs from the moment
-    all have started to the moment the first one ends."""
+    every one has received `--settle` of its tokens (at least its first) to the moment the
+    first one ends.
+
+    A front admits calls one loop turn at a time while it streams: at 256 calls the last ones
+    started when the scheduler had run far ahead of the first ones' clients, and a window
+    opened at the last first token measured the drain of that backlog, not a steady state.
+    """
     max_tokens = args.max_tokens or 128 + num_requests // 2
-    started, tokens = set(), [0]
+    settled_at = max(1, int(args.settle * max_tokens))
+    counts, tokens, num_settled = [0] * num_requests, [0], [0]
     all_started, first_done = asyncio.Event(), asyncio.Event()
     async with stubs(target, args) as all_stubs:
         stub = all_stubs[0]
@@ -316,10 +323,13 @@ async def steady_state(target: str, num_requests: int, pids: dict[str, int], arg
 
         async def one(i: int, request: generate_pb2.GenerateRequest) -> None:
             async for reply in all_stubs[i % len(all_stubs)].Generate(request):
-                tokens[0] += len(reply.token_ids)
-                if reply.token_ids and i not in started:
-                    started.add(i)
-                    if len(started) == num_requests:
+                num = len(reply.token_ids)
+                tokens[0] += num
+                before = counts[i]
+                counts[i] = before + num
+                if before < settled_at <= counts[i]:
+                    num_settled[0] += 1
+                    if num_settled[0] == num_requests:
                         all_started.set()
                 if reply.finish_reason:
                     if reply.error:
@@ -626,6 +636,13 @@ def main() -> None:
         "bubble, so that the steady-state window outlasts the admission ramp of N requests)",
     )
     parser.add_argument(
+        "--settle",
+        type=float,
+        default=None,
+        help="host and bubble: the window opens once every request has received this share of its "
+        "max_tokens (default 0.25 for host, 0 = its first token for bubble)",
+    )
+    parser.add_argument(
         "--repeats",
         type=int,
         default=2,
@@ -695,6 +712,10 @@ def main() -> None:
         # With 128 + N/2 tokens one run's window at N = 256 was two steps long, and "best of"
         # kept it.
         args.max_tokens = 640
+    if args.settle is None:
+        args.settle = 0.25 if args.suite == "host" else 0.0
+    if not 0 <= args.settle < 1:
+        parser.error(f"--settle: need 0 <= S < 1, got {args.settle}")
     suites = {"host": suite_host, "bubble": suite_bubble, "logic": suite_logic, "churn": suite_churn}
     result = suites[args.suite](args)
     if args.json:

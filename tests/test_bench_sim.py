@@ -1,7 +1,7 @@
-"""`scripts/bench_sim.py churn` against real services on a simulated device, the clients calling
-the scheduler directly, through a `zerobubble front` and through the scheduler's own fronts:
-its clients keep every lane busy, its window counts what ended in it, and its figures agree
-with each other."""
+"""`scripts/bench_sim.py churn` and `host` against real services on a simulated device, the
+clients calling the scheduler directly, through a `zerobubble front` and through the
+scheduler's own fronts: churn's clients keep every lane busy, its window counts what ended in
+it; host's window holds every request; the figures of each agree with each other."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -55,3 +57,33 @@ def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
         # Client-side latencies: a first token needs at least one 2 ms step (its prefill).
         assert 2 <= figures["ttft_p50_ms"] <= figures["ttft_p99_ms"] < 10_000
         assert 0 < figures["reply_gap_p50_ms"] <= figures["reply_gap_p99_ms"] < 10_000
+
+
+def test_host_suite_measures_full_steps_after_every_request_settled(tmp_path: Path) -> None:
+    """`host` (item 2's benchmark): its window holds all N requests in the scheduler, the clients
+    receive what it generates, and the clients' pace is per full N-row step."""
+    out = tmp_path / "host.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "scripts" / "bench_sim.py"),
+        "host",
+        "--requests", "4",
+        "--max-tokens", "160",
+        "--repeats", "1",
+        "--num-spec-tokens", "3",
+        "--via", "direct", "front",
+        "--json", str(out),
+    ]  # fmt: skip
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    report = json.loads(out.read_text())
+    for via in ("direct", "front"):
+        figures = report[f"{via}/k3/n4"]
+        # From the moment each request had a quarter of its tokens to the first one's end, all
+        # four decode in every step.
+        assert figures["rows_per_step"] == pytest.approx(4, abs=0.5), figures
+        assert 0.5 <= figures["tokens_per_step"] / figures["generated_tokens_per_step"] <= 1.5, figures
+        # Full steps carry 4 x (1 + accepted drafts per row) tokens: at most 4 x 4.
+        assert 4 <= figures["generated_tokens_per_step"] <= 16
+        assert figures["clients_ms_per_step"] >= 0.5 * figures["ms_per_step"] > 0
+        assert 0 < figures["acceptance_rate"] <= 1
+        assert set(figures["cpu_ms_per_step"]) >= {"scheduler", "worker", "client"}
