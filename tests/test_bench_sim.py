@@ -15,11 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def bench_sim(tmp_path: Path, *args: str) -> dict:
+    """Run `scripts/bench_sim.py ARGS` and read the JSON it writes."""
+    out = tmp_path / "report.json"
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_sim.py"), *args, "--json", str(out)]
+    subprocess.run(cmd, check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
+    return json.loads(out.read_text())
+
+
 def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
-    out = tmp_path / "churn.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench_sim.py"),
+    report = bench_sim(
+        tmp_path,
         "churn",
         "--requests", "6",
         "--device-ms", "2",
@@ -30,10 +36,7 @@ def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
         "--num-spec-tokens", "3",
         "--via", "direct", "front", "fronts",
         "--connections", "2",
-        "--json", str(out),
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
-    report = json.loads(out.read_text())
+    )  # fmt: skip
     for via, mode in ((v, m) for v in ("direct", "front", "fronts") for m in ("sync", "async")):
         (figures,) = report[f"{via}/2ms/ngram/n6"][mode]
         # Through fronts, their processes are measured beside the others (the scheduler's two).
@@ -62,20 +65,15 @@ def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
 def test_host_suite_measures_full_steps_after_every_request_settled(tmp_path: Path) -> None:
     """`host` (item 2's benchmark): its window holds all N requests in the scheduler, the clients
     receive what it generates, and the clients' pace is per full N-row step."""
-    out = tmp_path / "host.json"
-    cmd = [
-        sys.executable,
-        str(ROOT / "scripts" / "bench_sim.py"),
+    report = bench_sim(
+        tmp_path,
         "host",
         "--requests", "4",
         "--max-tokens", "160",
         "--repeats", "1",
         "--num-spec-tokens", "3",
         "--via", "direct", "front",
-        "--json", str(out),
-    ]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=ROOT, timeout=300, capture_output=True, text=True)
-    report = json.loads(out.read_text())
+    )  # fmt: skip
     for via in ("direct", "front"):
         figures = report[f"{via}/k3/n4"]
         # From the moment each request had a quarter of its tokens to the first one's end, all
