@@ -60,11 +60,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from zerobubble.config import EVENT_LOOPS, apply_grpc_defaults, parse_cores  # noqa: E402
+
+apply_grpc_defaults(os.environ)  # this client as the services run (before grpc is imported)
 
 from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
 from zerobubble.bench import BenchRow, percentile  # noqa: E402
 from zerobubble.client import ChannelSettings, build_request, open_channels  # noqa: E402
-from zerobubble.config import EVENT_LOOPS, parse_cores  # noqa: E402
 from zerobubble.rpc import bind_process  # noqa: E402
 from zerobubble.tools.launch import (  # noqa: E402
     Service,

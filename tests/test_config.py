@@ -10,9 +10,11 @@ import pytest
 
 from scheduler_svc.scheduler import SchedulerConfig
 from zerobubble.config import (
+    GRPC_EXPERIMENTS_DEFAULT,
     ConfigError,
     SchedulerServiceConfig,
     WorkerConfig,
+    apply_grpc_defaults,
     env_name,
     flag_name,
     from_env,
@@ -177,3 +179,14 @@ def test_run_service_runs_on_the_chosen_event_loop(choice: str) -> None:
     uvloop = pytest.importorskip("uvloop")
     loop = run_service(_running_loop(), choice)
     assert isinstance(loop, uvloop.Loop) == (choice != "asyncio"), type(loop)
+
+
+def test_grpc_runtime_defaults_yield_to_the_environment() -> None:
+    unset: dict[str, str] = {}
+    apply_grpc_defaults(unset)
+    assert unset == {"GRPC_EXPERIMENTS": GRPC_EXPERIMENTS_DEFAULT}
+    # An operator's choice is kept, gRPC's own defaults (empty) included.
+    for chosen in ("", "-event_engine_client"):
+        env = {"GRPC_EXPERIMENTS": chosen}
+        apply_grpc_defaults(env)
+        assert env == {"GRPC_EXPERIMENTS": chosen}

@@ -30,6 +30,7 @@ from tests.sim_worker import EOS_ID, make_toy_tokenizer
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.bench import BenchRow, run_bench_async
 from zerobubble.client import ChannelSettings, build_request, open_channel, wait_connected
+from zerobubble.config import GRPC_EXPERIMENTS_DEFAULT
 from zerobubble.tools.launch import front_children, start_front
 
 pytestmark = pytest.mark.timeout(300)
@@ -491,6 +492,12 @@ def test_a_scheduler_with_fronts_serves_its_clients_through_them() -> None:
     try:
         wait_serving(scheduler.target)
         assert len(fronts) == 2
+        # The fronts run with the gRPC runtime defaults the scheduler's CLI set (inherited).
+        for pid in fronts:
+            environ = dict(
+                item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
+            )
+            assert environ.get("GRPC_EXPERIMENTS") == GRPC_EXPERIMENTS_DEFAULT
         # Both fronts listen on the client port; the scheduler does not.
         assert all(scheduler.port in listening_ports(pid) for pid in fronts)
         assert scheduler.port not in listening_ports(scheduler.proc.pid)

@@ -16,13 +16,33 @@ import argparse
 import dataclasses
 import importlib.util
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 ENV_PREFIX = "ZEROBUBBLE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+# gRPC's own runtime switches that our processes run with unless `GRPC_EXPERIMENTS` is set.
+# Its EventEngine endpoints hand every read and write between their own threads and the
+# completion queue's poller; the polling engine they replace does the I/O on the polling thread.
+# Each hand-off wakes a thread, and a message's cost is mostly wake-ups: on the 2-core VM a
+# gRPC ping-pong between two processes took 0.6x the time and 0.7x the CPU per message without
+# them (`scripts/grpc_pingpong.py`), and the full path at 64 requests through fronts 0.74x the
+# time per step (README, "Fronts"). Known to grpcio 1.75 through 1.85 (an unknown name is logged
+# as an error, not refused).
+GRPC_EXPERIMENTS_DEFAULT = (
+    "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints,-event_engine_callback_cq"
+)
+
+
+def apply_grpc_defaults(environ: MutableMapping[str, str]) -> None:
+    """Set `GRPC_EXPERIMENTS_DEFAULT` unless the environment says otherwise (an empty
+    `GRPC_EXPERIMENTS` keeps gRPC's own defaults). gRPC reads it when it starts, so this must
+    run before the process first imports grpc; the services' child processes inherit it."""
+    environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS_DEFAULT)
+
 
 _Config = TypeVar("_Config")
 

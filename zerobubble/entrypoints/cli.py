@@ -26,6 +26,7 @@ from zerobubble.config import (
     FrontConfig,
     SchedulerServiceConfig,
     WorkerConfig,
+    apply_grpc_defaults,
     env_name,
     flag_name,
     from_namespace,
@@ -374,6 +375,7 @@ def check_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
 
 def main(argv: Sequence[str] | None = None) -> None:
     """Console-script entry point."""
+    apply_grpc_defaults(os.environ)  # before any command imports grpc
     parser = build_parser()
     args = parser.parse_args(argv)
     check_config(parser, args)
