@@ -5,7 +5,9 @@ it; host's window holds every request; the figures of each agree with each other
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -93,3 +95,32 @@ def test_host_suite_measures_full_steps_after_every_request_settled(tmp_path: Pa
         assert figures["clients_ms_per_step"] >= 0.5 * figures["ms_per_step"] > 0
         assert 0 < figures["acceptance_rate"] <= 1
         assert set(figures["cpu_ms_per_step"]) >= {"scheduler", "worker", "client"}
+
+
+def test_host_keeps_the_best_steady_window(monkeypatch, capsys) -> None:
+    """A run whose window held far fewer than N rows (a front far behind) is not "best", however
+    fast its clients drained their backlog; unless no run had a steady window."""
+    monkeypatch.setenv("GRPC_EXPERIMENTS", os.environ.get("GRPC_EXPERIMENTS", ""))  # as it was
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    bench_sim = importlib.import_module("bench_sim")
+
+    def run(clients_ms: float, rows: float) -> dict:
+        cpu = {"scheduler": 1.0, "worker": 1.0, "client": 1.0}
+        return {
+            "ms_per_step": clients_ms,
+            "clients_ms_per_step": clients_ms,
+            "tokens_per_step": rows,
+            "generated_tokens_per_step": rows,
+            "rows_per_step": rows,
+            "acceptance_rate": 0.5,
+            "cpu_ms_per_step": cpu,
+            "busiest_thread_ms_per_step": cpu,
+        }
+
+    out: dict = {}
+    bench_sim._report_host(out, 3, 256, "", [run(9.0, 255.0), run(7.6, 43.0), run(8.5, 240.0)], 20.0)
+    assert out["k3/n256"]["clients_ms_per_step"] == 8.5
+    assert out["k3/n256"]["all_rows_per_step"] == [255.0, 43.0, 240.0]
+    bench_sim._report_host(out, 3, 256, "", [run(9.0, 100.0), run(7.6, 43.0)], 20.0)
+    assert out["k3/n256"]["clients_ms_per_step"] == 7.6
+    capsys.readouterr()
