@@ -317,22 +317,20 @@ async def steady_state(target: str, num_requests: int, pids: dict[str, int], arg
     """
     max_tokens = args.max_tokens or 128 + num_requests // 2
     settled_at = max(1, int(args.settle * max_tokens))
-    counts, tokens, num_settled = [0] * num_requests, [0], [0]
-    all_started, first_done = asyncio.Event(), asyncio.Event()
+    counts, num_settled = [0] * num_requests, [0]  # tokens each request received; how many settled
+    all_settled, first_done = asyncio.Event(), asyncio.Event()
     async with stubs(target, args) as all_stubs:
         stub = all_stubs[0]
         marks: list = []
 
         async def one(i: int, request: generate_pb2.GenerateRequest) -> None:
             async for reply in all_stubs[i % len(all_stubs)].Generate(request):
-                num = len(reply.token_ids)
-                tokens[0] += num
                 before = counts[i]
-                counts[i] = before + num
+                counts[i] = before + len(reply.token_ids)
                 if before < settled_at <= counts[i]:
                     num_settled[0] += 1
                     if num_settled[0] == num_requests:
-                        all_started.set()
+                        all_settled.set()
                 if reply.finish_reason:
                     if reply.error:
                         raise RuntimeError(reply.error)
@@ -340,15 +338,15 @@ async def steady_state(target: str, num_requests: int, pids: dict[str, int], arg
 
         async def mark(event: asyncio.Event) -> None:
             await event.wait()
-            count = tokens[0]
+            count = sum(counts)
             info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
             marks.append((info.stats, count, time.perf_counter(), process_cpu(pids)))
 
         requests = steady_requests(num_requests, max_tokens, args)
         tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
-        await asyncio.gather(mark(all_started), mark(first_done), *tasks)
+        await asyncio.gather(mark(all_settled), mark(first_done), *tasks)
     (first, tokens0, t0, cpu0), (last, tokens1, t1, cpu1) = marks
-    if not all_started.is_set() or last.num_steps <= first.num_steps:
+    if not all_settled.is_set() or last.num_steps <= first.num_steps:
         raise RuntimeError("no steady-state window: raise --max-tokens")
     return Window(first, last, tokens1 - tokens0, 0, t1 - t0, cpu_between(cpu0, cpu1))
 
