@@ -22,6 +22,8 @@ from typing import Any
 
 import yaml
 
+from tests.polling import wait_until
+
 
 class PrometheusError(Exception):
     """The server did not start, or the API answered with an error."""
@@ -107,14 +109,7 @@ class PrometheusServer:
 
     def wait_until(self, predicate: Any, timeout: float, what: str, poll: float = 0.25) -> Any:
         """Poll ``predicate()`` until it returns something truthy; that value is returned."""
-        deadline = time.monotonic() + timeout
-        while True:
-            value = predicate()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"Prometheus: {what} not seen within {timeout}s")
-            time.sleep(poll)
+        return wait_until(predicate, timeout, f"Prometheus to show {what}", poll)
 
     def wait_targets_up(self, num_targets: int, timeout: float = 30.0) -> None:
         """Block until ``num_targets`` active targets have been scraped successfully."""

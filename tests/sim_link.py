@@ -76,13 +76,6 @@ def sim_stub(
     return Stub
 
 
-async def wait_for(cond, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 class FakeChannel:
     """Stands in for the gRPC channel: the stub reads which worker it is from `address`."""
 

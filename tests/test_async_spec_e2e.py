@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,6 +37,7 @@ from tests.e2e import (
     run_workload,
 )
 from tests.hf_oracle import load_hf_model
+from tests.polling import wait_until
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
@@ -253,13 +253,15 @@ def test_cancel_with_steps_in_flight_keeps_others_exact(pool, smollm2_dir, groun
     with scheduler_on(pool.get("ngram"), max_inflight_steps=2) as scheduler:
         got, others = asyncio.run(scenario(scheduler.target))
         port = scheduler.ports["METRICS"]
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline and (
-            metric(port, "zerobubble_kv_cache_usage_ratio") or metric(port, "zerobubble_num_requests_running")
-        ):
-            time.sleep(0.2)
-        assert metric(port, "zerobubble_kv_cache_usage_ratio") == 0.0
-        assert metric(port, "zerobubble_num_requests_running") == 0
+        wait_until(
+            lambda: (
+                metric(port, "zerobubble_kv_cache_usage_ratio") == 0.0
+                and metric(port, "zerobubble_num_requests_running") == 0
+            ),
+            30,
+            "the cancelled request's KV blocks to be freed",
+            poll=0.2,
+        )
         assert metric(port, "zerobubble_request_success_total", finished_reason="cancelled") == 1
     assert got == reference.get(indices[0], 48)[: len(got)]
     for i, completion in zip(indices[1:], others):

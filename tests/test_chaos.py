@@ -178,9 +178,20 @@ class Cluster:
         self.workers = [start_worker(**WORKER_OPTS, env=self.env) for _ in range(2)]
         self.ports = [w.port for w in self.workers]
         self.scheduler = None
+        # Kept for diagnosis: every scheduler's log, a restarted one's after its predecessor's
+        # (the scheduler logs every loss, re-queue and deadline miss).
+        self.log_path = Path(os.environ.get("ZEROBUBBLE_CHAOS_LOG", "/tmp/zerobubble-chaos-scheduler.log"))
+        self.log_path.write_text("")
         self.start_scheduler()
 
+    def save_log(self) -> None:
+        """Append the current scheduler's log to `log_path`."""
+        if self.scheduler is not None:
+            with self.log_path.open("a") as f:
+                f.write("".join(self.scheduler.log))
+
     def start_scheduler(self, port: int = 0) -> None:
+        self.save_log()
         self.scheduler = start_scheduler(
             [f"127.0.0.1:{p}" for p in self.ports], port=port, env={"ZEROBUBBLE_WORKER_AUTH_TOKEN": TOKEN}
         )
@@ -208,10 +219,7 @@ class Cluster:
     def stop(self) -> None:
         if self.scheduler is not None:
             self.scheduler.stop()
-            # Kept for diagnosis (the scheduler logs every loss, re-queue and deadline miss).
-            Path(os.environ.get("ZEROBUBBLE_CHAOS_LOG", "/tmp/zerobubble-chaos-scheduler.log")).write_text(
-                "".join(self.scheduler.log)
-            )
+            self.save_log()
         for w in self.workers:
             w.stop()
 
@@ -265,7 +273,8 @@ def test_worker_sigstop(cluster, reference):
     row["notes"] = (
         f"declared lost at the step deadline ({deadline:.1f} s, derived); after SIGCONT reconnected in {back:.1f} s"
     )
-    assert missed, "the step deadline never fired"
+    lost_lines = [line.strip() for line in cluster.scheduler.log if "lost worker" in line]
+    assert missed, f"the step deadline never fired; the scheduler's losses: {lost_lines}"
     assert row["lost"] == row["repeated"] == row["changed"] == 0, row
     assert row["recover_s"] < deadline + 45, row
 

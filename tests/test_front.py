@@ -25,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from scheduler_svc.front import CallText, RelayFrontend, join_replies
 from scheduler_svc.submission import RequestError
 from tests.metrics_scrape import scrape, total
+from tests.polling import wait_until
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from tests.sim_worker import EOS_ID, make_toy_tokenizer
 from zerobubble.api import generate_pb2, generate_pb2_grpc
@@ -303,10 +304,7 @@ def test_a_client_that_leaves_frees_its_request_in_the_scheduler(services) -> No
         return received
 
     assert asyncio.run(leave_early()) >= 10
-    deadline = time.monotonic() + 10
-    while running(scheduler) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert running(scheduler) == 0
+    wait_until(lambda: running(scheduler) == 0, 10, "the cancelled call's request to leave the scheduler")
 
 
 def request_figures(scheduler: Service) -> tuple[float, float, float, float]:
@@ -356,12 +354,12 @@ def test_the_scheduler_counts_what_a_fronts_clients_saw_once(services) -> None:
 
     waited = asyncio.run(run())
     num_sequences = [1, 3, 1, 1]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+
+    def all_ended() -> bool:
         after = request_figures(scheduler)
-        if after[1] - before[1] >= sum(num_sequences) and after[2] - before[2] >= sum(num_sequences):
-            break
-        time.sleep(0.1)
+        return after[1] - before[1] >= sum(num_sequences) and after[2] - before[2] >= sum(num_sequences)
+
+    wait_until(all_ended, 10, "every sequence's end to be counted")
     time.sleep(0.3)  # anything counted twice would arrive by now
     after = request_figures(scheduler)
     ttft, e2e, finished, e2e_sum = (a - b for a, b in zip(after, before))
@@ -390,9 +388,7 @@ def test_a_stop_string_found_in_the_front_ends_the_sequence_in_the_scheduler(ser
     assert got[-1].finish_reason == generate_pb2.FINISH_REASON_STOP_SEQUENCE, "no stop string met: proves nothing"
     num_tokens = sum(len(r.token_ids) for r in got)
     assert num_tokens == got[-1].num_output_tokens < 3000 and "e" not in "".join(r.text for r in got)
-    deadline = time.monotonic() + 20
-    while figures()[1] == before[1] and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_until(lambda: figures()[1] != before[1], 20, "the stopped request to be counted", poll=0.05)
     stops, finished, generated = (a - b for a, b in zip(figures(), before))
     assert (stops, finished, generated) == (1, 1, num_tokens)
     assert running(scheduler) == 0
@@ -426,10 +422,11 @@ def test_a_lost_scheduler_ends_the_fronts_calls_and_the_front_attaches_again() -
 
         got, code = asyncio.run(asyncio.wait_for(cut_off(), 30))
         assert got >= 5 and code == grpc.StatusCode.UNAVAILABLE
-        deadline = time.monotonic() + 10
-        while front_health(front) == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert front_health(front) == health_pb2.HealthCheckResponse.NOT_SERVING
+        wait_until(
+            lambda: front_health(front) == health_pb2.HealthCheckResponse.NOT_SERVING,
+            10,
+            "the front to report NOT_SERVING without its scheduler",
+        )
 
         async def refused() -> grpc.StatusCode | None:
             try:
@@ -514,14 +511,15 @@ def test_a_scheduler_with_fronts_serves_its_clients_through_them() -> None:
             return await asyncio.gather(*(one(i) for i in range(8)))
 
         assert asyncio.run(clients()) == [12] * 8
+
         # Each front reports its load on the scheduler's metrics port: its CPU time (it has
         # tokenized and streamed) and, once its calls are over, none open.
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
+        def settled() -> dict[str, tuple[float, float]] | None:
             series = front_series(scheduler)
-            if set(series) == {front_name(pid) for pid in fronts} and all(calls == 0 for _, calls in series.values()):
-                break
-            time.sleep(0.2)
+            names_match = set(series) == {front_name(pid) for pid in fronts}
+            return series if names_match and all(calls == 0 for _, calls in series.values()) else None
+
+        series = wait_until(settled, 10, "both fronts' series with no call open", poll=0.2)
         assert set(series) == {front_name(pid) for pid in fronts}, series
         assert all(cpu > 0 and calls == 0 for cpu, calls in series.values()), series
     finally:
@@ -540,10 +538,7 @@ def test_fronts_do_not_outlive_a_killed_scheduler() -> None:
         fronts = front_children(scheduler.proc.pid)
         assert len(fronts) == 2
         scheduler.kill()
-        deadline = time.monotonic() + 15
-        while any(state(pid) != "Z" for pid in fronts) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert all(state(pid) == "Z" for pid in fronts)
+        wait_until(lambda: all(state(pid) == "Z" for pid in fronts), 15, "the fronts to exit", poll=0.2)
     finally:
         scheduler.stop()
         worker.stop()
@@ -757,10 +752,7 @@ def test_a_killed_worker_behind_a_front_loses_no_call_and_changes_no_output() ->
 
     try:
         wait_serving(front.target)
-        deadline = time.monotonic() + 30
-        while info(front).num_workers < 2:
-            assert time.monotonic() < deadline, "the scheduler did not connect to both workers"
-            time.sleep(0.1)
+        wait_until(lambda: info(front).num_workers >= 2, 30, "the scheduler to connect to both workers")
         reference = asyncio.run(run(lambda got: None))
         killed_at: list[int] = []
 
@@ -834,15 +826,15 @@ def test_a_killed_front_is_started_again_and_harms_no_call_of_the_other() -> Non
         assert all(code == grpc.StatusCode.UNAVAILABLE and n < num_tokens for code, n in lost), lost
         assert all(n == num_tokens for _, n in whole), whole
         # The scheduler aborted the dead front's calls: nothing left running.
-        deadline = time.monotonic() + 10
-        while running(scheduler) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert running(scheduler) == 0
+        wait_until(lambda: running(scheduler) == 0, 10, "the dead front's calls to be aborted")
+
         # Started again: two fronts, the new one serving too.
-        while len(front_children(scheduler.proc.pid)) < 2 and time.monotonic() < deadline + 20:
-            time.sleep(0.2)
-        again = front_children(scheduler.proc.pid)
-        assert len(again) == 2 and fronts[0] not in again
+        def restarted() -> list[int] | None:
+            children = front_children(scheduler.proc.pid)
+            return children if len(children) == 2 else None
+
+        again = wait_until(restarted, 30, "the killed front to be started again", poll=0.2)
+        assert fronts[0] not in again
         assert any("starting it again" in line for line in scheduler.log)
         wait_serving(scheduler.target)
 
@@ -857,10 +849,12 @@ def test_a_killed_front_is_started_again_and_harms_no_call_of_the_other() -> Non
 
         assert asyncio.run(after()) == [8] * 8
         # The killed front's series went with its stream; the new one reports in its place.
-        deadline = time.monotonic() + 10
-        while set(front_series(scheduler)) != {front_name(pid) for pid in again} and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert set(front_series(scheduler)) == {front_name(pid) for pid in again}
+        wait_until(
+            lambda: set(front_series(scheduler)) == {front_name(pid) for pid in again},
+            10,
+            "the new front's series in place of the killed one's",
+            poll=0.2,
+        )
     finally:
         scheduler.stop()
         worker.stop()

@@ -19,7 +19,8 @@ from scheduler_svc.openai_protocol import ChatCompletionBody, CompletionBody, bu
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import SchedulerConfig
 from scheduler_svc.server import GenerationServicer
-from tests.sim_link import NUM_BLOCKS, sim_stub, wait_for
+from tests.polling import wait_until_async
+from tests.sim_link import NUM_BLOCKS, sim_stub
 from zerobubble.config import SchedulerServiceConfig
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -209,7 +210,7 @@ def test_a_refused_later_prompt_withdraws_every_sequence_of_the_call(
         await router.start(["sim:1"])
         try:
             link = router.links[0]
-            await wait_for(lambda: link.ready)
+            await wait_until_async(lambda: link.ready, 10, "the link to be ready")
             app = build_app(servicer)
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
                 body = {"model": "toy", "prompt": [[1, 2, 3, 4], second_prompt], "n": 2, "max_tokens": 90}

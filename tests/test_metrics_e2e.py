@@ -19,6 +19,7 @@ import grpc
 import pytest
 
 from tests.metrics_scrape import scrape, total
+from tests.polling import wait_until_async
 from tests.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import Completion, build_request, complete
@@ -151,17 +152,17 @@ def observed(smollm2_dir):
                         *[complete(stub, build_request(**r), timeout=180) for r in REQUESTS], cancelled()
                     )
                     completions: list[Completion] = list(done[:-1])
+
                     # Let the scheduler see the cancel, free the blocks and go quiet.
-                    deadline = time.monotonic() + 30
-                    while time.monotonic() < deadline:
+                    def quiet() -> bool:
                         s = scrape(scheduler.ports["METRICS"])
-                        if (
+                        return (
                             total(s, "zerobubble_request_success_total") == len(REQUESTS) + 1
                             and total(s, "zerobubble_num_requests_running") == 0
                             and total(s, "zerobubble_inflight_steps") == 0
-                        ):
-                            break
-                        await asyncio.sleep(0.1)
+                        )
+
+                    await wait_until_async(quiet, 30, "the scheduler to go quiet", poll=0.1)
                 return info, prompt_lens, completions, done[-1], poller, worker_poller
 
         info, prompt_lens, completions, cancelled_tokens, poller, worker_poller = asyncio.run(scenario())

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from tests.metrics_scrape import scrape, total
+from tests.polling import wait_until
 from tests.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import Completion, build_request, complete
@@ -193,12 +194,13 @@ def wait_for_workers(target: str, num_workers: int) -> None:
     """Until the scheduler at ``target`` serves with ``num_workers`` workers connected (serving
     means one is)."""
     wait_serving(target)
-    deadline = time.monotonic() + 60
     with grpc.insecure_channel(target) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
-        while stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).num_workers < num_workers:
-            assert time.monotonic() < deadline, f"the scheduler did not connect to {num_workers} workers"
-            time.sleep(0.1)
+        wait_until(
+            lambda: stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).num_workers >= num_workers,
+            60,
+            f"the scheduler to connect to {num_workers} workers",
+        )
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,8 @@ from scheduler_svc.scheduler import (
     RequestEvent,
     SchedulerConfig,
 )
-from tests.sim_link import FakeChannel, SimCall, sim_stub, toy_info, wait_for
+from tests.polling import wait_until_async
+from tests.sim_link import FakeChannel, SimCall, sim_stub, toy_info
 from tests.sim_worker import (
     make_toy_tokenizer,
     reference_generate,
@@ -64,10 +65,10 @@ def test_link_survives_an_exception_in_its_receive_path(monkeypatch, caplog) -> 
         router.on_events = on_events
         await router.start(["sim:1"])
         link = router.links[0]
-        await wait_for(lambda: link.ready)
+        await wait_until_async(lambda: link.ready, 10, "the link to be ready")
         for i, (req_id, prompt) in enumerate(ps.items()):
             router.submit(link, req_id, prompt, seed=1000 + i, max_tokens=30)
-        await wait_for(lambda: len(finished) == len(ps))
+        await wait_until_async(lambda: len(finished) == len(ps), 10, "every request to finish")
         assert not link._task.done(), "the link task ended"
         await router.close()
 
@@ -161,10 +162,10 @@ def test_the_next_plan_goes_out_before_a_results_events_are_delivered(monkeypatc
         router = Router(SchedulerConfig(max_num_batched_tokens=64), max_inflight_steps=2)
         router.on_events = on_events
         await router.start(["sim:1"])
-        await wait_for(lambda: router.links[0].ready)
+        await wait_until_async(lambda: router.links[0].ready, 10, "the first link to be ready")
         for i, (req_id, prompt) in enumerate(ps.items()):
             router.submit(router.links[0], req_id, prompt, seed=1000 + i, max_tokens=30)
-        await wait_for(lambda: len(finished) == len(ps))
+        await wait_until_async(lambda: len(finished) == len(ps), 10, "every request to finish")
         await router.close()
 
     asyncio.run(scenario())
@@ -228,12 +229,12 @@ def test_a_hung_worker_is_declared_lost_at_the_step_deadline(monkeypatch, caplog
         router = Router(SchedulerConfig(max_num_batched_tokens=32), max_inflight_steps=2, step_deadline_s=0.5)
         router.on_events = on_events
         await router.start(["good:1", "hang:1"])
-        await wait_for(lambda: all(link.ready for link in router.links))
+        await wait_until_async(lambda: all(link.ready for link in router.links), 10, "every link to be ready")
         good, hung = router.links
         started = time.monotonic()
         for i, (req_id, prompt) in enumerate(ps.items()):
             router.submit(router.links[i % 2], req_id, prompt, seed=1000 + i, max_tokens=30)
-        await wait_for(lambda: len(finished) == len(ps))
+        await wait_until_async(lambda: len(finished) == len(ps), 10, "every request to finish")
         elapsed = time.monotonic() - started
         assert not hung.ready and good.ready
         await router.close()

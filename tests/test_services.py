@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e import assert_matches_reference, bench_rows, hf_reference, run_workload
+from tests.polling import wait_until
 from tests.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
@@ -107,15 +108,15 @@ def test_cancelled_stream_returns_kv_blocks(services):
 
     other = run(cancel_mid_stream())
     assert other.finish_reason in ("eos", "max_tokens")
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        if (
+    wait_until(
+        lambda: (
             metric(metrics_port, "zerobubble_kv_cache_usage_ratio") == 0.0
             and metric(metrics_port, "zerobubble_num_requests_running") == 0
-        ):
-            break
-        time.sleep(0.2)
-    assert metric(metrics_port, "zerobubble_kv_cache_usage_ratio") == 0.0
+        ),
+        30,
+        "the cancelled request's KV blocks to be freed",
+        poll=0.2,
+    )
     assert metric(metrics_port, "zerobubble_request_success_total", finished_reason="cancelled") >= 1
 
 
@@ -191,16 +192,17 @@ def test_worker_down_makes_health_not_serving_and_generate_unavailable(smollm2_d
     try:
         wait_serving(scheduler.target)
         worker.kill()
-        deadline = time.monotonic() + 30
-        status = None
         with grpc.insecure_channel(scheduler.target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
-                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
-                    break
-                time.sleep(0.2)
-        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            wait_until(
+                lambda: (
+                    health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+                    == health_pb2.HealthCheckResponse.NOT_SERVING
+                ),
+                30,
+                "health NOT_SERVING once the only worker is gone",
+                poll=0.2,
+            )
         started = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as info:
             run(one(scheduler.target, prompt="hi", max_tokens=4, timeout=30))
