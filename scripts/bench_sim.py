@@ -67,6 +67,7 @@ apply_grpc_defaults(os.environ)  # this client as the services run (before grpc 
 from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
 from zerobubble.bench import BenchRow, percentile  # noqa: E402
 from zerobubble.client import ChannelSettings, build_request, open_channels  # noqa: E402
+from zerobubble.event_loop import run_loop  # noqa: E402
 from zerobubble.rpc import bind_process  # noqa: E402
 from zerobubble.tools.launch import (  # noqa: E402
     Service,
@@ -224,7 +225,7 @@ def run(
             wait_serving(target)
         if client_cores:  # only while it runs: processes started later must not inherit it
             bind_process(parse_cores(client_cores))
-        seen = asyncio.run((drive or steady_state)(target, num_requests, pids, args))
+        seen = run_loop((drive or steady_state)(target, num_requests, pids, args), args.event_loop)
     finally:
         if client_cores:
             bind_process(ALL_CORES)
@@ -674,7 +675,7 @@ def main() -> None:
         "--event-loop",
         choices=EVENT_LOOPS,
         default="auto",
-        help="the services' --event-loop (this client runs on asyncio's)",
+        help="the services' and this client's --event-loop",
     )
     parser.add_argument(
         "--placement",

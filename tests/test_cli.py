@@ -327,7 +327,8 @@ def test_generate_reports_server_errors(fake_target: str) -> None:
     assert result.returncode == 1 and result.stderr.startswith("error: INVALID_ARGUMENT: told to fail")
 
 
-def test_bench_command_writes_the_report(fake_target: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("event_loop", ["asyncio", "uvloop"])
+def test_bench_command_writes_the_report(fake_target: str, tmp_path: Path, event_loop: str) -> None:
     dataset = tmp_path / "rows.jsonl"
     dataset.write_text(
         "".join(
@@ -346,6 +347,8 @@ def test_bench_command_writes_the_report(fake_target: str, tmp_path: Path) -> No
         "2",
         "--kind",
         "a",
+        "--event-loop",
+        event_loop,
         "--json",
         str(out),
     )

@@ -20,6 +20,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from zerobubble.config import parse_cores
+from zerobubble.event_loop import run_loop
 
 logger = logging.getLogger(__name__)
 
@@ -144,15 +145,7 @@ def run_service(main: Coroutine[Any, Any, T], event_loop: str, cpu_affinity: str
     if cpu_affinity:
         bind_process(parse_cores(cpu_affinity))
     with tuned_gc():
-        if event_loop != "asyncio":
-            try:
-                import uvloop
-            except ImportError:
-                if event_loop == "uvloop":
-                    raise
-            else:
-                return uvloop.run(main)
-        return asyncio.run(main)
+        return run_loop(main, event_loop)
 
 
 class BearerAuthInterceptor(grpc.aio.ServerInterceptor):

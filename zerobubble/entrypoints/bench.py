@@ -4,7 +4,7 @@ write the report; ``zerobubble bench plot`` draws reports (see :mod:`zerobubble.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import importlib.util
 import json
 import logging
 import sys
@@ -15,6 +15,7 @@ import grpc.aio
 from zerobubble.bench import format_summary, load_dataset, run_bench_async
 from zerobubble.bench_openai import OpenAIBackendError, run_openai_bench_async
 from zerobubble.client import ChannelSettings, format_rpc_error
+from zerobubble.event_loop import run_loop
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -25,6 +26,9 @@ def run_bench(args: argparse.Namespace) -> int:
         return run_plot(args)
     if not args.dataset:
         print("error: --dataset is required", file=sys.stderr)
+        return 2
+    if args.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
+        print("error: --event-loop uvloop: the uvloop package is not installed (pip install uvloop)", file=sys.stderr)
         return 2
     try:
         rows = load_dataset(args.dataset, kind=args.kind, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
@@ -41,7 +45,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.backend == "openai":
             logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
             try:
-                report = asyncio.run(
+                report = run_loop(
                     run_openai_bench_async(
                         args.base_url,
                         rows,
@@ -50,13 +54,14 @@ def run_bench(args: argparse.Namespace) -> int:
                         model=args.model_name,
                         api_key=args.auth_token,
                         progress=args.progress,
-                    )
+                    ),
+                    args.event_loop,
                 )
             except OpenAIBackendError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 1
         else:
-            report = asyncio.run(
+            report = run_loop(
                 run_bench_async(
                     ChannelSettings.from_args(args),
                     rows,
@@ -65,7 +70,8 @@ def run_bench(args: argparse.Namespace) -> int:
                     progress=args.progress,
                     connect_timeout=args.connect_timeout,
                     num_connections=args.connections,
-                )
+                ),
+                args.event_loop,
             )
     except grpc.aio.AioRpcError as exc:
         print(f"error: {format_rpc_error(exc)}", file=sys.stderr)

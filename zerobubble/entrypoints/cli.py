@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerobubble.config import (
+    EVENT_LOOPS,
     LOG_LEVELS,
     ConfigError,
     FrontConfig,
@@ -257,6 +258,16 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
         env=env,
         help="gRPC connections to --target, requests spread round-robin: a scheduler's --fronts share "
         "its port by connection, so one connection reaches one front (1 = all requests on one)",
+    )
+    add_flag(
+        parser,
+        "--event-loop",
+        default="auto",
+        type=str.lower,
+        choices=EVENT_LOOPS,
+        env=env,
+        help="the client's asyncio event loop: uvloop (less CPU per message read), the standard library's, "
+        "or auto = uvloop where it is installed",
     )
     add_flag(
         parser,
