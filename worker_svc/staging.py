@@ -59,7 +59,7 @@ def write(dst: torch.Tensor, values: HostValues) -> None:
         dst.copy_(cpu_tensor(values, dst.dtype))
         return
     host = torch.empty(len(values), dtype=dst.dtype, pin_memory=True)
-    host.copy_(torch.tensor(values, dtype=dst.dtype))
+    host.copy_(cpu_tensor(values, dst.dtype))
     dst.copy_(host, non_blocking=True)
 
 
