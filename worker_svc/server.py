@@ -137,18 +137,14 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     proposer = build_proposer(
         cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max, draft, cfg.draft_acceptance
     )
-    max_model_len = loaded.max_model_len
-    if cfg.max_model_len > 0:
-        max_model_len = min(max_model_len, cfg.max_model_len)
     num_blocks = kv_capacity_blocks(cfg, loaded, device, dtype, draft)
     runner = ModelRunner(
         loaded,
-        RunnerConfig(
-            num_blocks=num_blocks,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=max_model_len,
-            num_spec_tokens=cfg.num_spec_tokens if proposer is not None else 0,
+        runner_config(
+            cfg,
+            loaded,
+            num_blocks,
+            cfg.num_spec_tokens if proposer is not None else 0,
             cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
         ),
         proposer,
@@ -166,6 +162,24 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     return runner, loaded
 
 
+def runner_config(
+    cfg: WorkerConfig, loaded: LoadedModel, num_blocks: int, num_spec_tokens: int, cuda_graphs: bool = False
+) -> RunnerConfig:
+    """The runner's settings from the worker's flags and the model (``--max-model-len`` caps
+    the model's own limit)."""
+    max_model_len = loaded.max_model_len
+    if cfg.max_model_len > 0:
+        max_model_len = min(max_model_len, cfg.max_model_len)
+    return RunnerConfig(
+        num_blocks=num_blocks,
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=max_model_len,
+        num_spec_tokens=num_spec_tokens,
+        cuda_graphs=cuda_graphs,
+    )
+
+
 def build_simulated_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
     """A runner on a simulated device (`worker_svc/simulated.py`): the model's config and
     tokenizer, no weights; KV capacity as if the cache were allocated on the CPU."""
@@ -180,22 +194,8 @@ def build_simulated_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]
         num_spec_tokens,
     )
     proposer = LagNgramProposer(num_spec_tokens, cfg.ngram_min) if cfg.speculative else None
-    max_model_len = loaded.max_model_len
-    if cfg.max_model_len > 0:
-        max_model_len = min(max_model_len, cfg.max_model_len)
     num_blocks = kv_capacity_blocks(cfg, loaded, torch.device("cpu"), resolve_dtype(cfg.dtype, torch.device("cpu")))
-    runner = ModelRunner(
-        loaded,
-        RunnerConfig(
-            num_blocks=num_blocks,
-            block_size=cfg.block_size,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=max_model_len,
-            num_spec_tokens=num_spec_tokens,
-        ),
-        proposer,
-        simulator,
-    )
+    runner = ModelRunner(loaded, runner_config(cfg, loaded, num_blocks, num_spec_tokens), proposer, simulator)
     logger.info(
         "worker ready on a SIMULATED device (%.1f ms per step, acceptance rate %.2f): "
         "model=%s blocks=%d x %d spec=%s k=%d",
