@@ -18,22 +18,22 @@ def wait_until(predicate: Callable[[], T], timeout: float, what: str, poll: floa
     """Poll ``predicate()`` until it returns something truthy and return that value; fail the
     test with ``what`` when ``timeout`` seconds pass first."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    while not (value := _check(predicate, deadline, timeout, what)):
         time.sleep(poll)
+    return value
 
 
 async def wait_until_async(predicate: Callable[[], T], timeout: float, what: str, poll: float = 0.01) -> T:
     """`wait_until` inside an event loop: sleeps without blocking it."""
     deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    while not (value := _check(predicate, deadline, timeout, what)):
         await asyncio.sleep(poll)
+    return value
+
+
+def _check(predicate: Callable[[], T], deadline: float, timeout: float, what: str) -> T:
+    """One poll: the predicate's value, or the test's failure once the deadline has passed."""
+    value = predicate()
+    if not value and time.monotonic() > deadline:
+        raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+    return value

@@ -18,14 +18,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e import (
     MIN_IDENTICAL,
@@ -37,7 +35,7 @@ from tests.e2e import (
     run_workload,
 )
 from tests.hf_oracle import load_hf_model
-from tests.polling import wait_until
+from tests.metrics_scrape import metric, wait_all_released
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
@@ -253,15 +251,7 @@ def test_cancel_with_steps_in_flight_keeps_others_exact(pool, smollm2_dir, groun
     with scheduler_on(pool.get("ngram"), max_inflight_steps=2) as scheduler:
         got, others = asyncio.run(scenario(scheduler.target))
         port = scheduler.ports["METRICS"]
-        wait_until(
-            lambda: (
-                metric(port, "zerobubble_kv_cache_usage_ratio") == 0.0
-                and metric(port, "zerobubble_num_requests_running") == 0
-            ),
-            30,
-            "the cancelled request's KV blocks to be freed",
-            poll=0.2,
-        )
+        wait_all_released(port)
         assert metric(port, "zerobubble_request_success_total", finished_reason="cancelled") == 1
     assert got == reference.get(indices[0], 48)[: len(got)]
     for i, completion in zip(indices[1:], others):
@@ -316,15 +306,6 @@ def test_preemption_with_tiny_kv_chunked_prefill_and_ngram(smollm2_dir, grounded
 
 
 # ----------------------------------------------------------------------------------- helpers
-
-
-def scrape(port: int) -> list:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return [s for family in text_string_to_metric_families(text) for s in family.samples]
-
-
-def metric(port: int, name: str, **labels) -> float:
-    return sum(s.value for s in scrape(port) if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
 def scheduler_stats(scheduler: Service) -> dict[str, float]:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e import assert_matches_reference, bench_rows, hf_reference, run_workload
+from tests.metrics_scrape import metric, wait_all_released
 from tests.polling import wait_until
 from tests.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc
@@ -28,21 +27,6 @@ def services(smollm2_dir):
     yield scheduler, worker
     scheduler.stop()
     worker.stop()
-
-
-def scrape(port: int) -> dict[str, list]:
-    """name -> samples of one /metrics scrape."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    return {f.name: f.samples for f in text_string_to_metric_families(text)}
-
-
-def metric(port: int, name: str, **labels) -> float:
-    total = 0.0
-    for family in scrape(port).values():
-        for s in family:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
 
 
 def run(coro):
@@ -108,15 +92,7 @@ def test_cancelled_stream_returns_kv_blocks(services):
 
     other = run(cancel_mid_stream())
     assert other.finish_reason in ("eos", "max_tokens")
-    wait_until(
-        lambda: (
-            metric(metrics_port, "zerobubble_kv_cache_usage_ratio") == 0.0
-            and metric(metrics_port, "zerobubble_num_requests_running") == 0
-        ),
-        30,
-        "the cancelled request's KV blocks to be freed",
-        poll=0.2,
-    )
+    wait_all_released(metrics_port)
     assert metric(metrics_port, "zerobubble_request_success_total", finished_reason="cancelled") >= 1
 
 
