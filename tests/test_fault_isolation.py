@@ -8,13 +8,16 @@ fault-free run, and the worker must keep no state for the failed requests.
 
 from __future__ import annotations
 
+import logging
+import queue
+
 import pytest
 import torch
 
 from scheduler_svc.scheduler import FINISH_ERROR
 from scheduler_svc.tokenizer import Tokenizer
 from tests.drive import make_scheduler
-from worker_svc.server import build_runner, materialize_result, run_step, tokenizer_fields
+from worker_svc.server import build_runner, materialize_result, run_jobs, run_step, tokenizer_fields
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig
 
@@ -157,6 +160,23 @@ def test_a_fault_at_the_result_copy_answers_its_step_with_an_error(runner):
     for req_id in ("r0", "r1", "r2"):
         assert got[req_id][1] == FINISH_ERROR and "illegal memory access" in got[req_id][2]
     assert got["r3"][0] == reference["r3"][0] and len(got["r3"][0]) == MAX_TOKENS
+
+
+def test_the_copier_logs_a_failing_job_and_runs_the_next(caplog) -> None:
+    """A job that raises on the copier thread (a delivery into a closed loop, say) must not end
+    the thread: the results behind it would never be answered."""
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    done: list[int] = []
+
+    def fail() -> None:
+        raise RuntimeError("event loop is closed")
+
+    for job in ((fail, ()), (done.append, (1,)), (fail, ()), (done.append, (2,)), None):
+        jobs.put(job)
+    with caplog.at_level(logging.ERROR, logger="worker_svc.server"):
+        run_jobs(jobs)  # returns at the None
+    assert done == [1, 2]
+    assert sum("copier's job failed" in r.message for r in caplog.records) == 2
 
 
 def _decoding_runners(num_requests: int = 4):
