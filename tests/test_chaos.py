@@ -55,9 +55,9 @@ WORKER_OPTS = dict(kv_cache_memory_gb=0.3, max_num_seqs=32, spec_method="ngram",
 NUM_STREAMS = int(os.environ.get("ZEROBUBBLE_CHAOS_STREAMS", "16"))
 NUM_FLOOD = int(os.environ.get("ZEROBUBBLE_CHAOS_FLOOD", "1000"))
 TABLE: list[dict] = []
-# When gRPC's keepalive on the scheduler's link (zerobubble/client.py: a ping every 30 s, 10 s to
-# answer) has declared a stopped worker lost at the latest.
-KEEPALIVE_DETECTION_S = 30 + 10 + 30
+# When gRPC's keepalive on the scheduler's link to a worker (zerobubble/rpc.py CHANNEL_OPTIONS: a
+# ping after 10 s without data, 5 s to answer it) has declared a stopped worker lost at the latest.
+KEEPALIVE_DETECTION_S = 10 + 5
 
 
 def chat(i: int) -> dict:
@@ -269,10 +269,9 @@ def test_worker_sigstop(cluster, reference):
     row = faulted_run(cluster, reference, "worker SIGSTOP", lambda: victim.proc.send_signal(signal.SIGSTOP))
     victim.proc.send_signal(signal.SIGCONT)
     back = cluster.wait_workers(2)
-    # Whichever notices the silent worker first declares it lost: the step deadline the
-    # scheduler derives from recent step latencies (on a quiet machine max(10 s, ...) = 10 s;
-    # where steps were slow, 20 x their p99, which can pass a minute), or gRPC's keepalive on
-    # the link (a ping unanswered: "ping timeout", about a minute after the worker stopped).
+    # Whichever notices the silent worker first declares it lost: gRPC's keepalive on the link
+    # (a ping unanswered: "ping timeout", within 15 s), or the step deadline the scheduler
+    # derives from recent step latencies (at least 10 s; where steps were slow, 20 x their p99).
     log = "".join(cluster.scheduler.log)
     missed = re.findall(r"no answer to a step for ([0-9.]+)s", log)
     if missed:

@@ -332,3 +332,39 @@ def test_a_device_fault_exits_the_worker_and_its_requests_finish_elsewhere():
     finally:
         for service in (*schedulers, healthy, faulty):
             service.stop()
+
+
+def test_a_silent_worker_is_found_by_keepalive_within_seconds():
+    """A worker that stops answering without closing its connection (a hung host, a dropped
+    network path; here SIGSTOP) is found by the link's keepalive ping going unanswered, within
+    its keepalive settings (10 s + 5 s), not gRPC's default ping timeout of a minute; its
+    requests finish on the other worker. The step deadline is set far away, so only the
+    keepalive can notice."""
+    opts = dict(simulate_device_ms=5.0, spec_method="ngram", num_spec_tokens=3, max_num_seqs=16)
+    healthy, silent = start_worker(**opts), start_worker(**opts)
+    scheduler = start_scheduler([healthy, silent], step_deadline=600.0)
+    stopped: list[float] = []
+    try:
+        wait_for_workers(scheduler.target, 2)
+        requests = [dict(r, max_tokens=400) for r in (chat(q) for q in QUESTIONS)]
+
+        num_replies = [0]
+
+        def stop_once_under_way(i: int, reply: generate_pb2.GenerateResponse) -> None:
+            num_replies[0] += 1
+            if not stopped and num_replies[0] >= 10 * len(requests):
+                stopped.append(time.monotonic())
+                silent.proc.send_signal(signal.SIGSTOP)
+
+        outputs, _, _ = asyncio.run(run_all(scheduler.target, requests, on_response=stop_once_under_way))
+        finished = time.monotonic()
+        assert stopped, "the worker was never stopped"
+        log = "".join(scheduler.log)
+        assert "ping timeout" in log and "re-queueing" in log, "the silent worker held no request or was not found"
+        assert all(c.finish_reason == "max_tokens" for c in outputs), [(c.finish_reason, c.error) for c in outputs]
+        assert finished - stopped[0] < 40, f"the requests finished {finished - stopped[0]:.0f} s after the stop"
+    finally:
+        if silent.proc.poll() is None:
+            silent.proc.send_signal(signal.SIGCONT)
+        for service in (scheduler, healthy, silent):
+            service.stop()

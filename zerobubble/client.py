@@ -34,6 +34,8 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.keepalive_time_ms", 30_000),
     ("grpc.keepalive_timeout_ms", 10_000),
+    # gRPC gives an unanswered ping this long, not keepalive_timeout_ms (its default: a minute).
+    ("grpc.http2.ping_timeout_ms", 10_000),
 )
 
 FINISH_REASON_NAMES: dict[int, str] = {
