@@ -32,6 +32,7 @@ import pytest
 
 from tests.metrics_scrape import scrape, total
 from tests.servers import start_scheduler, start_worker, wait_serving
+from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from zerobubble.client import build_request, complete
 from zerobubble.rows import result_rows
@@ -55,9 +56,11 @@ WORKER_OPTS = dict(kv_cache_memory_gb=0.3, max_num_seqs=32, spec_method="ngram",
 NUM_STREAMS = int(os.environ.get("ZEROBUBBLE_CHAOS_STREAMS", "16"))
 NUM_FLOOD = int(os.environ.get("ZEROBUBBLE_CHAOS_FLOOD", "1000"))
 TABLE: list[dict] = []
-# When gRPC's keepalive on the scheduler's link to a worker (zerobubble/rpc.py CHANNEL_OPTIONS: a
-# ping after 10 s without data, 5 s to answer it) has declared a stopped worker lost at the latest.
-KEEPALIVE_DETECTION_S = 10 + 5
+# When gRPC's keepalive on the scheduler's link to a worker (a ping after some time without data,
+# then as long to answer it) has declared a stopped worker lost at the latest.
+KEEPALIVE_DETECTION_S = (
+    dict(rpc.CHANNEL_OPTIONS)["grpc.keepalive_time_ms"] + dict(rpc.CHANNEL_OPTIONS)["grpc.http2.ping_timeout_ms"]
+) / 1000
 
 
 def chat(i: int) -> dict:

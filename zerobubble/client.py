@@ -22,6 +22,7 @@ import grpc
 import grpc.aio
 
 from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.config import keepalive_options
 
 logger = logging.getLogger(__name__)
 
@@ -32,10 +33,7 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 30_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    # gRPC gives an unanswered ping this long, not keepalive_timeout_ms (its default: a minute).
-    ("grpc.http2.ping_timeout_ms", 10_000),
+    *keepalive_options(30_000, 10_000),
 )
 
 FINISH_REASON_NAMES: dict[int, str] = {

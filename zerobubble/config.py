@@ -44,6 +44,30 @@ def apply_grpc_defaults(environ: MutableMapping[str, str]) -> None:
     environ.setdefault("GRPC_EXPERIMENTS", GRPC_EXPERIMENTS_DEFAULT)
 
 
+def keepalive_options(time_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
+    """gRPC arguments that ping a connection after `time_ms` without data and close it when a
+    ping stays unanswered for `timeout_ms`.
+
+    gRPC closes the connection after its ping timeout (`grpc.http2.ping_timeout_ms`, one minute
+    by default wherever keepalive is on), whatever `grpc.keepalive_timeout_ms` says: with only
+    the latter at 5 s, a scheduler noticed a SIGSTOPped worker 60 s after the stop ("Stream
+    removed (ping timeout)"), with both 5 s after it (tests/test_multi_worker.py).
+    """
+    return [
+        ("grpc.keepalive_time_ms", time_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+    ]
+
+
+def check_event_loop(event_loop: str) -> None:
+    """`--event-loop uvloop` needs the uvloop package (auto falls back to asyncio without it)."""
+    _require(
+        event_loop != "uvloop" or importlib.util.find_spec("uvloop") is not None,
+        "--event-loop uvloop: the uvloop package is not installed (pip install uvloop; or --event-loop asyncio)",
+    )
+
+
 _Config = TypeVar("_Config")
 
 
@@ -174,10 +198,7 @@ class ServiceConfig:
         _require(bool(self.tls_cert) == bool(self.tls_key), "--tls-cert and --tls-key go together")
         if self.cpu_affinity:
             available_cores(self.cpu_affinity, "--cpu-affinity")
-        _require(
-            self.event_loop != "uvloop" or importlib.util.find_spec("uvloop") is not None,
-            "--event-loop uvloop: the uvloop package is not installed (pip install uvloop; or --event-loop asyncio)",
-        )
+        check_event_loop(self.event_loop)
         _require(self.max_num_seqs >= 1, "--max-num-seqs must be >= 1")
         _require(-1 <= self.metrics_port <= 65535, "--metrics-port must be -1 (off) or a port")
         _require(0 <= self.port <= 65535, "--port must be a port number (0 = pick one)")
@@ -448,10 +469,7 @@ class FrontConfig:
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         if self.cpu_affinity:
             available_cores(self.cpu_affinity, "--cpu-affinity")
-        _require(
-            self.event_loop != "uvloop" or importlib.util.find_spec("uvloop") is not None,
-            "--event-loop uvloop: the uvloop package is not installed (pip install uvloop; or --event-loop asyncio)",
-        )
+        check_event_loop(self.event_loop)
 
 
 @dataclass(slots=True)

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from zerobubble.config import parse_cores
+from zerobubble.config import keepalive_options, parse_cores
 from zerobubble.event_loop import run_loop
 
 logger = logging.getLogger(__name__)
@@ -30,11 +30,6 @@ T = TypeVar("T")
 # limits (a clear INVALID_ARGUMENT) well below this transport cap.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
-# KEEPALIVE_NOTE: gRPC closes a connection whose ping goes unanswered after its ping timeout
-# (`grpc.http2.ping_timeout_ms`, default one minute wherever keepalive is on), whatever
-# `grpc.keepalive_timeout_ms` says: a scheduler noticed a SIGSTOPped worker 60 s after the stop
-# ("Stream removed (ping timeout)") with a 5 s keepalive timeout, and 5 s after it with both
-# set (tests/test_multi_worker.py). Both are set alike here.
 SERVER_OPTIONS: list[tuple[str, int]] = [
     # gRPC sets SO_REUSEPORT by default: a second server on a used port would start silently
     # and take half the connections. Off, binding a used port fails (see `bind`).
@@ -42,11 +37,7 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Detect dead peers across a real network: ping idle connections, accept client pings.
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    # What an unanswered ping (keepalive's too) is given before the connection is closed: gRPC
-    # applies this, not keepalive_timeout_ms, and defaults it to a minute (see KEEPALIVE_NOTE).
-    ("grpc.http2.ping_timeout_ms", 10_000),
+    *keepalive_options(20_000, 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_pings_without_data", 0),
@@ -55,9 +46,7 @@ SERVER_OPTIONS: list[tuple[str, int]] = [
 CHANNEL_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.http2.ping_timeout_ms", 5_000),
+    *keepalive_options(10_000, 5_000),
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]

@@ -4,7 +4,6 @@ write the report; ``zerobubble bench plot`` draws reports (see :mod:`zerobubble.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import logging
 import sys
@@ -15,6 +14,7 @@ import grpc.aio
 from zerobubble.bench import format_summary, load_dataset, run_bench_async
 from zerobubble.bench_openai import OpenAIBackendError, run_openai_bench_async
 from zerobubble.client import ChannelSettings, format_rpc_error
+from zerobubble.config import ConfigError, check_event_loop
 from zerobubble.event_loop import run_loop
 
 
@@ -27,8 +27,10 @@ def run_bench(args: argparse.Namespace) -> int:
     if not args.dataset:
         print("error: --dataset is required", file=sys.stderr)
         return 2
-    if args.event_loop == "uvloop" and importlib.util.find_spec("uvloop") is None:
-        print("error: --event-loop uvloop: the uvloop package is not installed (pip install uvloop)", file=sys.stderr)
+    try:
+        check_event_loop(args.event_loop)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         rows = load_dataset(args.dataset, kind=args.kind, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
