@@ -30,7 +30,7 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 # Each hand-off wakes a thread, and a message's cost is mostly wake-ups: on the 2-core VM a
 # gRPC ping-pong between two processes took 0.6x the time and 0.7x the CPU per message without
 # them (`scripts/grpc_pingpong.py`), the whole path at 64 requests 0.8x the time per step (less
-# where many messages already share a wake-up: README, "Fronts"). Known to grpcio 1.75 through
+# where many messages already share a wake-up: docs/MEASUREMENTS.md, "Fronts"). Known to grpcio 1.75 through
 # 1.85 (an unknown name is logged as an error, not refused).
 GRPC_EXPERIMENTS_DEFAULT = (
     "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints,-event_engine_callback_cq"
