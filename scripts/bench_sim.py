@@ -66,7 +66,7 @@ apply_grpc_defaults(os.environ)  # this client as the services run (before grpc 
 
 from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
 from zerobubble.bench import BenchRow, percentile  # noqa: E402
-from zerobubble.client import ChannelSettings, build_request, open_channels  # noqa: E402
+from zerobubble.client import ChannelSettings, build_request, open_channel  # noqa: E402
 from zerobubble.event_loop import run_loop  # noqa: E402
 from zerobubble.rpc import bind_process  # noqa: E402
 from zerobubble.tools.launch import (  # noqa: E402
@@ -181,8 +181,8 @@ class Window:
     reply_gaps_s: list[float] = field(default_factory=list)
 
 
-# A client load against a scheduler: (target, N, the processes' pids, options) -> its window.
-Driver = Callable[[str, int, dict[str, int], argparse.Namespace], Awaitable[Window]]
+# A client load against a scheduler: (targets, N, the processes' pids, options) -> its window.
+Driver = Callable[[list[str], int, dict[str, int], argparse.Namespace], Awaitable[Window]]
 
 
 def run(
@@ -198,7 +198,10 @@ def run(
     """One run through a fresh scheduler in front of `worker`, loaded by `drive` (default:
     `steady_state`); the figures of its window. ``via="front"``: the clients call a `zerobubble
     front` (on the clients' cores) that relays to the scheduler; ``via="fronts"``: the
-    scheduler's own `--fronts` (`--num-fronts`), the clients over `--connections`."""
+    scheduler's own `--fronts` (`--num-fronts`), sharing its port, the clients over
+    `--connections` (the kernel spreads them, unevenly at a few); ``via="front-ports"``:
+    `--num-fronts` fronts started by hand, a port each, the clients' connections dealt out to
+    them evenly."""
     scheduler_cores, client_cores = placement_cores(placement)
     scheduler = start_scheduler(
         [worker],
@@ -214,22 +217,24 @@ def run(
     pids = {"scheduler": scheduler.proc.pid, "worker": worker.proc.pid, "client": os.getpid()}
     for i, pid in enumerate(front_children(scheduler.proc.pid) if via == "fronts" else ()):
         pids[f"front {i + 1}"] = pid
-    front = None
+    num_by_hand = {"front": 1, "front-ports": args.num_fronts}.get(via, 0)
+    fronts: list[Service] = []
     try:
         wait_serving(scheduler.target)
-        target = scheduler.target
-        if via == "front":
+        for i in range(num_by_hand):
             front = start_front(scheduler, cpu_affinity=client_cores, event_loop=args.event_loop)
-            pids["front"] = front.proc.pid
-            target = front.target
+            fronts.append(front)
+            pids["front" if num_by_hand == 1 else f"front {i + 1}"] = front.proc.pid
+        targets = [front.target for front in fronts] or [scheduler.target]
+        for target in targets:
             wait_serving(target)
         if client_cores:  # only while it runs: processes started later must not inherit it
             bind_process(parse_cores(client_cores))
-        seen = run_loop((drive or steady_state)(target, num_requests, pids, args), args.event_loop)
+        seen = run_loop((drive or steady_state)(targets, num_requests, pids, args), args.event_loop)
     finally:
         if client_cores:
             bind_process(ALL_CORES)
-        if front is not None:
+        for front in fronts:
             front.stop()
         scheduler.stop()
     first, last, wall = seen.first, seen.last, seen.wall_s
@@ -298,16 +303,32 @@ def cpu_between(cpu0: dict, cpu1: dict) -> dict[str, tuple[float, float]]:
     }
 
 
+def dealt(targets: list[str], num_connections: int) -> list[str]:
+    """The target of each client connection: `num_connections` dealt out to `targets` in turn,
+    the same number to each and at least one, so that requests dealt out to the connections in
+    turn load every target alike (fronts with a port each)."""
+    per_target = -(-num_connections // len(targets))
+    return [target for _ in range(per_target) for target in targets]
+
+
 @contextlib.asynccontextmanager
-async def stubs(target: str, args: argparse.Namespace) -> AsyncIterator[list[generate_pb2_grpc.GenerationStub]]:
-    """`--connections` stubs: one channel, or that many with connections of their own (gRPC
-    shares one between a process's channels, and a scheduler's fronts share its port by
-    connection)."""
-    async with open_channels(ChannelSettings(target), args.connections) as channels:
-        yield [generate_pb2_grpc.GenerationStub(channel) for channel in channels]
+async def stubs(targets: list[str], args: argparse.Namespace) -> AsyncIterator[list[generate_pb2_grpc.GenerationStub]]:
+    """A stub per `--connections` connection (`dealt` over `targets`): one channel, or channels
+    with connections of their own (gRPC shares one between a process's channels to a target,
+    and a scheduler's fronts share its port by connection)."""
+    connections = dealt(targets, args.connections)
+    async with contextlib.AsyncExitStack() as stack:
+        yield [
+            generate_pb2_grpc.GenerationStub(
+                await stack.enter_async_context(
+                    open_channel(ChannelSettings(target), own_connection=len(connections) > 1)
+                )
+            )
+            for target in connections
+        ]
 
 
-async def steady_state(target: str, num_requests: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
+async def steady_state(targets: list[str], num_requests: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
     """Stream N requests sent at once, each `max_tokens` long; the window runs from the moment
     every one has received `--settle` of its tokens (at least its first) to the moment the
     first one ends.
@@ -320,7 +341,7 @@ async def steady_state(target: str, num_requests: int, pids: dict[str, int], arg
     settled_at = max(1, int(args.settle * max_tokens))
     counts, num_settled = [0] * num_requests, [0]  # tokens each request received; how many settled
     all_settled, first_done = asyncio.Event(), asyncio.Event()
-    async with stubs(target, args) as all_stubs:
+    async with stubs(targets, args) as all_stubs:
         stub = all_stubs[0]
         marks: list = []
 
@@ -352,7 +373,7 @@ async def steady_state(target: str, num_requests: int, pids: dict[str, int], arg
     return Window(first, last, tokens1 - tokens0, 0, t1 - t0, cpu_between(cpu0, cpu1))
 
 
-async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
+async def churn(targets: list[str], num_lanes: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
     """N clients, each sending its next request as soon as its last one ended, output lengths
     uniform in `--output-tokens` (seeded); the window is `--seconds` long, after `--warmup-s`."""
     low, high = args.output_tokens
@@ -361,7 +382,7 @@ async def churn(target: str, num_lanes: int, pids: dict[str, int], args: argpars
     gaps: list[float] = []
     measuring = asyncio.Event()
     stop = asyncio.Event()
-    async with stubs(target, args) as all_stubs:
+    async with stubs(targets, args) as all_stubs:
         stub = all_stubs[0]
 
         async def lane(lane_id: int) -> None:
@@ -688,13 +709,19 @@ def main() -> None:
     parser.add_argument(
         "--via",
         nargs="+",
-        choices=("direct", "front", "fronts"),
+        choices=("direct", "front", "fronts", "front-ports"),
         default=["direct"],
         help="host, bubble and churn: the clients call the scheduler directly, a `zerobubble front` that relays "
-        "to it (on the clients' cores with --placement apart), or the scheduler's own --fronts (--num-fronts); "
-        "several = alternate runs",
+        "to it (on the clients' cores with --placement apart), the scheduler's own --fronts (--num-fronts, one "
+        "port: the kernel spreads the connections), or --num-fronts fronts with a port each, the connections "
+        "dealt out evenly; several = alternate runs",
     )
-    parser.add_argument("--num-fronts", type=int, default=2, help="the scheduler's --fronts with --via fronts")
+    parser.add_argument(
+        "--num-fronts",
+        type=int,
+        default=2,
+        help="the scheduler's --fronts with --via fronts; the fronts with --via front-ports",
+    )
     parser.add_argument(
         "--connections",
         type=int,

@@ -74,7 +74,8 @@ def test_host_suite_measures_full_steps_after_every_request_settled(tmp_path: Pa
         "--max-tokens", "240",
         "--repeats", "1",
         "--num-spec-tokens", "3",
-        "--via", "direct", "front",
+        "--via", "direct", "front", "front-ports",
+        "--connections", "2",
     )  # fmt: skip
     for via in ("direct", "front"):
         figures = report[f"{via}/k3/n4"]
@@ -95,6 +96,22 @@ def test_host_suite_measures_full_steps_after_every_request_settled(tmp_path: Pa
         assert figures["clients_ms_per_step"] >= 0.5 * figures["ms_per_step"] > 0
         assert 0 < figures["acceptance_rate"] <= 1
         assert set(figures["cpu_ms_per_step"]) >= {"scheduler", "worker", "client"}
+    # Fronts with a port each: both measured; what the clients received arrived (two fronts on a
+    # loaded machine may hand on a window's tokens in bursts, so no pace is checked).
+    figures = report["front-ports/k3/n4"]
+    assert sorted(name for name in figures["cpu_ms_per_step"] if name.startswith("front")) == ["front 1", "front 2"]
+    assert 1 <= figures["rows_per_step"] <= 4.5 and figures["tokens_per_step"] > 0, figures
+    assert figures["clients_ms_per_step"] > 0, figures
+
+
+def test_fronts_with_a_port_each_get_the_same_number_of_connections(monkeypatch) -> None:
+    monkeypatch.setenv("GRPC_EXPERIMENTS", os.environ.get("GRPC_EXPERIMENTS", ""))  # as it was
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
+    dealt = importlib.import_module("bench_sim").dealt
+    assert dealt(["a", "b"], 8) == ["a", "b"] * 4
+    assert dealt(["a", "b"], 3) == ["a", "b", "a", "b"]  # rounded up: the same number each
+    assert dealt(["a", "b"], 1) == ["a", "b"]  # at least one each
+    assert dealt(["a"], 3) == ["a", "a", "a"]
 
 
 def test_host_keeps_the_best_steady_window(monkeypatch, capsys) -> None:
