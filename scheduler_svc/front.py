@@ -55,6 +55,10 @@ class Refused:
     message: str
 
 
+# What a sequence's plain replies share with its last whole one: request id, prompt tokens,
+# cached prompt tokens.
+Constants = tuple[str, int, int]
+
 ACCEPTED = object()  # the scheduler queued the call
 DONE = object()  # a call's last reply has been queued
 LOST = Refused(grpc.StatusCode.UNAVAILABLE, "the front lost its connection to the scheduler")
@@ -67,14 +71,14 @@ class _Outgoing:
     __slots__ = ("pending", "wake")
 
     def __init__(self) -> None:
-        self.pending = front_pb2.FrontMessage()
+        self.pending = front_pb2.FrontMessage(reads_plain=True)
         self.wake = asyncio.Event()
 
     async def messages(self) -> AsyncIterator[front_pb2.FrontMessage]:
         while True:
             await self.wake.wait()
             self.wake.clear()
-            message, self.pending = self.pending, front_pb2.FrontMessage()
+            message, self.pending = self.pending, front_pb2.FrontMessage(reads_plain=True)
             yield message
 
 
@@ -88,6 +92,9 @@ class EngineLink:
         self.creds = rpc.channel_credentials(cfg.scheduler_tls_ca or None)
         self.metadata = rpc.bearer_metadata(cfg.scheduler_auth_token)
         self.calls: dict[int, asyncio.Queue] = {}
+        # By tag, then sequence: what the plain rows stand on, the last whole reply's request
+        # id, prompt tokens and cached prompt tokens (`EngineMessage.plain`).
+        self.wholes: dict[int, dict[int, Constants]] = {}
         self.unary: generate_pb2_grpc.GenerationStub | None = None  # set while connected
         # What prompts are tokenized with here (None: not described yet; the scheduler then
         # tokenizes them), and the worker facts it came with.
@@ -139,6 +146,7 @@ class EngineLink:
 
     def close(self, tag: int, cancel: bool) -> None:
         """The call is over; ``cancel``: it ended early (its client left), so abort it."""
+        self.wholes.pop(tag, None)
         if self.calls.pop(tag, None) is not None and cancel and self._out is not None:
             self._out.pending.cancel.append(tag)
             self._out.wake.set()
@@ -149,10 +157,46 @@ class EngineLink:
             queue = calls.get(tag)
             if queue is not None:
                 queue.put_nowait(ACCEPTED)
+        # Plain rows and whole replies, in the scheduler's order: `num_plain_before` rows come
+        # before each whole reply. A row becomes the reply it stands for here, from its
+        # sequence's last whole reply.
+        wholes = self.wholes
+        plain = message.plain
+        tags, indexes, outputs = plain.tags, plain.indexes, plain.num_output_tokens
+        num_tokens, token_ids = plain.num_tokens, plain.token_ids
+        row = start = 0
+
+        def rows_until(end: int) -> None:
+            nonlocal row, start
+            while row < end:
+                tag, stop = tags[row], start + num_tokens[row]
+                queue = calls.get(tag)
+                if queue is not None:
+                    index = indexes[row]
+                    request_id, num_prompt_tokens, num_cached = wholes[tag][index]
+                    reply = generate_pb2.GenerateResponse(
+                        request_id=request_id,
+                        token_ids=token_ids[start:stop],
+                        num_prompt_tokens=num_prompt_tokens,
+                        num_output_tokens=outputs[row],
+                        num_cached_prompt_tokens=num_cached,
+                        index=index,
+                    )
+                    queue.put_nowait(reply)
+                row, start = row + 1, stop
+
         for tagged in message.replies:
+            rows_until(tagged.num_plain_before)
             queue = calls.get(tagged.tag)
             if queue is not None:
-                queue.put_nowait(tagged.response)
+                response = tagged.response
+                wholes.setdefault(tagged.tag, {})[response.index] = (
+                    response.request_id,
+                    response.num_prompt_tokens,
+                    response.num_cached_prompt_tokens,
+                )
+                queue.put_nowait(response)
+        rows_until(len(tags))
         for refusal in message.refused:
             queue = calls.get(refusal.tag)
             if queue is not None:
@@ -218,6 +262,7 @@ class EngineLink:
         for queue in self.calls.values():
             queue.put_nowait(LOST)
         self.calls.clear()
+        self.wholes.clear()
         self._out = None
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from scheduler_svc.submission import ReplyOrEnd, RequestError, Submission
+from scheduler_svc.submission import DeliverPlain, ReplyOrEnd, RequestError, Submission
 from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, worker_pb2
 
 if TYPE_CHECKING:
@@ -37,7 +37,12 @@ class RelayingServicer(Protocol):
 
     def stop_sequence(self, submission: Submission, index: int, num_output_tokens: int) -> bool: ...
 
-    def relay(self, submission: Submission, deliver: Callable[[ReplyOrEnd], None]) -> None: ...
+    def relay(
+        self,
+        submission: Submission,
+        deliver: Callable[[ReplyOrEnd], None],
+        deliver_plain: DeliverPlain | None = None,
+    ) -> None: ...
 
     def close(self, submission: Submission) -> None: ...
 
@@ -52,16 +57,33 @@ SERVICE_NAME = front_pb2.DESCRIPTOR.services_by_name["FrontGateway"].full_name
 
 
 class Outbox:
-    """What one front has not been sent yet; `take` waits for something and takes it all."""
+    """What one front has not been sent yet; `take` waits for something and takes it all.
 
-    __slots__ = ("_message", "_ready")
+    Plain replies (`EngineMessage.plain`) gather in lists, put in the message's columns once
+    per take: a list append per reply instead of a message.
+    """
+
+    __slots__ = ("_message", "_ready", "_tags", "_indexes", "_num_tokens", "_token_ids", "_num_output_tokens")
 
     def __init__(self) -> None:
         self._message = front_pb2.EngineMessage()
         self._ready = asyncio.Event()
+        self._tags: list[int] = []
+        self._indexes: list[int] = []
+        self._num_tokens: list[int] = []
+        self._token_ids: list[int] = []
+        self._num_output_tokens: list[int] = []
 
     def reply(self, tag: int, response) -> None:
-        self._message.replies.add(tag=tag).response.CopyFrom(response)
+        self._message.replies.add(tag=tag, num_plain_before=len(self._tags)).response.CopyFrom(response)
+        self._ready.set()
+
+    def plain(self, tag: int, index: int, token_ids: list[int], num_output_tokens: int) -> None:
+        self._tags.append(tag)
+        self._indexes.append(index)
+        self._num_tokens.append(len(token_ids))
+        self._token_ids.extend(token_ids)
+        self._num_output_tokens.append(num_output_tokens)
         self._ready.set()
 
     def refuse(self, tag: int, error: RequestError) -> None:
@@ -80,6 +102,14 @@ class Outbox:
         await self._ready.wait()
         message, self._message = self._message, front_pb2.EngineMessage()
         self._ready.clear()
+        if self._tags:
+            plain = message.plain
+            plain.tags.extend(self._tags)
+            plain.indexes.extend(self._indexes)
+            plain.num_tokens.extend(self._num_tokens)
+            plain.token_ids.extend(self._token_ids)
+            plain.num_output_tokens.extend(self._num_output_tokens)
+            self._tags, self._indexes, self._num_tokens, self._token_ids, self._num_output_tokens = [], [], [], [], []
         return message
 
 
@@ -113,6 +143,7 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
         outbox = Outbox()
         running: dict[int, Submission] = {}
         names: set[str] = set()  # what the front reports its load as (one name, in practice)
+        reads_plain = False  # the front said it reads `EngineMessage.plain`
 
         def deliver_to(tag: int) -> Callable[[ReplyOrEnd], None]:
             def deliver(reply: ReplyOrEnd) -> None:
@@ -124,8 +155,16 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
 
             return deliver
 
+        def deliver_plain_to(tag: int) -> DeliverPlain:
+            def deliver_plain(index: int, token_ids: list[int], num_output_tokens: int) -> None:
+                outbox.plain(tag, index, token_ids, num_output_tokens)
+
+            return deliver_plain
+
         async def read() -> None:
+            nonlocal reads_plain
             async for message in request_iterator:
+                reads_plain = reads_plain or message.reads_plain
                 for submit in message.submit:
                     try:
                         self._check_tokenized_for(submit.tokenized_for)
@@ -135,7 +174,9 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                         continue
                     running[submit.tag] = submission
                     outbox.accept(submit.tag)
-                    self.servicer.relay(submission, deliver_to(submit.tag))
+                    self.servicer.relay(
+                        submission, deliver_to(submit.tag), deliver_plain_to(submit.tag) if reads_plain else None
+                    )
                 for tag in message.cancel:
                     cancelled = running.pop(tag, None)
                     if cancelled is not None:

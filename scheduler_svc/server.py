@@ -23,7 +23,7 @@ from scheduler_svc.front_pool import FrontPool
 from scheduler_svc.request import InvalidRequest, num_sequences, request_prompt_ids, tokenize_response
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
-from scheduler_svc.submission import ReplyOrEnd, RequestError, Stream, Submission, unknown_model
+from scheduler_svc.submission import DeliverPlain, ReplyOrEnd, RequestError, Stream, Submission, unknown_model
 from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc
@@ -251,23 +251,44 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             while not all(stream.finished for stream in streams):
                 for ev in merge_pending(await queue.get(), queue):
-                    reply = self._reply(submission, ev)
-                    if reply is not None:
-                        yield reply
+                    stream = self.streams.get(ev.req_id)
+                    if stream is not None:  # else its sequence was dropped
+                        yield self._reply(submission, stream, ev)
         finally:
             self.close(submission)
 
-    def relay(self, submission: Submission, deliver: Callable[[ReplyOrEnd], None]) -> None:
+    def relay(
+        self,
+        submission: Submission,
+        deliver: Callable[[ReplyOrEnd], None],
+        deliver_plain: DeliverPlain | None = None,
+    ) -> None:
         """Hand each reply of `submission` to ``deliver`` as the scheduler produces it, and
         None after the last one: `responses` without its queue and task, for a caller that
         batches replies itself (a front's stream, `front_gateway.py`). `close` it if its reader
-        leaves early."""
+        leaves early.
+
+        With ``deliver_plain``, a reply that carries nothing but tokens (no text, no
+        log-probabilities, not the last, after a whole one with the same counts) goes there as
+        (index, token ids, output tokens so far) instead of as a message: its reader rebuilds
+        it from the sequence's last whole reply (`EngineMessage.plain`).
+        """
         streams = submission.streams or (submission.stream,)
 
         def on_event(ev: RequestEvent) -> None:
-            reply = self._reply(submission, ev)
-            if reply is not None:
-                deliver(reply)
+            stream = self.streams.get(ev.req_id)
+            if stream is None:
+                pass  # its sequence was dropped
+            elif (
+                deliver_plain is not None
+                and ev.finish_reason is None
+                and ev.num_cached_tokens == stream.relayed_cached
+                and not (ev.text or ev.logprobs or ev.top_logprobs)
+            ):
+                deliver_plain(stream.index, ev.token_ids, ev.num_output_tokens)
+            else:
+                stream.relayed_cached = ev.num_cached_tokens
+                deliver(self._reply(submission, stream, ev))
             if all(stream.finished for stream in streams):
                 self.close(submission)
                 deliver(None)
@@ -278,12 +299,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             while not stream.queue.empty():  # whatever arrived before the relay was set up
                 on_event(stream.queue.get_nowait())
 
-    def _reply(self, submission: Submission, ev: RequestEvent) -> generate_pb2.GenerateResponse | None:
-        """The client message for one event of `submission` (None: its sequence was dropped);
-        a final event marks its sequence finished and counts it in the metrics."""
-        stream = self.streams.get(ev.req_id)
-        if stream is None:
-            return None
+    def _reply(self, submission: Submission, stream: Stream, ev: RequestEvent) -> generate_pb2.GenerateResponse:
+        """The client message for one event of `submission`'s sequence `stream`; a final event
+        marks its sequence finished and counts it in the metrics."""
         reply = generate_pb2.GenerateResponse(
             request_id=submission.req_id,
             text=ev.text,

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
 
 # What a relay hands on: the next reply of a request, or None after its last.
 ReplyOrEnd = generate_pb2.GenerateResponse | None
+# Where a relay hands a reply of tokens alone: (sequence index, its new token ids, its output
+# tokens so far); see `EngineMessage.plain`.
+DeliverPlain = Callable[[int, list[int], int], None]
 
 
 class RequestError(Exception):
@@ -81,6 +84,9 @@ class Stream:
     # Relayed by a front, which measures what its client sees (time to first token, end to
     # end) and reports it (`FrontMessage.ttft_s`, `e2e_s`): the servicer observes neither.
     relayed: bool = False
+    # The cached-prompt count of the last whole reply relayed (-1: none yet): a front fills a
+    # plain reply's other fields from that reply (`GenerationServicer.relay`).
+    relayed_cached: int = -1
     # Events gathered under --stream-interval, not yet queued, and how many tokens they carry.
     held: list[RequestEvent] = field(default_factory=list)
     num_held_tokens: int = 0

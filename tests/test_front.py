@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -28,7 +29,7 @@ from tests.metrics_scrape import scrape, total
 from tests.polling import wait_until
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from tests.sim_worker import EOS_ID, make_toy_tokenizer
-from zerobubble.api import generate_pb2, generate_pb2_grpc
+from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc
 from zerobubble.bench import BenchRow, run_bench_async
 from zerobubble.client import ChannelSettings, build_request, open_channel, wait_connected
 from zerobubble.config import GRPC_EXPERIMENTS_DEFAULT
@@ -118,6 +119,175 @@ def test_a_front_relays_every_reply_as_the_scheduler_sends_it(services) -> None:
     stops = tokens_by_index(via_front[5])
     ends = [len(seq[0]) for seq in stops.values() if seq[4] == [generate_pb2.FINISH_REASON_STOP_SEQUENCE]]
     assert len(set(ends)) >= 2, f"the n = 3 stop-string request proves nothing: {stops}"
+
+
+async def attach(
+    target: str, request: generate_pb2.GenerateRequest, reads_plain: bool
+) -> list[front_pb2.EngineMessage]:
+    """One call relayed over a raw `Attach` stream, as a front that tokenizes and detokenizes
+    itself sends it; every `EngineMessage` until the call's DONE."""
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = front_pb2_grpc.FrontGatewayStub(channel)
+        info = await stub.Describe(front_pb2.DescribeRequest())
+        out: asyncio.Queue = asyncio.Queue()
+        submit = front_pb2.FrontMessage(reads_plain=reads_plain)
+        submit.submit.add(tag=7, request=request, tokenized_for=info.model, front_detokenizes=True)
+        out.put_nowait(submit)
+
+        async def outgoing():
+            while True:
+                yield await out.get()
+
+        messages = []
+        async for message in stub.Attach(outgoing(), timeout=60):
+            messages.append(message)
+            if 7 in message.done:
+                return messages
+    raise AssertionError("the stream ended before the call's DONE")
+
+
+def test_replies_of_tokens_alone_travel_as_plain_rows_to_a_front_that_reads_them(services) -> None:
+    """Behind a front that says it `reads_plain`, a sequence's first and last replies, and
+    every reply with log-probabilities, come whole; the replies of tokens alone in between as
+    plain rows, whose tokens and counts are the whole path's. A front that does not say so
+    (an older one) gets every reply whole."""
+    _, scheduler, _ = services
+    plain_request = build_request(token_ids=[1, 2, 3, 4, 5, 6, 7, 8], max_tokens=40, ignore_eos=True)
+    logprobs_request = build_request(token_ids=[1, 2, 3, 4, 5, 6, 7, 8], max_tokens=20, ignore_eos=True, logprobs=True)
+
+    def rebuilt(messages: list[front_pb2.EngineMessage]) -> tuple[list[int], int, int]:
+        """The call's tokens in order, its last count, and how many plain rows carried them."""
+        tokens: list[int] = []
+        num_rows = 0
+        for message in messages:
+            plain = message.plain
+            ends = list(itertools.accumulate(plain.num_tokens))
+            rows = [plain.token_ids[end - n : end] for n, end in zip(plain.num_tokens, ends)]
+            placed = 0
+            for tagged in message.replies:
+                tokens.extend(t for row in rows[placed : tagged.num_plain_before] for t in row)
+                placed = tagged.num_plain_before
+                tokens.extend(tagged.response.token_ids)
+            tokens.extend(t for row in rows[placed:] for t in row)
+            num_rows += len(rows)
+        last = [m for m in messages if m.replies or m.plain.tags][-1]
+        count = last.replies[-1].response.num_output_tokens if last.replies else last.plain.num_output_tokens[-1]
+        return tokens, count, num_rows
+
+    async def run() -> tuple:
+        return (
+            await attach(scheduler.target, plain_request, reads_plain=True),
+            await attach(scheduler.target, plain_request, reads_plain=False),
+            await attach(scheduler.target, logprobs_request, reads_plain=True),
+            await replies(scheduler.target, plain_request),
+        )
+
+    with_plain, without, with_logprobs, direct = asyncio.run(run())
+    direct_tokens = [t for m in direct for t in m.token_ids]
+    tokens, count, num_rows = rebuilt(with_plain)
+    assert (tokens, count) == (direct_tokens, 40)
+    whole = [t.response for m in with_plain for t in m.replies]
+    assert num_rows >= 5 and len(whole) == 2, (num_rows, len(whole))
+    assert whole[-1].finish_reason == generate_pb2.FINISH_REASON_MAX_TOKENS
+    assert set(m.plain.tags[i] for m in with_plain for i in range(len(m.plain.tags))) == {7}
+    assert rebuilt(without) == (direct_tokens, 40, 0)
+    assert all(len(t.response.logprobs) == len(t.response.token_ids) for m in with_logprobs for t in m.replies)
+    assert rebuilt(with_logprobs)[2] == 0
+
+
+def engine_message(*parts: tuple[int, generate_pb2.GenerateResponse] | tuple[int, int, list[int], int]):
+    """An `EngineMessage` of whole replies (tag, reply) and plain rows (tag, index, tokens,
+    count), in that order."""
+    message = front_pb2.EngineMessage()
+    plain = message.plain
+    for part in parts:
+        if len(part) == 2:
+            message.replies.add(tag=part[0], response=part[1], num_plain_before=len(plain.tags))
+        else:
+            tag, index, token_ids, count = part
+            plain.tags.append(tag)
+            plain.indexes.append(index)
+            plain.num_tokens.append(len(token_ids))
+            plain.token_ids.extend(token_ids)
+            plain.num_output_tokens.append(count)
+    return message
+
+
+def test_a_front_places_plain_rows_among_whole_replies_in_the_schedulers_order() -> None:
+    """`EngineLink` hands each call its plain rows and whole replies in the order the scheduler
+    made them (`num_plain_before`), a row as the reply it stands for (its counts and tokens,
+    the rest from its sequence's last whole reply); rows of calls it no longer has skipped."""
+    from scheduler_svc.front import EngineLink
+    from zerobubble.config import FrontConfig
+
+    link = EngineLink(FrontConfig())
+    one, two = asyncio.Queue(), asyncio.Queue()
+    link.calls = {1: one, 2: two}
+    r = generate_pb2.GenerateResponse
+    first = r(request_id="r", token_ids=[5], num_prompt_tokens=9, num_output_tokens=1, num_cached_prompt_tokens=4)
+    other = r(request_id="r", token_ids=[50], num_prompt_tokens=9, num_output_tokens=1, index=1)
+    last = r(
+        request_id="r", token_ids=[8], text="z", num_prompt_tokens=9, num_output_tokens=5, num_cached_prompt_tokens=4
+    )
+    link._dispatch(engine_message((1, first), (2, other)))
+    link._dispatch(engine_message((1, 0, [6, 7], 3), (3, 0, [1], 1), (2, 1, [9], 2), (1, last), (1, 0, [10], 6)))
+    got_one = [one.get_nowait() for _ in range(one.qsize())]
+    kept = {"request_id": "r", "num_prompt_tokens": 9, "num_cached_prompt_tokens": 4}
+    assert got_one == [
+        first,
+        r(token_ids=[6, 7], num_output_tokens=3, **kept),
+        last,
+        r(token_ids=[10], num_output_tokens=6, **kept),
+    ]
+    got_two = [two.get_nowait() for _ in range(two.qsize())]
+    assert got_two == [other, r(request_id="r", token_ids=[9], num_prompt_tokens=9, num_output_tokens=2, index=1)]
+
+
+def test_plain_rows_that_queued_up_join_with_the_whole_replies_around_them() -> None:
+    """A call whose replies queued up gets, per sequence, every token in order and the last
+    count, whether they came as plain rows, whole replies or both in turn."""
+    from scheduler_svc.front import DONE, EngineLink
+    from scheduler_svc.submission import Stream, Submission
+    from zerobubble.config import FrontConfig
+
+    link = EngineLink(FrontConfig())
+    relay = RelayFrontend(link)
+    queue: asyncio.Queue = asyncio.Queue()
+    link.calls = {3: queue}
+    streams = tuple(
+        Stream(queue=queue, arrival=0.0, num_prompt_tokens=0, deliver=queue.put_nowait, index=i) for i in range(2)
+    )
+    r = generate_pb2.GenerateResponse
+    link._dispatch(
+        engine_message(
+            (3, r(request_id="q", token_ids=[1], num_prompt_tokens=5, num_output_tokens=1)),
+            (3, r(request_id="q", token_ids=[50], num_prompt_tokens=5, num_output_tokens=1, index=1)),
+            (3, 0, [2], 2),
+            (3, 1, [51, 52], 3),
+            (3, 0, [3], 3),
+            # Whole amid plain rows: text the scheduler made (a front that does not detokenize),
+            # whose tokens before it rendered none yet (a character's first bytes).
+            (3, r(request_id="q", token_ids=[4], text="xy", num_prompt_tokens=5, num_output_tokens=4)),
+            (3, 0, [5, 6], 6),
+            (3, 0, [7], 7),
+        )
+    )
+    link._dispatch(
+        engine_message(
+            (3, r(request_id="q", token_ids=[53], num_prompt_tokens=5, num_output_tokens=4, index=1, finish_reason=1)),
+            (3, r(request_id="q", token_ids=[8], num_prompt_tokens=5, num_output_tokens=8, finish_reason=2)),
+        )
+    )
+    queue.put_nowait(DONE)
+
+    async def run() -> list[generate_pb2.GenerateResponse]:
+        return [reply async for reply in relay.responses(Submission("3", streams[0], (), streams))]
+
+    got = asyncio.run(run())
+    assert tokens_by_index(got) == {
+        0: ([1, 2, 3, 4, 5, 6, 7, 8], "xy", [], [], [2], 8, 5, 1),
+        1: ([50, 51, 52, 53], "", [], [], [1], 4, 5, 1),
+    }
 
 
 def test_replies_that_queued_up_go_out_joined_per_sequence() -> None:

@@ -26,7 +26,7 @@ from zerobubble.api import generate_pb2 as zerobubble_dot_api_dot_generate__pb2
 from zerobubble.api import worker_pb2 as zerobubble_dot_api_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1azerobubble/api/front.proto\x12\x13zerobubble.front.v1\x1a\x1dzerobubble/api/generate.proto\x1a\x1bzerobubble/api/worker.proto\"\x11\n\x0f\x44\x65scribeRequest\"x\n\x06Submit\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12/\n\x07request\x18\x02 \x01(\x0b\x32\x1e.zerobubble.v1.GenerateRequest\x12\x15\n\rtokenized_for\x18\x03 \x01(\t\x12\x19\n\x11\x66ront_detokenizes\x18\x04 \x01(\x08\"@\n\x07Stopped\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\"A\n\tFrontLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63pu_seconds\x18\x02 \x01(\x01\x12\x11\n\tnum_calls\x18\x03 \x01(\r\"\xc7\x01\n\x0c\x46rontMessage\x12+\n\x06submit\x18\x01 \x03(\x0b\x32\x1b.zerobubble.front.v1.Submit\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\x12\x0e\n\x06ttft_s\x18\x03 \x03(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x04 \x03(\x01\x12-\n\x07stopped\x18\x05 \x03(\x0b\x32\x1c.zerobubble.front.v1.Stopped\x12,\n\x04load\x18\x06 \x01(\x0b\x32\x1e.zerobubble.front.v1.FrontLoad\"P\n\x0eTaggedResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1f.zerobubble.v1.GenerateResponse\"5\n\x07Refusal\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x94\x01\n\rEngineMessage\x12\x34\n\x07replies\x18\x01 \x03(\x0b\x32#.zerobubble.front.v1.TaggedResponse\x12-\n\x07refused\x18\x02 \x03(\x0b\x32\x1c.zerobubble.front.v1.Refusal\x12\x0c\n\x04\x64one\x18\x03 \x03(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x03(\x04\x32\xb7\x01\n\x0c\x46rontGateway\x12S\n\x06\x41ttach\x12!.zerobubble.front.v1.FrontMessage\x1a\".zerobubble.front.v1.EngineMessage(\x01\x30\x01\x12R\n\x08\x44\x65scribe\x12$.zerobubble.front.v1.DescribeRequest\x1a .zerobubble.worker.v1.WorkerInfoB.Z,zerobubble/gen/go/zerobubble/frontv1;frontv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1azerobubble/api/front.proto\x12\x13zerobubble.front.v1\x1a\x1dzerobubble/api/generate.proto\x1a\x1bzerobubble/api/worker.proto\"\x11\n\x0f\x44\x65scribeRequest\"x\n\x06Submit\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12/\n\x07request\x18\x02 \x01(\x0b\x32\x1e.zerobubble.v1.GenerateRequest\x12\x15\n\rtokenized_for\x18\x03 \x01(\t\x12\x19\n\x11\x66ront_detokenizes\x18\x04 \x01(\x08\"@\n\x07Stopped\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x03 \x01(\x05\"A\n\tFrontLoad\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x63pu_seconds\x18\x02 \x01(\x01\x12\x11\n\tnum_calls\x18\x03 \x01(\r\"\xdc\x01\n\x0c\x46rontMessage\x12+\n\x06submit\x18\x01 \x03(\x0b\x32\x1b.zerobubble.front.v1.Submit\x12\x0e\n\x06\x63\x61ncel\x18\x02 \x03(\x04\x12\x0e\n\x06ttft_s\x18\x03 \x03(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x04 \x03(\x01\x12-\n\x07stopped\x18\x05 \x03(\x0b\x32\x1c.zerobubble.front.v1.Stopped\x12,\n\x04load\x18\x06 \x01(\x0b\x32\x1e.zerobubble.front.v1.FrontLoad\x12\x13\n\x0breads_plain\x18\x07 \x01(\x08\"j\n\x0eTaggedResponse\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x31\n\x08response\x18\x02 \x01(\x0b\x32\x1f.zerobubble.v1.GenerateResponse\x12\x18\n\x10num_plain_before\x18\x03 \x01(\x05\"o\n\x0cPlainReplies\x12\x0c\n\x04tags\x18\x01 \x03(\x04\x12\x0f\n\x07indexes\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x19\n\x11num_output_tokens\x18\x05 \x03(\x05\"5\n\x07Refusal\x12\x0b\n\x03tag\x18\x01 \x01(\x04\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\xc6\x01\n\rEngineMessage\x12\x34\n\x07replies\x18\x01 \x03(\x0b\x32#.zerobubble.front.v1.TaggedResponse\x12-\n\x07refused\x18\x02 \x03(\x0b\x32\x1c.zerobubble.front.v1.Refusal\x12\x0c\n\x04\x64one\x18\x03 \x03(\x04\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x03(\x04\x12\x30\n\x05plain\x18\x05 \x01(\x0b\x32!.zerobubble.front.v1.PlainReplies2\xb7\x01\n\x0c\x46rontGateway\x12S\n\x06\x41ttach\x12!.zerobubble.front.v1.FrontMessage\x1a\".zerobubble.front.v1.EngineMessage(\x01\x30\x01\x12R\n\x08\x44\x65scribe\x12$.zerobubble.front.v1.DescribeRequest\x1a .zerobubble.worker.v1.WorkerInfoB.Z,zerobubble/gen/go/zerobubble/frontv1;frontv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,13 +43,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FRONTLOAD']._serialized_start=318
   _globals['_FRONTLOAD']._serialized_end=383
   _globals['_FRONTMESSAGE']._serialized_start=386
-  _globals['_FRONTMESSAGE']._serialized_end=585
-  _globals['_TAGGEDRESPONSE']._serialized_start=587
-  _globals['_TAGGEDRESPONSE']._serialized_end=667
-  _globals['_REFUSAL']._serialized_start=669
-  _globals['_REFUSAL']._serialized_end=722
-  _globals['_ENGINEMESSAGE']._serialized_start=725
-  _globals['_ENGINEMESSAGE']._serialized_end=873
-  _globals['_FRONTGATEWAY']._serialized_start=876
-  _globals['_FRONTGATEWAY']._serialized_end=1059
+  _globals['_FRONTMESSAGE']._serialized_end=606
+  _globals['_TAGGEDRESPONSE']._serialized_start=608
+  _globals['_TAGGEDRESPONSE']._serialized_end=714
+  _globals['_PLAINREPLIES']._serialized_start=716
+  _globals['_PLAINREPLIES']._serialized_end=827
+  _globals['_REFUSAL']._serialized_start=829
+  _globals['_REFUSAL']._serialized_end=882
+  _globals['_ENGINEMESSAGE']._serialized_start=885
+  _globals['_ENGINEMESSAGE']._serialized_end=1083
+  _globals['_FRONTGATEWAY']._serialized_start=1086
+  _globals['_FRONTGATEWAY']._serialized_end=1269
 # @@protoc_insertion_point(module_scope)
