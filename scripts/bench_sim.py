@@ -470,18 +470,23 @@ def suite_host(args: argparse.Namespace) -> dict:
     return out
 
 
+MIN_WINDOW_STEPS = 20  # fewer, and a host window says more about its edges than its steps
+
+
 def _report_host(out: dict, k: int, n: int, placement: str, figures: list[dict], reference_ms: float) -> None:
     """Keep and print the best of one configuration's host runs.
 
     A window whose scheduler held fewer than 90 % of the N rows was no steady state (clients
-    far behind, the scheduler finishing requests they still read): it is the best only if
-    every run's was such a window.
+    far behind, the scheduler finishing requests they still read), nor one of fewer than
+    `MIN_WINDOW_STEPS` steps (clients so far behind that their last request settled just
+    before their first one ended): it is the best only if every run's was such a window.
     """
     key = f"{placement + '/' if placement else ''}k{k}/n{n}"
-    steady = [f for f in figures if f["rows_per_step"] >= 0.9 * n] or figures
+    steady = [f for f in figures if f["rows_per_step"] >= 0.9 * n and f["num_steps"] >= MIN_WINDOW_STEPS] or figures
     best = min(steady, key=lambda f: f["clients_ms_per_step"])
     out[key] = {
         "all_rows_per_step": [f["rows_per_step"] for f in figures],
+        "all_num_steps": [f["num_steps"] for f in figures],
         "reference_loop_ms": reference_ms,
         "ms_per_step": best["ms_per_step"],
         "all_ms_per_step": [f["ms_per_step"] for f in figures],
