@@ -269,7 +269,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         leaves early.
 
         With ``deliver_plain``, a reply that carries nothing but tokens (no text, no
-        log-probabilities, not the last, after a whole one with the same counts) goes there as
+        log-probabilities, not the last, after a whole one with the same cached count) goes there as
         (index, token ids, output tokens so far) instead of as a message: its reader rebuilds
         it from the sequence's last whole reply (`EngineMessage.plain`).
         """
