@@ -328,6 +328,33 @@ async def stubs(targets: list[str], args: argparse.Namespace) -> AsyncIterator[l
         ]
 
 
+@dataclass(slots=True)
+class Settling:
+    """What N streams sent at once have received: tokens per stream; `all_settled` once every
+    one has `settled_at` of them, `first_done` at the first stream's end."""
+
+    counts: list[int]
+    settled_at: int
+    num_settled: int = 0
+    all_settled: asyncio.Event = field(default_factory=asyncio.Event)
+    first_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def read(self, i: int, replies: AsyncIterator[generate_pb2.GenerateResponse]) -> None:
+        """Count stream `i`'s replies to its end; a reply carrying an error raises it."""
+        counts = self.counts
+        async for reply in replies:
+            before = counts[i]
+            counts[i] = before + len(reply.token_ids)
+            if before < self.settled_at <= counts[i]:
+                self.num_settled += 1
+                if self.num_settled == len(counts):
+                    self.all_settled.set()
+            if reply.finish_reason:
+                if reply.error:
+                    raise RuntimeError(reply.error)
+                self.first_done.set()
+
+
 async def steady_state(targets: list[str], num_requests: int, pids: dict[str, int], args: argparse.Namespace) -> Window:
     """Stream N requests sent at once, each `max_tokens` long; the window runs from the moment
     every one has received `--settle` of its tokens (at least its first) to the moment the
@@ -338,37 +365,22 @@ async def steady_state(targets: list[str], num_requests: int, pids: dict[str, in
     opened at the last first token measured the drain of that backlog, not a steady state.
     """
     max_tokens = args.max_tokens or 128 + num_requests // 2
-    settled_at = max(1, int(args.settle * max_tokens))
-    counts, num_settled = [0] * num_requests, [0]  # tokens each request received; how many settled
-    all_settled, first_done = asyncio.Event(), asyncio.Event()
+    streams = Settling([0] * num_requests, max(1, int(args.settle * max_tokens)))
     async with stubs(targets, args) as all_stubs:
         stub = all_stubs[0]
         marks: list = []
 
-        async def one(i: int, request: generate_pb2.GenerateRequest) -> None:
-            async for reply in all_stubs[i % len(all_stubs)].Generate(request):
-                before = counts[i]
-                counts[i] = before + len(reply.token_ids)
-                if before < settled_at <= counts[i]:
-                    num_settled[0] += 1
-                    if num_settled[0] == num_requests:
-                        all_settled.set()
-                if reply.finish_reason:
-                    if reply.error:
-                        raise RuntimeError(reply.error)
-                    first_done.set()
-
         async def mark(event: asyncio.Event) -> None:
             await event.wait()
-            count = sum(counts)
+            count = sum(streams.counts)
             info = await stub.ModelInfo(generate_pb2.ModelInfoRequest())
             marks.append((info.stats, count, time.perf_counter(), process_cpu(pids)))
 
         requests = steady_requests(num_requests, max_tokens, args)
-        tasks = [asyncio.create_task(one(i, r)) for i, r in enumerate(requests)]
-        await asyncio.gather(mark(all_settled), mark(first_done), *tasks)
+        reads = [streams.read(i, all_stubs[i % len(all_stubs)].Generate(r)) for i, r in enumerate(requests)]
+        await asyncio.gather(mark(streams.all_settled), mark(streams.first_done), *reads)
     (first, tokens0, t0, cpu0), (last, tokens1, t1, cpu1) = marks
-    if not all_settled.is_set() or last.num_steps <= first.num_steps:
+    if not streams.all_settled.is_set() or last.num_steps <= first.num_steps:
         raise RuntimeError("no steady-state window: raise --max-tokens")
     return Window(first, last, tokens1 - tokens0, 0, t1 - t0, cpu_between(cpu0, cpu1))
 

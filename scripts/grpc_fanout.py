@@ -28,13 +28,16 @@ import tempfile
 import time
 from pathlib import Path
 
+# bench_sim first: it sets the services' gRPC defaults, which gRPC reads when it is imported.
+# isort: off
+from bench_sim import ROOT, Settling, cpu_seconds, dealt  # this script's folder is on the path
 import grpc
-from bench_sim import ROOT, cpu_seconds, dealt  # this script's folder is on the path
-
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import ChannelSettings, open_channel
 from zerobubble.event_loop import run_loop
+
+# isort: on
 
 SETTLE = 0.1  # the window opens once every stream has this share of its messages
 
@@ -132,43 +135,29 @@ def serve(port_file: Path, mode: str) -> None:
 async def drive(
     targets: list[str], num_requests: int, num_connections: int, max_tokens: int, server_pids: list[int]
 ) -> tuple[float, int, float, float]:
-    """Start N calls at once; between the moment every stream has `SETTLE` of its messages and
-    the moment the first one ends: (seconds, messages per stream, the servers' CPU seconds,
-    this process's CPU seconds)."""
-    counts = [0] * num_requests
-    settled_at = max(1, int(SETTLE * max_tokens))
+    """Start N calls at once; between the moment every stream has `SETTLE` of its replies and
+    the moment the first one ends: (seconds, replies per stream, the servers' CPU seconds, this
+    process's CPU seconds)."""
+    streams = Settling([0] * num_requests, max(1, int(SETTLE * max_tokens)))
     marks: list[tuple[float, int, float, float]] = []
-    num_settled = [0]
-    all_settled, first_done = asyncio.Event(), asyncio.Event()
     channels = [open_channel(ChannelSettings(t), own_connection=True) for t in dealt(targets, num_connections)]
     stubs = [generate_pb2_grpc.GenerationStub(c) for c in channels]
-
-    async def one(i: int) -> None:
-        request = generate_pb2.GenerateRequest(
-            request_id=f"r{i}", stopping=generate_pb2.StoppingCriteria(max_tokens=max_tokens)
-        )
-        async for reply in stubs[i % len(stubs)].Generate(request):
-            before = counts[i]
-            counts[i] = before + len(reply.token_ids)
-            if before < settled_at <= counts[i]:
-                num_settled[0] += 1
-                if num_settled[0] == num_requests:
-                    all_settled.set()
-            if reply.finish_reason:
-                first_done.set()
+    stopping = generate_pb2.StoppingCriteria(max_tokens=max_tokens)
 
     async def mark(event: asyncio.Event) -> None:
         await event.wait()
         servers = sum(cpu_seconds(pid) for pid in server_pids)
-        marks.append((time.perf_counter(), sum(counts), servers, time.process_time()))
+        marks.append((time.perf_counter(), sum(streams.counts), servers, time.process_time()))
 
+    requests = [generate_pb2.GenerateRequest(request_id=f"r{i}", stopping=stopping) for i in range(num_requests)]
+    reads = [streams.read(i, stubs[i % len(stubs)].Generate(r)) for i, r in enumerate(requests)]
     try:
-        await asyncio.gather(mark(all_settled), mark(first_done), *(one(i) for i in range(num_requests)))
+        await asyncio.gather(mark(streams.all_settled), mark(streams.first_done), *reads)
     finally:
         for channel in channels:
             await channel.close()
-    if any(count != max_tokens for count in counts):
-        raise RuntimeError(f"a stream ended short of its {max_tokens} messages: {sorted(set(counts))}")
+    if any(count != max_tokens for count in streams.counts):
+        raise RuntimeError(f"a stream ended short of its {max_tokens} replies: {sorted(set(streams.counts))}")
     (t0, n0, s0, c0), (t1, n1, s1, c1) = marks
     return t1 - t0, (n1 - n0) // num_requests, s1 - s0, c1 - c0
 
@@ -245,6 +234,7 @@ def main() -> None:
             f"{statistics.median(f['server_us_per_reply'] for f in runs):.1f} | "
             f"{statistics.median(f['client_us_per_reply'] for f in runs):.1f} |"
         )
+
 
 if __name__ == "__main__":
     main()
