@@ -3,12 +3,13 @@ nothing but the transport in the way.
 
 N server-streaming `Generate` calls of the real service definition, over `--connections`
 connections dealt out to `--servers` bare server processes (a port each, as `bench_sim.py
---via front-ports`), each server yielding one token reply after another as fast as gRPC takes
-them, shaped as a scheduler's decode replies (a request id, one token, counts). No scheduler,
-no worker, no tokenizer: the server's and the client's gRPC and protobuf work per message and
-nothing else. Reports, per "step" (one message to each of the N streams), the wall time the
-clients saw and the CPU of the servers and of the client, on the same loop (uvloop where
-installed) and channel settings as the services.
+--via front-ports`). The servers send one-token replies shaped as a scheduler's decode replies
+(a request id, one token, counts): in steps, a reply for every open call at once through a
+queue per call as the services hand them over (`steps`), or each call as fast as gRPC takes
+them (`free`). No scheduler, no worker, no tokenizer: the servers' and the client's gRPC and
+protobuf work per reply and nothing else, on the services' event loop (uvloop where installed),
+channel settings and gRPC defaults. Reports, per step (one reply to each of the N streams), the
+wall time the clients saw and the CPU of the servers and of the client.
 
     python scripts/grpc_fanout.py --requests 64 256 --servers 1 2 --repeats 2
 
@@ -39,7 +40,7 @@ from zerobubble.event_loop import run_loop
 
 # isort: on
 
-SETTLE = 0.1  # the window opens once every stream has this share of its messages
+SETTLE = 0.1  # the window opens once every stream has this share of its replies
 
 
 def token_reply(request_id: str, i: int, max_tokens: int) -> generate_pb2.GenerateResponse:
