@@ -149,6 +149,8 @@ async def drive(
         await event.wait()
         servers = sum(cpu_seconds(pid) for pid in server_pids)
         marks.append((time.perf_counter(), sum(streams.counts), servers, time.process_time()))
+        if event is streams.first_done and not streams.all_settled.is_set():
+            raise RuntimeError("a stream ended before every stream had settled: no window (raise --max-tokens)")
 
     requests = [generate_pb2.GenerateRequest(request_id=f"r{i}", stopping=stopping) for i in range(num_requests)]
     reads = [streams.read(i, stubs[i % len(stubs)].Generate(r)) for i, r in enumerate(requests)]

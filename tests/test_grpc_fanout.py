@@ -16,10 +16,10 @@ def test_fanout_streams_every_message_and_reports_per_message_cost(tmp_path: Pat
     cmd = [
         sys.executable,
         str(ROOT / "scripts" / "grpc_fanout.py"),
-        *("--requests", "3", "8", "--servers", "1", "2", "--connections", "4", "--max-tokens", "200"),
+        *("--requests", "3", "8", "--servers", "1", "2", "--connections", "4", "--max-tokens", "300"),
         *("--repeats", "1", "--json", str(out)),
     ]
-    # The script raises if any stream ended short of its messages.
+    # The script raises if a stream ended short of its replies, or before every stream settled.
     subprocess.run(cmd, check=True, cwd=ROOT, timeout=120, capture_output=True, text=True)
     runs = json.loads(out.read_text())
     assert sorted((r["requests"], r["mode"], r["servers"]) for r in runs) == [
@@ -27,7 +27,7 @@ def test_fanout_streams_every_message_and_reports_per_message_cost(tmp_path: Pat
     ]
     for run in runs:
         # The window opens at 10 % of each stream's messages and closes at the first end.
-        assert 0 < run["replies_per_stream"] < 200
+        assert 0 < run["replies_per_stream"] < 300
         assert run["ms_per_step"] > 0
         # Both ends spend CPU on every message; /proc ticks are 10 ms, so only > 0 is certain.
         assert run["server_us_per_reply"] >= 0 and run["client_us_per_reply"] > 0
