@@ -31,11 +31,11 @@ from pathlib import Path
 
 # bench_sim first: it sets the services' gRPC defaults, which gRPC reads when it is imported.
 # isort: off
-from bench_sim import ROOT, Settling, cpu_seconds, dealt  # this script's folder is on the path
+from bench_sim import ROOT, Settling, cpu_seconds, stubs  # this script's folder is on the path
 import grpc
+from scheduler_svc.front import join_replies
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
-from zerobubble.client import ChannelSettings, open_channel
 from zerobubble.event_loop import run_loop
 
 # isort: on
@@ -104,11 +104,7 @@ class StepFanout(generate_pb2_grpc.GenerationServicer):
             self.num_queued -= len(replies)
             if self.num_queued <= self.step_size:
                 self.drained.set()
-            reply = replies[0]
-            for more in replies[1:]:
-                reply.token_ids.extend(more.token_ids)
-                reply.num_output_tokens = more.num_output_tokens
-                reply.finish_reason = more.finish_reason
+            (reply,) = join_replies(replies)  # one call, one sequence: one message
             yield reply
             if reply.finish_reason:
                 return
@@ -134,15 +130,13 @@ def serve(port_file: Path, mode: str) -> None:
 
 
 async def drive(
-    targets: list[str], num_requests: int, num_connections: int, max_tokens: int, server_pids: list[int]
+    targets: list[str], num_requests: int, max_tokens: int, server_pids: list[int], args: argparse.Namespace
 ) -> tuple[float, int, float, float]:
-    """Start N calls at once; between the moment every stream has `SETTLE` of its replies and
-    the moment the first one ends: (seconds, replies per stream, the servers' CPU seconds, this
-    process's CPU seconds)."""
+    """Start N calls at once over `--connections` (`bench_sim.stubs`); between the moment every
+    stream has `SETTLE` of its replies and the moment the first one ends: (seconds, replies per
+    stream, the servers' CPU seconds, this process's CPU seconds)."""
     streams = Settling([0] * num_requests, max(1, int(SETTLE * max_tokens)))
     marks: list[tuple[float, int, float, float]] = []
-    channels = [open_channel(ChannelSettings(t), own_connection=True) for t in dealt(targets, num_connections)]
-    stubs = [generate_pb2_grpc.GenerationStub(c) for c in channels]
     stopping = generate_pb2.StoppingCriteria(max_tokens=max_tokens)
 
     async def mark(event: asyncio.Event) -> None:
@@ -153,12 +147,9 @@ async def drive(
             raise RuntimeError("a stream ended before every stream had settled: no window (raise --max-tokens)")
 
     requests = [generate_pb2.GenerateRequest(request_id=f"r{i}", stopping=stopping) for i in range(num_requests)]
-    reads = [streams.read(i, stubs[i % len(stubs)].Generate(r)) for i, r in enumerate(requests)]
-    try:
+    async with stubs(targets, args) as all_stubs:
+        reads = [streams.read(i, all_stubs[i % len(all_stubs)].Generate(r)) for i, r in enumerate(requests)]
         await asyncio.gather(mark(streams.all_settled), mark(streams.first_done), *reads)
-    finally:
-        for channel in channels:
-            await channel.close()
     if any(count != max_tokens for count in streams.counts):
         raise RuntimeError(f"a stream ended short of its {max_tokens} replies: {sorted(set(streams.counts))}")
     (t0, n0, s0, c0), (t1, n1, s1, c1) = marks
@@ -176,7 +167,7 @@ def measure(num_requests: int, num_servers: int, mode: str, args: argparse.Names
         max_tokens = args.max_tokens or 128 + num_requests * 2
         pids = [server.pid for server in servers]
         wall, per_stream, server_cpu, client_cpu = run_loop(
-            drive(targets, num_requests, args.connections, max_tokens, pids), "auto"
+            drive(targets, num_requests, max_tokens, pids, args), "auto"
         )
     finally:
         for server in servers:
