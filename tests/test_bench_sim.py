@@ -86,14 +86,18 @@ def test_host_suite_measures_full_steps_after_every_request_settled(tmp_path: Pa
             assert figures["rows_per_step"] == pytest.approx(4, abs=0.5), figures
         else:
             assert 1 <= figures["rows_per_step"] <= 4.5, figures
-        # Called directly, the scheduler streams what it generates in the same step; a front
-        # may hand on a step's tokens a little later (a busy machine's CI run: 1.7x in one
-        # window), so through it only their arrival is checked.
+        # Called directly, the scheduler streams what it generates in the same step, so the
+        # clients' pace is the scheduler's; a front may hand on a step's tokens later, and a
+        # backlog in a burst (busy machines' CI runs: 1.7x, and 3.9x in one window, what was
+        # generated), so through it only their arrival is checked.
         received = figures["tokens_per_step"] / figures["generated_tokens_per_step"]
-        assert (0.8 <= received <= 1.25) if via == "direct" else received > 0, figures
+        if via == "direct":
+            assert 0.8 <= received <= 1.25, figures
+            assert figures["clients_ms_per_step"] >= 0.5 * figures["ms_per_step"] > 0, figures
+        else:
+            assert received > 0 and figures["clients_ms_per_step"] > 0, figures
         # Full steps carry 4 x (1 + accepted drafts per row) tokens: at most 4 x 4.
         assert 4 <= figures["generated_tokens_per_step"] <= 16
-        assert figures["clients_ms_per_step"] >= 0.5 * figures["ms_per_step"] > 0
         assert 0 < figures["acceptance_rate"] <= 1
         assert set(figures["cpu_ms_per_step"]) >= {"scheduler", "worker", "client"}
     # Fronts with a port each: both measured; what the clients received arrived (two fronts on a
