@@ -23,20 +23,19 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 # bench_sim first: it sets the services' gRPC defaults, which gRPC reads when it is imported.
 # isort: off
-from bench_sim import ROOT, Settling, cpu_seconds, stubs  # this script's folder is on the path
+from bench_sim import Settling, cpu_seconds, stubs  # this script's folder is on the path
 import grpc
 from scheduler_svc.front import join_replies
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.event_loop import run_loop
+from zerobubble.tools.launch import launch
 
 # isort: on
 
@@ -113,16 +112,16 @@ class StepFanout(generate_pb2_grpc.GenerationServicer):
 SERVICERS = {"free": FreeFanout, "steps": StepFanout}
 
 
-def serve(port_file: Path, mode: str) -> None:
-    """Serve replies the way `mode` names (`SERVICERS`) until killed; the bound port is written
-    to `port_file`."""
+def serve(mode: str) -> None:
+    """Serve replies the way `mode` names (`SERVICERS`) until killed; the bound port is
+    announced as the services announce theirs (`FANOUT`)."""
 
     async def main() -> None:
         server = grpc.aio.server(options=rpc.SERVER_OPTIONS)
         generate_pb2_grpc.add_GenerationServicer_to_server(SERVICERS[mode](), server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        port_file.write_text(str(port))
+        rpc.announce_port("FANOUT", port)
         await server.wait_for_termination()
 
     with rpc.tuned_gc():
@@ -156,25 +155,23 @@ async def drive(
     return t1 - t0, (n1 - n0) // num_requests, s1 - s0, c1 - c0
 
 
-def measure(num_requests: int, num_servers: int, mode: str, args: argparse.Namespace, tmp: Path) -> dict:
+def measure(num_requests: int, num_servers: int, mode: str, args: argparse.Namespace) -> dict:
     """One run: fresh server processes, the clients in this process."""
-    port_files = [tmp / f"port-{num_requests}-{num_servers}-{i}-{time.monotonic_ns()}" for i in range(num_servers)]
-    servers = [subprocess.Popen([sys.executable, __file__, "serve", str(f), mode], cwd=ROOT) for f in port_files]
+    servers = []
     try:
-        while not all(f.exists() and f.read_text() for f in port_files):
-            time.sleep(0.05)
-        targets = [f"127.0.0.1:{f.read_text()}" for f in port_files]
+        for _ in range(num_servers):
+            servers.append(launch([sys.executable, __file__, "serve", mode], ("FANOUT",), timeout=60.0))
+        targets = [f"127.0.0.1:{server.ports['FANOUT']}" for server in servers]
         # Calls are taken in over many steps while the first ones stream: at 256 calls and
         # 640 replies each the first call ended before the last had its 10 %, and no window.
         max_tokens = args.max_tokens or 256 + num_requests * 4
-        pids = [server.pid for server in servers]
+        pids = [server.proc.pid for server in servers]
         wall, per_stream, server_cpu, client_cpu = run_loop(
             drive(targets, num_requests, max_tokens, pids, args), "auto"
         )
     finally:
         for server in servers:
             server.kill()
-            server.wait()
     replies = num_requests * per_stream  # a token each
     return {
         "requests": num_requests,
@@ -188,8 +185,8 @@ def measure(num_requests: int, num_servers: int, mode: str, args: argparse.Names
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "serve":
-        serve(Path(sys.argv[2]), sys.argv[3])
+    if len(sys.argv) == 3 and sys.argv[1] == "serve":
+        serve(sys.argv[2])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, nargs="+", default=[64, 256])
@@ -207,18 +204,17 @@ def main() -> None:
     p.add_argument("--json", type=Path, help="also write every run's figures here (JSON)")
     args = p.parse_args()
     figures: dict[tuple[int, str, int], list[dict]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for _ in range(args.repeats):
-            for n in args.requests:
-                for mode in args.modes:
-                    for s in args.servers:
-                        f = measure(n, s, mode, args, Path(tmp))
-                        figures.setdefault((n, mode, s), []).append(f)
-                        print(
-                            f"N {n:4} {mode:5} servers {s}: {f['ms_per_step']:6.2f} ms per step; CPU per reply: "
-                            f"servers {f['server_us_per_reply']:5.1f} us, client {f['client_us_per_reply']:5.1f} us",
-                            flush=True,
-                        )
+    for _ in range(args.repeats):
+        for n in args.requests:
+            for mode in args.modes:
+                for s in args.servers:
+                    f = measure(n, s, mode, args)
+                    figures.setdefault((n, mode, s), []).append(f)
+                    print(
+                        f"N {n:4} {mode:5} servers {s}: {f['ms_per_step']:6.2f} ms per step; CPU per reply: "
+                        f"servers {f['server_us_per_reply']:5.1f} us, client {f['client_us_per_reply']:5.1f} us",
+                        flush=True,
+                    )
     if args.json:
         args.json.write_text(json.dumps([f for runs in figures.values() for f in runs], indent=1))
     print("\n| N | replies | servers | ms / step, median (runs) | servers' CPU µs / reply | client's CPU µs / reply |")

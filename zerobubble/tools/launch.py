@@ -63,7 +63,12 @@ def start(
     command: str, wait_for: tuple[str, ...], timeout: float = 300.0, env: dict | None = None, **options
 ) -> Service:
     """Start `zerobubble <command>` and wait until it announced every port in `wait_for`."""
-    cmd = [sys.executable, "-m", "zerobubble", command, *command_flags(options)]
+    return launch([sys.executable, "-m", "zerobubble", command, *command_flags(options)], wait_for, timeout, env)
+
+
+def launch(cmd: list[str], wait_for: tuple[str, ...], timeout: float = 300.0, env: dict | None = None) -> Service:
+    """Start `cmd`, a process that announces its ports (`rpc.announce_port`), and wait until it
+    announced every port in `wait_for`; it is killed if it does not within `timeout` seconds."""
     proc = subprocess.Popen(
         cmd,
         cwd=ROOT,
@@ -89,7 +94,7 @@ def start(
     threading.Thread(target=pump, daemon=True).start()
     if not done.wait(timeout) or not all(w in service.ports for w in wait_for):
         service.kill()
-        raise RuntimeError(f"{command} did not start:\n" + "".join(service.log[-60:]))
+        raise RuntimeError(f"{' '.join(cmd[1:])} did not start:\n" + "".join(service.log[-60:]))
     return service
 
 
