@@ -1,0 +1,239 @@
+"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, q/k norm + RoPE, SiLU·up.
+
+Between two matmuls a decoder layer is a chain of small elementwise steps. Run one aten op at a
+time, a bfloat16 RMSNorm alone is eight kernels (cast, square, mean, add, rsqrt, multiply, cast,
+scale) and a layer some forty; each reads and writes the whole activation, and on a GPU each
+costs a launch of a few microseconds even inside a CUDA graph. Each function here is one kernel
+on CUDA (Triton) and its torch twin elsewhere. The twins are the model's reference semantics,
+rounding included: every intermediate a Hugging Face layer rounds to the model dtype is rounded
+here too, so the Triton kernels match the twins to within one rounding step in 16-bit dtypes and
+exactly in float32, and the float32 twins are bit for bit Hugging Face's computation.
+
+Every Triton kernel is reached through a ``torch.library`` custom op with a fake implementation,
+so a forward can run under ``FakeTensorMode`` (the kernel-count test) and be traced by
+``torch.compile``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
+
+# ---------------------------------------------------------------------------------------------
+# torch twins
+
+
+def rms_norm_twin(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm over the last dim, computed in float32 as Hugging Face does, scaled in ``x.dtype``.
+
+    ``weight`` is ``[D]``, or ``[H, D]`` for per-head norms of a ``[T, H, D]`` input.
+    """
+    if x.dtype == torch.float32:
+        if weight.dim() == 1:
+            return F.rms_norm(x, weight.shape, weight, eps)
+        return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def add_rms_norm_twin(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """``(rms_norm(x + residual), x + residual)``; with no residual, ``(rms_norm(x), x)``."""
+    summed = x if residual is None else residual + x
+    return rms_norm_twin(summed, weight, eps), summed
+
+
+def qk_norm_rope_twin(qk: Tensor, cos: Tensor, sin: Tensor, norm_weight: Tensor | None, eps: float) -> Tensor:
+    """Per-head RMSNorm (when ``norm_weight [H, D]`` is given) then RoPE of ``qk [T, H, D]``.
+
+    ``cos [T, D]`` holds ``(cos, cos)`` and ``sin [T, D]`` holds ``(-sin, sin)`` of each token's
+    position, in the half-split layout: ``(x1 cos - x2 sin, x2 cos + x1 sin)`` in four ops, bit
+    for bit Hugging Face's ``q * cos + rotate_half(q) * sin``.
+    """
+    if norm_weight is not None:
+        qk = rms_norm_twin(qk, norm_weight, eps)
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return qk * cos + qk.roll(qk.shape[-1] // 2, -1) * sin
+
+
+def silu_mul_twin(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` of ``gate_up [T, 2 I]`` (gate first, as the fused projection stores them)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels
+
+if HAS_TRITON:
+
+    @triton.jit
+    def _add_rms_norm_kernel(
+        x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+        stride_x, stride_r, stride_o, stride_ro, hidden, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        """One program per token: the residual sum (rounded to the dtype), then its norm."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < hidden
+        x = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            x = (x.to(tl.float32) + tl.load(residual_ptr + t * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + t * stride_ro + cols, x, mask=mask)
+        x32 = x.to(tl.float32)
+        inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
+        normed = (x32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _qk_norm_rope_kernel(
+        qkv_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr,
+        stride_qkv, stride_cos, stride_sin, stride_o, num_heads, eps,
+        HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr, BLOCK_H: tl.constexpr,
+    ):  # fmt: skip
+        """One program per token, all its q and k heads: the per-head norm, then the rotation.
+
+        Each element's rotation partner (``d ± D/2``) is loaded a second time from memory rather
+        than permuted in registers; both loads hit the same cache lines.
+        """
+        t = tl.program_id(0).to(tl.int64)
+        heads = tl.arange(0, BLOCK_H)[:, None]
+        dims = tl.arange(0, HEAD_DIM)[None, :]
+        partner = (dims + HEAD_DIM // 2) % HEAD_DIM
+        mask = (heads < num_heads) & (dims < HEAD_DIM)
+        dtype = out_ptr.dtype.element_ty
+        row = qkv_ptr + t * stride_qkv + heads * HEAD_DIM
+        x = tl.load(row + dims, mask=mask, other=0.0).to(tl.float32)
+        xp = tl.load(row + partner, mask=mask, other=0.0).to(tl.float32)
+        if HAS_NORM:
+            inv = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+            w = tl.load(weight_ptr + heads * HEAD_DIM + dims, mask=mask, other=0.0).to(tl.float32)
+            wp = tl.load(weight_ptr + heads * HEAD_DIM + partner, mask=mask, other=0.0).to(tl.float32)
+            x = ((x * inv).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+            xp = ((xp * inv).to(dtype).to(tl.float32) * wp).to(dtype).to(tl.float32)
+        cos = tl.load(cos_ptr + t * stride_cos + dims).to(tl.float32)
+        sin = tl.load(sin_ptr + t * stride_sin + dims).to(tl.float32)
+        out = (x * cos).to(dtype).to(tl.float32) + (xp * sin).to(dtype).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + heads * HEAD_DIM + dims, out.to(dtype), mask=mask)
+
+    @triton.jit
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_g, stride_o, inter, BLOCK: tl.constexpr):
+        """Grid (tokens, column blocks): ``silu(gate)`` rounded to the dtype, then times ``up``."""
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = cols < inter
+        dtype = out_ptr.dtype.element_ty
+        gate = tl.load(gate_up_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(gate_up_ptr + t * stride_g + inter + cols, mask=mask, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        tl.store(out_ptr + t * stride_o + cols, (act * up).to(dtype), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# Custom ops around the Triton launches
+
+
+@torch.library.custom_op("zerobubble::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    num_tokens, hidden = x.shape
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    if num_tokens:
+        _add_rms_norm_kernel[(num_tokens,)](
+            x, residual if residual is not None else x, weight, out, residual_out,
+            x.stride(0), (residual if residual is not None else x).stride(0), out.stride(0), residual_out.stride(0),
+            hidden, eps, HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(hidden),
+        )  # fmt: skip
+    return out, residual_out
+
+
+@_add_rms_norm_op.register_fake
+def _(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("zerobubble::qk_norm_rope", mutates_args=())
+def _qk_norm_rope_op(
+    qkv: Tensor, cos: Tensor, sin: Tensor, norm_weight: Tensor | None, num_heads: int, head_dim: int, eps: float
+) -> Tensor:
+    num_tokens = qkv.shape[0]
+    out = qkv.new_empty(num_tokens, num_heads, head_dim)
+    if num_tokens:
+        _qk_norm_rope_kernel[(num_tokens,)](
+            qkv, cos, sin, norm_weight if norm_weight is not None else cos, out,
+            qkv.stride(0), cos.stride(0), sin.stride(0), out.stride(0), num_heads, eps,
+            HEAD_DIM=head_dim, HAS_NORM=norm_weight is not None, BLOCK_H=next_power_of_2(num_heads),
+        )  # fmt: skip
+    return out
+
+
+@_qk_norm_rope_op.register_fake
+def _(
+    qkv: Tensor, cos: Tensor, sin: Tensor, norm_weight: Tensor | None, num_heads: int, head_dim: int, eps: float
+) -> Tensor:
+    return qkv.new_empty(qkv.shape[0], num_heads, head_dim)
+
+
+_SILU_BLOCK = 1024
+
+
+@torch.library.custom_op("zerobubble::silu_mul", mutates_args=())
+def _silu_mul_op(gate_up: Tensor) -> Tensor:
+    num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = gate_up.new_empty(num_tokens, inter)
+    if num_tokens:
+        block = min(_SILU_BLOCK, next_power_of_2(inter))
+        grid = (num_tokens, triton.cdiv(inter, block))
+        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block)
+    return out
+
+
+@_silu_mul_op.register_fake
+def _(gate_up: Tensor) -> Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions: Triton on CUDA, the twin elsewhere (``impl`` forces one)
+
+
+def add_rms_norm(
+    x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, impl: KernelImpl = None
+) -> tuple[Tensor, Tensor]:
+    """``(normed, new_residual)`` for ``x [T, hidden]``: the residual stream's sum and its RMSNorm."""
+    if use_triton(x, impl, _add_rms_norm_kernel if HAS_TRITON else None):
+        normed, summed = torch.ops.zerobubble.add_rms_norm(x, residual, weight, eps)
+        return normed, summed
+    return add_rms_norm_twin(x, residual, weight, eps)
+
+
+def qk_norm_rope(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    norm_weight: Tensor | None,
+    num_heads: int,
+    head_dim: int,
+    eps: float,
+    impl: KernelImpl = None,
+) -> Tensor:
+    """The first ``num_heads`` heads of ``qkv [T, >= num_heads * head_dim]`` (q then k), normed
+    per head when ``norm_weight`` is given and rotated: ``[T, num_heads, head_dim]``."""
+    if use_triton(qkv, impl, _qk_norm_rope_kernel if HAS_TRITON else None):
+        result: Tensor = torch.ops.zerobubble.qk_norm_rope(qkv, cos, sin, norm_weight, num_heads, head_dim, eps)
+        return result
+    qk = qkv[:, : num_heads * head_dim].view(qkv.shape[0], num_heads, head_dim)
+    return qk_norm_rope_twin(qk, cos, sin, norm_weight, eps)
+
+
+def silu_mul(gate_up: Tensor, impl: KernelImpl = None) -> Tensor:
+    """``silu(gate) * up`` of ``gate_up [T, 2 I]`` -> ``[T, I]``."""
+    if use_triton(gate_up, impl, _silu_mul_kernel if HAS_TRITON else None):
+        result: Tensor = torch.ops.zerobubble.silu_mul(gate_up)
+        return result
+    return silu_mul_twin(gate_up)
