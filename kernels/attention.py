@@ -186,7 +186,7 @@ def write_kv_cache(
     if k.shape[0] == 0:
         return
     if use_triton(k, impl, _write_kv_kernel if HAS_TRITON else None):
-        _write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping)
+        torch.ops.zerobubble.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return
     block_size = k_cache.shape[1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
@@ -214,7 +214,11 @@ def paged_attention(
     if q.shape[0] == 0:
         return torch.empty_like(q)
     if use_triton(q, impl, _paged_attention_kernel if HAS_TRITON else None):
-        return _paged_attention_triton(q, k_cache, v_cache, meta, scale, window)
+        out: torch.Tensor = torch.ops.zerobubble.paged_attention(
+            q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+            meta.max_query_len, scale, window,
+        )  # fmt: skip
+        return out
     if q.device.type != "cpu":
         # Off the CPU the planned path's host reads would stall the host behind the device.
         return _paged_attention_gathered(q, k_cache, v_cache, meta, scale, window)
@@ -339,6 +343,9 @@ def _paged_attention_torch(
     return out
 
 
+# The Triton launches are custom ops (with fake implementations) so that a forward runs under
+# FakeTensorMode, where its kernels can be counted, and torch.compile can trace it.
+@torch.library.custom_op("zerobubble::write_kv_cache", mutates_args=("k_cache", "v_cache"))
 def _write_kv_cache_triton(
     k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
@@ -355,17 +362,26 @@ def _write_kv_cache_triton(
     )  # fmt: skip
 
 
+@_write_kv_cache_triton.register_fake
+def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    return None
+
+
+@torch.library.custom_op("zerobubble::paged_attention", mutates_args=())
 def _paged_attention_triton(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
     scale: float,
     window: int,
 ) -> torch.Tensor:
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
-    num_requests = meta.seq_lens.shape[0]
+    num_requests = seq_lens.shape[0]
     if q.stride(-1) != 1:  # the kernel walks head_dim with unit stride in q and out
         q = q.contiguous()
     out = torch.empty_like(q)
@@ -376,22 +392,22 @@ def _paged_attention_triton(
     # tile shapes and warps are the ones that compile without spilling registers on sm_80 and
     # sm_90 at head_dim 128 (scripts/compile_kernels.py reports registers and spills): 16 x 16
     # keys on 4 warps, 64 x 32 on 8 (on 4 warps 64 x 32 spills).
-    decode = meta.max_query_len <= MAX_BATCHED_QUERY_LEN
+    decode = max_query_len <= MAX_BATCHED_QUERY_LEN
     block_m = max(16 if decode else 64, block_g)
     tokens_per_tile = block_m // block_g
-    grid = (triton.cdiv(meta.max_query_len, tokens_per_tile), num_requests, num_kv_heads)
+    grid = (triton.cdiv(max_query_len, tokens_per_tile), num_requests, num_kv_heads)
     # Triton's CPU interpreter multiplies 16-bit dot operands wrongly (3.9: bfloat16 dots come
     # out as garbage), so there they are widened to float32 first: the same values.
     dot_f32 = q.dtype == torch.float32 or is_interpreted(_paged_attention_kernel)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
-        meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        query_start_loc, seq_lens, block_tables,
         scale, window if window > 0 else _NO_WINDOW,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
         out.stride(0), out.stride(1),
-        meta.block_tables.stride(0),
+        block_tables.stride(0),
         k_cache.shape[1], group,
         HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), 16),
         BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=16 if decode else 32,
@@ -402,6 +418,21 @@ def _paged_attention_triton(
         num_warps=4 if decode else 8,
     )  # fmt: skip
     return out
+
+
+@_paged_attention_triton.register_fake
+def _(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    return torch.empty_like(q)
 
 
 if HAS_TRITON:

@@ -120,6 +120,9 @@ if HAS_TRITON:
         tl.store(out_ptr + row.to(tl.int64) * vocab_size + cols, u, mask=cols < vocab_size)
 
 
+# A custom op (with a fake implementation) so that sampling runs under FakeTensorMode, where the
+# kernel-count test counts it, and torch.compile can trace it.
+@torch.library.custom_op("zerobubble::keyed_uniform", mutates_args=())
 def _keyed_uniform_triton(seeds: Tensor, positions: Tensor, vocab_size: int, stream: int) -> Tensor:
     num_rows = seeds.shape[0]
     out = torch.empty((num_rows, vocab_size), dtype=torch.float32, device=seeds.device)
@@ -131,6 +134,11 @@ def _keyed_uniform_triton(seeds: Tensor, positions: Tensor, vocab_size: int, str
         seeds.contiguous(), positions.contiguous(), out, vocab_size, STREAM=stream, BLOCK_V=block_v
     )
     return out
+
+
+@_keyed_uniform_triton.register_fake
+def _(seeds: Tensor, positions: Tensor, vocab_size: int, stream: int) -> Tensor:
+    return seeds.new_empty((seeds.shape[0], vocab_size), dtype=torch.float32)
 
 
 def keyed_uniform(

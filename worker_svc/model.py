@@ -31,6 +31,7 @@ from kernels.attention import (
     plan_attention,
     write_kv_cache,
 )
+from kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
 from kernels.linear import LinearWeight, linear, prepare_linear
 
 logger = logging.getLogger(__name__)
@@ -154,26 +155,6 @@ def rope_tables(hf_config: Any, head_dim: int, num_positions: int) -> tuple[torc
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, computed in float32 as Hugging Face does, scaled in ``x.dtype``.
-
-    ``weight`` is ``[D]``, or ``[H, D]`` for per-head norms of a ``[T, H, D]`` input.
-    """
-    if x.dtype == torch.float32:
-        if weight.dim() == 1:
-            return F.rms_norm(x, weight.shape, weight, eps)
-        return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[T, H, D]`` in the half-split layout, as in HF, by ``[T, 1, D]`` tables holding
-    ``(cos, cos)`` and ``(-sin, sin)``: ``(x1 cos - x2 sin, x2 cos + x1 sin)`` in four ops, bit for bit."""
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
-
-
 class StepInterrupted(Exception):
     """A forward stopped between layers because its results can no longer be used."""
 
@@ -186,7 +167,7 @@ class CausalLM:
     dtype: torch.dtype
     device: torch.device
     rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
-    rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see apply_rope
+    rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see kernels.fused.qk_norm_rope_twin
     prepack: bool = True  # lay linear weights out for oneDNN on CPU (kernels/linear.py)
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
@@ -293,34 +274,36 @@ class CausalLM:
             raise RuntimeError("CausalLM.forward called before load_weights")
         spec = self.spec
         num_tokens = input_ids.shape[0]
-        q_size = spec.num_q_heads * spec.head_dim
         qk_heads = spec.num_q_heads + spec.num_kv_heads
-        cos = self.rope_cos[positions].unsqueeze(1)
-        sin = self.rope_sin[positions].unsqueeze(1)
+        kv_start = qk_heads * spec.head_dim
+        eps = spec.rms_norm_eps
+        cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
         plan: AttentionPlan | None = None
         # The torch path's plan reads host values: only on the CPU, where they are host memory.
         if not use_triton(input_ids, None) and input_ids.device.type == "cpu" and num_tokens > 0:
             plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads)
         assert self.embed is not None and self.final_norm is not None, "load_weights first"
-        x = F.embedding(input_ids, self.embed)
+        # The residual stream's add is fused into the norm that follows it: `hidden` is a
+        # sublayer's output not yet added, `residual` the stream before it.
+        hidden, residual = F.embedding(input_ids, self.embed), None
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
             if self.interrupt is not None and self.interrupt():
                 raise StepInterrupted
-            qkv = linear(rms_norm(x, layer.input_norm, spec.rms_norm_eps), layer.qkv_weight, layer.qkv_bias)
+            normed, residual = add_rms_norm(hidden, residual, layer.input_norm, eps)
+            qkv = linear(normed, layer.qkv_weight, layer.qkv_bias)
             # q and k get the same per-head norm and rotation, so they are processed as one tensor.
-            qk = qkv[:, : qk_heads * spec.head_dim].view(num_tokens, qk_heads, spec.head_dim)
-            if layer.qk_norm is not None:
-                qk = rms_norm(qk, layer.qk_norm, spec.rms_norm_eps)
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, : spec.num_q_heads], qk[:, spec.num_q_heads :]
-            v = qkv[:, qk_heads * spec.head_dim :].view(num_tokens, spec.num_kv_heads, spec.head_dim)
+            qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, eps)
+            # narrow, not [] slicing: Python indexing takes a device guard, which a CUDA-less
+            # build cannot give even to fake CUDA tensors (tests/test_kernel_count.py).
+            q, k = qk.split((spec.num_q_heads, spec.num_kv_heads), dim=1)
+            v = qkv.narrow(1, kv_start, spec.num_kv_heads * spec.head_dim).view(num_tokens, spec.num_kv_heads, -1)
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
-            x = linear(attn.reshape(num_tokens, q_size), layer.o_weight, layer.o_bias, residual=x)
-            gate_up = linear(rms_norm(x, layer.post_norm, spec.rms_norm_eps), layer.gate_up_weight, layer.gate_up_bias)
-            gate, up = gate_up.chunk(2, dim=-1)
-            x = linear(F.silu(gate) * up, layer.down_weight, layer.down_bias, residual=x)
-        return rms_norm(x, self.final_norm, spec.rms_norm_eps)
+            hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
+            normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps)
+            gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias)
+            hidden = linear(silu_mul(gate_up), layer.down_weight, layer.down_bias)
+        return add_rms_norm(hidden, residual, self.final_norm, eps)[0]
 
     __call__ = forward
 

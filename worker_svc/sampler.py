@@ -56,6 +56,9 @@ class SamplingTensors:
     min_p: Tensor | None = None  # [N] float32; None = off for every row
     penalties: Penalties | None = None
     logit_bias: LogitBias | None = None
+    # [S] int64: the rows that draw at random, when some rows are greedy and some not (None when
+    # every row draws). Greedy rows then take one argmax and pay for no noise and no sort.
+    random_rows: Tensor | None = None
 
     @classmethod
     def from_params(
@@ -80,6 +83,8 @@ class SamplingTensors:
         # The summaries are taken over host arrays (a step's rows come as numpy gathers).
         temps, ks, ps = np.asarray(temperatures), np.asarray(top_ks), np.asarray(top_ps)
         use_min_p = min_ps is not None and bool((np.asarray(min_ps) > 0).any())
+        random = np.flatnonzero(temps > 0)
+        mixed = 0 < len(random) < num_rows
         # Pinned staging and async copies: the host never waits for the device here.
         return cls(
             temperature=to_device(temperatures, torch.float32, device),
@@ -92,6 +97,20 @@ class SamplingTensors:
             min_p=to_device(min_ps, torch.float32, device) if use_min_p and min_ps is not None else None,
             penalties=penalties,
             logit_bias=logit_bias,
+            random_rows=to_device(random, torch.int64, device) if mixed else None,
+        )
+
+    def rows(self, index: Tensor) -> SamplingTensors:
+        """The per-row parameters of rows ``index`` (penalties and bias are not carried: they
+        belong to the raw-logit stage, which runs over the whole batch first)."""
+        return SamplingTensors(
+            temperature=self.temperature.index_select(0, index),
+            top_k=self.top_k.index_select(0, index),
+            top_p=self.top_p.index_select(0, index),
+            seeds=self.seeds.index_select(0, index),
+            positions=self.positions.index_select(0, index),
+            any_filter=self.any_filter,
+            min_p=None if self.min_p is None else self.min_p.index_select(0, index),
         )
 
 
@@ -244,7 +263,7 @@ def _processed_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
     """
     logits = _raw_logit_stage(logits, t)
     greedy = t.temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, t.temperature)[:, None]
+    scaled = logits / torch.where(greedy, 1.0, t.temperature).unsqueeze(1)
     if t.any_filter:
         scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
     if t.min_p is not None:
@@ -282,12 +301,24 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
     like ``torch.argmax`` and HF greedy). Other rows draw exactly from the filtered softmax by
     Gumbel-max with noise keyed by ``(seeds, positions)``.
     """
+    raw = _raw_logit_stage(logits, t)
     if t.all_greedy:
-        return _raw_logit_stage(logits, t).argmax(dim=-1)
-    processed = _processed_logits(logits, t)
-    u = keyed_uniform(t.seeds, t.positions, logits.shape[-1], STREAM_SAMPLE)
-    gumbel = -torch.log(-torch.log(u))
-    return (processed + gumbel).argmax(dim=-1)
+        return raw.argmax(dim=-1)
+    if t.random_rows is None:
+        return _draw(raw, t)
+    tokens = raw.argmax(dim=-1)
+    return tokens.index_copy_(0, t.random_rows, _draw(raw.index_select(0, t.random_rows), t.rows(t.random_rows)))
+
+
+def _draw(raw: Tensor, t: SamplingTensors) -> Tensor:
+    """Gumbel-max over the filtered, temperature-scaled ``raw`` logits of rows that all draw."""
+    scaled = raw / t.temperature.unsqueeze(1)
+    if t.any_filter:
+        scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
+    if t.min_p is not None:
+        scaled = _min_p(scaled, t.min_p)
+    u = keyed_uniform(t.seeds, t.positions, raw.shape[-1], STREAM_SAMPLE)
+    return (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
 
 
 def target_probs(logits: Tensor, t: SamplingTensors) -> Tensor:
