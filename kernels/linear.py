@@ -9,11 +9,17 @@ over the plain weight is still the faster one, so float32 weights keep both copi
 call; bfloat16 weights keep only the packed one.
 
 On CUDA, or where oneDNN is missing, a weight is just the plain tensor for ``F.linear``.
+
+``quantization="int8"`` (CPU): each weight is stored as int8 with one float scale per output
+channel (symmetric, ``max |w| / 127``) and multiplied by fbgemm's dynamic int8 product, which
+quantizes the float32 activations of each call on the fly and accumulates in int32 (VNNI): half
+the bytes of bfloat16 to stream per token, and no float unpacking in the inner loop.
 """
 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -37,10 +43,39 @@ class LinearWeight:
     dense: torch.Tensor | None
     packed: torch.Tensor | None = None
     min_packed_rows: int = 0
+    int8: object | None = None  # fbgemm's packed int8 weight: float32 inputs only
 
 
-def prepare_linear(weight: torch.Tensor, prepack: bool = True) -> LinearWeight:
-    """Wrap ``weight`` ``[out, in]`` for :func:`linear`, packing it for oneDNN when that helps here."""
+QUANTIZATIONS = ("none", "int8")
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``(q [out, in] int8, scale [out] float32)``, ``w ≈ q * scale``."""
+    w32 = weight.float()
+    scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
+    q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def _prepare_int8(weight: torch.Tensor) -> LinearWeight:
+    if weight.device.type != "cpu":
+        raise ValueError("int8 quantization runs on the CPU only")
+    q, scale = quantize_int8(weight)
+    zeros = torch.zeros(scale.shape, dtype=torch.long)
+    with warnings.catch_warnings():
+        # torch deprecates its quantized tensor type, which fbgemm's packing still takes as input.
+        warnings.simplefilter("ignore", UserWarning)
+        qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
+    return LinearWeight(None, int8=torch.ops.quantized.linear_prepack(qweight, None))
+
+
+def prepare_linear(weight: torch.Tensor, prepack: bool = True, quantization: str = "none") -> LinearWeight:
+    """Wrap ``weight`` ``[out, in]`` for :func:`linear`: packed for oneDNN when that helps here,
+    or quantized (``quantization="int8"``)."""
+    if quantization == "int8":
+        return _prepare_int8(weight)
+    if quantization != "none":
+        raise ValueError(f"unknown quantization {quantization!r} (known: {', '.join(QUANTIZATIONS)})")
     if not (prepack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()):  # fmt: skip
         return LinearWeight(weight)
@@ -57,21 +92,13 @@ def prepare_linear(weight: torch.Tensor, prepack: bool = True) -> LinearWeight:
     return LinearWeight(None, packed, 0)
 
 
-def linear(
-    x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """``x @ weight.T + bias (+ residual)`` for ``x`` ``[N, in]``, through the packed weight when
-    ``N`` is large enough.
-
-    For float32 oneDNN adds ``residual`` as it writes the output: the same sum, without a pass of
-    its own. Lower precisions add it separately, because the fused sum would skip the rounding of
-    the product that Hugging Face's ``residual + linear(x)`` does.
-    """
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large
+    enough. An int8 weight takes and gives float32."""
+    if weight.int8 is not None:
+        out: torch.Tensor = torch.ops.quantized.linear_dynamic(x, weight.int8, False)
+        return out if bias is None else out + bias
     if weight.packed is not None and x.shape[0] >= weight.min_packed_rows:
-        if residual is not None and x.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, residual, weight.packed, bias, "add")
-        out = torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
-    else:
-        assert weight.dense is not None, "a weight without its plain copy is always packed"
-        out = F.linear(x, weight.dense, bias)
-    return out if residual is None else residual + out
+        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
+    assert weight.dense is not None, "a weight without its plain copy is always packed"
+    return F.linear(x, weight.dense, bias)

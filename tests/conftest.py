@@ -21,6 +21,11 @@ if torch is not None and not torch.cuda.is_available():
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
+# Services the tests start read their flags' environment fallbacks: their greedy output is
+# checked against Hugging Face's float32 model, so they compute in float32 whatever `--dtype
+# auto` would pick on this CPU. Tests of other dtypes pass --dtype explicitly.
+os.environ.setdefault("ZEROBUBBLE_DTYPE", "float32")
+
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
@@ -49,6 +54,7 @@ def _runner(spec: str, draft_acceptance: str = "rejection"):
     from worker_svc.server import WorkerConfig, build_runner
 
     cfg = WorkerConfig(
+        dtype="float32",
         spec_method=spec,
         num_spec_tokens=K,
         kv_cache_memory_gb=0.25,

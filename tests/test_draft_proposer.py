@@ -205,7 +205,7 @@ def test_kv_budget_counts_the_draft_cache_at_its_own_size() -> None:
     from zerobubble.config import WorkerConfig
 
     big, small = _tiny_hf(0).config, LlamaConfig(**{**_tiny_hf(0).config.to_dict(), "num_hidden_layers": 1})
-    cfg = WorkerConfig(kv_cache_memory_gb=0.01, block_size=4)
+    cfg = WorkerConfig(dtype="float32", kv_cache_memory_gb=0.01, block_size=4)
     cpu = torch.device("cpu")
     per_big, per_small = (kv_cache_bytes_per_block(c, 4, torch.float32) for c in (big, small))
     assert per_small < per_big

@@ -35,7 +35,7 @@ MAX_TOKENS = 8
 @pytest.fixture(scope="module")
 def runner(smollm2_dir):
     runner, _ = build_runner(
-        WorkerConfig(kv_cache_memory_gb=0.05, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
+        WorkerConfig(dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
     )
     return runner
 
@@ -183,6 +183,7 @@ def _decoding_runners(num_requests: int = 4):
     """Two simulated runners (no weights) in the same state, and the scheduler's next plan for
     them: every request a decode row in the columns, some gaining a block."""
     config = WorkerConfig(
+        dtype="float32",
         simulate_device_ms=0.0, spec_method="ngram", num_spec_tokens=3, max_num_seqs=8, kv_cache_memory_gb=1.0
     )
     runners = [build_runner(config)[0] for _ in range(2)]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.linear import linear, prepare_linear
+from kernels.linear import linear, prepare_linear, quantize_int8
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -36,17 +36,6 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, num_rows: int, with_
 
 
 @needs_onednn
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("num_rows", [2, 16])
-def test_fused_residual_is_the_same_sum(dtype: torch.dtype, num_rows: int) -> None:
-    """``linear(..., residual=r)`` equals ``r + linear(...)`` bit for bit, packed or plain."""
-    weight, bias = torch.randn(40, 24).to(dtype), torch.randn(40).to(dtype)
-    x, residual = torch.randn(num_rows, 24).to(dtype), torch.randn(num_rows, 40).to(dtype)
-    prepared = prepare_linear(weight)
-    assert torch.equal(linear(x, prepared, bias, residual=residual), residual + linear(x, prepared, bias))
-
-
-@needs_onednn
 def test_float32_keeps_the_plain_weight_for_few_rows() -> None:
     """1-3 float32 rows go through MKL's gemv on the plain weight: bit-identical to F.linear."""
     weight = torch.randn(64, 48)
@@ -68,3 +57,36 @@ def test_prepack_off_or_another_device_is_plain_f_linear() -> None:
     assert prepared.packed is None and prepared.dense is weight
     assert torch.equal(linear(x, prepared), F.linear(x, weight))
     assert prepare_linear(weight.double()).packed is None  # a dtype oneDNN is not used for
+
+
+def test_int8_weights_quantize_per_channel_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 64, generator=g) * torch.linspace(0.01, 3.0, 48)[:, None]  # channels of every scale
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    assert torch.all((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_linear_is_close_to_the_float_product(num_rows: int, with_bias: bool) -> None:
+    """fbgemm's dynamic int8 product against the float32 product of the dequantized weight:
+    only the activations' own 8-bit rounding separates them."""
+    g = torch.Generator().manual_seed(num_rows)
+    weight, x = torch.randn(96, 64, generator=g), torch.randn(num_rows, 64, generator=g)
+    bias = torch.randn(96, generator=g) if with_bias else None
+    got = linear(x, prepare_linear(weight, quantization="int8"), bias)
+    q, scale = quantize_int8(weight)
+    want = F.linear(x, q.float() * scale[:, None], bias)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # Activations on 255 levels: each product is off by at most half a level of the input's range.
+    tolerance = (x.abs().amax() / 127) * (q.float() * scale[:, None]).abs().sum(dim=1).max()
+    assert float((got - want).abs().max()) <= float(tolerance)
+    assert float((got - want).abs().mean()) < 0.05 * float(want.abs().mean())
+
+
+def test_int8_is_refused_off_the_cpu_and_unknown_schemes_by_name() -> None:
+    with pytest.raises(ValueError, match="int4"):
+        prepare_linear(torch.randn(4, 4), quantization="int4")
+    with pytest.raises(ValueError, match="CPU"):
+        prepare_linear(torch.randn(4, 4, device="meta"), quantization="int8")

@@ -169,6 +169,7 @@ class CausalLM:
     rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
     rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see kernels.fused.qk_norm_rope_twin
     prepack: bool = True  # lay linear weights out for oneDNN on CPU (kernels/linear.py)
+    quantization: str = "none"  # "int8": int8 linear weights (kernels/linear.py)
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
     final_norm: torch.Tensor | None = None
@@ -211,7 +212,7 @@ class CausalLM:
             return fuse(present) if len(present) == len(parts) else None
 
         def weight(tensor: torch.Tensor) -> LinearWeight:
-            return prepare_linear(tensor, self.prepack)
+            return prepare_linear(tensor, self.prepack, self.quantization)
 
         layers = []
         for i in range(spec.num_layers):
@@ -314,10 +315,13 @@ class CausalLM:
         return linear(hidden, self.lm_head).float()
 
 
-def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str, prepack: bool = True) -> CausalLM:
+def build_model(
+    hf_config: Any, dtype: torch.dtype, device: torch.device | str, prepack: bool = True, quantization: str = "none"
+) -> CausalLM:
     """An empty :class:`CausalLM` for ``hf_config``; fill it with :meth:`CausalLM.load_weights`.
 
-    ``prepack`` lays the linear weights out for oneDNN on CPU (see :mod:`kernels.linear`).
+    ``prepack`` lays the linear weights out for oneDNN on CPU, ``quantization="int8"`` stores
+    them as int8 (see :mod:`kernels.linear`).
     """
     spec = model_spec(hf_config)
     cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)
@@ -331,6 +335,7 @@ def build_model(hf_config: Any, dtype: torch.dtype, device: torch.device | str, 
         rope_cos=torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
         rope_sin=torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype),
         prepack=prepack,
+        quantization=quantization,
     )
 
 

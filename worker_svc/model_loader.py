@@ -98,10 +98,12 @@ def load_model(
     device: torch.device | str = "cpu",
     prepack: bool = True,
     weights: bool = True,
+    quantization: str = "none",
 ) -> LoadedModel:
     """Resolve ``spec`` and load its weights into our Llama-family forward.
 
     ``prepack``: lay linear weights out for oneDNN on CPU (:mod:`kernels.linear`).
+    ``quantization``: ``"int8"`` stores the linear weights as int8 (:mod:`kernels.linear`).
     ``weights=False``: config, tokenizer and EOS ids only (``model`` is None).
 
     Raises:
@@ -125,7 +127,7 @@ def load_model(
     if not weights:
         return loaded
     try:
-        model = build_model(hf_config, torch_dtype, torch.device(device), prepack)
+        model = build_model(hf_config, torch_dtype, torch.device(device), prepack, quantization)
     except ValueError as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: {exc}") from exc
     state_dict: dict[str, torch.Tensor] = {}

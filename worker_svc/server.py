@@ -49,17 +49,25 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The weights' and KV cache's dtype for ``--dtype name`` on ``device``.
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX-512-BF16 or AMX-BF16), which oneDNN uses."""
+    return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
-    ``auto`` is float32 on CPU and bfloat16 on CUDA where the GPU computes in it natively
-    (compute capability 8.0, Ampere, and later); before that float16, as bfloat16 there is
-    emulated (slow) and Triton does not compile it. An explicit bfloat16 on such a GPU is
-    refused for the same reason.
+
+def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+    """The activations', weights' and KV cache's dtype for ``--dtype name`` on ``device``.
+
+    ``auto`` on a CPU is bfloat16 where the CPU computes in it natively (half the bytes per
+    token of float32) and float32 elsewhere, or with int8 weights (fbgemm's product takes
+    float32). On CUDA it is bfloat16 where the GPU computes in it natively (compute capability
+    8.0, Ampere, and later); before that float16, as bfloat16 there is emulated (slow) and
+    Triton does not compile it. An explicit bfloat16 on such a GPU is refused for the same reason.
     """
     by_name = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if device.type != "cuda":
-        return torch.float32 if name == "auto" else by_name[name]
+        if name != "auto":
+            return by_name[name]
+        return torch.bfloat16 if quantization == "none" and cpu_has_native_bf16() else torch.float32
     major, minor = torch.cuda.get_device_capability(device)
     native_bf16 = major >= 8
     if name == "auto":
@@ -132,8 +140,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
         # The attention's torch twin for accelerators gathers every token's whole context:
         # fine for the tests' fake device, out of memory at once at real lengths on a GPU.
         raise ConfigError("--device cuda needs triton (Linux CUDA builds of torch bring it): pip install triton")
-    dtype = resolve_dtype(cfg.dtype, device)
-    loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights)
+    dtype = resolve_dtype(cfg.dtype, device, cfg.quantization)
+    loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights, quantization=cfg.quantization)
     draft = load_model(cfg.draft_model, dtype, device, cfg.prepack_weights) if cfg.spec_method == "draft" else None
     proposer = build_proposer(
         cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max, draft, cfg.draft_acceptance
@@ -151,10 +159,11 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
         proposer,
     )
     logger.info(
-        "worker ready: model=%s device=%s dtype=%s blocks=%d x %d spec=%s k=%d",
+        "worker ready: model=%s device=%s dtype=%s quantization=%s blocks=%d x %d spec=%s k=%d",
         loaded.name,
         device,
         dtype,
+        cfg.quantization,
         num_blocks,
         cfg.block_size,
         cfg.spec_method,

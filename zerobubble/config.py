@@ -216,8 +216,16 @@ class WorkerConfig(ServiceConfig):
     model: str = setting("smollm2-135m", "'smollm2-135m' (embedded), a Hugging Face directory or a .gguf file")
     dtype: str = setting(
         "auto",
-        "weights and KV dtype (auto = float32 on CPU, bfloat16 on CUDA from compute capability 8.0, float16 before)",
+        "activations', weights' and KV cache's dtype (auto = bfloat16 on a CPU with AVX-512-BF16 or "
+        "AMX-BF16 and on CUDA from compute capability 8.0; float16 on older GPUs; float32 on other "
+        "CPUs and with --quantization int8)",
         choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    quantization: str = setting(
+        "none",
+        "weight quantization: int8 = per-channel int8 weights through fbgemm's dynamic int8 "
+        "product, float32 activations (CPU only)",
+        choices=("none", "int8"),
     )
     device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
     block_size: int = setting(16, "tokens per KV cache block")
@@ -309,6 +317,12 @@ class WorkerConfig(ServiceConfig):
         if self.cpu_cores:
             cores_within(self.cpu_cores, "--cpu-cores", self.cpu_affinity)
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        if self.quantization == "int8":
+            _require(self.device != "cuda", "--quantization int8 runs on the CPU only (--device cpu or auto)")
+            _require(
+                self.dtype in ("auto", "float32"),
+                "--quantization int8 computes in float32 activations: use --dtype auto or float32",
+            )
         if self.spec_method == "ngram":
             _require(
                 1 <= self.ngram_min <= self.ngram_max,
