@@ -32,8 +32,8 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def grounded_rows() -> list[dict[str, Any]]:
-    """Rows of the grounded workload (``$ZEROBUBBLE_WORKLOAD`` or ``../shared/workloads/grounded.jsonl``)."""
-    path = Path(os.environ.get("ZEROBUBBLE_WORKLOAD", REPO_ROOT.parent / "shared" / "workloads" / "grounded.jsonl"))
+    """Rows of the grounded workload: ``$ZEROBUBBLE_WORKLOAD``, else the shipped one (zerobubble/workloads/)."""
+    path = Path(os.environ.get("ZEROBUBBLE_WORKLOAD", REPO_ROOT / "zerobubble" / "workloads" / "grounded.jsonl"))
     if not path.is_file():
         pytest.skip(f"workload file {path} not found")
     with path.open() as f:
