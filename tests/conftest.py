@@ -67,7 +67,7 @@ def ngram_runner(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def draft_runner(smollm2_dir):
-    # SmolLM2 drafting for itself, as in the matrix: greedy drafts are then always right,
+    # SmolLM2 drafting for itself, as in test_async_spec_e2e: greedy drafts are then always right,
     # so a rejected draft can only mean that the runner fed or verified the wrong thing.
     return _runner("draft")
 
