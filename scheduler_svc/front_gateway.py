@@ -6,7 +6,7 @@ stream. Here each relayed call becomes a submission of the servicer, exactly as 
 are the same code); only its replies differ: `GenerationServicer.relay` hands them over as the
 scheduler produces them (no queue, no task per request), they gather in the stream's outbox and
 leave as one `EngineMessage` per loop turn. What that takes off the planning loop is the per-message cost
-of gRPC (a `sendmsg` and the call's bookkeeping per reply: ~75-130 µs each on the 2-core VM),
+of gRPC (a `sendmsg` and the call's bookkeeping per reply; docs/benchmarks/host.md measures it),
 which at hundreds of streams is most of what the loop spends per step. To a front that reads
 them, replies of tokens alone go as rows of the message's columns (`EngineMessage.plain`), not
 as a message each.

@@ -136,10 +136,9 @@ class Tokenizer:
         Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM) decode each id to fixed bytes
         whatever surrounds it, so their stream is a table lookup and an incremental UTF-8
         decoder (as llama.cpp's token pieces), skipped for the ids whose bytes are whole
-        characters after whole characters (their text is a second table): 0.25-0.38 µs per
-        token of `Detokenizer.append` on real text, against 1.2-1.7 µs for the library's
-        `DecodeStream`, which decodes a window of ids twice per token and serves the other
-        tokenizers.
+        characters after whole characters (their text is a second table): several times faster
+        per token than the library's `DecodeStream` (docs/benchmarks/host.md), which decodes a
+        window of ids twice per token and serves the other tokenizers.
         """
         tables = self._byte_tables_for(skip_special_tokens)
         if tables is not None:

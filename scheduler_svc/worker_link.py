@@ -96,8 +96,8 @@ def arrivals_recent(since_arrival_s: float, step_s: float) -> bool:
     """Whether requests are arriving, so that holding a plan ahead back may let one join it.
 
     Holding it back costs something on a CPU: its planning and receipt then interrupt the
-    running step a second time, after the result's (real model, concurrency 1, n-gram: 67 ->
-    72 ms per step). With no request arriving there is nothing to wait for.
+    running step a second time, after the result's (about 7 % longer steps at concurrency 1,
+    docs/benchmarks/host.md). With no request arriving there is nothing to wait for.
     """
     return since_arrival_s <= ARRIVAL_WINDOW_STEPS * step_s
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 from zerobubble.bench import load_dataset, run_bench_async  # noqa: E402
 from zerobubble.tools.launch import start_scheduler, start_worker, wait_serving  # noqa: E402
 
-DEFAULT_DATASET = ROOT.parent / "shared" / "workloads" / "grounded.jsonl"
+DEFAULT_DATASET = ROOT / "zerobubble" / "workloads" / "grounded.jsonl"
 
 
 def bench(target: str, rows, concurrency: int) -> dict:

@@ -119,8 +119,8 @@ def placement_cores(placement: str) -> tuple[str, str]:
     cores = sorted(ALL_CORES)
     if len(cores) < 2:
         raise SystemExit("--placement apart needs at least 2 cores")
-    # The first core: on the 2-core VM the second one takes the disk's interrupts, and the
-    # scheduler (the critical path) ran 10-20 % slower there than on the first.
+    # The first core: on the 2-vCPU benchmark host the second one takes the disk's interrupts,
+    # and the scheduler (the critical path) ran 10-20 % slower there than on the first.
     return str(cores[0]), ",".join(map(str, cores[1:]))
 
 
@@ -446,7 +446,7 @@ def reference_loop_ms() -> float:
     """Milliseconds of a fixed single-threaded Python loop (dict and list work, as a scheduler
     does), best of 5: how fast this machine is right now.
 
-    On a shared VM the same code measures 1.5-2x apart from one hour to the next, and every
+    On a shared virtual machine the same code measures 1.5-2x apart from one hour to the next, and every
     process's CPU per step moves with it; printed beside each host figure, this tells a slow
     hour from a slower change.
     """

@@ -1,4 +1,4 @@
-"""One-shot accelerator check (issue 10): everything a GPU run must confirm, in one command.
+"""One-shot accelerator check: everything a GPU run must confirm, in one command.
 
 ``scripts/device_check.sh OUT_DIR`` (or ``python scripts/device_check.py OUT_DIR``) runs, on CUDA:
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check (issue 10): kernels, model families, service exactness, sync-free steps,
+# One-shot GPU check: kernels, model families, service exactness, sync-free steps,
 # async/speculation throughput with CUDA graphs on and off. Keeps to 8 minutes on one H200
 # (`--time-budget`, 420 s of sections by default; this wrapper stops it at 480 s, and SIGTERM
 # still writes the report). Usage: scripts/device_check.sh OUT_DIR [--dry-run] [--only SECTIONS]
@@ -20,7 +20,7 @@ if [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ]; then PY=.venv/bin/python; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
 mkdir -p "$1"
-# Wheels carried to a machine that cannot download (README, "On a GPU"): installed into a
+# Wheels carried to a machine that cannot download (docs/benchmarks/h200.md): installed into a
 # folder of this run's own, ahead of the machine's packages on the path.
 WHEELS=${DEVICE_WHEELS:-.device-wheels}
 if compgen -G "$WHEELS/*.whl" >/dev/null; then

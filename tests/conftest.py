@@ -37,8 +37,8 @@ def smollm2_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def grounded_rows() -> list[dict[str, Any]]:
-    """Rows of the grounded workload (``$ZEROBUBBLE_WORKLOAD`` or ``../shared/workloads/grounded.jsonl``)."""
-    path = Path(os.environ.get("ZEROBUBBLE_WORKLOAD", REPO_ROOT.parent / "shared" / "workloads" / "grounded.jsonl"))
+    """Rows of the grounded workload: ``$ZEROBUBBLE_WORKLOAD``, else the shipped one (zerobubble/workloads/)."""
+    path = Path(os.environ.get("ZEROBUBBLE_WORKLOAD", REPO_ROOT / "zerobubble" / "workloads" / "grounded.jsonl"))
     if not path.is_file():
         pytest.skip(f"workload file {path} not found")
     with path.open() as f:
@@ -73,7 +73,7 @@ def ngram_runner(smollm2_dir):
 
 @pytest.fixture(scope="module")
 def draft_runner(smollm2_dir):
-    # SmolLM2 drafting for itself, as in the issue's matrix: greedy drafts are then always right,
+    # SmolLM2 drafting for itself, as in test_async_spec_e2e: greedy drafts are then always right,
     # so a rejected draft can only mean that the runner fed or verified the wrong thing.
     return _runner("draft")
 

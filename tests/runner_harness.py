@@ -21,7 +21,7 @@ from tests.drive import make_scheduler  # noqa: F401  (re-exported for the harne
 from zerobubble.api import worker_pb2
 from zerobubble.rows import plan_rows, result_rows
 
-K = 3  # draft tokens per decode (the issue's --num-spec-tokens 3)
+K = 3  # draft tokens per decode (--num-spec-tokens 3, as the benchmarks run)
 
 
 SHORT_CODE_ROWS = (7, 4, 0, 3)

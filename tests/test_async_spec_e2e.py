@@ -1,6 +1,6 @@
 """Async scheduling + speculative decoding end to end: scheduler and worker processes over gRPC.
 
-Issue 4's matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,draft}` (draft:
+The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,draft}` (draft:
 SmolLM2 drafting for itself, k=3). One worker process per spec method serves every scheduler of
 that method; a worker takes one scheduler stream at a time, so each test starts its own scheduler
 and stops it before the next one connects. Hugging Face greedy `generate` is the oracle for greedy
@@ -160,8 +160,8 @@ def test_greedy_through_fronts_matches_hf(pool, smollm2_dir, grounded_rows, refe
 @pytest.mark.slow
 @pytest.mark.parametrize("spec,inflight", COMBINATIONS)
 def test_greedy_matches_hf_on_the_whole_workload(pool, smollm2_dir, grounded_rows, reference, spec, inflight):
-    """Issue 4's acceptance criterion as stated: all 48 rows at concurrency 16, at least 46
-    token-identical to Hugging Face."""
+    """All 48 rows of the shipped workload at concurrency 16, at least 46 token-identical to
+    Hugging Face."""
     ref = [reference.get(i) for i in range(len(grounded_rows))]
     check_greedy(pool, spec, inflight, grounded_rows, ref, TEST_MAX_TOKENS, MIN_IDENTICAL, smollm2_dir)
 

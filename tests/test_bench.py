@@ -29,9 +29,11 @@ from zerobubble.bench import (
     mean_accepted_length,
     parse_row,
     percentile,
+    resolve_dataset,
     row_request,
     run_bench_async,
     select_rows,
+    shipped_workloads,
     stats_delta,
     summarize,
 )
@@ -171,6 +173,42 @@ def test_load_dataset_filters_limits_and_keeps_file_positions(tmp_path: Path) ->
     assert [(r.index, r.max_tokens) for r in chat] == [(0, 8), (2, 100)]
     assert (chat[1].temperature, chat[1].seed) == (0.7, 11)
     assert load_dataset(path, kind="missing") == []
+
+
+def test_a_bare_name_loads_the_shipped_workload() -> None:
+    rows = load_dataset("grounded")
+    assert len(rows) == 48
+    assert {r.kind for r in rows} == {"code-edit", "grounded-qa", "open-chat"}
+    assert all(r.messages and r.max_tokens > 0 for r in rows)
+    assert "grounded" in shipped_workloads()
+    assert load_dataset("grounded", kind="open-chat", limit=3) == [r for r in rows if r.kind == "open-chat"][:3]
+
+
+def test_a_path_still_wins_over_a_shipped_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    write_dataset(tmp_path / "grounded", [{"prompt": "local", "max_tokens": 2}])
+    assert [r.prompt for r in load_dataset("grounded")] == ["local"]
+    nested = write_dataset(tmp_path / "sub.jsonl", [{"prompt": "nested", "max_tokens": 3}])
+    assert resolve_dataset(str(nested)) == nested
+    assert [r.prompt for r in load_dataset(nested)] == ["nested"]
+
+
+def test_an_unknown_name_lists_the_shipped_workloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="shipped: .*grounded"):
+        load_dataset("no-such-workload")
+    with pytest.raises(FileNotFoundError):  # a path with a suffix is opened as given
+        load_dataset("no-such-file.jsonl")
+
+
+def test_bench_cli_reports_an_unknown_dataset_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from zerobubble.entrypoints.bench import run_bench
+    from zerobubble.entrypoints.cli import build_parser
+
+    monkeypatch.chdir(tmp_path)
+    args = build_parser(env={}).parse_args(["bench", "--dataset", "no-such-workload", "--target", "localhost:1"])
+    assert run_bench(args) == 2
+    assert "shipped: grounded" in capsys.readouterr().err
 
 
 def test_select_rows_does_not_mutate_its_input() -> None:

@@ -13,7 +13,7 @@ end (and written to $ZEROBUBBLE_CHAOS_TABLE, default /tmp/zerobubble-chaos.md):
 - changed: finished greedy streams whose tokens differ from the reference,
 - time to recover: from the fault to the last stream's end (or to serving again).
 
-The soak runs for $ZEROBUBBLE_SOAK_S seconds (default 120; the issue's figure is 1800).
+The soak runs for $ZEROBUBBLE_SOAK_S seconds (default 120; the published soak ran 1800).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def _value(samples: dict[str, list[tuple[str, dict[str, str], float]]], name: st
     return matches[0]
 
 
-# Beyond DESIGN.md's table (README, "Scrape"): the fronts' load, reported over their stream.
+# Beyond the families every service exports (docs/DESIGN.md, "Metrics"): the fronts' load, reported over their stream.
 EXTENSIONS: dict[str, tuple[str, frozenset[str]]] = {
     "zerobubble_front_cpu_seconds_total": ("counter", frozenset({"model", "front"})),
     "zerobubble_front_calls_running": ("gauge", frozenset({"model", "front"})),

@@ -423,7 +423,7 @@ def test_prometheus_evaluated_every_rule_without_error(live: dict[str, Any]) -> 
 
 def _readme_blocks(language: str) -> list[str]:
     text = README.read_text()
-    section = text[text.index("\n## Scrape\n") :]
+    section = text[text.index("\n## Metrics\n") :]
     section = section[: section.index("\n## ", 1)]
     return re.findall(rf"```{language}\n(.*?)```", section, flags=re.S)
 

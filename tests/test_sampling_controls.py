@@ -1,4 +1,4 @@
-"""Sampling controls (issue 12 item 3): penalties, min_p, logit_bias, top-N logprobs, n > 1.
+"""Sampling controls: penalties, min_p, logit_bias, top-N logprobs, n > 1.
 
 Unit tests check the sampler against Hugging Face's logits processors and plain formulas on
 random logits; runner tests drive the real SmolLM2 in-process with the real `Scheduler` (helpers

@@ -461,8 +461,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         results: asyncio.Queue = asyncio.Queue()
         # The result copier: each step's host copy waits here, off the step thread. A bare
         # thread on a C-level queue: an executor's submit (a Future, its Condition, the pool's
-        # locks) costs the caller 7 us of CPU and 22 us of wall time on the 2-core VM (20 000
-        # submits to a one-thread pool), a SimpleQueue's put 0.1 us.
+        # locks) costs the caller tens of times the CPU of a SimpleQueue's put, on the step
+        # thread's critical path (docs/benchmarks/host.md, "What a message costs").
         copies: queue.SimpleQueue = queue.SimpleQueue()  # (function, args); None ends the thread
         copier = threading.Thread(target=run_jobs, args=(copies,), name="d2h", daemon=True)
         copier.start()

@@ -9,6 +9,8 @@ OpenAI-compatible HTTP server: ours, vLLM, llama.cpp's ``llama-server``; see
 Each dataset row is one request: ``messages`` (chat, template applied by the server) or
 ``prompt`` (raw text), ``max_tokens``, and optionally ``kind`` (for ``--kind`` filtering),
 ``temperature``, ``seed`` and ``ignore_eos``. Rows are greedy unless they say otherwise.
+``--dataset`` takes a path or the bare name of a workload shipped in ``zerobubble/workloads/``
+(``grounded``: 48 chat rows of code edits, grounded questions and open chat).
 
 Throughput and latencies are measured here, on the client. Speculation and worker-idle figures
 (gRPC backend only) come from the difference of two reads of ``ModelInfo.stats``, the server's
@@ -50,6 +52,8 @@ from zerobubble.client import (
 logger = logging.getLogger(__name__)
 
 PERCENTILES = (50, 90, 99)
+# Workloads installed with the package, so a benchmark needs nothing outside it.
+WORKLOADS_DIR = Path(__file__).resolve().parent / "workloads"
 
 
 @dataclasses.dataclass(slots=True)
@@ -111,15 +115,41 @@ def select_rows(rows: Sequence[BenchRow], *, kind: str = "", limit: int = 0, max
     return chosen
 
 
+def shipped_workloads() -> list[str]:
+    """Names of the workloads in :data:`WORKLOADS_DIR` (``grounded`` for ``grounded.jsonl``)."""
+    return sorted(p.stem for p in WORKLOADS_DIR.glob("*.jsonl"))
+
+
+def resolve_dataset(spec: str | Path) -> Path:
+    """The file a ``--dataset`` value stands for.
+
+    An existing file is itself. A bare name (no directory, no suffix) that is not a file here
+    names a shipped workload; ``FileNotFoundError`` lists the shipped names when there is none
+    of that name. Anything else is returned as a path for the caller to open.
+    """
+    path = Path(spec)
+    if path.is_file() or path.name != str(spec) or path.suffix:
+        return path
+    shipped = WORKLOADS_DIR / f"{spec}.jsonl"
+    if shipped.is_file():
+        return shipped
+    raise FileNotFoundError(
+        f"dataset {str(spec)!r}: no such file and no shipped workload of that name "
+        f"(shipped: {', '.join(shipped_workloads()) or 'none'})"
+    )
+
+
 def load_dataset(path: str | Path, *, kind: str = "", limit: int = 0, max_tokens_cap: int = 0) -> list[BenchRow]:
     """Read a JSONL dataset (blank lines skipped) and select rows as ``bench`` does.
 
-    Shared with ``scripts/hf_baseline.py`` so both sides run exactly the same requests.
+    ``path`` may also be a shipped workload's name (:func:`resolve_dataset`). Shared with
+    ``scripts/hf_baseline.py`` so both sides run exactly the same requests.
 
     Raises:
         OSError: the file cannot be read.
         ValueError: a line is not valid JSON or not a valid row (the message names it).
     """
+    path = resolve_dataset(path)
     rows: list[BenchRow] = []
     with open(path, encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):

@@ -27,11 +27,10 @@ EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 # gRPC's own runtime switches that our processes run with unless `GRPC_EXPERIMENTS` is set.
 # Its EventEngine endpoints hand every read and write between their own threads and the
 # completion queue's poller; the polling engine they replace does the I/O on the polling thread.
-# Each hand-off wakes a thread, and a message's cost is mostly wake-ups: on the 2-core VM a
-# gRPC ping-pong between two processes took 0.6x the time and 0.7x the CPU per message without
-# them (`scripts/grpc_pingpong.py`), the whole path at 64 requests 0.8x the time per step (less
-# where many messages already share a wake-up: docs/MEASUREMENTS.md, "Fronts"). Known to grpcio 1.75 through
-# 1.85 (an unknown name is logged as an error, not refused).
+# Each hand-off wakes a thread, and a message's cost is mostly wake-ups: without them a step
+# costs less where each message wakes a thread (docs/benchmarks/host.md, "gRPC without its
+# EventEngine endpoints"). Known to grpcio 1.75 through 1.85 (an unknown name is logged as an
+# error, not refused).
 GRPC_EXPERIMENTS_DEFAULT = (
     "-event_engine_client,-event_engine_listener,-event_engine_for_all_other_endpoints,-event_engine_callback_cq"
 )
@@ -282,7 +281,7 @@ class WorkerConfig(ServiceConfig):
         "with --simulate-device-ms: probability that a token repeats the text 32 tokens "
         "earlier, i.e. that an n-gram draft is accepted when the one before it was",
     )
-    # On since the first GPU run (README, "On a GPU"): exact against Hugging Face, no host sync,
+    # On since the first GPU run (docs/benchmarks/h200.md): exact against Hugging Face, no host sync,
     # 2.4-3.3x the eager decode rate of a 1.7B model, whose eager steps are bound by launches.
     cuda_graphs: bool = setting(
         True,

@@ -17,8 +17,7 @@ def run_loop(main: Coroutine[Any, Any, T], event_loop: str) -> T:
     """Run ``main`` to the end on the event loop ``event_loop`` names: "uvloop", "asyncio", or
     "auto" (uvloop where it is installed). Clients use it too: a benchmark's client shares the
     machine with what it measures, and on uvloop it reads a stream's messages with less CPU
-    (scripts/bench_sim.py host, 64 requests: the client's loop thread 0.63-0.78 ms of CPU per
-    step against 0.90-1.09 on asyncio's loop)."""
+    (docs/benchmarks/host.md, "Smaller measurements the code relies on")."""
     if event_loop != "asyncio":
         try:
             import uvloop

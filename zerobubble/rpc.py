@@ -88,10 +88,10 @@ def bind_process(cores: frozenset[int]) -> None:
     Why: on a machine the scheduler shares with a worker (and, in a benchmark, with its
     clients), the kernel moves each process's threads across the cores; the scheduler's loop
     then waits behind the others' threads, and hand-offs between threads wake the other core.
-    On the 2-core VM (scripts/bench_sim.py host, 256 requests, k = 3, --stream-interval 8) the
-    scheduler bound to one core and the worker with the benchmark's client to the other took
-    ms per step to 0.9x of unbound over 16 alternating pairs, every process using less CPU per
-    step. `keep_loop_thread_on` goes further for the scheduler.
+    Binding the scheduler to one core and the worker with the benchmark's client to the other
+    shortens a step at 256 requests, every process using less CPU per step;
+    `keep_loop_thread_on` goes further for the scheduler (docs/benchmarks/host.md, "The
+    scheduler's loop on a core of its own").
     """
     for tid in _thread_ids() or [0]:  # no /proc: the calling thread, the only one at start-up
         with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile

@@ -233,7 +233,13 @@ def add_generate_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] |
 
 def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     """Dataset and load flags of ``bench``."""
-    add_flag(parser, "--dataset", default="", env=env, help="JSONL file: messages|prompt, max_tokens, kind, ...")
+    add_flag(
+        parser,
+        "--dataset",
+        default="",
+        env=env,
+        help="JSONL file (messages|prompt, max_tokens, kind, ...) or a shipped workload's name: grounded",
+    )
     add_flag(
         parser,
         "--concurrency",
