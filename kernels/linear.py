@@ -10,16 +10,17 @@ call; bfloat16 weights keep only the packed one.
 
 On CUDA, or where oneDNN is missing, a weight is just the plain tensor for ``F.linear``.
 
-``quantization="int8"`` (CPU): each weight is stored as int8 with one float scale per output
-channel (symmetric, ``max |w| / 127``) and multiplied by fbgemm's dynamic int8 product, which
-quantizes the float32 activations of each call on the fly and accumulates in int32 (VNNI): half
-the bytes of bfloat16 to stream per token, and no float unpacking in the inner loop.
+``quantization="int8"`` (CPU): weight-only int8. Each weight is stored as int8 with one float32
+scale per output channel (symmetric, ``max |w| / 127``) and multiplied by torch's int8
+weight-only product, which widens the weights as it reads them: a quarter of float32's bytes to
+stream per token, activations untouched. Quantizing the activations as well (fbgemm's dynamic
+int8 product, one scale per call) would be faster still, but a prefill's single scale over all
+its tokens costs too much accuracy (docs/benchmarks/cpu-llamacpp.md, "Quality").
 """
 
 from __future__ import annotations
 
 import logging
-import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +44,8 @@ class LinearWeight:
     dense: torch.Tensor | None
     packed: torch.Tensor | None = None
     min_packed_rows: int = 0
-    int8: object | None = None  # fbgemm's packed int8 weight: float32 inputs only
+    int8: torch.Tensor | None = None  # [out, in] int8 weight-only: float32 inputs only
+    int8_scale: torch.Tensor | None = None  # [out] float32
 
 
 QUANTIZATIONS = ("none", "int8")
@@ -61,12 +63,7 @@ def _prepare_int8(weight: torch.Tensor) -> LinearWeight:
     if weight.device.type != "cpu":
         raise ValueError("int8 quantization runs on the CPU only")
     q, scale = quantize_int8(weight)
-    zeros = torch.zeros(scale.shape, dtype=torch.long)
-    with warnings.catch_warnings():
-        # torch deprecates its quantized tensor type, which fbgemm's packing still takes as input.
-        warnings.simplefilter("ignore", UserWarning)
-        qweight = torch._make_per_channel_quantized_tensor(q, scale.double(), zeros, 0)
-    return LinearWeight(None, int8=torch.ops.quantized.linear_prepack(qweight, None))
+    return LinearWeight(None, int8=q.contiguous(), int8_scale=scale)
 
 
 def prepare_linear(weight: torch.Tensor, prepack: bool = True, quantization: str = "none") -> LinearWeight:
@@ -96,7 +93,7 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large
     enough. An int8 weight takes and gives float32."""
     if weight.int8 is not None:
-        out: torch.Tensor = torch.ops.quantized.linear_dynamic(x, weight.int8, False)
+        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, weight.int8, weight.int8_scale)
         return out if bias is None else out + bias
     if weight.packed is not None and x.shape[0] >= weight.min_packed_rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")

@@ -1,9 +1,10 @@
 """What a lower precision costs: teacher-forced agreement and perplexity against float32.
 
-Every row of a workload is run through the model once in float32 and once in the precision
-under test (``--dtype bfloat16``, ``--quantization int8``), each position predicting the next
-token of the same text. Two figures per precision: how often its most likely next token is
-float32's (top-1 agreement), and its perplexity on the text relative to float32's.
+Every row of a workload, its prompt followed by float32's greedy continuation, is run through
+the model once in float32 and once in the precision under test (``--dtype bfloat16``,
+``--quantization int8``), each position predicting the next token of the same text. Two figures
+per precision, over the continuation (what a served request reads): how often its most likely
+next token is float32's (top-1 agreement), and its perplexity relative to float32's.
 
     python -m worker_svc.quality --dataset grounded --limit 0
 """
@@ -61,18 +62,35 @@ def row_logits(loaded: LoadedModel, token_ids: list[int]) -> torch.Tensor:
     return model.compute_logits(model(ids, torch.arange(num_tokens), meta, kv_caches))
 
 
-def compare(name: str, reference: list[torch.Tensor], other: list[torch.Tensor], rows: list[list[int]]) -> Quality:
-    """Agreement and perplexities over ``rows``, from each row's float32 and other logits."""
+def compare(
+    name: str, reference: list[torch.Tensor], other: list[torch.Tensor], rows: list[list[int]], starts: list[int]
+) -> Quality:
+    """Agreement and perplexities over the positions of ``rows`` that predict tokens from
+    ``starts[i]`` on (the float32 model's own continuation), from float32's and other logits."""
     agree = total = 0
     nll_ref = nll_other = 0.0
-    for ref, oth, ids in zip(reference, other, rows):
+    for ref, oth, ids, start in zip(reference, other, rows, starts):
+        ref, oth = ref[start - 1 : -1], oth[start - 1 : -1]  # position p predicts token p + 1
         agree += int((ref.argmax(-1) == oth.argmax(-1)).sum())
         total += ref.shape[0]
-        targets = torch.tensor(ids[1:], dtype=torch.long)
-        nll_ref += float(torch.nn.functional.cross_entropy(ref[:-1], targets, reduction="sum"))
-        nll_other += float(torch.nn.functional.cross_entropy(oth[:-1], targets, reduction="sum"))
-    num_predicted = sum(len(ids) - 1 for ids in rows)
-    return Quality(name, total, agree / total, math.exp(nll_other / num_predicted), math.exp(nll_ref / num_predicted))
+        targets = torch.tensor(ids[start:], dtype=torch.long)
+        nll_ref += float(torch.nn.functional.cross_entropy(ref, targets, reduction="sum"))
+        nll_other += float(torch.nn.functional.cross_entropy(oth, targets, reduction="sum"))
+    return Quality(name, total, agree / total, math.exp(nll_other / total), math.exp(nll_ref / total))
+
+
+def greedy_continuations(loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Each prompt followed by float32's greedy continuation (Hugging Face's ``generate``, the
+    oracle every exactness test uses): the text a served request would read."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            generated = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
+            out.append(generated[0].tolist())
+    return out
 
 
 def workload_token_rows(loaded: LoadedModel, rows: list[dict[str, Any]], max_tokens: int) -> list[list[int]]:
@@ -96,18 +114,26 @@ PRECISIONS = {"bfloat16": (torch.bfloat16, "none"), "int8": (torch.float32, "int
 
 
 def measure(
-    rows: list[dict[str, Any]], precisions: list[str], max_tokens: int = 512, model: str = EMBEDDED_MODEL_NAME
+    rows: list[dict[str, Any]],
+    precisions: list[str],
+    max_tokens: int = 512,
+    max_new_tokens: int = 64,
+    model: str = EMBEDDED_MODEL_NAME,
 ) -> list[Quality]:
-    """Each precision in ``precisions`` (keys of :data:`PRECISIONS`) against float32 on ``rows``."""
+    """Each precision in ``precisions`` (keys of :data:`PRECISIONS`) against float32, teacher-forced
+    on each row's prompt and float32's greedy continuation of it, scored on the continuation."""
     reference_model = load_model(model, torch.float32, "cpu")
-    token_rows = workload_token_rows(reference_model, rows, max_tokens)
+    prompts = workload_token_rows(reference_model, rows, max_tokens)
+    token_rows = greedy_continuations(reference_model, prompts, max_new_tokens)
+    starts = [len(p) for p in prompts]
     reference = [row_logits(reference_model, ids) for ids in token_rows]
     del reference_model
     results = []
     for name in precisions:
         dtype, quantization = PRECISIONS[name]
         loaded = load_model(model, dtype, "cpu", quantization=quantization)
-        results.append(compare(name, reference, [row_logits(loaded, ids) for ids in token_rows], token_rows))
+        other = [row_logits(loaded, ids) for ids in token_rows]
+        results.append(compare(name, reference, other, token_rows, starts))
     return results
 
 
@@ -117,14 +143,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", default="grounded", help="workload name or JSONL path")
     parser.add_argument("--limit", type=int, default=0, help="first N rows (0 = all)")
-    parser.add_argument("--max-tokens", type=int, default=512, help="longest row, in tokens")
+    parser.add_argument("--max-tokens", type=int, default=512, help="longest prompt, in tokens")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="float32's continuation, in tokens")
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=list(PRECISIONS))
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     lines = resolve_dataset(args.dataset).read_text().splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
     rows = rows[: args.limit] if args.limit > 0 else rows
-    results = measure(rows, args.precisions, args.max_tokens)
+    results = measure(rows, args.precisions, args.max_tokens, args.max_new_tokens)
     print(f"{len(rows)} rows | precision | tokens | top-1 agreement | perplexity (float32) | change")
     for q in results:
         print(f"| {q.name} | {q.num_tokens} | {q.top1_agreement:.2%} | {q.perplexity:.3f} "

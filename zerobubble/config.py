@@ -222,8 +222,8 @@ class WorkerConfig(ServiceConfig):
     )
     quantization: str = setting(
         "none",
-        "weight quantization: int8 = per-channel int8 weights through fbgemm's dynamic int8 "
-        "product, float32 activations (CPU only)",
+        "weight quantization: int8 = weight-only int8 with a scale per output channel, float32 "
+        "activations (CPU only)",
         choices=("none", "int8"),
     )
     device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
