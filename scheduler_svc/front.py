@@ -34,12 +34,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.request import MAX_N, InvalidRequest, request_prompt_ids, tokenize_response
+from scheduler_svc.request import request_prompt_ids, tokenize_response
 from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble import rpc
 from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.config import FrontConfig
+from zerobubble.request_options import MAX_N, InvalidRequest
 
 logger = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import grpc
 
 from scheduler_svc import front_gateway
 from scheduler_svc.front_pool import FrontPool
-from scheduler_svc.request import InvalidRequest, num_sequences, request_prompt_ids, tokenize_response
+from scheduler_svc.request import request_prompt_ids, tokenize_response
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.submission import DeliverPlain, ReplyOrEnd, RequestError, Stream, Submission, unknown_model
@@ -28,6 +28,14 @@ from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc
 from zerobubble.config import SchedulerServiceConfig
+from zerobubble.request_options import (
+    InvalidRequest,
+    SamplingOptions,
+    StoppingOptions,
+    for_sequence,
+    from_generate_request,
+    shown,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -184,38 +192,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         info, tokenizer = link.described()
         if request.model and request.model != info.model:
             raise unknown_model(request.model, info.model)
+        sampling, stopping = from_generate_request(request)
         try:
             prompt_ids = request_prompt_ids(request, tokenizer, info)
-            n = num_sequences(request)
+            sampling.validate(info.vocab_size)
         except InvalidRequest as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
         # n > 1: n scheduler requests (one per sequence, each with its own seed stream) on one
         # worker; the later ones wait for the first one's prompt blocks and share them.
+        n = sampling.n
         seq_ids = (req_id,) if n == 1 else tuple(f"{req_id}#{i}" for i in range(n))
         if any(seq_id in self.streams for seq_id in seq_ids):
-            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req_id!r} is already running")
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {shown(req_id)} is already running")
         link = self.router.route(prompt_ids)
         if link is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        params = self._params(request)
-        params["detokenize"] = detokenize
-        if n > 1 and params["seed"] is None:
-            params["seed"] = random.getrandbits(64)
         queue: asyncio.Queue = asyncio.Queue()  # shared: the servicer reads every sequence's events
         now = time.monotonic()
         streams = tuple(
             Stream(queue=queue, arrival=now, num_prompt_tokens=len(prompt_ids), deliver=queue.put_nowait, index=i)
             for i in range(n)
         )
-        for seq_id, stream in zip(seq_ids, streams):
-            self.streams[seq_id] = stream
+        self.streams.update(zip(seq_ids, streams))
         try:
-            for i, seq_id in enumerate(seq_ids):
-                seed = params["seed"] if n == 1 else sequence_seed(params["seed"], i)
-                self.router.submit(
-                    link, seq_id, prompt_ids, **dict(params, seed=seed), share_prompt_with=seq_ids[0] if i > 0 else None
-                )
+            self._queue_sequences(link, seq_ids, prompt_ids, sampling, stopping, detokenize)
         except (InvalidRequest, QueueFullError) as exc:
             self._drop(seq_ids)
             code = (
@@ -225,6 +226,32 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             )
             raise RequestError(code, str(exc)) from exc
         return Submission(req_id, streams[0], seq_ids, streams)
+
+    def _queue_sequences(
+        self,
+        link: WorkerLink,
+        seq_ids: Sequence[str],
+        prompt_ids: list[int],
+        sampling: SamplingOptions,
+        stopping: StoppingOptions,
+        detokenize: bool,
+    ) -> None:
+        """Queue each sequence of a request on ``link``: one alone keeps the client's seed (or
+        none, for the scheduler to draw); several derive theirs from one shared seed."""
+        if len(seq_ids) == 1:
+            self.router.submit(link, seq_ids[0], prompt_ids, sampling, stopping, detokenize=detokenize)
+            return
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(64)
+        for i, seq_id in enumerate(seq_ids):
+            self.router.submit(
+                link,
+                seq_id,
+                prompt_ids,
+                for_sequence(sampling, sequence_seed(seed, i)),
+                stopping,
+                share_prompt_with=seq_ids[0] if i > 0 else None,
+                detokenize=detokenize,
+            )
 
     async def admitted(self, submission: Submission) -> None:
         """Queued already: `submit` refuses synchronously here."""
@@ -387,35 +414,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             num_spec_tokens=info.num_spec_tokens,
             max_inflight_steps=self.cfg.max_inflight_steps,
             stats=stats,
-        )
-
-    # -- validation ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _params(request: generate_pb2.GenerateRequest) -> dict:
-        """The request's sampling and stopping fields as `Scheduler.add_request` takes them.
-
-        Unset optional fields keep the scheduler's defaults (an unset seed is drawn there);
-        the scheduler's validator checks them all.
-        """
-        s, st = request.sampling, request.stopping
-        return dict(
-            temperature=s.temperature if s.HasField("temperature") else 0.0,
-            top_k=s.top_k if s.HasField("top_k") else 0,
-            top_p=s.top_p if s.HasField("top_p") else 1.0,
-            seed=s.seed if s.HasField("seed") else None,
-            max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
-            min_tokens=st.min_tokens,
-            stop=list(st.stop),
-            stop_token_ids=list(st.stop_token_ids),
-            ignore_eos=st.ignore_eos,
-            logprobs=request.response.logprobs,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
-            min_p=s.min_p,
-            logit_bias=dict(s.logit_bias),
-            top_logprobs=request.response.top_logprobs,
         )
 
     def stop_sequence(self, submission: Submission, index: int, num_output_tokens: int) -> bool:
