@@ -304,6 +304,8 @@ def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
             raw = await request.json()
         except ValueError:
             raise HTTPError(400, "the body is not valid JSON") from None
+        except RecursionError:  # the decoder recurses once per level of nesting
+            raise HTTPError(400, "the body is nested too deeply", "body") from None
         if not isinstance(raw, dict):
             raise HTTPError(400, "the body must be a JSON object")
         try:
