@@ -15,6 +15,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -36,6 +37,10 @@ from zerobubble.request_options import (
     from_generate_request,
     shown,
 )
+
+if TYPE_CHECKING:
+    from scheduler_svc.http_api import HTTPFront
+    from zerobubble.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -471,75 +476,27 @@ async def serve_scheduler(
     bound: list | None = None,
 ) -> None:
     """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports."""
-    from zerobubble.metrics import ServiceMetrics, start_metrics_server
-
-    metrics = ServiceMetrics(model="", role="scheduler")
-    if cfg.metrics_port >= 0:
-        mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
-        logger.info("scheduler metrics on :%d/metrics", mport)
-        rpc.announce_port("METRICS", mport)
-        if bound is not None:
-            bound.append(("metrics", mport))
-    sched_cfg = SchedulerConfig.from_service(cfg)
-    creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None, cfg.worker_tls_key or None)
-    server = grpc.aio.server(
-        options=rpc.SERVER_OPTIONS,
-        # Fronts are clients too: they send the same token.
-        interceptors=[
-            rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"}),
-            rpc.BearerAuthInterceptor(cfg.auth_token, front_gateway.SERVICE_NAME, {"Attach": "stream_stream"}),
-        ]
-        if cfg.auth_token
-        else None,
-    )
-    health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
-    router = Router(
-        sched_cfg,
-        cfg.max_inflight_steps,
-        creds,
-        metrics,
-        worker_auth_token=cfg.worker_auth_token,
-        step_deadline_s=cfg.step_deadline,
-        lookahead_margin_s=cfg.lookahead_margin_ms / 1000 if cfg.lookahead_margin_ms >= 0 else None,
-    )
+    bound = bound if bound is not None else []
+    metrics = _start_metrics(cfg, bound)
+    router = _build_router(cfg, metrics)
     servicer = GenerationServicer(cfg, router, metrics)
     router.on_events = servicer.on_events
+    server = _grpc_server(cfg, servicer)
+    health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
 
     async def on_readiness(serving: bool) -> None:
         await rpc.set_serving(health, [SERVICE_NAME], serving)
 
     router.on_readiness = on_readiness
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    front_pb2_grpc.add_FrontGatewayServicer_to_server(front_gateway.FrontGateway(servicer), server)
+    # With fronts, they own the client port; the scheduler listens for them on loopback only.
     if cfg.fronts:
-        # The fronts own the client port; the scheduler listens for them on loopback only.
         port = rpc.bind(server, "127.0.0.1", 0, None)
     else:
         port = rpc.bind(server, cfg.host, cfg.port, rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None))
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], False)  # until a worker is connected
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
-    fronts = None
-    if cfg.fronts:
-        logger.info("scheduler listening for its fronts on 127.0.0.1:%d", port)
-        fronts = FrontPool(cfg, port)
-        port, http_port = await fronts.start()
-        if http_port >= 0:
-            logger.info("OpenAI-compatible HTTP on %s:%d (the fronts)", cfg.host, http_port)
-            rpc.announce_port("HTTP", http_port)
-    logger.info("scheduler listening on %s:%d", cfg.host, port)
-    rpc.announce_port("SCHEDULER", port)
-    if bound is not None:
-        bound.append(("grpc", port))
-    http = None
-    if cfg.http_port >= 0 and not cfg.fronts:  # with fronts, they serve it
-        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
-
-        http = await start_http(
-            servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
-        )
-        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
-        rpc.announce_port("HTTP", http.port)
+    fronts, http = await _start_client_ports(cfg, servicer, port, bound)
     if ready is not None:
         ready.set()
     stop = stop or asyncio.Event()
@@ -561,6 +518,77 @@ async def serve_scheduler(
         await http.stop(grace_s=2.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=2.0)
     await router.close()
+
+
+def _start_metrics(cfg: SchedulerServiceConfig, bound: list) -> ServiceMetrics:
+    """The service's metrics, served on ``--metrics-port`` unless it is negative."""
+    from zerobubble.metrics import ServiceMetrics, start_metrics_server
+
+    metrics = ServiceMetrics(model="", role="scheduler")
+    if cfg.metrics_port >= 0:
+        mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
+        logger.info("scheduler metrics on :%d/metrics", mport)
+        rpc.announce_port("METRICS", mport)
+        bound.append(("metrics", mport))
+    return metrics
+
+
+def _build_router(cfg: SchedulerServiceConfig, metrics: ServiceMetrics) -> Router:
+    """The router over the worker links, configured from the service's flags."""
+    return Router(
+        SchedulerConfig.from_service(cfg),
+        cfg.max_inflight_steps,
+        rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None, cfg.worker_tls_key or None),
+        metrics,
+        worker_auth_token=cfg.worker_auth_token,
+        step_deadline_s=cfg.step_deadline,
+        lookahead_margin_s=cfg.lookahead_margin_ms / 1000 if cfg.lookahead_margin_ms >= 0 else None,
+    )
+
+
+def _grpc_server(cfg: SchedulerServiceConfig, servicer: GenerationServicer) -> grpc.aio.Server:
+    """The gRPC server with the client API and the fronts' gateway, behind the bearer token
+    when one is set (fronts are clients too: they send the same token)."""
+    server = grpc.aio.server(
+        options=rpc.SERVER_OPTIONS,
+        interceptors=[
+            rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"}),
+            rpc.BearerAuthInterceptor(cfg.auth_token, front_gateway.SERVICE_NAME, {"Attach": "stream_stream"}),
+        ]
+        if cfg.auth_token
+        else None,
+    )
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    front_pb2_grpc.add_FrontGatewayServicer_to_server(front_gateway.FrontGateway(servicer), server)
+    return server
+
+
+async def _start_client_ports(
+    cfg: SchedulerServiceConfig, servicer: GenerationServicer, port: int, bound: list
+) -> tuple[FrontPool | None, HTTPFront | None]:
+    """Open what clients connect to: the fronts (which own the gRPC and HTTP ports then) or the
+    scheduler's own gRPC port, plus its HTTP front when ``--http-port`` is set."""
+    fronts = None
+    if cfg.fronts:
+        logger.info("scheduler listening for its fronts on 127.0.0.1:%d", port)
+        fronts = FrontPool(cfg, port)
+        port, http_port = await fronts.start()
+        if http_port >= 0:
+            logger.info("OpenAI-compatible HTTP on %s:%d (the fronts)", cfg.host, http_port)
+            rpc.announce_port("HTTP", http_port)
+    logger.info("scheduler listening on %s:%d", cfg.host, port)
+    rpc.announce_port("SCHEDULER", port)
+    bound.append(("grpc", port))
+    http = None
+    if cfg.http_port >= 0 and not cfg.fronts:  # with fronts, they serve it
+        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+
+        http = await start_http(
+            servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
+        )
+        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
+        rpc.announce_port("HTTP", http.port)
+    return fronts, http
 
 
 def run_scheduler(cfg: SchedulerServiceConfig) -> None:
