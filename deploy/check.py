@@ -54,6 +54,7 @@ from zerobubble.config import (
     ConfigError,
     SchedulerServiceConfig,
     WorkerConfig,
+    check_scheduler_fits_worker,
     env_name,
     flag_name,
     from_env,
@@ -495,14 +496,12 @@ def check_flags(
                 result.fail(where, f"{cname}: `zerobubble {service}` rejects its environment: {error}")
             else:
                 parsed.setdefault(service, []).append((cname, namespace))
-    # The worker sizes its request state slots by max_num_seqs; a scheduler that runs more
-    # requests than that on one worker would hand it a request with no slot to hold it.
     for sname, sched in parsed.get("scheduler", []):
         for wname, work in parsed.get("worker", []):
-            if sched.max_num_seqs > work.max_num_seqs:
-                result.fail(
-                    where, f"{sname}: max-num-seqs {sched.max_num_seqs} exceeds the {work.max_num_seqs} of {wname}"
-                )
+            try:
+                check_scheduler_fits_worker(sched, work)
+            except ConfigError as exc:
+                result.fail(where, f"{sname}: {exc} ({wname})")
 
 
 def _check_secret_flag(
@@ -557,8 +556,7 @@ def _check_flag_values(
     if workers is None or workers.value is None:
         return
     if not workers.value:
-        result.fail(where, f"{cname}: {env_name('workers')} is empty: the scheduler would have no worker to drive")
-        return
+        return  # the config's own rule: parse_with_cli reports it
     match = WORKERS_RE.match(workers.value)
     if not match:
         result.fail(

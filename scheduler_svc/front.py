@@ -609,7 +609,9 @@ async def stop_with_parent(parent_pid: int, stop: asyncio.Event, interval_s: flo
 async def serve_front(
     cfg: FrontConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None, bound: list | None = None
 ) -> None:
-    """Run a front until `stop` (or SIGTERM/SIGINT); `bound` gets its port."""
+    """Run a front until `stop` (or SIGTERM/SIGINT); `bound` gets its port. ConfigError when
+    the settings cannot work (the CLI's rules, for callers that build a config themselves)."""
+    cfg.validate()
     link = EngineLink(cfg)
     relay = RelayFrontend(link)
     servicer = FrontServicer(relay)

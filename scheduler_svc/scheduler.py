@@ -20,7 +20,6 @@ Rules that keep this safe (DESIGN.md, "The async + speculative contract"):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -33,7 +32,7 @@ from scheduler_svc.detokenizer import Detokenizer
 from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble.api import generate_pb2, worker_pb2
-from zerobubble.config import SchedulerServiceConfig, default_of
+from zerobubble.config import SchedulerConfig
 from zerobubble.request_options import SamplingOptions, StoppingOptions, to_worker_sampling, validate_options
 from zerobubble.rows import RowResult, add_decode_columns, result_rows
 
@@ -48,71 +47,6 @@ FINISH_ERROR = generate_pb2.FINISH_REASON_ERROR
 
 class QueueFullError(Exception):
     """The waiting queue holds `max_waiting` requests (the servicer answers RESOURCE_EXHAUSTED)."""
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Capacity and policy of one scheduler (one worker's KV cache).
-
-    The worker-given fields (capacity, k, lookahead, EOS ids, vocabulary) are filled from the
-    worker's `Describe` answer with `with_worker`; the policy fields come from the service's
-    settings (`from_service`), whose defaults are also theirs.
-    """
-
-    num_blocks: int = 0
-    block_size: int = 0
-    max_model_len: int = 0
-    max_num_seqs: int = default_of(SchedulerServiceConfig, "max_num_seqs")
-    max_num_batched_tokens: int = default_of(SchedulerServiceConfig, "max_num_batched_tokens")
-    num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
-    # Extra slots allocated past each step (a draft model writes its k-token chain there).
-    num_lookahead_slots: int = 0
-    enable_prefix_caching: bool = default_of(SchedulerServiceConfig, "enable_prefix_caching")
-    max_waiting: int = default_of(SchedulerServiceConfig, "max_waiting")
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int = 0  # valid prompt ids are below it; 0 = the tokenizer's vocabulary
-
-    @classmethod
-    def from_service(cls, cfg: SchedulerServiceConfig) -> SchedulerConfig:
-        """The policy part of the scheduler service's settings (capacity comes from a worker)."""
-        return cls(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            max_waiting=cfg.max_waiting,
-        )
-
-    def with_worker(self, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
-        """A copy completed with a worker's capacity, speculation, EOS ids and vocabulary."""
-        max_num_seqs = self.max_num_seqs
-        if info.max_num_seqs > 0:
-            max_num_seqs = min(max_num_seqs, info.max_num_seqs)
-        return dataclasses.replace(
-            self,
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_model_len=info.max_model_len,
-            max_num_seqs=max_num_seqs,
-            num_spec_tokens=info.num_spec_tokens,
-            num_lookahead_slots=info.num_lookahead_slots,
-            eos_token_ids=tuple(info.eos_token_ids),
-            vocab_size=info.vocab_size,
-        )
-
-    def validate(self) -> None:
-        """`ValueError` if a field is out of range (the worker-given ones must be set)."""
-        for name in (
-            "num_blocks",
-            "block_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_waiting",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be positive")
-        if self.num_spec_tokens < 0 or self.vocab_size < 0:
-            raise ValueError("SchedulerConfig.num_spec_tokens and vocab_size must be >= 0")
 
 
 @dataclass(slots=True)

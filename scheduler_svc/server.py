@@ -475,7 +475,13 @@ async def serve_scheduler(
     stop: asyncio.Event | None = None,
     bound: list | None = None,
 ) -> None:
-    """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports."""
+    """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports.
+
+    Raises:
+        ConfigError: the settings cannot work (the rules the CLI applies, for callers that
+            build a config themselves).
+    """
+    cfg.validate(needs_workers=worker_addresses is None)
     bound = bound if bound is not None else []
     metrics = _start_metrics(cfg, bound)
     router = _build_router(cfg, metrics)
