@@ -748,9 +748,34 @@ def check(
     selected = list(overlays) if overlays else available
     for name in sorted(set(selected) - set(available)):
         result.fail(f"overlays/{name}", f"no such overlay (have {available})")
-
     rules_groups = check_rules_file(root, schemas, result)
     rule_files = [prom.RuleFile(str(RULES_FILE), rules_groups)] if rules_groups is not None else []
+    _check_plain_files(root, schemas, result)
+    try:
+        service_flags = cli_flags()
+    except Exception as exc:  # any import or parser error means the same: no flags to check
+        result.fail("zerobubble.config", f"cannot read the settings: {type(exc).__name__}: {exc}")
+        return result
+    overlay_check = _OverlayCheck(schemas, k8s_version, kubectl, service_flags, rules_groups, result)
+    # The "reachable from some overlay" check below needs every overlay's flags.
+    flags_complete = overlays is None
+    to_render = [n for n in selected if n in available]
+    try:
+        find_kubectl(kubectl)
+    except RenderError as exc:
+        result.fail("kubectl", str(exc))
+        to_render, flags_complete = [], False
+    for name in to_render:
+        flags_complete &= overlay_check.run(overlay_root / name, f"overlays/{name}", rule_files)
+    if flags_complete:
+        _check_secrets_reachable(service_flags, overlay_check.reachable, result)
+    if promtool is not None:
+        check_with_promtool(root, rule_files, promtool, result)
+    return result
+
+
+def _check_plain_files(root: Path, schemas: Schemas, result: Result) -> None:
+    """The Prometheus files besides the rules and the dashboards' JSON, as they lie in the tree."""
     for path in sorted((root / "prometheus").glob("*.yaml")):
         if path.name != RULES_FILE.name:
             try:
@@ -764,73 +789,79 @@ def check(
         except json.JSONDecodeError as exc:
             result.fail(where, f"invalid JSON: {exc}")
 
-    try:
-        service_flags = cli_flags()
-    except Exception as exc:  # any import or parser error means the same: no flags to check
-        result.fail("zerobubble.config", f"cannot read the settings: {type(exc).__name__}: {exc}")
-        return result
-    reachable: dict[str, set[str]] = {}
-    # The "reachable from some overlay" check below needs every overlay's flags.
-    flags_complete = overlays is None
-    to_render = [n for n in selected if n in available]
-    try:
-        find_kubectl(kubectl)
-    except RenderError as exc:
-        result.fail("kubectl", str(exc))
-        to_render, flags_complete = [], False
-    for name in to_render:
-        where = f"overlays/{name}"
-        objects = render_overlay(overlay_root / name, kubectl, where, result)
+
+def _check_secrets_reachable(
+    service_flags: dict[str, tuple[str, ...]], reachable: dict[str, set[str]], result: Result
+) -> None:
+    """Secret flags live in opt-in components (TLS), so they need only be reachable somewhere."""
+    for service, flags in service_flags.items():
+        for flag in sorted(SECRET_FLAGS & set(flags) - reachable.get(service, set())):
+            result.fail(
+                "overlays",
+                f"--{flag} of `zerobubble {service}` is not reachable "
+                f"from any overlay (set {env_name(flag)} from a Secret)",
+            )
+
+
+@dataclass
+class _OverlayCheck:
+    """The checks of one rendered overlay; ``reachable`` gathers each service's flags over all."""
+
+    schemas: Schemas
+    k8s_version: str
+    kubectl: str
+    service_flags: dict[str, tuple[str, ...]]
+    rules_groups: Any
+    result: Result
+    reachable: dict[str, set[str]] = field(default_factory=dict)
+
+    def run(self, path: Path, where: str, rule_files: list[prom.RuleFile]) -> bool:
+        """Render and check the overlay at ``path``; whether its flags could all be checked.
+        Its PrometheusRules join ``rule_files``."""
+        result = self.result
+        objects = render_overlay(path, self.kubectl, where, result)
         if objects is None:
-            flags_complete = False
-            continue
+            return False
         result.notes.append(f"{where}: {len(objects)} objects")
-        before = len(result.problems)
-        for obj in objects:
-            check_schema(obj, schemas, k8s_version, where, result)
-        if len(result.problems) > before:
-            # The cross-object checks assume well-typed objects; report the schema errors
-            # alone rather than a cascade (or a traceback) caused by them.
-            result.fail(where, "reference and flag checks skipped until the schema errors above are fixed")
-            flags_complete = False
-        else:
-            try:
-                check_references(objects, where, result)
-                check_flags(objects, where, result, reachable, service_flags)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                result.fail(
-                    where, f"could not check references ({type(exc).__name__}: {exc}); a field has an unexpected shape"
-                )
-                flags_complete = False
+        complete = self._check_objects(objects, where)
         for obj in objects:
             if obj["kind"] in ("HorizontalPodAutoscaler", "PrometheusRule"):
                 check_metric_refs(obj.get("spec"), f"{where}: {_describe(obj)}", result)
             if obj["kind"] == "PrometheusRule":
                 groups = (obj.get("spec") or {}).get("groups")
                 rule_files.append(prom.RuleFile(f"{where}: {_describe(obj)}", groups or []))
-                if rules_groups is not None and groups != rules_groups:
+                if self.rules_groups is not None and groups != self.rules_groups:
                     result.fail(
                         where,
                         f"{_describe(obj)}: spec.groups differ from {RULES_FILE}; the two must carry the same rules",
                     )
         for obj, key, text in _dashboards(objects):
             try:
-                check_dashboard(json.loads(text), schemas, f"{where}: {_describe(obj)} {key}", result)
+                check_dashboard(json.loads(text), self.schemas, f"{where}: {_describe(obj)} {key}", result)
             except json.JSONDecodeError as exc:
                 result.fail(where, f"{_describe(obj)} {key}: invalid JSON: {exc}")
+        return complete
 
-    # Secret flags live in opt-in components (TLS), so they need only be reachable somewhere.
-    if flags_complete:
-        for service, flags in service_flags.items():
-            for flag in sorted(SECRET_FLAGS & set(flags) - reachable.get(service, set())):
-                result.fail(
-                    "overlays",
-                    f"--{flag} of `zerobubble {service}` is not reachable "
-                    f"from any overlay (set {env_name(flag)} from a Secret)",
-                )
-    if promtool is not None:
-        check_with_promtool(root, rule_files, promtool, result)
-    return result
+    def _check_objects(self, objects: list[Obj], where: str) -> bool:
+        """Schemas first, then references and flags; whether the flags could all be checked."""
+        result = self.result
+        before = len(result.problems)
+        for obj in objects:
+            check_schema(obj, self.schemas, self.k8s_version, where, result)
+        if len(result.problems) > before:
+            # The cross-object checks assume well-typed objects; report the schema errors
+            # alone rather than a cascade (or a traceback) caused by them.
+            result.fail(where, "reference and flag checks skipped until the schema errors above are fixed")
+            return False
+        try:
+            check_references(objects, where, result)
+            check_flags(objects, where, result, self.reachable, self.service_flags)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            result.fail(
+                where, f"could not check references ({type(exc).__name__}: {exc}); a field has an unexpected shape"
+            )
+            return False
+        return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:
