@@ -216,90 +216,107 @@ def _port_exists(port: Any, names: set[str], numbers: set[int]) -> bool:
 
 def check_references(objects: Sequence[Obj], where: str, result: Result) -> None:
     """Cross-object consistency that schemas cannot see."""
-    by_id = {object_id(o): o for o in objects}
-    workloads = list(_workloads(objects))
+    refs = _Refs(objects, where, result)
     namespaces = {o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"}
-
+    by_kind = {
+        "Service": refs.service,
+        "PodDisruptionBudget": refs.disruption_budget,
+        "StatefulSet": refs.stateful_set,
+        "HorizontalPodAutoscaler": refs.autoscaler,
+        "ServiceMonitor": refs.service_monitor,
+    }
     for obj in objects:
         ns = _ns(obj)
-        what = _describe(obj)
         if obj["kind"] != "Namespace" and ns and ns not in namespaces:
-            result.fail(where, f"{what}: namespace {ns!r} is not created by this overlay (add a Namespace object)")
-        spec = obj.get("spec") or {}
-        if obj["kind"] == "Service":
-            matched = [
-                t
-                for w, t in workloads
-                if _ns(w) == ns and _selects(spec.get("selector"), (t.get("metadata") or {}).get("labels"))
-            ]
-            if not matched:
-                result.fail(where, f"{what}: selector {spec.get('selector')} matches no pod template")
-            for port in spec.get("ports") or []:
-                target = port.get("targetPort", port.get("port"))
-                if matched and not all(_port_exists(target, *_container_ports(t)) for t in matched):
-                    result.fail(
-                        where,
-                        f"{what}: targetPort {target!r} of port "
-                        f"{port.get('name', port.get('port'))} is not a container port",
-                    )
-        elif obj["kind"] == "PodDisruptionBudget":
-            selector = (spec.get("selector") or {}).get("matchLabels")
-            if not any(
-                _ns(w) == ns and _selects(selector, (t.get("metadata") or {}).get("labels")) for w, t in workloads
-            ):
-                result.fail(where, f"{what}: selector {selector} matches no pod template")
-        elif obj["kind"] == "StatefulSet":
-            svc = by_id.get(("Service", ns, str(spec.get("serviceName"))))
-            if svc is None or (svc.get("spec") or {}).get("clusterIP") != "None":
-                result.fail(
-                    where,
-                    f"{what}: serviceName {spec.get('serviceName')!r} must name a "
-                    "headless Service (clusterIP: None) of this overlay",
-                )
-        elif obj["kind"] == "HorizontalPodAutoscaler":
-            ref = spec.get("scaleTargetRef") or {}
-            target = by_id.get((str(ref.get("kind")), ns, str(ref.get("name"))))
-            if target is None:
-                result.fail(where, f"{what}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} does not exist")
-            elif "replicas" in (target.get("spec") or {}):
-                result.fail(
-                    where,
-                    f"{what}: {_describe(target)} sets spec.replicas; every apply "
-                    "would reset what the autoscaler chose (leave it out)",
-                )
-            for metric in spec.get("metrics") or []:
-                body = metric.get(str(metric.get("type", "")).lower()) or {}
-                name = str((body.get("metric") or {}).get("name", ""))
-                if name.startswith("zerobubble_") and name not in METRIC_NAMES:
-                    result.fail(
-                        where, f"{what}: autoscaling metric {name!r} is not exported{_suggest(name, METRIC_NAMES)}"
-                    )
-        elif obj["kind"] == "ServiceMonitor":
-            ns_sel = spec.get("namespaceSelector") or {}
-            allowed = None if ns_sel.get("any") else set(ns_sel.get("matchNames") or [ns])
-            services = [
-                o
-                for o in objects
-                if o["kind"] == "Service"
-                and (allowed is None or _ns(o) in allowed)
-                and _selects((spec.get("selector") or {}).get("matchLabels"), o["metadata"].get("labels"))
-            ]
-            if not services:
-                result.fail(where, f"{what}: selector matches no Service")
-            for endpoint in spec.get("endpoints") or []:
-                port = endpoint.get("port")
-                if (
-                    port
-                    and services
-                    and not any(
-                        port in {p.get("name") for p in (s.get("spec") or {}).get("ports") or []} for s in services
-                    )
-                ):
-                    result.fail(where, f"{what}: endpoint port {port!r} is not a port name of the selected Services")
-
+            result.fail(
+                where, f"{_describe(obj)}: namespace {ns!r} is not created by this overlay (add a Namespace object)"
+            )
+        if obj["kind"] in by_kind:
+            by_kind[obj["kind"]](obj, obj.get("spec") or {}, ns, _describe(obj))
     configmaps = {(_ns(o), o["metadata"]["name"]) for o in objects if o["kind"] == "ConfigMap"}
-    for obj, template in workloads:
+    for obj, template in refs.workloads:
         _check_pod(obj, template, configmaps, where, result)
+
+
+class _Refs:
+    """The reference checks of each kind of object, over one overlay's objects."""
+
+    def __init__(self, objects: Sequence[Obj], where: str, result: Result) -> None:
+        self.objects = objects
+        self.by_id = {object_id(o): o for o in objects}
+        self.workloads = list(_workloads(objects))
+        self.where, self.result = where, result
+
+    def _templates(self, ns: str, selector: Any) -> list[Obj]:
+        return [
+            t for w, t in self.workloads if _ns(w) == ns and _selects(selector, (t.get("metadata") or {}).get("labels"))
+        ]
+
+    def service(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        matched = self._templates(ns, spec.get("selector"))
+        if not matched:
+            self.result.fail(self.where, f"{what}: selector {spec.get('selector')} matches no pod template")
+        for port in spec.get("ports") or []:
+            target = port.get("targetPort", port.get("port"))
+            if matched and not all(_port_exists(target, *_container_ports(t)) for t in matched):
+                self.result.fail(
+                    self.where,
+                    f"{what}: targetPort {target!r} of port "
+                    f"{port.get('name', port.get('port'))} is not a container port",
+                )
+
+    def disruption_budget(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        selector = (spec.get("selector") or {}).get("matchLabels")
+        if not self._templates(ns, selector):
+            self.result.fail(self.where, f"{what}: selector {selector} matches no pod template")
+
+    def stateful_set(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        svc = self.by_id.get(("Service", ns, str(spec.get("serviceName"))))
+        if svc is None or (svc.get("spec") or {}).get("clusterIP") != "None":
+            self.result.fail(
+                self.where,
+                f"{what}: serviceName {spec.get('serviceName')!r} must name a "
+                "headless Service (clusterIP: None) of this overlay",
+            )
+
+    def autoscaler(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        ref = spec.get("scaleTargetRef") or {}
+        target = self.by_id.get((str(ref.get("kind")), ns, str(ref.get("name"))))
+        if target is None:
+            self.result.fail(self.where, f"{what}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} does not exist")
+        elif "replicas" in (target.get("spec") or {}):
+            self.result.fail(
+                self.where,
+                f"{what}: {_describe(target)} sets spec.replicas; every apply "
+                "would reset what the autoscaler chose (leave it out)",
+            )
+        for metric in spec.get("metrics") or []:
+            body = metric.get(str(metric.get("type", "")).lower()) or {}
+            name = str((body.get("metric") or {}).get("name", ""))
+            if name.startswith("zerobubble_") and name not in METRIC_NAMES:
+                self.result.fail(
+                    self.where, f"{what}: autoscaling metric {name!r} is not exported{_suggest(name, METRIC_NAMES)}"
+                )
+
+    def service_monitor(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        ns_sel = spec.get("namespaceSelector") or {}
+        allowed = None if ns_sel.get("any") else set(ns_sel.get("matchNames") or [ns])
+        services = [
+            o
+            for o in self.objects
+            if o["kind"] == "Service"
+            and (allowed is None or _ns(o) in allowed)
+            and _selects((spec.get("selector") or {}).get("matchLabels"), o["metadata"].get("labels"))
+        ]
+        if not services:
+            self.result.fail(self.where, f"{what}: selector matches no Service")
+        port_names = {p.get("name") for s in services for p in (s.get("spec") or {}).get("ports") or []}
+        for endpoint in spec.get("endpoints") or []:
+            port = endpoint.get("port")
+            if port and services and port not in port_names:
+                self.result.fail(
+                    self.where, f"{what}: endpoint port {port!r} is not a port name of the selected Services"
+                )
 
 
 def _check_pod(obj: Obj, template: Obj, configmaps: set[tuple[str, str]], where: str, result: Result) -> None:
