@@ -21,6 +21,9 @@ from scheduler_svc.block_pool import BlockHash
 from scheduler_svc.detokenizer import Detokenizer
 from zerobubble.api import generate_pb2
 from zerobubble.request_options import (
+    CHAT_ROLES,
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
     InvalidRequest,
     SamplingOptions,
     StoppingOptions,
@@ -40,11 +43,6 @@ class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
-
-
-MAX_PROMPT_CHARS = 1_000_000
-MAX_MESSAGES = 1024
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def request_prompt_ids(

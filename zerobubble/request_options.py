@@ -23,6 +23,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 UINT64_MAX = 2**64 - 1
 
 # Our own input limits: far below the transport cap so that oversized input gets a clear message.
+MAX_PROMPT_CHARS = 1_000_000  # of a prompt, or of all the messages' content together
+MAX_MESSAGES = 1024
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
