@@ -54,6 +54,7 @@ from zerobubble.config import (
     ConfigError,
     SchedulerServiceConfig,
     WorkerConfig,
+    check_scheduler_fits_worker,
     env_name,
     flag_name,
     from_env,
@@ -215,90 +216,107 @@ def _port_exists(port: Any, names: set[str], numbers: set[int]) -> bool:
 
 def check_references(objects: Sequence[Obj], where: str, result: Result) -> None:
     """Cross-object consistency that schemas cannot see."""
-    by_id = {object_id(o): o for o in objects}
-    workloads = list(_workloads(objects))
+    refs = _Refs(objects, where, result)
     namespaces = {o["metadata"]["name"] for o in objects if o["kind"] == "Namespace"}
-
+    by_kind = {
+        "Service": refs.service,
+        "PodDisruptionBudget": refs.disruption_budget,
+        "StatefulSet": refs.stateful_set,
+        "HorizontalPodAutoscaler": refs.autoscaler,
+        "ServiceMonitor": refs.service_monitor,
+    }
     for obj in objects:
         ns = _ns(obj)
-        what = _describe(obj)
         if obj["kind"] != "Namespace" and ns and ns not in namespaces:
-            result.fail(where, f"{what}: namespace {ns!r} is not created by this overlay (add a Namespace object)")
-        spec = obj.get("spec") or {}
-        if obj["kind"] == "Service":
-            matched = [
-                t
-                for w, t in workloads
-                if _ns(w) == ns and _selects(spec.get("selector"), (t.get("metadata") or {}).get("labels"))
-            ]
-            if not matched:
-                result.fail(where, f"{what}: selector {spec.get('selector')} matches no pod template")
-            for port in spec.get("ports") or []:
-                target = port.get("targetPort", port.get("port"))
-                if matched and not all(_port_exists(target, *_container_ports(t)) for t in matched):
-                    result.fail(
-                        where,
-                        f"{what}: targetPort {target!r} of port "
-                        f"{port.get('name', port.get('port'))} is not a container port",
-                    )
-        elif obj["kind"] == "PodDisruptionBudget":
-            selector = (spec.get("selector") or {}).get("matchLabels")
-            if not any(
-                _ns(w) == ns and _selects(selector, (t.get("metadata") or {}).get("labels")) for w, t in workloads
-            ):
-                result.fail(where, f"{what}: selector {selector} matches no pod template")
-        elif obj["kind"] == "StatefulSet":
-            svc = by_id.get(("Service", ns, str(spec.get("serviceName"))))
-            if svc is None or (svc.get("spec") or {}).get("clusterIP") != "None":
-                result.fail(
-                    where,
-                    f"{what}: serviceName {spec.get('serviceName')!r} must name a "
-                    "headless Service (clusterIP: None) of this overlay",
-                )
-        elif obj["kind"] == "HorizontalPodAutoscaler":
-            ref = spec.get("scaleTargetRef") or {}
-            target = by_id.get((str(ref.get("kind")), ns, str(ref.get("name"))))
-            if target is None:
-                result.fail(where, f"{what}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} does not exist")
-            elif "replicas" in (target.get("spec") or {}):
-                result.fail(
-                    where,
-                    f"{what}: {_describe(target)} sets spec.replicas; every apply "
-                    "would reset what the autoscaler chose (leave it out)",
-                )
-            for metric in spec.get("metrics") or []:
-                body = metric.get(str(metric.get("type", "")).lower()) or {}
-                name = str((body.get("metric") or {}).get("name", ""))
-                if name.startswith("zerobubble_") and name not in METRIC_NAMES:
-                    result.fail(
-                        where, f"{what}: autoscaling metric {name!r} is not exported{_suggest(name, METRIC_NAMES)}"
-                    )
-        elif obj["kind"] == "ServiceMonitor":
-            ns_sel = spec.get("namespaceSelector") or {}
-            allowed = None if ns_sel.get("any") else set(ns_sel.get("matchNames") or [ns])
-            services = [
-                o
-                for o in objects
-                if o["kind"] == "Service"
-                and (allowed is None or _ns(o) in allowed)
-                and _selects((spec.get("selector") or {}).get("matchLabels"), o["metadata"].get("labels"))
-            ]
-            if not services:
-                result.fail(where, f"{what}: selector matches no Service")
-            for endpoint in spec.get("endpoints") or []:
-                port = endpoint.get("port")
-                if (
-                    port
-                    and services
-                    and not any(
-                        port in {p.get("name") for p in (s.get("spec") or {}).get("ports") or []} for s in services
-                    )
-                ):
-                    result.fail(where, f"{what}: endpoint port {port!r} is not a port name of the selected Services")
-
+            result.fail(
+                where, f"{_describe(obj)}: namespace {ns!r} is not created by this overlay (add a Namespace object)"
+            )
+        if obj["kind"] in by_kind:
+            by_kind[obj["kind"]](obj, obj.get("spec") or {}, ns, _describe(obj))
     configmaps = {(_ns(o), o["metadata"]["name"]) for o in objects if o["kind"] == "ConfigMap"}
-    for obj, template in workloads:
+    for obj, template in refs.workloads:
         _check_pod(obj, template, configmaps, where, result)
+
+
+class _Refs:
+    """The reference checks of each kind of object, over one overlay's objects."""
+
+    def __init__(self, objects: Sequence[Obj], where: str, result: Result) -> None:
+        self.objects = objects
+        self.by_id = {object_id(o): o for o in objects}
+        self.workloads = list(_workloads(objects))
+        self.where, self.result = where, result
+
+    def _templates(self, ns: str, selector: Any) -> list[Obj]:
+        return [
+            t for w, t in self.workloads if _ns(w) == ns and _selects(selector, (t.get("metadata") or {}).get("labels"))
+        ]
+
+    def service(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        matched = self._templates(ns, spec.get("selector"))
+        if not matched:
+            self.result.fail(self.where, f"{what}: selector {spec.get('selector')} matches no pod template")
+        for port in spec.get("ports") or []:
+            target = port.get("targetPort", port.get("port"))
+            if matched and not all(_port_exists(target, *_container_ports(t)) for t in matched):
+                self.result.fail(
+                    self.where,
+                    f"{what}: targetPort {target!r} of port "
+                    f"{port.get('name', port.get('port'))} is not a container port",
+                )
+
+    def disruption_budget(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        selector = (spec.get("selector") or {}).get("matchLabels")
+        if not self._templates(ns, selector):
+            self.result.fail(self.where, f"{what}: selector {selector} matches no pod template")
+
+    def stateful_set(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        svc = self.by_id.get(("Service", ns, str(spec.get("serviceName"))))
+        if svc is None or (svc.get("spec") or {}).get("clusterIP") != "None":
+            self.result.fail(
+                self.where,
+                f"{what}: serviceName {spec.get('serviceName')!r} must name a "
+                "headless Service (clusterIP: None) of this overlay",
+            )
+
+    def autoscaler(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        ref = spec.get("scaleTargetRef") or {}
+        target = self.by_id.get((str(ref.get("kind")), ns, str(ref.get("name"))))
+        if target is None:
+            self.result.fail(self.where, f"{what}: scaleTargetRef {ref.get('kind')}/{ref.get('name')} does not exist")
+        elif "replicas" in (target.get("spec") or {}):
+            self.result.fail(
+                self.where,
+                f"{what}: {_describe(target)} sets spec.replicas; every apply "
+                "would reset what the autoscaler chose (leave it out)",
+            )
+        for metric in spec.get("metrics") or []:
+            body = metric.get(str(metric.get("type", "")).lower()) or {}
+            name = str((body.get("metric") or {}).get("name", ""))
+            if name.startswith("zerobubble_") and name not in METRIC_NAMES:
+                self.result.fail(
+                    self.where, f"{what}: autoscaling metric {name!r} is not exported{_suggest(name, METRIC_NAMES)}"
+                )
+
+    def service_monitor(self, obj: Obj, spec: Obj, ns: str, what: str) -> None:
+        ns_sel = spec.get("namespaceSelector") or {}
+        allowed = None if ns_sel.get("any") else set(ns_sel.get("matchNames") or [ns])
+        services = [
+            o
+            for o in self.objects
+            if o["kind"] == "Service"
+            and (allowed is None or _ns(o) in allowed)
+            and _selects((spec.get("selector") or {}).get("matchLabels"), o["metadata"].get("labels"))
+        ]
+        if not services:
+            self.result.fail(self.where, f"{what}: selector matches no Service")
+        port_names = {p.get("name") for s in services for p in (s.get("spec") or {}).get("ports") or []}
+        for endpoint in spec.get("endpoints") or []:
+            port = endpoint.get("port")
+            if port and services and port not in port_names:
+                self.result.fail(
+                    self.where, f"{what}: endpoint port {port!r} is not a port name of the selected Services"
+                )
 
 
 def _check_pod(obj: Obj, template: Obj, configmaps: set[tuple[str, str]], where: str, result: Result) -> None:
@@ -495,14 +513,12 @@ def check_flags(
                 result.fail(where, f"{cname}: `zerobubble {service}` rejects its environment: {error}")
             else:
                 parsed.setdefault(service, []).append((cname, namespace))
-    # The worker sizes its request state slots by max_num_seqs; a scheduler that runs more
-    # requests than that on one worker would hand it a request with no slot to hold it.
     for sname, sched in parsed.get("scheduler", []):
         for wname, work in parsed.get("worker", []):
-            if sched.max_num_seqs > work.max_num_seqs:
-                result.fail(
-                    where, f"{sname}: max-num-seqs {sched.max_num_seqs} exceeds the {work.max_num_seqs} of {wname}"
-                )
+            try:
+                check_scheduler_fits_worker(sched, work)
+            except ConfigError as exc:
+                result.fail(where, f"{sname}: {exc} ({wname})")
 
 
 def _check_secret_flag(
@@ -557,8 +573,7 @@ def _check_flag_values(
     if workers is None or workers.value is None:
         return
     if not workers.value:
-        result.fail(where, f"{cname}: {env_name('workers')} is empty: the scheduler would have no worker to drive")
-        return
+        return  # the config's own rule: parse_with_cli reports it
     match = WORKERS_RE.match(workers.value)
     if not match:
         result.fail(
@@ -750,9 +765,34 @@ def check(
     selected = list(overlays) if overlays else available
     for name in sorted(set(selected) - set(available)):
         result.fail(f"overlays/{name}", f"no such overlay (have {available})")
-
     rules_groups = check_rules_file(root, schemas, result)
     rule_files = [prom.RuleFile(str(RULES_FILE), rules_groups)] if rules_groups is not None else []
+    _check_plain_files(root, schemas, result)
+    try:
+        service_flags = cli_flags()
+    except Exception as exc:  # any import or parser error means the same: no flags to check
+        result.fail("zerobubble.config", f"cannot read the settings: {type(exc).__name__}: {exc}")
+        return result
+    overlay_check = _OverlayCheck(schemas, k8s_version, kubectl, service_flags, rules_groups, result)
+    # The "reachable from some overlay" check below needs every overlay's flags.
+    flags_complete = overlays is None
+    to_render = [n for n in selected if n in available]
+    try:
+        find_kubectl(kubectl)
+    except RenderError as exc:
+        result.fail("kubectl", str(exc))
+        to_render, flags_complete = [], False
+    for name in to_render:
+        flags_complete &= overlay_check.run(overlay_root / name, f"overlays/{name}", rule_files)
+    if flags_complete:
+        _check_secrets_reachable(service_flags, overlay_check.reachable, result)
+    if promtool is not None:
+        check_with_promtool(root, rule_files, promtool, result)
+    return result
+
+
+def _check_plain_files(root: Path, schemas: Schemas, result: Result) -> None:
+    """The Prometheus files besides the rules and the dashboards' JSON, as they lie in the tree."""
     for path in sorted((root / "prometheus").glob("*.yaml")):
         if path.name != RULES_FILE.name:
             try:
@@ -766,73 +806,79 @@ def check(
         except json.JSONDecodeError as exc:
             result.fail(where, f"invalid JSON: {exc}")
 
-    try:
-        service_flags = cli_flags()
-    except Exception as exc:  # any import or parser error means the same: no flags to check
-        result.fail("zerobubble.config", f"cannot read the settings: {type(exc).__name__}: {exc}")
-        return result
-    reachable: dict[str, set[str]] = {}
-    # The "reachable from some overlay" check below needs every overlay's flags.
-    flags_complete = overlays is None
-    to_render = [n for n in selected if n in available]
-    try:
-        find_kubectl(kubectl)
-    except RenderError as exc:
-        result.fail("kubectl", str(exc))
-        to_render, flags_complete = [], False
-    for name in to_render:
-        where = f"overlays/{name}"
-        objects = render_overlay(overlay_root / name, kubectl, where, result)
+
+def _check_secrets_reachable(
+    service_flags: dict[str, tuple[str, ...]], reachable: dict[str, set[str]], result: Result
+) -> None:
+    """Secret flags live in opt-in components (TLS), so they need only be reachable somewhere."""
+    for service, flags in service_flags.items():
+        for flag in sorted(SECRET_FLAGS & set(flags) - reachable.get(service, set())):
+            result.fail(
+                "overlays",
+                f"--{flag} of `zerobubble {service}` is not reachable "
+                f"from any overlay (set {env_name(flag)} from a Secret)",
+            )
+
+
+@dataclass
+class _OverlayCheck:
+    """The checks of one rendered overlay; ``reachable`` gathers each service's flags over all."""
+
+    schemas: Schemas
+    k8s_version: str
+    kubectl: str
+    service_flags: dict[str, tuple[str, ...]]
+    rules_groups: Any
+    result: Result
+    reachable: dict[str, set[str]] = field(default_factory=dict)
+
+    def run(self, path: Path, where: str, rule_files: list[prom.RuleFile]) -> bool:
+        """Render and check the overlay at ``path``; whether its flags could all be checked.
+        Its PrometheusRules join ``rule_files``."""
+        result = self.result
+        objects = render_overlay(path, self.kubectl, where, result)
         if objects is None:
-            flags_complete = False
-            continue
+            return False
         result.notes.append(f"{where}: {len(objects)} objects")
-        before = len(result.problems)
-        for obj in objects:
-            check_schema(obj, schemas, k8s_version, where, result)
-        if len(result.problems) > before:
-            # The cross-object checks assume well-typed objects; report the schema errors
-            # alone rather than a cascade (or a traceback) caused by them.
-            result.fail(where, "reference and flag checks skipped until the schema errors above are fixed")
-            flags_complete = False
-        else:
-            try:
-                check_references(objects, where, result)
-                check_flags(objects, where, result, reachable, service_flags)
-            except (KeyError, TypeError, ValueError, AttributeError) as exc:
-                result.fail(
-                    where, f"could not check references ({type(exc).__name__}: {exc}); a field has an unexpected shape"
-                )
-                flags_complete = False
+        complete = self._check_objects(objects, where)
         for obj in objects:
             if obj["kind"] in ("HorizontalPodAutoscaler", "PrometheusRule"):
                 check_metric_refs(obj.get("spec"), f"{where}: {_describe(obj)}", result)
             if obj["kind"] == "PrometheusRule":
                 groups = (obj.get("spec") or {}).get("groups")
                 rule_files.append(prom.RuleFile(f"{where}: {_describe(obj)}", groups or []))
-                if rules_groups is not None and groups != rules_groups:
+                if self.rules_groups is not None and groups != self.rules_groups:
                     result.fail(
                         where,
                         f"{_describe(obj)}: spec.groups differ from {RULES_FILE}; the two must carry the same rules",
                     )
         for obj, key, text in _dashboards(objects):
             try:
-                check_dashboard(json.loads(text), schemas, f"{where}: {_describe(obj)} {key}", result)
+                check_dashboard(json.loads(text), self.schemas, f"{where}: {_describe(obj)} {key}", result)
             except json.JSONDecodeError as exc:
                 result.fail(where, f"{_describe(obj)} {key}: invalid JSON: {exc}")
+        return complete
 
-    # Secret flags live in opt-in components (TLS), so they need only be reachable somewhere.
-    if flags_complete:
-        for service, flags in service_flags.items():
-            for flag in sorted(SECRET_FLAGS & set(flags) - reachable.get(service, set())):
-                result.fail(
-                    "overlays",
-                    f"--{flag} of `zerobubble {service}` is not reachable "
-                    f"from any overlay (set {env_name(flag)} from a Secret)",
-                )
-    if promtool is not None:
-        check_with_promtool(root, rule_files, promtool, result)
-    return result
+    def _check_objects(self, objects: list[Obj], where: str) -> bool:
+        """Schemas first, then references and flags; whether the flags could all be checked."""
+        result = self.result
+        before = len(result.problems)
+        for obj in objects:
+            check_schema(obj, self.schemas, self.k8s_version, where, result)
+        if len(result.problems) > before:
+            # The cross-object checks assume well-typed objects; report the schema errors
+            # alone rather than a cascade (or a traceback) caused by them.
+            result.fail(where, "reference and flag checks skipped until the schema errors above are fixed")
+            return False
+        try:
+            check_references(objects, where, result)
+            check_flags(objects, where, result, self.reachable, self.service_flags)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            result.fail(
+                where, f"could not check references ({type(exc).__name__}: {exc}); a field has an unexpected shape"
+            )
+            return False
+        return True
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,12 +34,13 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.request import MAX_N, InvalidRequest, request_prompt_ids, tokenize_response
+from scheduler_svc.request import request_prompt_ids, tokenize_response
 from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble import rpc
 from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.config import FrontConfig
+from zerobubble.request_options import MAX_N, InvalidRequest, from_generate_request
 
 logger = logging.getLogger(__name__)
 
@@ -447,13 +448,14 @@ class RelayFrontend:
         if info is not None and request.model and request.model != info.model:
             raise unknown_model(request.model, info.model)  # here: the API answers it with a 404
         arrival = time.monotonic()  # the client's clock starts before tokenization
+        sampling, stopping = from_generate_request(request)
         relayed, tokenized_for = tokenized(request, self.link)
         tag, queue = self.link.open(relayed, tokenized_for)
         if tokenized_for and self.link.tokenizer is not None:
-            self.texts[tag] = CallText(self.link.tokenizer, list(relayed.token_ids.ids), list(request.stopping.stop))
+            self.texts[tag] = CallText(self.link.tokenizer, list(relayed.token_ids.ids), stopping.stop)
         # One stream per sequence, as in the scheduler, for the first-token and end times of
         # each (an n outside [1, MAX_N] is the scheduler's to refuse: one then).
-        n = request.sampling.n if 1 <= request.sampling.n <= MAX_N else 1
+        n = sampling.n if 1 <= sampling.n <= MAX_N else 1
         streams = tuple(
             Stream(queue=queue, arrival=arrival, num_prompt_tokens=0, deliver=queue.put_nowait, index=i)
             for i in range(n)
@@ -608,7 +610,9 @@ async def stop_with_parent(parent_pid: int, stop: asyncio.Event, interval_s: flo
 async def serve_front(
     cfg: FrontConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None, bound: list | None = None
 ) -> None:
-    """Run a front until `stop` (or SIGTERM/SIGINT); `bound` gets its port."""
+    """Run a front until `stop` (or SIGTERM/SIGINT); `bound` gets its port. ConfigError when
+    the settings cannot work (the CLI's rules, for callers that build a config themselves)."""
+    cfg.validate()
     link = EngineLink(cfg)
     relay = RelayFrontend(link)
     servicer = FrontServicer(relay)

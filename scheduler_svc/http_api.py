@@ -240,7 +240,36 @@ def _sse(obj: Any) -> str:
 def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
     """The FastAPI app over a scheduler servicer; `auth_token` guards `/v1/*` like gRPC's."""
     app = FastAPI(title="zerobubble", docs_url=None, redoc_url=None, openapi_url=None)
-    expected = f"Bearer {auth_token}".encode()
+    _install_error_handlers(app)
+    if auth_token:
+        _install_auth(app, auth_token)
+
+    @app.get("/health")
+    async def health() -> Response:
+        _ready_link(servicer)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": package_version()}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return _models(_ready_link(servicer).info)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(servicer, request, oa.ChatCompletionBody, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(servicer, request, oa.CompletionBody, chat=False)
+
+    return app
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    """Every refusal, ours or the framework's (404 route, 405 method), as an OpenAI error object."""
 
     @app.exception_handler(HTTPError)
     async def on_http_error(request: Request, exc: HTTPError) -> JSONResponse:
@@ -250,148 +279,161 @@ def build_app(servicer: Frontend, auth_token: str = "") -> FastAPI:
     async def on_starlette_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))
 
+
+def _install_auth(app: FastAPI, auth_token: str) -> None:
+    """Require ``Authorization: Bearer <auth_token>`` on `/v1/*` (health and version stay open)."""
+    expected = f"Bearer {auth_token}".encode()
+
     @app.middleware("http")
     async def authenticate(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if auth_token and request.url.path.startswith("/v1/"):
+        if request.url.path.startswith("/v1/"):
             given = request.headers.get("authorization", "").encode()
             # Constant-time comparison, as on the gRPC port.
             if not hmac.compare_digest(given, expected):
                 return error_response(401, "missing or invalid bearer token", code="invalid_api_key")
         return await call_next(request)
 
-    def ready_link():
-        link = servicer.router.any_ready()
-        if link is None:
-            raise HTTPError(503, "no worker is ready")
-        return link
 
-    @app.get("/health")
-    async def health() -> Response:
-        ready_link()
-        return Response(status_code=200)
+def _ready_link(servicer: Frontend) -> Any:
+    link = servicer.router.any_ready()
+    if link is None:
+        raise HTTPError(503, "no worker is ready")
+    return link
 
-    @app.get("/version")
-    async def version() -> dict:
-        return {"version": package_version()}
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        info = ready_link().info
-        return {
-            "object": "list",
-            "data": [
-                {
-                    "id": info.model,
-                    "object": "model",
-                    "created": 0,
-                    "owned_by": "zerobubble",
-                    "root": info.model,
-                    "max_model_len": info.max_model_len,
-                }
-            ],
-        }
+def _models(info: Any) -> dict:
+    """`/v1/models`: the one served model."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": info.model,
+                "object": "model",
+                "created": 0,
+                "owned_by": "zerobubble",
+                "root": info.model,
+                "max_model_len": info.max_model_len,
+            }
+        ],
+    }
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await _generate(request, oa.ChatCompletionBody, chat=True)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _generate(request, oa.CompletionBody, chat=False)
+async def read_body(request: Request, model: type[oa.Body]) -> oa.Body:
+    """The request's JSON body as ``model``; HTTPError 400 naming the field (or the body)."""
+    try:
+        raw = await request.json()
+    except ValueError:
+        raise HTTPError(400, "the body is not valid JSON", "body") from None
+    except RecursionError:  # the decoder recurses once per level of nesting
+        raise HTTPError(400, "the body is nested too deeply", "body") from None
+    if not isinstance(raw, dict):
+        raise HTTPError(400, "the body must be a JSON object", "body")
+    try:
+        return model.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        param = ".".join(str(p) for p in first["loc"] if not _UNION_TAG.match(str(p)))
+        raise HTTPError(400, f"{param}: {first['msg']}", param or None) from None
 
-    async def _generate(request: Request, model: type[oa.Body], chat: bool) -> Response:
-        try:
-            raw = await request.json()
-        except ValueError:
-            raise HTTPError(400, "the body is not valid JSON") from None
-        if not isinstance(raw, dict):
-            raise HTTPError(400, "the body must be a JSON object")
-        try:
-            body = model.model_validate(raw)
-        except pydantic.ValidationError as exc:
-            first = exc.errors()[0]
-            param = ".".join(str(p) for p in first["loc"] if not _UNION_TAG.match(str(p)))
-            raise HTTPError(400, f"{param}: {first['msg']}", param or None) from None
-        response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        try:
-            requests = oa.build_requests(body, response_id)
-        except oa.ParamError as exc:
-            raise HTTPError(400, str(exc), exc.param) from None
-        link = ready_link()
-        tokenizer = link.tokenizer
-        exchange = Exchange(
-            body=body,
-            chat=chat,
-            response_id=response_id,
-            model=body.model or link.info.model,
-            token_text=lambda t: tokenizer.decode([t], skip_special_tokens=False),
+
+async def generate(servicer: Frontend, request: Request, model: type[oa.Body], chat: bool) -> Response:
+    """A chat or text completion: the body's requests submitted through ``servicer``, answered
+    whole or as server-sent events."""
+    body = await read_body(request, model)
+    response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    try:
+        requests = oa.build_requests(body, response_id)
+    except oa.ParamError as exc:
+        raise HTTPError(400, str(exc), exc.param) from None
+    link = _ready_link(servicer)
+    tokenizer = link.tokenizer
+    exchange = Exchange(
+        body=body,
+        chat=chat,
+        response_id=response_id,
+        model=body.model or link.info.model,
+        token_text=lambda t: tokenizer.decode([t], skip_special_tokens=False),
+    )
+    submissions = await _submit_all(servicer, requests, body)
+    if body.stream:
+        return StreamingResponse(
+            _stream(servicer, exchange, submissions),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
         )
-        submissions = []
-        try:
-            for req in requests:
-                submissions.append(servicer.submit(req))
-            for submission in submissions:
-                await servicer.admitted(submission)
-        except RequestError as exc:
-            for submission in submissions:  # a later prompt was refused: drop the queued ones
-                servicer.withdraw(submission)
-            raise _rejected(exc, body) from None
-        if body.stream:
-            return StreamingResponse(
-                _stream(exchange, submissions), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
-            )
+    async with contextlib.aclosing(_merged(servicer, submissions)) as replies:
+        async for prompt_index, reply in replies:
+            exchange.add(prompt_index, reply)
+    result = exchange.envelope(exchange.final_choices(), chunk=False)
+    result["usage"] = exchange.usage()
+    return JSONResponse(result)
+
+
+async def _submit_all(
+    servicer: Frontend, requests: list[generate_pb2.GenerateRequest], body: oa.Body
+) -> list[Submission]:
+    """Submit every request of one call, or none: a refused later prompt withdraws the earlier."""
+    submissions: list[Submission] = []
+    try:
+        for req in requests:
+            submissions.append(servicer.submit(req))
+        for submission in submissions:
+            await servicer.admitted(submission)
+    except RequestError as exc:
+        for submission in submissions:
+            servicer.withdraw(submission)
+        raise _rejected(exc, body) from None
+    return submissions
+
+
+def _stream_chunk(
+    exchange: Exchange, choice: Choice, reply: generate_pb2.GenerateResponse, logprobs: dict | None
+) -> dict[str, Any] | None:
+    """The chunk entry of one reply, or None when it carries nothing to send."""
+    if not reply.text and not reply.token_ids and choice.finish_reason is None:
+        return None
+    if exchange.chat:
+        delta = {"content": reply.text} if reply.text or choice.finish_reason is None else {}
+        entry: dict[str, Any] = {"index": choice.index, "delta": delta}
+    else:
+        entry = {"index": choice.index, "text": reply.text}
+    entry["logprobs"] = logprobs
+    entry["finish_reason"] = choice.finish_reason
+    return entry
+
+
+def _role_chunk(choice: Choice) -> dict[str, Any]:
+    """A chat choice's first chunk: the assistant role, no content yet (as OpenAI sends it)."""
+    return {
+        "index": choice.index,
+        "delta": {"role": "assistant", "content": ""},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+
+
+async def _stream(servicer: Frontend, exchange: Exchange, submissions: list[Submission]) -> AsyncIterator[str]:
+    """The server-sent events of a streamed call, then ``[DONE]``."""
+    body = exchange.body
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    extra = {"usage": None} if include_usage else {}
+    try:
         async with contextlib.aclosing(_merged(servicer, submissions)) as replies:
             async for prompt_index, reply in replies:
-                exchange.add(prompt_index, reply)
-        result = exchange.envelope(exchange.final_choices(), chunk=False)
-        result["usage"] = exchange.usage()
-        return JSONResponse(result)
-
-    async def _stream(exchange: Exchange, submissions: list[Submission]) -> AsyncIterator[str]:
-        body = exchange.body
-        include_usage = body.stream_options is not None and body.stream_options.include_usage
-        extra = {"usage": None} if include_usage else {}
-        try:
-            async with contextlib.aclosing(_merged(servicer, submissions)) as replies:
-                async for prompt_index, reply in replies:
-                    choice, logprobs = exchange.add(prompt_index, reply)
-                    if exchange.chat and not choice.started:
-                        choice.started = True
-                        yield _sse(
-                            {
-                                **exchange.envelope(
-                                    [
-                                        {
-                                            "index": choice.index,
-                                            "delta": {"role": "assistant", "content": ""},
-                                            "logprobs": None,
-                                            "finish_reason": None,
-                                        }
-                                    ],
-                                    chunk=True,
-                                ),
-                                **extra,
-                            }
-                        )
-                    if not reply.text and not reply.token_ids and choice.finish_reason is None:
-                        continue
-                    if exchange.chat:
-                        delta = {"content": reply.text} if reply.text or choice.finish_reason is None else {}
-                        entry = {"index": choice.index, "delta": delta}
-                    else:
-                        entry = {"index": choice.index, "text": reply.text}
-                    entry["logprobs"] = logprobs
-                    entry["finish_reason"] = choice.finish_reason
+                choice, logprobs = exchange.add(prompt_index, reply)
+                if exchange.chat and not choice.started:
+                    choice.started = True
+                    yield _sse({**exchange.envelope([_role_chunk(choice)], chunk=True), **extra})
+                entry = _stream_chunk(exchange, choice, reply, logprobs)
+                if entry is not None:
                     yield _sse({**exchange.envelope([entry], chunk=True), **extra})
-        except HTTPError as exc:
-            # Headers are out already: the error travels as an event, as vLLM does.
-            yield _sse(error_object(exc.status, exc.message, exc.param, exc.code))
-        else:
-            if include_usage:
-                yield _sse({**exchange.envelope([], chunk=True), "usage": exchange.usage()})
-        yield "data: [DONE]\n\n"
-
-    return app
+    except HTTPError as exc:
+        # Headers are out already: the error travels as an event, as vLLM does.
+        yield _sse(error_object(exc.status, exc.message, exc.param, exc.code))
+    else:
+        if include_usage:
+            yield _sse({**exchange.envelope([], chunk=True), "usage": exchange.usage()})
+    yield "data: [DONE]\n\n"
 
 
 def package_version() -> str:

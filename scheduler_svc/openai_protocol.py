@@ -1,10 +1,11 @@
 """The OpenAI wire format: request bodies of `/v1/chat/completions` and `/v1/completions`, how they
 map onto a `GenerateRequest`, and the pieces of the replies (choices, logprobs, usage).
 
-The HTTP layer checks only what the JSON shape decides (types, which fields go together, what
-the proto cannot carry, e.g. `n: 0`, which is the proto's "unset"). Every range check lives in
-the scheduler's one validator (`GenerationServicer._validate`); its messages name proto paths
-(`sampling.temperature: ...`), which :func:`openai_param` turns back into the OpenAI name.
+The HTTP layer checks what the JSON shape decides (types, which fields go together); a body
+becomes the request model's options (`zerobubble/request_options.py`), whose one validator owns
+every range and runs before any protobuf is built, so a value the wire cannot carry is a named
+400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
+turns back into the OpenAI name.
 """
 
 from __future__ import annotations
@@ -15,6 +16,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from zerobubble.api import generate_pb2
+from zerobubble.request_options import (
+    InvalidRequest,
+    SamplingOptions,
+    StoppingOptions,
+    validate_token_ids,
+    write_generate_request,
+)
 
 # Strict primitives: "0.5" is not a temperature and true is not an integer.
 Float = StrictFloat | StrictInt
@@ -137,69 +145,105 @@ def _prompts(body: CompletionBody) -> list[str | list[int]]:
     return list(prompt)  # type: ignore[arg-type]
 
 
-def build_requests(body: Body, request_id: str) -> list[generate_pb2.GenerateRequest]:
-    """The `GenerateRequest`s a body stands for: one, or one per prompt of a completions list.
-
-    Omitted fields keep OpenAI's defaults where they differ from ours (temperature 1).
+def body_options(body: Body) -> tuple[SamplingOptions, StoppingOptions]:
+    """The options a body asks for, not validated. Omitted fields keep OpenAI's defaults where
+    they differ from ours (temperature 1).
 
     Raises:
-        ParamError: a field the proto cannot carry as given, or an unsupported feature.
+        ParamError: a field that no option can stand for (a logit_bias key that is no number).
     """
-    if body.n < 1:
-        raise ParamError("n", f"must be >= 1, got {body.n}")
-    template = generate_pb2.GenerateRequest(model=body.model or "")
-    s, st, resp = template.sampling, template.stopping, template.response
-    s.temperature = 1.0 if body.temperature is None else body.temperature
-    if body.top_p is not None:
-        s.top_p = body.top_p
-    if body.top_k is not None:
-        s.top_k = 0 if body.top_k == -1 else body.top_k  # vLLM spells "off" as -1
-    if body.seed is not None:
-        s.seed = body.seed % (1 << 64)  # the proto's uint64; a negative seed is still a seed
-    s.presence_penalty = body.presence_penalty
-    s.frequency_penalty = body.frequency_penalty
-    if body.repetition_penalty is not None:
-        s.repetition_penalty = body.repetition_penalty
-    s.min_p = body.min_p
-    s.n = body.n
-    for key, bias in (body.logit_bias or {}).items():
-        try:
-            token_id = int(key)
-        except ValueError:
-            raise ParamError("logit_bias", f"keys must be token ids, got {key!r}") from None
-        s.logit_bias[token_id] = bias
+    sampling = SamplingOptions(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM spells "off" as -1
+        top_p=1.0 if body.top_p is None else body.top_p,
+        seed=None if body.seed is None else body.seed % (1 << 64),  # a negative seed is still a seed
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=_logit_bias(body.logit_bias or {}),
+        n=body.n,
+    )
+    if isinstance(body, ChatCompletionBody):
+        sampling.logprobs = body.logprobs
+        sampling.top_logprobs = body.top_logprobs or 0
+    elif body.logprobs is not None:
+        sampling.logprobs = True
+        sampling.top_logprobs = body.logprobs
     max_tokens = body.max_tokens
     if isinstance(body, ChatCompletionBody) and body.max_completion_tokens is not None:
         max_tokens = body.max_completion_tokens
-    if max_tokens is not None:
-        st.max_tokens = max_tokens
-    st.min_tokens = body.min_tokens
-    st.ignore_eos = body.ignore_eos
-    st.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
-    st.stop_token_ids.extend(body.stop_token_ids or [])
+    stopping = StoppingOptions(
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=body.ignore_eos,
+    )
+    return sampling, stopping
+
+
+def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    bias = {}
+    for key, value in raw.items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise ParamError("logit_bias", f"keys must be token ids, got {key[:32]!r}") from None
+    return bias
+
+
+def _check_unsupported(body: Body) -> None:
+    """ParamError for a feature we do not serve."""
     if isinstance(body, ChatCompletionBody):
         if body.tools:
             raise ParamError("tools", "tool calls are not supported")
         if body.top_logprobs is not None and not body.logprobs:
             raise ParamError("top_logprobs", "requires logprobs: true")
-        resp.logprobs = body.logprobs
-        resp.top_logprobs = body.top_logprobs or 0
-        template.messages.SetInParent()
         if not body.messages:
             raise ParamError("messages", "must not be empty")
+    else:
+        if body.echo:
+            raise ParamError("echo", "echo is not supported")
+        if body.suffix:
+            raise ParamError("suffix", "suffix is not supported")
+
+
+def _validated(body: Body, prompts: list[str | list[int]]) -> tuple[SamplingOptions, StoppingOptions]:
+    """The body's options, checked against every range the request model knows without the
+    model (the servicer checks again with its vocabulary and length). Anything a protobuf could
+    not carry is refused here, by name."""
+    sampling, stopping = body_options(body)
+    try:
+        sampling.validate()
+        stopping.validate()
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                validate_token_ids(prompt, "token_ids")
+    except InvalidRequest as exc:
+        param, message = openai_param(str(exc), body)
+        raise ParamError(param or "body", message.partition(": ")[2] or message) from None
+    return sampling, stopping
+
+
+def build_requests(body: Body, request_id: str) -> list[generate_pb2.GenerateRequest]:
+    """The `GenerateRequest`s a body stands for: one, or one per prompt of a completions list.
+
+    Raises:
+        ParamError: a field out of range, or an unsupported feature.
+    """
+    _check_unsupported(body)
+    prompts = [] if isinstance(body, ChatCompletionBody) else _prompts(body)
+    sampling, stopping = _validated(body, prompts)
+    template = generate_pb2.GenerateRequest(model=body.model or "")
+    write_generate_request(sampling, stopping, template)
+    if isinstance(body, ChatCompletionBody):
+        template.messages.SetInParent()
         for i, message in enumerate(body.messages):
             template.messages.messages.add(role=message.role, content=_message_text(i, message))
         template.request_id = request_id
         return [template]
-    if body.echo:
-        raise ParamError("echo", "echo is not supported")
-    if body.suffix:
-        raise ParamError("suffix", "suffix is not supported")
-    if body.logprobs is not None:
-        resp.logprobs = True
-        resp.top_logprobs = body.logprobs
     requests = []
-    prompts = _prompts(body)
     for i, prompt in enumerate(prompts):
         request = generate_pb2.GenerateRequest()
         request.CopyFrom(template)
@@ -248,6 +292,8 @@ def openai_param(message: str, body: Body) -> tuple[str | None, str]:
         and body.max_completion_tokens is not None
     ):
         param = "max_completion_tokens"
+    elif param == "top_logprobs" and isinstance(body, CompletionBody):
+        param = "logprobs"  # completions ask for the top N with `logprobs: N`
     return param, f"{param}: {rest}"
 
 

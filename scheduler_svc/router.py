@@ -18,6 +18,7 @@ import grpc
 
 from scheduler_svc.scheduler import RequestEvent, SchedulerConfig, fail_unplaced
 from scheduler_svc.worker_link import DEFAULT_LOOKAHEAD_MARGIN_S, WorkerLink
+from zerobubble.request_options import SamplingOptions, StoppingOptions
 
 logger = logging.getLogger(__name__)
 
@@ -170,8 +171,22 @@ class Router:
             return candidates[0]
         return max(candidates, key=lambda link: (link.sched.cached_prefix_blocks(prompt_ids), -link.load()))
 
-    def submit(self, link: WorkerLink, req_id: str, prompt_ids: list[int], **params) -> None:
-        link.sched.add_request(req_id, prompt_ids, **params)
+    def submit(
+        self,
+        link: WorkerLink,
+        req_id: str,
+        prompt_ids: list[int],
+        sampling: SamplingOptions,
+        stopping: StoppingOptions,
+        *,
+        share_prompt_with: str | None = None,
+        detokenize: bool = True,
+    ) -> None:
+        """Queue a request on ``link``'s scheduler (see `Scheduler.add_request`) and remember
+        that it holds it."""
+        link.sched.add_request(
+            req_id, prompt_ids, sampling, stopping, share_prompt_with=share_prompt_with, detokenize=detokenize
+        )
         self.owner[req_id] = link
         link.note_arrival()
 

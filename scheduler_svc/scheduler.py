@@ -20,7 +20,6 @@ Rules that keep this safe (DESIGN.md, "The async + speculative contract"):
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -30,16 +29,11 @@ from dataclasses import dataclass, field
 
 from scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
 from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.request import (
-    Request,
-    RequestStatus,
-    SamplingOptions,
-    StoppingOptions,
-    validate_options,
-)
+from scheduler_svc.request import Request, RequestStatus
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble.api import generate_pb2, worker_pb2
-from zerobubble.config import SchedulerServiceConfig, default_of
+from zerobubble.config import SchedulerConfig
+from zerobubble.request_options import SamplingOptions, StoppingOptions, to_worker_sampling, validate_options
 from zerobubble.rows import RowResult, add_decode_columns, result_rows
 
 logger = logging.getLogger(__name__)
@@ -53,71 +47,6 @@ FINISH_ERROR = generate_pb2.FINISH_REASON_ERROR
 
 class QueueFullError(Exception):
     """The waiting queue holds `max_waiting` requests (the servicer answers RESOURCE_EXHAUSTED)."""
-
-
-@dataclass(slots=True)
-class SchedulerConfig:
-    """Capacity and policy of one scheduler (one worker's KV cache).
-
-    The worker-given fields (capacity, k, lookahead, EOS ids, vocabulary) are filled from the
-    worker's `Describe` answer with `with_worker`; the policy fields come from the service's
-    settings (`from_service`), whose defaults are also theirs.
-    """
-
-    num_blocks: int = 0
-    block_size: int = 0
-    max_model_len: int = 0
-    max_num_seqs: int = default_of(SchedulerServiceConfig, "max_num_seqs")
-    max_num_batched_tokens: int = default_of(SchedulerServiceConfig, "max_num_batched_tokens")
-    num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
-    # Extra slots allocated past each step (a draft model writes its k-token chain there).
-    num_lookahead_slots: int = 0
-    enable_prefix_caching: bool = default_of(SchedulerServiceConfig, "enable_prefix_caching")
-    max_waiting: int = default_of(SchedulerServiceConfig, "max_waiting")
-    eos_token_ids: tuple[int, ...] = ()
-    vocab_size: int = 0  # valid prompt ids are below it; 0 = the tokenizer's vocabulary
-
-    @classmethod
-    def from_service(cls, cfg: SchedulerServiceConfig) -> SchedulerConfig:
-        """The policy part of the scheduler service's settings (capacity comes from a worker)."""
-        return cls(
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            max_waiting=cfg.max_waiting,
-        )
-
-    def with_worker(self, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
-        """A copy completed with a worker's capacity, speculation, EOS ids and vocabulary."""
-        max_num_seqs = self.max_num_seqs
-        if info.max_num_seqs > 0:
-            max_num_seqs = min(max_num_seqs, info.max_num_seqs)
-        return dataclasses.replace(
-            self,
-            num_blocks=info.num_blocks,
-            block_size=info.block_size,
-            max_model_len=info.max_model_len,
-            max_num_seqs=max_num_seqs,
-            num_spec_tokens=info.num_spec_tokens,
-            num_lookahead_slots=info.num_lookahead_slots,
-            eos_token_ids=tuple(info.eos_token_ids),
-            vocab_size=info.vocab_size,
-        )
-
-    def validate(self) -> None:
-        """`ValueError` if a field is out of range (the worker-given ones must be set)."""
-        for name in (
-            "num_blocks",
-            "block_size",
-            "max_model_len",
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "max_waiting",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"SchedulerConfig.{name} must be positive")
-        if self.num_spec_tokens < 0 or self.vocab_size < 0:
-            raise ValueError("SchedulerConfig.num_spec_tokens and vocab_size must be >= 0")
 
 
 @dataclass(slots=True)
@@ -176,23 +105,6 @@ class _Decodes:
     num_draft_slots: list[int] = field(default_factory=list)
     num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
-
-
-def _sampling_params(sampling: SamplingOptions, num_prompt_tokens: int) -> worker_pb2.SamplingParams:
-    return worker_pb2.SamplingParams(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        seed=sampling.seed or 0,
-        logprobs=sampling.logprobs,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=sampling.repetition_penalty,
-        min_p=sampling.min_p,
-        logit_bias=sampling.logit_bias,
-        top_logprobs=sampling.top_logprobs,
-        num_prompt_tokens=num_prompt_tokens,
-    )
 
 
 def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.monotonic) -> RequestEvent:
@@ -259,83 +171,69 @@ class Scheduler:
         self,
         req_id: str,
         prompt_token_ids: Sequence[int],
+        sampling: SamplingOptions | None = None,
+        stopping: StoppingOptions | None = None,
         *,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        seed: int | None = None,
-        logprobs: bool = False,
-        presence_penalty: float = 0.0,
-        frequency_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
-        min_p: float = 0.0,
-        logit_bias: dict[int, float] | None = None,
-        top_logprobs: int = 0,
-        max_tokens: int | None = None,
-        min_tokens: int = 0,
-        stop: Sequence[str] = (),
-        stop_token_ids: Sequence[int] = (),
-        ignore_eos: bool = False,
         share_prompt_with: str | None = None,
         detokenize: bool = True,
     ) -> Request:
-        """Queue a request. `InvalidRequest` (a `ValueError` naming the field) on bad fields,
+        """Queue a request; it keeps ``sampling`` and ``stopping`` (defaults: greedy, up to the
+        model length). `InvalidRequest` (a `ValueError` naming the field) on bad fields,
         `QueueFullError` when the queue is full.
 
-        `seed` None: the scheduler draws one. `max_tokens` None or larger than what fits:
-        up to the model length. `share_prompt_with`: the id of an active request with the same
-        prompt (the first sequence of an n > 1 request); this one waits until that one's prompt
-        is computed and then takes its KV blocks from the prefix cache. `detokenize` False: no
-        text and no stop strings here (its front detokenizes; they are still validated).
+        An unset seed is drawn here. `share_prompt_with`: the id of an active request with the
+        same prompt (the first sequence of an n > 1 request); this one waits until that one's
+        prompt is computed and then takes its KV blocks from the prefix cache. `detokenize`
+        False: no text and no stop strings here (its front detokenizes; they are still validated).
         """
         if req_id in self._requests:
             raise ValueError(f"request id {req_id!r} is already in use")
         if len(self._waiting) >= self.config.max_waiting:
             raise QueueFullError(f"{len(self._waiting)} requests already waiting")
-        prompt = list(prompt_token_ids)
-        sampling = SamplingOptions(
-            temperature,
-            top_k,
-            top_p,
-            seed,
-            logprobs,
-            presence_penalty,
-            frequency_penalty,
-            repetition_penalty,
-            min_p,
-            dict(logit_bias or {}),
-            top_logprobs,
-        )
-        stopping = StoppingOptions(max_tokens, min_tokens, list(stop), list(stop_token_ids), ignore_eos)
-        validate_options(prompt, sampling, stopping, vocab_size=self._vocab_size, max_len=self._max_len)
-        if sampling.seed is None:
-            # Every request is keyed, so its randomness never depends on batching.
-            sampling.seed = self._rng.getrandbits(64)
-        room = self._max_len - len(prompt)
-        req = Request(
-            req_id=req_id,
-            prompt_token_ids=prompt,
-            sampling=sampling,
-            stopping=stopping,
-            max_tokens=room if max_tokens is None else min(max_tokens, room),
-            eos_token_ids=self._eos_token_ids,
-            detokenizer=Detokenizer(self._tokenizer, prompt, stopping.stop) if detokenize else None,
-            arrival_time=self._clock(),
-        )
+        req = self._new_request(req_id, list(prompt_token_ids), sampling or SamplingOptions(), stopping, detokenize)
         self._requests[req_id] = req
         leader = self._requests.get(share_prompt_with) if share_prompt_with else None
-        if (
-            leader is not None
-            and self.config.enable_prefix_caching
-            and leader.status is not RequestStatus.FINISHED
-            and not leader.output_token_ids
-            and leader.prompt_token_ids == prompt
-        ):
+        if leader is not None and self._can_share_prompt(leader, req):
             req.waits_for = leader.req_id
             self._deferred.setdefault(leader.req_id, []).append(req)
         else:
             self._waiting.append(req)
         return req
+
+    def _new_request(
+        self,
+        req_id: str,
+        prompt: list[int],
+        sampling: SamplingOptions,
+        stopping: StoppingOptions | None,
+        detokenize: bool,
+    ) -> Request:
+        """A validated, keyed `Request`, not queued yet."""
+        stopping = stopping or StoppingOptions()
+        validate_options(prompt, sampling, stopping, vocab_size=self._vocab_size, max_len=self._max_len)
+        if sampling.seed is None:
+            # Every request is keyed, so its randomness never depends on batching.
+            sampling.seed = self._rng.getrandbits(64)
+        room = self._max_len - len(prompt)
+        return Request(
+            req_id=req_id,
+            prompt_token_ids=prompt,
+            sampling=sampling,
+            stopping=stopping,
+            max_tokens=room if stopping.max_tokens is None else min(stopping.max_tokens, room),
+            eos_token_ids=self._eos_token_ids,
+            detokenizer=Detokenizer(self._tokenizer, prompt, stopping.stop) if detokenize else None,
+            arrival_time=self._clock(),
+        )
+
+    def _can_share_prompt(self, leader: Request, req: Request) -> bool:
+        """Whether ``req`` may wait for ``leader``'s prompt blocks instead of computing its own."""
+        return (
+            self.config.enable_prefix_caching
+            and leader.status is not RequestStatus.FINISHED
+            and not leader.output_token_ids
+            and leader.prompt_token_ids == req.prompt_token_ids
+        )
 
     def _release_siblings(self, leader: Request) -> None:
         """Queue the requests deferred behind `leader` (its prompt is computed, or it is gone)."""
@@ -646,7 +544,7 @@ class Scheduler:
             sample=sample,
         )
         if is_new:
-            entry.sampling.CopyFrom(_sampling_params(req.sampling, req.num_prompt_tokens))
+            entry.sampling.CopyFrom(to_worker_sampling(req.sampling, req.num_prompt_tokens))
         plan.requests.append(entry)
         records[req.req_id] = _Scheduled(
             request=req,

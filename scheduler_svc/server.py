@@ -15,12 +15,13 @@ import random
 import time
 import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 
 from scheduler_svc import front_gateway
 from scheduler_svc.front_pool import FrontPool
-from scheduler_svc.request import InvalidRequest, num_sequences, request_prompt_ids, tokenize_response
+from scheduler_svc.request import request_prompt_ids, tokenize_response
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from scheduler_svc.submission import DeliverPlain, ReplyOrEnd, RequestError, Stream, Submission, unknown_model
@@ -28,6 +29,18 @@ from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc
 from zerobubble.config import SchedulerServiceConfig
+from zerobubble.request_options import (
+    InvalidRequest,
+    SamplingOptions,
+    StoppingOptions,
+    for_sequence,
+    from_generate_request,
+    shown,
+)
+
+if TYPE_CHECKING:
+    from scheduler_svc.http_api import HTTPFront
+    from zerobubble.metrics import ServiceMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -184,38 +197,31 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         info, tokenizer = link.described()
         if request.model and request.model != info.model:
             raise unknown_model(request.model, info.model)
+        sampling, stopping = from_generate_request(request)
         try:
             prompt_ids = request_prompt_ids(request, tokenizer, info)
-            n = num_sequences(request)
+            sampling.validate(info.vocab_size)
         except InvalidRequest as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
         # n > 1: n scheduler requests (one per sequence, each with its own seed stream) on one
         # worker; the later ones wait for the first one's prompt blocks and share them.
+        n = sampling.n
         seq_ids = (req_id,) if n == 1 else tuple(f"{req_id}#{i}" for i in range(n))
         if any(seq_id in self.streams for seq_id in seq_ids):
-            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {req_id!r} is already running")
+            raise RequestError(grpc.StatusCode.ALREADY_EXISTS, f"request_id {shown(req_id)} is already running")
         link = self.router.route(prompt_ids)
         if link is None:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no worker is ready")
-        params = self._params(request)
-        params["detokenize"] = detokenize
-        if n > 1 and params["seed"] is None:
-            params["seed"] = random.getrandbits(64)
         queue: asyncio.Queue = asyncio.Queue()  # shared: the servicer reads every sequence's events
         now = time.monotonic()
         streams = tuple(
             Stream(queue=queue, arrival=now, num_prompt_tokens=len(prompt_ids), deliver=queue.put_nowait, index=i)
             for i in range(n)
         )
-        for seq_id, stream in zip(seq_ids, streams):
-            self.streams[seq_id] = stream
+        self.streams.update(zip(seq_ids, streams))
         try:
-            for i, seq_id in enumerate(seq_ids):
-                seed = params["seed"] if n == 1 else sequence_seed(params["seed"], i)
-                self.router.submit(
-                    link, seq_id, prompt_ids, **dict(params, seed=seed), share_prompt_with=seq_ids[0] if i > 0 else None
-                )
+            self._queue_sequences(link, seq_ids, prompt_ids, sampling, stopping, detokenize)
         except (InvalidRequest, QueueFullError) as exc:
             self._drop(seq_ids)
             code = (
@@ -225,6 +231,32 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             )
             raise RequestError(code, str(exc)) from exc
         return Submission(req_id, streams[0], seq_ids, streams)
+
+    def _queue_sequences(
+        self,
+        link: WorkerLink,
+        seq_ids: Sequence[str],
+        prompt_ids: list[int],
+        sampling: SamplingOptions,
+        stopping: StoppingOptions,
+        detokenize: bool,
+    ) -> None:
+        """Queue each sequence of a request on ``link``: one alone keeps the client's seed (or
+        none, for the scheduler to draw); several derive theirs from one shared seed."""
+        if len(seq_ids) == 1:
+            self.router.submit(link, seq_ids[0], prompt_ids, sampling, stopping, detokenize=detokenize)
+            return
+        seed = sampling.seed if sampling.seed is not None else random.getrandbits(64)
+        for i, seq_id in enumerate(seq_ids):
+            self.router.submit(
+                link,
+                seq_id,
+                prompt_ids,
+                for_sequence(sampling, sequence_seed(seed, i)),
+                stopping,
+                share_prompt_with=seq_ids[0] if i > 0 else None,
+                detokenize=detokenize,
+            )
 
     async def admitted(self, submission: Submission) -> None:
         """Queued already: `submit` refuses synchronously here."""
@@ -389,35 +421,6 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             stats=stats,
         )
 
-    # -- validation ----------------------------------------------------------------------------
-
-    @staticmethod
-    def _params(request: generate_pb2.GenerateRequest) -> dict:
-        """The request's sampling and stopping fields as `Scheduler.add_request` takes them.
-
-        Unset optional fields keep the scheduler's defaults (an unset seed is drawn there);
-        the scheduler's validator checks them all.
-        """
-        s, st = request.sampling, request.stopping
-        return dict(
-            temperature=s.temperature if s.HasField("temperature") else 0.0,
-            top_k=s.top_k if s.HasField("top_k") else 0,
-            top_p=s.top_p if s.HasField("top_p") else 1.0,
-            seed=s.seed if s.HasField("seed") else None,
-            max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
-            min_tokens=st.min_tokens,
-            stop=list(st.stop),
-            stop_token_ids=list(st.stop_token_ids),
-            ignore_eos=st.ignore_eos,
-            logprobs=request.response.logprobs,
-            presence_penalty=s.presence_penalty,
-            frequency_penalty=s.frequency_penalty,
-            repetition_penalty=(s.repetition_penalty if s.HasField("repetition_penalty") else 1.0),
-            min_p=s.min_p,
-            logit_bias=dict(s.logit_bias),
-            top_logprobs=request.response.top_logprobs,
-        )
-
     def stop_sequence(self, submission: Submission, index: int, num_output_tokens: int) -> bool:
         """A front found a stop string in sequence `index` of `submission` after
         `num_output_tokens` tokens: end it as the scheduler would have (abort it, KV blocks
@@ -472,76 +475,34 @@ async def serve_scheduler(
     stop: asyncio.Event | None = None,
     bound: list | None = None,
 ) -> None:
-    """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports."""
-    from zerobubble.metrics import ServiceMetrics, start_metrics_server
+    """Run the scheduler service until `stop` (or SIGTERM/SIGINT); `bound` gets the ports.
 
-    metrics = ServiceMetrics(model="", role="scheduler")
-    if cfg.metrics_port >= 0:
-        mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
-        logger.info("scheduler metrics on :%d/metrics", mport)
-        rpc.announce_port("METRICS", mport)
-        if bound is not None:
-            bound.append(("metrics", mport))
-    sched_cfg = SchedulerConfig.from_service(cfg)
-    creds = rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None, cfg.worker_tls_key or None)
-    server = grpc.aio.server(
-        options=rpc.SERVER_OPTIONS,
-        # Fronts are clients too: they send the same token.
-        interceptors=[
-            rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"}),
-            rpc.BearerAuthInterceptor(cfg.auth_token, front_gateway.SERVICE_NAME, {"Attach": "stream_stream"}),
-        ]
-        if cfg.auth_token
-        else None,
-    )
-    health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
-    router = Router(
-        sched_cfg,
-        cfg.max_inflight_steps,
-        creds,
-        metrics,
-        worker_auth_token=cfg.worker_auth_token,
-        step_deadline_s=cfg.step_deadline,
-        lookahead_margin_s=cfg.lookahead_margin_ms / 1000 if cfg.lookahead_margin_ms >= 0 else None,
-    )
+    Raises:
+        ConfigError: the settings cannot work (the rules the CLI applies, for callers that
+            build a config themselves).
+    """
+    cfg.validate(needs_workers=worker_addresses is None)
+    bound = bound if bound is not None else []
+    metrics = _start_metrics(cfg, bound)
+    router = _build_router(cfg, metrics)
     servicer = GenerationServicer(cfg, router, metrics)
     router.on_events = servicer.on_events
+    server = _grpc_server(cfg, servicer)
+    health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
 
     async def on_readiness(serving: bool) -> None:
         await rpc.set_serving(health, [SERVICE_NAME], serving)
 
     router.on_readiness = on_readiness
-    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    front_pb2_grpc.add_FrontGatewayServicer_to_server(front_gateway.FrontGateway(servicer), server)
+    # With fronts, they own the client port; the scheduler listens for them on loopback only.
     if cfg.fronts:
-        # The fronts own the client port; the scheduler listens for them on loopback only.
         port = rpc.bind(server, "127.0.0.1", 0, None)
     else:
         port = rpc.bind(server, cfg.host, cfg.port, rpc.server_credentials(cfg.tls_cert or None, cfg.tls_key or None))
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], False)  # until a worker is connected
     await router.start(worker_addresses if worker_addresses is not None else cfg.worker_addresses())
-    fronts = None
-    if cfg.fronts:
-        logger.info("scheduler listening for its fronts on 127.0.0.1:%d", port)
-        fronts = FrontPool(cfg, port)
-        port, http_port = await fronts.start()
-        if http_port >= 0:
-            logger.info("OpenAI-compatible HTTP on %s:%d (the fronts)", cfg.host, http_port)
-            rpc.announce_port("HTTP", http_port)
-    logger.info("scheduler listening on %s:%d", cfg.host, port)
-    rpc.announce_port("SCHEDULER", port)
-    if bound is not None:
-        bound.append(("grpc", port))
-    http = None
-    if cfg.http_port >= 0 and not cfg.fronts:  # with fronts, they serve it
-        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
-
-        http = await start_http(
-            servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
-        )
-        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
-        rpc.announce_port("HTTP", http.port)
+    fronts, http = await _start_client_ports(cfg, servicer, port, bound)
     if ready is not None:
         ready.set()
     stop = stop or asyncio.Event()
@@ -563,6 +524,77 @@ async def serve_scheduler(
         await http.stop(grace_s=2.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=2.0)
     await router.close()
+
+
+def _start_metrics(cfg: SchedulerServiceConfig, bound: list) -> ServiceMetrics:
+    """The service's metrics, served on ``--metrics-port`` unless it is negative."""
+    from zerobubble.metrics import ServiceMetrics, start_metrics_server
+
+    metrics = ServiceMetrics(model="", role="scheduler")
+    if cfg.metrics_port >= 0:
+        mport = start_metrics_server(metrics, cfg.metrics_port, cfg.host)
+        logger.info("scheduler metrics on :%d/metrics", mport)
+        rpc.announce_port("METRICS", mport)
+        bound.append(("metrics", mport))
+    return metrics
+
+
+def _build_router(cfg: SchedulerServiceConfig, metrics: ServiceMetrics) -> Router:
+    """The router over the worker links, configured from the service's flags."""
+    return Router(
+        SchedulerConfig.from_service(cfg),
+        cfg.max_inflight_steps,
+        rpc.channel_credentials(cfg.worker_tls_ca or None, cfg.worker_tls_cert or None, cfg.worker_tls_key or None),
+        metrics,
+        worker_auth_token=cfg.worker_auth_token,
+        step_deadline_s=cfg.step_deadline,
+        lookahead_margin_s=cfg.lookahead_margin_ms / 1000 if cfg.lookahead_margin_ms >= 0 else None,
+    )
+
+
+def _grpc_server(cfg: SchedulerServiceConfig, servicer: GenerationServicer) -> grpc.aio.Server:
+    """The gRPC server with the client API and the fronts' gateway, behind the bearer token
+    when one is set (fronts are clients too: they send the same token)."""
+    server = grpc.aio.server(
+        options=rpc.SERVER_OPTIONS,
+        interceptors=[
+            rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"}),
+            rpc.BearerAuthInterceptor(cfg.auth_token, front_gateway.SERVICE_NAME, {"Attach": "stream_stream"}),
+        ]
+        if cfg.auth_token
+        else None,
+    )
+    generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    front_pb2_grpc.add_FrontGatewayServicer_to_server(front_gateway.FrontGateway(servicer), server)
+    return server
+
+
+async def _start_client_ports(
+    cfg: SchedulerServiceConfig, servicer: GenerationServicer, port: int, bound: list
+) -> tuple[FrontPool | None, HTTPFront | None]:
+    """Open what clients connect to: the fronts (which own the gRPC and HTTP ports then) or the
+    scheduler's own gRPC port, plus its HTTP front when ``--http-port`` is set."""
+    fronts = None
+    if cfg.fronts:
+        logger.info("scheduler listening for its fronts on 127.0.0.1:%d", port)
+        fronts = FrontPool(cfg, port)
+        port, http_port = await fronts.start()
+        if http_port >= 0:
+            logger.info("OpenAI-compatible HTTP on %s:%d (the fronts)", cfg.host, http_port)
+            rpc.announce_port("HTTP", http_port)
+    logger.info("scheduler listening on %s:%d", cfg.host, port)
+    rpc.announce_port("SCHEDULER", port)
+    bound.append(("grpc", port))
+    http = None
+    if cfg.http_port >= 0 and not cfg.fronts:  # with fronts, they serve it
+        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+
+        http = await start_http(
+            servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key
+        )
+        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
+        rpc.announce_port("HTTP", http.port)
+    return fronts, http
 
 
 def run_scheduler(cfg: SchedulerServiceConfig) -> None:

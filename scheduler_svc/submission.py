@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import grpc
 
 from zerobubble.api import generate_pb2
+from zerobubble.request_options import shown
 
 if TYPE_CHECKING:
     from scheduler_svc.router import Router
@@ -46,7 +47,7 @@ def unknown_model(requested: str, served: str) -> RequestError:
     """The refusal of a request that names a model this server does not serve (HTTP: 404)."""
     return RequestError(
         grpc.StatusCode.INVALID_ARGUMENT,
-        f"model: unknown model {requested!r}; this server serves {served!r}",
+        f"model: unknown model {shown(requested)}; this server serves {served!r}",
         unknown_model=True,
     )
 

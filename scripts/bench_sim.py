@@ -68,6 +68,7 @@ from zerobubble.api import generate_pb2, generate_pb2_grpc  # noqa: E402
 from zerobubble.bench import BenchRow, percentile  # noqa: E402
 from zerobubble.client import ChannelSettings, build_request, open_channel  # noqa: E402
 from zerobubble.event_loop import run_loop  # noqa: E402
+from zerobubble.request_options import StoppingOptions  # noqa: E402
 from zerobubble.rpc import bind_process  # noqa: E402
 from zerobubble.tools.launch import (  # noqa: E402
     Service,
@@ -588,7 +589,7 @@ def logic_ms_per_step(num_requests: int, k: int, num_steps: int, inflight: int) 
     rng = random.Random(0)
     for i in range(num_requests):
         prompt = [rng.randrange(1000, 20000) for _ in range(100)]
-        sched.add_request(f"{i:032x}", prompt, max_tokens=runner.config.max_model_len - 200)
+        sched.add_request(f"{i:032x}", prompt, None, StoppingOptions(max_tokens=runner.config.max_model_len - 200))
     gc.freeze()  # as the services run (zerobubble/rpc.py:tuned_gc)
     gc.set_threshold(50_000, *gc.get_threshold()[1:])
     pending: list = []

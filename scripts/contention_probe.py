@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from worker_svc.server import build_runner  # noqa: E402
 from zerobubble.config import WorkerConfig  # noqa: E402
+from zerobubble.request_options import StoppingOptions  # noqa: E402
 from zerobubble.tools.in_process import make_scheduler  # noqa: E402
 
 BUFFER = os.urandom(1 << 16)
@@ -54,7 +55,9 @@ def median_step_ms(runner, num_steps: int) -> float:
     runner.reset()
     rng = random.Random(1)
     for i in range(4):
-        sched.add_request(f"r{i}", [rng.randrange(1000, 20000) for _ in range(40)], max_tokens=2000)
+        sched.add_request(
+            f"r{i}", [rng.randrange(1000, 20000) for _ in range(40)], None, StoppingOptions(max_tokens=2000)
+        )
     times = []
     for step in range(num_steps + 5):
         plan = sched.schedule()

@@ -51,6 +51,8 @@ from typing import Any
 
 import torch
 
+from zerobubble.request_options import SamplingOptions, StoppingOptions
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Runnable as `python scripts/device_check.py` from a checkout that is not pip-installed.
 sys.path.insert(0, str(REPO_ROOT))
@@ -721,7 +723,12 @@ def drive(
     scheduler = make_scheduler(runner, runner.loaded.hf_config.vocab_size)
     runner.reset()
     for i, prompt in enumerate(prompts):
-        scheduler.add_request(f"r{i}", prompt, temperature=0.0, max_tokens=max_tokens, ignore_eos=True, seed=i)
+        scheduler.add_request(
+            f"r{i}",
+            prompt,
+            SamplingOptions(temperature=0.0, seed=i),
+            StoppingOptions(max_tokens=max_tokens, ignore_eos=True),
+        )
     stats = RunStats()
     cuda = runner.device.type == "cuda"
     events: list[tuple[Any, Any]] = []

@@ -4,6 +4,7 @@ exactly as the worker link does over the network (no gRPC)."""
 from __future__ import annotations
 
 from scheduler_svc.scheduler import SchedulerStats
+from tests.options import split_options
 from worker_svc.runner import ModelRunner
 from zerobubble.tools.in_process import make_scheduler
 
@@ -24,7 +25,7 @@ def run_job(
     scheduler = make_scheduler(runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
     runner.reset()
     for req_id, ids, params in requests:
-        scheduler.add_request(req_id, ids, **params)
+        scheduler.add_request(req_id, ids, *split_options(params))
     outputs: dict[str, list[int]] = {req_id: [] for req_id, _, _ in requests}
     inflight = []
     while scheduler.has_unfinished() or inflight:

@@ -26,12 +26,10 @@ import random
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from scheduler_svc.request import StoppingOptions
 from scheduler_svc.scheduler import (
     FINISH_EOS,
     FINISH_MAX_TOKENS,
@@ -42,6 +40,7 @@ from scheduler_svc.scheduler import (
 )
 from scheduler_svc.tokenizer import Tokenizer
 from zerobubble.api import worker_pb2
+from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.rows import PlanRow, plan_rows
 
 # Toy vocabulary: ids 0..255 are bytes (byte-level BPE without merges), then specials.
@@ -576,17 +575,6 @@ def reference_generate(
             return Expected(out, text, FINISH_MAX_TOKENS)
 
 
-def stopping_kwargs(stopping: StoppingOptions) -> dict[str, Any]:
-    """`Scheduler.add_request` keyword arguments for one set of stopping criteria."""
-    return {
-        "max_tokens": stopping.max_tokens,
-        "min_tokens": stopping.min_tokens,
-        "stop": stopping.stop,
-        "stop_token_ids": stopping.stop_token_ids,
-        "ignore_eos": stopping.ignore_eos,
-    }
-
-
 def add_requests(
     scheduler: Scheduler,
     worker: SimWorker,
@@ -602,7 +590,7 @@ def add_requests(
         stop = stopping[req_id] if isinstance(stopping, dict) else stopping
         seeds[req_id] = 1000 + i
         req = scheduler.add_request(
-            req_id, prompt, seed=1000 + i, logprobs=logprobs, detokenize=detokenize, **stopping_kwargs(stop)
+            req_id, prompt, SamplingOptions(seed=1000 + i, logprobs=logprobs), stop, detokenize=detokenize
         )
         worker.limits[req_id] = (len(prompt), req.max_tokens)
     return seeds

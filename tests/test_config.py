@@ -12,9 +12,11 @@ from scheduler_svc.scheduler import SchedulerConfig
 from zerobubble.config import (
     GRPC_EXPERIMENTS_DEFAULT,
     ConfigError,
+    FrontConfig,
     SchedulerServiceConfig,
     WorkerConfig,
     apply_grpc_defaults,
+    check_scheduler_fits_worker,
     env_name,
     flag_name,
     from_env,
@@ -93,6 +95,33 @@ def test_bad_combinations_name_their_flags(argv: list[str], flags: list[str], ca
     err = _usage_error(argv, capsys)
     for flag in flags:
         assert flag in err, (flag, err)
+
+
+def test_every_rule_lives_in_the_config_classes() -> None:
+    """The rules the CLI applies are the config classes' own: a service given a config built
+    in code, and the deploy check reading a container's environment, meet the same ones."""
+    with pytest.raises(ConfigError, match="--workers is required"):
+        SchedulerServiceConfig().validate()
+    SchedulerServiceConfig().validate(needs_workers=False)  # serve starts its own worker
+    with pytest.raises(ConfigError, match="--workers is required"):
+        from_env(SchedulerServiceConfig, {})
+    with pytest.raises(ConfigError, match="max-num-seqs 32 exceeds the 16"):
+        check_scheduler_fits_worker(SchedulerServiceConfig(max_num_seqs=32), WorkerConfig(max_num_seqs=16))
+    check_scheduler_fits_worker(SchedulerServiceConfig(max_num_seqs=16), WorkerConfig(max_num_seqs=16))
+    with pytest.raises(ConfigError, match="SchedulerConfig.num_blocks must be positive"):
+        SchedulerConfig(block_size=16, max_model_len=64).validate()
+
+
+def test_a_service_refuses_a_config_the_cli_would_refuse() -> None:
+    from scheduler_svc.front import serve_front
+    from scheduler_svc.server import serve_scheduler
+
+    with pytest.raises(ConfigError, match="--workers is required"):
+        asyncio.run(serve_scheduler(SchedulerServiceConfig(port=0, metrics_port=-1, http_port=-1)))
+    with pytest.raises(ConfigError, match="--max-inflight-steps"):
+        asyncio.run(serve_scheduler(SchedulerServiceConfig(max_inflight_steps=0), ["w:1"]))
+    with pytest.raises(ConfigError, match="--tls-cert and --tls-key"):
+        asyncio.run(serve_front(FrontConfig(tls_cert="/c.pem")))
 
 
 def test_serve_with_remote_workers_does_not_check_worker_settings(capsys) -> None:

@@ -23,12 +23,14 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.tokenizer import Tokenizer
+from tests.options import split_options
 from tests.sim_worker import make_toy_tokenizer_json
 from worker_svc.model import build_model
 from worker_svc.model_loader import LoadedModel
 from worker_svc.proposers.draft import DraftModelProposer
 from worker_svc.runner import ModelRunner, RunnerConfig
 from zerobubble.api import worker_pb2
+from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.rows import result_rows
 
 VOCAB = 258  # the toy byte tokenizer's vocabulary
@@ -123,7 +125,9 @@ def test_self_drafting_accepts_its_own_greedy_continuation(acceptance: str) -> N
     prompts = {f"r{i}": shared + torch.randint(0, 256, (3 + 9 * i,), generator=gen).tolist() for i in range(5)}
     max_tokens = {rid: 12 + 5 * i for i, rid in enumerate(prompts)}
     for rid, prompt in prompts.items():
-        scheduler.add_request(rid, prompt, max_tokens=max_tokens[rid], ignore_eos=True, seed=3)
+        scheduler.add_request(
+            rid, prompt, SamplingOptions(seed=3), StoppingOptions(max_tokens=max_tokens[rid], ignore_eos=True)
+        )
     outputs, drafted, accepted = _drive(runner, scheduler, window=2)
     for rid, prompt in prompts.items():
         assert outputs[rid] == _hf_greedy(hf, prompt, max_tokens[rid]), rid
@@ -158,7 +162,9 @@ def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:
         proposer = DraftModelProposer(_loaded(other), K, acceptance) if acceptance else None
         runner, scheduler = _runner_and_scheduler(target, proposer)
         for rid in req_ids:
-            scheduler.add_request(rid, prompts[rid], max_tokens=16, seed=100 + int(rid[1:]), **SEEDED)
+            scheduler.add_request(
+                rid, prompts[rid], *split_options(dict(SEEDED, max_tokens=16, seed=100 + int(rid[1:])))
+            )
         return _drive(runner, scheduler, window)
 
     every = list(prompts)
@@ -183,7 +189,7 @@ def test_a_draft_covering_just_the_model_length_drafts_to_the_end() -> None:
     gen = torch.Generator().manual_seed(4)
     prompts = {f"r{i}": torch.randint(0, 256, (20 + 7 * i,), generator=gen).tolist() for i in range(3)}
     for rid, prompt in prompts.items():
-        scheduler.add_request(rid, prompt, ignore_eos=True)  # up to the model length
+        scheduler.add_request(rid, prompt, None, StoppingOptions(ignore_eos=True))  # up to the model length
     outputs, drafted, accepted = _drive(runner, scheduler, window=2)
     for rid, prompt in prompts.items():
         assert outputs[rid] == _hf_greedy(target, prompt, 128 - len(prompt)), rid
@@ -266,7 +272,7 @@ def test_the_result_copy_is_queued_before_the_draft_chain(monkeypatch: pytest.Mo
 
     monkeypatch.setattr(runner, "_start_copy", logged_copy)
     monkeypatch.setattr(proposer, "propose", logged_propose)
-    scheduler.add_request("r", list(range(1, 12)), max_tokens=10, ignore_eos=True)
+    scheduler.add_request("r", list(range(1, 12)), None, StoppingOptions(max_tokens=10, ignore_eos=True))
     outputs, drafted, _ = _drive(runner, scheduler, window=2)
     assert outputs["r"] == _hf_greedy(hf, list(range(1, 12)), 10)
     assert drafted > 0 and calls.count("propose") >= 3
@@ -283,7 +289,7 @@ def test_drafts_come_after_the_result_and_stop_at_a_finish_notice() -> None:
     hf = _tiny_hf(0)
     runner, scheduler = _runner_and_scheduler(hf, DraftModelProposer(_loaded(hf), K, "keyed"))
     prompt = list(range(1, 12))
-    scheduler.add_request("r", prompt, max_tokens=10, ignore_eos=True)
+    scheduler.add_request("r", prompt, None, StoppingOptions(max_tokens=10, ignore_eos=True))
     pending = runner.execute(scheduler.schedule())  # the prefill samples the first token
     slot = runner.slots["r"].slot
     assert int(runner.state.num_drafts[slot]) == 0  # no drafts yet ...

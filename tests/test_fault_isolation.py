@@ -20,6 +20,7 @@ from tests.drive import make_scheduler
 from worker_svc.server import build_runner, materialize_result, run_jobs, run_step, tokenizer_fields
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig
+from zerobubble.request_options import StoppingOptions
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -61,7 +62,9 @@ def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0, fau
     runner.reset()
 
     def add(i: int) -> None:
-        scheduler.add_request(f"r{i}", tok.encode(PROMPTS[i]), max_tokens=MAX_TOKENS, ignore_eos=True)
+        scheduler.add_request(
+            f"r{i}", tok.encode(PROMPTS[i]), None, StoppingOptions(max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
 
     num_early = len(PROMPTS) - 1 if late_after_step else len(PROMPTS)
     for i in range(num_early):
@@ -189,7 +192,9 @@ def _decoding_runners(num_requests: int = 4):
     runners = [build_runner(config)[0] for _ in range(2)]
     scheduler = make_scheduler(runners[0], max_num_batched_tokens=256)
     for i in range(num_requests):
-        scheduler.add_request(f"r{i}", list(range(100 + i, 115 + i)), max_tokens=200, ignore_eos=True)
+        scheduler.add_request(
+            f"r{i}", list(range(100 + i, 115 + i)), None, StoppingOptions(max_tokens=200, ignore_eos=True)
+        )
     for _ in range(200):
         plan = scheduler.schedule()
         assert plan is not None

@@ -22,6 +22,7 @@ from scheduler_svc.tokenizer import Tokenizer
 from tests.drive import make_scheduler
 from worker_svc.server import run_step, tokenizer_fields
 from zerobubble.api import worker_pb2
+from zerobubble.request_options import StoppingOptions
 from zerobubble.rows import plan_rows, result_rows
 
 pytestmark = pytest.mark.timeout(600)
@@ -67,7 +68,9 @@ def one_after_another(
     def add_next() -> None:
         nonlocal next_prompt
         req_id = f"r{next_prompt}"
-        scheduler.add_request(req_id, tok.encode(PROMPTS[next_prompt]), max_tokens=MAX_TOKENS, stop=STOP)
+        scheduler.add_request(
+            req_id, tok.encode(PROMPTS[next_prompt]), None, StoppingOptions(max_tokens=MAX_TOKENS, stop=STOP)
+        )
         out[req_id] = []
         next_prompt += 1
 

@@ -20,6 +20,7 @@ from tests.polling import wait_until
 from tests.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import Completion, build_request, complete
+from zerobubble.request_options import StoppingOptions
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -127,7 +128,7 @@ def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2
     async def scenario():
         def on_ready(link):
             if not lost:
-                link.scheduler.add_request("r1", [1, 2, 3, 4], max_tokens=4)
+                link.scheduler.add_request("r1", [1, 2, 3, 4], None, StoppingOptions(max_tokens=4))
 
         def on_lost(link):
             lost.append([r.req_id for r in link.scheduler.take_unfinished()])

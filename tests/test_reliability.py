@@ -14,7 +14,6 @@ import time
 import pytest
 
 from scheduler_svc import worker_link
-from scheduler_svc.request import StoppingOptions
 from scheduler_svc.router import Router
 from scheduler_svc.scheduler import (
     FINISH_ERROR,
@@ -29,6 +28,7 @@ from tests.sim_worker import (
     reference_generate,
 )
 from zerobubble.api import worker_pb2
+from zerobubble.request_options import SamplingOptions, StoppingOptions
 
 TOY = make_toy_tokenizer()
 
@@ -67,7 +67,7 @@ def test_link_survives_an_exception_in_its_receive_path(monkeypatch, caplog) -> 
         link = router.links[0]
         await wait_until_async(lambda: link.ready, 10, "the link to be ready")
         for i, (req_id, prompt) in enumerate(ps.items()):
-            router.submit(link, req_id, prompt, seed=1000 + i, max_tokens=30)
+            router.submit(link, req_id, prompt, SamplingOptions(seed=1000 + i), StoppingOptions(max_tokens=30))
         await wait_until_async(lambda: len(finished) == len(ps), 10, "every request to finish")
         assert not link._task.done(), "the link task ended"
         await router.close()
@@ -97,9 +97,9 @@ def test_migration_that_cannot_place_a_request_ends_it_with_error() -> None:
     router.links = links
     big, small = links
     long_prompt, short_prompts = [97] * 30, [[98] * 5, [99] * 6]
-    router.submit(big, "long", long_prompt, seed=1, max_tokens=10)
+    router.submit(big, "long", long_prompt, SamplingOptions(seed=1), StoppingOptions(max_tokens=10))
     for i, p in enumerate(short_prompts):
-        router.submit(big, f"short{i}", p, seed=2 + i, max_tokens=10)
+        router.submit(big, f"short{i}", p, SamplingOptions(seed=2 + i), StoppingOptions(max_tokens=10))
     big.ready = False
     router._on_link_lost(big)
     assert [ev.req_id for ev in got] == ["long"]
@@ -164,7 +164,9 @@ def test_the_next_plan_goes_out_before_a_results_events_are_delivered(monkeypatc
         await router.start(["sim:1"])
         await wait_until_async(lambda: router.links[0].ready, 10, "the first link to be ready")
         for i, (req_id, prompt) in enumerate(ps.items()):
-            router.submit(router.links[0], req_id, prompt, seed=1000 + i, max_tokens=30)
+            router.submit(
+                router.links[0], req_id, prompt, SamplingOptions(seed=1000 + i), StoppingOptions(max_tokens=30)
+            )
         await wait_until_async(lambda: len(finished) == len(ps), 10, "every request to finish")
         await router.close()
 
@@ -233,7 +235,9 @@ def test_a_hung_worker_is_declared_lost_at_the_step_deadline(monkeypatch, caplog
         good, hung = router.links
         started = time.monotonic()
         for i, (req_id, prompt) in enumerate(ps.items()):
-            router.submit(router.links[i % 2], req_id, prompt, seed=1000 + i, max_tokens=30)
+            router.submit(
+                router.links[i % 2], req_id, prompt, SamplingOptions(seed=1000 + i), StoppingOptions(max_tokens=30)
+            )
         await wait_until_async(lambda: len(finished) == len(ps), 10, "every request to finish")
         elapsed = time.monotonic() - started
         assert not hung.ready and good.ready

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from scheduler_svc.request import InvalidRequest, SamplingOptions, validate_sampling_controls
 from scheduler_svc.server import sequence_seed
 from tests.e2e import prompt_ids
 from tests.hf_oracle import load_hf_model
+from tests.options import split_options
 from tests.runner_harness import (
     K,
     drive,
@@ -33,6 +33,7 @@ from worker_svc.sampler import (
     target_probs,
     top_logprobs,
 )
+from zerobubble.request_options import InvalidRequest, SamplingOptions, StoppingOptions
 from zerobubble.rows import plan_rows
 
 pytestmark = pytest.mark.timeout(900)
@@ -60,23 +61,20 @@ BAD_CONTROLS = [
 @pytest.mark.parametrize("kwargs,field", BAD_CONTROLS)
 def test_bad_sampling_controls_name_the_field(kwargs, field) -> None:
     with pytest.raises(InvalidRequest) as info:
-        validate_sampling_controls(SamplingOptions(**kwargs), vocab_size=1000)
+        SamplingOptions(**kwargs).validate(vocab_size=1000)
     assert str(info.value).startswith(field), str(info.value)
 
 
 def test_good_sampling_controls_pass() -> None:
-    validate_sampling_controls(
-        SamplingOptions(
-            presence_penalty=-2,
-            frequency_penalty=2,
-            repetition_penalty=1.3,
-            min_p=1.0,
-            logit_bias={0: -100, 999: 100},
-            top_logprobs=20,
-        ),
-        vocab_size=1000,
-    )
-    validate_sampling_controls(SamplingOptions(), vocab_size=1000)
+    SamplingOptions(
+        presence_penalty=-2,
+        frequency_penalty=2,
+        repetition_penalty=1.3,
+        min_p=1.0,
+        logit_bias={0: -100, 999: 100},
+        top_logprobs=20,
+    ).validate(vocab_size=1000)
+    SamplingOptions().validate(vocab_size=1000)
 
 
 def test_sequence_seeds_are_distinct_and_the_first_is_the_request_seed() -> None:
@@ -256,7 +254,7 @@ def _run(runner, spec: str, window: int, requests: dict[str, tuple[list[int], di
     the scheduler (for its stats)."""
     scheduler = make_scheduler(runner, num_spec_tokens=0 if spec == "none" else K)
     for req_id, (prompt, kwargs) in requests.items():
-        scheduler.add_request(req_id, prompt, **kwargs)
+        scheduler.add_request(req_id, prompt, *split_options(kwargs))
     with recording(runner) as rec:
         trace = drive(runner, scheduler, rec, window=window)
     return trace, scheduler
@@ -409,7 +407,9 @@ def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, p
     own logprob matches."""
     prompt = prompts[ROWS[0]]
     scheduler = make_scheduler(ngram_runner)
-    scheduler.add_request("t", prompt, max_tokens=24, ignore_eos=True, logprobs=True, top_logprobs=5)
+    scheduler.add_request(
+        "t", prompt, SamplingOptions(logprobs=True, top_logprobs=5), StoppingOptions(max_tokens=24, ignore_eos=True)
+    )
     tops: list[tuple[list[int], list[float]]] = []
     with recording(ngram_runner) as rec:
         original = scheduler.on_step_result
@@ -448,7 +448,9 @@ def test_n_sequences_share_the_prompt_blocks(ngram_runner, prompts):  # noqa: F8
     seeds = [sequence_seed(99, i) for i in range(3)]
     scheduler = make_scheduler(ngram_runner)
     for i, seed in enumerate(seeds):
-        scheduler.add_request(f"n#{i}", prompt, seed=seed, share_prompt_with="n#0" if i else None, **kw)
+        scheduler.add_request(
+            f"n#{i}", prompt, *split_options(dict(kw, seed=seed)), share_prompt_with="n#0" if i else None
+        )
     assert scheduler.num_waiting() == 3
     with recording(ngram_runner) as rec:
         trace = drive(ngram_runner, scheduler, rec, window=2)

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.request import Request, SamplingOptions, StoppingOptions
+from scheduler_svc.request import Request
 from scheduler_svc.scheduler import (
     FINISH_CANCELLED,
     FINISH_EOS,
@@ -31,6 +31,7 @@ from scheduler_svc.scheduler import (
     SchedulerConfig,
 )
 from scheduler_svc.tokenizer import Tokenizer
+from tests.options import split_options
 from tests.sim_worker import (
     EOS_ID,
     Collected,
@@ -44,6 +45,7 @@ from tests.sim_worker import (
     toy_logprob,
 )
 from zerobubble.api import worker_pb2
+from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.rows import plan_rows, result_rows
 
 TOY = make_toy_tokenizer()
@@ -372,8 +374,8 @@ def test_notice_plans_only_when_a_step_in_flight_is_all_finished() -> None:
 
     # A step in flight that still has a live row gets no notice plan: its result is needed.
     scheduler = make_case(num_requests=0, num_spec_tokens=0, eos_per_mille=0).scheduler
-    scheduler.add_request("a", [5, 6, 7], seed=1, max_tokens=50)
-    scheduler.add_request("b", [8, 9, 10], seed=2, max_tokens=50)
+    scheduler.add_request("a", [5, 6, 7], SamplingOptions(seed=1), StoppingOptions(max_tokens=50))
+    scheduler.add_request("b", [8, 9, 10], SamplingOptions(seed=2), StoppingOptions(max_tokens=50))
     first = scheduler.schedule()
     assert first is not None and len(plan_rows(first)) == 2
     assert scheduler.notice_plan() is None  # nothing has finished
@@ -406,7 +408,7 @@ def test_abort_with_steps_in_flight() -> None:
         check_request_counters(scheduler)
 
     # Abort one request while it is still waiting too.
-    case.scheduler.add_request("waiting", [1, 2, 3], seed=1)
+    case.scheduler.add_request("waiting", [1, 2, 3], SamplingOptions(seed=1))
     assert case.scheduler.abort_request("waiting") is not None
     got = drive(case.scheduler, case.worker, 3, after_result=after_result)
     assert set(aborted) == {"r1", "r4", "r7"}
@@ -634,7 +636,7 @@ def test_prefix_cache_registers_only_confirmed_written_blocks() -> None:
                     assert (i + 1) * block_size <= limit, f"{req.req_id}: block {i} cached early"
         first = s.get_request(first_id)
         if not added and first is not None and first.num_output_tokens >= 20:
-            s.add_request("follow", follow_up, seed=77, max_tokens=10)
+            s.add_request("follow", follow_up, SamplingOptions(seed=77), StoppingOptions(max_tokens=10))
             case.worker.limits["follow"] = (len(follow_up), 10)
             added = True
 
@@ -658,7 +660,7 @@ def test_identical_prompt_recomputes_its_last_block() -> None:
 
     def after_result(s: Scheduler, events: list[RequestEvent]) -> None:
         if not added and any(ev.token_ids for ev in events):
-            s.add_request("b", prompt, seed=case.seeds["a"], max_tokens=12)
+            s.add_request("b", prompt, SamplingOptions(seed=case.seeds["a"]), StoppingOptions(max_tokens=12))
             added.append(True)
 
     got = drive(case.scheduler, case.worker, 2, after_result=after_result)
@@ -675,7 +677,7 @@ def test_blocks_of_a_failed_prefill_chunk_are_never_cached() -> None:
     case.worker.fail_step_ids.add(3)  # the sampling chunk
     got = drive(case.scheduler, case.worker, 3)
     assert got["a"].finish_reason == FINISH_ERROR
-    case.scheduler.add_request("b", prompt + [ord("!")], seed=5)
+    case.scheduler.add_request("b", prompt + [ord("!")], SamplingOptions(seed=5))
     got = drive(case.scheduler, case.worker, 3)  # SimWorker asserts hits are written content
     assert got["b"].last_event is not None and got["b"].last_event.num_cached_tokens == 16
 
@@ -716,10 +718,10 @@ def test_add_request_validation_and_queue_limit() -> None:
     ]
     for prompt, kwargs in bad:
         with pytest.raises(ValueError):
-            scheduler.add_request("x", prompt, **kwargs)
+            scheduler.add_request("x", prompt, *split_options(kwargs))
     with pytest.raises(ValueError, match="stopping.max_tokens: 1000 exceeds the model length 32"):
-        scheduler.add_request("x", [1, 2], max_tokens=1000)
-    first = scheduler.add_request("a", [1, 2], max_tokens=32)
+        scheduler.add_request("x", [1, 2], None, StoppingOptions(max_tokens=1000))
+    first = scheduler.add_request("a", [1, 2], None, StoppingOptions(max_tokens=32))
     assert first.max_tokens == 30  # capped by what fits after the prompt
     assert first.sampling.seed is not None  # every request is keyed
     with pytest.raises(ValueError):
@@ -733,7 +735,7 @@ def test_add_request_validation_and_queue_limit() -> None:
 def test_first_entry_after_admission_is_new_with_sampling_and_full_table() -> None:
     config = SchedulerConfig(num_blocks=16, block_size=4, max_model_len=64, max_num_batched_tokens=6, num_spec_tokens=2)
     scheduler = Scheduler(config, TOY)
-    scheduler.add_request("a", list(b"hello world"), seed=3, temperature=0.5)
+    scheduler.add_request("a", list(b"hello world"), SamplingOptions(seed=3, temperature=0.5))
     plan = scheduler.schedule()
     assert plan is not None and plan.step_id == 1
     [entry] = plan_rows(plan)

@@ -28,6 +28,7 @@ from worker_svc.simulated import COPY_LAG
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
 from zerobubble.config import parse_cores
+from zerobubble.request_options import StoppingOptions
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -224,7 +225,7 @@ def test_kv_usage_counts_each_held_block_once_as_requests_come_and_go():
     sched = make_scheduler(runner, max_num_batched_tokens=256, max_num_seqs=8)
     shared = list(range(1000, 1100))  # 100 tokens: several full blocks to share
     for i in range(6):
-        sched.add_request(f"r{i}", shared + [2000 + i] * (3 + i), max_tokens=20 + 15 * i)
+        sched.add_request(f"r{i}", shared + [2000 + i] * (3 + i), None, StoppingOptions(max_tokens=20 + 15 * i))
     inflight: list = []
     num_checked = 0
     while sched.has_unfinished() or inflight:

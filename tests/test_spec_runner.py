@@ -48,6 +48,7 @@ from tests.runner_harness import (  # noqa: F401  (fixtures are used by name)
     ngram_reference,
     recording,
 )
+from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.rows import plan_rows, result_rows
 
 pytestmark = pytest.mark.timeout(900)
@@ -173,7 +174,7 @@ def test_never_a_token_past_max_tokens_with_drafts(ngram_runner, smollm2_dir, wi
     prompts = {}
     for n in range(1, 6):
         prompts[f"m{n}"] = prompt
-        scheduler.add_request(f"m{n}", prompt, max_tokens=n, ignore_eos=True)
+        scheduler.add_request(f"m{n}", prompt, None, StoppingOptions(max_tokens=n, ignore_eos=True))
     with recording(runner) as rec:
         trace = drive(runner, scheduler, rec, window=window)
     audit(trace, prompts, ngram=True)
@@ -196,7 +197,10 @@ def test_logprobs_belong_to_the_accepted_tokens(request, smollm2_dir, grounded, 
     for i, row in enumerate(rows):
         prompts[f"r{row}"] = prompts_all[row]
         scheduler.add_request(
-            f"r{row}", prompts_all[row], max_tokens=24, logprobs=True, temperature=temperature, seed=100 + i
+            f"r{row}",
+            prompts_all[row],
+            SamplingOptions(logprobs=True, temperature=temperature, seed=100 + i),
+            StoppingOptions(max_tokens=24),
         )
     with recording(runner) as rec:
         trace = drive(runner, scheduler, rec, window=2)
@@ -229,9 +233,9 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
     # blocks that A or B held while their last steps were still queued.
     scheduler = make_scheduler(runner, max_num_seqs=3, num_blocks=48)
     prompts = {f"r{row}": prompts_all[row] for row in (a, b, c, d)}
-    scheduler.add_request(f"r{a}", prompts_all[a], max_tokens=40, stop_token_ids=[stop_token])
+    scheduler.add_request(f"r{a}", prompts_all[a], None, StoppingOptions(max_tokens=40, stop_token_ids=[stop_token]))
     for row in (b, c, d):
-        scheduler.add_request(f"r{row}", prompts_all[row], max_tokens=40)
+        scheduler.add_request(f"r{row}", prompts_all[row], None, StoppingOptions(max_tokens=40))
     cancelled: dict[str, int] = {}
 
     def cancel_b_in_flight(sched: Scheduler, trace: Trace, inflight: deque) -> list[RequestEvent]:
@@ -293,7 +297,7 @@ def test_preemption_with_chunked_prefill_and_steps_in_flight(request, grounded, 
     prompts = {}
     for row in rows:
         prompts[f"r{row}"] = prompts_all[row]
-        scheduler.add_request(f"r{row}", prompts_all[row], max_tokens=max_tokens)
+        scheduler.add_request(f"r{row}", prompts_all[row], None, StoppingOptions(max_tokens=max_tokens))
     with recording(runner) as rec:
         trace = drive(runner, scheduler, rec, window=2)
     audit(trace, prompts, ngram=spec == "ngram")
@@ -342,7 +346,10 @@ def test_seeded_sampling_is_identical_across_windows_and_speculation(ngram_runne
             scheduler = make_scheduler(runner, num_spec_tokens=k)
             for row in group:
                 scheduler.add_request(
-                    f"r{row}", prompts_all[row], max_tokens=max_tokens, temperature=0.8, seed=4242 + row
+                    f"r{row}",
+                    prompts_all[row],
+                    SamplingOptions(temperature=0.8, seed=4242 + row),
+                    StoppingOptions(max_tokens=max_tokens),
                 )
             with recording(runner) as rec:
                 trace = drive(runner, scheduler, rec, window=window)

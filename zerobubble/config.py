@@ -18,7 +18,10 @@ import importlib.util
 import os
 from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from zerobubble.api import worker_pb2
 
 ENV_PREFIX = "ZEROBUBBLE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -420,8 +423,14 @@ class SchedulerServiceConfig(ServiceConfig):
         _require(bool(rest), f"--loop-cores {self.loop_cores}: leaves no core for the scheduler's other threads")
         return cores
 
-    def validate(self) -> None:
+    def validate(self, *, needs_workers: bool = True) -> None:
+        """:class:`ConfigError` naming the flags; ``needs_workers`` False where the workers are
+        given otherwise (`serve` starts its own)."""
         ServiceConfig.validate(self)
+        _require(
+            not needs_workers or bool(self.worker_addresses()),
+            "--workers is required (host:port,... or dns:///name:port)",
+        )
         _require(self.max_inflight_steps >= 1, "--max-inflight-steps must be >= 1 (1 = synchronous)")
         _require(self.max_num_batched_tokens >= 1, "--max-num-batched-tokens must be >= 1")
         _require(self.max_waiting >= 1, "--max-waiting must be >= 1")
@@ -500,9 +509,85 @@ class ServeConfig:
     )
 
     def validate(self) -> None:
-        self.scheduler.validate()
+        self.scheduler.validate(needs_workers=False)
         if not self.scheduler.workers:
             self.worker.validate()
+
+
+def check_scheduler_fits_worker(scheduler: SchedulerServiceConfig, worker: WorkerConfig) -> None:
+    """:class:`ConfigError` when a scheduler may run more requests at once than a worker it
+    drives has state slots for: it would be held below its own ``--max-num-seqs`` by that
+    worker, which a deployment should say rather than find out."""
+    _require(
+        scheduler.max_num_seqs <= worker.max_num_seqs,
+        f"max-num-seqs {scheduler.max_num_seqs} exceeds the {worker.max_num_seqs} of the worker",
+    )
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Capacity and policy of one scheduler (one worker's KV cache).
+
+    The worker-given fields (capacity, k, lookahead, EOS ids, vocabulary) are filled from the
+    worker's `Describe` answer with `with_worker`; the policy fields come from the service's
+    settings (`from_service`), whose defaults are also theirs.
+    """
+
+    num_blocks: int = 0
+    block_size: int = 0
+    max_model_len: int = 0
+    max_num_seqs: int = default_of(SchedulerServiceConfig, "max_num_seqs")
+    max_num_batched_tokens: int = default_of(SchedulerServiceConfig, "max_num_batched_tokens")
+    num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
+    # Extra slots allocated past each step (a draft model writes its k-token chain there).
+    num_lookahead_slots: int = 0
+    enable_prefix_caching: bool = default_of(SchedulerServiceConfig, "enable_prefix_caching")
+    max_waiting: int = default_of(SchedulerServiceConfig, "max_waiting")
+    eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int = 0  # valid prompt ids are below it; 0 = the tokenizer's vocabulary
+
+    @classmethod
+    def from_service(cls, cfg: SchedulerServiceConfig) -> SchedulerConfig:
+        """The policy part of the scheduler service's settings (capacity comes from a worker)."""
+        return cls(
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            max_waiting=cfg.max_waiting,
+        )
+
+    def with_worker(self, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
+        """A copy completed with a worker's capacity, speculation, EOS ids and vocabulary."""
+        max_num_seqs = self.max_num_seqs
+        if info.max_num_seqs > 0:
+            max_num_seqs = min(max_num_seqs, info.max_num_seqs)
+        return dataclasses.replace(
+            self,
+            num_blocks=info.num_blocks,
+            block_size=info.block_size,
+            max_model_len=info.max_model_len,
+            max_num_seqs=max_num_seqs,
+            num_spec_tokens=info.num_spec_tokens,
+            num_lookahead_slots=info.num_lookahead_slots,
+            eos_token_ids=tuple(info.eos_token_ids),
+            vocab_size=info.vocab_size,
+        )
+
+    def validate(self) -> None:
+        """:class:`ConfigError` if a field is out of range (the worker-given ones must be set)."""
+        for name in (
+            "num_blocks",
+            "block_size",
+            "max_model_len",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_waiting",
+        ):
+            _require(getattr(self, name) >= 1, f"SchedulerConfig.{name} must be positive")
+        _require(
+            self.num_spec_tokens >= 0 and self.vocab_size >= 0,
+            "SchedulerConfig.num_spec_tokens and vocab_size must be >= 0",
+        )
 
 
 # Settings of a worker that `serve` does not expose: the local worker's own listener, its auth

@@ -382,10 +382,7 @@ def check_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> N
         elif args.command == "front":
             from_namespace(FrontConfig, args).validate()
         elif args.command == "scheduler":
-            cfg = from_namespace(SchedulerServiceConfig, args)
-            cfg.validate()
-            if not cfg.workers:
-                raise ConfigError("--workers is required (host:port,... or dns:///name:port)")
+            from_namespace(SchedulerServiceConfig, args).validate()
     except ConfigError as exc:
         parser.error(f"{args.command}: {exc}")
 
