@@ -291,6 +291,24 @@ def qwen3_1p7b_config(dry_run: bool) -> Any:
 # ----------------------------------------------------------------------------------- 1. kernels
 
 
+def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch.Generator, small: bool) -> None:
+    """The decoder layer's fused kernels (kernels/fused.py) against their twins, float32."""
+    from kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
+
+    num_tokens, hidden, heads, head_dim, inter = (5, 96, 6, 16, 160) if small else (64, 2048, 24, 128, 6144)
+    x, residual = (torch.randn(num_tokens, hidden, generator=gen).to(dev) for _ in range(2))
+    weight = torch.randn(hidden, generator=gen).to(dev)
+    case("add_rms_norm", lambda impl: add_rms_norm(x, residual, weight, 1e-6, impl=impl))
+    qkv = torch.randn(num_tokens, (heads + 4) * head_dim, generator=gen).to(dev)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=gen)
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dev)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dev)
+    norm = torch.randn(heads, head_dim, generator=gen).to(dev)
+    case("qk_norm_rope", lambda impl: qk_norm_rope(qkv, cos, sin, norm, heads, head_dim, 1e-6, impl=impl))
+    gate_up = torch.randn(num_tokens, 2 * inter, generator=gen).to(dev)
+    case("silu_mul", lambda impl: silu_mul(gate_up, impl=impl))
+
+
 def check_kernels(ctx: Context) -> None:
     """Each Triton kernel against its torch twin on the same random inputs."""
     from kernels._triton import HAS_TRITON
@@ -422,6 +440,8 @@ def check_kernels(ctx: Context) -> None:
         # The interpreter computes log and division exactly, as torch does; CUDA does not.
         compare=_near_tie_draws if ctx.cuda else None,
     )
+
+    check_fused_kernels(case, dev, gen, small)
 
     from transformers import LlamaConfig
 
