@@ -70,7 +70,13 @@ def test_device_check_dry_run(tmp_path: Path) -> None:
     by_section: dict[str, list[dict]] = {}
     for record in report["records"]:
         by_section.setdefault(record["section"], []).append(record)
-    assert set(by_section) == {"environment", "kernels", "families", "service", "sync_free", "throughput", "served"}
+    assert set(by_section) == {
+        "environment", "kernels", "families", "service", "sync_free", "roofline", "throughput", "served"
+    }  # fmt: skip
+    # Off a GPU the floor ratios are reported, never judged; every figure is there.
+    for record in by_section["roofline"]:
+        assert record["status"] == "skip", record
+        assert record["values"]["ms"] > 0 and record["values"]["floor_ms"] > 0 and record["values"]["top_kernels"]
     kernels = {r["name"] for r in by_section["kernels"] if r["status"] == "pass"}
     assert {
         "slot_mapping",
