@@ -10,12 +10,13 @@ call; bfloat16 weights keep only the packed one.
 
 On CUDA, or where oneDNN is missing, a weight is just the plain tensor for ``F.linear``.
 
-``quantization="int8"`` (CPU): weight-only int8. Each weight is stored as int8 with one float32
-scale per output channel (symmetric, ``max |w| / 127``) and multiplied by torch's int8
-weight-only product, which widens the weights as it reads them: a quarter of float32's bytes to
-stream per token, activations untouched. Quantizing the activations as well (fbgemm's dynamic
-int8 product, one scale per call) would be faster still, but a prefill's single scale over all
-its tokens costs too much accuracy (docs/benchmarks/cpu-llamacpp.md, "Quality").
+``quantization="int8"`` (CPU): weight-only int8. Each weight is stored as int8 with one scale
+per output channel (symmetric, ``max |w| / 127``) and multiplied by torch's int8 weight-only
+product, which widens the weights as it reads them; the activations keep the model dtype. Half
+the weight memory of bfloat16; on torch 2.13 that product is slower than oneDNN's bfloat16 one
+(docs/benchmarks/cpu-llamacpp.md), so int8 is the choice for memory, not speed. Quantizing the
+activations too (fbgemm's dynamic int8 product) is faster, but its single scale over a whole
+prefill costs too much accuracy.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ class LinearWeight:
     dense: torch.Tensor | None
     packed: torch.Tensor | None = None
     min_packed_rows: int = 0
-    int8: torch.Tensor | None = None  # [out, in] int8 weight-only: float32 inputs only
-    int8_scale: torch.Tensor | None = None  # [out] float32
+    int8: torch.Tensor | None = None  # [out, in] int8 weight-only
+    int8_scale: torch.Tensor | None = None  # [out] in the activations' dtype
 
 
 QUANTIZATIONS = ("none", "int8")
@@ -63,7 +64,7 @@ def _prepare_int8(weight: torch.Tensor) -> LinearWeight:
     if weight.device.type != "cpu":
         raise ValueError("int8 quantization runs on the CPU only")
     q, scale = quantize_int8(weight)
-    return LinearWeight(None, int8=q.contiguous(), int8_scale=scale)
+    return LinearWeight(None, int8=q.contiguous(), int8_scale=scale.to(weight.dtype))
 
 
 def prepare_linear(weight: torch.Tensor, prepack: bool = True, quantization: str = "none") -> LinearWeight:
@@ -91,7 +92,7 @@ def prepare_linear(weight: torch.Tensor, prepack: bool = True, quantization: str
 
 def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large
-    enough. An int8 weight takes and gives float32."""
+    enough."""
     if weight.int8 is not None:
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, weight.int8, weight.int8_scale)
         return out if bias is None else out + bias

@@ -70,7 +70,7 @@ def test_int8_weights_quantize_per_channel_within_half_a_step() -> None:
 @pytest.mark.parametrize("num_rows", [1, 5, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_int8_linear_is_the_dequantized_product(num_rows: int, with_bias: bool) -> None:
-    """The int8 weight-only product is the float32 product of the dequantized weight."""
+    """The int8 weight-only product is the product of the dequantized weight."""
     g = torch.Generator().manual_seed(num_rows)
     weight, x = torch.randn(96, 64, generator=g), torch.randn(num_rows, 64, generator=g)
     bias = torch.randn(96, generator=g) if with_bias else None

@@ -193,11 +193,10 @@ def test_a_scaled_rope_config_is_resolved_by_transformers_every_time(tmp_path: P
 
 def test_dtype_auto_follows_the_device_and_refuses_emulated_bfloat16(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    # A CPU with native bfloat16 computes in it; int8 weights take float32 activations.
+    # A CPU with native bfloat16 computes in it.
     for native in (True, False):
         monkeypatch.setattr(server, "cpu_has_native_bf16", lambda native=native: native)
         assert resolve_dtype("auto", cpu) is (torch.bfloat16 if native else torch.float32)
-        assert resolve_dtype("auto", cpu, "int8") is torch.float32
     assert resolve_dtype("float16", cpu) is torch.float16
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))  # Ampere
     assert resolve_dtype("auto", cuda) is torch.bfloat16

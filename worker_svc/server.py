@@ -54,12 +54,11 @@ def cpu_has_native_bf16() -> bool:
     return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The activations', weights' and KV cache's dtype for ``--dtype name`` on ``device``.
 
     ``auto`` on a CPU is bfloat16 where the CPU computes in it natively (half the bytes per
-    token of float32) and float32 elsewhere, or with int8 weights (fbgemm's product takes
-    float32). On CUDA it is bfloat16 where the GPU computes in it natively (compute capability
+    token of float32) and float32 elsewhere. On CUDA it is bfloat16 where the GPU computes in it natively (compute capability
     8.0, Ampere, and later); before that float16, as bfloat16 there is emulated (slow) and
     Triton does not compile it. An explicit bfloat16 on such a GPU is refused for the same reason.
     """
@@ -67,7 +66,7 @@ def resolve_dtype(name: str, device: torch.device, quantization: str = "none") -
     if device.type != "cuda":
         if name != "auto":
             return by_name[name]
-        return torch.bfloat16 if quantization == "none" and cpu_has_native_bf16() else torch.float32
+        return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
     major, minor = torch.cuda.get_device_capability(device)
     native_bf16 = major >= 8
     if name == "auto":
@@ -140,7 +139,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
         # The attention's torch twin for accelerators gathers every token's whole context:
         # fine for the tests' fake device, out of memory at once at real lengths on a GPU.
         raise ConfigError("--device cuda needs triton (Linux CUDA builds of torch bring it): pip install triton")
-    dtype = resolve_dtype(cfg.dtype, device, cfg.quantization)
+    dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights, quantization=cfg.quantization)
     draft = load_model(cfg.draft_model, dtype, device, cfg.prepack_weights) if cfg.spec_method == "draft" else None
     proposer = build_proposer(
