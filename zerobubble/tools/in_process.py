@@ -1,8 +1,8 @@
 """A scheduler and a runner in one process, joined as a worker link joins them over gRPC.
 
 For what measures or tests the step logic without the transport (`scripts/bench_sim.py logic`,
-`scripts/contention_probe.py`, the in-process tests): the real `Scheduler`, configured from
-the runner's `WorkerInfo` and tokenizer exactly as `WorkerLink` configures it from `Describe`.
+the in-process tests): the real `Scheduler`, configured from the runner's `WorkerInfo` and
+tokenizer exactly as `WorkerLink` configures it from `Describe`.
 """
 
 from __future__ import annotations
