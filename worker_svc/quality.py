@@ -101,7 +101,8 @@ def workload_token_rows(loaded: LoadedModel, rows: list[dict[str, Any]], max_tok
     out = []
     for row in rows:
         if "messages" in row:
-            ids = tokenizer.apply_chat_template(row["messages"], tokenize=True, add_generation_prompt=True)
+            # Any: transformers declares one union (text, ids or a BatchEncoding) for every mode.
+            ids: Any = tokenizer.apply_chat_template(row["messages"], tokenize=True, add_generation_prompt=True)
             if not isinstance(ids, list):  # transformers 5 returns a BatchEncoding
                 ids = ids["input_ids"]
         else:
