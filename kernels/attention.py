@@ -363,7 +363,9 @@ def _write_kv_cache_triton(
 
 
 @_write_kv_cache_triton.register_fake
-def _(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def _(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     return None
 
 

@@ -82,7 +82,7 @@ if HAS_TRITON:
         mask = cols < hidden
         x = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
-            x = (x.to(tl.float32) + tl.load(residual_ptr + t * stride_r + cols, mask=mask, other=0.0).to(tl.float32))
+            x = x.to(tl.float32) + tl.load(residual_ptr + t * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
             x = x.to(out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + t * stride_ro + cols, x, mask=mask)
         x32 = x.to(tl.float32)

@@ -187,7 +187,11 @@ def _decoding_runners(num_requests: int = 4):
     them: every request a decode row in the columns, some gaining a block."""
     config = WorkerConfig(
         dtype="float32",
-        simulate_device_ms=0.0, spec_method="ngram", num_spec_tokens=3, max_num_seqs=8, kv_cache_memory_gb=1.0
+        simulate_device_ms=0.0,
+        spec_method="ngram",
+        num_spec_tokens=3,
+        max_num_seqs=8,
+        kv_cache_memory_gb=1.0,
     )
     runners = [build_runner(config)[0] for _ in range(2)]
     scheduler = make_scheduler(runners[0], max_num_batched_tokens=256)

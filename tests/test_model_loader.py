@@ -14,6 +14,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from worker_svc import server
 from worker_svc.model_loader import (
     EMBEDDED_MODEL_NAME,
     ModelLoadError,
@@ -21,7 +22,6 @@ from worker_svc.model_loader import (
     load_model,
     resolve_model,
 )
-from worker_svc import server
 from worker_svc.server import resolve_dtype
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

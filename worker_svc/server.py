@@ -58,9 +58,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     """The activations', weights' and KV cache's dtype for ``--dtype name`` on ``device``.
 
     ``auto`` on a CPU is bfloat16 where the CPU computes in it natively (half the bytes per
-    token of float32) and float32 elsewhere. On CUDA it is bfloat16 where the GPU computes in it natively (compute capability
-    8.0, Ampere, and later); before that float16, as bfloat16 there is emulated (slow) and
-    Triton does not compile it. An explicit bfloat16 on such a GPU is refused for the same reason.
+    token of float32) and float32 elsewhere. On CUDA it is bfloat16 where the GPU computes in
+    it natively (compute capability 8.0, Ampere, and later); before that float16, as bfloat16
+    there is emulated (slow) and Triton does not compile it. An explicit bfloat16 on such a GPU
+    is refused for the same reason.
     """
     by_name = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if device.type != "cuda":
