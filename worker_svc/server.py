@@ -4,7 +4,8 @@ Plans arrive on one `Execute` bidi stream and run strictly in order on a dedicat
 step runs, the next plans are already queued (async scheduling), and the host copy of the
 previous step's results happens on another thread, so the device never waits for the host.
 The time the step thread spends waiting for a plan while requests are live is the bubble; it is
-reported with every result.
+reported with every result. Each stream is a `worker_svc.step_loop.StepLoop`; this module builds
+the runner from the flags and serves `Describe` and `Execute`.
 """
 
 from __future__ import annotations
