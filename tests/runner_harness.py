@@ -237,7 +237,7 @@ class HandPlanner:
                 last = req.seq[-1]
                 # Filler slots (no real draft) are fed only where the worker keeps the plan's
                 # shape (CUDA); on the CPU they are skipped, never replaced by stale ids.
-                fillers = 0 if self.runner.trim_empty_drafts else k - len(used)
+                fillers = 0 if self.runner.builder.trim_empty_drafts else k - len(used)
                 expected = [last] + used + [last] * fillers
                 assert ids == expected, (
                     f"{entry.req_id}: decode inputs {ids}, expected last token + its own drafts "

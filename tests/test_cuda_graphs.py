@@ -102,7 +102,7 @@ def _run(loaded: LoadedModel, spec: str, graphs: bool) -> tuple[list, ModelRunne
         ),
         proposer,
     )
-    runner.trim_empty_drafts = False  # the accelerator's shapes: every decode feeds 1 + k slots
+    runner.builder.trim_empty_drafts = False  # the accelerator's shapes: every decode feeds 1 + k slots
     k = runner.num_spec_tokens
     p = Plans(k)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]

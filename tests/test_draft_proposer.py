@@ -260,7 +260,7 @@ def test_the_result_copy_is_queued_before_the_draft_chain(monkeypatch: pytest.Mo
     proposer = DraftModelProposer(_loaded(hf), K, "keyed")
     runner, scheduler = _runner_and_scheduler(hf, proposer)
     calls: list[str] = []
-    start_copy, propose = runner._start_copy, proposer.propose
+    start_copy, propose = runner.copier.start, proposer.propose
 
     def logged_copy(pending):
         calls.append("copy")
@@ -270,7 +270,7 @@ def test_the_result_copy_is_queued_before_the_draft_chain(monkeypatch: pytest.Mo
         calls.append("propose")
         propose(*args)
 
-    monkeypatch.setattr(runner, "_start_copy", logged_copy)
+    monkeypatch.setattr(runner.copier, "start", logged_copy)
     monkeypatch.setattr(proposer, "propose", logged_propose)
     scheduler.add_request("r", list(range(1, 12)), None, StoppingOptions(max_tokens=10, ignore_eos=True))
     outputs, drafted, _ = _drive(runner, scheduler, window=2)
@@ -303,7 +303,7 @@ def test_drafts_come_after_the_result_and_stop_at_a_finish_notice() -> None:
     decode = scheduler.schedule()
     pending = runner.execute(decode)
     scheduler.on_step_result(pending.materialize(0.0, K))
-    num_cut = runner.num_cut_drafts
+    num_cut = runner.notices.num_cut_drafts
     runner.note_finished(worker_pb2.StepPlan(step_id=decode.step_id + 1, finished_req_ids=["r"]))
     runner.propose_next()  # its drafts serve only "r", finished by a later plan
-    assert runner.num_cut_drafts == num_cut + 1
+    assert runner.notices.num_cut_drafts == num_cut + 1

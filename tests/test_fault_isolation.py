@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import queue
+from collections.abc import Callable, Mapping
 
 import pytest
 import torch
@@ -17,10 +18,13 @@ import torch
 from scheduler_svc.scheduler import FINISH_ERROR
 from scheduler_svc.tokenizer import Tokenizer
 from tests.drive import make_scheduler
-from worker_svc.server import build_runner, materialize_result, run_jobs, run_step, tokenizer_fields
+from worker_svc.faults import CopyDone
+from worker_svc.server import build_runner, tokenizer_fields
+from worker_svc.step_loop import materialize_result, run_jobs, run_step
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig
 from zerobubble.request_options import StoppingOptions
+from zerobubble.rows import plan_rows
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -33,10 +37,41 @@ PROMPTS = [
 MAX_TOKENS = 8
 
 
+class ScriptedFaults:
+    """The runner's fault injector here: ``step`` may raise for a plan (the whole step fails),
+    ``rows`` names rows to reject; neither is set between tests."""
+
+    def __init__(self) -> None:
+        self.step: Callable[[worker_pb2.StepPlan], None] | None = None
+        self.rows: Callable[[worker_pb2.StepPlan], Mapping[str, str]] | None = None
+
+    def step_fault(self, plan: worker_pb2.StepPlan) -> None:
+        if self.step is not None:
+            self.step(plan)
+
+    def row_faults(self, plan: worker_pb2.StepPlan) -> Mapping[str, str] | None:
+        return self.rows(plan) if self.rows is not None else None
+
+    def copy_fault(self, step_number: int) -> CopyDone | None:
+        return None
+
+
+class RowByRow(ScriptedFaults):
+    """Rejects no row, but makes the runner check every row on its own instead of the decode
+    columns at once."""
+
+    def row_faults(self, plan: worker_pb2.StepPlan) -> Mapping[str, str] | None:
+        return {}
+
+
+FAULTS = ScriptedFaults()
+
+
 @pytest.fixture(scope="module")
 def runner(smollm2_dir):
     runner, _ = build_runner(
-        WorkerConfig(dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
+        WorkerConfig(dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3),
+        FAULTS,
     )
     return runner
 
@@ -103,14 +138,14 @@ def test_failed_rows_end_only_their_requests(runner):
     reference, errors = run(runner)
     assert not errors and all(len(v[0]) == MAX_TOKENS for v in reference.values())
 
-    seen_decode = {"r1": 0}
+    fired: list[int] = []
 
-    def hook(plan, entry):
+    def reject_r1(plan: worker_pb2.StepPlan) -> dict[str, str]:
         # r1 fails at its first decode row; the two plans after it already hold rows for it.
-        if entry is not None and entry.req_id == "r1" and not entry.token_ids:
-            seen_decode["r1"] += 1
-            if seen_decode["r1"] == 1:
-                raise RuntimeError("injected row fault")
+        if not fired and any(row.req_id == "r1" and not row.token_ids for row in plan_rows(plan)):
+            fired.append(plan.step_id)
+            return {"r1": "request r1: injected row fault"}
+        return {}
 
     def malformed(plan):
         # r2's first prefill chunk carries an id outside the vocabulary (a malformed entry).
@@ -118,15 +153,15 @@ def test_failed_rows_end_only_their_requests(runner):
             if entry.req_id == "r2" and entry.is_new:
                 entry.token_ids[0] = 10**6
 
-    runner.test_fault_hook = hook
+    FAULTS.rows = reject_r1
     try:
         got, errors = run(runner, malformed)
     finally:
-        runner.test_fault_hook = None
+        FAULTS.rows = None
     assert not errors, errors  # no step failed as a whole
+    assert fired, "r1 never had a decode row"
     assert got["r1"][1] == FINISH_ERROR and "injected row fault" in got["r1"][2]
     assert got["r2"][1] == FINISH_ERROR and "vocabulary" in got["r2"][2]
-    assert seen_decode["r1"] == 1, "later rows of the failed request reached the model"
     for req_id in ("r0", "r3"):
         assert got[req_id][0] == reference[req_id][0], req_id
     assert not {"r1", "r2"} & set(runner.slots)
@@ -137,15 +172,15 @@ def test_a_step_that_raises_fails_its_requests_and_not_the_next_plans(runner):
     the plans in flight hold r3's prefill next to decode rows of the failed requests."""
     reference, _ = run(runner, late_after_step=2)
 
-    def hook(plan, entry):
-        if entry is None and plan.step_id == 2:
+    def fail_step_2(plan: worker_pb2.StepPlan) -> None:
+        if plan.step_id == 2:
             raise RuntimeError("injected step fault")
 
-    runner.test_fault_hook = hook
+    FAULTS.step = fail_step_2
     try:
         got, errors = run(runner, late_after_step=2)
     finally:
-        runner.test_fault_hook = None
+        FAULTS.step = None
     assert errors == ["step failed: injected step fault"]
     for req_id in ("r0", "r1", "r2"):
         assert got[req_id][1] == FINISH_ERROR and "injected step fault" in got[req_id][2]
@@ -176,7 +211,7 @@ def test_the_copier_logs_a_failing_job_and_runs_the_next(caplog) -> None:
 
     for job in ((fail, ()), (done.append, (1,)), (fail, ()), (done.append, (2,)), None):
         jobs.put(job)
-    with caplog.at_level(logging.ERROR, logger="worker_svc.server"):
+    with caplog.at_level(logging.ERROR, logger="worker_svc.step_loop"):
         run_jobs(jobs)  # returns at the None
     assert done == [1, 2]
     assert sum("copier's job failed" in r.message for r in caplog.records) == 2
@@ -193,7 +228,8 @@ def _decoding_runners(num_requests: int = 4):
         max_num_seqs=8,
         kv_cache_memory_gb=1.0,
     )
-    runners = [build_runner(config)[0] for _ in range(2)]
+    # The twin checks every row on its own, the other the decode columns at once.
+    runners = [build_runner(config)[0], build_runner(config, RowByRow())[0]]
     scheduler = make_scheduler(runners[0], max_num_batched_tokens=256)
     for i in range(num_requests):
         scheduler.add_request(
@@ -210,14 +246,9 @@ def _decoding_runners(num_requests: int = 4):
     raise AssertionError("no all-decode plan with a new block")
 
 
-def _outcome(runner, plan, row_by_row: bool) -> tuple[dict[str, str], worker_pb2.StepResult]:
-    """Errors and result of one plan; `row_by_row`: a fault hook that does nothing, which makes
-    the runner check every row on its own instead of the decode columns at once."""
-    runner.test_fault_hook = (lambda plan, entry: None) if row_by_row else None
-    try:
-        pending = runner.execute(plan)
-    finally:
-        runner.test_fault_hook = None
+def _outcome(runner, plan) -> tuple[dict[str, str], worker_pb2.StepResult]:
+    """Errors and result of one plan."""
+    pending = runner.execute(plan)
     result = materialize_result(pending, 0.0, runner.num_spec_tokens)
     result.forward_s = result.idle_s = 0.0  # timings
     return pending.errors, result
@@ -245,8 +276,8 @@ def test_decode_columns_checked_at_once_run_as_row_by_row(how: str) -> None:
     cannot run still gets its own error while the other rows run."""
     runners, plan = _decoding_runners()
     bad_id = _break_row(plan, how, runners[0].config.num_blocks) if how != "none" else None
-    errors, result = _outcome(runners[0], plan, row_by_row=False)
-    twin_errors, twin_result = _outcome(runners[1], plan, row_by_row=True)
+    errors, result = _outcome(runners[0], plan)
+    twin_errors, twin_result = _outcome(runners[1], plan)
     assert errors == twin_errors
     assert result == twin_result
     # ... and the same state left behind: slots, block tables (host and device), references.
@@ -254,7 +285,7 @@ def test_decode_columns_checked_at_once_run_as_row_by_row(how: str) -> None:
     assert {r: (i.slot, i.block_ids) for r, i in state.slots.items()} == {
         r: (i.slot, i.block_ids) for r, i in twin.slots.items()
     }
-    assert state._block_refs == twin._block_refs
+    assert state.table.block_refs == twin.table.block_refs
     assert torch.equal(state.state.block_table, twin.state.block_table)
     assert torch.equal(state.state.seq_len, twin.state.seq_len)
     ran = set(result.rows.req_ids) | {r.req_id for r in result.results if not r.error}

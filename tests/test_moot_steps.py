@@ -20,7 +20,8 @@ import pytest
 
 from scheduler_svc.tokenizer import Tokenizer
 from tests.drive import make_scheduler
-from worker_svc.server import run_step, tokenizer_fields
+from worker_svc.server import tokenizer_fields
+from worker_svc.step_loop import run_step
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import StoppingOptions
 from zerobubble.rows import plan_rows, result_rows
@@ -90,13 +91,13 @@ def one_after_another(
             pending.append(plan)
             continue
         plan = pending.popleft()
-        before = runner.num_cut_steps
+        before = runner.notices.num_cut_steps
         if during_forward is not None:
             during_forward(plan, pending)
         result = run_step(runner, plan)
         if not isinstance(result, worker_pb2.StepResult):
             result = result.materialize(0.0, runner.num_spec_tokens)
-        if runner.num_cut_steps > before:
+        if runner.notices.num_cut_steps > before:
             assert not result_rows(result) and not result.error, result
             cut.append(plan.step_id)
         for event in scheduler.on_step_result(result):
@@ -131,17 +132,17 @@ def test_a_forward_interrupted_between_layers_changes_nothing_later(runner) -> N
     def during_forward(plan: worker_pb2.StepPlan, queued: deque) -> None:
         # Hold back the finish notices of the queued plans until layer 3 of this forward.
         held = [p for p in queued if p.finished_req_ids]
-        saved = runner._finished_in.copy()
+        saved = runner.notices.finished_in.copy()
         for p in held:
             for req_id in p.finished_req_ids:
-                if runner._finished_in.get(req_id) == p.step_id:
-                    del runner._finished_in[req_id]
+                if runner.notices.finished_in.get(req_id) == p.step_id:
+                    del runner.notices.finished_in[req_id]
         calls = [0]
 
         def interrupt() -> bool:
             calls[0] += 1
             if calls[0] == 3 and held:
-                runner._finished_in.update(saved)
+                runner.notices.finished_in.update(saved)
                 if check():
                     interrupted.append(plan.step_id)
             return check()

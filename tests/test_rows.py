@@ -8,7 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker_svc.server import WorkerConfig, build_runner, run_step
+from worker_svc.server import WorkerConfig, build_runner
+from worker_svc.step_loop import run_step
 from zerobubble.api import worker_pb2
 from zerobubble.rows import PlanRow, add_decode_columns, add_row_columns, plan_rows, result_rows
 

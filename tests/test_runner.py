@@ -73,7 +73,7 @@ def test_a_bad_row_leaves_no_half_admitted_slot(runner, bad: str):
         ),
         "twice": good,
     }[bad]
-    free_before = list(runner.free_slots)
+    free_before = list(runner.table.free_slots)
     # The bad row is left out with an error of its own (fault isolation); the good row runs.
     result = runner.execute(worker_pb2.StepPlan(step_id=1, requests=[good, bad_row])).materialize(0.0, 0)
     rows = result_rows(result)
@@ -82,5 +82,5 @@ def test_a_bad_row_leaves_no_half_admitted_slot(runner, bad: str):
     assert "bad" not in runner.slots
     if bad != "twice":
         assert [req_id for req_id, r in rows.items() if not r.error] == ["good"]
-        assert len(runner.slots) == 1 and len(runner.free_slots) == len(free_before) - 1
+        assert len(runner.slots) == 1 and len(runner.table.free_slots) == len(free_before) - 1
     runner.reset()

@@ -173,7 +173,7 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
             RunnerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=32, num_spec_tokens=K),
             proposer,
         )
-        assert runner.accelerator and not runner.trim_empty_drafts
+        assert runner.copier.accelerator and not runner.builder.trim_empty_drafts
         audit = TransferAudit()
         pendings = []
         with audit:

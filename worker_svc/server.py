@@ -4,7 +4,8 @@ Plans arrive on one `Execute` bidi stream and run strictly in order on a dedicat
 step runs, the next plans are already queued (async scheduling), and the host copy of the
 previous step's results happens on another thread, so the device never waits for the host.
 The time the step thread spends waiting for a plan while requests are live is the bubble; it is
-reported with every result.
+reported with every result. Each stream is a `worker_svc.step_loop.StepLoop`; this module builds
+the runner from the flags and serves `Describe` and `Execute`.
 """
 
 from __future__ import annotations
@@ -13,12 +14,9 @@ import asyncio
 import json
 import logging
 import os
-import queue
 import socket
 import sys
-import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,21 +24,21 @@ import grpc
 import torch
 
 from kernels._triton import HAS_TRITON
+from worker_svc.faults import NO_FAULTS, FaultInjector, faults_from_env
 from worker_svc.model import kv_cache_bytes_per_block
 from worker_svc.model_loader import LoadedModel, load_model
 from worker_svc.proposers import build_proposer
-from worker_svc.runner import ModelRunner, PendingResult, RunnerConfig, worker_info
+from worker_svc.runner import ModelRunner, RunnerConfig, worker_info
 from worker_svc.sampler import PEAK_BYTES_PER_LOGIT
 from worker_svc.simulated import LagNgramProposer, SimulatedDevice
+from worker_svc.step_loop import END, StepLoop
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
 from zerobubble.config import ConfigError, WorkerConfig, available_cores
-from zerobubble.rows import PlanRow, plan_req_ids
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
-_END = object()
 
 
 def resolve_device(name: str) -> torch.device:
@@ -127,12 +125,12 @@ def kv_capacity_blocks(
     return num_blocks
 
 
-def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
-    """Load the model (and draft model) and size the KV cache."""
+def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[ModelRunner, LoadedModel]:
+    """Load the model (and draft model) and size the KV cache; ``faults``: what a test injects."""
     if cfg.simulated:
         # The host path runs small ops only; a parallel team would just spin on shared cores.
         torch.set_num_threads(cfg.num_threads if cfg.num_threads > 0 else 1)
-        return build_simulated_runner(cfg)
+        return build_simulated_runner(cfg, faults)
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
     device = resolve_device(cfg.device)
@@ -157,6 +155,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
             cuda_graphs=cfg.cuda_graphs and device.type == "cuda",
         ),
         proposer,
+        faults=faults,
     )
     logger.info(
         "worker ready: model=%s device=%s dtype=%s quantization=%s blocks=%d x %d spec=%s k=%d",
@@ -190,7 +189,7 @@ def runner_config(
     )
 
 
-def build_simulated_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]:
+def build_simulated_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[ModelRunner, LoadedModel]:
     """A runner on a simulated device (`worker_svc/simulated.py`): the model's config and
     tokenizer, no weights; KV capacity as if the cache were allocated on the CPU."""
     loaded = load_model(cfg.model, weights=False)
@@ -205,7 +204,9 @@ def build_simulated_runner(cfg: WorkerConfig) -> tuple[ModelRunner, LoadedModel]
     )
     proposer = LagNgramProposer(num_spec_tokens, cfg.ngram_min) if cfg.speculative else None
     num_blocks = kv_capacity_blocks(cfg, loaded, torch.device("cpu"), resolve_dtype(cfg.dtype, torch.device("cpu")))
-    runner = ModelRunner(loaded, runner_config(cfg, loaded, num_blocks, num_spec_tokens), proposer, simulator)
+    runner = ModelRunner(
+        loaded, runner_config(cfg, loaded, num_blocks, num_spec_tokens), proposer, simulator, faults=faults
+    )
     logger.info(
         "worker ready on a SIMULATED device (%.1f ms per step, acceptance rate %.2f): "
         "model=%s blocks=%d x %d spec=%s k=%d",
@@ -242,125 +243,6 @@ def tokenizer_fields(model_dir: Path) -> dict[str, str]:
 # Exit status of a worker whose device failed: its supervisor (Kubernetes) restarts it.
 EXIT_DEVICE_FAULT = 70
 
-DeviceFaultHandler = Callable[[BaseException], None]
-
-
-def is_device_fault(exc: BaseException) -> bool:
-    """Whether ``exc`` is the accelerator failing (a kernel fault, after which a CUDA context
-    refuses all further work), not one step's bad input or a bug in its host code."""
-    accelerator_error = getattr(torch, "AcceleratorError", None)
-    if accelerator_error is not None and isinstance(exc, accelerator_error):
-        return True
-    return "CUDA error" in str(exc)
-
-
-def run_step(
-    runner: ModelRunner, plan: worker_pb2.StepPlan, on_device_fault: DeviceFaultHandler | None = None
-) -> PendingResult | worker_pb2.StepResult:
-    """Execute one plan; a step that raises becomes an error result and the worker goes on.
-
-    The failed step's requests lose their state (none stays half admitted) and are remembered,
-    so plans already sent that hold rows for them answer those rows with a per-request error
-    instead of failing as a whole; their co-batched requests in those plans are unaffected.
-    A device fault goes to ``on_device_fault`` instead (when given): nothing more can run.
-    """
-    try:
-        return runner.execute(plan)
-    except Exception as exc:
-        error = fail_step(runner, plan_req_ids(plan), exc, on_device_fault, f"step {plan.step_id}")
-        return worker_pb2.StepResult(step_id=plan.step_id, error=error)
-
-
-def run_proposer(runner: ModelRunner, req_ids: list[str], on_device_fault: DeviceFaultHandler | None = None) -> None:
-    """The drafts a step left to make (`ModelRunner.propose_next`), after its result was handed
-    on. If they fail, the step's requests fail as a failed step's would (their result already
-    went out): later plans answer their rows with a per-request error."""
-    try:
-        runner.propose_next()
-    except Exception as exc:
-        fail_step(runner, req_ids, exc, on_device_fault, "the drafts after a step")
-
-
-def fail_step(
-    runner: ModelRunner, req_ids: list[str], exc: Exception, on_device_fault: DeviceFaultHandler | None, what: str
-) -> str:
-    """What a raising step (or its drafts) does to its requests: a device fault goes to
-    ``on_device_fault``; otherwise they lose their state, later rows for them get the returned
-    error, and the worker goes on."""
-    if on_device_fault is not None and is_device_fault(exc):
-        on_device_fault(exc)
-    logger.exception("%s failed", what)
-    error = f"step failed: {exc}"
-    runner.fail_requests(req_ids, error)
-    return error
-
-
-def materialize_result(
-    pending: PendingResult, idle_s: float, num_spec_tokens: int, on_device_fault: DeviceFaultHandler | None = None
-) -> worker_pb2.StepResult:
-    """A step's wire result once its copy is done (on the copier thread), or an error result.
-
-    On CUDA the step thread only launches work, so a fault in a step's kernels (an illegal
-    access, a device-side assert) usually surfaces here, at the wait for the copy. Raised on the
-    copier thread it would be lost and the step never answered: the scheduler would wait for
-    its step deadline while this worker still looked healthy. Answered with an error, the
-    scheduler ends the step's requests with ERROR at once. A device fault goes to
-    ``on_device_fault`` instead (when given).
-    """
-    try:
-        return pending.materialize(idle_s, num_spec_tokens)
-    except Exception as exc:
-        if on_device_fault is not None and is_device_fault(exc):
-            on_device_fault(exc)
-        logger.exception("step %d: reading its result failed", pending.step_id)
-        return worker_pb2.StepResult(step_id=pending.step_id, error=f"reading the step's result failed: {exc}")
-
-
-def run_jobs(jobs: queue.SimpleQueue) -> None:
-    """Run each (function, args) from ``jobs`` in order until None; a failing job is logged and
-    the next one runs (a copy's own failures are answered by `materialize_result`)."""
-    while (job := jobs.get()) is not None:
-        function, args = job
-        try:
-            function(*args)
-        except Exception:
-            logger.exception("the result copier's job failed")
-
-
-# Test-only fault injection for the chaos suite (tests/test_chaos.py), never set in manifests:
-# every N-th decode row fails (its request ends with ERROR, the rest of its step runs).
-TEST_FAULT_ENV = "ZEROBUBBLE_TEST_FAIL_EVERY_NTH_DECODE_ROW"
-
-
-# Test-only, like the above: the result copy of the worker's N-th step (of each stream) fails
-# as CUDA reports a kernel fault.
-TEST_DEVICE_FAULT_ENV = "ZEROBUBBLE_TEST_DEVICE_FAULT_AT_STEP"
-
-
-class InjectedDeviceFault:
-    """A step's copy event whose wait raises the error CUDA gives after an illegal access."""
-
-    def synchronize(self) -> None:
-        raise RuntimeError(f"CUDA error: an illegal memory access was encountered (injected: {TEST_DEVICE_FAULT_ENV})")
-
-
-def injected_fault_hook_from_env(env: dict[str, str]):
-    """The runner's `test_fault_hook` asked for by `TEST_FAULT_ENV` (None when unset)."""
-    every = int(env.get(TEST_FAULT_ENV, "0") or 0)
-    if every <= 0:
-        return None
-    count = [0]
-
-    def hook(plan: worker_pb2.StepPlan, entry: PlanRow | None) -> None:
-        if entry is None or entry.token_ids:
-            return
-        count[0] += 1
-        if count[0] % every == 0:
-            raise RuntimeError(f"injected test fault (every {every}th decode row)")
-
-    logger.warning("TEST FAULT INJECTION ON: every %dth decode row fails (%s)", every, TEST_FAULT_ENV)
-    return hook
-
 
 def device_thread() -> ThreadPoolExecutor:
     """The one thread that runs every torch computation of a worker: loading, then all steps.
@@ -394,16 +276,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.tokenizer_fields = tokenizer_fields(loaded.path)
         self._stream_lock = asyncio.Lock()
         self._generation = 0  # a new Execute stream supersedes the old one
-        self._inflight = 0  # plans received and not yet answered
         # Shutdown: no new streams; the open one is told (a step_id 0 notice, then a flag on
         # every result) so the scheduler sends no new requests and closes it once it is done.
         self.draining = False
         self.num_streams = 0
         self._notify: list = []  # puts an item into the open stream's result queue
-        # Test-only (TEST_DEVICE_FAULT_ENV): the step of each stream whose result copy fails.
-        self.test_device_fault_at = int(os.environ.get(TEST_DEVICE_FAULT_ENV, "0") or 0)
-        if self.test_device_fault_at:
-            logger.warning("TEST FAULT INJECTION ON: step %d's result copy fails", self.test_device_fault_at)
 
     async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         if self.draining:  # a scheduler must not (re)connect to a worker that is leaving
@@ -448,7 +325,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # End the open stream now, even if its scheduler is idle and sends no plan that would
         # let it notice (a restarted scheduler must not wait for a stream nobody feeds).
         for notify in list(self._notify):
-            notify(_END)
+            notify(END)
         async with self._stream_lock:  # the previous stream (if any) has fully stopped
             if generation != self._generation:
                 return
@@ -456,93 +333,33 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                 yield result
 
     async def _execute(self, request_iterator, context, generation: int):
-        loop = asyncio.get_running_loop()
-        plans: queue.SimpleQueue = queue.SimpleQueue()  # C-level: no Python lock and condition per plan
-        results: asyncio.Queue = asyncio.Queue()
-        # The result copier: each step's host copy waits here, off the step thread. A bare
-        # thread on a C-level queue: an executor's submit (a Future, its Condition, the pool's
-        # locks) costs the caller tens of times the CPU of a SimpleQueue's put, on the step
-        # thread's critical path (docs/benchmarks/host.md, "What a message costs").
-        copies: queue.SimpleQueue = queue.SimpleQueue()  # (function, args); None ends the thread
-        copier = threading.Thread(target=run_jobs, args=(copies,), name="d2h", daemon=True)
-        copier.start()
+        """One stream's plans through a `StepLoop`; its answers, with the worker's metrics."""
+        steps = StepLoop(self.runner, self.device_fault, lambda: generation == self._generation)
+        steps.start_copier()
         self.runner.reset()
         logger.info("scheduler stream %d opened", generation)
-
-        def deliver(item) -> None:
-            loop.call_soon_threadsafe(results.put_nowait, item)
-
-        def materialize_and_deliver(pending, idle_s: float) -> None:
-            deliver(materialize_result(pending, idle_s, self.runner.num_spec_tokens, self.device_fault))
-
-        self._notify.append(deliver)
+        self._notify.append(steps.deliver)
         self.num_streams += 1
         if self.draining:
-            deliver(worker_pb2.StepResult(step_id=0, draining=True))
-
-        num_steps = [0]
-
-        def step_loop() -> None:
-            while True:
-                live = bool(self.runner.slots)
-                t0 = time.perf_counter()
-                plan = plans.get()
-                # Waiting with live requests is the bubble; waiting with none is just no work.
-                idle = time.perf_counter() - t0 if live else 0.0
-                if plan is _END:
-                    copies.put((deliver, (_END,)))
-                    return
-                pending = run_step(self.runner, plan, self.device_fault)
-                if isinstance(pending, worker_pb2.StepResult):
-                    copies.put((deliver, (pending,)))
-                    continue
-                num_steps[0] += 1
-                if num_steps[0] == self.test_device_fault_at:
-                    pending.ready = InjectedDeviceFault()
-                # The host copy overlaps the next step: it happens on the copier thread.
-                copies.put((materialize_and_deliver, (pending, idle)))
-                run_proposer(self.runner, pending.req_ids, self.device_fault)
-
-        async def read_plans() -> None:
-            try:
-                async for plan in request_iterator:
-                    if generation != self._generation:
-                        break
-                    self._inflight += 1
-                    # Seen now, not when the plan's turn comes: the step running meanwhile may
-                    # be one this plan's finish notices make moot.
-                    self.runner.note_finished(plan)
-                    plans.put(plan)
-            finally:
-                plans.put(_END)
-
-        stepping = asyncio.wrap_future(self.device.submit(step_loop))
-        reader = asyncio.create_task(read_plans())
+            steps.deliver(worker_pb2.StepResult(step_id=0, draining=True))
+        stepping = asyncio.wrap_future(self.device.submit(steps.run_steps))
+        reader = asyncio.create_task(steps.read_plans(request_iterator))
         try:
-            while True:
-                item = await results.get()
-                if item is _END:
-                    break
+            async for item in steps.answers():
                 item.draining = self.draining
-                if item.step_id == 0:  # a draining notice, not the answer to a plan
-                    yield item
-                    continue
-                self._inflight -= 1
-                if self.metrics is not None:
+                if item.step_id != 0 and self.metrics is not None:  # step_id 0: a draining notice
                     if not item.error:
                         self.metrics.record_step_result(self.worker_id, item)
-                    self.metrics.set_inflight(self.worker_id, self._inflight)
+                    self.metrics.set_inflight(self.worker_id, steps.num_inflight)
                     self.metrics.set_kv_usage(self.worker_id, self.runner.kv_usage())
                 yield item
         finally:
             reader.cancel()
-            plans.put(_END)
+            steps.plans.put(END)
             await stepping
-            copies.put(None)
-            copier.join()
+            steps.stop_copier()
             self.runner.reset()
-            self._inflight = 0
-            self._notify.remove(deliver)
+            self._notify.remove(steps.deliver)
             self.num_streams -= 1
             logger.info("scheduler stream %d closed", generation)
 
@@ -572,8 +389,8 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     device = device_thread()
     if cfg.cpu_cores:
         bind_cpu_cores(cfg, device)
-    runner, loaded = await asyncio.get_running_loop().run_in_executor(device, build_runner, cfg)
-    runner.test_fault_hook = injected_fault_hook_from_env(dict(os.environ))
+    faults = faults_from_env(os.environ)
+    runner, loaded = await asyncio.get_running_loop().run_in_executor(device, build_runner, cfg, faults)
     metrics = None
     if cfg.metrics_port >= 0:
         from zerobubble.metrics import ServiceMetrics, start_metrics_server

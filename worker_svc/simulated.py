@@ -40,7 +40,10 @@ import numpy as np
 import torch
 
 from kernels.verify import count_accepted
-from worker_svc.runner import ModelRunner, PendingResult, StepBatch, StepOutputs
+from worker_svc.batch import StepBatch
+from worker_svc.result_copy import PendingResult
+from worker_svc.runner import ModelRunner
+from worker_svc.verification import StepOutputs
 
 logger = logging.getLogger(__name__)
 

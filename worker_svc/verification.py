@@ -1,0 +1,89 @@
+"""Sampling and verification: the tokens of a step's sampled rows from their logits.
+
+A decode row feeds its last token and the drafts proposed after it; every fed slot is sampled,
+and the drafts are accepted up to the first mismatch (greedy and keyed sampling), or by
+rejection sampling against the draft model's distribution when the proposer has one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kernels.verify import count_accepted, rejection_sample
+from worker_svc.batch import StepBatch
+from worker_svc.proposers import Proposer
+from worker_svc.sampler import sample, target_probs, token_logprobs, top_logprobs
+from worker_svc.slot_table import DeviceState
+
+
+@dataclass(slots=True)
+class StepOutputs:
+    """What sampling and verification produced for the sampled rows (still on the device)."""
+
+    tokens: torch.Tensor  # [S, K+1] sampled tokens; the first num_accepted+1 are emitted
+    num_accepted: torch.Tensor  # [S] accepted drafts
+    num_verified: torch.Tensor  # [S] drafts actually verified (real drafts fed)
+    logprobs: torch.Tensor | None  # [S, K+1]
+    top_ids: torch.Tensor | None = None  # [S, K+1, N] when a row wants top-N logprobs
+    top_logprobs: torch.Tensor | None = None  # [S, K+1, N]
+
+
+def fed_drafts(batch: StepBatch, state: DeviceState, num_spec_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafts fed to the sampled rows (``[S, K]``) and how many of them are real (``[S]``).
+
+    Drafts are the inputs after the first slot of each decode row; only the ones the
+    proposer really produced count (the rest were filler and must be rejected).
+    """
+    s = batch.sampled
+    assert s is not None
+    num_verified = torch.minimum(state.num_drafts[s.slots.long()], s.num_cols - 1)
+    if not num_spec_tokens:
+        return batch.input_ids.new_zeros((len(s.rows), 0)), num_verified
+    col = torch.arange(num_spec_tokens, device=batch.input_ids.device)
+    draft_idx = (s.row_start[:, None] + 1 + col[None, :]).clamp(max=batch.num_tokens - 1)
+    return batch.input_ids[draft_idx], num_verified
+
+
+def sample_and_verify(
+    batch: StepBatch, logits: torch.Tensor, state: DeviceState, proposer: Proposer | None, num_spec_tokens: int
+) -> StepOutputs:
+    """Sample every real slot of the sampled rows, verify their drafts, and compute the
+    logprobs asked for (``logits``: ``[G, vocab]``, one row per real slot)."""
+    s = batch.sampled
+    assert s is not None
+    width = num_spec_tokens + 1
+    draft_tokens, num_verified = fed_drafts(batch, state, num_spec_tokens)
+    if proposer is not None and proposer.has_draft_probs:
+        probs = s.spread(target_probs(logits, s.sampling), width)
+        q = proposer.draft_probs(s.slots, num_spec_tokens)
+        out_tokens, num_accepted = rejection_sample(
+            probs,
+            q,
+            draft_tokens,
+            num_verified,
+            s.spread(s.sampling.seeds, width)[:, 0],
+            s.spread(s.positions, width)[:, 0],
+        )
+    else:
+        out_tokens = s.spread(sample(logits, s.sampling), width)
+        num_accepted = (
+            count_accepted(out_tokens, draft_tokens, num_verified)
+            if num_spec_tokens
+            else torch.zeros(len(s.rows), dtype=torch.int32, device=batch.input_ids.device)
+        )
+    lp = None
+    if s.want_logprobs:
+        # Rejection sampling leaves -1 after the emitted token; those columns are never
+        # returned, but gathering at -1 would fail the whole step.
+        tokens = out_tokens.reshape(-1)
+        if s.logprob_index is not None:
+            tokens = tokens[s.logprob_index]
+        lp = s.spread(token_logprobs(logits, tokens.long().clamp(min=0)), width)
+    out = StepOutputs(out_tokens, num_accepted, num_verified, lp)
+    if s.num_top:
+        # Column c holds the distribution the token at column c was drawn from.
+        top_ids, top_lps = top_logprobs(logits, max(s.num_top))
+        out.top_ids, out.top_logprobs = s.spread(top_ids, width), s.spread(top_lps, width)
+    return out
