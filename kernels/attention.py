@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import HAS_TRITON, KernelImpl, is_interpreted, next_power_of_2, tl, triton, use_triton
+from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, is_interpreted, next_power_of_2, tl, triton, use_triton
 
 # Requests with at most this many query tokens (decodes, speculative verification) are batched
 # into one padded computation; longer ones (prefill chunks) run one request at a time, where

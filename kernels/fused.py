@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
+from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
 
 # ---------------------------------------------------------------------------------------------
 # torch twins

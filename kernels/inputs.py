@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
-from kernels.slot_mapping import compute_slot_mapping
+from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
+from zerobubble.kernels.slot_mapping import compute_slot_mapping
 
 
 def _assemble_torch(

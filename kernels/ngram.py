@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
+from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
 
 
 def _ngram_torch(

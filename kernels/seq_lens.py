@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
+from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
 
 
 def _update_torch(

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
+from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, tl, triton, use_triton
 
 _TOKENS_PER_ITERATION = 128
 

@@ -1,12 +1,12 @@
 """Draft verification: exact-match counting and rejection sampling.
 
 N-gram drafts have no draft distribution: the verifier samples the target's own token at every
-position (keyed noise, see `worker_svc.sampler.sample`) and `count_accepted` keeps the drafts that
+position (keyed noise, see `zerobubble.worker_svc.sampler.sample`) and `count_accepted` keeps the drafts that
 equal it. Draft-model proposals are verified the same way under ``--draft-acceptance keyed`` (the default,
-see `worker_svc.proposers.draft`); under ``--draft-acceptance rejection`` they use `rejection_sample`:
+see `zerobubble.worker_svc.proposers.draft`); under ``--draft-acceptance rejection`` they use `rejection_sample`:
 accept draft ``j`` with probability ``min(1, p/q)``, resample the first rejected position from
 ``normalize(max(0, p - q))``, and draw a bonus token from ``p`` when every draft is accepted. All randomness is keyed by
-(seed, absolute position) through `kernels.keyed_random`, so results do not depend on batching.
+(seed, absolute position) through `zerobubble.kernels.keyed_random`, so results do not depend on batching.
 
 Token draws use the exponential race ``argmax_v w[v] / E[v]`` with ``E = -log(u)``, which samples
 ``v`` with probability ``w[v] / sum(w)`` and equals Gumbel-max on ``log w``: on the same keyed
@@ -18,11 +18,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
-from kernels.keyed_random import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, keyed_uniform
+from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, tl, triton, use_triton
+from zerobubble.kernels.keyed_random import STREAM_ACCEPT, STREAM_RESIDUAL, STREAM_SAMPLE, keyed_uniform
 
 if HAS_TRITON:
-    from kernels.keyed_random import keyed_row_keys, keyed_unit
+    from zerobubble.kernels.keyed_random import keyed_row_keys, keyed_unit
 
 
 def _count_accepted_torch(target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor) -> Tensor:

@@ -33,14 +33,14 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.request import request_prompt_ids, tokenize_response
-from scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
-from scheduler_svc.tokenizer import Tokenizer
 from zerobubble import rpc
 from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.config import FrontConfig
 from zerobubble.request_options import MAX_N, InvalidRequest, from_generate_request
+from zerobubble.scheduler_svc.detokenizer import Detokenizer
+from zerobubble.scheduler_svc.request import request_prompt_ids, tokenize_response
+from zerobubble.scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -644,7 +644,7 @@ async def serve_front(
         bound.append(("grpc", port))
     http = None
     if cfg.http_port >= 0:
-        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+        from zerobubble.scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
 
         http = await start_http(
             relay,  # type: ignore[arg-type]  # its `router` is itself: `any_ready` is all the API asks

@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from scheduler_svc.submission import DeliverPlain, ReplyOrEnd, RequestError, Submission
 from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, worker_pb2
+from zerobubble.scheduler_svc.submission import DeliverPlain, ReplyOrEnd, RequestError, Submission
 
 if TYPE_CHECKING:
-    from scheduler_svc.router import Router
+    from zerobubble.scheduler_svc.router import Router
 
 logger = logging.getLogger(__name__)
 

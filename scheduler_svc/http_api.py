@@ -33,9 +33,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler_svc import openai_protocol as oa
-from scheduler_svc.submission import Frontend, RequestError, Submission
 from zerobubble.api import generate_pb2
+from zerobubble.scheduler_svc import openai_protocol as oa
+from zerobubble.scheduler_svc.submission import Frontend, RequestError, Submission
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,6 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from scheduler_svc.block_pool import BlockHash
-from scheduler_svc.detokenizer import Detokenizer
 from zerobubble.api import generate_pb2
 from zerobubble.request_options import (
     CHAT_ROLES,
@@ -31,10 +29,12 @@ from zerobubble.request_options import (
     shown,
     validate_token_ids,
 )
+from zerobubble.scheduler_svc.block_pool import BlockHash
+from zerobubble.scheduler_svc.detokenizer import Detokenizer
 
 if TYPE_CHECKING:
-    from scheduler_svc.tokenizer import Tokenizer
     from zerobubble.api.worker_pb2 import WorkerInfo
+    from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 
 class RequestStatus(enum.Enum):

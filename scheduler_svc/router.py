@@ -16,9 +16,9 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from scheduler_svc.scheduler import RequestEvent, SchedulerConfig, fail_unplaced
-from scheduler_svc.worker_link import DEFAULT_LOOKAHEAD_MARGIN_S, WorkerLink
 from zerobubble.request_options import SamplingOptions, StoppingOptions
+from zerobubble.scheduler_svc.scheduler import RequestEvent, SchedulerConfig, fail_unplaced
+from zerobubble.scheduler_svc.worker_link import DEFAULT_LOOKAHEAD_MARGIN_S, WorkerLink
 
 logger = logging.getLogger(__name__)
 

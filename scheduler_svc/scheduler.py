@@ -27,14 +27,14 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
-from scheduler_svc.detokenizer import Detokenizer
-from scheduler_svc.request import Request, RequestStatus
-from scheduler_svc.tokenizer import Tokenizer
 from zerobubble.api import generate_pb2, worker_pb2
 from zerobubble.config import SchedulerConfig
 from zerobubble.request_options import SamplingOptions, StoppingOptions, to_worker_sampling, validate_options
 from zerobubble.rows import RowResult, add_decode_columns, result_rows
+from zerobubble.scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
+from zerobubble.scheduler_svc.detokenizer import Detokenizer
+from zerobubble.scheduler_svc.request import Request, RequestStatus
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

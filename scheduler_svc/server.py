@@ -19,13 +19,6 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from scheduler_svc import front_gateway
-from scheduler_svc.front_pool import FrontPool
-from scheduler_svc.request import request_prompt_ids, tokenize_response
-from scheduler_svc.router import Router
-from scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
-from scheduler_svc.submission import DeliverPlain, ReplyOrEnd, RequestError, Stream, Submission, unknown_model
-from scheduler_svc.worker_link import WorkerLink
 from zerobubble import rpc
 from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc
 from zerobubble.config import SchedulerServiceConfig
@@ -37,10 +30,24 @@ from zerobubble.request_options import (
     from_generate_request,
     shown,
 )
+from zerobubble.scheduler_svc import front_gateway
+from zerobubble.scheduler_svc.front_pool import FrontPool
+from zerobubble.scheduler_svc.request import request_prompt_ids, tokenize_response
+from zerobubble.scheduler_svc.router import Router
+from zerobubble.scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
+from zerobubble.scheduler_svc.submission import (
+    DeliverPlain,
+    ReplyOrEnd,
+    RequestError,
+    Stream,
+    Submission,
+    unknown_model,
+)
+from zerobubble.scheduler_svc.worker_link import WorkerLink
 
 if TYPE_CHECKING:
-    from scheduler_svc.http_api import HTTPFront
     from zerobubble.metrics import ServiceMetrics
+    from zerobubble.scheduler_svc.http_api import HTTPFront
 
 logger = logging.getLogger(__name__)
 
@@ -587,7 +594,7 @@ async def _start_client_ports(
     bound.append(("grpc", port))
     http = None
     if cfg.http_port >= 0 and not cfg.fronts:  # with fronts, they serve it
-        from scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+        from zerobubble.scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
 
         http = await start_http(
             servicer, cfg.host, cfg.http_port, auth_token=cfg.auth_token, tls_cert=cfg.tls_cert, tls_key=cfg.tls_key

@@ -19,8 +19,8 @@ from zerobubble.api import generate_pb2
 from zerobubble.request_options import shown
 
 if TYPE_CHECKING:
-    from scheduler_svc.router import Router
-    from scheduler_svc.scheduler import RequestEvent
+    from zerobubble.scheduler_svc.router import Router
+    from zerobubble.scheduler_svc.scheduler import RequestEvent
 
 
 # What a relay hands on: the next reply of a request, or None after its last.

@@ -131,7 +131,7 @@ class Tokenizer:
     ) -> Callable[[int], str | None]:
         """An incremental decoder of one output stream that starts after ``context_ids``: each
         call takes the next id and returns the text it completes (None while nothing new
-        renders, e.g. inside a multi-byte character). See `scheduler_svc.detokenizer`.
+        renders, e.g. inside a multi-byte character). See `zerobubble.scheduler_svc.detokenizer`.
 
         Byte-level BPE tokenizers (GPT-2, Llama 3, Qwen, SmolLM) decode each id to fixed bytes
         whatever surrounds it, so their stream is a table lookup and an incremental UTF-8

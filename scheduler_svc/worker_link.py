@@ -17,10 +17,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from scheduler_svc.scheduler import RequestEvent, Scheduler, SchedulerConfig
-from scheduler_svc.tokenizer import Tokenizer
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
+from zerobubble.scheduler_svc.scheduler import RequestEvent, Scheduler, SchedulerConfig
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

@@ -23,11 +23,11 @@ import torch
 # Runnable as `python scripts/bench_model.py` from a checkout that is not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from kernels.attention import AttentionMetadata  # noqa: E402
-from kernels.slot_mapping import compute_slot_mapping  # noqa: E402
-from worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
-from worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
 from zerobubble.config import WorkerConfig  # noqa: E402
+from zerobubble.kernels.attention import AttentionMetadata  # noqa: E402
+from zerobubble.kernels.slot_mapping import compute_slot_mapping  # noqa: E402
+from zerobubble.worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
+from zerobubble.worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
 
 
 @dataclass(slots=True)

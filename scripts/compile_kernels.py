@@ -74,8 +74,8 @@ def record_launches() -> list[Launch]:
     instead of running."""
     from triton.runtime.jit import JITFunction
 
-    import kernels._triton
-    import kernels.attention
+    import zerobubble.kernels._triton
+    import zerobubble.kernels.attention
 
     launches: list[Launch] = []
 
@@ -98,8 +98,8 @@ def record_launches() -> list[Launch]:
     # The host wrappers accept CPU tensors for Triton only under the interpreter; here the
     # launch never runs, so let them through. The attention kernel widens its dot operands
     # under the interpreter: compile the tensor-core variant a GPU runs.
-    kernels._triton.is_interpreted = lambda kernel: True  # type: ignore[assignment]
-    kernels.attention.is_interpreted = lambda kernel: False  # type: ignore[assignment]
+    zerobubble.kernels._triton.is_interpreted = lambda kernel: True  # type: ignore[assignment]
+    zerobubble.kernels.attention.is_interpreted = lambda kernel: False  # type: ignore[assignment]
     return launches
 
 
@@ -129,7 +129,7 @@ def defined_kernels() -> set[str]:
 
     names = set()
     for path in sorted((ROOT / "kernels").glob("*.py")):
-        module = importlib.import_module(f"kernels.{path.stem}")
+        module = importlib.import_module(f"zerobubble.kernels.{path.stem}")
         names |= {n for n, v in vars(module).items() if isinstance(v, JITFunction) and n.endswith("_kernel")}
     return names
 

@@ -222,8 +222,8 @@ def _write_tokenizer(path: Path, vocab_size: int) -> None:
 
 def in_memory_model(hf_config: Any, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Any:
     """A `LoadedModel` with random weights of ``hf_config``'s shape (no files)."""
-    from worker_svc.model import build_model
-    from worker_svc.model_loader import LoadedModel
+    from zerobubble.worker_svc.model import build_model
+    from zerobubble.worker_svc.model_loader import LoadedModel
 
     model = build_model(hf_config, dtype, device)
     model.load_weights(random_state_dict(hf_config, device, dtype, seed))
@@ -239,7 +239,7 @@ def in_memory_model(hf_config: Any, device: torch.device, dtype: torch.dtype, se
 
 
 def tiny_config(family: str, **overrides: Any) -> Any:
-    """A 2-layer random config of one family (the families of tests/test_model_families.py)."""
+    """A 2-layer random config of one family (the families of tests/inprocess/test_model_families.py)."""
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
@@ -293,7 +293,7 @@ def qwen3_1p7b_config(dry_run: bool) -> Any:
 
 def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch.Generator, small: bool) -> None:
     """The decoder layer's fused kernels (kernels/fused.py) against their twins, float32."""
-    from kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
+    from zerobubble.kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
 
     num_tokens, hidden, heads, head_dim, inter = (5, 96, 6, 16, 160) if small else (64, 2048, 24, 128, 6144)
     x, residual = (torch.randn(num_tokens, hidden, generator=gen).to(dev) for _ in range(2))
@@ -311,20 +311,20 @@ def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch
 
 def check_kernels(ctx: Context) -> None:
     """Each Triton kernel against its torch twin on the same random inputs."""
-    from kernels._triton import HAS_TRITON
+    from zerobubble.kernels._triton import HAS_TRITON
 
     section = "kernels"
     if not HAS_TRITON:
         ctx.add(section, "triton", SKIP, "triton is not installed")
         return
-    from kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
-    from kernels.inputs import assemble_inputs
-    from kernels.keyed_random import keyed_uniform
-    from kernels.ngram import ngram_propose
-    from kernels.seq_lens import update_state
-    from kernels.slot_mapping import compute_slot_mapping
-    from kernels.verify import count_accepted, rejection_sample
-    from worker_svc.model import allocate_kv_cache
+    from zerobubble.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+    from zerobubble.kernels.inputs import assemble_inputs
+    from zerobubble.kernels.keyed_random import keyed_uniform
+    from zerobubble.kernels.ngram import ngram_propose
+    from zerobubble.kernels.seq_lens import update_state
+    from zerobubble.kernels.slot_mapping import compute_slot_mapping
+    from zerobubble.kernels.verify import count_accepted, rejection_sample
+    from zerobubble.worker_svc.model import allocate_kv_cache
 
     dev = ctx.device
     gen = torch.Generator().manual_seed(1)
@@ -503,9 +503,9 @@ def check_families(ctx: Context) -> None:
     """Our paged forward vs Hugging Face's on a prompt and continued decodes, per family and dtype."""
     from transformers import AutoModelForCausalLM
 
-    from kernels.attention import AttentionMetadata
-    from kernels.slot_mapping import compute_slot_mapping
-    from worker_svc.model import allocate_kv_cache, build_model
+    from zerobubble.kernels.attention import AttentionMetadata
+    from zerobubble.kernels.slot_mapping import compute_slot_mapping
+    from zerobubble.worker_svc.model import allocate_kv_cache, build_model
 
     dev = ctx.device
     block_size, num_blocks, length = 16, 64, 40
@@ -712,7 +712,7 @@ def make_scheduler(runner: Any, vocab_size: int) -> Any:
 def _word_tokenizer(vocab_size: int) -> Any:
     """One tokenizer per vocabulary size: Qwen3's 151936 words take seconds to build, and the
     throughput section drives dozens of runs."""
-    from scheduler_svc.tokenizer import Tokenizer
+    from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
     return Tokenizer(word_tokenizer_json(vocab_size))
 
@@ -789,8 +789,8 @@ def drive(
 
 def build_runner(loaded: Any, spec: str, cuda_graphs: bool, num_blocks: int, max_num_seqs: int = 16) -> Any:
     """A runner over an already loaded model (several runners may share one model)."""
-    from worker_svc.proposers import build_proposer
-    from worker_svc.runner import ModelRunner, RunnerConfig
+    from zerobubble.worker_svc.proposers import build_proposer
+    from zerobubble.worker_svc.runner import ModelRunner, RunnerConfig
 
     proposer = build_proposer(spec, 3)
     config = RunnerConfig(
@@ -1058,7 +1058,12 @@ EXTRA_MODULES = {
 
 # What the other sections import from this project; a failure here (say, the committed gRPC
 # stubs need a newer protobuf than the machine has) explains the failures that follow it.
-PROJECT_MODULES = ("zerobubble.api.worker_pb2", "worker_svc.runner", "scheduler_svc.scheduler", "zerobubble.rpc")
+PROJECT_MODULES = (
+    "zerobubble.api.worker_pb2",
+    "zerobubble.worker_svc.runner",
+    "zerobubble.scheduler_svc.scheduler",
+    "zerobubble.rpc",
+)
 
 
 def check_environment(ctx: Context) -> None:
@@ -1129,7 +1134,7 @@ def synchronize(device: torch.device) -> None:
 def decode_bytes(hf_config: Any, dtype: torch.dtype, batch: int, context: int) -> int:
     """Bytes a decode step must read at least: every weight once (the embedding's rows aside,
     a tied embedding once as the lm_head) and each row's K and V of its whole context."""
-    from worker_svc.model import model_spec
+    from zerobubble.worker_svc.model import model_spec
 
     spec = model_spec(hf_config)
     size = torch.empty((), dtype=dtype).element_size()
@@ -1142,10 +1147,10 @@ def decode_bytes(hf_config: Any, dtype: torch.dtype, batch: int, context: int) -
 
 def decode_step(loaded: Any, batch: int, context: int, device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
     """One greedy decode step of ``batch`` rows with ``context`` tokens cached each."""
-    from kernels.attention import AttentionMetadata
-    from kernels.slot_mapping import compute_slot_mapping
-    from worker_svc.model import allocate_kv_cache
-    from worker_svc.sampler import SamplingTensors, sample
+    from zerobubble.kernels.attention import AttentionMetadata
+    from zerobubble.kernels.slot_mapping import compute_slot_mapping
+    from zerobubble.worker_svc.model import allocate_kv_cache
+    from zerobubble.worker_svc.sampler import SamplingTensors, sample
 
     block_size = 16
     blocks_per_row = -(-(context + 1) // block_size)

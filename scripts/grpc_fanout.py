@@ -31,7 +31,7 @@ from pathlib import Path
 # isort: off
 from bench_sim import Settling, cpu_seconds, stubs  # this script's folder is on the path
 import grpc
-from scheduler_svc.front import join_replies
+from zerobubble.scheduler_svc.front import join_replies
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.event_loop import run_loop

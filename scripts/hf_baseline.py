@@ -43,7 +43,7 @@ DEFAULT_MODEL = "smollm2-135m"
 def resolve_model_dir(spec: str) -> Path:
     """A Hugging Face directory for ``spec`` through the worker's own resolver, so both sides
     load the very same files (the embedded GGUF is converted once and cached)."""
-    from worker_svc.model_loader import resolve_model
+    from zerobubble.worker_svc.model_loader import resolve_model
 
     return Path(resolve_model(spec))
 

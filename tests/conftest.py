@@ -30,7 +30,7 @@ os.environ.setdefault("ZEROBUBBLE_DTYPE", "float32")
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The embedded SmolLM2-135M-Instruct, converted to a cached Hugging Face directory."""
-    from worker_svc.model_loader import resolve_model
+    from zerobubble.worker_svc.model_loader import resolve_model
 
     return resolve_model("smollm2-135m")
 
@@ -51,7 +51,7 @@ def grounded_rows() -> list[dict[str, Any]]:
 def _runner(spec: str, draft_acceptance: str = "rejection"):
     # Imported here: the light client's floor environment collects tests without torch.
     from tests.runner_harness import K
-    from worker_svc.server import WorkerConfig, build_runner
+    from zerobubble.worker_svc.server import WorkerConfig, build_runner
 
     cfg = WorkerConfig(
         dtype="float32",

@@ -3,10 +3,10 @@ exactly as the worker link does over the network (no gRPC)."""
 
 from __future__ import annotations
 
-from scheduler_svc.scheduler import SchedulerStats
 from tests.options import split_options
-from worker_svc.runner import ModelRunner
+from zerobubble.scheduler_svc.scheduler import SchedulerStats
 from zerobubble.tools.in_process import make_scheduler
+from zerobubble.worker_svc.runner import ModelRunner
 
 
 def run_job(

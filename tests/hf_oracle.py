@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from worker_svc.model_loader import write_atomic
+from zerobubble.worker_svc.model_loader import write_atomic
 
 logger = logging.getLogger(__name__)
 

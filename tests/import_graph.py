@@ -1,31 +1,48 @@
 """The project's import graph, read from source with `ast` (nothing is imported).
 
 Every `import` counts, including those inside functions: a lazy import still makes one module
-depend on another. Used by tests/test_layering.py and printable for notes:
+depend on another. Used by tests/unit/test_layering.py and printable for notes:
 `python -m tests.import_graph [ROOT]`.
 """
 
 from __future__ import annotations
 
 import ast
+import os
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-PACKAGES = ("zerobubble", "scheduler_svc", "worker_svc", "kernels")
+# Import name -> folder. The services' folders sit at the top of the tree and import under
+# `zerobubble` (through the symlinks in zerobubble/, which the walk below does not follow).
+PACKAGES = {
+    "zerobubble": "zerobubble",
+    "zerobubble.scheduler_svc": "scheduler_svc",
+    "zerobubble.worker_svc": "worker_svc",
+    "zerobubble.kernels": "kernels",
+}
 
 
-def module_name(root: Path, path: Path) -> str:
+def module_name(folder: Path, package: str, path: Path) -> str:
     """`zerobubble/api/rpc.py` -> `zerobubble.api.rpc`; a package's `__init__` is the package."""
-    parts = list(path.relative_to(root).with_suffix("").parts)
+    parts = [package, *path.relative_to(folder).with_suffix("").parts]
     if parts[-1] == "__init__":
         parts.pop()
     return ".".join(parts)
 
 
+def python_files(folder: Path) -> list[Path]:
+    """`*.py` under `folder`, not through symlinks (zerobubble/'s links to the services)."""
+    return sorted(Path(d, f) for d, _, files in os.walk(folder) for f in files if f.endswith(".py"))
+
+
 def project_modules(root: Path) -> dict[str, Path]:
     """Every module of the project's packages, by dotted name."""
-    return {module_name(root, p): p for pkg in PACKAGES for p in sorted((root / pkg).rglob("*.py"))}
+    return {
+        module_name(root / folder, package, p): p
+        for package, folder in PACKAGES.items()
+        for p in python_files(root / folder)
+    }
 
 
 def _resolve(name: str, modules: Iterable[str]) -> str | None:

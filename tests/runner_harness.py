@@ -1,5 +1,5 @@
-"""The in-process runner harness of the worker-runtime tests (tests/test_spec_runner.py and
-tests/test_sampling_controls.py): the real `ModelRunner` on SmolLM2 fed by hand-built plans
+"""The in-process runner harness of the worker-runtime tests (tests/inprocess/test_spec_runner.py and
+tests/inprocess/test_sampling_controls.py): the real `ModelRunner` on SmolLM2 fed by hand-built plans
 (`HandPlanner`) or by the real `Scheduler` with plans in flight (`drive`), with
 `RecordingModel` checking every id the model is fed. Fixtures are imported by name.
 """
@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler_svc.scheduler import (
-    RequestEvent,
-    Scheduler,
-)
 from tests.drive import make_scheduler  # noqa: F401  (re-exported for the harness users)
 from zerobubble.api import worker_pb2
 from zerobubble.rows import plan_rows, result_rows
+from zerobubble.scheduler_svc.scheduler import (
+    RequestEvent,
+    Scheduler,
+)
 
 K = 3  # draft tokens per decode (--num-spec-tokens 3, as the benchmarks run)
 

@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from scheduler_svc.scheduler import (
+from zerobubble.api import worker_pb2
+from zerobubble.request_options import SamplingOptions, StoppingOptions
+from zerobubble.rows import PlanRow, plan_rows
+from zerobubble.scheduler_svc.scheduler import (
     FINISH_EOS,
     FINISH_MAX_TOKENS,
     FINISH_STOP_SEQUENCE,
@@ -38,10 +41,7 @@ from scheduler_svc.scheduler import (
     Scheduler,
     SchedulerConfig,
 )
-from scheduler_svc.tokenizer import Tokenizer
-from zerobubble.api import worker_pb2
-from zerobubble.request_options import SamplingOptions, StoppingOptions
-from zerobubble.rows import PlanRow, plan_rows
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 # Toy vocabulary: ids 0..255 are bytes (byte-level BPE without merges), then specials.
 EOS_ID = 256

@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata
-from kernels.inputs import assemble_inputs
-from worker_svc import staging
-from worker_svc.proposers import Proposer
-from worker_svc.sampler import LogitBias, Penalties, SamplingTensors, context_token_counts, has_penalty
-from worker_svc.slot_table import BlockTableWrites, DecodeRows, DeviceState, SlotInfo, SlotTable
+from zerobubble.kernels.attention import AttentionMetadata
+from zerobubble.kernels.inputs import assemble_inputs
 from zerobubble.rows import PlanRow
+from zerobubble.worker_svc import staging
+from zerobubble.worker_svc.proposers import Proposer
+from zerobubble.worker_svc.sampler import LogitBias, Penalties, SamplingTensors, context_token_counts, has_penalty
+from zerobubble.worker_svc.slot_table import BlockTableWrites, DecodeRows, DeviceState, SlotInfo, SlotTable
 
 
 def to_device(values: staging.HostValues, device: torch.device, dtype: torch.dtype = torch.int32) -> torch.Tensor:

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from kernels.attention import AttentionMetadata
+from zerobubble.kernels.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 

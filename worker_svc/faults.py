@@ -11,9 +11,9 @@ import logging
 from collections.abc import Mapping
 from typing import Protocol
 
-from worker_svc.result_copy import CopyDone
 from zerobubble.api import worker_pb2
 from zerobubble.rows import column_rows, decode_columns, message_rows
+from zerobubble.worker_svc.result_copy import CopyDone
 
 logger = logging.getLogger(__name__)
 

@@ -1,14 +1,14 @@
 """Our Llama-family forward (Llama/SmolLM, Mistral, Qwen2, Qwen3) over a flat batch and a paged KV cache.
 
 One forward call takes the tokens of many requests at once — prefill chunks and decodes mixed —
-as flat ``input_ids [T]`` and ``positions [T]`` plus :class:`~kernels.attention.AttentionMetadata`
+as flat ``input_ids [T]`` and ``positions [T]`` plus :class:`~zerobubble.kernels.attention.AttentionMetadata`
 describing which request owns which tokens and where its KV blocks are. Logits are computed only
 for the rows the caller asks for (:meth:`CausalLM.compute_logits`).
 
 Weights come from a Hugging Face ``*ForCausalLM`` state dict. At load time q/k/v and gate/up
 projections are fused into single matrices and the RoPE cos/sin table is precomputed, so a step is
 a handful of large matmuls per layer; on CPU their weights are also laid out once for oneDNN
-(:mod:`kernels.linear`). RoPE inverse frequencies and attention scaling come from
+(:mod:`zerobubble.kernels.linear`). RoPE inverse frequencies and attention scaling come from
 ``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
 """
 
@@ -22,8 +22,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from kernels._triton import use_triton
-from kernels.attention import (
+from zerobubble.kernels._triton import use_triton
+from zerobubble.kernels.attention import (
     AttentionMetadata,
     AttentionPlan,
     new_kv_cache,
@@ -31,8 +31,8 @@ from kernels.attention import (
     plan_attention,
     write_kv_cache,
 )
-from kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
-from kernels.linear import LinearWeight, linear, prepare_linear
+from zerobubble.kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
+from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
 
 logger = logging.getLogger(__name__)
 
@@ -167,7 +167,7 @@ class CausalLM:
     dtype: torch.dtype
     device: torch.device
     rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
-    rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see kernels.fused.qk_norm_rope_twin
+    rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see zerobubble.kernels.fused.qk_norm_rope_twin
     prepack: bool = True  # lay linear weights out for oneDNN on CPU (kernels/linear.py)
     quantization: str = "none"  # "int8": int8 linear weights (kernels/linear.py)
     embed: torch.Tensor | None = None  # [vocab, hidden]
@@ -295,7 +295,7 @@ class CausalLM:
             # q and k get the same per-head norm and rotation, so they are processed as one tensor.
             qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, eps)
             # narrow, not [] slicing: Python indexing takes a device guard, which a CUDA-less
-            # build cannot give even to fake CUDA tensors (tests/test_kernel_count.py).
+            # build cannot give even to fake CUDA tensors (tests/inprocess/test_kernel_count.py).
             q, k = qk.split((spec.num_q_heads, spec.num_kv_heads), dim=1)
             v = qkv.narrow(1, kv_start, spec.num_kv_heads * spec.head_dim).view(num_tokens, spec.num_kv_heads, -1)
             write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -321,7 +321,7 @@ def build_model(
     """An empty :class:`CausalLM` for ``hf_config``; fill it with :meth:`CausalLM.load_weights`.
 
     ``prepack`` lays the linear weights out for oneDNN on CPU, ``quantization="int8"`` stores
-    them as int8 (see :mod:`kernels.linear`).
+    them as int8 (see :mod:`zerobubble.kernels.linear`).
     """
     spec = model_spec(hf_config)
     cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)
@@ -351,7 +351,7 @@ def allocate_kv_cache(
 ) -> KVCache:
     """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed.
 
-    The tensors are strided views (see :func:`kernels.attention.new_kv_cache`): address them by
+    The tensors are strided views (see :func:`zerobubble.kernels.attention.new_kv_cache`): address them by
     index or through their strides, not with ``view``.
     """
     spec = model_spec(hf_config)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from worker_svc.model import SUPPORTED_MODEL_TYPES, CausalLM, build_model
+from zerobubble.worker_svc.model import SUPPORTED_MODEL_TYPES, CausalLM, build_model
 
 logger = logging.getLogger(__name__)
 
@@ -102,8 +102,8 @@ def load_model(
 ) -> LoadedModel:
     """Resolve ``spec`` and load its weights into our Llama-family forward.
 
-    ``prepack``: lay linear weights out for oneDNN on CPU (:mod:`kernels.linear`).
-    ``quantization``: ``"int8"`` stores the linear weights as int8 (:mod:`kernels.linear`).
+    ``prepack``: lay linear weights out for oneDNN on CPU (:mod:`zerobubble.kernels.linear`).
+    ``quantization``: ``"int8"`` stores the linear weights as int8 (:mod:`zerobubble.kernels.linear`).
     ``weights=False``: config, tokenizer and EOS ids only (``model`` is None).
 
     Raises:

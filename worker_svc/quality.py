@@ -6,7 +6,7 @@ the model once in float32 and once in the precision under test (``--dtype bfloat
 per precision, over the continuation (what a served request reads): how often its most likely
 next token is float32's (top-1 agreement), and its perplexity relative to float32's.
 
-    python -m worker_svc.quality --dataset grounded --limit 0
+    python -m zerobubble.worker_svc.quality --dataset grounded --limit 0
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from kernels.attention import AttentionMetadata
-from worker_svc.model import CausalLM, allocate_kv_cache
-from worker_svc.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
+from zerobubble.kernels.attention import AttentionMetadata
+from zerobubble.worker_svc.model import CausalLM, allocate_kv_cache
+from zerobubble.worker_svc.model_loader import EMBEDDED_MODEL_NAME, LoadedModel, load_model
 
 BLOCK_SIZE = 16
 

@@ -11,9 +11,9 @@ from typing import Any, Protocol
 
 import torch
 
-from worker_svc import staging
 from zerobubble.api import worker_pb2
 from zerobubble.rows import add_row_columns
+from zerobubble.worker_svc import staging
 
 # The output tensors of a `PendingResult` that are copied to the host.
 _OUTPUT_FIELDS = ("out_tokens", "num_accepted", "num_drafts", "logprobs", "top_ids", "top_logprobs")

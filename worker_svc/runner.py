@@ -7,10 +7,10 @@ the model: positions and slot mappings are derived here from the worker's own st
 planned before the previous step's result was known still runs on the right positions.
 
 A step runs in named stages, each its own module: the slot table checks and admits the plan's
-rows (`worker_svc.slot_table`), the batch builder turns them into device inputs
-(`worker_svc.batch`), the model runs, sampling and verification pick the tokens
-(`worker_svc.verification`), and the result copy brings them to the host
-(`worker_svc.result_copy`). The runner makes no scheduling decisions; it validates what it is
+rows (`zerobubble.worker_svc.slot_table`), the batch builder turns them into device inputs
+(`zerobubble.worker_svc.batch`), the model runs, sampling and verification pick the tokens
+(`zerobubble.worker_svc.verification`), and the result copy brings them to the host
+(`zerobubble.worker_svc.result_copy`). The runner makes no scheduling decisions; it validates what it is
 told and executes it.
 """
 
@@ -24,23 +24,23 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata
-from kernels.seq_lens import update_state
-from worker_svc import staging
-from worker_svc.batch import BatchBuilder, StepBatch
-from worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
-from worker_svc.faults import NO_FAULTS, FaultInjector
-from worker_svc.finish_notices import FinishNotices
-from worker_svc.model import StepInterrupted, allocate_kv_cache
-from worker_svc.model_loader import LoadedModel
-from worker_svc.proposers import Proposer
-from worker_svc.result_copy import PendingResult, ResultCopier
-from worker_svc.sampler import SamplingTensors
-from worker_svc.slot_table import DecodeRows, DeviceState, SlotInfo, SlotLimits, SlotTable
-from worker_svc.verification import StepOutputs, fed_drafts, sample_and_verify
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
+from zerobubble.kernels.attention import AttentionMetadata
+from zerobubble.kernels.seq_lens import update_state
 from zerobubble.rows import PlanRow
+from zerobubble.worker_svc import staging
+from zerobubble.worker_svc.batch import BatchBuilder, StepBatch
+from zerobubble.worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
+from zerobubble.worker_svc.faults import NO_FAULTS, FaultInjector
+from zerobubble.worker_svc.finish_notices import FinishNotices
+from zerobubble.worker_svc.model import StepInterrupted, allocate_kv_cache
+from zerobubble.worker_svc.model_loader import LoadedModel
+from zerobubble.worker_svc.proposers import Proposer
+from zerobubble.worker_svc.result_copy import PendingResult, ResultCopier
+from zerobubble.worker_svc.sampler import SamplingTensors
+from zerobubble.worker_svc.slot_table import DecodeRows, DeviceState, SlotInfo, SlotLimits, SlotTable
+from zerobubble.worker_svc.verification import StepOutputs, fed_drafts, sample_and_verify
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class RunnerConfig:
 
 
 class SimulatedStep(Protocol):
-    """Stands in for `run_model` + `sample` (`worker_svc.simulated.SimulatedDevice`)."""
+    """Stands in for `run_model` + `sample` (`zerobubble.worker_svc.simulated.SimulatedDevice`)."""
 
     def step(self, runner: ModelRunner, batch: StepBatch) -> PendingResult:
         """Tokens and verification for ``batch``, then ``runner.advance``; the result."""
@@ -205,7 +205,7 @@ class ModelRunner:
 
     def note_finished(self, plan: worker_pb2.StepPlan) -> None:
         """Record a just-received plan's finish notices, before the plans ahead of it run (see
-        `worker_svc.finish_notices`): a step all of whose rows a later plan finished is cut."""
+        `zerobubble.worker_svc.finish_notices`): a step all of whose rows a later plan finished is cut."""
         self.notices.note(plan)
 
     def fail_requests(self, req_ids: list[str], error: str) -> None:

@@ -7,7 +7,7 @@ minus ``frequency * count + presence * [count > 0]`` over output tokens only); t
 top-k, top-p and min-p. Greedy rows take the argmax after the raw-logit stage. Log-probabilities
 (and top-N) are always of the raw model distribution, as vLLM and OpenAI report them.
 
-Random rows use Gumbel-max with noise from `kernels.keyed_random.keyed_uniform`, keyed by
+Random rows use Gumbel-max with noise from `zerobubble.kernels.keyed_random.keyed_uniform`, keyed by
 (seed, absolute position, token id): exact sampling from the filtered softmax, and the same token
 for the same request position whatever the batch looks like. `sample` and `target_probs` share one
 logits-processing function, so the distribution the verifier checks drafts against is exactly the
@@ -24,8 +24,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kernels.keyed_random import STREAM_SAMPLE, keyed_uniform
-from worker_svc.staging import to_device
+from zerobubble.kernels.keyed_random import STREAM_SAMPLE, keyed_uniform
+from zerobubble.worker_svc.staging import to_device
 
 # Seeds are uint64 on the wire; the keyed-noise kernels take int64.
 SEED_MASK = (1 << 63) - 1
@@ -33,11 +33,11 @@ SEED_MASK = (1 << 63) - 1
 PEAK_BYTES_PER_LOGIT = 48
 """Peak bytes a step's logits and sampling hold per logit (sampled row x vocabulary entry).
 
-Measured on CPU (`tests/test_sampler.py`): drawing with top-k, top-p and min-p, the rejection
+Measured on CPU (`tests/unit/test_sampler.py`): drawing with top-k, top-p and min-p, the rejection
 target's probabilities and the log-probabilities hold about 33 bytes per logit beyond the
 float32 logits (the sort's values and order, masks, softmaxes, the Gumbel noise), 37 with them.
 Set above that for CUDA, whose sort keeps double buffers. The worker's KV budget leaves this
-much for a full step (`worker_svc.server.step_reserve_bytes`)."""
+much for a full step (`zerobubble.worker_svc.server.step_reserve_bytes`)."""
 
 
 @dataclass(slots=True)

@@ -4,7 +4,7 @@ Plans arrive on one `Execute` bidi stream and run strictly in order on a dedicat
 step runs, the next plans are already queued (async scheduling), and the host copy of the
 previous step's results happens on another thread, so the device never waits for the host.
 The time the step thread spends waiting for a plan while requests are live is the bubble; it is
-reported with every result. Each stream is a `worker_svc.step_loop.StepLoop`; this module builds
+reported with every result. Each stream is a `zerobubble.worker_svc.step_loop.StepLoop`; this module builds
 the runner from the flags and serves `Describe` and `Execute`.
 """
 
@@ -23,18 +23,18 @@ from pathlib import Path
 import grpc
 import torch
 
-from kernels._triton import HAS_TRITON
-from worker_svc.faults import NO_FAULTS, FaultInjector, faults_from_env
-from worker_svc.model import kv_cache_bytes_per_block
-from worker_svc.model_loader import LoadedModel, load_model
-from worker_svc.proposers import build_proposer
-from worker_svc.runner import ModelRunner, RunnerConfig, worker_info
-from worker_svc.sampler import PEAK_BYTES_PER_LOGIT
-from worker_svc.simulated import LagNgramProposer, SimulatedDevice
-from worker_svc.step_loop import END, StepLoop
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
 from zerobubble.config import ConfigError, WorkerConfig, available_cores
+from zerobubble.kernels._triton import HAS_TRITON
+from zerobubble.worker_svc.faults import NO_FAULTS, FaultInjector, faults_from_env
+from zerobubble.worker_svc.model import kv_cache_bytes_per_block
+from zerobubble.worker_svc.model_loader import LoadedModel, load_model
+from zerobubble.worker_svc.proposers import build_proposer
+from zerobubble.worker_svc.runner import ModelRunner, RunnerConfig, worker_info
+from zerobubble.worker_svc.sampler import PEAK_BYTES_PER_LOGIT
+from zerobubble.worker_svc.simulated import LagNgramProposer, SimulatedDevice
+from zerobubble.worker_svc.step_loop import END, StepLoop
 
 logger = logging.getLogger(__name__)
 

@@ -39,11 +39,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.verify import count_accepted
-from worker_svc.batch import StepBatch
-from worker_svc.result_copy import PendingResult
-from worker_svc.runner import ModelRunner
-from worker_svc.verification import StepOutputs
+from zerobubble.kernels.verify import count_accepted
+from zerobubble.worker_svc.batch import StepBatch
+from zerobubble.worker_svc.result_copy import PendingResult
+from zerobubble.worker_svc.runner import ModelRunner
+from zerobubble.worker_svc.verification import StepOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from worker_svc.sampler import SlotSampling
 from zerobubble.api import worker_pb2
 from zerobubble.rows import DecodeColumnLists, PlanRow, column_rows, decode_columns, message_rows
+from zerobubble.worker_svc.sampler import SlotSampling
 
 logger = logging.getLogger(__name__)
 

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from worker_svc.result_copy import PendingResult
-from worker_svc.runner import ModelRunner
 from zerobubble.api import worker_pb2
 from zerobubble.rows import plan_req_ids
+from zerobubble.worker_svc.result_copy import PendingResult
+from zerobubble.worker_svc.runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

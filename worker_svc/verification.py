@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.verify import count_accepted, rejection_sample
-from worker_svc.batch import StepBatch
-from worker_svc.proposers import Proposer
-from worker_svc.sampler import sample, target_probs, token_logprobs, top_logprobs
-from worker_svc.slot_table import DeviceState
+from zerobubble.kernels.verify import count_accepted, rejection_sample
+from zerobubble.worker_svc.batch import StepBatch
+from zerobubble.worker_svc.proposers import Proposer
+from zerobubble.worker_svc.sampler import sample, target_probs, token_logprobs, top_logprobs
+from zerobubble.worker_svc.slot_table import DeviceState
 
 
 @dataclass(slots=True)

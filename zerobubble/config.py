@@ -53,7 +53,7 @@ def keepalive_options(time_ms: int, timeout_ms: int) -> list[tuple[str, int]]:
     gRPC closes the connection after its ping timeout (`grpc.http2.ping_timeout_ms`, one minute
     by default wherever keepalive is on), whatever `grpc.keepalive_timeout_ms` says: with only
     the latter at 5 s, a scheduler noticed a SIGSTOPped worker 60 s after the stop ("Stream
-    removed (ping timeout)"), with both 5 s after it (tests/test_multi_worker.py).
+    removed (ping timeout)"), with both 5 s after it (tests/services/test_multi_worker.py).
     """
     return [
         ("grpc.keepalive_time_ms", time_ms),

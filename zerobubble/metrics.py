@@ -322,7 +322,7 @@ class GapHistogram(Histogram):
     def observe_many(self, observations: Iterable[tuple[float, int]]) -> None:
         """Account each ``(amount, count)`` as ``count`` observations of ``amount`` (relies on
         prometheus_client's child layout, ``_sum`` / ``_buckets`` / ``_upper_bounds``:
-        ``tests/test_metrics_defs.py`` checks the exposition it produces)."""
+        ``tests/unit/test_metrics_defs.py`` checks the exposition it produces)."""
         self._raise_if_not_observable()
         bounds = self._upper_bounds
         per_bucket = [0] * len(bounds)

@@ -228,7 +228,7 @@ def write_generate_request(
 
 def to_worker_sampling(sampling: SamplingOptions, num_prompt_tokens: int) -> worker_pb2.SamplingParams:
     """The plan row's sampling parameters: the one conversion from the scheduler to the worker
-    (which reads them as `worker_svc.sampler.SamplingLike`)."""
+    (which reads them as `zerobubble.worker_svc.sampler.SamplingLike`)."""
     return worker_pb2.SamplingParams(
         temperature=sampling.temperature,
         top_k=sampling.top_k,

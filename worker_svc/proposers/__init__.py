@@ -48,11 +48,11 @@ def build_proposer(
     if method == "none" or num_spec_tokens <= 0:
         return None
     if method == "ngram":
-        from worker_svc.proposers.ngram import NgramProposer
+        from zerobubble.worker_svc.proposers.ngram import NgramProposer
 
         return NgramProposer(num_spec_tokens, ngram_min, ngram_max)
     if method == "draft":
-        from worker_svc.proposers.draft import DraftModelProposer
+        from zerobubble.worker_svc.proposers.draft import DraftModelProposer
 
         if draft_model is None:
             raise ValueError("--spec-method draft needs --draft-model")

@@ -45,11 +45,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kernels.attention import AttentionMetadata
-from kernels.keyed_random import keyed_uniform
-from worker_svc import staging
-from worker_svc.model import allocate_kv_cache
-from worker_svc.sampler import sample, target_probs
+from zerobubble.kernels.attention import AttentionMetadata
+from zerobubble.kernels.keyed_random import keyed_uniform
+from zerobubble.worker_svc import staging
+from zerobubble.worker_svc.model import allocate_kv_cache
+from zerobubble.worker_svc.sampler import sample, target_probs
 
 # Keyed-noise stream for draft sampling under rejection sampling (independent of the verifier's
 # streams 0-2); keyed acceptance draws drafts with the sampler's own stream instead.
@@ -65,7 +65,7 @@ class DraftModelProposer:
     def __init__(self, draft, num_spec_tokens: int, acceptance: str = "keyed") -> None:
         if acceptance not in ACCEPTANCE_METHODS:
             raise ValueError(f"unknown draft acceptance {acceptance!r} (expected keyed or rejection)")
-        self.draft = draft  # a worker_svc.model_loader.LoadedModel
+        self.draft = draft  # a zerobubble.worker_svc.model_loader.LoadedModel
         self.k = num_spec_tokens
         # Rejection sampling needs the draft distributions; keyed verification needs nothing.
         self.has_draft_probs = acceptance == "rejection"

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from kernels.ngram import ngram_propose
+from zerobubble.kernels.ngram import ngram_propose
 
 
 class NgramProposer:

@@ -347,17 +347,17 @@ def dispatch(args: argparse.Namespace) -> int | None:
         run_serve(serve_config(args))
         return None
     if args.command == "worker":
-        from worker_svc.server import run_worker
+        from zerobubble.worker_svc.server import run_worker
 
         run_worker(from_namespace(WorkerConfig, args))
         return None
     if args.command == "scheduler":
-        from scheduler_svc.server import run_scheduler
+        from zerobubble.scheduler_svc.server import run_scheduler
 
         run_scheduler(from_namespace(SchedulerServiceConfig, args))
         return None
     if args.command == "front":
-        from scheduler_svc.front import run_front
+        from zerobubble.scheduler_svc.front import run_front
 
         run_front(from_namespace(FrontConfig, args))
         return None

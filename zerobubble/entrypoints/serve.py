@@ -14,9 +14,9 @@ import subprocess
 import sys
 from dataclasses import fields
 
-from scheduler_svc.server import serve_scheduler
 from zerobubble import rpc
 from zerobubble.config import SERVE_WORKER_HIDDEN, ServeConfig, WorkerConfig
+from zerobubble.scheduler_svc.server import serve_scheduler
 from zerobubble.tools.launch import command_flags
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ The service flags come from the config dataclasses (:func:`zerobubble.config.ser
 the client flags from `zerobubble generate` and `zerobubble bench`; both are read from the
 parser itself, so the table shows exactly what ``--help`` shows, each command's default
 included. ``python -m zerobubble.tools.flag_table --write`` rewrites the README between the
-marker comments; ``--check`` (and ``tests/test_flag_table.py``) fails while it is stale.
+marker comments; ``--check`` (and ``tests/unit/test_flag_table.py``) fails while it is stale.
 """
 
 from __future__ import annotations

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import random
 
-from scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.tokenizer import Tokenizer
-from worker_svc.runner import ModelRunner, worker_info
-from worker_svc.server import tokenizer_fields
+from zerobubble.scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
+from zerobubble.worker_svc.runner import ModelRunner, worker_info
+from zerobubble.worker_svc.server import tokenizer_fields
 
 
 def make_scheduler(

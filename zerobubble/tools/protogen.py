@@ -1,7 +1,7 @@
 """Regenerate the Python stubs in `zerobubble/api/` from `proto/` (run `make proto`).
 
 The `.proto` files are the single source of truth; the stubs are committed so that an install
-needs no protoc, and `tests/test_proto_current.py` fails when they are stale.
+needs no protoc, and `tests/unit/test_proto_current.py` fails when they are stale.
 
 The stubs are generated with an old grpcio-tools on purpose: generated code requires a runtime
 at least as new as the generator (grpcio >= its version, protobuf >= the protoc it bundles), so

@@ -1,0 +1,1 @@
+"""Deployment tests: manifests, monitoring, packaging and the device check."""

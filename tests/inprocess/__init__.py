@@ -1,0 +1,1 @@
+"""In-process tests: real components (the model, the scheduler, servers) inside the test process."""

@@ -1,0 +1,1 @@
+"""Service tests: real scheduler, worker and front processes over gRPC/HTTP on loopback."""

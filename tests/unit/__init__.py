@@ -1,0 +1,1 @@
+"""Unit tests: one module or function, no model weights, no services."""

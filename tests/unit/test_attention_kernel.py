@@ -1,0 +1,193 @@
+"""Triton kernels vs torch references (CPU, ``TRITON_INTERPRET=1``) vs naive dense attention."""
+
+from __future__ import annotations
+
+import os
+
+# Triton decides interpreted vs compiled when a kernel is defined, i.e. at import time.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from zerobubble.kernels._triton import HAS_TRITON  # noqa: E402
+from zerobubble.kernels.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv_cache  # noqa: E402
+from zerobubble.kernels.slot_mapping import compute_slot_mapping  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+
+NUM_Q_HEADS, NUM_KV_HEADS = 4, 2
+# (tokens already in the cache, query tokens this step) per request: decodes, a verification
+# row, a chunk continuing a prefill, a fresh prefill longer than the batched threshold.
+REQUESTS = [(9, 1), (0, 7), (3, 1), (5, 3), (4, 20), (0, 18)]
+# Decode and verification rows only (the Triton kernel's small tiles), and prefill chunks that
+# span several of its large tiles, one of them beside a decode.
+DECODES = [(9, 1), (30, 4), (3, 1), (0, 2), (17, 4)]
+LONG_PREFILLS = [(0, 70), (6, 1), (37, 45)]
+
+
+def _random_cache(
+    shape: tuple[int, int, int, int], layout: str, g: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V ``[num_blocks, block_size, Hkv, D]``, contiguous or in :func:`new_kv_cache`'s layout."""
+    if layout == "contiguous":
+        return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    k_cache, v_cache = new_kv_cache(*shape, torch.float32, "cpu")
+    k_cache.copy_(torch.randn(shape, generator=g))
+    v_cache.copy_(torch.randn(shape, generator=g))
+    return k_cache, v_cache
+
+
+def _batch(
+    block_size: int,
+    head_dim: int,
+    seed: int,
+    num_kv_heads: int = NUM_KV_HEADS,
+    layout: str = "new_kv_cache",
+    requests: list[tuple[int, int]] = REQUESTS,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Random q, caches full of random values, and metadata with scattered, -1-padded block tables."""
+    g = torch.Generator().manual_seed(seed)
+    q_lens = [q for _, q in requests]
+    seq_lens = [c + q for c, q in requests]
+    blocks_needed = [-(-s // block_size) for s in seq_lens]
+    num_blocks = sum(blocks_needed) + 5
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(blocks_needed) + 2
+    block_tables = torch.full((len(requests), max_blocks), -1, dtype=torch.int32)
+    for r, n in enumerate(blocks_needed):
+        block_tables[r, :n] = torch.tensor([perm.pop() for _ in range(n)], dtype=torch.int32)
+    k_cache, v_cache = _random_cache((num_blocks, block_size, num_kv_heads, head_dim), layout, g)
+    query_start_loc = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in requests])
+    meta = AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        slot_mapping=compute_slot_mapping(query_start_loc, positions, block_tables, block_size),
+    )
+    q = torch.randn(int(query_start_loc[-1]), NUM_Q_HEADS, head_dim, generator=g)
+    return q, k_cache, v_cache, meta
+
+
+def _dense_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int
+) -> torch.Tensor:
+    """Per request: read its context position by position, then plain masked softmax in float64."""
+    block_size = k_cache.shape[1]
+    out = torch.empty_like(q)
+    group = q.shape[1] // k_cache.shape[2]
+    for r in range(meta.seq_lens.shape[0]):
+        start, end = int(meta.query_start_loc[r]), int(meta.query_start_loc[r + 1])
+        seq_len = int(meta.seq_lens[r])
+        pos = torch.arange(seq_len)
+        blocks = meta.block_tables[r, pos // block_size].long()
+        keys = k_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)  # [L, Hq, D]
+        values = v_cache[blocks, pos % block_size].double().repeat_interleave(group, dim=1)
+        query_pos = torch.arange(seq_len - (end - start), seq_len)
+        visible = pos[None, :] <= query_pos[:, None]
+        if window:
+            visible &= pos[None, :] > query_pos[:, None] - window
+        scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), keys) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize(("block_size", "head_dim"), [(4, 16), (5, 24)])
+def test_paged_attention_torch_matches_dense(block_size: int, head_dim: int, window: int) -> None:
+    q, k_cache, v_cache, meta = _batch(block_size, head_dim, seed=block_size)
+    scale = head_dim**-0.5
+    expected = _dense_attention(q, k_cache, v_cache, meta, scale, window)
+    got = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("requests", [REQUESTS, DECODES, LONG_PREFILLS], ids=["mixed", "decodes", "long-prefills"])
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "num_kv_heads", "layout"),
+    [(4, 16, 2, "new_kv_cache"), (5, 24, 2, "new_kv_cache"), (4, 16, 4, "new_kv_cache"), (4, 16, 1, "contiguous")],
+)
+def test_paged_attention_triton_matches_torch(
+    block_size: int, head_dim: int, num_kv_heads: int, layout: str, requests: list[tuple[int, int]], window: int
+) -> None:
+    q, k_cache, v_cache, meta = _batch(block_size, head_dim, block_size, num_kv_heads, layout, requests)
+    scale = head_dim**-0.5
+    triton_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="triton", sliding_window=window or None)
+    torch.testing.assert_close(
+        triton_out, _dense_attention(q, k_cache, v_cache, meta, scale, window), atol=1e-5, rtol=1e-5
+    )
+    if layout == "new_kv_cache":  # the torch path reads only that layout
+        torch_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
+        torch.testing.assert_close(triton_out, torch_out, atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("requests", [DECODES, LONG_PREFILLS], ids=["decodes", "long-prefills"])
+def test_paged_attention_triton_in_bfloat16_matches_torch(requests: list[tuple[int, int]]) -> None:
+    q, k_cache, v_cache, meta = _batch(4, 16, 1, requests=requests)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    scale = 0.25
+    triton_out = paged_attention(q, k_cache, v_cache, meta, scale, impl="triton")
+    assert triton_out.dtype == torch.bfloat16
+    expected = _dense_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, 0)
+    # bfloat16 inputs, probabilities rounded to bfloat16 before the value product: ~3 digits.
+    torch.testing.assert_close(triton_out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_torch_path_rejects_other_layouts() -> None:
+    q, k_cache, v_cache, meta = _batch(4, 16, seed=0, layout="contiguous")
+    with pytest.raises(ValueError, match="new_kv_cache"):
+        paged_attention(q, k_cache, v_cache, meta, 0.25, impl="torch")
+
+
+@needs_triton
+@pytest.mark.parametrize("layout", ["new_kv_cache", "contiguous"])
+def test_write_kv_cache_triton_matches_torch(layout: str) -> None:
+    q, k_cache, v_cache, meta = _batch(4, 16, seed=7, layout=layout)
+    g = torch.Generator().manual_seed(8)
+    k = torch.randn(q.shape[0], NUM_KV_HEADS, 16, generator=g)
+    v = torch.randn(q.shape[0], NUM_KV_HEADS, 16, generator=g)
+    caches = {impl: (k_cache.clone(), v_cache.clone()) for impl in ("torch", "triton")}
+    for impl, (kc, vc) in caches.items():
+        write_kv_cache(k, v, kc, vc, meta.slot_mapping, impl=impl)
+    assert torch.equal(caches["torch"][0], caches["triton"][0])
+    assert torch.equal(caches["torch"][1], caches["triton"][1])
+    written = caches["torch"][0][meta.slot_mapping // 4, meta.slot_mapping % 4]
+    assert torch.equal(written, k)
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_slot_mapping_matches_python(impl: str) -> None:
+    block_size = 4
+    _, _, _, meta = _batch(block_size, 16, seed=3)
+    positions = torch.cat([torch.arange(c, c + q) for c, q in REQUESTS])
+    expected = []
+    for r, (context, num_queries) in enumerate(REQUESTS):
+        for p in range(context, context + num_queries):
+            expected.append(int(meta.block_tables[r, p // block_size]) * block_size + p % block_size)
+    got = compute_slot_mapping(meta.query_start_loc, positions, meta.block_tables, block_size, impl=impl)
+    assert got.dtype == torch.int64
+    assert got.tolist() == expected
+
+
+def test_empty_batch() -> None:
+    q, k_cache, v_cache, _ = _batch(4, 16, seed=0)
+    empty = AttentionMetadata(
+        query_start_loc=torch.zeros(1, dtype=torch.int32),
+        seq_lens=torch.zeros(0, dtype=torch.int32),
+        block_tables=torch.zeros(0, 1, dtype=torch.int32),
+        max_query_len=0,
+        max_seq_len=0,
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+    )
+    assert paged_attention(q[:0], k_cache, v_cache, empty, 0.25).shape == (0, NUM_Q_HEADS, 16)
+    assert (
+        compute_slot_mapping(empty.query_start_loc, torch.zeros(0, dtype=torch.long), empty.block_tables, 4).numel()
+        == 0
+    )

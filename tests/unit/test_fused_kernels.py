@@ -1,0 +1,114 @@
+"""The fused layer kernels: Triton (CPU interpreter) vs their torch twins, and the twins vs Hugging Face."""
+
+from __future__ import annotations
+
+import os
+
+# Triton decides interpreted vs compiled when a kernel is defined, i.e. at import time.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from zerobubble.kernels import fused  # noqa: E402
+from zerobubble.kernels._triton import HAS_TRITON  # noqa: E402
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """float32: a few ulps; 16-bit: a couple of rounding steps at the tensor's scale (the
+    interpreter truncates where torch rounds to nearest, and a rotation's two rounded products
+    may cancel, so a 16-bit result may sit a step or two away)."""
+    assert got.dtype == want.dtype and got.shape == want.shape
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    else:
+        scale = max(1.0, want.float().abs().max().item())
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * scale)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [576, 64])
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm_matches_twin(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(7, hidden, generator=g) * 3).to(dtype)
+    residual = torch.randn(7, hidden, generator=g).to(dtype) if with_residual else None
+    weight = torch.randn(hidden, generator=g).to(dtype)
+    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5, impl="triton")
+    want_normed, want_summed = fused.add_rms_norm(x, residual, weight, 1e-5, impl="torch")
+    _close(summed, want_summed)
+    _close(normed, want_normed)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("num_heads", "head_dim"), [(12, 64), (5, 128)])
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_qk_norm_rope_matches_twin(dtype: torch.dtype, num_heads: int, head_dim: int, with_norm: bool) -> None:
+    g = torch.Generator().manual_seed(num_heads)
+    num_tokens = 6
+    # A fused qkv row: the q and k heads first, then v heads the kernel must not read.
+    qkv = torch.randn(num_tokens, (num_heads + 3) * head_dim, generator=g).to(dtype)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=g) * 6.28
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
+    sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
+    weight = torch.randn(num_heads, head_dim, generator=g).to(dtype) if with_norm else None
+    got = fused.qk_norm_rope(qkv, cos, sin, weight, num_heads, head_dim, 1e-6, impl="triton")
+    want = fused.qk_norm_rope(qkv, cos, sin, weight, num_heads, head_dim, 1e-6, impl="torch")
+    _close(got, want)
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("inter", [1536, 40, 3000])
+def test_silu_mul_matches_twin(dtype: torch.dtype, inter: int) -> None:
+    gate_up = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
+    _close(fused.silu_mul(gate_up, impl="triton"), fused.silu_mul(gate_up, impl="torch"))
+
+
+@needs_triton
+def test_kernels_accept_an_empty_batch() -> None:
+    x = torch.empty(0, 64)
+    normed, summed = fused.add_rms_norm(x, x, torch.ones(64), 1e-5, impl="triton")
+    assert normed.shape == summed.shape == (0, 64)
+    assert fused.silu_mul(torch.empty(0, 80), impl="triton").shape == (0, 40)
+    qk = fused.qk_norm_rope(torch.empty(0, 256), torch.empty(0, 32), torch.empty(0, 32), None, 4, 32, 1e-6, "triton")
+    assert qk.shape == (0, 4, 32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_twins_are_hugging_face_bit_for_bit(dtype: torch.dtype) -> None:
+    """The twins are the model's reference: Hugging Face's Qwen3 norm, rotation and MLP activation."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, apply_rotary_pos_emb
+
+    g = torch.Generator().manual_seed(3)
+    hidden, num_heads, head_dim, num_tokens = 96, 4, 32, 5
+    x = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    residual = torch.randn(num_tokens, hidden, generator=g).to(dtype)
+    norm = Qwen3RMSNorm(hidden, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(hidden, generator=g).to(dtype)
+    normed, summed = fused.add_rms_norm_twin(x, residual, norm.weight.data, 1e-6)
+    assert torch.equal(summed, residual + x)
+    assert torch.equal(normed, norm(residual + x))
+
+    head_norm = Qwen3RMSNorm(head_dim, eps=1e-6).to(dtype)
+    head_norm.weight.data = torch.randn(head_dim, generator=g).to(dtype)
+    qk = torch.randn(num_tokens, num_heads, head_dim, generator=g).to(dtype)
+    angles = torch.rand(num_tokens, head_dim // 2, generator=g) * 6.28
+    cos, sin = torch.cat((angles, angles), -1).cos().to(dtype), torch.cat((angles, angles), -1).sin().to(dtype)
+    # HF: [B, H, T, D] with cos/sin [B, T, D]; the query and key get the same treatment.
+    want, _ = apply_rotary_pos_emb(head_norm(qk).transpose(0, 1)[None], head_norm(qk).transpose(0, 1)[None],
+                                   cos[None], sin[None])  # fmt: skip
+    half = head_dim // 2
+    signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), -1)
+    weight = head_norm.weight.data.expand(num_heads, head_dim)
+    got = fused.qk_norm_rope_twin(qk, cos, signed_sin, weight, 1e-6)
+    assert torch.equal(got, want[0].transpose(0, 1))
+
+    gate_up = torch.randn(num_tokens, 2 * hidden, generator=g).to(dtype)
+    gate, up = gate_up.chunk(2, -1)
+    assert torch.equal(fused.silu_mul_twin(gate_up), torch.nn.functional.silu(gate) * up)

@@ -1,0 +1,88 @@
+"""Linear layers over prepacked CPU weights (kernels/linear.py) against ``F.linear``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from zerobubble.kernels.linear import linear, prepare_linear, quantize_int8
+
+needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+# Per dtype: the largest |ours - F.linear| relative to the output's scale. Both sum the same
+# products in a different order, so float32 agrees to rounding and bfloat16 to its 8 bits.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("num_rows", [0, 1, 3, 4, 16, 77, 300])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_f_linear(dtype: torch.dtype, num_rows: int, with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(96, 80, generator=gen).to(dtype)
+    bias = torch.randn(96, generator=gen).to(dtype) if with_bias else None
+    x = torch.randn(num_rows, 80, generator=gen).to(dtype)
+    prepared = prepare_linear(weight)
+    if dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        assert prepared.packed is not None, "oneDNN supports this dtype here, so the weight must be packed"
+    ours = linear(x, prepared, bias)
+    expected = F.linear(x, weight, bias)
+    assert ours.shape == expected.shape == (num_rows, 96) and ours.dtype == dtype
+    if num_rows:
+        scale = expected.float().abs().max()
+        assert float((ours.float() - expected.float()).abs().max()) <= TOLERANCE[dtype] * float(scale)
+
+
+@needs_onednn
+def test_float32_keeps_the_plain_weight_for_few_rows() -> None:
+    """1-3 float32 rows go through MKL's gemv on the plain weight: bit-identical to F.linear."""
+    weight = torch.randn(64, 48)
+    prepared = prepare_linear(weight)
+    assert prepared.dense is weight and prepared.min_packed_rows == 4
+    for num_rows in (1, 2, 3):
+        x = torch.randn(num_rows, 48)
+        assert torch.equal(linear(x, prepared), F.linear(x, weight))
+    # bfloat16 is faster packed at every size, so it keeps only the packed copy (where the CPU has
+    # bfloat16 instructions; otherwise only the plain one).
+    bf16 = prepare_linear(weight.bfloat16())
+    assert (bf16.dense is None) == torch.ops.mkldnn._is_mkldnn_bf16_supported() == (bf16.packed is not None)
+
+
+def test_prepack_off_or_another_device_is_plain_f_linear() -> None:
+    weight = torch.randn(32, 16)
+    x = torch.randn(8, 16)
+    prepared = prepare_linear(weight, prepack=False)
+    assert prepared.packed is None and prepared.dense is weight
+    assert torch.equal(linear(x, prepared), F.linear(x, weight))
+    assert prepare_linear(weight.double()).packed is None  # a dtype oneDNN is not used for
+
+
+def test_int8_weights_quantize_per_channel_within_half_a_step() -> None:
+    g = torch.Generator().manual_seed(1)
+    weight = torch.randn(48, 64, generator=g) * torch.linspace(0.01, 3.0, 48)[:, None]  # channels of every scale
+    q, scale = quantize_int8(weight)
+    assert q.dtype == torch.int8 and int(q.abs().max()) <= 127
+    assert torch.all((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6)
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int8_linear_is_the_dequantized_product(num_rows: int, with_bias: bool) -> None:
+    """The int8 weight-only product is the product of the dequantized weight."""
+    g = torch.Generator().manual_seed(num_rows)
+    weight, x = torch.randn(96, 64, generator=g), torch.randn(num_rows, 64, generator=g)
+    bias = torch.randn(96, generator=g) if with_bias else None
+    got = linear(x, prepare_linear(weight, quantization="int8"), bias)
+    q, scale = quantize_int8(weight)
+    want = F.linear(x, q.float() * scale[:, None], bias)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_is_refused_off_the_cpu_and_unknown_schemes_by_name() -> None:
+    with pytest.raises(ValueError, match="int4"):
+        prepare_linear(torch.randn(4, 4), quantization="int4")
+    with pytest.raises(ValueError, match="CPU"):
+        prepare_linear(torch.randn(4, 4, device="meta"), quantization="int8")
