@@ -309,55 +309,84 @@ def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch
     case("silu_mul", lambda impl: silu_mul(gate_up, impl=impl))
 
 
-def check_kernels(ctx: Context) -> None:
-    """Each Triton kernel against its torch twin on the same random inputs."""
-    from zerobubble.kernels._triton import HAS_TRITON
+def _rand_ints(gen: torch.Generator, dev: torch.device, lo: int, hi: int, *shape: int) -> torch.Tensor:
+    """Random int32 values in [lo, hi) drawn on the CPU from ``gen`` (reproducible), on ``dev``."""
+    return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int32).to(dev)
 
-    section = "kernels"
-    if not HAS_TRITON:
-        ctx.add(section, "triton", SKIP, "triton is not installed")
-        return
-    from zerobubble.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
-    from zerobubble.kernels.inputs import assemble_inputs
-    from zerobubble.kernels.keyed_random import keyed_uniform
-    from zerobubble.kernels.ngram import ngram_propose
-    from zerobubble.kernels.seq_lens import update_state
-    from zerobubble.kernels.slot_mapping import compute_slot_mapping
-    from zerobubble.kernels.verify import count_accepted, rejection_sample
-    from zerobubble.worker_svc.model import allocate_kv_cache
 
-    dev = ctx.device
-    gen = torch.Generator().manual_seed(1)
-    small = ctx.dry_run
+@dataclass(slots=True)
+class _KernelBatch:
+    """The random state and batch every kernel case shares (drawn once, in a fixed order)."""
+
+    dev: torch.device
+    gen: torch.Generator
+    num_reqs: int
+    block_size: int
+    num_blocks: int
+    max_blocks: int
+    k: int
+    vocab: int
+    block_table: torch.Tensor
+    seq_len: torch.Tensor
+    last_token: torch.Tensor
+    drafts: torch.Tensor
+    num_drafts: torch.Tensor
+    history: torch.Tensor
+    req_slots: torch.Tensor
+    is_decode: torch.Tensor
+    q_lens: torch.Tensor
+
+    def ints(self, lo: int, hi: int, *shape: int) -> torch.Tensor:
+        return _rand_ints(self.gen, self.dev, lo, hi, *shape)
+
+    def flat_batch(self, lens: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """``lens[r]`` query tokens for request r after its context: (query_start_loc, tokens,
+        each token's position)."""
+        dev = self.dev
+        num = int(lens.sum())
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).to(dev)
+        pos = self.seq_len[self.req_slots.long()].repeat_interleave(lens.to(dev), output_size=num).long()
+        return starts, num, pos + torch.cat([torch.arange(int(n)) for n in lens]).to(dev)
+
+
+def _kernel_batch(dev: torch.device, gen: torch.Generator, small: bool) -> _KernelBatch:
+    """Distinct blocks per slot; contexts that fit their tables; a mix of prefill and decode rows."""
     num_reqs, block_size, num_blocks = (3, 4, 48) if small else (16, 16, 1024)
     max_blocks, k, vocab = (6, 3, 64) if small else (48, 3, 32000)
     num_slots = num_reqs + 2
-
-    def ints(lo: int, hi: int, *shape: int) -> torch.Tensor:
-        return torch.randint(lo, hi, shape, generator=gen, dtype=torch.int32).to(dev)
-
-    # Distinct blocks per slot; contexts that fit their tables; a mix of prefill and decode rows.
     perm = torch.randperm(num_blocks, generator=gen)[: num_slots * max_blocks].view(num_slots, max_blocks)
     block_table = perm.to(torch.int32).to(dev)
-    seq_len = ints(1, (max_blocks - 2) * block_size, num_slots)
-    last_token = ints(0, vocab, num_slots)
-    drafts = ints(0, vocab, num_slots, k)
-    num_drafts = ints(0, k + 1, num_slots)
-    history = ints(0, 8, num_blocks, block_size)  # small alphabet: n-grams repeat
+    seq_len = _rand_ints(gen, dev, 1, (max_blocks - 2) * block_size, num_slots)
+    last_token = _rand_ints(gen, dev, 0, vocab, num_slots)
+    drafts = _rand_ints(gen, dev, 0, vocab, num_slots, k)
+    num_drafts = _rand_ints(gen, dev, 0, k + 1, num_slots)
+    history = _rand_ints(gen, dev, 0, 8, num_blocks, block_size)  # small alphabet: n-grams repeat
     req_slots = torch.randperm(num_slots, generator=gen)[:num_reqs].to(torch.int32).to(dev)
     is_decode = (torch.arange(num_reqs) % 2 == 0).to(dev)
     q_lens = torch.where(is_decode.cpu(), 1 + k, torch.tensor(block_size + 3))
+    return _KernelBatch(
+        dev,
+        gen,
+        num_reqs,
+        block_size,
+        num_blocks,
+        max_blocks,
+        k,
+        vocab,
+        block_table,
+        seq_len,
+        last_token,
+        drafts,
+        num_drafts,
+        history,
+        req_slots,
+        is_decode,
+        q_lens,
+    )
 
-    def flat_batch(lens: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor]:
-        """``lens[r]`` query tokens for request r after its context: (query_start_loc, tokens,
-        each token's position)."""
-        num = int(lens.sum())
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).to(dev)
-        pos = seq_len[req_slots.long()].repeat_interleave(lens.to(dev), output_size=num).long()
-        return starts, num, pos + torch.cat([torch.arange(int(n)) for n in lens]).to(dev)
 
-    qsl, num_tokens, positions = flat_batch(q_lens)
-    prefill_ids = ints(0, vocab, num_tokens)
+def _kernel_case(ctx: Context, section: str) -> Callable[..., None]:
+    """``case(name, run, compare=None)``: one record comparing ``run("torch")`` with ``run("triton")``."""
 
     def case(name: str, run: Callable[[str], Any], compare: Compare | None = None) -> None:
         """The torch twin's outputs against Triton's: every one close (`_close`), or ``compare``."""
@@ -376,39 +405,52 @@ def check_kernels(ctx: Context) -> None:
             ctx.add(section, name, FAIL, f"{type(exc).__name__}: {exc}")
         ctx.finish_last(started)
 
+    return case
+
+
+def _check_step_kernels(case: Callable[..., None], b: _KernelBatch) -> None:
+    """The kernels that prepare a step's inputs and fold its results back into the state."""
+    from zerobubble.kernels.inputs import assemble_inputs
+    from zerobubble.kernels.ngram import ngram_propose
+    from zerobubble.kernels.seq_lens import update_state
+    from zerobubble.kernels.slot_mapping import compute_slot_mapping
+
+    dev, num_reqs, k = b.dev, b.num_reqs, b.k
+    qsl, num_tokens, positions = b.flat_batch(b.q_lens)
+    prefill_ids = b.ints(0, b.vocab, num_tokens)
     case(
         "slot_mapping",
-        lambda impl: compute_slot_mapping(qsl, positions, block_table[req_slots.long()], block_size, impl=impl),
+        lambda impl: compute_slot_mapping(qsl, positions, b.block_table[b.req_slots.long()], b.block_size, impl=impl),
     )
 
     def assemble(impl: str) -> tuple:
-        hist = history.clone()
+        hist = b.history.clone()
         out = assemble_inputs(
-            req_slots,
+            b.req_slots,
             qsl,
-            is_decode,
+            b.is_decode,
             prefill_ids,
-            seq_len,
-            last_token,
-            drafts,
-            num_drafts,
-            block_table,
+            b.seq_len,
+            b.last_token,
+            b.drafts,
+            b.num_drafts,
+            b.block_table,
             hist,
-            block_size,
+            b.block_size,
             impl=impl,
         )
         return (*out, hist)
 
     case("assemble_inputs", assemble)
 
-    accepted, sampled = ints(0, k + 1, num_reqs), ints(0, vocab, num_reqs)
+    accepted, sampled = b.ints(0, k + 1, num_reqs), b.ints(0, b.vocab, num_reqs)
 
     def update(impl: str) -> tuple:
-        state = [seq_len.clone(), last_token.clone(), num_drafts.clone()]
+        state = [b.seq_len.clone(), b.last_token.clone(), b.num_drafts.clone()]
         update_state(
-            req_slots,
-            is_decode,
-            q_lens.to(torch.int32).to(dev),
+            b.req_slots,
+            b.is_decode,
+            b.q_lens.to(torch.int32).to(dev),
             accepted,
             torch.ones(num_reqs, dtype=torch.bool, device=dev),
             sampled,
@@ -421,28 +463,73 @@ def check_kernels(ctx: Context) -> None:
     case(
         "ngram_propose",
         lambda impl: ngram_propose(
-            req_slots, seq_len, last_token, block_table, history, block_size, 2, 4, k, impl=impl
+            b.req_slots, b.seq_len, b.last_token, b.block_table, b.history, b.block_size, 2, 4, k, impl=impl
         ),
     )
+
+
+def _check_sampling_kernels(case: Callable[..., None], b: _KernelBatch, cuda: bool) -> None:
+    """Keyed random numbers, draft acceptance and rejection sampling."""
+    from zerobubble.kernels.keyed_random import keyed_uniform
+    from zerobubble.kernels.verify import count_accepted, rejection_sample
+
+    dev, gen, num_reqs, k, vocab = b.dev, b.gen, b.num_reqs, b.k, b.vocab
     seeds = torch.randint(0, 2**62, (num_reqs,), generator=gen).to(dev)
-    pos = seq_len[req_slots.long()].long()
+    pos = b.seq_len[b.req_slots.long()].long()
     case("keyed_uniform", lambda impl: keyed_uniform(seeds, pos, vocab, impl=impl))
-    targets = ints(0, vocab, num_reqs, k + 1)
-    fed, num_fed = drafts[req_slots.long()], num_drafts[req_slots.long()]
+    targets = b.ints(0, vocab, num_reqs, k + 1)
+    fed, num_fed = b.drafts[b.req_slots.long()], b.num_drafts[b.req_slots.long()]
     case("count_accepted", lambda impl: count_accepted(targets, fed, num_fed, impl=impl))
     p = torch.softmax(torch.randn(num_reqs, k + 1, vocab, generator=gen), -1).to(dev)
     q = torch.softmax(torch.randn(num_reqs, k, vocab, generator=gen), -1).to(dev)
     draft_tok = torch.multinomial(q.view(-1, vocab).cpu(), 1, generator=gen).view(num_reqs, k).to(dev)
-    fed_rs = num_drafts[req_slots.long()]
+    fed_rs = b.num_drafts[b.req_slots.long()]
     case(
         "rejection_sample",
         lambda impl: rejection_sample(p, q, draft_tok, fed_rs, seeds, pos, impl=impl),
         # The interpreter computes log and division exactly, as torch does; CUDA does not.
-        compare=_near_tie_draws if ctx.cuda else None,
+        compare=_near_tie_draws if cuda else None,
     )
 
-    check_fused_kernels(case, dev, gen, small)
 
+def _attention_outputs(
+    impl: str, b: _KernelBatch, cfg: Any, dtype: torch.dtype, lens: torch.Tensor, batch: tuple
+) -> tuple:
+    """``write_kv_cache`` then ``paged_attention`` over random caches (seeded: the same for each
+    impl): the attention output and both caches."""
+    from zerobubble.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
+    from zerobubble.kernels.slot_mapping import compute_slot_mapping
+    from zerobubble.worker_svc.model import allocate_kv_cache
+
+    dev = b.dev
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = cfg.hidden_size // heads
+    qsl, num_tokens, positions = batch
+    torch.manual_seed(3)
+    ((k_cache, v_cache),) = allocate_kv_cache(cfg, b.num_blocks, b.block_size, dtype, dev)
+    k_cache.copy_(torch.randn(k_cache.shape, dtype=dtype).to(dev))
+    v_cache.copy_(torch.randn(v_cache.shape, dtype=dtype).to(dev))
+    new_k = torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype).to(dev)
+    new_v = torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype).to(dev)
+    q_in = torch.randn(num_tokens, heads, head_dim, dtype=dtype).to(dev)
+    slots = compute_slot_mapping(qsl, positions, b.block_table[b.req_slots.long()], b.block_size)
+    write_kv_cache(new_k, new_v, k_cache, v_cache, slots, impl=impl)
+    ends = (positions.view(-1)[qsl[1:].long() - 1] + 1).to(torch.int32)
+    meta = AttentionMetadata(
+        query_start_loc=qsl,
+        seq_lens=ends,
+        block_tables=b.block_table[b.req_slots.long()],
+        max_query_len=int(lens.max()),
+        max_seq_len=b.max_blocks * b.block_size,
+        slot_mapping=slots,
+    )
+    out = paged_attention(q_in, k_cache, v_cache, meta, head_dim**-0.5, impl=impl)
+    return out, k_cache, v_cache
+
+
+def _check_attention_kernels(ctx: Context, section: str, b: _KernelBatch, small: bool) -> None:
+    """``write_kv_cache`` + ``paged_attention`` on a mixed batch and on decodes alone, float32 and
+    bfloat16."""
     from transformers import LlamaConfig
 
     heads, kv_heads, head_dim = (4, 2, 16) if small else (16, 8, 128)
@@ -451,49 +538,42 @@ def check_kernels(ctx: Context) -> None:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         num_hidden_layers=1,
-        vocab_size=vocab,
+        vocab_size=b.vocab,
         intermediate_size=64,
     )
     # The mixed batch runs the attention kernel's prefill tiles; decode rows alone, its small ones.
-    batches = {"": q_lens, " decodes": torch.full_like(q_lens, 1 + k)}
+    batches = {"": b.q_lens, " decodes": torch.full_like(b.q_lens, 1 + b.k)}
     for (batch_name, lens), dtype in itertools.product(batches.items(), (torch.float32, torch.bfloat16)):
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
-
-        def attention(
-            impl: str, dtype: torch.dtype = dtype, lens: torch.Tensor = lens, batch: tuple = flat_batch(lens)
-        ) -> tuple:
-            qsl, num_tokens, positions = batch
-            torch.manual_seed(3)
-            ((k_cache, v_cache),) = allocate_kv_cache(cfg, num_blocks, block_size, dtype, dev)
-            k_cache.copy_(torch.randn(k_cache.shape, dtype=dtype).to(dev))
-            v_cache.copy_(torch.randn(v_cache.shape, dtype=dtype).to(dev))
-            new_k = torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype).to(dev)
-            new_v = torch.randn(num_tokens, kv_heads, head_dim, dtype=dtype).to(dev)
-            q_in = torch.randn(num_tokens, heads, head_dim, dtype=dtype).to(dev)
-            slots = compute_slot_mapping(qsl, positions, block_table[req_slots.long()], block_size)
-            write_kv_cache(new_k, new_v, k_cache, v_cache, slots, impl=impl)
-            ends = (positions.view(-1)[qsl[1:].long() - 1] + 1).to(torch.int32)
-            meta = AttentionMetadata(
-                query_start_loc=qsl,
-                seq_lens=ends,
-                block_tables=block_table[req_slots.long()],
-                max_query_len=int(lens.max()),
-                max_seq_len=max_blocks * block_size,
-                slot_mapping=slots,
-            )
-            out = paged_attention(q_in, k_cache, v_cache, meta, head_dim**-0.5, impl=impl)
-            return out, k_cache, v_cache
-
+        batch = b.flat_batch(lens)
         name = f"write_kv_cache + paged_attention {str(dtype)[6:]}{batch_name}"
         started = time.perf_counter()
         try:
-            ref, out = attention("torch"), attention("triton")
-            results = [_close(a, b, atol=tol, rtol=tol) for a, b in zip(ref, out)]
+            ref = _attention_outputs("torch", b, cfg, dtype, lens, batch)
+            out = _attention_outputs("triton", b, cfg, dtype, lens, batch)
+            results = [_close(x, y, atol=tol, rtol=tol) for x, y in zip(ref, out)]
             ok = all(r[0] for r in results)
             ctx.add(section, name, PASS if ok else FAIL, "; ".join(r[1] for r in results))
         except Exception as exc:
             ctx.add(section, name, FAIL, f"{type(exc).__name__}: {exc}")
         ctx.finish_last(started)
+
+
+def check_kernels(ctx: Context) -> None:
+    """Each Triton kernel against its torch twin on the same random inputs."""
+    from zerobubble.kernels._triton import HAS_TRITON
+
+    section = "kernels"
+    if not HAS_TRITON:
+        ctx.add(section, "triton", SKIP, "triton is not installed")
+        return
+    gen = torch.Generator().manual_seed(1)
+    batch = _kernel_batch(ctx.device, gen, ctx.dry_run)
+    case = _kernel_case(ctx, section)
+    _check_step_kernels(case, batch)
+    _check_sampling_kernels(case, batch, ctx.cuda)
+    check_fused_kernels(case, ctx.device, gen, ctx.dry_run)
+    _check_attention_kernels(ctx, section, batch, ctx.dry_run)
 
 
 # ----------------------------------------------------------------------------------- 2. families
@@ -565,123 +645,163 @@ def check_families(ctx: Context) -> None:
 # ----------------------------------------------------------------------------------- 3. service
 
 
-def check_service(ctx: Context) -> None:
-    """Greedy tokens of `zerobubble serve` on this device against Hugging Face `generate`."""
-    import asyncio
+def _hf_greedy(hf: Any, cfg: Any, prompts: list[list[int]], max_tokens: int, device: torch.device) -> list[list[int]]:
+    """Hugging Face ``generate``'s greedy continuation of each prompt (the last token id is EOS)."""
+    from transformers import GenerationConfig
+
+    expected = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                generation_config=GenerationConfig(
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    eos_token_id=cfg.vocab_size - 1,
+                    pad_token_id=cfg.vocab_size - 1,
+                ),
+            )
+            expected.append(out[0, len(prompt) :].tolist())
+    return expected
+
+
+def _free_port() -> int:
+    """A loopback port nobody listens on now."""
     import socket
-    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve_command(ctx: Context, model_dir: Path, port: int, spec: str, graphs: bool) -> list[str]:
+    """The `zerobubble serve` command line for one service check."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "zerobubble",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--device",
+        ctx.device.type,
+        "--dtype",
+        "float32",
+        "--port",
+        str(port),
+        "--metrics-port",
+        "-1",
+        "--http-port",
+        "-1",
+        "--spec-method",
+        spec,
+        "--max-num-seqs",
+        "8",
+        "--log-level",
+        "warning",
+        "--cuda-graphs" if graphs else "--no-cuda-graphs",
+    ]
+    if ctx.device.type == "cpu":
+        cmd += ["--kv-cache-memory-gb", "0.05"]
+    else:
+        cmd += ["--gpu-memory-utilization", "0.1"]  # ~12 GB of KV on an H200: plenty, quick to set up
+    return cmd
+
+
+def _served_greedy(
+    ctx: Context, proc: subprocess.Popen, port: int, prompts: list[list[int]], max_tokens: int
+) -> list[list[int]]:
+    """The server's greedy tokens for each prompt, once it is ready (fails at once if it died)."""
+    import asyncio
 
     import grpc
-    from transformers import GenerationConfig, LlamaForCausalLM
 
     from zerobubble.client import build_request, complete
+
+    async def run() -> list[list[int]]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            deadline = time.monotonic() + min(90.0, max(ctx.time_left(), 5.0))
+            while True:  # ready, or fail at once if the server died
+                try:
+                    await asyncio.wait_for(channel.channel_ready(), 1)
+                    break
+                except asyncio.TimeoutError:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("the server did not come up") from None
+            done = await asyncio.gather(
+                *(
+                    complete(
+                        channel,
+                        build_request(token_ids=p, max_tokens=max_tokens, temperature=0.0),
+                        timeout=60,
+                    )
+                    for p in prompts
+                )
+            )
+            return [list(c.token_ids) for c in done]
+
+    return asyncio.run(run())
+
+
+def _check_one_server(
+    ctx: Context,
+    cmd: list[str],
+    log_path: Path,
+    name: str,
+    port: int,
+    prompts: list[list[int]],
+    max_tokens: int,
+    expected: list[list[int]],
+) -> None:
+    """Start one server, compare its greedy tokens with ``expected``, stop it: one record."""
+    # The server's output goes to a file: a pipe nobody reads while it runs can fill and block it.
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    num_prompts = len(prompts)
+    try:
+        got = _served_greedy(ctx, proc, port, prompts, max_tokens)
+        mismatches = [i for i in range(num_prompts) if got[i] != expected[i]]
+        ctx.add(
+            "service",
+            name,
+            FAIL if mismatches else PASS,
+            f"{num_prompts - len(mismatches)}/{num_prompts} prompts identical"
+            + (f"; first differing prompt {mismatches[0]}" if mismatches else ""),
+        )
+    except Exception as exc:
+        _stop(proc)  # its last words are in the log then
+        output = log_path.read_text(errors="replace")[-2000:]
+        ctx.add("service", name, FAIL, f"{type(exc).__name__}: {exc}; server output: {output}")
+    finally:
+        _stop(proc)
+
+
+def check_service(ctx: Context) -> None:
+    """Greedy tokens of `zerobubble serve` on this device against Hugging Face `generate`."""
+    from transformers import LlamaForCausalLM
 
     cfg = tiny_config("llama", vocab_size=512)
     torch.manual_seed(7)
     hf = LlamaForCausalLM(cfg).eval()
-    num_prompts, max_tokens = 4, 24
+    max_tokens = 24
     gen = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, cfg.vocab_size - 1, (int(n),), generator=gen).tolist() for n in (5, 17, 33, 60)]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(Path(tmp) / "tiny-llama", hf, cfg.vocab_size)
         hf = hf.to(ctx.device)
-        expected = []
-        with torch.inference_mode():
-            for prompt in prompts:
-                ids = torch.tensor([prompt], device=ctx.device)
-                out = hf.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    generation_config=GenerationConfig(
-                        max_new_tokens=max_tokens,
-                        do_sample=False,
-                        eos_token_id=cfg.vocab_size - 1,
-                        pad_token_id=cfg.vocab_size - 1,
-                    ),
-                )
-                expected.append(out[0, len(prompt) :].tolist())
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        expected = _hf_greedy(hf, cfg, prompts, max_tokens, ctx.device)
+        port = _free_port()
         # The dry run starts one server (the n-gram path covers the plain one's code as well);
         # on CUDA each spec runs with CUDA graphs off and on (pure decode steps replay graphs).
         specs = ("ngram",) if ctx.dry_run else ("none", "ngram")
         for spec, graphs in [(s, g) for s in specs for g in ((False, True) if ctx.cuda else (False,))]:
-            cmd = [
-                sys.executable,
-                "-m",
-                "zerobubble",
-                "serve",
-                "--model",
-                str(model_dir),
-                "--device",
-                ctx.device.type,
-                "--dtype",
-                "float32",
-                "--port",
-                str(port),
-                "--metrics-port",
-                "-1",
-                "--http-port",
-                "-1",
-                "--spec-method",
-                spec,
-                "--max-num-seqs",
-                "8",
-                "--log-level",
-                "warning",
-                "--cuda-graphs" if graphs else "--no-cuda-graphs",
-            ]
-            if ctx.device.type == "cpu":
-                cmd += ["--kv-cache-memory-gb", "0.05"]
-            else:
-                cmd += ["--gpu-memory-utilization", "0.1"]  # ~12 GB of KV on an H200: plenty, quick to set up
-            # The server's output goes to a file: a pipe nobody reads while it runs can fill and
-            # block it.
+            cmd = _serve_command(ctx, model_dir, port, spec, graphs)
             log_path = ctx.out_dir / f"service-{spec}{'-graphs' if graphs else ''}.log"
-            with open(log_path, "w") as log:
-                proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
             name = f"greedy vs HF, spec={spec}" + (", cuda_graphs=True" if graphs else "")
-            try:
-
-                async def run(proc: subprocess.Popen = proc) -> list[list[int]]:
-                    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                        deadline = time.monotonic() + min(90.0, max(ctx.time_left(), 5.0))
-                        while True:  # ready, or fail at once if the server died
-                            try:
-                                await asyncio.wait_for(channel.channel_ready(), 1)
-                                break
-                            except asyncio.TimeoutError:
-                                if proc.poll() is not None or time.monotonic() > deadline:
-                                    raise RuntimeError("the server did not come up") from None
-                        done = await asyncio.gather(
-                            *(
-                                complete(
-                                    channel,
-                                    build_request(token_ids=p, max_tokens=max_tokens, temperature=0.0),
-                                    timeout=60,
-                                )
-                                for p in prompts
-                            )
-                        )
-                        return [list(c.token_ids) for c in done]
-
-                got = asyncio.run(run())
-                mismatches = [i for i in range(num_prompts) if got[i] != expected[i]]
-                ctx.add(
-                    "service",
-                    name,
-                    FAIL if mismatches else PASS,
-                    f"{num_prompts - len(mismatches)}/{num_prompts} prompts identical"
-                    + (f"; first differing prompt {mismatches[0]}" if mismatches else ""),
-                )
-            except Exception as exc:
-                _stop(proc)  # its last words are in the log then
-                output = log_path.read_text(errors="replace")[-2000:]
-                ctx.add("service", name, FAIL, f"{type(exc).__name__}: {exc}; server output: {output}")
-            finally:
-                _stop(proc)
+            _check_one_server(ctx, cmd, log_path, name, port, prompts, max_tokens, expected)
             ctx.finish_last(started)
             started = time.perf_counter()
 
@@ -850,6 +970,59 @@ def check_sync_free(ctx: Context) -> None:
             ctx.finish_last(started)
 
 
+def _throughput_runners(
+    ctx: Context, loaded: Any, graph_modes: tuple[bool, ...], num_blocks: int
+) -> dict[tuple[bool, str], Any]:
+    """A runner per (CUDA graphs, spec method); one that fails to build is reported and left out."""
+    runners = {}
+    for graphs in graph_modes:
+        for spec in ("none", "ngram"):
+            try:
+                runners[graphs, spec] = build_runner(loaded, spec, graphs, num_blocks)
+            except Exception as exc:
+                ctx.add("throughput", f"runner spec={spec} cuda_graphs={graphs}", FAIL, f"{type(exc).__name__}: {exc}")
+    return runners
+
+
+def _measure_windows(
+    ctx: Context, runner: Any, prompts: list[list[int]], max_tokens: int, windows: tuple[int, ...], name: str
+) -> dict[str, list[tuple[float, float | None, int]]]:
+    """(tokens/s, GPU busy fraction, steps) of each run, by mode (sync: window 1, async: 2)."""
+    rates: dict[str, list[tuple[float, float | None, int]]] = {}
+    for window in windows:
+        try:
+            stats = drive(runner, prompts, max_tokens, window)
+        except Exception as exc:
+            ctx.add("throughput", f"{name} window={window}", FAIL, f"{type(exc).__name__}: {exc}")
+            continue
+        key = "async" if window == 2 else "sync"
+        rates.setdefault(key, []).append((stats.output_tokens / stats.wall_s, stats.gpu_busy_fraction, stats.num_steps))
+    return rates
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _throughput_values(table: dict[str, dict[str, float | None]], num_prompts: int, graphs: bool) -> dict[str, Any]:
+    """One report line's figures: each configuration's tokens/s and GPU busy fraction, and the
+    ratios between them (None where a configuration is missing)."""
+    entries = {
+        (spec, mode): table.get(f"n={num_prompts} spec={spec} graphs={graphs} {mode}") or {}
+        for spec in ("none", "ngram")
+        for mode in ("sync", "async")
+    }
+    values: dict[str, Any] = {}
+    for (spec, mode), entry in entries.items():
+        values[f"{spec}_{mode}_tok_s"] = entry.get("tok_s")
+        values[f"{spec}_{mode}_gpu_busy"] = entry.get("gpu_busy")
+    values["async_over_sync_none"] = _ratio(values["none_async_tok_s"], values["none_sync_tok_s"])
+    values["async_over_sync_ngram"] = _ratio(values["ngram_async_tok_s"], values["ngram_sync_tok_s"])
+    values["ngram_over_none_async"] = _ratio(values["ngram_async_tok_s"], values["none_async_tok_s"])
+    values["ngram_over_none_sync"] = _ratio(values["ngram_sync_tok_s"], values["none_sync_tok_s"])
+    return values
+
+
 def check_throughput(ctx: Context) -> None:
     """async ÷ sync and n-gram ÷ none at 2 / 8 / 16 prompts, CUDA graphs on and off."""
     cfg = qwen3_1p7b_config(ctx.dry_run or not ctx.cuda)
@@ -863,13 +1036,7 @@ def check_throughput(ctx: Context) -> None:
     graph_modes = (False, True) if ctx.cuda else (False,)
     if not ctx.cuda:
         ctx.add("throughput", "cuda_graphs=True", SKIP, "CUDA graphs need CUDA")
-    runners = {}
-    for graphs in graph_modes:
-        for spec in ("none", "ngram"):
-            try:
-                runners[graphs, spec] = build_runner(loaded, spec, graphs, num_blocks)
-            except Exception as exc:
-                ctx.add("throughput", f"runner spec={spec} cuda_graphs={graphs}", FAIL, f"{type(exc).__name__}: {exc}")
+    runners = _throughput_runners(ctx, loaded, graph_modes, num_blocks)
     table: dict[str, dict[str, float | None]] = {}
     out_of_time: set[tuple[int, bool]] = set()  # (prompts, graphs) with a workload skipped
     for num_prompts in (2, 8, 16):
@@ -887,44 +1054,16 @@ def check_throughput(ctx: Context) -> None:
                 ctx.add("throughput", f"{name} warm-up", FAIL, f"{type(exc).__name__}: {exc}")
                 del runners[graphs, spec]
                 continue
-            rates = {}
-            for window in windows:
-                try:
-                    stats = drive(runner, prompts, max_tokens, window)
-                except Exception as exc:
-                    ctx.add("throughput", f"{name} window={window}", FAIL, f"{type(exc).__name__}: {exc}")
-                    continue
-                key = "async" if window == 2 else "sync"
-                rates.setdefault(key, []).append(
-                    (stats.output_tokens / stats.wall_s, stats.gpu_busy_fraction, stats.num_steps)
-                )
-            for key, runs in rates.items():
-                tok_s = max(r[0] for r in runs)
+            for key, runs in _measure_windows(ctx, runner, prompts, max_tokens, windows, name).items():
                 busy = [r[1] for r in runs if r[1] is not None]
                 table[f"{name} {key}"] = {
-                    "tok_s": tok_s,
+                    "tok_s": max(r[0] for r in runs),
                     "gpu_busy": max(busy) if busy else None,
                     "steps": runs[0][2],
                 }
     for num_prompts in (2, 8, 16):
         for graphs in graph_modes:
-            entries = {
-                (spec, mode): table.get(f"n={num_prompts} spec={spec} graphs={graphs} {mode}") or {}
-                for spec in ("none", "ngram")
-                for mode in ("sync", "async")
-            }
-            values: dict[str, Any] = {}
-            for (spec, mode), entry in entries.items():
-                values[f"{spec}_{mode}_tok_s"] = entry.get("tok_s")
-                values[f"{spec}_{mode}_gpu_busy"] = entry.get("gpu_busy")
-
-            def ratio(a: float | None, b: float | None) -> float | None:
-                return a / b if a and b else None
-
-            values["async_over_sync_none"] = ratio(values["none_async_tok_s"], values["none_sync_tok_s"])
-            values["async_over_sync_ngram"] = ratio(values["ngram_async_tok_s"], values["ngram_sync_tok_s"])
-            values["ngram_over_none_async"] = ratio(values["ngram_async_tok_s"], values["none_async_tok_s"])
-            values["ngram_over_none_sync"] = ratio(values["ngram_sync_tok_s"], values["none_sync_tok_s"])
+            values = _throughput_values(table, num_prompts, graphs)
             if all(v is not None for k, v in values.items() if k.endswith("tok_s")):
                 status, detail = PASS, "measured"
             elif (num_prompts, graphs) in out_of_time:
