@@ -186,23 +186,17 @@ class Window:
 Driver = Callable[[list[str], int, dict[str, int], argparse.Namespace], Awaitable[Window]]
 
 
-def run(
+def _drive_scheduler(
     worker: Service,
     num_requests: int,
     window: int,
-    device_ms: float,
     args: argparse.Namespace,
-    placement: str = "shared",
-    drive: Driver | None = None,
-    via: str = "direct",
-) -> dict:
-    """One run through a fresh scheduler in front of `worker`, loaded by `drive` (default:
-    `steady_state`); the figures of its window. ``via="front"``: the clients call a `zerobubble
-    front` (on the clients' cores) that relays to the scheduler; ``via="fronts"``: the
-    scheduler's own `--fronts` (`--num-fronts`), sharing its port, the clients over
-    `--connections` (the kernel spreads them, unevenly at a few); ``via="front-ports"``:
-    `--num-fronts` fronts started by hand, a port each, the clients' connections dealt out to
-    them evenly."""
+    placement: str,
+    drive: Driver | None,
+    via: str,
+) -> Window:
+    """Start a fresh scheduler (and fronts, per ``via``) in front of `worker`, load it with
+    `drive`, stop them: the driver's window."""
     scheduler_cores, client_cores = placement_cores(placement)
     scheduler = start_scheduler(
         [worker],
@@ -231,13 +225,17 @@ def run(
             wait_serving(target)
         if client_cores:  # only while it runs: processes started later must not inherit it
             bind_process(parse_cores(client_cores))
-        seen = run_loop((drive or steady_state)(targets, num_requests, pids, args), args.event_loop)
+        return run_loop((drive or steady_state)(targets, num_requests, pids, args), args.event_loop)
     finally:
         if client_cores:
             bind_process(ALL_CORES)
         for front in fronts:
             front.stop()
         scheduler.stop()
+
+
+def window_figures(seen: Window, num_requests: int, device_ms: float) -> dict:
+    """The figures of a driver's window (per step, per second, per request)."""
     first, last, wall = seen.first, seen.last, seen.wall_s
     steps = last.num_steps - first.num_steps
     if steps <= 0:
@@ -284,6 +282,27 @@ def run(
             figures[f"{name}_p50_ms"] = 1000 * percentile(values, 50)
             figures[f"{name}_p99_ms"] = 1000 * percentile(values, 99)
     return figures
+
+
+def run(
+    worker: Service,
+    num_requests: int,
+    window: int,
+    device_ms: float,
+    args: argparse.Namespace,
+    placement: str = "shared",
+    drive: Driver | None = None,
+    via: str = "direct",
+) -> dict:
+    """One run through a fresh scheduler in front of `worker`, loaded by `drive` (default:
+    `steady_state`); the figures of its window. ``via="front"``: the clients call a `zerobubble
+    front` (on the clients' cores) that relays to the scheduler; ``via="fronts"``: the
+    scheduler's own `--fronts` (`--num-fronts`), sharing its port, the clients over
+    `--connections` (the kernel spreads them, unevenly at a few); ``via="front-ports"``:
+    `--num-fronts` fronts started by hand, a port each, the clients' connections dealt out to
+    them evenly."""
+    seen = _drive_scheduler(worker, num_requests, window, args, placement, drive, via)
+    return window_figures(seen, num_requests, device_ms)
 
 
 def process_cpu(pids: dict[str, int]) -> dict[str, tuple[float, dict[int, float]]]:
@@ -654,8 +673,8 @@ def suite_churn(args: argparse.Namespace) -> dict:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def _add_workload_options(parser: argparse.ArgumentParser) -> None:
+    """The suite and its load: requests, steps, device time, tokens, windows, repeats."""
     parser.add_argument("suite", choices=("host", "bubble", "logic", "churn"))
     parser.add_argument(
         "--requests",
@@ -695,6 +714,10 @@ def main() -> None:
         default=2,
         help="host and logic suites: runs per figure (best kept); churn: runs of each mode (all kept)",
     )
+
+
+def _add_service_options(parser: argparse.ArgumentParser) -> None:
+    """How the services run and are reached: speculation, scheduling, placement, fronts, output."""
     parser.add_argument("--acceptance-rate", type=float, default=0.6)
     parser.add_argument(
         "--num-spec-tokens",
@@ -753,7 +776,18 @@ def main() -> None:
         help="KV budget the simulated worker sizes its block pool with (not allocated)",
     )
     parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (options in the order `--help` lists them)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_workload_options(parser)
+    _add_service_options(parser)
+    return parser
+
+
+def _apply_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Fill the suite-dependent defaults and check the ranges (``parser.error`` on a bad one)."""
     if args.requests is None:
         args.requests = {"bubble": [16, 64, 256], "churn": [64, 256]}.get(args.suite, [1, 16, 64, 256])
     if args.device_ms is None:
@@ -769,6 +803,12 @@ def main() -> None:
         args.settle = 0.25 if args.suite == "host" else 0.0
     if not 0 <= args.settle < 1:
         parser.error(f"--settle: need 0 <= S < 1, got {args.settle}")
+
+
+def main() -> None:
+    parser = build_parser()
+    args = parser.parse_args()
+    _apply_defaults(parser, args)
     suites = {"host": suite_host, "bubble": suite_bubble, "logic": suite_logic, "churn": suite_churn}
     result = suites[args.suite](args)
     if args.json:
