@@ -30,7 +30,7 @@ import pytest
 import yaml
 
 from tests.prometheus_server import PrometheusServer, ScrapeJob, start_prometheus
-from tests.servers import start_scheduler, start_worker, wait_serving
+from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from tests.tools import require
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import Completion, build_request, complete
@@ -100,6 +100,65 @@ def _alert_states(prom: PrometheusServer) -> dict[str, str]:
     return {r["name"]: r["state"] for g in groups for r in g["rules"]}
 
 
+def _scrape_services(prom: PrometheusServer, scheduler: Service, worker: Service) -> None:
+    """Point Prometheus at both services' metrics, labelled as a Kubernetes scrape would, and
+    wait until both targets are up."""
+    prom.set_targets(
+        ScrapeJob(
+            SCHED_JOB,
+            [f"127.0.0.1:{scheduler.ports['METRICS']}"],
+            {"namespace": NAMESPACE, "pod": "zerobubble-scheduler-0"},
+        )
+    )
+    prom.set_targets(
+        ScrapeJob(
+            WORKER_JOB,
+            [f"127.0.0.1:{worker.ports['METRICS']}"],
+            {"namespace": NAMESPACE, "pod": "zerobubble-worker-0"},
+        )
+    )
+    prom.wait_targets_up(2)
+
+
+def _warm_up(prom: PrometheusServer, target: str, scenario: Scenario, counter: str) -> tuple[int, float]:
+    """Send the scenario's warm-up and wait until its tokens are scraped: (its tokens, when that
+    baseline was first scraped), returning once two more samples of it precede t0."""
+    generated = f"sum({counter})"
+    warm = asyncio.run(_generate(target, scenario.warmup))[1] if scenario.warmup else []
+    warm_tokens = sum(len(c.token_ids) for c in warm)
+    prom.wait_until(lambda: prom.scalar_sum(generated) == warm_tokens, 30, f"{generated} == {warm_tokens}")
+    # When the baseline was first scraped: a rate window that starts later sees only the
+    # requests below. Two more samples of it before t0 keep one inside such a window.
+    (recent,) = prom.query(f"{counter}[1m]")["result"]
+    baseline_since = min(float(t) for t, v in recent["values"] if float(v) == warm_tokens)
+    time.sleep(max(0.0, baseline_since + 2.5 * SCRAPE_S - time.time()))
+    return warm_tokens, baseline_since
+
+
+def _provoke_worker_down(prom: PrometheusServer, worker: Service) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    """The provoked condition: the worker process dies, its scrape fails. (Alert states once
+    ZerobubbleWorkerDown has left inactive, the active alerts.)"""
+    worker.kill()
+    prom.wait_until(
+        lambda: _alert_states(prom).get("ZerobubbleWorkerDown") != "inactive",
+        30,
+        "ZerobubbleWorkerDown leaving inactive",
+    )
+    return _alert_states(prom), prom.api("alerts")["alerts"]
+
+
+def _print_phases(
+    param: str, started: float, phases: list[tuple[str, float]], failed_scrapes: list[tuple[dict[str, str], float]]
+) -> None:
+    """How long each phase of the setup took, and the failed scrapes (seen with ``-s``)."""
+    marks = [started] + [t for _, t in phases]
+    print(
+        f"prometheus e2e setup ({param}): "
+        + ", ".join(f"{name} {t - prev:.1f}s" for (name, t), prev in zip(phases, marks))
+        + f"; failed scrapes {failed_scrapes}"
+    )
+
+
 @pytest.fixture(scope="module", params=["quick", pytest.param("full", marks=pytest.mark.slow)])
 def live(request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Services, Prometheus and one round of traffic; then the worker is killed (provoked alert)."""
@@ -120,33 +179,11 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: py
         scheduler = start_scheduler([worker], max_num_seqs=4, fronts=1)
         wait_serving(scheduler.target)
         phases.append(("services", time.monotonic()))
-        prom.set_targets(
-            ScrapeJob(
-                SCHED_JOB,
-                [f"127.0.0.1:{scheduler.ports['METRICS']}"],
-                {"namespace": NAMESPACE, "pod": "zerobubble-scheduler-0"},
-            )
-        )
-        prom.set_targets(
-            ScrapeJob(
-                WORKER_JOB,
-                [f"127.0.0.1:{worker.ports['METRICS']}"],
-                {"namespace": NAMESPACE, "pod": "zerobubble-worker-0"},
-            )
-        )
-        prom.wait_targets_up(2)
+        _scrape_services(prom, scheduler, worker)
         phases.append(("targets up", time.monotonic()))
         counter = f'zerobubble_generation_tokens_total{{job="{SCHED_JOB}"}}'
         generated = f"sum({counter})"
-
-        warm = asyncio.run(_generate(scheduler.target, scenario.warmup))[1] if scenario.warmup else []
-        warm_tokens = sum(len(c.token_ids) for c in warm)
-        prom.wait_until(lambda: prom.scalar_sum(generated) == warm_tokens, 30, f"{generated} == {warm_tokens}")
-        # When the baseline was first scraped: a rate window that starts later sees only the
-        # requests below. Two more samples of it before t0 keep one inside such a window.
-        (recent,) = prom.query(f"{counter}[1m]")["result"]
-        baseline_since = min(float(t) for t, v in recent["values"] if float(v) == warm_tokens)
-        time.sleep(max(0.0, baseline_since + 2.5 * SCRAPE_S - time.time()))
+        warm_tokens, baseline_since = _warm_up(prom, scheduler.target, scenario, counter)
         phases.append(("warm-up", time.monotonic()))
         t0 = time.time()
         model, completions = asyncio.run(_generate(scheduler.target, scenario.requests))
@@ -161,23 +198,9 @@ def live(request: pytest.FixtureRequest, smollm2_dir: Path, tmp_path_factory: py
         span = f"{math.ceil(t1 - t0) + 10}s"
         failed_scrapes = prom.vector(f"sum by (job) (count_over_time(up[{span}]) - sum_over_time(up[{span}]))", at=t1)
         phases.append(("scraped", time.monotonic()))
-
-        # The provoked condition: the worker process dies, its scrape fails.
-        worker.kill()
-        prom.wait_until(
-            lambda: _alert_states(prom).get("ZerobubbleWorkerDown") != "inactive",
-            30,
-            "ZerobubbleWorkerDown leaving inactive",
-        )
-        after_kill = _alert_states(prom)
-        active_alerts = prom.api("alerts")["alerts"]
+        after_kill, active_alerts = _provoke_worker_down(prom, worker)
         phases.append(("alert pending", time.monotonic()))
-        marks = [started] + [t for _, t in phases]
-        print(
-            f"prometheus e2e setup ({request.param}): "
-            + ", ".join(f"{name} {t - prev:.1f}s" for (name, t), prev in zip(phases, marks))
-            + f"; failed scrapes {failed_scrapes}"
-        )
+        _print_phases(request.param, started, phases, failed_scrapes)
         yield dict(
             prom=prom,
             model=model,
