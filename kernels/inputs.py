@@ -114,6 +114,8 @@ if HAS_TRITON:
             tl.store(history_ptr + kv_slot, ids.to(history_ptr.dtype.element_ty), mask=mask)
 
 
+# A custom op (with a fake implementation): the step runs under FakeTensorMode and torch.compile.
+@torch.library.custom_op("zerobubble::assemble_inputs", mutates_args=("history",))
 def _assemble_triton(
     req_slots: Tensor,
     query_start_loc: Tensor,
@@ -155,6 +157,25 @@ def _assemble_triton(
         BLOCK=128,
     )
     return input_ids, positions, slot_mapping
+
+
+@_assemble_triton.register_fake
+def _(
+    req_slots: Tensor,
+    query_start_loc: Tensor,
+    is_decode: Tensor,
+    prefill_ids: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    drafts: Tensor,
+    num_drafts: Tensor,
+    block_table: Tensor,
+    history: Tensor,
+    block_size: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    num_tokens = prefill_ids.shape[0]
+    ids, positions, slots = (prefill_ids.new_empty(num_tokens, dtype=torch.int64) for _ in range(3))
+    return ids, positions, slots
 
 
 def assemble_inputs(

@@ -141,6 +141,8 @@ if HAS_TRITON:
         tl.store(num_drafts_ptr + row, num.to(tl.int32))
 
 
+# A custom op (with a fake implementation): the step runs under FakeTensorMode and torch.compile.
+@torch.library.custom_op("zerobubble::ngram_propose", mutates_args=())
 def _ngram_triton(
     req_slots: Tensor,
     seq_len: Tensor,
@@ -174,6 +176,22 @@ def _ngram_triton(
         BLOCK_K=next_power_of_2(k),
     )
     return drafts, num_drafts
+
+
+@_ngram_triton.register_fake
+def _(
+    req_slots: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    block_table: Tensor,
+    history: Tensor,
+    block_size: int,
+    min_n: int,
+    max_n: int,
+    k: int,
+) -> tuple[Tensor, Tensor]:
+    num_reqs = req_slots.shape[0]
+    return seq_len.new_empty((num_reqs, k), dtype=torch.int32), seq_len.new_empty(num_reqs, dtype=torch.int32)
 
 
 def ngram_propose(

@@ -65,6 +65,8 @@ if HAS_TRITON:
         tl.store(num_drafts_ptr + slots, tl.zeros_like(slots).to(num_drafts_ptr.dtype.element_ty), mask=mask)
 
 
+# A custom op (with a fake implementation): the step runs under FakeTensorMode and torch.compile.
+@torch.library.custom_op("zerobubble::update_state", mutates_args=("seq_len", "last_token", "num_drafts"))
 def _update_triton(
     req_slots: Tensor,
     is_decode: Tensor,
@@ -93,6 +95,21 @@ def _update_triton(
         num_reqs,
         BLOCK=block,
     )
+
+
+@_update_triton.register_fake
+def _(
+    req_slots: Tensor,
+    is_decode: Tensor,
+    num_scheduled: Tensor,
+    num_accepted: Tensor,
+    do_sample: Tensor,
+    sampled_last: Tensor,
+    seq_len: Tensor,
+    last_token: Tensor,
+    num_drafts: Tensor,
+) -> None:
+    return None
 
 
 def update_state(

@@ -26,12 +26,8 @@ def compute_slot_mapping(
     if num_tokens == 0 or num_requests == 0:
         return torch.empty(num_tokens, dtype=torch.int64, device=positions.device)
     if use_triton(positions, impl, _slot_mapping_kernel if HAS_TRITON else None):
-        slots = torch.empty(num_tokens, dtype=torch.int64, device=positions.device)
-        _slot_mapping_kernel[(num_requests,)](
-            query_start_loc, positions, block_tables, slots, block_tables.stride(0), block_size,
-            BLOCK=_TOKENS_PER_ITERATION,
-        )  # fmt: skip
-        return slots
+        result: torch.Tensor = torch.ops.zerobubble.slot_mapping(query_start_loc, positions, block_tables, block_size)
+        return result
     q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
     # output_size keeps this free of a device-to-host sync.
     request = torch.repeat_interleave(
@@ -40,6 +36,26 @@ def compute_slot_mapping(
     positions = positions.long()
     blocks = block_tables[request, positions // block_size].long()
     return blocks * block_size + positions % block_size
+
+
+# A custom op (with a fake implementation): the step runs under FakeTensorMode and torch.compile.
+@torch.library.custom_op("zerobubble::slot_mapping", mutates_args=())
+def _slot_mapping_triton(
+    query_start_loc: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    slots = torch.empty(positions.shape[0], dtype=torch.int64, device=positions.device)
+    _slot_mapping_kernel[(block_tables.shape[0],)](
+        query_start_loc, positions, block_tables, slots, block_tables.stride(0), block_size,
+        BLOCK=_TOKENS_PER_ITERATION,
+    )  # fmt: skip
+    return slots
+
+
+@_slot_mapping_triton.register_fake
+def _(
+    query_start_loc: torch.Tensor, positions: torch.Tensor, block_tables: torch.Tensor, block_size: int
+) -> torch.Tensor:
+    return positions.new_empty(positions.shape[0], dtype=torch.int64)
 
 
 if HAS_TRITON:

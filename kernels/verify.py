@@ -47,6 +47,8 @@ if HAS_TRITON:
         tl.store(out_ptr + row, tl.min(stop, axis=0).to(tl.int32))
 
 
+# A custom op (with a fake implementation): the step runs under FakeTensorMode and torch.compile.
+@torch.library.custom_op("zerobubble::count_accepted", mutates_args=())
 def _count_accepted_triton(target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor) -> Tensor:
     num_reqs, max_drafts = draft_tokens.shape
     out = torch.zeros(num_reqs, dtype=torch.int32, device=draft_tokens.device)
@@ -61,6 +63,11 @@ def _count_accepted_triton(target_tokens: Tensor, draft_tokens: Tensor, num_draf
         BLOCK_K=next_power_of_2(max_drafts),
     )
     return out
+
+
+@_count_accepted_triton.register_fake
+def _(target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor) -> Tensor:
+    return draft_tokens.new_empty(draft_tokens.shape[0], dtype=torch.int32)
 
 
 def count_accepted(target_tokens: Tensor, draft_tokens: Tensor, num_drafts: Tensor, impl: KernelImpl = None) -> Tensor:
@@ -218,6 +225,8 @@ if HAS_TRITON:
         tl.store(num_accepted_ptr + row, num_accepted.to(tl.int32))
 
 
+# A custom op (with a fake implementation): the step runs under FakeTensorMode and torch.compile.
+@torch.library.custom_op("zerobubble::rejection_sample", mutates_args=())
 def _rejection_triton(
     target_probs: Tensor,
     draft_probs: Tensor,
@@ -252,6 +261,20 @@ def _rejection_triton(
         RESIDUAL=STREAM_RESIDUAL,
     )
     return out, num_accepted
+
+
+@_rejection_triton.register_fake
+def _(
+    target_probs: Tensor,
+    draft_probs: Tensor,
+    draft_tokens: Tensor,
+    num_drafts: Tensor,
+    seeds: Tensor,
+    positions: Tensor,
+) -> tuple[Tensor, Tensor]:
+    num_reqs, max_drafts = draft_tokens.shape
+    out = draft_tokens.new_empty((num_reqs, max_drafts + 1), dtype=torch.int64)
+    return out, draft_tokens.new_empty(num_reqs, dtype=torch.int32)
 
 
 def rejection_sample(
