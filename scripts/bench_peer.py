@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from zerobubble.bench import BenchRow, load_dataset  # noqa: E402
 from zerobubble.bench_openai import run_openai_bench_async  # noqa: E402
-from zerobubble.tools.launch import start_scheduler, start_worker  # noqa: E402
+from zerobubble.tools.launch import free_port, start_scheduler, start_worker  # noqa: E402
 
 # Our configurations: name -> worker flags. The default is what `zerobubble serve` runs.
 OURS = {
@@ -61,12 +60,6 @@ def embedded_gguf() -> Path:
     from zerobubble.worker_svc.model_loader import _embedded_gguf_path
 
     return _embedded_gguf_path()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextmanager

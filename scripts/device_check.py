@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from zerobubble.request_options import SamplingOptions, StoppingOptions
+from zerobubble.tools.launch import free_port
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # Runnable as `python scripts/device_check.py` from a checkout that is not pip-installed.
@@ -667,15 +668,6 @@ def _hf_greedy(hf: Any, cfg: Any, prompts: list[list[int]], max_tokens: int, dev
     return expected
 
 
-def _free_port() -> int:
-    """A loopback port nobody listens on now."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _serve_command(ctx: Context, model_dir: Path, port: int, spec: str, graphs: bool) -> list[str]:
     """The `zerobubble serve` command line for one service check."""
     cmd = [
@@ -793,7 +785,7 @@ def check_service(ctx: Context) -> None:
         model_dir = write_model_dir(Path(tmp) / "tiny-llama", hf, cfg.vocab_size)
         hf = hf.to(ctx.device)
         expected = _hf_greedy(hf, cfg, prompts, max_tokens, ctx.device)
-        port = _free_port()
+        port = free_port()
         # The dry run starts one server (the n-gram path covers the plain one's code as well);
         # on CUDA each spec runs with CUDA graphs off and on (pure decode steps replay graphs).
         specs = ("ngram",) if ctx.dry_run else ("none", "ngram")

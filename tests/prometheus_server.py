@@ -10,7 +10,6 @@ services it will scrape are still loading, and learns their ports when they anno
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import time
 import urllib.error
@@ -23,16 +22,11 @@ from typing import Any
 import yaml
 
 from tests.polling import wait_until
+from zerobubble.tools.launch import free_port
 
 
 class PrometheusError(Exception):
     """The server did not start, or the API answered with an error."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(slots=True)
@@ -143,8 +137,8 @@ def start_prometheus(
     config_path = directory / "prometheus.yml"
     config_path.write_text(yaml.safe_dump(config, sort_keys=False))
     log_path = directory / "prometheus.log"
-    for _ in range(3):  # a port taken between _free_port() and the bind: try another
-        port = _free_port()
+    for _ in range(3):  # a port taken between free_port() and the bind: try another
+        port = free_port()
         with log_path.open("w") as log:
             proc = subprocess.Popen(
                 [

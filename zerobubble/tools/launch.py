@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -45,6 +46,13 @@ class Service:
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (for a program that cannot announce its own)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def command_flags(options: dict) -> list[str]:
