@@ -263,14 +263,19 @@ def _processed_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
     """
     logits = _raw_logit_stage(logits, t)
     greedy = t.temperature <= 0
-    scaled = logits / torch.where(greedy, 1.0, t.temperature).unsqueeze(1)
+    scaled = _filtered(logits / torch.where(greedy, 1.0, t.temperature).unsqueeze(1), t)
+    greedy_logits = torch.full_like(scaled, float("-inf"))
+    greedy_logits.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
+    return torch.where(greedy[:, None], greedy_logits, scaled)
+
+
+def _filtered(scaled: Tensor, t: SamplingTensors) -> Tensor:
+    """Temperature-scaled logits with each row's top-k, top-p and min-p filters applied."""
     if t.any_filter:
         scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
     if t.min_p is not None:
         scaled = _min_p(scaled, t.min_p)
-    greedy_logits = torch.full_like(scaled, float("-inf"))
-    greedy_logits.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 0.0)
-    return torch.where(greedy[:, None], greedy_logits, scaled)
+    return scaled
 
 
 def _top_k_top_p(scaled: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
@@ -312,11 +317,7 @@ def sample(logits: Tensor, t: SamplingTensors) -> Tensor:
 
 def _draw(raw: Tensor, t: SamplingTensors) -> Tensor:
     """Gumbel-max over the filtered, temperature-scaled ``raw`` logits of rows that all draw."""
-    scaled = raw / t.temperature.unsqueeze(1)
-    if t.any_filter:
-        scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
-    if t.min_p is not None:
-        scaled = _min_p(scaled, t.min_p)
+    scaled = _filtered(raw / t.temperature.unsqueeze(1), t)
     u = keyed_uniform(t.seeds, t.positions, raw.shape[-1], STREAM_SAMPLE)
     return (scaled - torch.log(-torch.log(u))).argmax(dim=-1)
 
