@@ -626,6 +626,10 @@ async def serve_front(
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
 
     async def on_readiness(serving: bool) -> None:
+        if serving and not relay.ready:
+            # The scheduler's pool waits for this line from each of its fronts, so that no
+            # front shares the client port while it still refuses calls.
+            rpc.announce_port("FRONT_READY", port)
         relay.ready = serving
         await rpc.set_serving(health, [SERVICE_NAME], serving)
 

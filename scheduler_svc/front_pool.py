@@ -16,11 +16,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import fields
 
 from zerobubble.config import FrontConfig, SchedulerServiceConfig, allowed_cores, env_name
 
 logger = logging.getLogger(__name__)
+
+READY_WAIT_S = 30.0  # how long the scheduler waits for its fronts to serve before announcing
 
 
 def front_settings(cfg: SchedulerServiceConfig, scheduler_port: int, port: int, http_port: int) -> FrontConfig:
@@ -47,11 +50,16 @@ def front_settings(cfg: SchedulerServiceConfig, scheduler_port: int, port: int, 
     )
 
 
-def _pump(proc: subprocess.Popen, ports: dict[str, int], wanted: int, announced: threading.Event) -> None:
+def _pump(
+    proc: subprocess.Popen, ports: dict[str, int], wanted: int, announced: threading.Event, ready: threading.Event
+) -> None:
     """Pass a front's output on to ours; catch the lines that announce its ports (`wanted` of
-    them: gRPC, and HTTP where it serves it)."""
+    them: gRPC, and HTTP where it serves it) and its first readiness."""
     assert proc.stdout is not None
     for line in proc.stdout:
+        if line.startswith("ZEROBUBBLE_FRONT_READY_PORT="):
+            ready.set()
+            continue
         if line.startswith(("ZEROBUBBLE_FRONT_PORT=", "ZEROBUBBLE_HTTP_PORT=")):
             key, value = line.strip().split("=", 1)
             ports[key] = int(value)
@@ -65,6 +73,11 @@ def _pump(proc: subprocess.Popen, ports: dict[str, int], wanted: int, announced:
     announced.set()
 
 
+def _all_set(events: list[threading.Event], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    return all(event.wait(max(deadline - time.monotonic(), 0.0)) for event in events)
+
+
 class FrontPool:
     """The scheduler's front processes: started, kept running, stopped."""
 
@@ -74,6 +87,7 @@ class FrontPool:
         self.port = cfg.port
         self.http_port = cfg.http_port
         self.procs: list[subprocess.Popen] = []
+        self.ready: dict[int, threading.Event] = {}  # by process id
         self._stopping = False
         self._supervising: asyncio.Task | None = None
 
@@ -91,7 +105,8 @@ class FrontPool:
         ports: dict[str, int] = {}
         wanted = 2 if http_port >= 0 else 1
         announced = threading.Event()
-        threading.Thread(target=_pump, args=(proc, ports, wanted, announced), daemon=True).start()
+        self.ready[proc.pid] = ready = threading.Event()  # set once the front first serves
+        threading.Thread(target=_pump, args=(proc, ports, wanted, announced, ready), daemon=True).start()
         if not announced.wait(60) or len(ports) < wanted:
             proc.kill()
             raise RuntimeError(f"a front process did not start (exit code {proc.poll()})")
@@ -106,6 +121,10 @@ class FrontPool:
             proc, _port, _http = await asyncio.to_thread(self._spawn, self.port, self.http_port)
             self.procs.append(proc)
         logger.info("%d front processes on %s:%d", len(self.procs), self.cfg.host, self.port)
+        # The client port is announced once every front serves: the kernel spreads connections
+        # over all of them, and one still loading its tokenizer would refuse its share.
+        if not await asyncio.to_thread(_all_set, [self.ready[p.pid] for p in self.procs], READY_WAIT_S):
+            logger.warning("not every front serves after %.0fs (no worker ready yet?): going on", READY_WAIT_S)
         self._supervising = asyncio.create_task(self._supervise())
         return self.port, self.http_port
 

@@ -650,14 +650,22 @@ def test_tokens_guard_both_hops() -> None:
         worker.stop()
 
 
+def health_on_own_connection(target: str) -> int:
+    """The overall health status as one new connection to `target` hears it."""
+    with grpc.insecure_channel(target, options=OWN_CONNECTION) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status
+
+
 def test_a_scheduler_with_fronts_serves_its_clients_through_them() -> None:
     """`--fronts 2`: the announced client port is the fronts' (both listen on it), the
-    scheduler's own gRPC is elsewhere, on loopback; the fronts stop with the scheduler."""
+    scheduler's own gRPC is elsewhere, on loopback; the fronts stop with the scheduler. The
+    port is announced once both fronts serve, so no connection meets one still starting."""
     worker = start_worker(simulate_device_ms=2.0, max_num_seqs=16)
     scheduler = start_scheduler([worker], http_port=-1, max_num_seqs=16, fronts=2)
     fronts = front_children(scheduler.proc.pid)
     try:
-        wait_serving(scheduler.target)
+        statuses = {health_on_own_connection(scheduler.target) for _ in range(16)}
+        assert statuses == {health_pb2.HealthCheckResponse.SERVING}
         assert len(fronts) == 2
         # The fronts run with the gRPC runtime defaults the scheduler's CLI set (inherited).
         for pid in fronts:
