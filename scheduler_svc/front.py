@@ -439,6 +439,9 @@ class RelayFrontend:
             return None
         return ReadyView(link.info, link.tokenizer)
 
+    async def precheck(self, request: generate_pb2.GenerateRequest) -> None:
+        """Nothing: the scheduler checks a relayed request's grammar (off its event loop)."""
+
     def submit(self, request: generate_pb2.GenerateRequest) -> Submission:
         if self.draining:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")

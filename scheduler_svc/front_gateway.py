@@ -35,6 +35,8 @@ class RelayingServicer(Protocol):
 
     router: Router
 
+    async def precheck(self, request: generate_pb2.GenerateRequest) -> None: ...
+
     def submit(self, request: generate_pb2.GenerateRequest, detokenize: bool = True) -> Submission: ...
 
     def stop_sequence(self, submission: Submission, index: int, num_output_tokens: int) -> bool: ...
@@ -170,6 +172,7 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
                 for submit in message.submit:
                     try:
                         self._check_tokenized_for(submit.tokenized_for)
+                        await self.servicer.precheck(submit.request)
                         submission = self.servicer.submit(submit.request, detokenize=not submit.front_detokenizes)
                     except RequestError as exc:
                         outbox.refuse(submit.tag, exc)

@@ -376,6 +376,7 @@ async def _submit_all(
     submissions: list[Submission] = []
     try:
         for req in requests:
+            await servicer.precheck(req)
             submissions.append(servicer.submit(req))
         for submission in submissions:
             await servicer.admitted(submission)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from zerobubble import rpc
-from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc
+from zerobubble.api import front_pb2_grpc, generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.config import SchedulerServiceConfig
 from zerobubble.request_options import (
     InvalidRequest,
@@ -44,6 +44,7 @@ from zerobubble.scheduler_svc.submission import (
     unknown_model,
 )
 from zerobubble.scheduler_svc.worker_link import WorkerLink
+from zerobubble.structured import GrammarChecker, from_proto, to_grammar
 
 if TYPE_CHECKING:
     from zerobubble.metrics import ServiceMetrics
@@ -123,6 +124,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         self.metrics = metrics
         self.streams: dict[str, Stream] = {}
         self.draining = False
+        self._grammars: GrammarChecker | None = None
 
     # -- events from worker links --------------------------------------------------------------
 
@@ -208,6 +210,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         try:
             prompt_ids = request_prompt_ids(request, tokenizer, info)
             sampling.validate(info.vocab_size)
+            if sampling.constraint is not None:
+                sampling.grammar = to_grammar(sampling.constraint)
+                self.grammar_checker(info).check(sampling.grammar, sampling.constraint.field)
         except InvalidRequest as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
@@ -267,6 +272,32 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def admitted(self, submission: Submission) -> None:
         """Queued already: `submit` refuses synchronously here."""
+
+    def grammar_checker(self, info: worker_pb2.WorkerInfo) -> GrammarChecker:
+        """The grammar checker for the served model's tokenizer (a new one if it changed)."""
+        checker = self._grammars
+        if checker is None or checker.tokenizer_json != info.tokenizer_json:
+            checker = self._grammars = GrammarChecker(info.tokenizer_json, list(info.eos_token_ids))
+        return checker
+
+    async def precheck(self, request: generate_pb2.GenerateRequest) -> None:
+        """Check a constrained request's grammar in a thread the first time its text is seen,
+        so that `submit`, which checks it again, finds the verdict cached and never compiles a
+        grammar on the event loop. `RequestError` when it does not compile."""
+        if not request.HasField("constraint"):
+            return
+        link = self.router.any_ready()
+        constraint = from_proto(request.constraint)
+        if link is None or constraint is None:
+            return  # submit refuses it, or there is nothing to check
+        info, _ = link.described()
+        try:
+            grammar = to_grammar(constraint)
+            checker = self.grammar_checker(info)
+            if not checker.known(grammar):
+                await asyncio.to_thread(checker.check, grammar, constraint.field)
+        except InvalidRequest as exc:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 
     def withdraw(self, submission: Submission) -> None:
         """Drop a submitted request whose replies will never be read (a front end refused the
@@ -381,6 +412,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request: generate_pb2.GenerateRequest, context):
         try:
+            await self.precheck(request)
             submission = self.submit(request)
         except RequestError as exc:
             await context.abort(exc.code, exc.message)

@@ -100,6 +100,11 @@ class Frontend(Protocol):
 
     router: Router
 
+    async def precheck(self, request: generate_pb2.GenerateRequest) -> None:
+        """What may be checked of a request off the event loop before `submit` (its grammar);
+        `RequestError` if it is refused."""
+        ...
+
     def submit(self, request: generate_pb2.GenerateRequest) -> Submission: ...
 
     def responses(self, submission: Submission) -> AsyncGenerator[generate_pb2.GenerateResponse, None]: ...

@@ -16,6 +16,7 @@ from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.inputs import assemble_inputs
 from zerobubble.rows import PlanRow
 from zerobubble.worker_svc import staging
+from zerobubble.worker_svc.grammar import GrammarCompiler, GrammarInputs
 from zerobubble.worker_svc.proposers import Proposer
 from zerobubble.worker_svc.sampler import LogitBias, Penalties, SamplingTensors, context_token_counts, has_penalty
 from zerobubble.worker_svc.slot_table import BlockTableWrites, DecodeRows, DeviceState, SlotInfo, SlotTable
@@ -47,6 +48,9 @@ class SampledRows:
     logprob_index: torch.Tensor | None  # [G] int64: ``[S, K+1]`` tokens -> real slots (padded, logprobs wanted)
     want_logprobs: bool
     num_top: list[int] = field(default_factory=list)  # top-N logprobs per row; empty: none wants any
+    # Host copies: real slots per row and where each row starts among the gathered slots.
+    num_cols_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    base_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
     def spread(self, t: torch.Tensor, width: int) -> torch.Tensor:
         """Per-slot values ``[G, ...]`` -> ``[S, width, ...]``."""
@@ -73,6 +77,7 @@ class StepBatch:
     sampled: SampledRows | None  # None when no row samples
     row_widths: list[int] = field(default_factory=list)  # host copy of num_scheduled
     all_decode: bool = False  # every row is a decode (a CUDA graph may replay it)
+    grammar: GrammarInputs | None = None  # constrained rows' drafts, on their way to the host
 
 
 @dataclass(slots=True)
@@ -107,8 +112,12 @@ class BatchBuilder:
         num_spec_tokens: int,
         proposer: Proposer | None,
         trim_empty_drafts: bool,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
+        """``grammars``: builds the matchers of constrained requests (None: the worker has no
+        tokenizer to constrain with, a simulated device)."""
         self.table = table
+        self.grammars = grammars
         self.state = state
         self.device = device
         self.block_size = block_size
@@ -208,11 +217,15 @@ class BatchBuilder:
                 info = table.admit(entry)
                 if self.proposer is not None:
                     self.proposer.admit(info.slot, entry.num_cached_tokens)
+                if self.grammars is not None and entry.sampling is not None and entry.sampling.grammar:
+                    table.constrain(info, self.grammars.start(entry.sampling, entry.num_cached_tokens))
             else:
                 info = table.slots[entry.req_id]
             if entry.new_block_ids:
                 table.take_blocks(info, entry.new_block_ids, writes)
             chunk = entry.token_ids
+            if info.grammar is not None:
+                info.grammar.num_seen += len(chunk)
             decode = len(chunk) == 0
             if decode:
                 n = self._decode_widths([info.slot], [entry.num_draft_slots])[0]
@@ -297,6 +310,8 @@ class BatchBuilder:
             else None,
             want_logprobs=any_logprobs,
             num_top=row_top.tolist() if row_top.max() > 0 else [],
+            num_cols_host=n,
+            base_host=base,
         )
 
     def sampling_tensors(self, slots: np.ndarray, valid_cols: np.ndarray, sample_pos: torch.Tensor) -> SamplingTensors:

@@ -34,12 +34,14 @@ from zerobubble.worker_svc.batch import BatchBuilder, StepBatch
 from zerobubble.worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
 from zerobubble.worker_svc.faults import NO_FAULTS, FaultInjector
 from zerobubble.worker_svc.finish_notices import FinishNotices
+from zerobubble.worker_svc.grammar import BITS, GrammarCompiler, copy_inputs, fill_masks
 from zerobubble.worker_svc.model import StepInterrupted, allocate_kv_cache
 from zerobubble.worker_svc.model_loader import LoadedModel
 from zerobubble.worker_svc.proposers import Proposer
 from zerobubble.worker_svc.result_copy import PendingResult, ResultCopier
 from zerobubble.worker_svc.sampler import SamplingTensors
 from zerobubble.worker_svc.slot_table import DecodeRows, DeviceState, SlotInfo, SlotLimits, SlotTable
+from zerobubble.worker_svc.staging import to_device
 from zerobubble.worker_svc.verification import StepOutputs, fed_drafts, sample_and_verify
 
 logger = logging.getLogger(__name__)
@@ -142,8 +144,14 @@ class ModelRunner:
         self.table = SlotTable(limits, self.state)
         # A simulated device stands for an accelerator too: the host never reads device state.
         trim = not staging.is_accelerator(self.device) and simulator is None
+        # A simulated device samples no logits: it cannot constrain them.
+        self.grammars = (
+            GrammarCompiler(loaded.tokenizer_file, loaded.eos_token_ids, limits.vocab_size)
+            if simulator is None and getattr(loaded, "tokenizer_file", None) is not None
+            else None
+        )
         self.builder = BatchBuilder(
-            self.table, self.state, self.device, config.block_size, self.num_spec_tokens, proposer, trim
+            self.table, self.state, self.device, config.block_size, self.num_spec_tokens, proposer, trim, self.grammars
         )
         self.notices = FinishNotices()
         if self.model is not None:
@@ -244,7 +252,20 @@ class ModelRunner:
         and build the step's inputs (`BatchBuilder.prepare`); None when the step runs nothing."""
         for req_id in plan.finished_req_ids:
             self.table.release(req_id)
-        return self.builder.prepare(plan.step_id, decodes, entries)
+        batch = self.builder.prepare(plan.step_id, decodes, entries)
+        if batch is not None and batch.sampled is not None and self.table.num_constrained:
+            rows = [i for i, row in enumerate(batch.sampled.rows) if batch.rows[row].grammar is not None]
+            if rows:
+                # Copied now, before the forward is launched: the masks are filled while it runs.
+                drafts, num_real = self.fed_drafts(batch)
+                grammars = [g for i in rows if (g := batch.rows[batch.sampled.rows[i]].grammar) is not None]
+                batch.grammar = copy_inputs(rows, grammars, drafts, num_real)
+        return batch
+
+    def prefetch_grammars(self, plan: worker_pb2.StepPlan) -> None:
+        """Start compiling the grammars a just-received plan brings, off the step thread."""
+        if self.grammars is not None and plan.requests:
+            self.grammars.prefetch(plan)
 
     def _run_batch(self, batch: StepBatch, start: float) -> PendingResult:
         """The model (or the simulated device), sampling and the start of the result copy; a
@@ -316,7 +337,25 @@ class ModelRunner:
         """Sample and verify the sampled rows, then advance the device state (see `advance`)."""
         if batch.sampled is None or logits is None:
             return self.advance(batch, None)
-        return self.advance(batch, sample_and_verify(batch, logits, self.state, self.proposer, self.num_spec_tokens))
+        masks = None
+        if batch.grammar is not None:
+            s = batch.sampled
+            words = -(-logits.shape[1] // BITS)
+            masks = fill_masks(batch.grammar, s.num_cols_host, s.base_host, words, self._history(batch), self.device)
+        out = sample_and_verify(batch, logits, self.state, self.proposer, self.num_spec_tokens, masks)
+        return self.advance(batch, out)
+
+    def _history(self, batch: StepBatch):
+        """Reads a sampled row's tokens [start, end) back from the device's history pages (a
+        resumed constrained request replays its earlier outputs into its grammar; rare)."""
+
+        def read(row: int, start: int, end: int) -> list[int]:
+            assert batch.sampled is not None
+            info = batch.rows[batch.sampled.rows[row]]
+            pages = self.state.history.index_select(0, to_device(info.block_ids, torch.long, self.device))
+            return pages.reshape(-1)[start:end].tolist()
+
+        return read
 
     def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts fed to the sampled rows and how many are real (`verification.fed_drafts`)."""
@@ -360,6 +399,9 @@ class ModelRunner:
             pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
             pending.num_top = s.num_top
         self.copier.start(pending)
+        if batch.grammar is not None:
+            for row, grammar in zip(batch.grammar.rows, batch.grammar.grammars):
+                grammar.pending = (pending, row)  # consumed when the request next samples
         # The next drafts are left to `propose_next`, after the caller has handed this result
         # on: the copy then waits for this step's sampling only, and the scheduler hears the
         # step while a draft model's k forwards run (on a GPU: while they are launched).

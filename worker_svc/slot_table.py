@@ -17,6 +17,7 @@ import torch
 
 from zerobubble.api import worker_pb2
 from zerobubble.rows import DecodeColumnLists, PlanRow, column_rows, decode_columns, message_rows
+from zerobubble.worker_svc.grammar import RequestGrammar
 from zerobubble.worker_svc.sampler import SlotSampling
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class SlotInfo:
     block_ids: list[int]
     sampling: worker_pb2.SamplingParams
     has_sample: bool = False  # a token has been sampled: decode steps are allowed
+    grammar: RequestGrammar | None = None  # structured output (`zerobubble.worker_svc.grammar`)
 
 
 @dataclass(slots=True)
@@ -129,6 +131,7 @@ class SlotTable:
         self.by_index: dict[int, SlotInfo] = {}
         self.free_slots: list[int] = list(range(limits.max_num_seqs - 1, -1, -1))
         self.sampling = SlotSampling(limits.max_num_seqs)
+        self.num_constrained = 0  # live requests with a grammar (none: a step pays nothing for it)
         # Requests holding each KV block (prefix-shared blocks are held by several).
         self.block_refs: dict[int, int] = {}
         # Requests whose row failed: their state is dropped, and entries for them in plans
@@ -150,6 +153,8 @@ class SlotTable:
         if info is None:
             return
         del self.by_index[info.slot]
+        if info.grammar is not None:
+            self.num_constrained -= 1
         # `fill_`, not `t[i] = 0`: on CUDA that assignment copies a host scalar, blocking.
         self.state.num_drafts[info.slot].fill_(0)
         self.free_slots.append(info.slot)
@@ -188,6 +193,11 @@ class SlotTable:
         self.state.seq_len[slot].fill_(entry.num_cached_tokens)
         self.state.num_drafts[slot].fill_(0)
         return info
+
+    def constrain(self, info: SlotInfo, grammar: RequestGrammar) -> None:
+        """Attach a just-admitted request's grammar."""
+        info.grammar = grammar
+        self.num_constrained += 1
 
     def take_blocks(self, info: SlotInfo, new_blocks: Sequence[int], writes: BlockTableWrites) -> None:
         """Append a row's new KV blocks to its table (host side; the block-table cells to write

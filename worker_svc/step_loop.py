@@ -190,6 +190,7 @@ class StepLoop:
                 # Seen now, not when the plan's turn comes: the step running meanwhile may
                 # be one this plan's finish notices make moot.
                 self.runner.note_finished(plan)
+                self.runner.prefetch_grammars(plan)
                 self.plans.put(plan)
         finally:
             self.plans.put(END)

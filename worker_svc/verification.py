@@ -13,6 +13,7 @@ import torch
 
 from zerobubble.kernels.verify import count_accepted, rejection_sample
 from zerobubble.worker_svc.batch import StepBatch
+from zerobubble.worker_svc.grammar import StepMasks
 from zerobubble.worker_svc.proposers import Proposer
 from zerobubble.worker_svc.sampler import sample, target_probs, token_logprobs, top_logprobs
 from zerobubble.worker_svc.slot_table import DeviceState
@@ -47,14 +48,24 @@ def fed_drafts(batch: StepBatch, state: DeviceState, num_spec_tokens: int) -> tu
 
 
 def sample_and_verify(
-    batch: StepBatch, logits: torch.Tensor, state: DeviceState, proposer: Proposer | None, num_spec_tokens: int
+    batch: StepBatch,
+    logits: torch.Tensor,
+    state: DeviceState,
+    proposer: Proposer | None,
+    num_spec_tokens: int,
+    masks: StepMasks | None = None,
 ) -> StepOutputs:
     """Sample every real slot of the sampled rows, verify their drafts, and compute the
-    logprobs asked for (``logits``: ``[G, vocab]``, one row per real slot)."""
+    logprobs asked for (``logits``: ``[G, vocab]``, one row per real slot). ``masks``: the
+    grammar's allowed tokens for the constrained rows, and their drafts cut where it forbids
+    one; log-probabilities stay those of the model."""
     s = batch.sampled
     assert s is not None
     width = num_spec_tokens + 1
     draft_tokens, num_verified = fed_drafts(batch, state, num_spec_tokens)
+    raw_logits = logits
+    if masks is not None:
+        logits, num_verified = masks.apply(logits, num_verified)
     if proposer is not None and proposer.has_draft_probs:
         probs = s.spread(target_probs(logits, s.sampling), width)
         q = proposer.draft_probs(s.slots, num_spec_tokens)
@@ -80,10 +91,10 @@ def sample_and_verify(
         tokens = out_tokens.reshape(-1)
         if s.logprob_index is not None:
             tokens = tokens[s.logprob_index]
-        lp = s.spread(token_logprobs(logits, tokens.long().clamp(min=0)), width)
+        lp = s.spread(token_logprobs(raw_logits, tokens.long().clamp(min=0)), width)
     out = StepOutputs(out_tokens, num_accepted, num_verified, lp)
     if s.num_top:
         # Column c holds the distribution the token at column c was drawn from.
-        top_ids, top_lps = top_logprobs(logits, max(s.num_top))
+        top_ids, top_lps = top_logprobs(raw_logits, max(s.num_top))
         out.top_ids, out.top_logprobs = s.spread(top_ids, width), s.spread(top_lps, width)
     return out

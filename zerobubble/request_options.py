@@ -14,8 +14,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from zerobubble.api import generate_pb2, worker_pb2
+
+if TYPE_CHECKING:
+    from zerobubble.structured import Constraint
 
 # What the wire can carry: int32 fields and float32 fields (larger floats become infinity).
 INT32_MAX = 2**31 - 1
@@ -84,6 +88,10 @@ class SamplingOptions:
     logit_bias: dict[int, float] = field(default_factory=dict)
     top_logprobs: int = 0  # also the N most likely tokens per emitted token
     n: int = 1  # sequences sharing the prompt; the scheduler runs each as its own request
+    constraint: Constraint | None = None  # structured output (`zerobubble.structured`)
+    # The constraint's llguidance grammar, compiled and checked by the scheduler at submission:
+    # what the worker receives.
+    grammar: str = ""
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Every range; :class:`InvalidRequest` names the field as the client API spells it.
@@ -173,6 +181,8 @@ def validate_options(
 def from_generate_request(request: generate_pb2.GenerateRequest) -> tuple[SamplingOptions, StoppingOptions]:
     """The options of a client `GenerateRequest` (unset optional fields take our defaults;
     ``n`` 0 is the proto's "unset", one sequence). Not validated: see `validate_options`."""
+    from zerobubble.structured import from_proto
+
     s, st, resp = request.sampling, request.stopping, request.response
     sampling = SamplingOptions(
         temperature=s.temperature if s.HasField("temperature") else 0.0,
@@ -187,6 +197,7 @@ def from_generate_request(request: generate_pb2.GenerateRequest) -> tuple[Sampli
         logit_bias=dict(s.logit_bias),
         top_logprobs=resp.top_logprobs,
         n=s.n or 1,
+        constraint=from_proto(request.constraint) if request.HasField("constraint") else None,
     )
     stopping = StoppingOptions(
         max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
@@ -224,6 +235,10 @@ def write_generate_request(
     st.stop.extend(stopping.stop)
     st.stop_token_ids.extend(stopping.stop_token_ids)
     st.ignore_eos = stopping.ignore_eos
+    if sampling.constraint is not None:
+        from zerobubble.structured import write_proto
+
+        write_proto(sampling.constraint, request.constraint)
 
 
 def to_worker_sampling(sampling: SamplingOptions, num_prompt_tokens: int) -> worker_pb2.SamplingParams:
@@ -242,6 +257,7 @@ def to_worker_sampling(sampling: SamplingOptions, num_prompt_tokens: int) -> wor
         logit_bias=sampling.logit_bias,
         top_logprobs=sampling.top_logprobs,
         num_prompt_tokens=num_prompt_tokens,
+        grammar=sampling.grammar,
     )
 
 

@@ -1,0 +1,225 @@
+"""Structured output on the worker: a grammar matcher per constrained request, advanced with
+the request's real tokens, and the token masks of each step's sampled slots.
+
+The worker holds every real token one step before the scheduler hears of it, so the grammar
+lives here: no step waits on a network round trip for a mask. A step's masks are filled on the
+host after its forward was launched (on an accelerator the forward runs meanwhile); only its
+sampling waits for them. For each constrained row the mask of slot 0 follows the tokens of
+every earlier step; each draft the grammar allows is consumed tentatively to fill the mask of
+the next slot, and the first draft it forbids ends the row's verified drafts there (the result
+reports the shorter count, so the scheduler reconciles exactly what was verified). The
+tentative drafts are rolled back; the tokens the step really emits advance the matcher when
+the next step that samples the request needs it (`RequestGrammar.catch_up`).
+
+Grammars arrive as llguidance grammar text (`SamplingParams.grammar`, compiled from the
+client's constraint by the scheduler, `zerobubble.structured`). Each distinct text is compiled
+once, on a thread of its own when the plan that brings it is read, never on the step thread;
+a request's matcher is a copy of the compiled one.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zerobubble.api import worker_pb2
+from zerobubble.worker_svc import staging
+
+logger = logging.getLogger(__name__)
+
+BITS = 32  # tokens per word of an llguidance bitmask
+
+
+@dataclass(slots=True)
+class RequestGrammar:
+    """One constrained request's matcher and what it has not consumed yet."""
+
+    matcher: Any  # llguidance.LLMatcher
+    num_prompt_tokens: int
+    num_seen: int  # prompt + output tokens fed through prefill chunks (host count)
+    sampled: bool = False  # a token has been sampled since admission
+    # The step result whose emitted tokens the matcher has not consumed: (result, sampled row).
+    pending: tuple[Any, int] | None = None
+
+    def catch_up(self) -> None:
+        """Consume the tokens of the last step that sampled this request (waiting for its
+        host copy, which was started before any later step was launched)."""
+        if self.pending is None:
+            return
+        result, row = self.pending
+        self.pending = None
+        if result.ready is not None:
+            result.ready.synchronize()
+        num_emitted = int(result.num_accepted[row]) + 1
+        self.consume(result.out_tokens[row, :num_emitted].tolist())
+
+    def consume(self, tokens: list[int]) -> None:
+        for token in tokens:
+            if self.matcher.is_stopped():
+                return  # the grammar ended: tokens past its end (EOS ignored) change nothing
+            if not self.matcher.consume_token(token):
+                logger.error("grammar refused token %d: %s", token, self.matcher.get_error())
+                return
+
+
+@dataclass(slots=True)
+class GrammarInputs:
+    """What a step's masks need from the device, copied to the host before the forward: each
+    constrained row's fed drafts and how many of them are real."""
+
+    rows: list[int]  # indices into the step's sampled rows
+    grammars: list[RequestGrammar]
+    drafts: torch.Tensor  # [C, K] host
+    num_real: torch.Tensor  # [C] host
+    ready: Any = None  # a CUDA event after the copy; None when already on the host
+
+
+@dataclass(slots=True)
+class StepMasks:
+    """A step's masks for its constrained rows: the allowed tokens of each of their sampled
+    slots (``gather``: index into the step's ``[G, vocab]`` logits) and each row's verified
+    drafts after the grammar's check."""
+
+    gather: torch.Tensor  # [M] int64, device
+    bitmask: torch.Tensor  # [M, words] int32, device
+    rows: torch.Tensor  # [C] int64 sampled-row index, device
+    num_verified: torch.Tensor  # [C] int32, device
+
+    def apply(self, logits: torch.Tensor, num_verified: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits with every forbidden token of the masked slots at -inf (a copy: log-probs
+        stay those of the model), and ``num_verified`` cut where a draft was forbidden."""
+        allowed = unpack_bitmask(self.bitmask, logits.shape[1])
+        masked = logits.index_select(0, self.gather).masked_fill(~allowed, float("-inf"))
+        out = logits.index_copy(0, self.gather, masked)
+        verified = num_verified.index_copy(0, self.rows, self.num_verified.to(num_verified.dtype))
+        return out, verified
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[M, words]`` int32 bitmask -> ``[M, vocab_size]`` bool (bit b of word w is token
+    32 w + b; tokens past the bitmask are forbidden)."""
+    shifts = torch.arange(BITS, device=bitmask.device, dtype=torch.int32)
+    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().reshape(bitmask.shape[0], -1)
+    if bits.shape[1] >= vocab_size:
+        return bits[:, :vocab_size]
+    return torch.nn.functional.pad(bits, (0, vocab_size - bits.shape[1]), value=False)
+
+
+class GrammarCompiler:
+    """Compiles each distinct grammar text once, on its own thread, and hands each request a
+    fresh copy of the compiled matcher."""
+
+    def __init__(self, tokenizer_file: Path, eos_token_ids: list[int], vocab_size: int) -> None:
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self._tokenizer_args = (tokenizer_file, eos_token_ids, vocab_size)
+        self._tokenizer: Future | None = None  # loaded with the first grammar (about 0.2 s)
+        self._compiled: dict[str, Future] = {}
+
+    @staticmethod
+    def _load_tokenizer(path: Path, eos_token_ids: list[int], vocab_size: int) -> Any:
+        import llguidance
+
+        return llguidance.LLTokenizer(path.read_text(), n_vocab=vocab_size, eos_token=eos_token_ids or None)
+
+    def _compile(self, grammar: str) -> Any:
+        import llguidance
+
+        assert self._tokenizer is not None
+        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar)
+        if matcher.is_error():
+            # The scheduler checked it against the same tokenizer: this is a bug, not input.
+            raise ValueError(f"grammar does not compile: {matcher.get_error()}")
+        return matcher
+
+    def prefetch(self, plan: worker_pb2.StepPlan) -> None:
+        """Start compiling the grammars a just-received plan brings (its new rows')."""
+        for row in plan.requests:
+            if row.is_new and row.sampling.grammar:
+                self._future(row.sampling.grammar)
+
+    def _future(self, grammar: str) -> Future:
+        future = self._compiled.get(grammar)
+        if future is None:
+            if self._tokenizer is None:
+                self._tokenizer = self._executor.submit(self._load_tokenizer, *self._tokenizer_args)
+            future = self._compiled[grammar] = self._executor.submit(self._compile, grammar)
+        return future
+
+    def start(self, sampling: worker_pb2.SamplingParams, num_cached_tokens: int) -> RequestGrammar:
+        """A new request's grammar state (its text compiled, if `prefetch` has not already)."""
+        matcher = self._future(sampling.grammar).result().deep_copy()
+        return RequestGrammar(matcher, sampling.num_prompt_tokens, num_cached_tokens)
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+def copy_inputs(
+    rows: list[int], grammars: list[RequestGrammar], drafts: torch.Tensor, num_real: torch.Tensor
+) -> GrammarInputs:
+    """Start the host copy of the constrained rows' fed drafts (``drafts`` ``[S, K]`` and their
+    real counts ``[S]``, on the device) before the forward is launched."""
+    index = staging.to_device(rows, torch.long, drafts.device)
+    picked = [drafts.index_select(0, index), num_real.index_select(0, index)]
+    if not staging.is_accelerator(drafts.device):
+        return GrammarInputs(rows, grammars, picked[0], picked[1])
+    host = [staging.to_host(t) for t in picked]
+    ready = torch.cuda.Event() if drafts.device.type == "cuda" else None
+    if ready is not None:
+        ready.record()
+    return GrammarInputs(rows, grammars, host[0], host[1], ready)
+
+
+def fill_masks(
+    inputs: GrammarInputs, num_cols: np.ndarray, base: np.ndarray, words: int, history: Any, device: torch.device
+) -> StepMasks:
+    """The masks of every sampled slot of the constrained rows (``num_cols``/``base``: each
+    sampled row's real slots and first gathered slot). ``history(row, start, end)`` reads a
+    row's tokens back from the device when a resumed request must replay its outputs."""
+    if inputs.ready is not None:
+        inputs.ready.synchronize()
+    drafts, num_real = inputs.drafts.tolist(), inputs.num_real.tolist()
+    num_slots = int(sum(num_cols[row] for row in inputs.rows))
+    bitmask = np.full((num_slots, words), -1, dtype=np.int32)
+    gather: list[int] = []
+    verified: list[int] = []
+    for c, (row, grammar) in enumerate(zip(inputs.rows, inputs.grammars)):
+        if not grammar.sampled:
+            grammar.sampled = True
+            if grammar.num_seen > grammar.num_prompt_tokens:  # resumed: its outputs so far
+                grammar.consume(history(row, grammar.num_prompt_tokens, grammar.num_seen))
+        grammar.catch_up()
+        first = len(gather)
+        gather.extend(range(int(base[row]), int(base[row] + num_cols[row])))
+        verified.append(_fill_row(grammar.matcher, bitmask, first, drafts[c][: num_real[c]]))
+    return StepMasks(
+        gather=staging.to_device(gather, torch.long, device),
+        bitmask=staging.to_device(bitmask.reshape(-1), torch.int32, device).view(num_slots, words),
+        rows=staging.to_device(inputs.rows, torch.long, device),
+        num_verified=staging.to_device(verified, torch.int32, device),
+    )
+
+
+def _fill_row(matcher: Any, bitmask: np.ndarray, first: int, drafts: list[int]) -> int:
+    """Fill the masks of one row's slots from ``first`` on: slot 0 from the matcher's state,
+    slot j + 1 after draft j, while the grammar allows the drafts. Returns how many drafts it
+    allowed (the row's verified drafts); the matcher is left as it was."""
+    from llguidance.numpy import fill_next_token_bitmask
+
+    fill_next_token_bitmask(matcher, bitmask, first)
+    num_allowed = 0
+    for j, token in enumerate(drafts):
+        word = bitmask[first + j, token // BITS]
+        if not (int(word) >> (token % BITS)) & 1 or not matcher.consume_token(token):
+            break
+        num_allowed += 1
+        fill_next_token_bitmask(matcher, bitmask, first + j + 1)
+    if num_allowed:
+        matcher.rollback(num_allowed)
+    return num_allowed

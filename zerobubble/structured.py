@@ -1,0 +1,178 @@
+"""Structured output: a request's constraint, the grammar it compiles to, and the check that
+refuses a bad one before the request is queued.
+
+A constraint (JSON schema, any JSON object, regex, choice, grammar, or a forced tool call)
+becomes one llguidance grammar text here, on the scheduler side, once per request; the worker
+only ever sees that text (`SamplingParams.grammar`) and builds a matcher from it
+(`zerobubble.worker_svc.grammar`). llguidance needs no torch, so the scheduler can check
+grammars against the served model's tokenizer without importing the model runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from zerobubble.api import generate_pb2
+from zerobubble.request_options import InvalidRequest, require, shown
+
+KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+MAX_CONSTRAINT_CHARS = 256_000  # of a schema, regex, grammar or all choices together
+MAX_CHOICES = 1024
+
+# JSON is emitted compactly (", " and ": ", no free whitespace): a free whitespace rule lets a
+# small model spend its whole budget on newlines, and the compact form is what models emit most.
+JSON_OPTIONS = {"whitespace_flexible": False}
+
+# Hermes-style tool calls, the format of Qwen's and SmolLM's chat templates.
+TOOL_CALL_OPEN = "<tool_call>\n"
+TOOL_CALL_CLOSE = "\n</tool_call>"
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match. ``value``: the schema (JSON text), the regex, the
+    choices (a JSON list), the grammar or the tool-call grammar; empty for ``json_object``.
+    ``field_name``: the parameter as the client named it, for error messages."""
+
+    kind: str
+    value: str = ""
+    field_name: str = ""
+
+    @property
+    def field(self) -> str:
+        return self.field_name or f"constraint.{self.kind}"
+
+
+def from_proto(message: generate_pb2.Constraint) -> Constraint | None:
+    """The constraint of a `GenerateRequest` (None when it has none)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        value = ""
+    elif kind == "choice":
+        value = json.dumps(list(message.choice.choices))
+    else:
+        value = getattr(message, kind)
+    return Constraint(kind, value, message.field_name)
+
+
+def write_proto(constraint: Constraint, message: generate_pb2.Constraint) -> None:
+    """Set ``message`` from ``constraint`` (the inverse of `from_proto`)."""
+    if constraint.kind == "json_object":
+        message.json_object = True
+    elif constraint.kind == "choice":
+        message.choice.choices.extend(json.loads(constraint.value))
+    else:
+        setattr(message, constraint.kind, constraint.value)
+    message.field_name = constraint.field_name
+
+
+def to_grammar(constraint: Constraint) -> str:
+    """The llguidance grammar text of ``constraint``; :class:`InvalidRequest` naming its field
+    when it is malformed (a schema that is not JSON, an empty choice list, ...). Whether the
+    grammar compiles is `GrammarChecker.check`'s question."""
+    import llguidance
+
+    name, kind, value = constraint.field, constraint.kind, constraint.value
+    require(kind in KINDS, f"{name}: unknown constraint kind {shown(kind)}")
+    require(len(value) <= MAX_CONSTRAINT_CHARS, f"{name}: longer than {MAX_CONSTRAINT_CHARS} characters")
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    if kind == "json_schema":
+        return _schema_grammar(value, name)
+    if kind == "regex":
+        require(bool(value), f"{name}: the regex is empty")
+        return llguidance.LLMatcher.grammar_from_regex(value)
+    if kind == "choice":
+        choices = json.loads(value)
+        require(0 < len(choices) <= MAX_CHOICES, f"{name}: must list 1 to {MAX_CHOICES} choices")
+        require(all(isinstance(c, str) and c for c in choices), f"{name}: every choice must be a non-empty string")
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    require(bool(value.strip()), f"{name}: the grammar is empty")
+    try:
+        return llguidance.grammar_from("grammar", value)
+    except ValueError as exc:
+        raise InvalidRequest(f"{name}: {exc}") from exc
+
+
+def _schema_grammar(text: str, name: str) -> str:
+    import llguidance
+
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidRequest(f"{name}: the schema is not valid JSON ({exc.msg} at character {exc.pos})") from exc
+    require(isinstance(schema, (dict, bool)), f"{name}: the schema must be a JSON object")
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise InvalidRequest(f"{name}: {exc}") from exc
+
+
+def tool_call_grammar(tools: list[dict], name: str | None = None, field_name: str = "tools") -> Constraint:
+    """A grammar constraint forcing Hermes-style tool calls (``<tool_call>\\n{"name": ...,
+    "arguments": {...}}\\n</tool_call>``, one or more): of the function ``name``, or of any
+    of ``tools`` (OpenAI's ``{"type": "function", "function": {"name", "parameters"}}``)."""
+    options = []
+    for tool in tools:
+        function = tool.get("function", {})
+        if name is not None and function.get("name") != name:
+            continue
+        parameters = function.get("parameters") or {"type": "object"}
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": function.get("name", "")}, "arguments": parameters},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    require(bool(options), f"tool_choice: no tool named {shown(name)} in tools")
+    schema = json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+    call = f"{json.dumps(TOOL_CALL_OPEN)} %json {schema} {json.dumps(TOOL_CALL_CLOSE)}"
+    # A named function is called once; "required" allows several calls, one after another.
+    start = "call" if name is not None else 'call ("\\n" call)*'
+    return Constraint("grammar", f"start: {start}\ncall: {call}\n", field_name)
+
+
+class GrammarChecker:
+    """Checks grammars against one tokenizer, remembering each distinct text's verdict.
+
+    Thread-safe: `check` is meant to run off the event loop (`asyncio.to_thread`), since a
+    large grammar can take a while to compile.
+    """
+
+    def __init__(self, tokenizer_json: str, eos_token_ids: list[int], max_entries: int = 1024) -> None:
+        self.tokenizer_json = tokenizer_json
+        self.eos_token_ids = list(eos_token_ids)
+        self.max_entries = max_entries
+        self._tokenizer: Any = None  # llguidance.LLTokenizer, built on the first check
+        self._verdicts: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def known(self, grammar: str) -> bool:
+        """Whether ``grammar`` was checked already (a cache hit needs no thread)."""
+        with self._lock:
+            return grammar in self._verdicts
+
+    def check(self, grammar: str, field: str) -> None:
+        """:class:`InvalidRequest` naming ``field`` if ``grammar`` does not compile."""
+        import llguidance
+
+        with self._lock:
+            verdict = self._verdicts.get(grammar)
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.LLTokenizer(self.tokenizer_json, eos_token=self.eos_token_ids or None)
+            tokenizer = self._tokenizer
+        if verdict is None:
+            verdict = llguidance.LLMatcher.validate_grammar(grammar, tokenizer)
+            with self._lock:
+                self._verdicts[grammar] = verdict
+                if len(self._verdicts) > self.max_entries:
+                    self._verdicts.popitem(last=False)
+        require(not verdict, f"{field}: {verdict.strip()}")
