@@ -441,6 +441,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             stats.num_steps += lk.stats.num_steps
             stats.worker_busy_s += lk.stats.busy_s
             stats.worker_idle_s += lk.stats.idle_s
+            stats.grammar_s += lk.stats.grammar_s
             if lk.scheduler is not None:
                 s = lk.scheduler.stats
                 stats.num_drafts += s.num_drafts

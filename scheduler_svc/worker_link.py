@@ -132,6 +132,7 @@ class LinkStats:
     num_steps: int = 0
     busy_s: float = 0.0
     idle_s: float = 0.0
+    grammar_s: float = 0.0  # host time filling grammar masks (structured output)
 
 
 class WorkerLink:
@@ -436,3 +437,4 @@ class WorkerLink:
         self.stats.num_steps += 1
         self.stats.busy_s += result.forward_s
         self.stats.idle_s += result.idle_s
+        self.stats.grammar_s += result.grammar_s

@@ -17,12 +17,17 @@ def run_job(
     max_num_batched_tokens: int = 256,
     max_num_seqs: int = 64,
     stats: SchedulerStats | None = None,
+    num_blocks: int = 0,
 ) -> dict[str, list[int]]:
     """Run requests to completion through Scheduler + runner; returns req_id -> output ids.
 
     ``stats``: filled with the scheduler's figures at the end (steps, drafts, acceptances).
+    ``num_blocks``: the KV blocks the scheduler may hand out (0: the runner's), fewer to force
+    preemptions.
     """
-    scheduler = make_scheduler(runner, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs)
+    scheduler = make_scheduler(
+        runner, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+    )
     runner.reset()
     for req_id, ids, params in requests:
         scheduler.add_request(req_id, ids, *split_options(params))

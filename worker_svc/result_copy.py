@@ -77,6 +77,7 @@ class PendingResult:
     # CUDA: timing events (the previous step's end while requests were live, or None; this
     # step's begin and end on the compute stream).
     device_span: tuple[Any, Any, Any] | None = None
+    grammar_s: float = 0.0  # host time the step spent filling grammar masks
 
     @classmethod
     def empty(cls, step_id: int, forward_s: float = 0.0, errors: dict[str, str] | None = None) -> PendingResult:
@@ -94,6 +95,7 @@ class PendingResult:
             forward_s=forward_s,
             idle_s=idle_s,
             num_tokens=self.num_tokens,
+            grammar_s=self.grammar_s,
         )
         out = HostOutputs(
             _as_list(self.out_tokens),

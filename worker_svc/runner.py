@@ -337,13 +337,17 @@ class ModelRunner:
         """Sample and verify the sampled rows, then advance the device state (see `advance`)."""
         if batch.sampled is None or logits is None:
             return self.advance(batch, None)
-        masks = None
+        masks, grammar_s = None, 0.0
         if batch.grammar is not None:
+            begin = time.perf_counter()
             s = batch.sampled
             words = -(-logits.shape[1] // BITS)
             masks = fill_masks(batch.grammar, s.num_cols_host, s.base_host, words, self._history(batch), self.device)
+            grammar_s = time.perf_counter() - begin
         out = sample_and_verify(batch, logits, self.state, self.proposer, self.num_spec_tokens, masks)
-        return self.advance(batch, out)
+        pending = self.advance(batch, out)
+        pending.grammar_s = grammar_s
+        return pending
 
     def _history(self, batch: StepBatch):
         """Reads a sampled row's tokens [start, end) back from the device's history pages (a

@@ -68,6 +68,7 @@ class BenchRow:
     temperature: float | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    schema: dict[str, Any] | None = None  # structured output: the JSON schema the reply must follow
 
 
 def parse_row(obj: Any, index: int) -> BenchRow:
@@ -91,6 +92,9 @@ def parse_row(obj: Any, index: int) -> BenchRow:
         raise ValueError(f"row {index}: 'max_tokens' must be a positive integer, got {max_tokens!r}")
     temperature = obj.get("temperature")
     seed = obj.get("seed")
+    schema = obj.get("schema")
+    if schema is not None and not isinstance(schema, dict):
+        raise ValueError(f"row {index}: 'schema' must be a JSON object (a JSON schema)")
     return BenchRow(
         index=index,
         kind=str(obj.get("kind", "")),
@@ -102,6 +106,7 @@ def parse_row(obj: Any, index: int) -> BenchRow:
         temperature=float(temperature) if temperature is not None else None,
         seed=int(seed) if seed is not None else None,
         ignore_eos=bool(obj.get("ignore_eos", False)),
+        schema=schema,
     )
 
 
@@ -164,8 +169,9 @@ def load_dataset(path: str | Path, *, kind: str = "", limit: int = 0, max_tokens
 
 
 def row_request(row: BenchRow) -> generate_pb2.GenerateRequest:
-    """The request a row stands for; greedy when the row gives no temperature."""
-    return build_request(
+    """The request a row stands for; greedy when the row gives no temperature, constrained to
+    the row's schema when it has one."""
+    request = build_request(
         prompt=row.prompt,
         messages=row.messages,
         max_tokens=row.max_tokens,
@@ -173,6 +179,9 @@ def row_request(row: BenchRow) -> generate_pb2.GenerateRequest:
         seed=row.seed,
         ignore_eos=row.ignore_eos,
     )
+    if row.schema is not None:
+        request.constraint.json_schema = json.dumps(row.schema)
+    return request
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -296,6 +305,11 @@ def summarize(
     report["acceptance_rate"] = acceptance_rate(delta) if delta is not None else None
     report["mean_accepted_length"] = mean_accepted_length(delta) if delta is not None else None
     report["worker_idle_fraction"] = idle_fraction(delta) if delta is not None else None
+    report["grammar_s_per_token"] = (
+        delta.grammar_s / delta.num_generation_tokens
+        if delta is not None and delta.grammar_s > 0 and delta.num_generation_tokens > 0
+        else None
+    )
     report["server_stats"] = (
         {d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields}
         if delta is not None
@@ -335,6 +349,8 @@ def format_summary(report: Mapping[str, Any]) -> str:
         f"speculation  {spec}",
         f"worker idle  {ratio(report['worker_idle_fraction'], '{:.1%}')}",
     ]
+    if report.get("grammar_s_per_token") is not None:
+        lines.append(f"grammar      {report['grammar_s_per_token'] * 1e6:.0f} us of worker CPU per output token")
     return "\n".join(lines)
 
 

@@ -45,6 +45,8 @@ def request_body(row: BenchRow, model: str) -> tuple[str, dict[str, Any]]:
         body["seed"] = row.seed
     if row.ignore_eos:
         body["ignore_eos"] = True  # a vLLM extra; llama-server and ours accept it too
+    if row.schema is not None:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "row", "schema": row.schema}}
     if row.messages is not None:
         return "/chat/completions", {**body, "messages": row.messages}
     return "/completions", {**body, "prompt": row.prompt}

@@ -216,7 +216,7 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ..., stats: _Optional[_Union[ServerStats, _Mapping]] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "worker_busy_s", "worker_idle_s", "num_generation_tokens", "num_preemptions")
+    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "worker_busy_s", "worker_idle_s", "num_generation_tokens", "num_preemptions", "grammar_s")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -225,6 +225,7 @@ class ServerStats(_message.Message):
     WORKER_IDLE_S_FIELD_NUMBER: _ClassVar[int]
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_S_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_drafts: int
     num_draft_tokens: int
@@ -233,4 +234,5 @@ class ServerStats(_message.Message):
     worker_idle_s: float
     num_generation_tokens: int
     num_preemptions: int
-    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., worker_idle_s: _Optional[float] = ..., num_generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ...) -> None: ...
+    grammar_s: float
+    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., worker_idle_s: _Optional[float] = ..., num_generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., grammar_s: _Optional[float] = ...) -> None: ...

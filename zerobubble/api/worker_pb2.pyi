@@ -126,7 +126,7 @@ class RowColumns(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "results", "rows", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining")
+    __slots__ = ("step_id", "results", "rows", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining", "grammar_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +136,7 @@ class StepResult(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[RequestResult]
     rows: RowColumns
@@ -145,7 +146,8 @@ class StepResult(_message.Message):
     num_tokens: int
     error: str
     draining: bool
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., rows: _Optional[_Union[RowColumns, _Mapping]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ...) -> None: ...
+    grammar_s: float
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., rows: _Optional[_Union[RowColumns, _Mapping]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ..., grammar_s: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -4,6 +4,7 @@ write the report; ``zerobubble bench plot`` draws reports (see :mod:`zerobubble.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -34,6 +35,8 @@ def run_bench(args: argparse.Namespace) -> int:
         return 2
     try:
         rows = load_dataset(args.dataset, kind=args.kind, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
+        if not args.constraints:
+            rows = [dataclasses.replace(row, schema=None) for row in rows]
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -300,6 +300,13 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
     add_flag(parser, "--kind", default="", env=env, help="only rows whose 'kind' equals this")
     add_flag(parser, "--limit", default=0, type=int, env=env, help="first N rows after --kind (0 = all)")
     add_flag(parser, "--max-tokens-cap", default=0, type=int, env=env, help="cap every row's max_tokens (0 = off)")
+    add_flag(
+        parser,
+        "--constraints",
+        default=True,
+        env=env,
+        help="constrain rows that carry a 'schema' to it (--no-constraints: the same rows unconstrained)",
+    )
     add_flag(parser, "--json", default="", env=env, help="write the full report (per request too) to this file")
     add_flag(parser, "--progress", default=True, env=env, help="progress bar when stdout is a terminal")
 

@@ -1,0 +1,163 @@
+"""Structured output on the real SmolLM2, in-process (real `Scheduler` + `ModelRunner`, results
+one or more plans late as over gRPC).
+
+Oracles: `jsonschema` for every schema output, `re.fullmatch` for regexes, membership for
+choices; across modes, identity with the synchronous unspeculated run (greedy and seeded), in
+every mode of {sync, async} x {no speculation, n-gram, draft model} x {alone, together}.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.drive import run_job
+from tests.structured_cases import CHOICE_CASES, REGEX_CASES, schema_cases, schema_text
+from zerobubble.scheduler_svc.scheduler import SchedulerStats
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
+from zerobubble.structured import Constraint, to_grammar
+from zerobubble.worker_svc.server import tokenizer_fields
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def plain_runner(smollm2_dir):
+    from zerobubble.worker_svc.server import WorkerConfig, build_runner
+
+    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.25, max_num_seqs=16))
+    return runner
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir) -> Tokenizer:
+    fields = tokenizer_fields(smollm2_dir)
+    return Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
+
+
+def chat(tokenizer: Tokenizer, question: str) -> list[int]:
+    return tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+
+def grammar_of(kind: str, value: object) -> str:
+    text = schema_text(value) if kind == "json_schema" else json.dumps(value) if kind == "choice" else str(value)
+    return to_grammar(Constraint(kind, text))
+
+
+def requests_for(
+    tokenizer: Tokenizer, cases: list[tuple[str, str, object]], **params
+) -> list[tuple[str, list[int], dict]]:
+    """One request per (id, kind, value) case; kind "" is an unconstrained request."""
+    out = []
+    for i, (question, kind, value) in enumerate(cases):
+        options = {"max_tokens": MAX_TOKENS, **params}
+        if kind:
+            options["grammar"] = grammar_of(kind, value)
+        out.append((f"c{i}", chat(tokenizer, question), options))
+    return out
+
+
+def test_every_schema_output_validates(plain_runner, tokenizer):
+    """Greedy, async, 16 at a time: every output of the 52 schemas parses and validates, and
+    ends because its grammar did (EOS), not at max_tokens."""
+    cases = [(q, "json_schema", s) for q, s in schema_cases()]
+    assert len({json.dumps(s) for _, _, s in cases}) >= 50
+    outputs = run_job(plain_runner, requests_for(tokenizer, cases), window=2, max_num_seqs=16)
+    for i, (_, _, schema) in enumerate(cases):
+        ids = outputs[f"c{i}"]
+        assert len(ids) < MAX_TOKENS, f"case {i} was cut at max_tokens: {tokenizer.decode(ids)!r}"
+        jsonschema.validate(json.loads(tokenizer.decode(ids)), schema)
+
+
+def test_regex_and_choice_outputs_match(plain_runner, tokenizer):
+    cases = [(q, "regex", r) for q, r in REGEX_CASES] + [(q, "choice", c) for q, c in CHOICE_CASES]
+    for params in ({}, {"temperature": 1.0, "seed": 11}):
+        outputs = run_job(plain_runner, requests_for(tokenizer, cases, **params), window=2)
+        for i, (_, kind, value) in enumerate(cases):
+            text = tokenizer.decode(outputs[f"c{i}"])
+            if kind == "regex":
+                assert re.fullmatch(str(value), text), (value, text)
+            else:
+                assert text in value, (value, text)
+
+
+# Sixteen requests: constrained ones of every kind, and unconstrained ones beside them.
+MIXED = [
+    *[(q, "json_schema", s) for q, s in schema_cases()[2:50:8]],
+    *[(q, "regex", r) for q, r in REGEX_CASES[:3]],
+    *[(q, "choice", c) for q, c in CHOICE_CASES],
+    ("Write a haiku about the sea.", "", None),
+    ("Tell me about Paris.", "", None),
+    ("What is a prime number?", "", None),
+    ("Say hello in French.", "", None),
+]
+MODES = {
+    # (runner fixture, plans in flight): every mode for greedy output, the speculative async
+    # ones for seeded output (the keyed noise makes the rest follow from the same argument).
+    "greedy": [("plain", 2), ("ngram", 1), ("ngram", 2), ("draft", 1), ("draft", 2)],
+    "seeded": [("ngram", 2), ("draft", 2)],
+}
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_constrained_output_is_the_same_in_every_mode(plain_runner, ngram_runner, keyed_draft_runner, tokenizer, name):
+    """The same tokens sync and async, without speculation, with n-gram and with draft-model
+    drafts (drafts the grammar forbids are cut before verification), sixteen requests together
+    and alone; the unconstrained requests beside the constrained ones are unchanged."""
+    params = {} if name == "greedy" else {"temperature": 0.9, "seed": 5}
+    requests = [
+        (req_id, ids, {**options, "max_tokens": 24} if "grammar" not in options else options)
+        for req_id, ids, options in requests_for(tokenizer, MIXED, **params)
+    ]
+    assert len(requests) == 16
+    runners = {"plain": plain_runner, "ngram": ngram_runner, "draft": keyed_draft_runner}
+    reference = run_job(runners["plain"], requests, window=1)
+    for runner_name, window in MODES[name]:
+        assert run_job(runners[runner_name], requests, window=window) == reference, (runner_name, window)
+    for request in (requests[0], requests[6]):
+        alone = run_job(runners["ngram"], [request], window=2)
+        assert alone[request[0]] == reference[request[0]], ("alone", request[0])
+
+
+def test_a_preempted_constrained_request_resumes_its_grammar(ngram_runner, tokenizer):
+    """Preempted (recompute) and resumed, a constrained request replays its earlier outputs into
+    a fresh matcher and ends exactly as when it ran without preemption."""
+    cases = [(q, "json_schema", s) for q, s in schema_cases()[:48:6]]
+    requests = requests_for(tokenizer, cases)
+    reference = run_job(ngram_runner, requests, window=2)
+    stats = SchedulerStats()
+    squeezed = run_job(ngram_runner, requests, window=2, num_blocks=24, stats=stats)
+    assert stats.num_preemptions > 0
+    assert squeezed == reference
+
+
+def test_drafts_the_grammar_forbids_are_cut_and_the_matcher_is_unchanged(smollm2_dir):
+    """`_fill_row`: slot 0's mask follows the matcher, each allowed draft fills the next slot's
+    mask, the first forbidden draft ends the verified drafts, and the tentative drafts are
+    rolled back."""
+    import llguidance
+    import numpy as np
+
+    from zerobubble.worker_svc.grammar import BITS, _fill_row, unpack_bitmask
+
+    tok = llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text())
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    matcher = llguidance.LLMatcher(tok, to_grammar(Constraint("json_schema", json.dumps(schema))))
+    good = tok.tokenize_str('{"a":12}')
+    forbidden = tok.tokenize_str("hello")[0]
+    words = -(-tok.vocab_size // BITS)
+    bitmask = np.full((4, words), -1, dtype=np.int32)
+    assert _fill_row(matcher, bitmask, 0, [good[0], good[1], forbidden, good[2]]) == 2
+    import torch
+
+    allowed = unpack_bitmask(torch.from_numpy(bitmask), tok.vocab_size)
+    assert allowed[0, good[0]] and allowed[1, good[1]] and not allowed[2, forbidden]
+    assert allowed[3].all()  # past the cut: never emitted, left unmasked
+    again = np.full((1, words), -1, dtype=np.int32)
+    assert _fill_row(matcher, again, 0, []) == 0
+    assert (again[0] == bitmask[0]).all()  # the matcher is where it was
