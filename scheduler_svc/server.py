@@ -28,6 +28,7 @@ from zerobubble.request_options import (
     StoppingOptions,
     for_sequence,
     from_generate_request,
+    from_proto,
     shown,
 )
 from zerobubble.scheduler_svc import front_gateway
@@ -44,7 +45,7 @@ from zerobubble.scheduler_svc.submission import (
     unknown_model,
 )
 from zerobubble.scheduler_svc.worker_link import WorkerLink
-from zerobubble.structured import GrammarChecker, from_proto, to_grammar
+from zerobubble.structured import GrammarChecker, to_grammar
 
 if TYPE_CHECKING:
     from zerobubble.metrics import ServiceMetrics

@@ -12,14 +12,11 @@ servicer and the scheduler check them again with the model's vocabulary and leng
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from zerobubble.api import generate_pb2, worker_pb2
-
-if TYPE_CHECKING:
-    from zerobubble.structured import Constraint
 
 # What the wire can carry: int32 fields and float32 fields (larger floats become infinity).
 INT32_MAX = 2**31 - 1
@@ -66,6 +63,49 @@ def validate_token_ids(ids: Sequence[int], name: str, vocab_size: int | None = N
     limit = vocab_size if vocab_size is not None else INT32_MAX + 1
     for token_id in ids:
         require(0 <= token_id < limit, f"{name}: {shown(token_id)} is outside the vocabulary [0, {limit})")
+
+
+CONSTRAINT_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class Constraint:
+    """What a request's output must match. ``value``: the schema (JSON text), the regex, the
+    choices (a JSON list), the grammar or the tool-call grammar; empty for ``json_object``.
+    ``field_name``: the parameter as the client named it, for error messages."""
+
+    kind: str
+    value: str = ""
+    field_name: str = ""
+
+    @property
+    def field(self) -> str:
+        return self.field_name or f"constraint.{self.kind}"
+
+
+def from_proto(message: generate_pb2.Constraint) -> Constraint | None:
+    """The constraint of a `GenerateRequest` (None when it has none)."""
+    kind = message.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        value = ""
+    elif kind == "choice":
+        value = json.dumps(list(message.choice.choices))
+    else:
+        value = getattr(message, kind)
+    return Constraint(kind, value, message.field_name)
+
+
+def write_proto(constraint: Constraint, message: generate_pb2.Constraint) -> None:
+    """Set ``message`` from ``constraint`` (the inverse of `from_proto`)."""
+    if constraint.kind == "json_object":
+        message.json_object = True
+    elif constraint.kind == "choice":
+        message.choice.choices.extend(json.loads(constraint.value))
+    else:
+        setattr(message, constraint.kind, constraint.value)
+    message.field_name = constraint.field_name
 
 
 @dataclass(slots=True)
@@ -181,8 +221,6 @@ def validate_options(
 def from_generate_request(request: generate_pb2.GenerateRequest) -> tuple[SamplingOptions, StoppingOptions]:
     """The options of a client `GenerateRequest` (unset optional fields take our defaults;
     ``n`` 0 is the proto's "unset", one sequence). Not validated: see `validate_options`."""
-    from zerobubble.structured import from_proto
-
     s, st, resp = request.sampling, request.stopping, request.response
     sampling = SamplingOptions(
         temperature=s.temperature if s.HasField("temperature") else 0.0,
@@ -236,8 +274,6 @@ def write_generate_request(
     st.stop_token_ids.extend(stopping.stop_token_ids)
     st.ignore_eos = stopping.ignore_eos
     if sampling.constraint is not None:
-        from zerobubble.structured import write_proto
-
         write_proto(sampling.constraint, request.constraint)
 
 

@@ -13,13 +13,12 @@ from __future__ import annotations
 import json
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
-from zerobubble.api import generate_pb2
-from zerobubble.request_options import InvalidRequest, require, shown
+from zerobubble.request_options import CONSTRAINT_KINDS, Constraint, InvalidRequest, require, shown
 
-KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+__all__ = ["Constraint", "GrammarChecker", "to_grammar", "tool_call_grammar"]
+
 MAX_CONSTRAINT_CHARS = 256_000  # of a schema, regex, grammar or all choices together
 MAX_CHOICES = 1024
 
@@ -32,46 +31,6 @@ TOOL_CALL_OPEN = "<tool_call>\n"
 TOOL_CALL_CLOSE = "\n</tool_call>"
 
 
-@dataclass(frozen=True, slots=True)
-class Constraint:
-    """What a request's output must match. ``value``: the schema (JSON text), the regex, the
-    choices (a JSON list), the grammar or the tool-call grammar; empty for ``json_object``.
-    ``field_name``: the parameter as the client named it, for error messages."""
-
-    kind: str
-    value: str = ""
-    field_name: str = ""
-
-    @property
-    def field(self) -> str:
-        return self.field_name or f"constraint.{self.kind}"
-
-
-def from_proto(message: generate_pb2.Constraint) -> Constraint | None:
-    """The constraint of a `GenerateRequest` (None when it has none)."""
-    kind = message.WhichOneof("kind")
-    if kind is None:
-        return None
-    if kind == "json_object":
-        value = ""
-    elif kind == "choice":
-        value = json.dumps(list(message.choice.choices))
-    else:
-        value = getattr(message, kind)
-    return Constraint(kind, value, message.field_name)
-
-
-def write_proto(constraint: Constraint, message: generate_pb2.Constraint) -> None:
-    """Set ``message`` from ``constraint`` (the inverse of `from_proto`)."""
-    if constraint.kind == "json_object":
-        message.json_object = True
-    elif constraint.kind == "choice":
-        message.choice.choices.extend(json.loads(constraint.value))
-    else:
-        setattr(message, constraint.kind, constraint.value)
-    message.field_name = constraint.field_name
-
-
 def to_grammar(constraint: Constraint) -> str:
     """The llguidance grammar text of ``constraint``; :class:`InvalidRequest` naming its field
     when it is malformed (a schema that is not JSON, an empty choice list, ...). Whether the
@@ -79,7 +38,7 @@ def to_grammar(constraint: Constraint) -> str:
     import llguidance
 
     name, kind, value = constraint.field, constraint.kind, constraint.value
-    require(kind in KINDS, f"{name}: unknown constraint kind {shown(kind)}")
+    require(kind in CONSTRAINT_KINDS, f"{name}: unknown constraint kind {shown(kind)}")
     require(len(value) <= MAX_CONSTRAINT_CHARS, f"{name}: longer than {MAX_CONSTRAINT_CHARS} characters")
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)  # type: ignore[arg-type]
