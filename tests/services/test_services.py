@@ -238,3 +238,55 @@ def test_n_sequences_and_top_logprobs_stream_with_index(services):
         assert all(len(top) == 3 and top[0][1] >= top[1][1] >= top[2][1] for top in c.top_logprobs)
         # The sampled token's logprob is at most the most likely one's.
         assert all(lp <= top[0][1] + 1e-5 for lp, top in zip(c.logprobs, c.top_logprobs))
+
+
+async def constrained(target: str, kind: str, value: object, **kw):
+    """One request with ``constraint.<kind>`` set to ``value`` (a message's field, or a list
+    for `choice`)."""
+    request = build_request(**kw)
+    if kind == "choice":
+        request.constraint.choice.choices.extend(value)  # type: ignore[arg-type]
+    else:
+        setattr(request.constraint, kind, value)
+    async with grpc.aio.insecure_channel(target) as channel:
+        return await complete(generate_pb2_grpc.GenerationStub(channel), request, timeout=120)
+
+
+def test_constraints_over_grpc_and_their_refusals(services):
+    """`GenerateRequest.constraint`: a schema's reply validates and ends with EOS, a regex's
+    fullmatches, a choice's is one of them; a schema, regex or grammar that does not compile is
+    INVALID_ARGUMENT naming the field, and nothing is left running or holding KV blocks."""
+    import json
+    import re
+
+    import jsonschema
+
+    scheduler, _ = services
+    ask = {"messages": [{"role": "user", "content": "Describe a cat as JSON."}], "max_tokens": 96}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "legs": {"type": "integer", "maximum": 8}},
+        "required": ["name", "legs"],
+        "additionalProperties": False,
+    }
+    reply = run(constrained(scheduler.target, "json_schema", json.dumps(schema), **ask))
+    assert reply.finish_reason == "eos"
+    jsonschema.validate(json.loads(reply.text), schema)
+    reply = run(constrained(scheduler.target, "regex", r"[A-Z][a-z]+ (is|was) \d{1,2}\.", **ask))
+    assert re.fullmatch(r"[A-Z][a-z]+ (is|was) \d{1,2}\.", reply.text), reply.text
+    reply = run(constrained(scheduler.target, "choice", ["purr", "bark"], **ask))
+    assert reply.text in ("purr", "bark")
+    reply = run(constrained(scheduler.target, "json_object", True, **{**ask, "max_tokens": 4}))
+    assert reply.finish_reason == "max_tokens" and reply.text.startswith("{")
+    for kind, value, field in [
+        ("json_schema", '{"type": "foo"}', "constraint.json_schema"),
+        ("json_schema", "{not json", "constraint.json_schema"),
+        ("regex", "a(b", "constraint.regex"),
+        ("grammar", "start: undefined_rule", "constraint.grammar"),
+        ("choice", [], "constraint.choice"),
+    ]:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            run(constrained(scheduler.target, kind, value, **ask))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (kind, value)
+        assert refused.value.details().startswith(f"{field}: "), refused.value.details()
+    wait_all_released(scheduler.ports["METRICS"])
