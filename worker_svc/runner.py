@@ -34,7 +34,7 @@ from zerobubble.worker_svc.batch import BatchBuilder, StepBatch
 from zerobubble.worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
 from zerobubble.worker_svc.faults import NO_FAULTS, FaultInjector
 from zerobubble.worker_svc.finish_notices import FinishNotices
-from zerobubble.worker_svc.grammar import BITS, GrammarCompiler, copy_inputs, fill_masks
+from zerobubble.worker_svc.grammar import GrammarCompiler, copy_inputs, fill_masks
 from zerobubble.worker_svc.model import StepInterrupted, allocate_kv_cache
 from zerobubble.worker_svc.model_loader import LoadedModel
 from zerobubble.worker_svc.proposers import Proposer
@@ -341,8 +341,10 @@ class ModelRunner:
         if batch.grammar is not None:
             begin = time.perf_counter()
             s = batch.sampled
-            words = -(-logits.shape[1] // BITS)
-            masks = fill_masks(batch.grammar, s.num_cols_host, s.base_host, words, self._history(batch), self.device)
+            vocab_size = logits.shape[1]
+            masks = fill_masks(
+                batch.grammar, s.num_cols_host, s.base_host, vocab_size, self._history(batch), self.device
+            )
             grammar_s = time.perf_counter() - begin
         out = sample_and_verify(batch, logits, self.state, self.proposer, self.num_spec_tokens, masks)
         pending = self.advance(batch, out)

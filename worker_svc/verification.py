@@ -65,7 +65,8 @@ def sample_and_verify(
     draft_tokens, num_verified = fed_drafts(batch, state, num_spec_tokens)
     raw_logits = logits
     if masks is not None:
-        logits, num_verified = masks.apply(logits, num_verified)
+        # Log-probs are the model's: mask a copy when a row reports them.
+        logits, num_verified = masks.apply(logits, num_verified, in_place=not (s.want_logprobs or s.num_top))
     if proposer is not None and proposer.has_draft_probs:
         probs = s.spread(target_probs(logits, s.sampling), width)
         q = proposer.draft_probs(s.slots, num_spec_tokens)

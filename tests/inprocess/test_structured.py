@@ -161,3 +161,21 @@ def test_drafts_the_grammar_forbids_are_cut_and_the_matcher_is_unchanged(smollm2
     again = np.full((1, words), -1, dtype=np.int32)
     assert _fill_row(matcher, again, 0, []) == 0
     assert (again[0] == bitmask[0]).all()  # the matcher is where it was
+
+
+def test_masks_unpack_the_same_on_host_and_device():
+    """The bitmask a step uploads to an accelerator, unpacked there (`unpack_bitmask`), allows
+    exactly the tokens the host unpacks for a CPU step (`fill_masks`)."""
+    import numpy as np
+    import torch
+
+    from zerobubble.worker_svc.grammar import unpack_bitmask
+
+    rng = np.random.default_rng(0)
+    vocab = 100
+    bitmask = rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int64).astype(np.int32)
+    expected = [[bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)]
+    device = unpack_bitmask(torch.from_numpy(bitmask), vocab)
+    assert device.tolist() == expected
+    host = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    assert host.astype(bool).tolist() == expected
