@@ -60,8 +60,9 @@ _ERROR_TYPES = {
 }
 
 
-# Parts of a pydantic error location that name a union branch, not a field: str, list[int], Model.
-_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+# Parts of a pydantic error location that name a union branch, not a field: str, list[int],
+# literal[...], Model.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)$")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -354,8 +355,10 @@ async def generate(servicer: Frontend, request: Request, model: type[oa.Body], c
     whole or as server-sent events."""
     body = await read_body(request, model)
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-    # How a conversation with tools is sent depends on the model's chat template.
-    template = _ready_link(servicer).tokenizer if oa.mentions_tools(body) else None
+    # How a conversation with tools is sent depends on the model's chat template (without a
+    # ready worker the body is still checked: a 400 comes before the 503).
+    ready = servicer.router.any_ready() if oa.mentions_tools(body) else None
+    template = ready.tokenizer if ready is not None else None
     try:
         requests = oa.build_requests(body, response_id, template)
     except oa.ParamError as exc:

@@ -377,7 +377,7 @@ def _tool_constraint(body: ChatCompletionBody) -> Constraint | None:
     tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
     if choice == "required":
         return tool_call_grammar(tools, None, "tools", parallel=body.parallel_tool_calls)
-    name = choice.function.name  # type: ignore[union-attr]
+    name = choice.function.name
     if all(tool.function.name != name for tool in body.tools):
         raise ParamError("tool_choice", f"no function named {name[:64]!r} in tools")
     return tool_call_grammar(tools, name, "tools")
@@ -492,15 +492,15 @@ def _write_chat_input(
         for i, message in enumerate(body.messages):  # the servicer checks the roles of messages only
             if message.role not in CHAT_ROLES:
                 raise ParamError(f"messages[{i}].role", f"unknown role {shown(message.role)}")
-        messages = [_template_message(i, m) for i, m in enumerate(body.messages)]
+        rendered = [_template_message(i, m) for i, m in enumerate(body.messages)]
         try:
-            request.prompt = tokenizer.render_chat_template(messages, tools=shown_tools(body))
+            request.prompt = tokenizer.render_chat_template(rendered, tools=shown_tools(body))
         except ValueError as exc:
             raise ParamError("messages", str(exc)) from None
         return
     request.messages.SetInParent()
-    for message in _plain_conversation(body):
-        request.messages.messages.add(role=message["role"], content=message["content"])
+    for plain in _plain_conversation(body):
+        request.messages.messages.add(role=plain["role"], content=plain["content"])
 
 
 def build_requests(
