@@ -104,7 +104,7 @@ class Choice:
     num_chars: int = 0  # text length so far, for completions' text_offset
     finish_reason: str | None = None
     started: bool = False
-    tool_calls: tool_calls.ToolCallParser | None = None  # streamed replies that parse tool calls
+    call_parser: tool_calls.ToolCallParser | None = None  # a streamed reply's, when it parses tool calls
 
 
 @dataclass(slots=True)
@@ -125,8 +125,8 @@ class Exchange:
     def choice(self, prompt_index: int, reply: generate_pb2.GenerateResponse) -> Choice:
         index = prompt_index * self.body.n + reply.index
         if index not in self.choices:
-            parser = tool_calls.ToolCallParser() if self.parse_tool_calls else None
-            self.choices[index] = Choice(index, tool_calls=parser)
+            parser = tool_calls.ToolCallParser() if self.parse_tool_calls and self.body.stream else None
+            self.choices[index] = Choice(index, call_parser=parser)
         return self.choices[index]
 
     def add(self, prompt_index: int, reply: generate_pb2.GenerateResponse) -> tuple[Choice, dict | None]:
@@ -412,7 +412,7 @@ def _stream_chunk(
     """The chunk entry of one reply, or None when it carries nothing to send."""
     if not reply.text and not reply.token_ids and choice.finish_reason is None:
         return None
-    if choice.tool_calls is not None:
+    if choice.call_parser is not None:
         delta = _tool_call_delta(choice, reply.text)
         if not delta and logprobs is None and choice.finish_reason is None:
             return None  # text held back: it may be the start of a call
@@ -430,7 +430,7 @@ def _stream_chunk(
 def _tool_call_delta(choice: Choice, text: str) -> dict[str, Any]:
     """The delta of a streamed reply that parses tool calls: the content that cannot be part
     of a call, and each call once complete. The last one also ends the choice's reason."""
-    parser = choice.tool_calls
+    parser = choice.call_parser
     assert parser is not None
     content, calls = parser.feed(text)
     if choice.finish_reason is not None:

@@ -6,6 +6,13 @@ becomes the request model's options (`zerobubble/request_options.py`), whose one
 every range and runs before any protobuf is built, so a value the wire cannot carry is a named
 400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
 turns back into the OpenAI name.
+
+The fields that constrain the output (`response_format`, vLLM's `structured_outputs` and
+`guided_*`, `tools` with a forcing `tool_choice`) become one `zerobubble.structured.Constraint`
+whose `field_name` is the parameter as the client wrote it, so that the servicer's verdict on
+its grammar names that parameter. A conversation with tools is written for the model's chat
+template: rendered here with the tools when the template reads them (the wire's messages carry
+none), else with the tools described in a system message (`tool_calls.py`).
 """
 
 from __future__ import annotations
@@ -287,7 +294,7 @@ def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
     return bias
 
 
-# Where a constraint may come from: (body field, key inside it, constraint kind).
+# vLLM's constraint keys (in `structured_outputs`, and as `guided_<key>`) and the kind of each.
 _VLLM_KEYS = (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar"))
 
 
@@ -312,29 +319,33 @@ def _response_format(fmt: ResponseFormat) -> Constraint | None:
     return _constraint("json_schema", fmt.json_schema.schema_, "response_format.json_schema.schema")
 
 
+def _structured_outputs(outputs: StructuredOutputs) -> list[Constraint]:
+    """The constraints of `structured_outputs`' keys (more than one is a conflict)."""
+    found = []
+    for key, kind in _VLLM_KEYS:
+        value = getattr(outputs, "json_value" if key == "json" else key)
+        if value is not None:
+            found.append(_constraint(kind, value, f"structured_outputs.{key}"))
+    if outputs.json_object:
+        found.append(Constraint("json_object", "", "structured_outputs.json_object"))
+    return found
+
+
 def _constraint_sources(body: Body) -> list[tuple[str, Constraint]]:
     """(parameter, constraint) of every field of ``body`` that constrains the output."""
     sources: list[tuple[str, Constraint]] = []
-    if body.response_format is not None:
-        fmt = _response_format(body.response_format)
-        if fmt is not None:
-            sources.append(("response_format", fmt))
-    outputs = body.structured_outputs
-    if outputs is not None:
-        for key, kind in _VLLM_KEYS:
-            value = getattr(outputs, "json_value" if key == "json" else key)
-            if value is not None:
-                sources.append((f"structured_outputs.{key}", _constraint(kind, value, f"structured_outputs.{key}")))
-        if outputs.json_object:
-            sources.append(("structured_outputs.json_object", Constraint("json_object", "", "structured_outputs")))
+    fmt = _response_format(body.response_format) if body.response_format is not None else None
+    if fmt is not None:
+        sources.append(("response_format", fmt))
+    if body.structured_outputs is not None:
+        sources += [(c.field_name, c) for c in _structured_outputs(body.structured_outputs)]
     for key, kind in _VLLM_KEYS:
         value = getattr(body, f"guided_{key}")
         if value is not None:
             sources.append((f"guided_{key}", _constraint(kind, value, f"guided_{key}")))
-    if isinstance(body, ChatCompletionBody):
-        tool_call = _tool_constraint(body)
-        if tool_call is not None:
-            sources.append(("tool_choice", tool_call))
+    tool_call = _tool_constraint(body) if isinstance(body, ChatCompletionBody) else None
+    if tool_call is not None:
+        sources.append(("tool_choice", tool_call))
     return sources
 
 

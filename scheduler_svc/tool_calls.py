@@ -27,10 +27,11 @@ OPEN_TAG = TOOL_CALL_OPEN.strip()
 CLOSE_TAG = TOOL_CALL_CLOSE.strip()
 
 _SYSTEM_PROMPT = (
-    "You may call one or more functions to assist with the user query. The function signatures "
-    "are within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\nFor each function call, "
-    "return a JSON object with the function name and arguments within <tool_call></tool_call> "
-    'XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": <args-json-object>}}\n</tool_call>'
+    "Tools are available to you. Each line between <tools> and </tools> describes one, as JSON:\n"
+    "<tools>\n{tools}\n</tools>\n\n"
+    "To use a tool, answer with its name and arguments as a JSON object between <tool_call> and "
+    "</tool_call>, one block per use:\n"
+    '<tool_call>\n{{"name": "<tool name>", "arguments": {{<arguments as JSON>}}}}\n</tool_call>'
 )
 
 
