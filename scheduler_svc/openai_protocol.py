@@ -27,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from zerobubble.api import generate_pb2
 from zerobubble.request_options import (
     CHAT_ROLES,
+    Constraint,
     InvalidRequest,
     SamplingOptions,
     StoppingOptions,
@@ -36,7 +37,7 @@ from zerobubble.request_options import (
 )
 from zerobubble.scheduler_svc import tool_calls
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
-from zerobubble.structured import Constraint, tool_call_grammar
+from zerobubble.structured import tool_call_grammar
 
 # Strict primitives: "0.5" is not a temperature and true is not an integer.
 Float = StrictFloat | StrictInt

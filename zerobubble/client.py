@@ -23,7 +23,7 @@ import grpc.aio
 
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.config import keepalive_options
-from zerobubble.structured import Constraint, write_proto
+from zerobubble.request_options import Constraint, write_proto
 
 logger = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ import pytest
 from tests.metrics_scrape import wait_all_released
 from tests.servers import Service, start_scheduler, start_worker, wait_serving
 from zerobubble.client import build_request, complete
-from zerobubble.structured import Constraint
+from zerobubble.request_options import Constraint
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,7 +10,7 @@ import pytest
 
 from zerobubble.client import request_from_args
 from zerobubble.entrypoints.cli import build_parser
-from zerobubble.structured import from_proto
+from zerobubble.request_options import from_proto
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
