@@ -270,6 +270,8 @@ ERRORS = [
     ({"extra_body": {"structured_outputs": {"regex": "a+", "choice": ["a"]}}}, "structured_outputs.choice"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools"),
 ]  # fmt: skip
 
 

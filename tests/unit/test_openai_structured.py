@@ -44,6 +44,7 @@ def constraint(body: dict[str, Any], tokenizer: Tokenizer | None = None):
         ),
         ({"structured_outputs": {"json": SCHEMA}}, "json_schema", "structured_outputs.json"),
         ({"structured_outputs": {"json": json.dumps(SCHEMA)}}, "json_schema", "structured_outputs.json"),
+        ({"structured_outputs": {"json_object": True}}, "json_object", "structured_outputs.json_object"),
         ({"structured_outputs": {"regex": "[0-9]+"}}, "regex", "structured_outputs.regex"),
         ({"structured_outputs": {"choice": ["a", "b"]}}, "choice", "structured_outputs.choice"),
         ({"structured_outputs": {"grammar": 'start: "x"'}}, "grammar", "structured_outputs.grammar"),
