@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from zerobubble.api import generate_pb2
 from zerobubble.scheduler_svc import openai_protocol as oa
+from zerobubble.scheduler_svc import tool_calls
 from zerobubble.scheduler_svc.submission import Frontend, RequestError, Submission
 
 logger = logging.getLogger(__name__)
@@ -59,8 +60,9 @@ _ERROR_TYPES = {
 }
 
 
-# Parts of a pydantic error location that name a union branch, not a field: str, list[int], Model.
-_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|[A-Z]\w*)$")
+# Parts of a pydantic error location that name a union branch, not a field: str, list[int],
+# literal[...], Model.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|list\[.*\]|dict\[.*\]|literal\[.*\]|[A-Z]\w*)$")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None) -> JSONResponse:
@@ -102,6 +104,7 @@ class Choice:
     num_chars: int = 0  # text length so far, for completions' text_offset
     finish_reason: str | None = None
     started: bool = False
+    call_parser: tool_calls.ToolCallParser | None = None  # a streamed reply's, when it parses tool calls
 
 
 @dataclass(slots=True)
@@ -117,11 +120,13 @@ class Exchange:
     choices: dict[int, Choice] = field(default_factory=dict)
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
+    parse_tool_calls: bool = False  # read tool calls out of the output (`oa.parses_tool_calls`)
 
     def choice(self, prompt_index: int, reply: generate_pb2.GenerateResponse) -> Choice:
         index = prompt_index * self.body.n + reply.index
         if index not in self.choices:
-            self.choices[index] = Choice(index)
+            parser = tool_calls.ToolCallParser() if self.parse_tool_calls and self.body.stream else None
+            self.choices[index] = Choice(index, call_parser=parser)
         return self.choices[index]
 
     def add(self, prompt_index: int, reply: generate_pb2.GenerateResponse) -> tuple[Choice, dict | None]:
@@ -186,17 +191,26 @@ class Exchange:
                     else oa.completion_logprobs(texts, c.logprobs, c.top, 0)
                 )
             if self.chat:
-                out.append(
-                    {
-                        "index": index,
-                        "message": {"role": "assistant", "content": text},
-                        "logprobs": logprobs,
-                        "finish_reason": c.finish_reason,
-                    }
-                )
+                message, reason = self._message(text, c.finish_reason)
+                out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
                 out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
         return out
+
+    def _message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole chat reply's message and finish reason, its tool calls read out when asked."""
+        if not self.parse_tool_calls:
+            return {"role": "assistant", "content": text}, reason
+        content, calls = tool_calls.parse(text)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.to_openai() for call in calls]
+        return message, _with_tool_calls(reason, bool(calls))
+
+
+def _with_tool_calls(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish reason of a reply that made calls: "tool_calls" when it ended by itself."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 async def _merged(
@@ -341,8 +355,12 @@ async def generate(servicer: Frontend, request: Request, model: type[oa.Body], c
     whole or as server-sent events."""
     body = await read_body(request, model)
     response_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    # How a conversation with tools is sent depends on the model's chat template (without a
+    # ready worker the body is still checked: a 400 comes before the 503).
+    ready = servicer.router.any_ready() if oa.mentions_tools(body) else None
+    template = ready.tokenizer if ready is not None else None
     try:
-        requests = oa.build_requests(body, response_id)
+        requests = oa.build_requests(body, response_id, template)
     except oa.ParamError as exc:
         raise HTTPError(400, str(exc), exc.param) from None
     link = _ready_link(servicer)
@@ -353,6 +371,7 @@ async def generate(servicer: Frontend, request: Request, model: type[oa.Body], c
         response_id=response_id,
         model=body.model or link.info.model,
         token_text=lambda t: tokenizer.decode([t], skip_special_tokens=False),
+        parse_tool_calls=oa.parses_tool_calls(body),
     )
     submissions = await _submit_all(servicer, requests, body)
     if body.stream:
@@ -393,14 +412,35 @@ def _stream_chunk(
     """The chunk entry of one reply, or None when it carries nothing to send."""
     if not reply.text and not reply.token_ids and choice.finish_reason is None:
         return None
-    if exchange.chat:
-        delta = {"content": reply.text} if reply.text or choice.finish_reason is None else {}
+    if choice.call_parser is not None:
+        delta = _tool_call_delta(choice, reply.text)
+        if not delta and logprobs is None and choice.finish_reason is None:
+            return None  # text held back: it may be the start of a call
         entry: dict[str, Any] = {"index": choice.index, "delta": delta}
+    elif exchange.chat:
+        delta = {"content": reply.text} if reply.text or choice.finish_reason is None else {}
+        entry = {"index": choice.index, "delta": delta}
     else:
         entry = {"index": choice.index, "text": reply.text}
     entry["logprobs"] = logprobs
     entry["finish_reason"] = choice.finish_reason
     return entry
+
+
+def _tool_call_delta(choice: Choice, text: str) -> dict[str, Any]:
+    """The delta of a streamed reply that parses tool calls: the content that cannot be part
+    of a call, and each call once complete. The last one also ends the choice's reason."""
+    parser = choice.call_parser
+    assert parser is not None
+    content, calls = parser.feed(text)
+    if choice.finish_reason is not None:
+        content += parser.finish()
+        choice.finish_reason = _with_tool_calls(choice.finish_reason, bool(parser.calls))
+    delta: dict[str, Any] = {"content": content} if content else {}
+    if calls:
+        first = len(parser.calls) - len(calls)
+        delta["tool_calls"] = [call.to_openai(first + k) for k, call in enumerate(calls)]
+    return delta
 
 
 def _role_chunk(choice: Choice) -> dict[str, Any]:

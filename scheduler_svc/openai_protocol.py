@@ -6,10 +6,19 @@ becomes the request model's options (`zerobubble/request_options.py`), whose one
 every range and runs before any protobuf is built, so a value the wire cannot carry is a named
 400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
 turns back into the OpenAI name.
+
+The fields that constrain the output (`response_format`, vLLM's `structured_outputs` and
+`guided_*`, `tools` with a forcing `tool_choice`) become one `zerobubble.structured.Constraint`
+whose `field_name` is the parameter as the client wrote it, so that the servicer's verdict on
+its grammar names that parameter. A conversation with tools is written for the model's chat
+template: rendered here with the tools when the template reads them (the wire's messages carry
+none), else with the tools described in a system message (`tool_calls.py`).
 """
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
@@ -17,16 +26,24 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from zerobubble.api import generate_pb2
 from zerobubble.request_options import (
+    CHAT_ROLES,
+    Constraint,
     InvalidRequest,
     SamplingOptions,
     StoppingOptions,
+    shown,
     validate_token_ids,
     write_generate_request,
 )
+from zerobubble.scheduler_svc import tool_calls
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
+from zerobubble.structured import tool_call_grammar
 
 # Strict primitives: "0.5" is not a temperature and true is not an integer.
 Float = StrictFloat | StrictInt
 MAX_PROMPTS = 64  # prompts in one /v1/completions call (each runs as its own request)
+MAX_TOOLS = 128
+TOOL_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")  # OpenAI's function names (and the dot some use)
 
 FINISH_REASONS: dict[int, str] = {
     generate_pb2.FINISH_REASON_EOS: "stop",
@@ -63,12 +80,87 @@ class ContentPart(_Body):
     text: StrictStr | None = None
 
 
+class FunctionCall(_Body):
+    """An earlier call's function: its name and arguments (a JSON text, as OpenAI sends them)."""
+
+    name: StrictStr
+    arguments: StrictStr | dict[str, Any] = "{}"
+
+
+class MessageToolCall(_Body):
+    """A call of an earlier assistant message (`messages[i].tool_calls[j]`)."""
+
+    id: StrictStr | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Body):
-    """One chat message."""
+    """One chat message; an assistant's may carry the calls it made, a tool's the id it answers."""
 
     role: StrictStr
     content: StrictStr | list[ContentPart] | None = None
     name: StrictStr | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: StrictStr | None = None
+
+
+class JsonSchemaFormat(_Body):
+    """`response_format.json_schema`: the schema (`schema`) and OpenAI's name for it."""
+
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    schema_: dict[str, Any] | StrictBool | None = Field(default=None, alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Body):
+    """`response_format`: plain text, any JSON object, or JSON matching a schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Body):
+    """vLLM's `structured_outputs`: one of its keys. Unknown keys are refused, not ignored: a
+    constraint we dropped silently would be unconstrained output."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_value: dict[str, Any] | StrictBool | StrictStr | None = Field(default=None, alias="json")
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
+class FunctionDefinition(_Body):
+    """A function tool: its name, what it does, and its parameters' JSON schema."""
+
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = None
+    strict: StrictBool | None = None
+
+
+class Tool(_Body):
+    """One entry of `tools` (function tools only)."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    """`tool_choice.function`."""
+
+    name: StrictStr
+
+
+class NamedToolChoice(_Body):
+    """`tool_choice` naming the function that must be called."""
+
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class _CommonBody(_Body):
@@ -93,6 +185,12 @@ class _CommonBody(_Body):
     min_tokens: StrictInt = 0
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | StrictBool | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
 
 
 class ChatCompletionBody(_CommonBody):
@@ -102,7 +200,9 @@ class ChatCompletionBody(_CommonBody):
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = None
-    tools: list[Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True  # false: "required" makes exactly one call
 
 
 class CompletionBody(_CommonBody):
@@ -150,7 +250,8 @@ def body_options(body: Body) -> tuple[SamplingOptions, StoppingOptions]:
     they differ from ours (temperature 1).
 
     Raises:
-        ParamError: a field that no option can stand for (a logit_bias key that is no number).
+        ParamError: a field that no option can stand for (a logit_bias key that is no number,
+            two constraints at once).
     """
     sampling = SamplingOptions(
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -163,6 +264,7 @@ def body_options(body: Body) -> tuple[SamplingOptions, StoppingOptions]:
         min_p=body.min_p,
         logit_bias=_logit_bias(body.logit_bias or {}),
         n=body.n,
+        constraint=body_constraint(body),
     )
     if isinstance(body, ChatCompletionBody):
         sampling.logprobs = body.logprobs
@@ -193,11 +295,128 @@ def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
     return bias
 
 
+# vLLM's constraint keys (in `structured_outputs`, and as `guided_<key>`) and the kind of each.
+_VLLM_KEYS = (("json", "json_schema"), ("regex", "regex"), ("choice", "choice"), ("grammar", "grammar"))
+
+
+def _constraint(kind: str, value: Any, field_name: str) -> Constraint:
+    """A constraint from a body value: schemas may be objects or JSON text, choices a list."""
+    if kind == "choice":
+        return Constraint(kind, json.dumps(value), field_name)
+    if kind == "json_schema" and not isinstance(value, str):
+        return Constraint(kind, json.dumps(value), field_name)
+    return Constraint(kind, value, field_name)
+
+
+def _response_format(fmt: ResponseFormat) -> Constraint | None:
+    if fmt.type == "json_object":
+        return Constraint("json_object", "", "response_format")
+    if fmt.type == "text":
+        return None
+    if fmt.json_schema is None:
+        raise ParamError("response_format.json_schema", 'required when type is "json_schema"')
+    if fmt.json_schema.schema_ is None:
+        raise ParamError("response_format.json_schema.schema", 'required when type is "json_schema"')
+    return _constraint("json_schema", fmt.json_schema.schema_, "response_format.json_schema.schema")
+
+
+def _structured_outputs(outputs: StructuredOutputs) -> list[Constraint]:
+    """The constraints of `structured_outputs`' keys (more than one is a conflict)."""
+    found = []
+    for key, kind in _VLLM_KEYS:
+        value = getattr(outputs, "json_value" if key == "json" else key)
+        if value is not None:
+            found.append(_constraint(kind, value, f"structured_outputs.{key}"))
+    if outputs.json_object:
+        found.append(Constraint("json_object", "", "structured_outputs.json_object"))
+    return found
+
+
+def _constraint_sources(body: Body) -> list[tuple[str, Constraint]]:
+    """(parameter, constraint) of every field of ``body`` that constrains the output."""
+    sources: list[tuple[str, Constraint]] = []
+    fmt = _response_format(body.response_format) if body.response_format is not None else None
+    if fmt is not None:
+        sources.append(("response_format", fmt))
+    if body.structured_outputs is not None:
+        sources += [(c.field_name, c) for c in _structured_outputs(body.structured_outputs)]
+    for key, kind in _VLLM_KEYS:
+        value = getattr(body, f"guided_{key}")
+        if value is not None:
+            sources.append((f"guided_{key}", _constraint(kind, value, f"guided_{key}")))
+    tool_call = _tool_constraint(body) if isinstance(body, ChatCompletionBody) else None
+    if tool_call is not None:
+        sources.append(("tool_choice", tool_call))
+    return sources
+
+
+def body_constraint(body: Body) -> Constraint | None:
+    """The one constraint a body's fields ask for (None: unconstrained).
+
+    Raises:
+        ParamError: two fields that each constrain the output, or a malformed one.
+    """
+    sources = _constraint_sources(body)
+    if len(sources) > 1:
+        (first, _), (second, _) = sources[:2]
+        raise ParamError(second, f"conflicts with {first}: a request takes one constraint")
+    return sources[0][1] if sources else None
+
+
+def _check_tools(tools: list[Tool]) -> None:
+    if len(tools) > MAX_TOOLS:
+        raise ParamError("tools", f"{len(tools)} tools, limit is {MAX_TOOLS}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        name = tool.function.name
+        if not TOOL_NAME.fullmatch(name):
+            raise ParamError(f"tools[{i}].function.name", "must be 1 to 64 of a-z, A-Z, 0-9, _, . and -")
+        if name in names:
+            raise ParamError(f"tools[{i}].function.name", f"{name!r} names two tools")
+        names.add(name)
+
+
+def _tool_constraint(body: ChatCompletionBody) -> Constraint | None:
+    """The grammar forcing a call: for `tool_choice` "required" or a named function."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice is not None:
+            raise ParamError("tool_choice", "requires tools")
+        return None
+    _check_tools(body.tools)
+    if choice is None or isinstance(choice, str) and choice != "required":
+        return None
+    tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+    if choice == "required":
+        return tool_call_grammar(tools, None, "tools", parallel=body.parallel_tool_calls)
+    name = choice.function.name
+    if all(tool.function.name != name for tool in body.tools):
+        raise ParamError("tool_choice", f"no function named {name[:64]!r} in tools")
+    return tool_call_grammar(tools, name, "tools")
+
+
+def parses_tool_calls(body: Body) -> bool:
+    """Whether the replies read tool calls out of the output (tools given, not turned off)."""
+    return isinstance(body, ChatCompletionBody) and bool(body.tools) and body.tool_choice != "none"
+
+
+def shown_tools(body: ChatCompletionBody) -> list[dict[str, Any]] | None:
+    """The tools the prompt describes: none with `tool_choice` "none", so the model answers."""
+    if not body.tools or body.tool_choice == "none":
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in body.tools]
+
+
+def mentions_tools(body: Body) -> bool:
+    """Whether rendering the conversation depends on how the chat template treats tools."""
+    return isinstance(body, ChatCompletionBody) and (
+        shown_tools(body) is not None or any(m.tool_calls or m.role == "tool" for m in body.messages)
+    )
+
+
 def _check_unsupported(body: Body) -> None:
     """ParamError for a feature we do not serve."""
     if isinstance(body, ChatCompletionBody):
-        if body.tools:
-            raise ParamError("tools", "tool calls are not supported")
         if body.top_logprobs is not None and not body.logprobs:
             raise ParamError("top_logprobs", "requires logprobs: true")
         if not body.messages:
@@ -226,8 +445,82 @@ def _validated(body: Body, prompts: list[str | list[int]]) -> tuple[SamplingOpti
     return sampling, stopping
 
 
-def build_requests(body: Body, request_id: str) -> list[generate_pb2.GenerateRequest]:
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """A message as Hugging Face chat templates that know tools read it (arguments as objects)."""
+    out: dict[str, Any] = {"role": message.role, "content": _message_text(index, message)}
+    if message.tool_calls:
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+            }
+            for call in message.tool_calls
+        ]
+    for key in ("tool_call_id", "name"):
+        if getattr(message, key) is not None:
+            out[key] = getattr(message, key)
+    return out
+
+
+def _arguments(arguments: str | dict[str, Any]) -> Any:
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        return json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+
+
+def _plain_message(index: int, message: ChatMessage) -> dict[str, str]:
+    """A message for a template that knows no tools: calls and results written in the Hermes
+    format, which the tools' system message describes."""
+    text = _message_text(index, message)
+    if message.role == "tool":
+        return {"role": "user", "content": tool_calls.response_text(text)}
+    calls = [tool_calls.call_text(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
+    return {"role": message.role, "content": "\n".join([text, *calls] if text else calls)}
+
+
+def _plain_conversation(body: ChatCompletionBody) -> list[dict[str, str]]:
+    """The messages for a template that knows no tools, the tools described in a system message."""
+    messages = [_plain_message(i, m) for i, m in enumerate(body.messages)]
+    tools = shown_tools(body)
+    if tools is not None:
+        described = tool_calls.system_prompt(tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0] = {"role": "system", "content": f"{messages[0]['content']}\n\n{described}"}
+        else:
+            messages.insert(0, {"role": "system", "content": described})
+    return messages
+
+
+def _write_chat_input(
+    body: ChatCompletionBody, request: generate_pb2.GenerateRequest, tokenizer: Tokenizer | None
+) -> None:
+    """The conversation into ``request``: as messages, or, when the template renders tools
+    itself, as the prompt text it renders (the wire's messages carry no tools)."""
+    if tokenizer is not None and tokenizer.template_takes_tools and mentions_tools(body):
+        for i, message in enumerate(body.messages):  # the servicer checks the roles of messages only
+            if message.role not in CHAT_ROLES:
+                raise ParamError(f"messages[{i}].role", f"unknown role {shown(message.role)}")
+        rendered = [_template_message(i, m) for i, m in enumerate(body.messages)]
+        try:
+            request.prompt = tokenizer.render_chat_template(rendered, tools=shown_tools(body))
+        except ValueError as exc:
+            raise ParamError("messages", str(exc)) from None
+        return
+    request.messages.SetInParent()
+    for plain in _plain_conversation(body):
+        request.messages.messages.add(role=plain["role"], content=plain["content"])
+
+
+def build_requests(
+    body: Body, request_id: str, tokenizer: Tokenizer | None = None
+) -> list[generate_pb2.GenerateRequest]:
     """The `GenerateRequest`s a body stands for: one, or one per prompt of a completions list.
+    ``tokenizer``: the served model's, needed when `mentions_tools` (whether its chat template
+    renders tools decides how the conversation is sent).
 
     Raises:
         ParamError: a field out of range, or an unsupported feature.
@@ -238,9 +531,7 @@ def build_requests(body: Body, request_id: str) -> list[generate_pb2.GenerateReq
     template = generate_pb2.GenerateRequest(model=body.model or "")
     write_generate_request(sampling, stopping, template)
     if isinstance(body, ChatCompletionBody):
-        template.messages.SetInParent()
-        for i, message in enumerate(body.messages):
-            template.messages.messages.add(role=message.role, content=_message_text(i, message))
+        _write_chat_input(body, template, tokenizer)
         template.request_id = request_id
         return [template]
     requests = []

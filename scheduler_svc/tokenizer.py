@@ -16,6 +16,7 @@ from typing import Any
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders
@@ -54,11 +55,16 @@ def compile_chat_template(source: str) -> jinja2.Template:
     `trim_blocks`/`lstrip_blocks` matter because templates are written assuming them, and the
     token ids must match what the model was trained on.
     """
+    return compile_environment().from_string(source)
+
+
+def compile_environment() -> ImmutableSandboxedEnvironment:
+    """The jinja2 environment chat templates compile in (see `compile_chat_template`)."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
-    return env.from_string(source)
+    return env
 
 
 class Tokenizer:
@@ -75,6 +81,7 @@ class Tokenizer:
         self._tok = HFTokenizer.from_str(tokenizer_json)
         self._chat_template_source = chat_template
         self._chat_template = compile_chat_template(chat_template) if chat_template else None
+        self.template_takes_tools = bool(chat_template) and _reads_variable(chat_template, "tools")
         self.bos_token = bos_token
         self.eos_token = eos_token
         # Per skip_special_tokens: each id's bytes, when decoding is context-free (see
@@ -101,13 +108,20 @@ class Tokenizer:
         """Token ids of `text`, without special tokens (chat templates carry their own)."""
         return self._tok.encode(text, add_special_tokens=False).ids
 
-    def render_chat_template(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True) -> str:
-        """The prompt text of a conversation; `ValueError` without a template or when it fails."""
+    def render_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of a conversation; `ValueError` without a template or when it fails.
+        ``tools`` (OpenAI function tools) reach the template as Hugging Face passes them."""
         if self._chat_template is None:
             raise ValueError("the model has no chat template; send a raw prompt instead")
         try:
             return self._chat_template.render(
                 messages=[dict(m) for m in messages],
+                tools=None if tools is None else [dict(t) for t in tools],
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
@@ -196,6 +210,15 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of one vocabulary string, or None when unknown."""
         return self._tok.token_to_id(token)
+
+
+def _reads_variable(template_source: str, name: str) -> bool:
+    """Whether a chat template reads the variable ``name`` (False when it does not parse: then
+    it fails later, where the failure is reported)."""
+    try:
+        return name in jinja2.meta.find_undeclared_variables(compile_environment().parse(template_source))
+    except jinja2.exceptions.TemplateError:
+        return False
 
 
 def _byte_level_alphabet() -> dict[str, int]:

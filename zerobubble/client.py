@@ -23,6 +23,7 @@ import grpc.aio
 
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.config import keepalive_options
+from zerobubble.request_options import Constraint, write_proto
 
 logger = logging.getLogger(__name__)
 
@@ -231,10 +232,12 @@ def build_request(
     min_p: float = 0.0,
     logit_bias: Mapping[int, float] | None = None,
     n: int = 0,
+    constraint: Constraint | None = None,
 ) -> generate_pb2.GenerateRequest:
     """A ``GenerateRequest`` from plain Python values; None leaves a field to the server default.
 
-    ``messages`` are ``{"role": ..., "content": ...}`` mappings (the OpenAI shape).
+    ``messages`` are ``{"role": ..., "content": ...}`` mappings (the OpenAI shape);
+    ``constraint`` holds the output to a schema, regex, choice or grammar.
 
     Raises:
         ValueError: not exactly one of ``prompt``, ``messages``, ``token_ids`` is given.
@@ -282,6 +285,8 @@ def build_request(
     stopping.ignore_eos = ignore_eos
     request.response.logprobs = logprobs
     request.response.top_logprobs = top_logprobs
+    if constraint is not None:
+        write_proto(constraint, request.constraint)
     return request
 
 
@@ -401,7 +406,51 @@ def request_from_args(args: argparse.Namespace) -> generate_pb2.GenerateRequest:
         top_p=args.top_p,
         seed=args.seed if args.seed >= 0 else None,
         stop=args.stop,
+        constraint=constraint_from_args(args),
     )
+
+
+CONSTRAINT_FLAGS = ("--json-schema", "--regex", "--choice", "--grammar")
+
+
+def constraint_from_args(args: argparse.Namespace) -> Constraint | None:
+    """The constraint of ``zerobubble generate``'s flags (at most one of them), named by its flag
+    in the server's error messages.
+
+    Raises:
+        ValueError: several constraint flags, an unreadable file or a schema that is not JSON.
+    """
+    given = [flag for flag in CONSTRAINT_FLAGS if getattr(args, flag[2:].replace("-", "_"))]
+    if len(given) > 1:
+        raise ValueError(f"give at most one of {', '.join(CONSTRAINT_FLAGS)} (got {' and '.join(given)})")
+    if not given:
+        return None
+    if args.json_schema:
+        return Constraint("json_schema", _schema_text(args.json_schema), "--json-schema")
+    if args.regex:
+        return Constraint("regex", args.regex, "--regex")
+    if args.choice:
+        choices = [c for value in args.choice for c in value.split(",")]
+        return Constraint("choice", json.dumps(choices), "--choice")
+    try:
+        return Constraint("grammar", Path(args.grammar).read_text(encoding="utf-8"), "--grammar")
+    except OSError as exc:
+        raise ValueError(f"--grammar: cannot read {args.grammar}: {exc.strerror}") from exc
+
+
+def _schema_text(value: str) -> str:
+    """``--json-schema``: the JSON text itself, or a file holding it."""
+    text = value
+    if not value.lstrip().startswith(("{", "true", "false")):
+        try:
+            text = Path(value).read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ValueError(f"--json-schema: neither JSON nor a readable file ({exc.strerror})") from exc
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--json-schema: not valid JSON ({exc.msg} at character {exc.pos})") from exc
+    return text
 
 
 async def generate_async(args: argparse.Namespace, request: generate_pb2.GenerateRequest) -> int:

@@ -73,10 +73,13 @@ def _schema_grammar(text: str, name: str) -> str:
         raise InvalidRequest(f"{name}: {exc}") from exc
 
 
-def tool_call_grammar(tools: list[dict], name: str | None = None, field_name: str = "tools") -> Constraint:
+def tool_call_grammar(
+    tools: list[dict], name: str | None = None, field_name: str = "tools", parallel: bool = True
+) -> Constraint:
     """A grammar constraint forcing Hermes-style tool calls (``<tool_call>\\n{"name": ...,
     "arguments": {...}}\\n</tool_call>``, one or more): of the function ``name``, or of any
-    of ``tools`` (OpenAI's ``{"type": "function", "function": {"name", "parameters"}}``)."""
+    of ``tools`` (OpenAI's ``{"type": "function", "function": {"name", "parameters"}}``);
+    several calls only of any tool and ``parallel``."""
     options = []
     for tool in tools:
         function = tool.get("function", {})
@@ -92,10 +95,11 @@ def tool_call_grammar(tools: list[dict], name: str | None = None, field_name: st
             }
         )
     require(bool(options), f"tool_choice: no tool named {shown(name)} in tools")
-    schema = json.dumps(options[0] if len(options) == 1 else {"anyOf": options})
+    # Compact JSON, as for a schema constraint (the options go at the schema's top level).
+    schema = json.dumps({**(options[0] if len(options) == 1 else {"anyOf": options}), "x-guidance": JSON_OPTIONS})
     call = f"{json.dumps(TOOL_CALL_OPEN)} %json {schema} {json.dumps(TOOL_CALL_CLOSE)}"
     # A named function is called once; "required" allows several calls, one after another.
-    start = "call" if name is not None else 'call ("\\n" call)*'
+    start = "call" if name is not None or not parallel else 'call ("\\n" call)*'
     return Constraint("grammar", f"start: {start}\ncall: {call}\n", field_name)
 
 

@@ -87,7 +87,9 @@ def test_version_and_unknown_route() -> None:
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({**CHAT, "logit_bias": {"hello": 1.0}}, "logit_bias"),
         ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
-        ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+        ({**CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
+        ({**CHAT, "tool_choice": "required"}, "tool_choice"),
+        ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, "tool_choice"),
     ],
 )
 def test_bad_chat_bodies_are_400_naming_the_field(body: dict, param: str) -> None:

@@ -222,6 +222,15 @@ def add_generate_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] |
     add_flag(sampling, "--top-p", default=1.0, type=float, env=env, help="nucleus probability mass in (0, 1]")
     add_flag(sampling, "--stop", default=[], repeat=True, env=env, help="stop string, repeatable")
     add_flag(sampling, "--timeout", default=0.0, type=float, env=env, help="whole-request deadline in s (0 = none)")
+    structured = parser.add_argument_group("structured output (at most one)")
+    add_flag(
+        structured, "--json-schema", default="", env=env, help="output matches this JSON schema (JSON text or a file)"
+    )
+    add_flag(structured, "--regex", default="", env=env, help="output matches this regex (whole)")
+    add_flag(
+        structured, "--choice", default=[], repeat=True, env=env, help="output is one of these: A,B,... or repeated"
+    )
+    add_flag(structured, "--grammar", default="", env=env, help="output follows this Lark or GBNF grammar file")
     add_flag(
         parser,
         "--json",
