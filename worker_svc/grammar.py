@@ -20,6 +20,8 @@ a request's matcher is a copy of the compiled one.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,11 +122,17 @@ class GrammarCompiler:
     """Compiles each distinct grammar text once, on its own thread, and hands each request a
     fresh copy of the compiled matcher."""
 
-    def __init__(self, tokenizer_file: Path, eos_token_ids: list[int], vocab_size: int) -> None:
+    def __init__(
+        self, tokenizer_file: Path, eos_token_ids: list[int], vocab_size: int, max_compiled: int = 256
+    ) -> None:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="grammar")
         self._tokenizer_args = (tokenizer_file, eos_token_ids, vocab_size)
         self._tokenizer: Future | None = None  # loaded with the first grammar (about 0.2 s)
-        self._compiled: dict[str, Future] = {}
+        # Compiled grammars by text, oldest first; the least recently started are dropped past
+        # `max_compiled` (a request holds its own copy, so dropping one breaks nothing).
+        self._compiled: OrderedDict[str, Future] = OrderedDict()
+        self.max_compiled = max_compiled
+        self._lock = threading.Lock()
 
     @staticmethod
     def _load_tokenizer(path: Path, eos_token_ids: list[int], vocab_size: int) -> Any:
@@ -149,12 +157,23 @@ class GrammarCompiler:
                 self._future(row.sampling.grammar)
 
     def _future(self, grammar: str) -> Future:
-        future = self._compiled.get(grammar)
-        if future is None:
+        # The plan reader (event loop) and the step thread both ask.
+        with self._lock:
+            future = self._compiled.get(grammar)
+            if future is not None:
+                self._compiled.move_to_end(grammar)
+                return future
             if self._tokenizer is None:
                 self._tokenizer = self._executor.submit(self._load_tokenizer, *self._tokenizer_args)
             future = self._compiled[grammar] = self._executor.submit(self._compile, grammar)
-        return future
+            if len(self._compiled) > self.max_compiled:
+                self._compiled.popitem(last=False)
+            return future
+
+    def error(self, grammar: str) -> str | None:
+        """Why ``grammar`` does not compile (waiting for its compilation), or None."""
+        exc = self._future(grammar).exception()
+        return None if exc is None else str(exc)
 
     def start(self, sampling: worker_pb2.SamplingParams, num_cached_tokens: int) -> RequestGrammar:
         """A new request's grammar state (its text compiled, if `prefetch` has not already)."""

@@ -40,7 +40,7 @@ from zerobubble.worker_svc.model_loader import LoadedModel
 from zerobubble.worker_svc.proposers import Proposer
 from zerobubble.worker_svc.result_copy import PendingResult, ResultCopier
 from zerobubble.worker_svc.sampler import SamplingTensors
-from zerobubble.worker_svc.slot_table import DecodeRows, DeviceState, SlotInfo, SlotLimits, SlotTable
+from zerobubble.worker_svc.slot_table import DecodeRows, DeviceState, RunnableRows, SlotInfo, SlotLimits, SlotTable
 from zerobubble.worker_svc.staging import to_device
 from zerobubble.worker_svc.verification import StepOutputs, fed_drafts, sample_and_verify
 
@@ -239,6 +239,7 @@ class ModelRunner:
             self.table.release(req_id)
         self.faults.step_fault(plan)
         rows = self.table.runnable(plan, self.faults.row_faults(plan))
+        self._refuse_bad_grammars(rows)
         self.notices.forget_before(plan.step_id)
         batch = self.prepare(plan, rows.decodes, rows.entries)
         if batch is None:
@@ -246,6 +247,22 @@ class ModelRunner:
         pending = self._run_batch(batch, start)
         pending.errors = rows.errors
         return pending
+
+    def _refuse_bad_grammars(self, rows: RunnableRows) -> None:
+        """Leave out, with a per-request error, new rows whose grammar does not compile here
+        (the scheduler checked it; this keeps a bad one from failing the whole step)."""
+        if self.grammars is None:
+            return
+        kept = []
+        for entry in rows.entries:
+            grammar = entry.sampling.grammar if entry.is_new and entry.sampling is not None else ""
+            error = self.grammars.error(grammar) if grammar else None
+            if error is None:
+                kept.append(entry)
+            else:
+                rows.errors[entry.req_id] = error
+                self.table.fail_requests([entry.req_id], error)
+        rows.entries = kept
 
     def prepare(self, plan: worker_pb2.StepPlan, decodes: DecodeRows, entries: list[PlanRow]) -> StepBatch | None:
         """Apply the plan's finish notices, then admit the rows `SlotTable.runnable` accepted

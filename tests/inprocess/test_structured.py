@@ -179,3 +179,33 @@ def test_masks_unpack_the_same_on_host_and_device():
     assert device.tolist() == expected
     host = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     assert host.astype(bool).tolist() == expected
+
+
+def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(plain_runner, tokenizer):
+    """A grammar that reached the worker without the scheduler's check (a client of the worker
+    protocol) ends its own request with an error; the request beside it in the same plans runs
+    as it would alone."""
+    from tests.options import split_options
+    from zerobubble.tools.in_process import make_scheduler
+
+    good = ("good", chat(tokenizer, "Say hello."), {"max_tokens": 12})
+    alone = run_job(plain_runner, [good], window=2)
+    scheduler = make_scheduler(plain_runner)
+    plain_runner.reset()
+    scheduler.add_request(
+        "bad", chat(tokenizer, "Say hello."), *split_options({"max_tokens": 12, "grammar": "start: nope"})
+    )
+    scheduler.add_request(good[0], good[1], *split_options(good[2]))
+    outputs: dict[str, list[int]] = {"good": [], "bad": []}
+    errors: dict[str, str] = {}
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        assert plan is not None
+        result = plain_runner.execute(plan).materialize(0.0, plain_runner.num_spec_tokens)
+        assert not result.error
+        for event in scheduler.on_step_result(result):
+            outputs[event.req_id].extend(event.token_ids)
+            if event.error:
+                errors[event.req_id] = event.error
+    assert outputs["good"] == alone["good"] and "good" not in errors
+    assert outputs["bad"] == [] and "grammar does not compile" in errors["bad"]
