@@ -238,6 +238,12 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         WORKER_LABELS,
         "Time a worker spent waiting for its next plan (the bubble).",
     ),
+    MetricSpec(
+        "zerobubble_grammar_seconds_total",
+        "counter",
+        WORKER_LABELS,
+        "Host time a worker spent filling grammar masks (structured output).",
+    ),
     MetricSpec("zerobubble_inflight_steps", "gauge", WORKER_LABELS, "Plans sent to a worker and not answered yet."),
     MetricSpec(
         "zerobubble_placeholder_tokens_rolled_back_total",
@@ -293,6 +299,7 @@ class StepResultLike(Protocol):
 
     forward_s: float
     idle_s: float
+    grammar_s: float
     accepted_per_pos: Sequence[int]
 
     @property
@@ -373,6 +380,7 @@ class ServiceMetrics:
         "spec_accepted_per_pos",
         "worker_step_duration",
         "worker_idle",
+        "grammar_time",
         "inflight_steps",
         "placeholders_rolled_back",
         "front_cpu",
@@ -428,6 +436,7 @@ class ServiceMetrics:
         self.spec_accepted_per_pos = counter("zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
         self.worker_step_duration = histogram("zerobubble_worker_step_duration_seconds")
         self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
+        self.grammar_time = counter("zerobubble_grammar_seconds_total")
         self.inflight_steps = gauge("zerobubble_inflight_steps")
         self.placeholders_rolled_back = counter("zerobubble_placeholder_tokens_rolled_back_total")
         self.front_cpu = counter("zerobubble_front_cpu_seconds_total")
@@ -467,6 +476,7 @@ class ServiceMetrics:
             self.spec_num_accepted_tokens,
             self.worker_step_duration,
             self.worker_idle,
+            self.grammar_time,
             self.inflight_steps,
         )
 
@@ -555,6 +565,7 @@ class ServiceMetrics:
         num_draft_tokens: int = 0,
         num_accepted: int = 0,
         accepted_per_pos: Sequence[int] = (),
+        grammar_s: float = 0.0,
     ) -> None:
         """Account one step of ``worker``: its timings and speculation volume.
 
@@ -576,6 +587,7 @@ class ServiceMetrics:
         model = self.model
         self._child(self.worker_step_duration, model, worker).observe(forward_s)
         self._child(self.worker_idle, model, worker).inc(idle_s)
+        self._child(self.grammar_time, model, worker).inc(grammar_s)
         self._child(self.spec_num_drafts, model, worker).inc(num_drafts)
         self._child(self.spec_num_draft_tokens, model, worker).inc(num_draft_tokens)
         self._child(self.spec_num_accepted_tokens, model, worker).inc(num_accepted)
@@ -602,6 +614,7 @@ class ServiceMetrics:
             num_draft_tokens=num_draft_tokens,
             num_accepted=num_accepted,
             accepted_per_pos=[int(n) for n in result.accepted_per_pos],
+            grammar_s=float(result.grammar_s),
         )
         if inflight is not None:
             self.set_inflight(worker, inflight)

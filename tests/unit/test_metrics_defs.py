@@ -41,6 +41,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
     "zerobubble_spec_decode_num_accepted_tokens_per_pos_total": ("counter", frozenset({"model", "worker", "position"})),
     "zerobubble_worker_step_duration_seconds": ("histogram", frozenset({"model", "worker"})),
     "zerobubble_worker_idle_seconds_total": ("counter", frozenset({"model", "worker"})),
+    "zerobubble_grammar_seconds_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_inflight_steps": ("gauge", frozenset({"model", "worker"})),
     "zerobubble_placeholder_tokens_rolled_back_total": ("counter", frozenset({"model"})),
 }
@@ -302,7 +303,9 @@ def test_metrics_server_serves_the_registry_on_a_free_port() -> None:
 
 
 def _step_result() -> worker_pb2.StepResult:
-    result = worker_pb2.StepResult(step_id=7, forward_s=0.003, idle_s=0.001, accepted_per_pos=[2, 1, 0])
+    result = worker_pb2.StepResult(
+        step_id=7, forward_s=0.003, idle_s=0.001, accepted_per_pos=[2, 1, 0], grammar_s=0.0002
+    )
     result.results.add(req_id="a", token_ids=[1, 2, 3], num_draft_tokens=3, num_accepted=2)
     result.results.add(req_id="b", token_ids=[4, 5], num_draft_tokens=3, num_accepted=1)
     result.results.add(req_id="c", token_ids=[6])  # a prefill or a request without drafts
@@ -320,6 +323,7 @@ def test_step_result_is_accounted_from_the_proto() -> None:
     assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 5
     assert _value(s, "zerobubble_inflight_steps", worker="w0") == 2
     assert _value(s, "zerobubble_worker_step_duration_seconds_sum", worker="w0") == pytest.approx(0.003)
+    assert _value(s, "zerobubble_grammar_seconds_total", worker="w0") == pytest.approx(0.0002)
     per_pos = {lab["position"]: v for _, lab, v in s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
     assert per_pos == {"0": 2, "1": 1, "2": 0}
 
