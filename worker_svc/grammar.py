@@ -84,28 +84,44 @@ class GrammarInputs:
 
 @dataclass(slots=True)
 class StepMasks:
-    """A step's masks for its constrained rows: the allowed tokens of each of their sampled
-    slots (``gather``: index into the step's ``[G, vocab]`` logits) and each row's verified
-    drafts after the grammar's check."""
+    """A step's masks for its constrained rows: what to add to the logits of each slot that may
+    emit a token (``gather``: index into the step's ``[G, vocab]`` logits; slots past a row's
+    verified drafts are never emitted and left alone), and each row's verified drafts after
+    the grammar's check."""
 
     gather: torch.Tensor  # [M] int64, device
-    allowed: torch.Tensor  # [M, words] int32 bitmask, or [M, vocab] bool (unpacked on the host)
+    bias: torch.Tensor  # [M, vocab] float32: 0 where allowed, FORBIDDEN where not
     rows: torch.Tensor  # [C] int64 sampled-row index, device
     num_verified: torch.Tensor  # [C] int32, device
 
     def apply(
         self, logits: torch.Tensor, num_verified: torch.Tensor, in_place: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits with every forbidden token of the masked slots at -inf, and ``num_verified``
-        cut where a draft was forbidden. ``in_place`` False leaves ``logits`` as they were (a
-        row wants the model's log-probs)."""
-        allowed = self.allowed
-        if allowed.dtype != torch.bool:
-            allowed = unpack_bitmask(allowed, logits.shape[1])
-        masked = logits.index_select(0, self.gather).masked_fill(~allowed, float("-inf"))
-        out = logits.index_copy_(0, self.gather, masked) if in_place else logits.index_copy(0, self.gather, masked)
+        """The logits with the masks added, and ``num_verified`` cut where a draft was
+        forbidden. ``in_place`` False leaves ``logits`` as they were (a row wants the model's
+        log-probs). An addition, not a masked fill: one vectorised pass, several times faster
+        on a CPU than selecting by a boolean mask."""
+        bias = self.bias.to(logits.dtype)
+        out = logits.index_add_(0, self.gather, bias) if in_place else logits.index_add(0, self.gather, bias)
         verified = num_verified.index_copy(0, self.rows, self.num_verified.to(num_verified.dtype))
         return out, verified
+
+
+# Added to a forbidden token's logit: its probability underflows to exactly 0, and no
+# temperature, penalty or sampling noise brings it near an allowed token's (-inf would make
+# 0 * inf NaNs in the additive form).
+FORBIDDEN = -1e30
+
+
+def mask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[M, words]`` int32 bitmask -> ``[M, vocab_size]`` float32 bias, on the bitmask's device."""
+    return (~unpack_bitmask(bitmask, vocab_size)).to(torch.float32).mul_(FORBIDDEN)
+
+
+def host_mask_bias(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
+    """`mask_bias` on the host (numpy unpacks bits in C; torch's shifts are slower on a CPU)."""
+    forbidden = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(forbidden).to(torch.float32).mul_(FORBIDDEN)
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -220,17 +236,18 @@ def fill_masks(
             if grammar.num_seen > grammar.num_prompt_tokens:  # resumed: its outputs so far
                 grammar.consume(history(row, grammar.num_prompt_tokens, grammar.num_seen))
         grammar.catch_up()
-        first = len(gather)
-        gather.extend(range(int(base[row]), int(base[row] + num_cols[row])))
-        verified.append(_fill_row(grammar.matcher, bitmask, first, drafts[c][: num_real[c]]))
+        num_allowed = _fill_row(grammar.matcher, bitmask, len(gather), drafts[c][: num_real[c]])
+        # Only slots up to the first forbidden draft can emit a token.
+        gather.extend(range(int(base[row]), int(base[row]) + num_allowed + 1))
+        verified.append(num_allowed)
+    used = bitmask[: len(gather)]
     if staging.is_accelerator(device):  # 32 times fewer bytes to copy; unpacked there
-        allowed = staging.to_device(bitmask.reshape(-1), torch.int32, device).view(num_slots, words)
+        bias = mask_bias(staging.to_device(used.reshape(-1), torch.int32, device).view(len(gather), words), vocab_size)
     else:
-        bits = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-        allowed = torch.from_numpy(bits).bool()
+        bias = host_mask_bias(used, vocab_size)
     return StepMasks(
         gather=staging.to_device(gather, torch.long, device),
-        allowed=allowed,
+        bias=bias,
         rows=staging.to_device(inputs.rows, torch.long, device),
         num_verified=staging.to_device(verified, torch.int32, device),
     )

@@ -96,12 +96,8 @@ MIXED = [
     ("What is a prime number?", "", None),
     ("Say hello in French.", "", None),
 ]
-MODES = {
-    # (runner fixture, plans in flight): every mode for greedy output, the speculative async
-    # ones for seeded output (the keyed noise makes the rest follow from the same argument).
-    "greedy": [("plain", 2), ("ngram", 1), ("ngram", 2), ("draft", 1), ("draft", 2)],
-    "seeded": [("ngram", 2), ("draft", 2)],
-}
+# (runner, plans in flight) against the synchronous unspeculated run.
+MODES = [("plain", 2), ("ngram", 1), ("ngram", 2), ("draft", 1), ("draft", 2)]
 
 
 @pytest.mark.parametrize("name", ["greedy", "seeded"])
@@ -117,7 +113,7 @@ def test_constrained_output_is_the_same_in_every_mode(plain_runner, ngram_runner
     assert len(requests) == 16
     runners = {"plain": plain_runner, "ngram": ngram_runner, "draft": keyed_draft_runner}
     reference = run_job(runners["plain"], requests, window=1)
-    for runner_name, window in MODES[name]:
+    for runner_name, window in MODES:
         assert run_job(runners[runner_name], requests, window=window) == reference, (runner_name, window)
     for request in (requests[0], requests[6]):
         alone = run_job(runners["ngram"], [request], window=2)
@@ -164,21 +160,23 @@ def test_drafts_the_grammar_forbids_are_cut_and_the_matcher_is_unchanged(smollm2
 
 
 def test_masks_unpack_the_same_on_host_and_device():
-    """The bitmask a step uploads to an accelerator, unpacked there (`unpack_bitmask`), allows
-    exactly the tokens the host unpacks for a CPU step (`fill_masks`)."""
+    """The bitmask a step uploads to an accelerator, turned into logit biases there
+    (`mask_bias`), forbids exactly the tokens the host's unpacking forbids for a CPU step
+    (`host_mask_bias`): those whose bit is clear."""
     import numpy as np
     import torch
 
-    from zerobubble.worker_svc.grammar import unpack_bitmask
+    from zerobubble.worker_svc.grammar import FORBIDDEN, host_mask_bias, mask_bias
 
     rng = np.random.default_rng(0)
     vocab = 100
     bitmask = rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int64).astype(np.int32)
-    expected = [[bool((int(bitmask[r, t // 32]) >> (t % 32)) & 1) for t in range(vocab)] for r in range(3)]
-    device = unpack_bitmask(torch.from_numpy(bitmask), vocab)
-    assert device.tolist() == expected
-    host = np.unpackbits(bitmask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    assert host.astype(bool).tolist() == expected
+    expected = [
+        [0.0 if (int(bitmask[r, t // 32]) >> (t % 32)) & 1 else FORBIDDEN for t in range(vocab)] for r in range(3)
+    ]
+    want = torch.tensor(expected, dtype=torch.float32)
+    assert torch.equal(mask_bias(torch.from_numpy(bitmask), vocab), want)
+    assert torch.equal(host_mask_bias(bitmask, vocab), want)
 
 
 def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(plain_runner, tokenizer):
