@@ -839,10 +839,15 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
     worker = start_worker(simulate_device_ms=2.0, max_num_seqs=16)
     try:
         chat = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 24, "temperature": 0}
+        schema = {"type": "object", "properties": {"river": {"type": "string", "maxLength": 12}}, "required": ["river"]}
+        bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}
         bodies = [
             chat,
             {**chat, "n": 2, "temperature": 0.7, "seed": 3, "logprobs": True, "top_logprobs": 2},
             {**chat, "stop": ["e"]},
+            # Structured output: the fronts relay the constraint, the scheduler checks it (a
+            # simulated device does not enforce it: only the relaying is compared here).
+            {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}},
         ]
 
         def answers(fronts: int) -> tuple:
@@ -874,6 +879,7 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
                         client.post("/v1/chat/completions", json={**chat, "top_p": 2}),
                         client.post("/v1/chat/completions", json={**chat, "model": "no-such-model"}),
                         client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 4}),
+                        client.post("/v1/chat/completions", json={**chat, "response_format": bad_schema}),
                     )
                 ]
                 models = client.get("/v1/models").json()
@@ -887,7 +893,8 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
         stopped_choices, stopped_usage = via_fronts[0][2]
         assert stopped_choices[0]["finish_reason"] == "stop" and stopped_usage["completion_tokens"] < 24
         assert "e" not in stopped_choices[0]["message"]["content"]
-        assert [status for status, _ in via_fronts[3]] == [400, 404, 400]
+        assert [status for status, _ in via_fronts[3]] == [400, 404, 400, 400]
+        assert "response_format" in via_fronts[3][3][1]
         # The scheduler itself serves no HTTP then: its fronts do.
         assert own_http in own_ports and http not in ports
     finally:
