@@ -26,7 +26,7 @@ import pytest
 
 from tests.e2e import TEST_MAX_TOKENS, prompt_ids
 from tests.hf_oracle import hf_greedy
-from tests.servers import Service, start_scheduler, start_worker, wait_serving
+from tests.servers import Service, serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import build_request, complete
 
@@ -43,16 +43,13 @@ HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 @pytest.fixture(scope="module")
 def scheduler(smollm2_dir) -> Iterator[Service]:
-    worker = start_worker(kv_cache_memory_gb=0.5, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
-    try:
-        sched = start_scheduler([worker], max_inflight_steps=2, max_num_seqs=MAX_NUM_SEQS, max_waiting=MAX_WAITING)
-        try:
-            wait_serving(sched.target)
-            yield sched
-        finally:
-            sched.stop()
-    finally:
-        worker.stop()
+    with serving(
+        dict(kv_cache_memory_gb=0.5, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3),
+        max_inflight_steps=2,
+        max_num_seqs=MAX_NUM_SEQS,
+        max_waiting=MAX_WAITING,
+    ) as sched:
+        yield sched
 
 
 @pytest.fixture(scope="module")

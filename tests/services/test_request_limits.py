@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.servers import Service, start_scheduler, start_worker, wait_serving
+from tests.servers import Service, serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.timeout(900)
@@ -81,16 +81,8 @@ HTTP_CASES = cases("/v1/chat/completions", {**COMMON, **CHAT_ONLY}) + cases(
 
 @pytest.fixture(scope="module")
 def scheduler(smollm2_dir) -> Iterator[Service]:
-    worker = start_worker(kv_cache_memory_gb=0.25, max_num_seqs=4)
-    try:
-        sched = start_scheduler([worker], max_num_seqs=4)
-        try:
-            wait_serving(sched.target)
-            yield sched
-        finally:
-            sched.stop()
-    finally:
-        worker.stop()
+    with serving(dict(kv_cache_memory_gb=0.25, max_num_seqs=4), max_num_seqs=4) as sched:
+        yield sched
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from tests.metrics_scrape import wait_all_released
-from tests.servers import Service, start_scheduler, start_worker, wait_serving
+from tests.servers import Service, serving
 from zerobubble.client import build_request, complete
 from zerobubble.request_options import Constraint
 
@@ -78,16 +78,12 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather like in Par
 
 @pytest.fixture(scope="module")
 def scheduler(smollm2_dir) -> Iterator[Service]:
-    worker = start_worker(kv_cache_memory_gb=0.25, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
-    try:
-        sched = start_scheduler([worker], max_inflight_steps=2, max_num_seqs=8)
-        try:
-            wait_serving(sched.target)
-            yield sched
-        finally:
-            sched.stop()
-    finally:
-        worker.stop()
+    with serving(
+        dict(kv_cache_memory_gb=0.25, max_num_seqs=8, spec_method="ngram", num_spec_tokens=3),
+        max_inflight_steps=2,
+        max_num_seqs=8,
+    ) as sched:
+        yield sched
 
 
 @pytest.fixture(scope="module")
