@@ -48,6 +48,14 @@ COMMON: dict[str, tuple[Any, Any, Any]] = {
     "min_tokens": (-1, "1", HUGE_INT),
     "ignore_eos": (2, "true", [True] * 1000),
     "stop_token_ids": ([-1], "1", list(range(100_000))),
+    # Structured output: each refused with its own name (a bad schema, regex or grammar, a text
+    # past the limit), or served.
+    "response_format": ({"type": "json_schema"}, "json", {"type": "json_schema", "json_schema": {"schema": HUGE_TEXT}}),
+    "structured_outputs": ({"regex": "a(b"}, "x", {"regex": "a" * 300_000}),
+    "guided_json": ({"type": "foo"}, 5, HUGE_TEXT),
+    "guided_regex": ("a(b", 5, "a" * 300_000),
+    "guided_choice": ([], "x", ["x"] * 100_000),
+    "guided_grammar": ("start: nope", 5, HUGE_TEXT),
 }
 CHAT_ONLY: dict[str, tuple[Any, Any, Any]] = {
     "messages": ([], "hi", [{"role": "user", "content": HUGE_TEXT}]),
@@ -55,6 +63,8 @@ CHAT_ONLY: dict[str, tuple[Any, Any, Any]] = {
     "logprobs": (2, "yes", [True] * 1000),
     "top_logprobs": (21, "1", HUGE_INT),
     "tools": ([{"type": "function"}], "x", [{}] * 10_000),
+    "tool_choice": ("maybe", 5, {"type": "function", "function": {"name": HUGE_TEXT}}),
+    "parallel_tool_calls": (2, "yes", [True] * 1000),
 }
 COMPLETION_ONLY: dict[str, tuple[Any, Any, Any]] = {
     "prompt": ([], 5, [1_000_000_000_000]),
@@ -162,6 +172,10 @@ GRPC_FIELDS: dict[str, list[Any]] = {
     "prompt": ["", "x" * 2_000_000],
     "messages": [[], [("robot", "hi")], [("user", "x")] * 100_000, [("user", "x" * 2_000_000)]],
     "token_ids": [[], [-1], [INT32_MAX], [1] * 1_000_000],
+    "constraint.json_schema": ['{"type": "foo"}', "{not json", "[]", "x" * 1_000_000],
+    "constraint.regex": ["", "a(b", "a" * 300_000],
+    "constraint.grammar": ["", "start: nope", "x" * 1_000_000],
+    "constraint.choice": [[], [""], ["x"] * 100_000],
 }
 
 
@@ -177,6 +191,9 @@ def grpc_request(field: str, value: Any) -> generate_pb2.GenerateRequest:
     elif field == "token_ids":
         request.token_ids.SetInParent()
         request.token_ids.ids.extend(value)
+    elif field == "constraint.choice":
+        request.constraint.choice.SetInParent()
+        request.constraint.choice.choices.extend(value)
     else:
         group, name = field.split(".")
         target = getattr(request, group)
