@@ -23,7 +23,7 @@ import logging
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,7 @@ class RequestGrammar:
     sampled: bool = False  # a token has been sampled since admission
     # The step result whose emitted tokens the matcher has not consumed: (result, sampled row).
     pending: tuple[Any, int] | None = None
+    error: str = ""  # the matcher refused a real token: the request ends with this error
 
     def catch_up(self) -> None:
         """Consume the tokens of the last step that sampled this request (waiting for its
@@ -66,7 +67,9 @@ class RequestGrammar:
             if self.matcher.is_stopped():
                 return  # the grammar ended: tokens past its end (EOS ignored) change nothing
             if not self.matcher.consume_token(token):
-                logger.error("grammar refused token %d: %s", token, self.matcher.get_error())
+                # Only a bug or a parser limit gets here (every sampled token was masked).
+                self.error = f"the grammar refused token {token}: {self.matcher.get_error()}"
+                logger.error("%s", self.error)
                 return
 
 
@@ -90,9 +93,10 @@ class StepMasks:
     the grammar's check."""
 
     gather: torch.Tensor  # [M] int64, device
-    bias: torch.Tensor  # [M, vocab] float32: 0 where allowed, FORBIDDEN where not
+    bias: torch.Tensor  # [M, vocab] float32: 0 where allowed, -inf where not
     rows: torch.Tensor  # [C] int64 sampled-row index, device
     num_verified: torch.Tensor  # [C] int32, device
+    errors: dict[int, str] = field(default_factory=dict)  # sampled row -> its grammar's error
 
     def apply(
         self, logits: torch.Tensor, num_verified: torch.Tensor, in_place: bool
@@ -107,21 +111,22 @@ class StepMasks:
         return out, verified
 
 
-# Added to a forbidden token's logit: its probability underflows to exactly 0, and no
-# temperature, penalty or sampling noise brings it near an allowed token's (-inf would make
-# 0 * inf NaNs in the additive form).
-FORBIDDEN = -1e30
+def _forbidden_to_bias(forbidden: torch.Tensor) -> torch.Tensor:
+    """0/1 -> 0/-inf, in two multiplications: 1 overflows to -inf while 0 stays 0 (multiplying
+    by -inf at once would turn the zeros into NaN). -inf rather than a large negative number:
+    no temperature, however large, brings a forbidden token back."""
+    return forbidden.to(torch.float32).mul_(-3e38).mul_(2.0)
 
 
 def mask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """``[M, words]`` int32 bitmask -> ``[M, vocab_size]`` float32 bias, on the bitmask's device."""
-    return (~unpack_bitmask(bitmask, vocab_size)).to(torch.float32).mul_(FORBIDDEN)
+    return _forbidden_to_bias(~unpack_bitmask(bitmask, vocab_size))
 
 
 def host_mask_bias(bitmask: np.ndarray, vocab_size: int) -> torch.Tensor:
     """`mask_bias` on the host (numpy unpacks bits in C; torch's shifts are slower on a CPU)."""
     forbidden = np.unpackbits((~bitmask).view(np.uint8), axis=1, bitorder="little")[:, :vocab_size]
-    return torch.from_numpy(forbidden).to(torch.float32).mul_(FORBIDDEN)
+    return _forbidden_to_bias(torch.from_numpy(forbidden))
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -210,7 +215,8 @@ def copy_inputs(
     if not staging.is_accelerator(drafts.device):
         return GrammarInputs(rows, grammars, picked[0], picked[1])
     host = [staging.to_host(t) for t in picked]
-    ready = torch.cuda.Event() if drafts.device.type == "cuda" else None
+    # Blocking: `fill_masks` sleeps while the forward runs instead of spinning a core.
+    ready = torch.cuda.Event(blocking=True) if drafts.device.type == "cuda" else None
     if ready is not None:
         ready.record()
     return GrammarInputs(rows, grammars, host[0], host[1], ready)
@@ -230,12 +236,15 @@ def fill_masks(
     bitmask = np.full((num_slots, words), -1, dtype=np.int32)
     gather: list[int] = []
     verified: list[int] = []
+    errors: dict[int, str] = {}
     for c, (row, grammar) in enumerate(zip(inputs.rows, inputs.grammars)):
         if not grammar.sampled:
             grammar.sampled = True
             if grammar.num_seen > grammar.num_prompt_tokens:  # resumed: its outputs so far
                 grammar.consume(history(row, grammar.num_prompt_tokens, grammar.num_seen))
         grammar.catch_up()
+        if grammar.error:
+            errors[row] = grammar.error
         num_allowed = _fill_row(grammar.matcher, bitmask, len(gather), drafts[c][: num_real[c]])
         # Only slots up to the first forbidden draft can emit a token.
         gather.extend(range(int(base[row]), int(base[row]) + num_allowed + 1))
@@ -250,6 +259,7 @@ def fill_masks(
         bias=bias,
         rows=staging.to_device(inputs.rows, torch.long, device),
         num_verified=staging.to_device(verified, torch.int32, device),
+        errors=errors,
     )
 
 
@@ -260,13 +270,19 @@ def _fill_row(matcher: Any, bitmask: np.ndarray, first: int, drafts: list[int]) 
     from llguidance.numpy import fill_next_token_bitmask
 
     fill_next_token_bitmask(matcher, bitmask, first)
-    num_allowed = 0
+    num_allowed = num_consumed = 0
     for j, token in enumerate(drafts):
         word = bitmask[first + j, token // BITS]
-        if not (int(word) >> (token % BITS)) & 1 or not matcher.consume_token(token):
+        if not (int(word) >> (token % BITS)) & 1:
             break
+        # A complete grammar stops the matcher by itself; the EOS it then allows is consumed
+        # without being recorded, so it must not be rolled back either.
+        if not matcher.is_stopped():
+            if not matcher.consume_token(token):
+                break
+            num_consumed += 1
         num_allowed += 1
         fill_next_token_bitmask(matcher, bitmask, first + j + 1)
-    if num_allowed:
-        matcher.rollback(num_allowed)
+    if num_consumed:
+        matcher.rollback(num_consumed)
     return num_allowed

@@ -245,7 +245,7 @@ class ModelRunner:
         if batch is None:
             return PendingResult.empty(plan.step_id, errors=rows.errors)
         pending = self._run_batch(batch, start)
-        pending.errors = rows.errors
+        pending.errors = {**rows.errors, **pending.errors}  # rows left out, rows failed while running
         return pending
 
     def _refuse_bad_grammars(self, rows: RunnableRows) -> None:
@@ -366,6 +366,12 @@ class ModelRunner:
         out = sample_and_verify(batch, logits, self.state, self.proposer, self.num_spec_tokens, masks)
         pending = self.advance(batch, out)
         pending.grammar_s = grammar_s
+        if masks is not None and masks.errors:
+            # The row's error replaces its tokens in the result: the request ends with it.
+            failed = {batch.req_ids[batch.sampled.rows[row]]: error for row, error in masks.errors.items()}
+            pending.errors.update(failed)
+            for req_id, error in failed.items():
+                self.table.fail_requests([req_id], error)
         return pending
 
     def _history(self, batch: StepBatch):

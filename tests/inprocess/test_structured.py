@@ -166,13 +166,13 @@ def test_masks_unpack_the_same_on_host_and_device():
     import numpy as np
     import torch
 
-    from zerobubble.worker_svc.grammar import FORBIDDEN, host_mask_bias, mask_bias
+    from zerobubble.worker_svc.grammar import host_mask_bias, mask_bias
 
     rng = np.random.default_rng(0)
     vocab = 100
     bitmask = rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int64).astype(np.int32)
     expected = [
-        [0.0 if (int(bitmask[r, t // 32]) >> (t % 32)) & 1 else FORBIDDEN for t in range(vocab)] for r in range(3)
+        [0.0 if (int(bitmask[r, t // 32]) >> (t % 32)) & 1 else float("-inf") for t in range(vocab)] for r in range(3)
     ]
     want = torch.tensor(expected, dtype=torch.float32)
     assert torch.equal(mask_bias(torch.from_numpy(bitmask), vocab), want)
@@ -207,3 +207,37 @@ def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(plain_runner
                 errors[event.req_id] = event.error
     assert outputs["good"] == alone["good"] and "good" not in errors
     assert outputs["bad"] == [] and "grammar does not compile" in errors["bad"]
+
+
+def test_an_eos_draft_past_a_complete_grammar_rolls_back_nothing_real(smollm2_dir):
+    """Once a grammar is complete the matcher stops by itself and takes the end-of-sequence
+    token without recording it: a draft of it is allowed (and verified) but must not be rolled
+    back, or the matcher would lose a real token."""
+    import llguidance
+    import numpy as np
+
+    from zerobubble.worker_svc.grammar import BITS, _fill_row
+
+    tok = llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text(), eos_token=2)
+    matcher = llguidance.LLMatcher(tok, to_grammar(Constraint("regex", "a(b|c)")))
+    [a], [b], [c] = tok.tokenize_str("a"), tok.tokenize_str("b"), tok.tokenize_str("c")
+    assert matcher.consume_token(a)
+    bitmask = np.full((3, -(-tok.vocab_size // BITS)), -1, dtype=np.int32)
+    assert _fill_row(matcher, bitmask, 0, [b, 2]) == 2  # "b" completes it; EOS follows
+    assert matcher.consume_token(c) and matcher.is_accepting()  # still right after "a"
+
+
+def test_a_token_the_grammar_refuses_is_an_error_of_the_request(smollm2_dir):
+    """A real token the matcher refuses (only a bug or a parser limit can emit one) is recorded
+    as the request's error, which the runner turns into a per-request error result, instead of
+    the grammar quietly allowing only EOS from then on."""
+    import llguidance
+
+    from zerobubble.worker_svc.grammar import RequestGrammar
+
+    tok = llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text(), eos_token=2)
+    grammar = RequestGrammar(llguidance.LLMatcher(tok, to_grammar(Constraint("regex", "a+"))), 0, 0)
+    grammar.consume(tok.tokenize_str("a"))
+    assert not grammar.error
+    grammar.consume(tok.tokenize_str("z"))
+    assert "refused" in grammar.error
