@@ -45,7 +45,7 @@ from zerobubble.scheduler_svc.submission import (
     unknown_model,
 )
 from zerobubble.scheduler_svc.worker_link import WorkerLink
-from zerobubble.structured import GrammarChecker, to_grammar
+from zerobubble.structured import GrammarChecker
 
 if TYPE_CHECKING:
     from zerobubble.metrics import ServiceMetrics
@@ -212,8 +212,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             prompt_ids = request_prompt_ids(request, tokenizer, info)
             sampling.validate(info.vocab_size)
             if sampling.constraint is not None:
-                sampling.grammar = to_grammar(sampling.constraint)
-                self.grammar_checker(info).check(sampling.grammar, sampling.constraint.field)
+                sampling.grammar = self.grammar_checker(info).compile(sampling.constraint)
         except InvalidRequest as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
         req_id = request.request_id or uuid.uuid4().hex
@@ -282,9 +281,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         return checker
 
     async def precheck(self, request: generate_pb2.GenerateRequest) -> None:
-        """Check a constrained request's grammar in a thread the first time its text is seen,
-        so that `submit`, which checks it again, finds the verdict cached and never compiles a
-        grammar on the event loop. `RequestError` when it does not compile."""
+        """Compile and check a constrained request's grammar in a thread the first time its
+        constraint is seen, so that `submit`, which asks again, finds it cached and never
+        compiles a grammar on the event loop. `RequestError` when it does not compile."""
         if not request.HasField("constraint"):
             return
         link = self.router.any_ready()
@@ -293,10 +292,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             return  # submit refuses it, or there is nothing to check
         info, _ = link.described()
         try:
-            grammar = to_grammar(constraint)
             checker = self.grammar_checker(info)
-            if not checker.known(grammar):
-                await asyncio.to_thread(checker.check, grammar, constraint.field)
+            if not checker.known(constraint):
+                await asyncio.to_thread(checker.compile, constraint)
         except InvalidRequest as exc:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
 

@@ -116,12 +116,28 @@ class GrammarChecker:
         self.max_entries = max_entries
         self._tokenizer: Any = None  # llguidance.LLTokenizer, built on the first check
         self._verdicts: OrderedDict[str, str] = OrderedDict()
+        self._compiled: OrderedDict[Constraint, str] = OrderedDict()  # checked grammars
         self._lock = threading.Lock()
 
-    def known(self, grammar: str) -> bool:
-        """Whether ``grammar`` was checked already (a cache hit needs no thread)."""
+    def known(self, constraint: Constraint) -> bool:
+        """Whether ``constraint`` was compiled and checked already (a hit needs no thread)."""
         with self._lock:
-            return grammar in self._verdicts
+            return constraint in self._compiled
+
+    def compile(self, constraint: Constraint) -> str:
+        """The checked grammar of ``constraint`` (`to_grammar`, then `check`), remembered per
+        constraint; :class:`InvalidRequest` naming its field when it is bad."""
+        with self._lock:
+            grammar = self._compiled.get(constraint)
+        if grammar is not None:
+            return grammar
+        grammar = to_grammar(constraint)
+        self.check(grammar, constraint.field)
+        with self._lock:
+            self._compiled[constraint] = grammar
+            if len(self._compiled) > self.max_entries:
+                self._compiled.popitem(last=False)
+        return grammar
 
     def check(self, grammar: str, field: str) -> None:
         """:class:`InvalidRequest` naming ``field`` if ``grammar`` does not compile."""
