@@ -308,6 +308,25 @@ def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch
     case("qk_norm_rope", lambda impl: qk_norm_rope(qkv, cos, sin, norm, heads, head_dim, 1e-6, impl=impl))
     gate_up = torch.randn(num_tokens, 2 * inter, generator=gen).to(dev)
     case("silu_mul", lambda impl: silu_mul(gate_up, impl=impl))
+    check_token_mask(case, dev, gen, small)
+
+
+def check_token_mask(case: Callable[..., None], dev: torch.device, gen: torch.Generator, small: bool) -> None:
+    """The grammar-mask kernel (kernels/token_mask.py) against its twin: masked rows of the logits."""
+    from zerobubble.kernels.token_mask import apply_token_bitmask
+
+    num_rows, vocab = (6, 100) if small else (256, 151_936)
+    logits = torch.randn(num_rows, vocab, generator=gen).to(dev)
+    rows = torch.randperm(num_rows, generator=gen)[: num_rows // 2].to(dev)
+    bitmask = torch.randint(-(2**31), 2**31, (len(rows), -(-vocab // 32)), generator=gen, dtype=torch.int64)
+    bitmask = bitmask.to(torch.int32).to(dev)
+
+    def masked(impl: str) -> torch.Tensor:
+        out = logits.clone()
+        apply_token_bitmask(out, rows, bitmask, impl=impl)  # type: ignore[arg-type]
+        return out
+
+    case("apply_token_bitmask", masked)
 
 
 def _rand_ints(gen: torch.Generator, dev: torch.device, lo: int, hi: int, *shape: int) -> torch.Tensor:

@@ -139,7 +139,8 @@ def test_drafts_the_grammar_forbids_are_cut_and_the_matcher_is_unchanged(smollm2
     import llguidance
     import numpy as np
 
-    from zerobubble.worker_svc.grammar import BITS, _fill_row, unpack_bitmask
+    from zerobubble.kernels.token_mask import unpack_bitmask
+    from zerobubble.worker_svc.grammar import BITS, _fill_row
 
     tok = llguidance.LLTokenizer((smollm2_dir / "tokenizer.json").read_text())
     schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
@@ -157,26 +158,6 @@ def test_drafts_the_grammar_forbids_are_cut_and_the_matcher_is_unchanged(smollm2
     again = np.full((1, words), -1, dtype=np.int32)
     assert _fill_row(matcher, again, 0, []) == 0
     assert (again[0] == bitmask[0]).all()  # the matcher is where it was
-
-
-def test_masks_unpack_the_same_on_host_and_device():
-    """The bitmask a step uploads to an accelerator, turned into logit biases there
-    (`mask_bias`), forbids exactly the tokens the host's unpacking forbids for a CPU step
-    (`host_mask_bias`): those whose bit is clear."""
-    import numpy as np
-    import torch
-
-    from zerobubble.worker_svc.grammar import host_mask_bias, mask_bias
-
-    rng = np.random.default_rng(0)
-    vocab = 100
-    bitmask = rng.integers(-(2**31), 2**31, size=(3, 4), dtype=np.int64).astype(np.int32)
-    expected = [
-        [0.0 if (int(bitmask[r, t // 32]) >> (t % 32)) & 1 else float("-inf") for t in range(vocab)] for r in range(3)
-    ]
-    want = torch.tensor(expected, dtype=torch.float32)
-    assert torch.equal(mask_bias(torch.from_numpy(bitmask), vocab), want)
-    assert torch.equal(host_mask_bias(bitmask, vocab), want)
 
 
 def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(plain_runner, tokenizer):
