@@ -87,11 +87,11 @@ class FrontPool:
         self.port = cfg.port
         self.http_port = cfg.http_port
         self.procs: list[subprocess.Popen] = []
-        self.ready: dict[int, threading.Event] = {}  # by process id
         self._stopping = False
         self._supervising: asyncio.Task | None = None
 
-    def _spawn(self, port: int, http_port: int) -> tuple[subprocess.Popen, int, int]:
+    def _spawn(self, port: int, http_port: int) -> tuple[subprocess.Popen, int, int, threading.Event]:
+        """Start a front; it, its gRPC and HTTP ports, and an event set once it first serves."""
         settings = front_settings(self.cfg, self.scheduler_port, port, http_port)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         env.update({env_name(f.name): str(getattr(settings, f.name)) for f in fields(FrontConfig)})
@@ -105,25 +105,27 @@ class FrontPool:
         ports: dict[str, int] = {}
         wanted = 2 if http_port >= 0 else 1
         announced = threading.Event()
-        self.ready[proc.pid] = ready = threading.Event()  # set once the front first serves
+        ready = threading.Event()
         threading.Thread(target=_pump, args=(proc, ports, wanted, announced, ready), daemon=True).start()
         if not announced.wait(60) or len(ports) < wanted:
             proc.kill()
             raise RuntimeError(f"a front process did not start (exit code {proc.poll()})")
-        return proc, ports["ZEROBUBBLE_FRONT_PORT"], ports.get("ZEROBUBBLE_HTTP_PORT", -1)
+        return proc, ports["ZEROBUBBLE_FRONT_PORT"], ports.get("ZEROBUBBLE_HTTP_PORT", -1), ready
 
     async def start(self) -> tuple[int, int]:
         """Start the fronts, kept running until `stop`; the gRPC and HTTP ports they share (-1:
         no HTTP). The first one picks them where they are 0."""
-        proc, self.port, self.http_port = await asyncio.to_thread(self._spawn, self.cfg.port, self.cfg.http_port)
+        proc, self.port, self.http_port, ready = await asyncio.to_thread(self._spawn, self.cfg.port, self.cfg.http_port)
         self.procs.append(proc)
+        readiness = [ready]
         for _ in range(self.cfg.fronts - 1):
-            proc, _port, _http = await asyncio.to_thread(self._spawn, self.port, self.http_port)
+            proc, _port, _http, ready = await asyncio.to_thread(self._spawn, self.port, self.http_port)
             self.procs.append(proc)
+            readiness.append(ready)
         logger.info("%d front processes on %s:%d", len(self.procs), self.cfg.host, self.port)
         # The client port is announced once every front serves: the kernel spreads connections
         # over all of them, and one still loading its tokenizer would refuse its share.
-        if not await asyncio.to_thread(_all_set, [self.ready[p.pid] for p in self.procs], READY_WAIT_S):
+        if not await asyncio.to_thread(_all_set, readiness, READY_WAIT_S):
             logger.warning("not every front serves after %.0fs (no worker ready yet?): going on", READY_WAIT_S)
         self._supervising = asyncio.create_task(self._supervise())
         return self.port, self.http_port
@@ -136,7 +138,7 @@ class FrontPool:
                 if proc.poll() is not None and not self._stopping:
                     logger.warning("front process %d exited with %s: starting it again", proc.pid, proc.returncode)
                     try:
-                        self.procs[i], _port, _http = await asyncio.to_thread(self._spawn, self.port, self.http_port)
+                        self.procs[i], *_ = await asyncio.to_thread(self._spawn, self.port, self.http_port)
                     except RuntimeError as exc:
                         logger.error("%s", exc)
 

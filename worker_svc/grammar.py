@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -182,9 +183,6 @@ class GrammarCompiler:
         matcher = self._future(sampling.grammar).result().deep_copy()
         return RequestGrammar(matcher, sampling.num_prompt_tokens, num_cached_tokens)
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
-
 
 def copy_inputs(
     rows: list[int], grammars: list[RequestGrammar], drafts: torch.Tensor, num_real: torch.Tensor
@@ -204,7 +202,12 @@ def copy_inputs(
 
 
 def fill_masks(
-    inputs: GrammarInputs, num_cols: np.ndarray, base: np.ndarray, vocab_size: int, history: Any, device: torch.device
+    inputs: GrammarInputs,
+    num_cols: np.ndarray,
+    base: np.ndarray,
+    vocab_size: int,
+    history: Callable[[int, int, int], list[int]],
+    device: torch.device,
 ) -> StepMasks:
     """The masks of every sampled slot of the constrained rows (``num_cols``/``base``: each
     sampled row's real slots and first gathered slot). ``history(row, start, end)`` reads a

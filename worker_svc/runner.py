@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -271,11 +272,13 @@ class ModelRunner:
             self.table.release(req_id)
         batch = self.builder.prepare(plan.step_id, decodes, entries)
         if batch is not None and batch.sampled is not None and self.table.num_constrained:
-            rows = [i for i, row in enumerate(batch.sampled.rows) if batch.rows[row].grammar is not None]
-            if rows:
+            constrained = [
+                (i, grammar) for i, row in enumerate(batch.sampled.rows) if (grammar := batch.rows[row].grammar)
+            ]
+            if constrained:
                 # Copied now, before the forward is launched: the masks are filled while it runs.
                 drafts, num_real = self.fed_drafts(batch)
-                grammars = [g for i in rows if (g := batch.rows[batch.sampled.rows[i]].grammar) is not None]
+                rows, grammars = map(list, zip(*constrained))
                 batch.grammar = copy_inputs(rows, grammars, drafts, num_real)
         return batch
 
@@ -374,7 +377,7 @@ class ModelRunner:
                 self.table.fail_requests([req_id], error)
         return pending
 
-    def _history(self, batch: StepBatch):
+    def _history(self, batch: StepBatch) -> Callable[[int, int, int], list[int]]:
         """Reads a sampled row's tokens [start, end) back from the device's history pages (a
         resumed constrained request replays its earlier outputs into its grammar; rare)."""
 
