@@ -10,13 +10,12 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from tests.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_shared  # noqa: E402
 from zerobubble.worker_svc.eagle import (  # noqa: E402
     EAGLE1,
     EAGLE3,
     SPECULATORS,
-    EagleHead,
     HeadFormatError,
-    SharedWeights,
     check_fits,
     detect_format,
     load_head,
@@ -24,37 +23,9 @@ from zerobubble.worker_svc.eagle import (  # noqa: E402
 )
 from zerobubble.worker_svc.model import model_spec  # noqa: E402
 
-VOCAB, HIDDEN = 97, 32
-
-
-def _config(model_type: str = "llama") -> transformers.PretrainedConfig:
-    cls = {"llama": transformers.LlamaConfig, "qwen3": transformers.Qwen3Config}[model_type]
-    return cls(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-    )
-
-
-def _shared(seed: int = 0) -> SharedWeights:
-    g = torch.Generator().manual_seed(seed)
-    embed = torch.randn(VOCAB, HIDDEN, generator=g)
-    return SharedWeights(embed=embed, lm_head=embed)
-
-
-def _head(model_type: str = "llama") -> EagleHead:
-    torch.manual_seed(1)
-    return EagleHead(_config(model_type), _shared())
-
 
 def test_weight_names_are_eagle1_layout() -> None:
-    names = set(_head().state_dict())
+    names = set(tiny_head().state_dict())
     assert "fc.weight" in names and "fc.bias" in names
     assert "layers.0.self_attn.q_proj.weight" in names
     assert "layers.0.post_attention_layernorm.weight" in names
@@ -65,7 +36,7 @@ def test_weight_names_are_eagle1_layout() -> None:
 
 
 def test_fc_reads_embedding_first_then_hidden() -> None:
-    head = _head()
+    head = tiny_head()
     with torch.no_grad():
         head.fc.weight.zero_()
         head.fc.bias.zero_()
@@ -79,7 +50,7 @@ def test_fc_reads_embedding_first_then_hidden() -> None:
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
 def test_forward_is_causal_and_cache_matches_full(model_type: str) -> None:
-    head = _head(model_type)
+    head = tiny_head(model_type)
     g = torch.Generator().manual_seed(2)
     ids = torch.randint(0, VOCAB, (2, 7), generator=g)
     hidden = torch.randn(2, 7, HIDDEN, generator=g)
@@ -101,7 +72,7 @@ def test_forward_is_causal_and_cache_matches_full(model_type: str) -> None:
 
 
 def test_logits_use_the_shared_lm_head() -> None:
-    head = _head()
+    head = tiny_head()
     hidden = torch.randn(3, HIDDEN)
     assert torch.allclose(head.logits(hidden), hidden @ head.shared.lm_head.T)
 
@@ -114,14 +85,14 @@ def test_detect_format() -> None:
 
 
 def test_unsupported_formats_are_named() -> None:
-    spec = model_spec(_config())
+    spec = model_spec(tiny_config())
     for config, name in (({"draft_vocab_size": 10}, "eagle-3"), ({"speculators_config": {}}, "speculators")):
         with pytest.raises(HeadFormatError, match=f"{name} heads are not supported yet"):
             check_fits(config, spec)
 
 
 def test_mismatched_head_is_refused_naming_the_mismatch() -> None:
-    spec = model_spec(_config())
+    spec = model_spec(tiny_config())
     with pytest.raises(HeadFormatError, match=r"hidden_size 64 != target's 32"):
         check_fits({"hidden_size": 64, "vocab_size": VOCAB}, spec)
     with pytest.raises(HeadFormatError, match=r"vocab_size 50 != target's 97"):
@@ -129,8 +100,8 @@ def test_mismatched_head_is_refused_naming_the_mismatch() -> None:
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
-    head = _head()
-    config = _config()
+    head = tiny_head()
+    config = tiny_config()
     save_head(head, tmp_path, config.to_dict())
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["num_hidden_layers"] == 1 and written["hidden_size"] == HIDDEN
@@ -140,8 +111,8 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
 
 
 def test_load_refuses_a_head_for_another_target(tmp_path: Path) -> None:
-    save_head(_head(), tmp_path, _config().to_dict())
-    other = _config()
+    save_head(tiny_head(), tmp_path, tiny_config().to_dict())
+    other = tiny_config()
     other.hidden_size = 48
     with pytest.raises(HeadFormatError, match="hidden_size 32 != target's 48"):
-        load_head(tmp_path, other, _shared(), torch.float32)
+        load_head(tmp_path, other, tiny_shared(), torch.float32)
