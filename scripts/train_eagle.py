@@ -24,7 +24,7 @@ import torch
 # Runnable as `python scripts/train_eagle.py` from a checkout that is not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from zerobubble.worker_svc.eagle import EagleHead, SharedWeights  # noqa: E402
+from zerobubble.worker_svc.eagle import EagleHead, SharedWeights, init_from_target_layer  # noqa: E402
 from zerobubble.worker_svc.eagle_data import DistillSettings, Sample, build_dataset, load_sample  # noqa: E402
 from zerobubble.worker_svc.eagle_eval import EagleDrafter, ngram_drafter, simulate  # noqa: E402
 from zerobubble.worker_svc.eagle_train import TrainSettings, train  # noqa: E402
@@ -33,13 +33,17 @@ from zerobubble.worker_svc.model_loader import EMBEDDED_MODEL_NAME, cache_dir, r
 logger = logging.getLogger("train_eagle")
 
 
-def shared_weights(model_dir: Path) -> SharedWeights:
-    """The target's embedding and lm_head (the embedding again when tied), float32."""
+def target_state(model_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     state: dict[str, torch.Tensor] = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         state.update(load_file(str(path)))
+    return state
+
+
+def shared_weights(state: dict[str, torch.Tensor]) -> SharedWeights:
+    """The target's embedding and lm_head (the embedding again when tied), float32."""
     embed = state["model.embed_tokens.weight"].float()
     lm_head = state["lm_head.weight"].float() if "lm_head.weight" in state else embed
     return SharedWeights(embed=embed, lm_head=lm_head)
@@ -79,6 +83,7 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long")
     parser.add_argument("--k", type=int, nargs="*", default=[3, 4, 5], help="draft lengths to evaluate")
+    parser.add_argument("--init-from-target", action="store_true", help="start from the target's last layer")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -93,7 +98,10 @@ def main() -> None:
 
     hf_config = read_config(model_dir)
     torch.manual_seed(0)
-    head = EagleHead(hf_config, shared_weights(model_dir))
+    state = target_state(model_dir)
+    head = EagleHead(hf_config, shared_weights(state))
+    if args.init_from_target:
+        init_from_target_layer(head, state, hf_config.num_hidden_layers - 1)
     train_settings = TrainSettings(
         steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, max_minutes=args.max_minutes
     )

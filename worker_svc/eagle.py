@@ -217,6 +217,21 @@ class EagleHead(nn.Module):
         return F.linear(hidden, self.shared.lm_head.to(hidden.dtype))
 
 
+def init_from_target_layer(head: EagleHead, target_state: dict[str, torch.Tensor], layer: int) -> None:
+    """Start the head's decoder layer from the target's layer ``layer`` (its input norm excepted).
+
+    A starting point, not EAGLE's recipe (which starts from random weights): the head's layer
+    does the work of a late target layer, so a short training run gets further from there.
+    """
+    prefix = f"model.layers.{layer}."
+    own = head.layers[0].state_dict()
+    wanted = {name: target_state[prefix + name] for name in own if prefix + name in target_state}
+    missing = sorted(set(own) - set(wanted))
+    if missing:
+        raise KeyError(f"target has no {prefix}{missing[0]} (and {len(missing) - 1} more)")
+    head.layers[0].load_state_dict({k: v.float() for k, v in wanted.items()})
+
+
 def head_config(target_config: dict[str, Any], fc_bias: bool) -> dict[str, Any]:
     """The EAGLE-1 ``config.json`` of a head for a target with ``target_config``."""
     config = {k: v for k, v in target_config.items() if not k.startswith("_")}

@@ -59,6 +59,7 @@ class DistillSettings:
     num_self_written: int = 64
     max_new_tokens: int = 192
     max_user_tokens: int = 64
+    batch_size: int = 16  # conversations answered together
     held_out_every: int = 6  # every n-th conversation (by a hash of its key) is held out
     seed: int = 0
 
@@ -107,15 +108,29 @@ def write_user_turn(model: Any, tokenizer: Any, prefix: list[int], seed: int, ma
 
 
 @torch.no_grad()
-def answer(model: Any, tokenizer: Any, prompt: list[int], max_new_tokens: int) -> Sample:
-    """The target's greedy answer to ``prompt`` and its last hidden states over the whole sequence."""
-    out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
-    )
-    ids = out[0]
-    # `model.model` is the decoder without lm_head: its output is after the final norm.
-    hidden = model.model(ids[None]).last_hidden_state[0].float()
-    return Sample(input_ids=ids.to(torch.int32), hidden=hidden, answer_start=len(prompt))
+def answer_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_tokens: int) -> list[Sample]:
+    """The target's greedy answers to ``prompts`` and its last hidden states over each whole sequence.
+
+    Generation is batched (left-padded): on a CPU one row at a time is dominated by per-step
+    overhead. The hidden states come from one unpadded forward per sequence.
+    """
+    eos = tokenizer.eos_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), eos, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
+    samples = []
+    for i, prompt in enumerate(prompts):
+        new = out[i, width:].tolist()
+        new = new[: new.index(eos) + 1] if eos in new else new  # finished rows are padded with EOS
+        seq = torch.tensor(prompt + new)
+        # `model.model` is the decoder without lm_head: its output is after the final norm.
+        hidden = model.model(seq[None]).last_hidden_state[0].float()
+        samples.append(Sample(input_ids=seq.to(torch.int32), hidden=hidden, answer_start=len(prompt)))
+    return samples
 
 
 def save_sample(path: Path, sample: Sample) -> None:
@@ -168,8 +183,15 @@ def build_dataset(model_dir: Path, out_dir: Path, settings: DistillSettings) -> 
     logger.info("writing up to %d user turns with the model itself", settings.num_self_written)
     convs += self_written_conversations(model, tokenizer, settings, out_dir)
     todo = [c for c in convs if not sample_path(out_dir, c).exists()]
-    for conv in tqdm(todo, desc="distilling", unit="conv"):
-        sample = answer(model, tokenizer, render_prompt(tokenizer, conv.messages), settings.max_new_tokens)
-        save_sample(sample_path(out_dir, conv), sample)
+    prompts = {c.key: render_prompt(tokenizer, c.messages) for c in todo}
+    # Similar lengths together, so little of a batch is padding.
+    todo.sort(key=lambda c: len(prompts[c.key]))
+    with tqdm(total=len(todo), desc="distilling", unit="conv") as bar:
+        for i in range(0, len(todo), settings.batch_size):
+            group = todo[i : i + settings.batch_size]
+            answers = answer_batch(model, tokenizer, [prompts[c.key] for c in group], settings.max_new_tokens)
+            for conv, sample in zip(group, answers):
+                save_sample(sample_path(out_dir, conv), sample)
+            bar.update(len(group))
     logger.info("%d conversations (%d answered now) in %s", len(convs), len(todo), out_dir)
     return convs

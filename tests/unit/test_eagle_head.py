@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_shared  # noqa: E402
+from tests.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_shared, tiny_target  # noqa: E402
 from zerobubble.worker_svc.eagle import (  # noqa: E402
     EAGLE1,
     EAGLE3,
@@ -18,6 +18,7 @@ from zerobubble.worker_svc.eagle import (  # noqa: E402
     HeadFormatError,
     check_fits,
     detect_format,
+    init_from_target_layer,
     load_head,
     save_head,
 )
@@ -116,3 +117,12 @@ def test_load_refuses_a_head_for_another_target(tmp_path: Path) -> None:
     other.hidden_size = 48
     with pytest.raises(HeadFormatError, match="hidden_size 32 != target's 48"):
         load_head(tmp_path, other, tiny_shared(), torch.float32)
+
+
+def test_init_from_target_layer_copies_that_layer_but_its_input_norm() -> None:
+    state = tiny_target().state_dict()
+    head = tiny_head()
+    init_from_target_layer(head, state, layer=1)
+    for name, tensor in head.layers[0].state_dict().items():
+        assert torch.equal(tensor, state[f"model.layers.1.{name}"]), name
+    assert head.layers[0].input_layernorm is None

@@ -12,7 +12,7 @@ pytest.importorskip("transformers")
 
 from tests.tiny_eagle import HIDDEN, tiny_config, tiny_head, tiny_samples, tiny_target  # noqa: E402
 from zerobubble.worker_svc.eagle import load_head  # noqa: E402
-from zerobubble.worker_svc.eagle_data import Sample  # noqa: E402
+from zerobubble.worker_svc.eagle_data import Sample, answer_batch  # noqa: E402
 from zerobubble.worker_svc.eagle_train import CHECKPOINT, TrainSettings, eagle_loss, make_batch, train  # noqa: E402
 
 
@@ -53,3 +53,22 @@ def test_training_lowers_the_loss_and_resumes(samples: list[Sample], tmp_path: P
     assert more["step"] == 35
     saved = load_head(tmp_path, tiny_config(), resumed.shared, torch.float32)
     assert torch.equal(saved.fc.weight, resumed.fc.weight.to(torch.bfloat16).float())
+
+
+def test_batched_answers_equal_greedy_answers_one_at_a_time() -> None:
+    target = tiny_target()
+    eos = 5
+
+    class Tok:
+        eos_token_id = eos
+
+    prompts = [[1, 7, 9, 11, 3], [4, 8], [6, 6, 10, 12, 14, 20, 30]]
+    samples = answer_batch(target, Tok(), prompts, max_new_tokens=12)
+    for prompt, sample in zip(prompts, samples):
+        alone = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eos,
+                                pad_token_id=eos)[0].tolist()  # fmt: skip
+        assert sample.input_ids.tolist() == alone
+        assert sample.answer_start == len(prompt)
+        with torch.no_grad():
+            hidden = target.model(torch.tensor([alone])).last_hidden_state[0]
+        assert torch.allclose(sample.hidden, hidden, atol=1e-5)
