@@ -1,0 +1,122 @@
+"""Train an EAGLE-1 draft head for a target by self-distillation, then measure its acceptance offline.
+
+    python scripts/train_eagle.py                       # the embedded SmolLM2-135M
+    python scripts/train_eagle.py --model DIR --out DIR # another Llama/Qwen-family model
+
+Three stages, each resumable: the target answers the workloads' prompts and its own user turns
+(samples cached under ``OUT/data``), the head trains (checkpoint in ``OUT``), and the held-out
+answers are walked step by step with the head's chain and with n-gram lookup (``--k``). The head
+is written to ``OUT`` as bfloat16 ``model.safetensors`` + ``config.json`` (EAGLE-1 layout);
+``OUT`` defaults to ``<model cache>/smollm2-135m-eagle``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+# Runnable as `python scripts/train_eagle.py` from a checkout that is not pip-installed.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from zerobubble.worker_svc.eagle import EagleHead, SharedWeights, init_from_target_layer  # noqa: E402
+from zerobubble.worker_svc.eagle_data import DistillSettings, Sample, build_dataset, load_sample  # noqa: E402
+from zerobubble.worker_svc.eagle_eval import EagleDrafter, ngram_drafter, simulate  # noqa: E402
+from zerobubble.worker_svc.eagle_train import TrainSettings, train  # noqa: E402
+from zerobubble.worker_svc.model_loader import EMBEDDED_MODEL_NAME, cache_dir, read_config, resolve_model  # noqa: E402
+
+logger = logging.getLogger("train_eagle")
+
+
+def target_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    return state
+
+
+def shared_weights(state: dict[str, torch.Tensor]) -> SharedWeights:
+    """The target's embedding and lm_head (the embedding again when tied), float32."""
+    embed = state["model.embed_tokens.weight"].float()
+    lm_head = state["lm_head.weight"].float() if "lm_head.weight" in state else embed
+    return SharedWeights(embed=embed, lm_head=lm_head)
+
+
+def load_split(data_dir: Path, split: str) -> list[Sample]:
+    return [load_sample(p) for p in sorted((data_dir / split).glob("*.pt"))]
+
+
+def evaluate(head: EagleHead, samples: list[Sample], ks: list[int]) -> dict[str, dict[str, object]]:
+    """Per ``k``: accepted drafts per position and tokens per step, EAGLE's chain and n-gram."""
+    report: dict[str, dict[str, object]] = {}
+    head.eval()
+    for k in ks:
+        for name, drafter in (("eagle", EagleDrafter(head)), ("ngram", ngram_drafter())):
+            started = time.monotonic()
+            acc = simulate(samples, drafter, k)
+            report[f"{name} k={k}"] = {
+                "tokens_per_step": round(acc.tokens_per_step, 3),
+                "accepted_per_position": [round(r, 3) for r in acc.rates()],
+                "steps": acc.steps,
+                "seconds": round(time.monotonic() - started, 1),
+            }
+            logger.info("%s k=%d: %s", name, k, report[f"{name} k={k}"])
+    return report
+
+
+def main() -> None:
+    defaults = TrainSettings()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=EMBEDDED_MODEL_NAME)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--self-written", type=int, default=64, help="user turns the model writes itself")
+    parser.add_argument("--max-new-tokens", type=int, default=192)
+    parser.add_argument("--steps", type=int, default=defaults.steps)
+    parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens)
+    parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long")
+    parser.add_argument("--k", type=int, nargs="*", default=[3, 4, 5], help="draft lengths to evaluate")
+    parser.add_argument(
+        "--init-from-target",
+        action="store_true",
+        help="start the head's layer from the target's last layer (not EAGLE's recipe; worse on SmolLM2)",
+    )
+    parser.add_argument("--eval-limit", type=int, default=0, help="evaluate on at most this many held-out answers")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    torch.set_num_threads(args.threads)
+
+    model_dir = resolve_model(args.model)
+    out = args.out or cache_dir() / "models" / f"{Path(args.model).name}-eagle"
+    settings = DistillSettings(num_self_written=args.self_written, max_new_tokens=args.max_new_tokens)
+    build_dataset(model_dir, out / "data", settings)
+    train_samples, held_out = load_split(out / "data", "train"), load_split(out / "data", "held_out")
+    logger.info("%d training samples, %d held out", len(train_samples), len(held_out))
+
+    hf_config = read_config(model_dir)
+    torch.manual_seed(0)
+    state = target_state(model_dir)
+    head = EagleHead(hf_config, shared_weights(state))
+    if args.init_from_target:
+        init_from_target_layer(head, state, hf_config.num_hidden_layers - 1)
+    train_settings = TrainSettings(
+        steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, max_minutes=args.max_minutes
+    )
+    raw_config = json.loads((model_dir / "config.json").read_text())
+    metrics = train(head, train_samples, out, train_settings, raw_config)
+    logger.info("trained: %s", metrics)
+    report = {"train": metrics, "acceptance": evaluate(head, held_out[: args.eval_limit or None], args.k)}
+    (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()
