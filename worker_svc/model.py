@@ -41,6 +41,9 @@ SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama
 _SILU_NAMES = frozenset({"silu", "swish"})
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
+Taker = Callable[[str, tuple[int, ...]], torch.Tensor]
+OptionalTaker = Callable[[str, tuple[int, ...], bool], torch.Tensor | None]
+WeightMaker = Callable[[torch.Tensor], LinearWeight]
 
 
 @dataclass(slots=True)
@@ -69,7 +72,7 @@ class ModelSpec:
 class LayerWeights:
     """One decoder layer's weights, with q/k/v and gate/up fused into single matrices."""
 
-    input_norm: torch.Tensor  # [hidden]
+    input_norm: torch.Tensor | None  # [hidden]; None in an EAGLE-1 head's layer (its input goes in as is)
     qkv_weight: LinearWeight  # [(Hq + 2 Hkv) D, hidden]
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: Qwen3's per-head q and k norms side by side
@@ -189,9 +192,19 @@ class CausalLM:
 
         Raises ``KeyError`` for a missing tensor and ``ValueError`` for a wrong shape.
         """
-        spec = self.spec
-        hidden, q_size = spec.hidden_size, spec.num_q_heads * spec.head_dim
-        kv_size = spec.num_kv_heads * spec.head_dim
+        spec, hidden = self.spec, self.spec.hidden_size
+        take, take_optional, weight = self.weight_readers(state_dict)
+        self.layers = [
+            layer_weights(spec, take, take_optional, weight, f"model.layers.{i}.") for i in range(spec.num_layers)
+        ]
+        self.embed = take("model.embed_tokens.weight", (spec.vocab_size, hidden))
+        self.final_norm = take("model.norm.weight", (hidden,))
+        tied = spec.tie_word_embeddings
+        self.lm_head = weight(self.embed if tied else take("lm_head.weight", (spec.vocab_size, hidden)))
+
+    def weight_readers(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Taker, OptionalTaker, WeightMaker]:
+        """``take(name, shape)`` (checked, in this model's dtype and device), ``take_optional``
+        (None when absent by design) and ``weight`` (a linear weight laid out for this model)."""
 
         def take(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if name not in state_dict:
@@ -204,63 +217,10 @@ class CausalLM:
         def take_optional(name: str, shape: tuple[int, ...], present: bool) -> torch.Tensor | None:
             return take(name, shape) if present else None
 
-        def fuse(parts: list[torch.Tensor]) -> torch.Tensor:
-            return torch.cat(parts, dim=0).contiguous()
-
-        def fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-            present = [p for p in parts if p is not None]
-            return fuse(present) if len(present) == len(parts) else None
-
         def weight(tensor: torch.Tensor) -> LinearWeight:
             return prepare_linear(tensor, self.prepack, self.quantization)
 
-        layers = []
-        for i in range(spec.num_layers):
-            p = f"model.layers.{i}."
-            qk_norm = None
-            if spec.qk_norm:
-                q_norm = take(p + "self_attn.q_norm.weight", (spec.head_dim,))
-                k_norm = take(p + "self_attn.k_norm.weight", (spec.head_dim,))
-                qk_norm = torch.cat(
-                    (q_norm.expand(spec.num_q_heads, -1), k_norm.expand(spec.num_kv_heads, -1))
-                ).contiguous()
-            inter = spec.intermediate_size
-            layers.append(
-                LayerWeights(
-                    input_norm=take(p + "input_layernorm.weight", (hidden,)),
-                    qkv_weight=weight(
-                        fuse(
-                            [
-                                take(p + f"self_attn.{n}_proj.weight", (size, hidden))
-                                for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))
-                            ]
-                        )
-                    ),  # fmt: skip
-                    qkv_bias=fuse_optional(
-                        [
-                            take_optional(p + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias)
-                            for n, size in (("q", q_size), ("k", kv_size), ("v", kv_size))
-                        ]
-                    ),  # fmt: skip
-                    qk_norm=qk_norm,
-                    o_weight=weight(take(p + "self_attn.o_proj.weight", (hidden, q_size))),
-                    o_bias=take_optional(p + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
-                    post_norm=take(p + "post_attention_layernorm.weight", (hidden,)),
-                    gate_up_weight=weight(
-                        fuse([take(p + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")])
-                    ),  # fmt: skip
-                    gate_up_bias=fuse_optional(
-                        [take_optional(p + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias) for n in ("gate", "up")]
-                    ),  # fmt: skip
-                    down_weight=weight(take(p + "mlp.down_proj.weight", (hidden, inter))),
-                    down_bias=take_optional(p + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
-                )
-            )
-        self.embed = take("model.embed_tokens.weight", (spec.vocab_size, hidden))
-        self.final_norm = take("model.norm.weight", (hidden,))
-        tied = spec.tie_word_embeddings
-        self.lm_head = weight(self.embed if tied else take("lm_head.weight", (spec.vocab_size, hidden)))
-        self.layers = layers
+        return take, take_optional, weight
 
     @torch.inference_mode()
     def forward(
@@ -271,40 +231,65 @@ class CausalLM:
         kv_caches: KVCache,
     ) -> torch.Tensor:
         """Hidden states ``[T, hidden]`` (after the final norm) for a flat batch; writes K/V into ``kv_caches``."""
+        assert self.embed is not None and self.final_norm is not None, "load_weights first"
+        hidden, residual = self.run_layers(F.embedding(input_ids, self.embed), positions, meta, kv_caches)
+        return add_rms_norm(hidden, residual, self.final_norm, self.spec.rms_norm_eps)[0]
+
+    def run_layers(
+        self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCache
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The decoder layers over input states ``hidden [T, hidden]``: the last sublayer's output
+        and the residual stream before it, not yet added (the final norm fuses that add)."""
         if not self.layers:
             raise RuntimeError("CausalLM.forward called before load_weights")
         spec = self.spec
-        num_tokens = input_ids.shape[0]
-        qk_heads = spec.num_q_heads + spec.num_kv_heads
-        kv_start = qk_heads * spec.head_dim
+        num_tokens = hidden.shape[0]
         eps = spec.rms_norm_eps
         cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
         plan: AttentionPlan | None = None
         # The torch path's plan reads host values: only on the CPU, where they are host memory.
-        if not use_triton(input_ids, None) and input_ids.device.type == "cpu" and num_tokens > 0:
+        if not use_triton(hidden, None) and hidden.device.type == "cpu" and num_tokens > 0:
             plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads)
-        assert self.embed is not None and self.final_norm is not None, "load_weights first"
         # The residual stream's add is fused into the norm that follows it: `hidden` is a
         # sublayer's output not yet added, `residual` the stream before it.
-        hidden, residual = F.embedding(input_ids, self.embed), None
+        residual: torch.Tensor | None = None
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
             if self.interrupt is not None and self.interrupt():
                 raise StepInterrupted
-            normed, residual = add_rms_norm(hidden, residual, layer.input_norm, eps)
-            qkv = linear(normed, layer.qkv_weight, layer.qkv_bias)
-            # q and k get the same per-head norm and rotation, so they are processed as one tensor.
-            qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, eps)
-            # narrow, not [] slicing: Python indexing takes a device guard, which a CUDA-less
-            # build cannot give even to fake CUDA tensors (tests/inprocess/test_kernel_count.py).
-            q, k = qk.split((spec.num_q_heads, spec.num_kv_heads), dim=1)
-            v = qkv.narrow(1, kv_start, spec.num_kv_heads * spec.head_dim).view(num_tokens, spec.num_kv_heads, -1)
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            if layer.input_norm is None:
+                normed = residual = hidden if residual is None else hidden + residual
+            else:
+                normed, residual = add_rms_norm(hidden, residual, layer.input_norm, eps)
+            q = self.write_kv(layer, normed, cos, sin, (k_cache, v_cache), meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
             hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps)
             gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias)
             hidden = linear(silu_mul(gate_up), layer.down_weight, layer.down_bias)
-        return add_rms_norm(hidden, residual, self.final_norm, eps)[0]
+        return hidden, residual
+
+    def write_kv(
+        self,
+        layer: LayerWeights,
+        normed: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        slot_mapping: torch.Tensor,
+    ) -> torch.Tensor:
+        """A layer's q/k/v projection of its normed input: writes K/V at ``slot_mapping``, returns q ``[T, Hq, D]``."""
+        spec = self.spec
+        qk_heads = spec.num_q_heads + spec.num_kv_heads
+        qkv = linear(normed, layer.qkv_weight, layer.qkv_bias)
+        # q and k get the same per-head norm and rotation, so they are processed as one tensor.
+        qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, spec.rms_norm_eps)
+        # narrow, not [] slicing: Python indexing takes a device guard, which a CUDA-less
+        # build cannot give even to fake CUDA tensors (tests/inprocess/test_kernel_count.py).
+        q, k = qk.split((spec.num_q_heads, spec.num_kv_heads), dim=1)
+        kv_size = spec.num_kv_heads * spec.head_dim
+        v = qkv.narrow(1, qk_heads * spec.head_dim, kv_size).view(normed.shape[0], spec.num_kv_heads, -1)
+        write_kv_cache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        return q
 
     __call__ = forward
 
@@ -313,6 +298,50 @@ class CausalLM:
         """Float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]``."""
         assert self.lm_head is not None, "load_weights first"
         return linear(hidden, self.lm_head).float()
+
+
+def layer_weights(
+    spec: ModelSpec,
+    take: Taker,
+    take_optional: OptionalTaker,
+    weight: WeightMaker,
+    prefix: str,
+    input_norm: bool = True,
+) -> LayerWeights:
+    """One decoder layer's weights from Hugging Face names under ``prefix``, q/k/v and gate/up
+    fused; ``input_norm=False`` for a layer without one (an EAGLE-1 head's)."""
+    hidden, head_dim, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q_size, kv_size = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
+    qkv_shapes = (("q", q_size), ("k", kv_size), ("v", kv_size))
+    qk_norm = None
+    if spec.qk_norm:
+        q_norm = take(prefix + "self_attn.q_norm.weight", (head_dim,))
+        k_norm = take(prefix + "self_attn.k_norm.weight", (head_dim,))
+        qk_norm = torch.cat((q_norm.expand(spec.num_q_heads, -1), k_norm.expand(spec.num_kv_heads, -1))).contiguous()
+
+    def fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+        present = [p for p in parts if p is not None]
+        return torch.cat(present).contiguous() if len(present) == len(parts) else None
+
+    qkv = torch.cat([take(prefix + f"self_attn.{n}_proj.weight", (size, hidden)) for n, size in qkv_shapes])
+    gate_up = torch.cat([take(prefix + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")])
+    return LayerWeights(
+        input_norm=take(prefix + "input_layernorm.weight", (hidden,)) if input_norm else None,
+        qkv_weight=weight(qkv.contiguous()),
+        qkv_bias=fuse_optional(
+            [take_optional(prefix + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias) for n, size in qkv_shapes]
+        ),
+        qk_norm=qk_norm,
+        o_weight=weight(take(prefix + "self_attn.o_proj.weight", (hidden, q_size))),
+        o_bias=take_optional(prefix + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
+        post_norm=take(prefix + "post_attention_layernorm.weight", (hidden,)),
+        gate_up_weight=weight(gate_up.contiguous()),
+        gate_up_bias=fuse_optional(
+            [take_optional(prefix + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias) for n in ("gate", "up")]
+        ),
+        down_weight=weight(take(prefix + "mlp.down_proj.weight", (hidden, inter))),
+        down_bias=take_optional(prefix + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
+    )
 
 
 def build_model(

@@ -344,11 +344,11 @@ class ModelRunner:
             )
             logits = self.model.compute_logits(hidden)
             if self.proposer is not None:
-                self.proposer.observe(batch)
+                self.proposer.observe(batch, hidden)
             return logits
         hidden = self.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
         if self.proposer is not None:
-            self.proposer.observe(batch)
+            self.proposer.observe(batch, hidden)
         if batch.sampled is None:
             return None
         return self.model.compute_logits(hidden[batch.sampled.gather])

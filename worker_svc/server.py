@@ -19,6 +19,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import grpc
 import torch
@@ -93,12 +94,12 @@ def step_reserve_bytes(cfg: WorkerConfig, loaded: LoadedModel) -> int:
 
 
 def kv_capacity_blocks(
-    cfg: WorkerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, draft: LoadedModel | None = None
+    cfg: WorkerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, draft: Any = None
 ) -> int:
     """KV blocks that fit: a memory budget on CPU; on CUDA, `--gpu-memory-utilization` of the
     device less what is in use (the weights) and a full step's logits and sampler
     (`step_reserve_bytes`). A draft model keeps a cache of its own shape block for block beside
-    the target's."""
+    the target's, as does an EAGLE head (one layer); ``draft``: either, anything with an ``hf_config``."""
     models = (loaded,) if draft is None else (loaded, draft)
     per_block = sum(kv_cache_bytes_per_block(m.hf_config, cfg.block_size, dtype) for m in models)
     reserve = 0
@@ -140,7 +141,7 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
         raise ConfigError("--device cuda needs triton (Linux CUDA builds of torch bring it): pip install triton")
     dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights, quantization=cfg.quantization)
-    draft = load_model(cfg.draft_model, dtype, device, cfg.prepack_weights) if cfg.spec_method == "draft" else None
+    draft = _load_drafter(cfg, loaded, dtype, device)
     proposer = build_proposer(
         cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max, draft, cfg.draft_acceptance
     )
@@ -169,6 +170,17 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
         runner.num_spec_tokens,
     )
     return runner, loaded
+
+
+def _load_drafter(cfg: WorkerConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> Any:
+    """The draft model (``--spec-method draft``) or EAGLE head (``eagle``) ``--draft-model`` names."""
+    if cfg.spec_method == "draft":
+        return load_model(cfg.draft_model, dtype, device, cfg.prepack_weights)
+    if cfg.spec_method == "eagle":
+        from zerobubble.worker_svc.proposers.eagle import load_serving_head
+
+        return load_serving_head(cfg.draft_model, loaded)
+    return None
 
 
 def runner_config(

@@ -174,7 +174,7 @@ class LagNgramProposer:
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         pass  # all state lives in the runner's history pages
 
-    def observe(self, batch: object) -> None:
+    def observe(self, batch: object, hidden: torch.Tensor) -> None:
         pass
 
     def propose(self, slots: torch.Tensor, batch: object = None) -> None:

@@ -235,11 +235,20 @@ class WorkerConfig(ServiceConfig):
         0.9, "fraction of GPU memory the worker may fill (weights, KV cache and a full step's logits)"
     )
     max_model_len: int = setting(0, "longest sequence in tokens (0 = from the model config, capped at 8192)")
-    spec_method: str = setting("none", "speculative decoding proposer", choices=("none", "ngram", "draft"))
+    spec_method: str = setting(
+        "none",
+        "speculative decoding proposer: ngram (prompt lookup), draft (a smaller model) or eagle (an "
+        "EAGLE-1 head over the target's hidden states)",
+        choices=("none", "ngram", "draft", "eagle"),
+    )
     num_spec_tokens: int = setting(3, "draft tokens per decode step")
     ngram_min: int = setting(2, "shortest n-gram the proposer matches")
     ngram_max: int = setting(4, "longest n-gram the proposer matches")
-    draft_model: str = setting("", "draft model for --spec-method draft (same tokenizer as --model)")
+    draft_model: str = setting(
+        "",
+        "--spec-method draft: a smaller model with --model's tokenizer; --spec-method eagle: an EAGLE "
+        "head directory or a built-in head name (smollm2-135m-eagle)",
+    )
     draft_acceptance: str = setting(
         "keyed",
         "how draft-model proposals are verified: keyed (accepted iff equal to the target's own "
@@ -343,9 +352,11 @@ class WorkerConfig(ServiceConfig):
                 bool(self.draft_model),
                 "--spec-method draft needs --draft-model (a smaller model with the same tokenizer as --model)",
             )
+        elif self.spec_method == "eagle":
+            _require(bool(self.draft_model), "--spec-method eagle needs --draft-model (an EAGLE head)")
         elif self.draft_model:
             raise ConfigError(
-                f"--draft-model is set but --spec-method is {self.spec_method!r}; use --spec-method draft"
+                f"--draft-model is set but --spec-method is {self.spec_method!r}; use --spec-method draft or eagle"
             )
 
 

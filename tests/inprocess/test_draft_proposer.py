@@ -14,112 +14,23 @@ sample, so the output equals the unspeculated one whatever the drafts and the pl
 
 from __future__ import annotations
 
-from collections import deque
-from pathlib import Path
-
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig
 
+from tests.drafting import K, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
 from tests.options import split_options
-from tests.sim_worker import make_toy_tokenizer_json
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions, StoppingOptions
-from zerobubble.rows import result_rows
-from zerobubble.scheduler_svc.scheduler import Scheduler, SchedulerConfig
-from zerobubble.scheduler_svc.tokenizer import Tokenizer
-from zerobubble.worker_svc.model import build_model
-from zerobubble.worker_svc.model_loader import LoadedModel
 from zerobubble.worker_svc.proposers.draft import DraftModelProposer
-from zerobubble.worker_svc.runner import ModelRunner, RunnerConfig
-
-VOCAB = 258  # the toy byte tokenizer's vocabulary
-K = 3
 
 
-def _loaded(hf: LlamaForCausalLM) -> LoadedModel:
-    model = build_model(hf.config, torch.float32, torch.device("cpu"))
-    model.load_weights(hf.state_dict())
-    return LoadedModel(
-        name="tiny",
-        path=Path("."),
-        hf_config=hf.config,
-        model=model,
-        tokenizer_file=Path("tokenizer.json"),
-        eos_token_ids=[256],
-        max_model_len=256,
-    )
-
-
-def _hf_greedy(hf: LlamaForCausalLM, prompt: list[int], num_tokens: int) -> list[int]:
-    ids = list(prompt)
-    with torch.inference_mode():
-        for _ in range(num_tokens):
-            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
-
-
-def _tiny_hf(seed: int, max_positions: int = 256) -> LlamaForCausalLM:
-    cfg = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=max_positions,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
-
-
-def _runner_and_scheduler(
-    target: LlamaForCausalLM, proposer: DraftModelProposer | None
-) -> tuple[ModelRunner, Scheduler]:
-    k = K if proposer is not None else 0
-    runner = ModelRunner(
-        _loaded(target),
-        RunnerConfig(num_blocks=160, block_size=4, max_num_seqs=4, max_model_len=128, num_spec_tokens=k),
-        proposer,
-    )
-    scheduler = Scheduler(
-        SchedulerConfig(
-            num_blocks=160,
-            block_size=4,
-            max_model_len=128,
-            max_num_seqs=4,
-            max_num_batched_tokens=24,
-            num_spec_tokens=k,
-            num_lookahead_slots=k,
-            enable_prefix_caching=True,
-            vocab_size=VOCAB,
-        ),
-        Tokenizer(make_toy_tokenizer_json()),
-    )
-    return runner, scheduler
-
-
-def _drive(runner: ModelRunner, scheduler: Scheduler, window: int) -> tuple[dict[str, list[int]], int, int]:
-    """Run the scheduler to the end with `window` plans in flight; (outputs, drafted, accepted)."""
-    outputs: dict[str, list[int]] = {}
-    drafted = accepted = 0
-    inflight: deque = deque()
-    while scheduler.has_unfinished() or inflight:
-        while len(inflight) < window and (plan := scheduler.schedule()) is not None:
-            inflight.append(runner.execute(plan))
-        result = inflight.popleft().materialize(0.0, K)
-        for entry in result_rows(result).values():
-            drafted += entry.num_draft_tokens
-            accepted += entry.num_accepted
-        for event in scheduler.on_step_result(result):
-            outputs.setdefault(event.req_id, []).extend(event.token_ids)
-    return outputs, drafted, accepted
 
 
 @pytest.mark.parametrize("acceptance", ["keyed", "rejection"])
 def test_self_drafting_accepts_its_own_greedy_continuation(acceptance: str) -> None:
-    hf = _tiny_hf(0)
-    runner, scheduler = _runner_and_scheduler(hf, DraftModelProposer(_loaded(hf), K, acceptance))
+    hf = tiny_hf(0)
+    runner, scheduler = runner_and_scheduler(hf, DraftModelProposer(loaded_model(hf), K, acceptance))
     gen = torch.Generator().manual_seed(1)
     shared = torch.randint(0, 256, (17,), generator=gen).tolist()
     prompts = {f"r{i}": shared + torch.randint(0, 256, (3 + 9 * i,), generator=gen).tolist() for i in range(5)}
@@ -128,9 +39,9 @@ def test_self_drafting_accepts_its_own_greedy_continuation(acceptance: str) -> N
         scheduler.add_request(
             rid, prompt, SamplingOptions(seed=3), StoppingOptions(max_tokens=max_tokens[rid], ignore_eos=True)
         )
-    outputs, drafted, accepted = _drive(runner, scheduler, window=2)
+    outputs, drafted, accepted = drive(runner, scheduler, window=2)
     for rid, prompt in prompts.items():
-        assert outputs[rid] == _hf_greedy(hf, prompt, max_tokens[rid]), rid
+        assert outputs[rid] == hf_greedy(hf, prompt, max_tokens[rid]), rid
     assert drafted > 50 and accepted >= 0.9 * drafted, (accepted, drafted)
     assert scheduler.stats.num_steps_completed > 0
 
@@ -153,19 +64,19 @@ def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:
     seeded sampling with penalties, min_p, top-k/p and logit bias emits exactly the tokens of
     the same runner without speculation, sync or async, batched or alone; rejection sampling on
     the same drafts does not (it draws rejected positions from the residual)."""
-    target, other = _tiny_hf(0), _tiny_hf(1)
+    target, other = tiny_hf(0), tiny_hf(1)
     gen = torch.Generator().manual_seed(2)
     # Repeated prompt bytes give the penalties something to count from the start.
     prompts = {f"s{i}": (torch.randint(0, 256, (5 + 4 * i,), generator=gen).tolist() * 3) for i in range(3)}
 
     def run(acceptance: str | None, window: int, req_ids: list[str]) -> tuple[dict[str, list[int]], int, int]:
-        proposer = DraftModelProposer(_loaded(other), K, acceptance) if acceptance else None
-        runner, scheduler = _runner_and_scheduler(target, proposer)
+        proposer = DraftModelProposer(loaded_model(other), K, acceptance) if acceptance else None
+        runner, scheduler = runner_and_scheduler(target, proposer)
         for rid in req_ids:
             scheduler.add_request(
                 rid, prompts[rid], *split_options(dict(SEEDED, max_tokens=16, seed=100 + int(rid[1:])))
             )
-        return _drive(runner, scheduler, window)
+        return drive(runner, scheduler, window)
 
     every = list(prompts)
     baseline, _, _ = run(None, 1, every)
@@ -184,20 +95,20 @@ def test_a_draft_covering_just_the_model_length_drafts_to_the_end() -> None:
     feeds its chain past it, which must not index the table (on CUDA a device-side assert that
     poisons the context); the output is still the target's greedy continuation. A draft that
     covers less than the model length is refused when it is bound."""
-    target = _tiny_hf(0)
-    runner, scheduler = _runner_and_scheduler(target, DraftModelProposer(_loaded(_tiny_hf(0, max_positions=128)), K))
+    target = tiny_hf(0)
+    runner, scheduler = runner_and_scheduler(target, DraftModelProposer(loaded_model(tiny_hf(0, max_positions=128)), K))
     gen = torch.Generator().manual_seed(4)
     prompts = {f"r{i}": torch.randint(0, 256, (20 + 7 * i,), generator=gen).tolist() for i in range(3)}
     for rid, prompt in prompts.items():
         scheduler.add_request(rid, prompt, None, StoppingOptions(ignore_eos=True))  # up to the model length
-    outputs, drafted, accepted = _drive(runner, scheduler, window=2)
+    outputs, drafted, accepted = drive(runner, scheduler, window=2)
     for rid, prompt in prompts.items():
-        assert outputs[rid] == _hf_greedy(target, prompt, 128 - len(prompt)), rid
+        assert outputs[rid] == hf_greedy(target, prompt, 128 - len(prompt)), rid
     assert scheduler.stats.num_failed_steps == 0
     # Same weights: the drafts are the target's own tokens.
     assert drafted > 0 and accepted >= 0.9 * drafted, (accepted, drafted)
     with pytest.raises(ValueError, match="fewer than max_model_len 128"):
-        _runner_and_scheduler(target, DraftModelProposer(_loaded(_tiny_hf(0, max_positions=100)), K))
+        runner_and_scheduler(target, DraftModelProposer(loaded_model(tiny_hf(0, max_positions=100)), K))
 
 
 def test_kv_budget_counts_the_draft_cache_at_its_own_size() -> None:
@@ -210,7 +121,7 @@ def test_kv_budget_counts_the_draft_cache_at_its_own_size() -> None:
     from zerobubble.worker_svc.model import kv_cache_bytes_per_block
     from zerobubble.worker_svc.server import kv_capacity_blocks
 
-    big, small = _tiny_hf(0).config, LlamaConfig(**{**_tiny_hf(0).config.to_dict(), "num_hidden_layers": 1})
+    big, small = tiny_hf(0).config, LlamaConfig(**{**tiny_hf(0).config.to_dict(), "num_hidden_layers": 1})
     cfg = WorkerConfig(dtype="float32", kv_cache_memory_gb=0.01, block_size=4)
     cpu = torch.device("cpu")
     per_big, per_small = (kv_cache_bytes_per_block(c, 4, torch.float32) for c in (big, small))
@@ -232,7 +143,7 @@ def test_kv_budget_on_cuda_leaves_room_for_a_full_steps_logits(monkeypatch: pyte
     from zerobubble.worker_svc.sampler import PEAK_BYTES_PER_LOGIT
     from zerobubble.worker_svc.server import kv_capacity_blocks, step_reserve_bytes
 
-    hf = _tiny_hf(0).config
+    hf = tiny_hf(0).config
     target = SimpleNamespace(hf_config=hf)
     gib = 1 << 30
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (20 * gib, 24 * gib))
@@ -256,9 +167,9 @@ def test_kv_budget_on_cuda_leaves_room_for_a_full_steps_logits(monkeypatch: pyte
 def test_the_result_copy_is_queued_before_the_draft_chain(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a GPU the copier thread waits for the copy's event: queued after the draft model's
     k forwards, every step's result would wait for them as well."""
-    hf = _tiny_hf(0)
-    proposer = DraftModelProposer(_loaded(hf), K, "keyed")
-    runner, scheduler = _runner_and_scheduler(hf, proposer)
+    hf = tiny_hf(0)
+    proposer = DraftModelProposer(loaded_model(hf), K, "keyed")
+    runner, scheduler = runner_and_scheduler(hf, proposer)
     calls: list[str] = []
     start_copy, propose = runner.copier.start, proposer.propose
 
@@ -273,8 +184,8 @@ def test_the_result_copy_is_queued_before_the_draft_chain(monkeypatch: pytest.Mo
     monkeypatch.setattr(runner.copier, "start", logged_copy)
     monkeypatch.setattr(proposer, "propose", logged_propose)
     scheduler.add_request("r", list(range(1, 12)), None, StoppingOptions(max_tokens=10, ignore_eos=True))
-    outputs, drafted, _ = _drive(runner, scheduler, window=2)
-    assert outputs["r"] == _hf_greedy(hf, list(range(1, 12)), 10)
+    outputs, drafted, _ = drive(runner, scheduler, window=2)
+    assert outputs["r"] == hf_greedy(hf, list(range(1, 12)), 10)
     assert drafted > 0 and calls.count("propose") >= 3
     # Each sampling step: its copy, then its drafts (the last step's are never asked for).
     num_proposals = calls.count("propose")
@@ -286,15 +197,15 @@ def test_drafts_come_after_the_result_and_stop_at_a_finish_notice() -> None:
     """A step's result is complete before its next drafts are made (`propose_next`, which the
     worker calls once the result is handed on), and a draft chain whose every request a later
     plan has finished stops there: the next request's prefill does not wait for it."""
-    hf = _tiny_hf(0)
-    runner, scheduler = _runner_and_scheduler(hf, DraftModelProposer(_loaded(hf), K, "keyed"))
+    hf = tiny_hf(0)
+    runner, scheduler = runner_and_scheduler(hf, DraftModelProposer(loaded_model(hf), K, "keyed"))
     prompt = list(range(1, 12))
     scheduler.add_request("r", prompt, None, StoppingOptions(max_tokens=10, ignore_eos=True))
     pending = runner.execute(scheduler.schedule())  # the prefill samples the first token
     slot = runner.slots["r"].slot
     assert int(runner.state.num_drafts[slot]) == 0  # no drafts yet ...
     events = scheduler.on_step_result(pending.materialize(0.0, K))
-    assert events[0].token_ids == _hf_greedy(hf, prompt, 1)  # ... and the result is whole
+    assert events[0].token_ids == hf_greedy(hf, prompt, 1)  # ... and the result is whole
     runner.propose_next()
     assert int(runner.state.num_drafts[slot]) == K
     runner.propose_next()  # made once

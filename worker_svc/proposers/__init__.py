@@ -14,7 +14,7 @@ class Proposer(Protocol):
     # True when proposals come with a draft distribution (rejection sampling verifies them);
     # False for proposals verified by keyed sample-and-compare (n-gram; draft models by default).
     has_draft_probs: bool
-    # `--spec-method` it implements ("ngram" or "draft"), reported in `WorkerInfo.spec_method`.
+    # `--spec-method` it implements ("ngram", "draft" or "eagle"), reported in `WorkerInfo.spec_method`.
     method: str
     # KV slots the proposer writes past a step's tokens; the scheduler must allocate them
     # (reported to it in `WorkerInfo.num_lookahead_slots`).
@@ -26,8 +26,9 @@ class Proposer(Protocol):
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         """A request (new or resumed) takes `slot`."""
 
-    def observe(self, batch: object) -> None:
-        """See every step's target inputs (`StepBatch`) right after the target forward."""
+    def observe(self, batch: object, hidden: torch.Tensor) -> None:
+        """See every step's target inputs (`StepBatch`) and the target's final hidden states
+        ``[T, hidden]`` right after the target forward."""
 
     def propose(self, slots: torch.Tensor, batch: object) -> None:
         """Write drafts for `slots` (the rows of `batch` that sampled) into the runner state."""
@@ -57,4 +58,10 @@ def build_proposer(
         if draft_model is None:
             raise ValueError("--spec-method draft needs --draft-model")
         return DraftModelProposer(draft_model, num_spec_tokens, draft_acceptance)
-    raise ValueError(f"unknown --spec-method {method!r} (expected none, ngram or draft)")
+    if method == "eagle":
+        from zerobubble.worker_svc.proposers.eagle import EagleProposer
+
+        if draft_model is None:
+            raise ValueError("--spec-method eagle needs --draft-model (an EAGLE head)")
+        return EagleProposer(draft_model, num_spec_tokens, draft_acceptance)  # type: ignore[arg-type]
+    raise ValueError(f"unknown --spec-method {method!r} (expected none, ngram, draft or eagle)")

@@ -39,21 +39,14 @@ Two ways to verify (`--draft-acceptance`):
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-import numpy as np
 import torch
 
 from zerobubble.kernels.attention import AttentionMetadata
-from zerobubble.kernels.keyed_random import keyed_uniform
-from zerobubble.worker_svc import staging
 from zerobubble.worker_svc.model import allocate_kv_cache
-from zerobubble.worker_svc.sampler import sample, target_probs
+from zerobubble.worker_svc.proposers.chain import ChainCache, draft_chain
 
-# Keyed-noise stream for draft sampling under rejection sampling (independent of the verifier's
-# streams 0-2); keyed acceptance draws drafts with the sampler's own stream instead.
-DRAFT_STREAM = 3
 ACCEPTANCE_METHODS = ("keyed", "rejection")
 
 
@@ -105,82 +98,20 @@ class DraftModelProposer:
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         pass  # the draft cache follows the target cache block for block (see `observe`)
 
-    def observe(self, batch) -> None:
+    def observe(self, batch, hidden: torch.Tensor) -> None:
         """Run the draft on the target step's own inputs (writes its K/V at the same slots)."""
         self.draft.model(batch.input_ids, batch.positions, batch.meta, self.kv_caches)
 
     def propose(self, slots: torch.Tensor, batch) -> None:
-        runner = self.runner
-        st = runner.state
-        dev = runner.device
-        bs = runner.config.block_size
-        idx = slots.long()
-        sampled = [batch.rows[i] for i in batch.sampled.rows]
-        num_rows = len(sampled)
-        # Slots the request holds; host bookkeeping, uploaded like every other step input.
-        caps = staging.to_device([len(r.block_ids) * bs for r in sampled], torch.int64, dev)
-        seq_len = st.seq_len[idx].to(torch.int64)
-        tables = st.block_table[idx]
-        # The target's own per-row sampling tensors, with penalty counts over the written
-        # context (positions < seq_len); the fed tokens are added to them as the chain grows.
-        slot_ids = np.asarray([r.slot for r in sampled], np.int64)
-        sampling = runner.sampling_tensors(slot_ids, np.ones(num_rows, np.int64), seq_len)
-        penalties = sampling.penalties
-        vocab_size = self.draft.hf_config.vocab_size
-        qsl = torch.arange(num_rows + 1, dtype=torch.int32, device=dev)
-        max_seq_len = tables.shape[1] * bs
-        # Positions the draft's rotary table covers (at least the model length, see `bind`).
-        # The chain of a request near the end of the model length runs past it: indexing the
-        # table there would be out of range, a device-side assert that poisons a CUDA context.
-        # Such positions feed the draft a clamped position and write to the scratch block, and
-        # their drafts are never offered (num_drafts below).
-        max_pos = self.draft.model.rope_cos.shape[0]
-        token = st.last_token[idx].to(torch.int64)
-        drafts = torch.zeros(num_rows, self.k, dtype=torch.int32, device=dev)
-        probs = (
-            torch.zeros(num_rows, self.k, vocab_size, dtype=torch.float32, device=dev) if self.has_draft_probs else None
-        )
-        for j in range(self.k):
-            pos = seq_len + j  # the fed token's position; it drafts position pos + 1
-            fed_pos = pos.clamp(max=max_pos - 1)
-            if penalties is not None:
-                # The fed token is an output token of the context of position pos + 1.
-                fed = token[penalties.rows][:, None]
-                if penalties.output_counts is not None:
-                    penalties.output_counts.scatter_add_(1, fed, torch.ones_like(fed, dtype=torch.int32))
-                if penalties.seen is not None:
-                    penalties.seen.scatter_(1, fed, True)
-            room = (pos < caps) & (pos < max_pos)
-            block = tables.gather(1, (fed_pos // bs).clamp(max=tables.shape[1] - 1)[:, None])[:, 0]
-            slot_mapping = torch.where(
-                room, block.to(torch.int64) * bs + fed_pos % bs, self.scratch_block * bs + fed_pos % bs
-            )
-            meta = AttentionMetadata(
-                query_start_loc=qsl,
-                seq_lens=(fed_pos + 1).to(torch.int32),
-                block_tables=tables,
-                max_query_len=1,
-                max_seq_len=max_seq_len,
-                slot_mapping=slot_mapping,
-            )
-            hidden = self.draft.model(token, fed_pos, meta, self.kv_caches)
-            logits = self.draft.model.compute_logits(hidden)
-            t = dataclasses.replace(sampling, positions=pos + 1)
-            if probs is None:
-                # The target's sampler on the draft's logits: the same keyed noise at the same
-                # position, so the draft is the target's own draw whenever the two agree.
-                token = sample(logits, t)
-            else:
-                q = target_probs(logits, t)
-                noise = keyed_uniform(t.seeds, t.positions, vocab_size, stream=DRAFT_STREAM)
-                token = torch.argmax(torch.log(q) - torch.log(-torch.log(noise)), dim=-1)
-                probs[:, j] = q
-            drafts[:, j] = token.to(torch.int32)
-        st.drafts[idx, : self.k] = drafts
-        # Draft j is offered only if every position fed up to it was written to the real cache.
-        st.num_drafts[idx] = (caps.clamp(max=max_pos) - seq_len).clamp(min=0, max=self.k).to(torch.int32)
+        def forward(j: int, token: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+            return self.draft.model.compute_logits(self.draft.model(token, pos, meta, self.kv_caches))
+
+        # The draft covers every position the target computes (`bind`); its chain near the end
+        # of the model length runs past the table and stops offering drafts there.
+        cache = ChainCache(self.draft.model.rope_cos.shape[0], self.scratch_block)
+        probs = draft_chain(self.runner, slots, batch, self.k, cache, forward, self.has_draft_probs)
         if probs is not None:
-            self.probs[idx] = probs
+            self.probs[slots.long()] = probs
 
     def draft_probs(self, slots: torch.Tensor, k: int) -> torch.Tensor:
         return self.probs[slots.long(), :k]

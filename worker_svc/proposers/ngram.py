@@ -34,7 +34,7 @@ class NgramProposer:
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         pass  # all state lives in the runner's history pages
 
-    def observe(self, batch: object) -> None:
+    def observe(self, batch: object, hidden: torch.Tensor) -> None:
         pass  # the history pages are written by input assembly
 
     def propose(self, slots: torch.Tensor, batch: object = None) -> None:

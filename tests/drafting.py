@@ -1,0 +1,98 @@
+"""Tiny random Llama targets and a scheduler driving an in-process runner, for the proposers' tests."""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.sim_worker import make_toy_tokenizer_json
+from zerobubble.rows import result_rows
+from zerobubble.scheduler_svc.scheduler import Scheduler, SchedulerConfig
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
+from zerobubble.worker_svc.model import build_model
+from zerobubble.worker_svc.model_loader import LoadedModel
+from zerobubble.worker_svc.proposers import Proposer
+from zerobubble.worker_svc.runner import ModelRunner, RunnerConfig
+
+VOCAB = 258  # the toy byte tokenizer's vocabulary
+K = 3
+
+
+def loaded_model(hf: LlamaForCausalLM) -> LoadedModel:
+    model = build_model(hf.config, torch.float32, torch.device("cpu"))
+    model.load_weights(hf.state_dict())
+    return LoadedModel(
+        name="tiny",
+        path=Path("."),
+        hf_config=hf.config,
+        model=model,
+        tokenizer_file=Path("tokenizer.json"),
+        eos_token_ids=[256],
+        max_model_len=256,
+    )
+
+
+def hf_greedy(hf: LlamaForCausalLM, prompt: list[int], num_tokens: int) -> list[int]:
+    ids = list(prompt)
+    with torch.inference_mode():
+        for _ in range(num_tokens):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+def tiny_hf(seed: int, max_positions: int = 256, num_layers: int = 2) -> LlamaForCausalLM:
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=max_positions,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def runner_and_scheduler(target: LlamaForCausalLM, proposer: Proposer | None) -> tuple[ModelRunner, Scheduler]:
+    k = K if proposer is not None else 0
+    runner = ModelRunner(
+        loaded_model(target),
+        RunnerConfig(num_blocks=160, block_size=4, max_num_seqs=4, max_model_len=128, num_spec_tokens=k),
+        proposer,
+    )
+    scheduler = Scheduler(
+        SchedulerConfig(
+            num_blocks=160,
+            block_size=4,
+            max_model_len=128,
+            max_num_seqs=4,
+            max_num_batched_tokens=24,
+            num_spec_tokens=k,
+            num_lookahead_slots=k,
+            enable_prefix_caching=True,
+            vocab_size=VOCAB,
+        ),
+        Tokenizer(make_toy_tokenizer_json()),
+    )
+    return runner, scheduler
+
+
+def drive(runner: ModelRunner, scheduler: Scheduler, window: int) -> tuple[dict[str, list[int]], int, int]:
+    """Run the scheduler to the end with `window` plans in flight; (outputs, drafted, accepted)."""
+    outputs: dict[str, list[int]] = {}
+    drafted = accepted = 0
+    inflight: deque = deque()
+    while scheduler.has_unfinished() or inflight:
+        while len(inflight) < window and (plan := scheduler.schedule()) is not None:
+            inflight.append(runner.execute(plan))
+        result = inflight.popleft().materialize(0.0, K)
+        for entry in result_rows(result).values():
+            drafted += entry.num_draft_tokens
+            accepted += entry.num_accepted
+        for event in scheduler.on_step_result(result):
+            outputs.setdefault(event.req_id, []).extend(event.token_ids)
+    return outputs, drafted, accepted

@@ -1,0 +1,174 @@
+"""The EAGLE proposer over the runner's paged caches, checked against two oracles.
+
+1. A head that copies a one-layer target: ``fc`` passes the token embedding through (the hidden
+   state is ignored) and the head's layer is the target's layer with unit-RMS embeddings, so
+   the head's entry ``t`` (token ``t + 1`` at rotary position ``t``) attends exactly as the
+   target's token at ``t + 1`` does, and its greedy drafts are the target's own continuation
+   whenever the head's K/V are at the right slots. Nearly every draft must be accepted, and the
+   output must equal Hugging Face's greedy tokens.
+2. The plain-torch head (`zerobubble.worker_svc.eagle.EagleHead`) walked offline over the same
+   tokens and Hugging Face's hidden states (`zerobubble.worker_svc.eagle_eval.EagleDrafter`):
+   the drafts the runner proposes after every step equal it, which checks the carried hidden
+   states across prefill chunks and verification as well.
+
+Keyed acceptance makes seeded output independent of the drafts: with every sampling control on,
+the output equals the unspeculated one, sync and async, batched and alone.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from tests.drafting import K, VOCAB, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
+from tests.options import split_options
+from zerobubble.request_options import SamplingOptions, StoppingOptions
+from zerobubble.worker_svc.eagle import EagleHead, HeadFormatError, SharedWeights, head_config
+from zerobubble.worker_svc.eagle_data import Sample
+from zerobubble.worker_svc.eagle_eval import EagleDrafter
+from zerobubble.worker_svc.model_loader import LoadedModel
+from zerobubble.worker_svc.proposers.eagle import EagleProposer, serving_head
+
+
+def _proposer(target: LoadedModel, state: dict[str, torch.Tensor], acceptance: str = "keyed") -> EagleProposer:
+    head_json = head_config(target.hf_config.to_dict(), fc_bias="fc.bias" in state)
+    return EagleProposer(serving_head(head_json, state, target), K, acceptance)
+
+
+def _copying_target_and_head(noise: float = 0.0) -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:
+    """A one-layer target with unit-RMS embeddings and the head that copies it (module docstring);
+    ``noise`` perturbs the head's fusion so that some drafts are wrong."""
+    hf = tiny_hf(0, num_layers=1)
+    with torch.no_grad():
+        embed = hf.model.embed_tokens.weight
+        embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
+    hidden = hf.config.hidden_size
+    fc = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+    fc += noise * torch.randn(fc.shape, generator=torch.Generator().manual_seed(5))
+    layer = {k.removeprefix("model."): v for k, v in hf.state_dict().items() if k.startswith("model.layers.0.")}
+    del layer["layers.0.input_layernorm.weight"]
+    return hf, {"fc.weight": fc, **layer}
+
+
+def _random_head(hf: LlamaForCausalLM, seed: int) -> EagleHead:
+    torch.manual_seed(seed)
+    embed = hf.model.embed_tokens.weight.detach()
+    head = EagleHead(hf.config, SharedWeights(embed=embed, lm_head=hf.lm_head.weight.detach()))
+    with torch.no_grad():  # sharper than the default init: drafts far from ties
+        for p in head.parameters():
+            p.mul_(3.0)
+    return head.eval()
+
+
+def _prompts(seed: int, count: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (17,), generator=gen).tolist()
+    return {f"r{i}": shared + torch.randint(0, 256, (3 + 9 * i,), generator=gen).tolist() for i in range(count)}
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_a_head_copying_its_target_drafts_the_targets_greedy_continuation(window: int) -> None:
+    hf, state = _copying_target_and_head()
+    runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), state))
+    prompts = _prompts(1, 5)
+    max_tokens = {rid: 12 + 5 * i for i, rid in enumerate(prompts)}
+    for rid, prompt in prompts.items():
+        scheduler.add_request(rid, prompt, None, StoppingOptions(max_tokens=max_tokens[rid], ignore_eos=True))
+    outputs, drafted, accepted = drive(runner, scheduler, window)
+    for rid, prompt in prompts.items():
+        assert outputs[rid] == hf_greedy(hf, prompt, max_tokens[rid]), rid
+    assert drafted > 50 and accepted >= 0.9 * drafted, (accepted, drafted)
+
+
+def test_drafts_equal_the_offline_chain_of_the_same_head() -> None:
+    """After every step (chunked prefill: a 24-token budget; prefix-cache hits) the drafts in
+    the runner's state equal the plain-torch head's chain over Hugging Face's hidden states."""
+    hf = tiny_hf(0)
+    head = _random_head(hf, 7)
+    state = {k: v.detach().clone() for k, v in head.state_dict().items()}
+    runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), state))
+    prompts = _prompts(2, 4)
+    for rid, prompt in prompts.items():
+        scheduler.add_request(rid, prompt, None, StoppingOptions(max_tokens=20, ignore_eos=True))
+    offline = EagleDrafter(head)
+    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    compared = agreed = 0
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        assert plan is not None
+        result = runner.execute(plan).materialize(0.0, K)
+        runner.propose_next()
+        for event in scheduler.on_step_result(result):
+            outputs[event.req_id].extend(event.token_ids)
+        for rid, info in runner.slots.items():
+            num = int(runner.state.num_drafts[info.slot])
+            if not outputs[rid] or num == 0:
+                continue
+            ids = torch.tensor(prompts[rid] + outputs[rid])
+            with torch.inference_mode():
+                hidden = hf.model(ids[None]).last_hidden_state[0]
+            sample = Sample(input_ids=ids, hidden=hidden, answer_start=len(prompts[rid]))
+            expected = offline(sample, len(ids) - 2, num)
+            compared += 1
+            agreed += runner.state.drafts[info.slot, :num].tolist() == expected
+    assert compared > 20 and agreed >= compared - 1, (agreed, compared)  # one near-tie at most
+
+
+SEEDED = dict(
+    ignore_eos=True,
+    temperature=0.8,
+    top_p=0.95,
+    top_k=40,
+    min_p=0.02,
+    repetition_penalty=1.2,
+    frequency_penalty=0.4,
+    presence_penalty=0.3,
+    logit_bias={7: 3.0, 9: -4.0},
+)
+
+
+def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:
+    """A perturbed copying head (drafts accepted and rejected): seeded sampling with every
+    control emits exactly the tokens of the runner without speculation, sync or async, batched
+    or alone."""
+    hf, state = _copying_target_and_head(noise=0.3)
+    prompts = {rid: prompt * 2 for rid, prompt in _prompts(3, 3).items()}
+
+    def run(eagle: bool, window: int, req_ids: list[str]) -> tuple[dict[str, list[int]], int, int]:
+        runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), state) if eagle else None)
+        for rid in req_ids:
+            options = dict(SEEDED, max_tokens=16, seed=100 + int(rid[1:]))
+            scheduler.add_request(rid, prompts[rid], *split_options(options))
+        return drive(runner, scheduler, window)
+
+    baseline, _, _ = run(False, 1, list(prompts))
+    for window in (1, 2):
+        outputs, drafted, accepted = run(True, window, list(prompts))
+        assert outputs == baseline, window
+        assert 0 < accepted < drafted, (accepted, drafted)
+    assert run(True, 2, ["r1"])[0]["r1"] == baseline["r1"]
+
+
+def test_a_head_that_does_not_fit_its_target_is_refused_naming_the_mismatch() -> None:
+    hf, state = _copying_target_and_head()
+    target = loaded_model(hf)
+    wrong = head_config(hf.config.to_dict(), fc_bias=False) | {"hidden_size": 48}
+    with pytest.raises(HeadFormatError, match="hidden_size 48 != target's 64"):
+        serving_head(wrong, state, target)
+    eagle3 = head_config(hf.config.to_dict(), fc_bias=False) | {"draft_vocab_size": VOCAB}
+    with pytest.raises(HeadFormatError, match="eagle-3 heads are not supported"):
+        serving_head(eagle3, state, target)
+    with pytest.raises(KeyError, match="fc.weight"):
+        without_fc = {k: v for k, v in state.items() if k != "fc.weight"}
+        serving_head(head_config(hf.config.to_dict(), fc_bias=False), without_fc, target)
+
+
+def test_greedy_sampling_options_are_respected() -> None:
+    """Default options sample greedily: the copying head's run equals Hugging Face (window 2)."""
+    hf, state = _copying_target_and_head()
+    runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), state))
+    prompt = _prompts(4, 1)["r0"]
+    scheduler.add_request("r0", prompt, SamplingOptions(), StoppingOptions(max_tokens=24, ignore_eos=True))
+    outputs, _, _ = drive(runner, scheduler, 2)
+    assert outputs["r0"] == hf_greedy(hf, prompt, 24)
