@@ -7,11 +7,12 @@
    random configs), float32 and bfloat16;
 3. ``service``: greedy output of the real service (``zerobubble serve``, gRPC on loopback) on a
    tiny random Llama against Hugging Face ``generate`` on the same device;
-4. ``sync_free``: steady-state steps (n-gram decodes, prefill chunks) under
+4. ``sync_free``: steady-state steps (n-gram and EAGLE-head decodes, prefill chunks) under
    ``torch.cuda.set_sync_debug_mode("error")``, so any host synchronisation raises;
 5. ``throughput``: async ÷ sync and n-gram ÷ none at 2 / 8 / 16 prompts on a Qwen3-1.7B-shaped
-   random-weight model in bfloat16, CUDA graphs on and off, with the GPU busy fraction measured
-   from CUDA events (the share of the run's GPU timeline covered by steps);
+   random-weight model in bfloat16 (and an EAGLE-1 head of that shape, random weights: its
+   drafts are rarely accepted, so its rows show the head's cost, not its gain), CUDA graphs on
+   and off, with the GPU busy fraction measured from CUDA events (the share of the run's GPU timeline covered by steps);
 6. ``served``: the same model behind the real services (a ``zerobubble worker`` process on the
    device, sync and async ``zerobubble scheduler`` processes alternating in front of it, gRPC
    clients) at 16 / 64 / 256 requests, n-gram on and off, CUDA graphs on and off.
@@ -918,12 +919,31 @@ def drive(
     return stats
 
 
+def random_eagle_head(loaded: Any, seed: int = 1) -> Any:
+    """A random-weight EAGLE-1 head at ``loaded``'s shape, in its dtype and on its device."""
+    from zerobubble.worker_svc.eagle import head_config
+    from zerobubble.worker_svc.proposers.eagle import serving_head
+
+    cfg = loaded.hf_config
+    one_layer = random_state_dict(cfg, loaded.model.device, loaded.model.dtype, seed)
+    state = {
+        name.removeprefix("model."): tensor
+        for name, tensor in one_layer.items()
+        if name.startswith("model.layers.0.") and "input_layernorm" not in name
+    }
+    gen = torch.Generator(device=loaded.model.device).manual_seed(seed)
+    fc = torch.randn(cfg.hidden_size, 2 * cfg.hidden_size, generator=gen, device=loaded.model.device)
+    state["fc.weight"] = (fc * (2 * cfg.hidden_size) ** -0.5).to(loaded.model.dtype)
+    return serving_head(head_config(cfg.to_dict(), fc_bias=False), state, loaded)
+
+
 def build_runner(loaded: Any, spec: str, cuda_graphs: bool, num_blocks: int, max_num_seqs: int = 16) -> Any:
-    """A runner over an already loaded model (several runners may share one model)."""
+    """A runner over an already loaded model (several runners may share one model); ``eagle``
+    drafts with a random-weight head."""
     from zerobubble.worker_svc.proposers import build_proposer
     from zerobubble.worker_svc.runner import ModelRunner, RunnerConfig
 
-    proposer = build_proposer(spec, 3)
+    proposer = build_proposer(spec, 3, draft_model=random_eagle_head(loaded) if spec == "eagle" else None)
     config = RunnerConfig(
         num_blocks=num_blocks,
         block_size=16,
@@ -956,7 +976,7 @@ def check_sync_free(ctx: Context) -> None:
     cfg = tiny_config("llama", vocab_size=512, max_position_embeddings=2048)
     loaded = in_memory_model(cfg, ctx.device, torch.bfloat16)
     prompts = repetitive_prompts(6, 100, cfg.vocab_size, 9)
-    for spec in ("none", "ngram"):
+    for spec in ("none", "ngram", "eagle"):
         for graphs in (False, True):
             name = f"spec={spec} cuda_graphs={graphs}"
             started = time.perf_counter()
@@ -987,7 +1007,7 @@ def _throughput_runners(
     """A runner per (CUDA graphs, spec method); one that fails to build is reported and left out."""
     runners = {}
     for graphs in graph_modes:
-        for spec in ("none", "ngram"):
+        for spec in ("none", "ngram", "eagle"):
             try:
                 runners[graphs, spec] = build_runner(loaded, spec, graphs, num_blocks)
             except Exception as exc:
@@ -1020,7 +1040,7 @@ def _throughput_values(table: dict[str, dict[str, float | None]], num_prompts: i
     ratios between them (None where a configuration is missing)."""
     entries = {
         (spec, mode): table.get(f"n={num_prompts} spec={spec} graphs={graphs} {mode}") or {}
-        for spec in ("none", "ngram")
+        for spec in ("none", "ngram", "eagle")
         for mode in ("sync", "async")
     }
     values: dict[str, Any] = {}
@@ -1031,6 +1051,7 @@ def _throughput_values(table: dict[str, dict[str, float | None]], num_prompts: i
     values["async_over_sync_ngram"] = _ratio(values["ngram_async_tok_s"], values["ngram_sync_tok_s"])
     values["ngram_over_none_async"] = _ratio(values["ngram_async_tok_s"], values["none_async_tok_s"])
     values["ngram_over_none_sync"] = _ratio(values["ngram_sync_tok_s"], values["none_sync_tok_s"])
+    values["async_over_sync_eagle"] = _ratio(values["eagle_async_tok_s"], values["eagle_sync_tok_s"])
     return values
 
 
@@ -1420,8 +1441,12 @@ VALUE_TABLES = {
         "async_over_sync_none",
         "async_over_sync_ngram",
         "ngram_over_none_async",
+        "eagle_sync_tok_s",
+        "eagle_async_tok_s",
+        "async_over_sync_eagle",
         "none_async_gpu_busy",
         "ngram_async_gpu_busy",
+        "eagle_async_gpu_busy",
         "none_sync_gpu_busy",
     ],
     "served": [

@@ -59,7 +59,7 @@ def _runner(spec: str, draft_acceptance: str = "rejection"):
         num_spec_tokens=K,
         kv_cache_memory_gb=0.25,
         max_num_seqs=16,
-        draft_model="smollm2-135m" if spec == "draft" else "",
+        draft_model={"draft": "smollm2-135m", "eagle": "smollm2-135m-eagle"}.get(spec, ""),
         draft_acceptance=draft_acceptance,
     )
     runner, _ = build_runner(cfg)
@@ -85,7 +85,13 @@ def keyed_draft_runner(smollm2_dir):
     return _runner("draft", draft_acceptance="keyed")
 
 
-@pytest.fixture(params=["ngram", "draft"])
+@pytest.fixture(scope="module")
+def eagle_runner(smollm2_dir):
+    # The shipped EAGLE head for SmolLM2 (zerobubble/heads), keyed acceptance.
+    return _runner("eagle", draft_acceptance="keyed")
+
+
+@pytest.fixture(params=["ngram", "draft", "eagle"])
 def spec_runner(request):
     return request.getfixturevalue(f"{request.param}_runner")
 

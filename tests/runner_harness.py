@@ -263,6 +263,8 @@ class HandPlanner:
 
     def _check_proposal(self, req_id: str, req: HandRequest) -> None:
         proposer = self.runner.proposer
+        if proposer.method == "eagle":
+            return  # an EAGLE head's drafts: tests/inprocess/test_eagle_proposer.py's offline chain
         if getattr(proposer, "draft", None) is None:
             expected = ngram_reference(req.seq, proposer.ngram_min, proposer.ngram_max, K)
             assert req.drafts == expected, f"{req_id}: n-gram drafts {req.drafts}, not {expected}"

@@ -93,8 +93,20 @@ def _tiny_loaded() -> LoadedModel:
     )
 
 
+def _eagle_head(loaded: LoadedModel) -> object:
+    """A random-weight EAGLE-1 head over ``loaded`` (seeded: the same head for both runs)."""
+    from zerobubble.worker_svc.eagle import EagleHead, SharedWeights, head_config
+    from zerobubble.worker_svc.proposers.eagle import serving_head
+
+    cfg = loaded.hf_config
+    torch.manual_seed(1)
+    unused = torch.zeros(cfg.vocab_size, cfg.hidden_size)  # serving reads the target's own
+    state = EagleHead(cfg, SharedWeights(embed=unused, lm_head=unused)).state_dict()
+    return serving_head(head_config(cfg.to_dict(), fc_bias=True), state, loaded)
+
+
 def _run(loaded: LoadedModel, spec: str, graphs: bool) -> tuple[list, ModelRunner]:
-    proposer = build_proposer(spec, 3)
+    proposer = build_proposer(spec, 3, draft_model=_eagle_head(loaded) if spec == "eagle" else None)
     runner = ModelRunner(
         loaded,
         RunnerConfig(
@@ -124,12 +136,12 @@ def _run(loaded: LoadedModel, spec: str, graphs: bool) -> tuple[list, ModelRunne
     return results, runner
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram"])
+@pytest.mark.parametrize("spec", ["none", "ngram", "eagle"])
 def test_emulated_graph_replay_matches_eager(spec: str) -> None:
     loaded = _tiny_loaded()
     eager, _ = _run(loaded, spec, graphs=False)
     graphed, runner = _run(loaded, spec, graphs=True)
-    assert runner.graphs is not None and runner.graphs.num_replays == (4 if spec == "ngram" else 5)
+    assert runner.graphs is not None and runner.graphs.num_replays == (5 if spec == "none" else 4)
     for step_eager, step_graphed in zip(eager, graphed, strict=True):
         for (rid, toks, lps, acc), (rid2, toks2, lps2, acc2) in zip(step_eager, step_graphed, strict=True):
             assert (rid, toks, acc) == (rid2, toks2, acc2)

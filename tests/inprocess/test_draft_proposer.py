@@ -25,8 +25,6 @@ from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.worker_svc.proposers.draft import DraftModelProposer
 
 
-
-
 @pytest.mark.parametrize("acceptance", ["keyed", "rejection"])
 def test_self_drafting_accepts_its_own_greedy_continuation(acceptance: str) -> None:
     hf = tiny_hf(0)

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.drafting import K, VOCAB, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
+from tests.drafting import VOCAB, K, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
 from tests.options import split_options
 from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.worker_svc.eagle import EagleHead, HeadFormatError, SharedWeights, head_config

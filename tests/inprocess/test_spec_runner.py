@@ -282,7 +282,7 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
     assert not runner.slots.keys() & {f"r{a}", f"r{b}"}
 
 
-@pytest.mark.parametrize("spec", ["ngram", "draft"])
+@pytest.mark.parametrize("spec", ["ngram", "draft", "eagle"])
 def test_preemption_with_chunked_prefill_and_steps_in_flight(request, grounded, spec):
     """A KV pool far too small for the batch and a 128-token step budget: requests are preempted
     while their decodes are in flight and resumed by recomputation (chunked), drafts keep being

@@ -1,7 +1,7 @@
 """The accelerator step path never synchronises the host with the device, proven on the CPU.
 
-Full worker steps (prefill chunks with and without sampling, decodes with n-gram and draft-model
-drafts, keyed verification and rejection sampling, temperature/top-k/top-p rows, logprobs, a finish and
+Full worker steps (prefill chunks with and without sampling, decodes with n-gram, draft-model
+and EAGLE-head drafts, keyed verification and rejection sampling, temperature/top-k/top-p rows, logprobs, a finish and
 a new admission mid-stream) run on a tiny random-weight Llama whose every tensor is a
 `FakeTensor` on the ``meta`` device, which the worker treats as an accelerator (anything but the
 CPU; see `worker_svc/staging.py`). Fake tensors carry no data: `.item()`, `.tolist()`,
@@ -159,7 +159,22 @@ def _schedule(k: int) -> list[worker_pb2.StepPlan]:
     ]
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram", "draft", "draft-rejection"])
+def _tiny_eagle_head(target: LoadedModel, shapes: dict[str, torch.Size]) -> object:
+    """A random-weight EAGLE-1 head over ``target`` on the fake device."""
+    from zerobubble.worker_svc.eagle import head_config
+    from zerobubble.worker_svc.proposers.eagle import serving_head
+
+    hidden = target.hf_config.hidden_size
+    layer = {
+        k.removeprefix("model."): torch.randn(shape, device="meta")
+        for k, shape in shapes.items()
+        if k.startswith("model.layers.0.") and "input_layernorm" not in k
+    }
+    state = {"fc.weight": torch.randn(hidden, 2 * hidden, device="meta"), **layer}
+    return serving_head(head_config(target.hf_config.to_dict(), fc_bias=False), state, target)
+
+
+@pytest.mark.parametrize("spec", ["none", "ngram", "draft", "draft-rejection", "eagle", "eagle-rejection"])
 def test_steps_read_nothing_from_the_device(spec: str) -> None:
     configs = [_config(2), _config(1)]
     shapes = [_shapes(c) for c in configs]
@@ -167,6 +182,8 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
         target = _tiny_model(0, configs[0], shapes[0])
         method, _, acceptance = spec.partition("-")
         draft = _tiny_model(1, configs[1], shapes[1]) if method == "draft" else None
+        if method == "eagle":
+            draft = _tiny_eagle_head(target, shapes[0])
         proposer = build_proposer(method, K, draft_model=draft, draft_acceptance=acceptance or "keyed")
         runner = ModelRunner(
             target,

@@ -162,7 +162,7 @@ class EagleProposer:
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         # A row admitted past position 0 (a prefix-cache hit) has no hidden state before its
         # first token on record: the entry there is the one the cached block already holds.
-        self.has_carry[slot] = False
+        self.has_carry.narrow(0, slot, 1).zero_()  # a device fill: no host scalar is copied
 
     def observe(self, batch: Any, hidden: torch.Tensor) -> None:
         """Write the step's entries (each fed token with the hidden state before it)."""
@@ -195,7 +195,7 @@ class EagleProposer:
         # Rows that did not sample carry their last fed hidden state into their next chunk.
         ends = batch.meta.query_start_loc[1:].long() - 1
         self.carry[slots] = hidden[ends]
-        self.has_carry[slots] = True
+        self.has_carry.index_fill_(0, slots, True)
 
     def propose(self, slots: torch.Tensor, batch: Any) -> None:
         st, idx = self.runner.state, slots.long()
