@@ -232,7 +232,7 @@ FAST_ROWS, FAST_TOKENS = (7, 41), 12
 FULL_ROWS, FULL_TOKENS = (7, 4, 0, 3, 41, 25, 44, 29), 32
 ROWS = tuple(dict.fromkeys(FAST_ROWS + FULL_ROWS))
 MAX_TOKENS = FAST_TOKENS
-MODES = [(spec, window) for spec in ("none", "ngram", "draft") for window in (1, 2)]
+MODES = [(spec, window) for spec in ("none", "ngram", "draft", "eagle") for window in (1, 2)]
 
 
 def _mode_id(spec: str, window: int) -> str:
@@ -246,7 +246,7 @@ def prompts(smollm2_dir, grounded_rows) -> dict[int, list[int]]:
 
 
 def _runner_for(request, spec: str, draft: str = "draft_runner"):
-    return request.getfixturevalue(draft if spec == "draft" else "ngram_runner")
+    return request.getfixturevalue({"draft": draft, "eagle": "eagle_runner"}.get(spec, "ngram_runner"))
 
 
 def _run(runner, spec: str, window: int, requests: dict[str, tuple[list[int], dict]]):
@@ -374,15 +374,15 @@ def check_seeded(
 
 def test_seeded_sampling_with_penalties_is_identical_across_modes_and_batches(request, prompts):
     """Temperature 0.9, top-p, min_p, logit_bias and all three penalties with a seed per
-    request: the same tokens without speculation (sync), with n-gram speculation (async) and
-    with draft-model speculation (async), batched and alone."""
+    request: the same tokens without speculation (sync), with n-gram speculation (async), with
+    draft-model speculation (async) and with the EAGLE head (sync), batched and alone."""
     check_seeded(
         request,
         prompts,
         FAST_ROWS,
         FAST_TOKENS,
-        batched=[("none", 1), ("ngram", 2), ("draft", 2)],
-        alone=[("ngram", 2)],
+        batched=[("none", 1), ("ngram", 2), ("draft", 2), ("eagle", 1)],
+        alone=[("ngram", 2), ("eagle", 2)],
     )
 
 

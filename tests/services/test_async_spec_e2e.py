@@ -1,7 +1,7 @@
 """Async scheduling + speculative decoding end to end: scheduler and worker processes over gRPC.
 
-The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,draft}` (draft:
-SmolLM2 drafting for itself, k=3). One worker process per spec method serves every scheduler of
+The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,draft,eagle}` (draft:
+SmolLM2 drafting for itself; eagle: the shipped head; k=3). One worker process per spec method serves every scheduler of
 that method; a worker takes one scheduler stream at a time, so each test starts its own scheduler
 and stops it before the next one connects. Hugging Face greedy `generate` is the oracle for greedy
 outputs; seeded sampling is checked by identity across configurations.
@@ -42,7 +42,7 @@ from zerobubble.client import build_request, complete
 
 pytestmark = pytest.mark.timeout(1800)
 
-SPECS = ("none", "ngram", "draft")
+SPECS = ("none", "ngram", "draft", "eagle")
 K = 3
 # 8 code edits (n-gram friendly), 4 grounded QA and 4 open chat rows, the ones with the shorter
 # prompts (prefill dominates on CPU), whose Hugging Face runs go past SUBSET_MAX_TOKENS but one.
@@ -60,8 +60,8 @@ class WorkerPool:
     def get(self, spec: str) -> Service:
         if spec not in self.workers:
             options = dict(kv_cache_memory_gb=0.5, max_num_seqs=32, spec_method=spec, num_spec_tokens=K)
-            if spec == "draft":
-                options["draft_model"] = "smollm2-135m"
+            if spec in ("draft", "eagle"):
+                options["draft_model"] = "smollm2-135m" if spec == "draft" else "smollm2-135m-eagle"
             self.workers[spec] = start_worker(**options)
         return self.workers[spec]
 
@@ -131,7 +131,7 @@ COMBINATIONS = [pytest.param(spec, inflight, id=f"{spec}-inflight{inflight}") fo
 # proposers); the other three combinations run in the slow suite. In-process, every one of the
 # six is checked against Hugging Face by tests/inprocess/test_sampling_controls.py and
 # tests/inprocess/test_spec_runner.py.
-DEFAULT_COMBINATIONS = {"none-inflight1", "ngram-inflight2", "draft-inflight2"}
+DEFAULT_COMBINATIONS = {"none-inflight1", "ngram-inflight2", "draft-inflight2", "eagle-inflight2"}
 SUBSET_COMBINATIONS = [
     p if p.id in DEFAULT_COMBINATIONS else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
     for p in COMBINATIONS
@@ -170,8 +170,8 @@ def test_greedy_matches_hf_on_the_whole_workload(pool, smollm2_dir, grounded_row
 # (spec method, plans in flight, concurrency). The default suite runs a half fraction of the
 # 2 x 2 x 2 design in which every level of each factor meets every level of each other one
 # across the runs (with the baseline none/1/1 among them); the slow suite runs all eight.
-SEEDED_HALF = [("none", 1, 1), ("none", 2, 16), ("ngram", 1, 16), ("ngram", 2, 1)]
-SEEDED_FULL = [(spec, inflight, c) for spec in ("none", "ngram") for inflight in (1, 2) for c in (1, 16)]
+SEEDED_HALF = [("none", 1, 1), ("none", 2, 16), ("ngram", 1, 16), ("ngram", 2, 1), ("eagle", 2, 16)]
+SEEDED_FULL = [(spec, inflight, c) for spec in ("none", "ngram", "eagle") for inflight in (1, 2) for c in (1, 16)]
 
 
 @pytest.mark.parametrize(
@@ -179,7 +179,7 @@ SEEDED_FULL = [(spec, inflight, c) for spec in ("none", "ngram") for inflight in
 )
 def test_seeded_sampling_is_identical_across_inflight_spec_and_concurrency(pool, grounded_rows, reference, design):
     """Temperature 0.8 with a seed per request: the same tokens for every combination of
-    `--max-inflight-steps {1,2}`, `--spec-method {none,ngram}` and concurrency 1 vs 16."""
+    `--max-inflight-steps {1,2}`, `--spec-method {none,ngram,eagle}` and concurrency 1 vs 16."""
     indices = (24, 27, 40, 43)  # short prompts: the concurrency-1 runs are sequential
     rows = [
         dataclasses.replace(row, temperature=0.8, seed=1000 + i)
@@ -191,7 +191,7 @@ def test_seeded_sampling_is_identical_across_inflight_spec_and_concurrency(pool,
             report = run_workload(scheduler.target, rows, concurrency)
         assert all(r["finish_reason"] in ("eos", "max_tokens") for r in report["requests"]), report["requests"]
         runs[(spec, inflight, concurrency)] = [r["token_ids"] for r in report["requests"]]
-        if spec == "ngram":
+        if spec != "none":
             assert report["server_stats"]["num_draft_tokens"] > 0
     baseline = runs[("none", 1, 1)]
     # Sampling really happened (the test could not pass with greedy outputs).
