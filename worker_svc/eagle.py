@@ -268,3 +268,35 @@ def load_head(head_dir: Path, target_hf_config: Any, shared: SharedWeights, dtyp
     if missing or unexpected:
         raise HeadFormatError(f"head {str(head_dir)!r}: missing weights {missing}, unexpected weights {unexpected}")
     return head.to(dtype)
+
+
+DRAFT_VOCAB_FILE = "draft_vocab.safetensors"
+DRAFT_VOCAB_KEY = "draft_token_ids"
+
+
+def draft_vocab(answers: list[torch.Tensor], size: int, always: list[int]) -> torch.Tensor:
+    """The ``size`` token ids a head drafts from, sorted: ``always`` (end-of-sequence ids), then
+    the tokens of ``answers`` by frequency, then the lowest ids not yet taken (byte-level BPE
+    vocabularies number their merges by frequency in the tokenizer's corpus).
+
+    Drafting from a subset makes the head's logits a ``[size, H]`` product instead of the whole
+    vocabulary's, which on a small target costs more than the head's layer itself; a draft
+    outside the subset is never proposed, so it only costs acceptance where one was due.
+    """
+    counts = torch.bincount(torch.cat(answers).long()) if answers else torch.zeros(0, dtype=torch.long)
+    by_frequency = [int(t) for t in torch.argsort(counts, descending=True, stable=True) if counts[t] > 0]
+    chosen = list(dict.fromkeys(always + by_frequency))[:size]
+    taken = set(chosen)
+    next_id = 0
+    while len(chosen) < size:
+        if next_id not in taken:
+            chosen.append(next_id)
+        next_id += 1
+    return torch.tensor(sorted(chosen), dtype=torch.int64)
+
+
+def save_draft_vocab(head_dir: Path, token_ids: torch.Tensor) -> None:
+    """Write the head's draft vocabulary beside its weights (read by the serving head)."""
+    from safetensors.torch import save_file
+
+    save_file({DRAFT_VOCAB_KEY: token_ids.to(torch.int64).contiguous()}, str(head_dir / DRAFT_VOCAB_FILE))

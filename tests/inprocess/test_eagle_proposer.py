@@ -24,7 +24,14 @@ from transformers import LlamaForCausalLM
 from tests.drafting import VOCAB, K, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
 from tests.options import split_options
 from zerobubble.request_options import SamplingOptions, StoppingOptions
-from zerobubble.worker_svc.eagle import EagleHead, HeadFormatError, SharedWeights, head_config
+from zerobubble.worker_svc.eagle import (
+    DRAFT_VOCAB_KEY,
+    EagleHead,
+    HeadFormatError,
+    SharedWeights,
+    draft_vocab,
+    head_config,
+)
 from zerobubble.worker_svc.eagle_data import Sample
 from zerobubble.worker_svc.eagle_eval import EagleDrafter
 from zerobubble.worker_svc.model_loader import LoadedModel
@@ -172,3 +179,29 @@ def test_greedy_sampling_options_are_respected() -> None:
     scheduler.add_request("r0", prompt, SamplingOptions(), StoppingOptions(max_tokens=24, ignore_eos=True))
     outputs, _, _ = drive(runner, scheduler, 2)
     assert outputs["r0"] == hf_greedy(hf, prompt, 24)
+
+
+def test_draft_vocabulary_keeps_eos_then_frequent_tokens_then_low_ids() -> None:
+    answers = [torch.tensor([9, 9, 9, 5, 5, 7]), torch.tensor([5, 11])]
+    ids = draft_vocab(answers, 6, always=[200])
+    # 200 (EOS) first, then 5, 9, 7, 11 by frequency (ties by id), then the lowest free id.
+    assert ids.tolist() == [0, 5, 7, 9, 11, 200]
+    assert draft_vocab(answers, 3, always=[200]).tolist() == [5, 9, 200]
+
+
+def test_a_draft_vocabulary_limits_the_heads_logits_to_its_ids() -> None:
+    """Inside the subset the head's logits equal the full lm_head's; outside they are -inf, so
+    a draft is never drawn there."""
+    hf, state = _copying_target_and_head()
+    target = loaded_model(hf)
+    subset = torch.tensor([3, 17, 40, 41, 200, 256])
+    full = _proposer(target, state).head
+    limited = _proposer(target, {**state, DRAFT_VOCAB_KEY: subset}).head
+    features = torch.randn(5, hf.config.hidden_size)
+    want, got = full.logits(features), limited.logits(features)
+    torch.testing.assert_close(got[:, subset], want[:, subset])
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[subset] = False
+    assert torch.isneginf(got[:, outside]).all()
+    with pytest.raises(HeadFormatError, match="outside the target's vocabulary"):
+        _proposer(target, {**state, DRAFT_VOCAB_KEY: torch.tensor([1, VOCAB])})

@@ -42,7 +42,7 @@ import zerobubble
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.fused import add_rms_norm
 from zerobubble.kernels.linear import LinearWeight, linear
-from zerobubble.worker_svc.eagle import HeadFormatError, check_fits
+from zerobubble.worker_svc.eagle import DRAFT_VOCAB_KEY, HeadFormatError, check_fits
 from zerobubble.worker_svc.model import CausalLM, allocate_kv_cache, build_model, layer_weights, model_spec
 from zerobubble.worker_svc.model_loader import LoadedModel, ModelLoadError, cache_dir
 from zerobubble.worker_svc.proposers.chain import ChainCache, draft_chain
@@ -65,11 +65,24 @@ class ServingHead:
     fc: LinearWeight  # [hidden, 2 hidden]
     fc_bias: torch.Tensor | None
     target: CausalLM
+    # The ids the head drafts from (`zerobubble.worker_svc.eagle.draft_vocab`) and the target's
+    # lm_head rows for them; None: the whole vocabulary through the target's lm_head.
+    draft_ids: torch.Tensor | None = None
+    draft_lm_head: LinearWeight | None = None
 
     def fuse(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """``fc(embed(tokens) ⊕ hidden)``: the head's layer input for each entry."""
         assert self.target.embed is not None
         return linear(torch.cat((F.embedding(tokens, self.target.embed), hidden), dim=-1), self.fc, self.fc_bias)
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]`` of predicted hidden states; ids outside the draft
+        vocabulary get -inf (the sampler then never draws them)."""
+        if self.draft_ids is None or self.draft_lm_head is None:
+            return self.target.compute_logits(features)
+        vocab = self.layer_model.spec.vocab_size
+        full = torch.full((features.shape[0], vocab), float("-inf"), dtype=torch.float32, device=features.device)
+        return full.index_copy_(1, self.draft_ids, linear(features, self.draft_lm_head).float())
 
 
 def resolve_head(spec: str) -> Path:
@@ -125,7 +138,22 @@ def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], targ
     layer_model.layers = [layer_weights(layer_model.spec, take, take_optional, weight, "layers.0.", has_norm)]
     fc = weight(take("fc.weight", (hidden, 2 * hidden)))
     fc_bias = take_optional("fc.bias", (hidden,), "fc.bias" in state)
-    return ServingHead(hf_config, layer_model, fc, fc_bias, model)
+    head = ServingHead(hf_config, layer_model, fc, fc_bias, model)
+    rows = _lm_head_rows(model)
+    if DRAFT_VOCAB_KEY in state and rows is not None:
+        ids = state[DRAFT_VOCAB_KEY].to(device=model.device, dtype=torch.int64)
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layer_model.spec.vocab_size):
+            raise HeadFormatError(f"{DRAFT_VOCAB_KEY} holds ids outside the target's vocabulary")
+        head.draft_ids = ids
+        head.draft_lm_head = weight(rows.index_select(0, ids).contiguous())
+    return head
+
+
+def _lm_head_rows(model: CausalLM) -> torch.Tensor | None:
+    """The target's plain ``[vocab, hidden]`` lm_head (the embedding when tied), when kept."""
+    if model.spec.tie_word_embeddings:
+        return model.embed
+    return model.lm_head.dense if model.lm_head is not None else None
 
 
 class EagleProposer:
@@ -211,7 +239,7 @@ class EagleProposer:
             nonlocal features
             out, residual = self.head.layer_model.run_layers(self.head.fuse(token, features), pos, meta, self.kv_caches)
             features = out if residual is None else out + residual
-            return self.head.target.compute_logits(features)
+            return self.head.logits(features)
 
         cache = ChainCache(self.head.layer_model.rope_cos.shape[0], self.scratch_block, kv_offset=1)
         probs = draft_chain(self.runner, slots, batch, self.k, cache, forward, self.has_draft_probs)
