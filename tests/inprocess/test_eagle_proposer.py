@@ -34,8 +34,8 @@ from zerobubble.worker_svc.eagle import (
 )
 from zerobubble.worker_svc.eagle_data import Sample
 from zerobubble.worker_svc.eagle_eval import EagleDrafter
-from zerobubble.worker_svc.model_loader import LoadedModel
-from zerobubble.worker_svc.proposers.eagle import EagleProposer, serving_head
+from zerobubble.worker_svc.model_loader import LoadedModel, ModelLoadError
+from zerobubble.worker_svc.proposers.eagle import EagleProposer, resolve_head, serving_head
 
 
 def _proposer(target: LoadedModel, state: dict[str, torch.Tensor], acceptance: str = "keyed") -> EagleProposer:
@@ -205,3 +205,10 @@ def test_a_draft_vocabulary_limits_the_heads_logits_to_its_ids() -> None:
     assert torch.isneginf(got[:, outside]).all()
     with pytest.raises(HeadFormatError, match="outside the target's vocabulary"):
         _proposer(target, {**state, DRAFT_VOCAB_KEY: torch.tensor([1, VOCAB])})
+
+
+def test_head_names_resolve_to_the_shipped_head_and_bad_ones_are_named(tmp_path) -> None:
+    shipped = resolve_head("smollm2-135m-eagle")
+    assert (shipped / "config.json").is_file() and (shipped / "model.safetensors").is_file()
+    with pytest.raises(ModelLoadError, match="no EAGLE head directory"):
+        resolve_head(str(tmp_path / "missing"))

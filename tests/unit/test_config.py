@@ -69,6 +69,8 @@ def test_draft_without_a_draft_model_is_a_usage_error_naming_the_flags(capsys) -
     assert "--spec-method draft" in err and "--draft-model" in err
     err = _usage_error(["worker", "--draft-model", "/m", "--spec-method", "ngram"], capsys)
     assert "--draft-model" in err and "--spec-method" in err
+    err = _usage_error(["worker", "--spec-method", "eagle"], capsys)
+    assert "--spec-method eagle" in err and "--draft-model" in err
 
 
 @pytest.mark.parametrize(
