@@ -217,12 +217,14 @@ def test_logprobs_belong_to_the_accepted_tokens(request, smollm2_dir, grounded, 
         assert torch.allclose(got, expected, atol=2e-3), (req_id, (got - expected).abs().max())
 
 
-def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_runner, grounded):
+@pytest.mark.parametrize("spec", ["ngram", "eagle"])
+def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(request, grounded, spec):
     """With three plans in flight: one request stops on a stop token, one is cancelled, while
     later steps for them are already queued on the worker. Their in-flight results are dropped
     (never emitted, never twice), the worker forgets them at the next plan, their slots and
-    blocks go to a request admitted later, and everyone else keeps Hugging Face's tokens."""
-    runner = ngram_runner
+    blocks go to a request admitted later (an EAGLE head's carried state included), and everyone
+    else keeps Hugging Face's tokens."""
+    runner = request.getfixturevalue(f"{spec}_runner")
     prompts_all, reference_all = grounded
     a, b, c, d = SHORT_CODE_ROWS
     ref_a = reference_all[a]
@@ -248,7 +250,7 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(ngram_
 
     with recording(runner) as rec:
         trace = drive(runner, scheduler, rec, window=3, after_result=cancel_b_in_flight)
-    audit(trace, prompts, ngram=True)
+    audit(trace, prompts, ngram=spec == "ngram")
     assert trace.max_inflight_seen == 3
     assert cancelled, "B was never cancelled with a step in flight"
     out_a, out_b = trace.outputs[f"r{a}"], trace.outputs[f"r{b}"]
