@@ -8,7 +8,7 @@ Three stages, each resumable: the target answers the workloads' prompts and its 
 answers are walked step by step with the head's chain and with n-gram lookup (``--k``). The head
 is written to ``OUT`` as bfloat16 ``model.safetensors`` + ``config.json`` (EAGLE-1 layout);
 ``OUT`` defaults to ``<model cache>/smollm2-135m-eagle``. The defaults fit in about an hour on
-one CPU thread (SmolLM2-135M): about 25 minutes of data, 30 of training, 2 of evaluation.
+one CPU thread (SmolLM2-135M): about 25 minutes of data, 28 of training, 2 of evaluation.
 
     python scripts/train_eagle.py --eval-head DIR [--eval-data DIR] # evaluate a saved head only
 """
@@ -85,7 +85,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens)
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--unroll", type=int, default=defaults.unroll, help="passes fed the head's own predictions")
-    parser.add_argument("--max-minutes", type=float, default=30.0, help="stop training after this long (0: never)")
+    parser.add_argument("--max-minutes", type=float, default=28.0, help="stop training after this long (0: never)")
     parser.add_argument("--k", type=int, nargs="*", default=[3], help="draft lengths to evaluate")
     parser.add_argument(
         "--init-from-target",
