@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,11 +57,14 @@ class Sample:
 class DistillSettings:
     """How much data to make."""
 
-    num_self_written: int = 64
+    num_self_written: int = 640
     max_new_tokens: int = 192
     max_user_tokens: int = 64
-    batch_size: int = 16  # conversations answered together
+    batch_size: int = 64  # conversations answered together (and user turns written together)
     held_out_every: int = 6  # every n-th conversation (by a hash of its key) is held out
+    # Only the first self-written turns can be held out, so the held-out set keeps its size
+    # however many turns are written; every later one is trained on.
+    held_out_self: int = 64
     seed: int = 0
 
 
@@ -93,18 +97,36 @@ def user_turn_prefix(tokenizer: Any) -> list[int]:
 
 
 @torch.no_grad()
-def write_user_turn(model: Any, tokenizer: Any, prefix: list[int], seed: int, max_tokens: int) -> str:
-    """A user turn sampled from the instruct model itself (temperature 1, top-p 0.95)."""
+def write_user_turns(
+    model: Any, tokenizer: Any, prefix: list[int], seed: int, count: int, max_tokens: int
+) -> list[str]:
+    """``count`` user turns sampled together from the instruct model itself (temperature 1, top-p 0.95).
+
+    Every row starts from the same ``prefix``, so the batch needs no padding; the seed fixes the batch.
+    """
     torch.manual_seed(seed)
+    ids = torch.tensor([prefix] * count)
     out = model.generate(
-        torch.tensor([prefix]),
+        ids,
+        attention_mask=torch.ones_like(ids),
         max_new_tokens=max_tokens,
         do_sample=True,
         top_p=0.95,
         temperature=1.0,
         pad_token_id=tokenizer.eos_token_id,
     )
-    return str(tokenizer.decode(out[0, len(prefix) :], skip_special_tokens=True)).strip()
+    return [str(tokenizer.decode(row[len(prefix) :], skip_special_tokens=True)).strip() for row in out]
+
+
+def _left_padded(prompts: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompts as one left-padded batch ``[B, width]`` and its attention mask."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    return ids, mask
 
 
 @torch.no_grad()
@@ -112,24 +134,29 @@ def answer_batch(model: Any, tokenizer: Any, prompts: list[list[int]], max_new_t
     """The target's greedy answers to ``prompts`` and its last hidden states over each whole sequence.
 
     Generation is batched (left-padded): on a CPU one row at a time is dominated by per-step
-    overhead. The hidden states come from one unpadded forward per sequence.
+    overhead. The hidden states are the final norm's outputs during generation itself (a hook),
+    so no second forward is needed: the prefill gives the prompt's, each step its input token's.
+    The last generated token is never fed back, so a sequence still running at the end loses it.
     """
     eos = tokenizer.eos_token_id
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), eos, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p) :] = torch.tensor(p)
-        mask[i, width - len(p) :] = 1
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
+    ids, mask = _left_padded(prompts, eos)
+    normed: list[torch.Tensor] = []
+    # `model.model` is the decoder without lm_head: its final norm's output is what the head reads.
+    hook = model.model.norm.register_forward_hook(lambda _m, _i, out: normed.append(out.float()))
+    try:
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=eos)
+    finally:
+        hook.remove()
+    hidden = torch.cat(normed, dim=1)  # [B, width + steps - 1, H]: every column but the last
+    width = ids.shape[1]
     samples = []
     for i, prompt in enumerate(prompts):
         new = out[i, width:].tolist()
         new = new[: new.index(eos) + 1] if eos in new else new  # finished rows are padded with EOS
-        seq = torch.tensor(prompt + new)
-        # `model.model` is the decoder without lm_head: its output is after the final norm.
-        hidden = model.model(seq[None]).last_hidden_state[0].float()
-        samples.append(Sample(input_ids=seq.to(torch.int32), hidden=hidden, answer_start=len(prompt)))
+        length = min(len(prompt) + len(new), hidden.shape[1] - (width - len(prompt)))
+        seq = torch.tensor(prompt + new)[:length]
+        rows = hidden[i, width - len(prompt) : width - len(prompt) + length].clone()
+        samples.append(Sample(input_ids=seq.to(torch.int32), hidden=rows, answer_start=len(prompt)))
     return samples
 
 
@@ -158,17 +185,21 @@ def self_written_conversations(
     turns = [json.loads(line) for line in cache.read_text().splitlines()] if cache.exists() else []
     prefix = user_turn_prefix(tokenizer)
     out_dir.mkdir(parents=True, exist_ok=True)
-    with cache.open("a") as f:
-        for i in range(len(turns), settings.num_self_written):
-            text = write_user_turn(model, tokenizer, prefix, settings.seed + i, settings.max_user_tokens)
-            turns.append(text)
-            f.write(json.dumps(text) + "\n")
+    with cache.open("a") as f, tqdm(total=settings.num_self_written, initial=len(turns), desc="user turns") as bar:
+        while len(turns) < settings.num_self_written:
+            count = min(settings.batch_size, settings.num_self_written - len(turns))
+            # Seeded by the first turn's index: a resumed run writes the batches it had not.
+            seed = settings.seed + len(turns)
+            written = write_user_turns(model, tokenizer, prefix, seed, count, settings.max_user_tokens)
+            turns += written
+            f.write("".join(json.dumps(text) + "\n" for text in written))
             f.flush()
+            bar.update(count)
     convs = []
     for i, text in enumerate(turns[: settings.num_self_written]):
         key = f"self-{i:04d}"
         if text:  # an empty turn (the model ended at once) teaches nothing
-            held_out = _held_out(key, settings.held_out_every)
+            held_out = i < settings.held_out_self and _held_out(key, settings.held_out_every)
             convs.append(Conversation(key, [{"role": "user", "content": text}], held_out))
     return convs
 
@@ -186,12 +217,18 @@ def build_dataset(model_dir: Path, out_dir: Path, settings: DistillSettings) -> 
     prompts = {c.key: render_prompt(tokenizer, c.messages) for c in todo}
     # Similar lengths together, so little of a batch is padding.
     todo.sort(key=lambda c: len(prompts[c.key]))
+    started, answered = time.monotonic(), 0
     with tqdm(total=len(todo), desc="distilling", unit="conv") as bar:
         for i in range(0, len(todo), settings.batch_size):
             group = todo[i : i + settings.batch_size]
             answers = answer_batch(model, tokenizer, [prompts[c.key] for c in group], settings.max_new_tokens)
             for conv, sample in zip(group, answers):
                 save_sample(sample_path(out_dir, conv), sample)
+                answered += len(sample.input_ids) - sample.answer_start
             bar.update(len(group))
-    logger.info("%d conversations (%d answered now) in %s", len(convs), len(todo), out_dir)
+            bar.set_postfix(tok_s=f"{answered / (time.monotonic() - started):.0f}")
+    logger.info(
+        "%d conversations (%d answered now: %d answer tokens in %.0f s) in %s",
+        len(convs), len(todo), answered, time.monotonic() - started, out_dir,
+    )  # fmt: skip
     return convs

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import random
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,17 @@ pytest.importorskip("transformers")
 
 from tests.tiny_eagle import HIDDEN, tiny_config, tiny_head, tiny_samples, tiny_target  # noqa: E402
 from zerobubble.worker_svc.eagle import load_head  # noqa: E402
-from zerobubble.worker_svc.eagle_data import Sample, answer_batch  # noqa: E402
-from zerobubble.worker_svc.eagle_train import CHECKPOINT, TrainSettings, eagle_loss, make_batch, train  # noqa: E402
+from zerobubble.worker_svc.eagle_data import Sample  # noqa: E402
+from zerobubble.worker_svc.eagle_train import (  # noqa: E402
+    CHECKPOINT,
+    TrainSettings,
+    batches,
+    chain_pass,
+    eagle_loss,
+    make_batch,
+    train,
+    unrolled_predictions,
+)
 
 
 @pytest.fixture(scope="module")
@@ -33,6 +43,46 @@ def test_batch_rows_pair_next_token_with_current_hidden() -> None:
     assert batch.target_ids[0].tolist() == [12, 13, 14, 15]
     # Only rows predicting an answer token (index >= 3) count; padding never does.
     assert batch.mask.tolist() == [[False, True, True, True], [False, True, False, False]]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3"])
+def test_a_chain_pass_over_real_hidden_states_is_the_heads_forward(model_type: str) -> None:
+    head = tiny_head(model_type)
+    g = torch.Generator().manual_seed(5)
+    ids, hidden = torch.randint(0, 97, (2, 11), generator=g), torch.randn(2, 11, HIDDEN, generator=g)
+    with torch.no_grad():
+        want, _ = head(ids, hidden)
+        got = chain_pass(head, ids, hidden, [], [])
+    assert torch.allclose(got, want, atol=1e-5)
+
+
+def test_unrolled_passes_are_the_drafting_chain_over_the_real_tokens(samples: list[Sample]) -> None:
+    head = tiny_head("qwen3")
+    batch = make_batch(samples[:2])
+    with torch.no_grad():
+        passes = unrolled_predictions(head, batch.input_ids, batch.hidden, 3)
+        for row, p in ((0, 4), (1, 9), (0, 15)):
+            # The chain after row p, as drafting runs it: real rows 0..p, then one row at a time
+            # over the cache, each fed the previous row's prediction and the real next token.
+            ids, hidden = batch.input_ids[row : row + 1], batch.hidden[row : row + 1]
+            out, cache = head(ids[:, : p + 1], hidden[:, : p + 1])
+            predicted = out[:, -1:]
+            assert torch.allclose(passes[0][row, p], predicted[0, 0], atol=1e-5)
+            for d in (1, 2):
+                predicted, cache = head(ids[:, p + d : p + d + 1], predicted, start=p + d, cache=cache)
+                assert torch.allclose(passes[d][row, p + d], predicted[0, 0], atol=1e-5), (row, p, d)
+
+
+def test_later_passes_train_the_head_through_their_own_rows(samples: list[Sample]) -> None:
+    head = tiny_head()
+    batch = make_batch(samples[:2])
+    loss, metrics = eagle_loss(head, batch, TrainSettings(unroll=2, noise=0.0))
+    loss.backward()
+    assert set(metrics) == {"vloss", "ploss", "acc", "acc1", "acc2"}
+    assert head.fc.weight.grad is not None and head.layers[0].self_attn.k_proj.weight.grad is not None
+    # Without unrolling the loss is pass 0's alone.
+    single, _ = eagle_loss(head, batch, TrainSettings(unroll=0, noise=0.0))
+    assert single.item() == pytest.approx(metrics["vloss"] + 0.1 * metrics["ploss"], rel=1e-5)
 
 
 def test_training_lowers_the_loss_and_resumes(samples: list[Sample], tmp_path: Path) -> None:
@@ -55,20 +105,15 @@ def test_training_lowers_the_loss_and_resumes(samples: list[Sample], tmp_path: P
     assert torch.equal(saved.fc.weight, resumed.fc.weight.to(torch.bfloat16).float())
 
 
-def test_batched_answers_equal_greedy_answers_one_at_a_time() -> None:
-    target = tiny_target()
-    eos = 5
-
-    class Tok:
-        eos_token_id = eos
-
-    prompts = [[1, 7, 9, 11, 3], [4, 8], [6, 6, 10, 12, 14, 20, 30]]
-    samples = answer_batch(target, Tok(), prompts, max_new_tokens=12)
-    for prompt, sample in zip(prompts, samples):
-        alone = target.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=eos,
-                                pad_token_id=eos)[0].tolist()  # fmt: skip
-        assert sample.input_ids.tolist() == alone
-        assert sample.answer_start == len(prompt)
-        with torch.no_grad():
-            hidden = target.model(torch.tensor([alone])).last_hidden_state[0]
-        assert torch.allclose(sample.hidden, hidden, atol=1e-5)
+def test_batches_cover_every_sample_once_within_the_token_budget() -> None:
+    g = torch.Generator().manual_seed(6)
+    lengths = torch.randint(5, 60, (50,), generator=g).tolist()
+    samples = [Sample(torch.zeros(n, dtype=torch.int32), torch.zeros(n, HIDDEN), 2) for n in lengths]
+    epoch = batches(samples, 128, random.Random(0), pool=16)
+    assert sorted(id(s) for b in epoch for s in b) == sorted(id(s) for s in samples)
+    for b in epoch:
+        assert len(b) == 1 or max(len(s.input_ids) for s in b) * len(b) <= 128
+    # Sorting within pools packs more rows per batch than the shuffled order alone would.
+    padded = sum(max(len(s.input_ids) for s in b) * len(b) for b in epoch)
+    unsorted = sum(max(len(s.input_ids) for s in b) * len(b) for b in batches(samples, 128, random.Random(0), pool=1))
+    assert padded < unsorted
