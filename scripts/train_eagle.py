@@ -27,11 +27,24 @@ import torch
 # Runnable as `python scripts/train_eagle.py` from a checkout that is not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from zerobubble.worker_svc.eagle import EagleHead, SharedWeights, init_from_target_layer, load_head  # noqa: E402
+from zerobubble.worker_svc.eagle import (  # noqa: E402
+    EagleHead,
+    SharedWeights,
+    draft_vocab,
+    init_from_target_layer,
+    load_head,
+    save_draft_vocab,
+)
 from zerobubble.worker_svc.eagle_data import DistillSettings, Sample, build_dataset, load_sample  # noqa: E402
 from zerobubble.worker_svc.eagle_eval import EagleDrafter, ngram_drafter, simulate  # noqa: E402
 from zerobubble.worker_svc.eagle_train import TrainSettings, train  # noqa: E402
-from zerobubble.worker_svc.model_loader import EMBEDDED_MODEL_NAME, cache_dir, read_config, resolve_model  # noqa: E402
+from zerobubble.worker_svc.model_loader import (  # noqa: E402
+    EMBEDDED_MODEL_NAME,
+    cache_dir,
+    load_model,
+    read_config,
+    resolve_model,
+)
 
 logger = logging.getLogger("train_eagle")
 
@@ -98,6 +111,9 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out answers from this data folder instead")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--draft-vocab", type=int, default=16384, help="token ids the head drafts from (its logits' rows)"
+    )
     return parser.parse_args()
 
 
@@ -122,6 +138,10 @@ def train_head(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
     raw_config = json.loads((model_dir / "config.json").read_text())
     metrics = train(head, train_samples, out, train_settings, raw_config)
     logger.info("trained: %s", metrics)
+    # The ids the head drafts from: its training answers' tokens first (see `draft_vocab`).
+    answers = [s.input_ids[s.answer_start :] for s in train_samples]
+    eos_ids = load_model(str(model_dir), weights=False).eos_token_ids
+    save_draft_vocab(out, draft_vocab(answers, min(args.draft_vocab, hf_config.vocab_size), eos_ids))
     return metrics | {
         "train_samples": len(train_samples),
         "train_answer_tokens": answer_tokens,
