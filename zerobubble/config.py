@@ -251,7 +251,7 @@ class WorkerConfig(ServiceConfig):
     )
     draft_acceptance: str = setting(
         "keyed",
-        "how draft-model proposals are verified: keyed (accepted iff equal to the target's own "
+        "how draft-model and EAGLE proposals are verified: keyed (accepted iff equal to the target's own "
         "keyed sample: seeded output identical with speculation on or off, sync or async) or "
         "rejection (min(1, p/q) rejection sampling: more drafts accepted when the draft model "
         "differs from the target, but seeded output then depends on the speculation)",
