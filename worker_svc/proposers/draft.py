@@ -11,16 +11,12 @@ device (and is fit for CUDA graphs):
   position whenever the target cache does, computed from the same tokens; a rejected draft's
   entry is overwritten when the target re-feeds that position, as in the target cache. (Blocks
   shared through the prefix cache therefore carry draft K/V too.)
-- `propose`, for the rows that sampled: k single-token forwards. The first feeds the new last
-  token at position ``seq_len``, each next one the draft just drawn. Draft ``j`` (position
-  ``seq_len + 1 + j``) is drawn from the draft's logits processed with the request's own sampling
-  controls (logit bias, penalties whose counts include drafts ``0..j-1``, temperature, top-k/p,
-  min-p), so the draft proposes what the target would sample if it were the target. A position
-  past the blocks the request holds (the scheduler allocates the k lookahead slots only when
-  blocks are free) is written to a scratch block instead, and the drafts from there on are not
-  offered (``num_drafts``).
+- `propose`, for the rows that sampled: k single-token forwards of the draft model through the
+  shared chain (`zerobubble.worker_svc.proposers.chain`): the first feeds the new last token at
+  position ``seq_len``, each next one the draft just drawn, with the request's own sampling
+  controls; positions past the request's blocks go to a scratch block and are not offered.
 
-Two ways to verify (`--draft-acceptance`):
+Two ways to verify (`--draft-acceptance`, the same for an EAGLE head):
 
 - ``keyed`` (the default): the draft is drawn by Gumbel-max with the SAME keyed noise the target's
   sampler uses at that position, and the verifier accepts it iff it equals the target's own
