@@ -60,6 +60,18 @@ def check_fits(head_config: dict[str, Any], target: ModelSpec) -> None:
         for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size))
         if head_config.get(key) != want
     ]
+    # The head's layer takes its attention shape from the target: one that states another split
+    # would load with the wrong one.
+    optional = (
+        ("num_attention_heads", target.num_q_heads),
+        ("num_key_value_heads", target.num_kv_heads),
+        ("head_dim", target.head_dim),
+    )
+    mismatches += [
+        f"{key} {head_config[key]!r} != target's {want!r}"
+        for key, want in optional
+        if head_config.get(key) is not None and head_config[key] != want
+    ]
     if mismatches:
         raise HeadFormatError("head does not fit the target: " + "; ".join(mismatches))
 

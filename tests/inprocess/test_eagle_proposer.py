@@ -163,6 +163,9 @@ def test_a_head_that_does_not_fit_its_target_is_refused_naming_the_mismatch() ->
     wrong = head_config(hf.config.to_dict(), fc_bias=False) | {"hidden_size": 48}
     with pytest.raises(HeadFormatError, match="hidden_size 48 != target's 64"):
         serving_head(wrong, state, target)
+    other_split = head_config(hf.config.to_dict(), fc_bias=False) | {"num_key_value_heads": 4}
+    with pytest.raises(HeadFormatError, match="num_key_value_heads 4 != target's 2"):
+        serving_head(other_split, state, target)
     eagle3 = head_config(hf.config.to_dict(), fc_bias=False) | {"draft_vocab_size": VOCAB}
     with pytest.raises(HeadFormatError, match="eagle-3 heads are not supported"):
         serving_head(eagle3, state, target)
@@ -205,6 +208,10 @@ def test_a_draft_vocabulary_limits_the_heads_logits_to_its_ids() -> None:
     assert torch.isneginf(got[:, outside]).all()
     with pytest.raises(HeadFormatError, match="outside the target's vocabulary"):
         _proposer(target, {**state, DRAFT_VOCAB_KEY: torch.tensor([1, VOCAB])})
+    with pytest.raises(HeadFormatError, match="empty"):
+        _proposer(target, {**state, DRAFT_VOCAB_KEY: torch.tensor([], dtype=torch.int64)})
+    with pytest.raises(HeadFormatError, match="repeats ids"):
+        _proposer(target, {**state, DRAFT_VOCAB_KEY: torch.tensor([3, 3, 7])})
 
 
 def test_head_names_resolve_to_the_shipped_head_and_bad_ones_are_named(tmp_path) -> None:

@@ -72,7 +72,7 @@ def draft_chain(
     qsl = torch.arange(num_rows + 1, dtype=torch.int32, device=dev)
     token = st.last_token[idx].to(torch.int64)
     drafts = torch.zeros(num_rows, k, dtype=torch.int32, device=dev)
-    probs: torch.Tensor | None = None
+    probs: torch.Tensor | None = None  # [rows, k, vocab], allocated at the first draw
     for j in range(k):
         pos = seq_len + j  # the fed token's position; it drafts position pos + 1
         if penalties is not None:
@@ -109,7 +109,9 @@ def draft_chain(
             q = target_probs(logits, t)
             noise = keyed_uniform(t.seeds, t.positions, logits.shape[1], stream=DRAFT_STREAM)
             token = torch.argmax(torch.log(q) - torch.log(-torch.log(noise)), dim=-1)
-            probs = q[:, None] if probs is None else torch.cat((probs, q[:, None]), dim=1)
+            if probs is None:
+                probs = torch.zeros(num_rows, k, q.shape[1], dtype=torch.float32, device=dev)
+            probs[:, j] = q
         drafts[:, j] = token.to(torch.int32)
     st.drafts[idx, :k] = drafts
     # Draft j is offered only if every entry written up to it went to the real cache.

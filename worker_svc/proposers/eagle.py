@@ -19,11 +19,11 @@ Everything stays on the device, and every shape is known to the host:
   carry, then each draft with the head's own predicted hidden state, as EAGLE drafts.
 
 A row whose first fed position is 0 has no hidden state before it; its entry ``-1`` goes to the
-scratch block, as does the entry before the first token of a prefix-cache hit (the cached block
-already holds one there). Blocks shared through the prefix cache carry head entries too; the entry at a
-block's last position was made with the token that followed it in the request that wrote it, so
-a hit whose next token differs drafts from a slightly different entry there (drafts only:
-verification keeps the output exact).
+scratch block, as does the entry before the first token of a prefix-cache hit. Blocks shared
+through the prefix cache carry head entries; the one at a block's last position was made with
+the token that followed it in the request that wrote it (or is missing, if that request never
+fed the next position), so a hit that continues differently drafts from a slightly different
+state there (drafts only: verification keeps the output exact).
 """
 
 from __future__ import annotations
@@ -128,8 +128,10 @@ def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], targ
     hf_config = copy.deepcopy(target.hf_config)
     hf_config.num_hidden_layers = 1
     hf_config.intermediate_size = int(head_json.get("intermediate_size", hf_config.intermediate_size))
+    # Full attention, as the head is trained (worker_svc/eagle.py), whatever the target's window.
+    hf_config.sliding_window = None
     if getattr(hf_config, "layer_types", None) is not None:
-        hf_config.layer_types = hf_config.layer_types[:1]
+        hf_config.layer_types = ["full_attention"]
     model = target.model
     layer_model = build_model(hf_config, model.dtype, model.device, model.prepack)
     take, take_optional, weight = layer_model.weight_readers(state)
@@ -139,13 +141,19 @@ def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], targ
     fc = weight(take("fc.weight", (hidden, 2 * hidden)))
     fc_bias = take_optional("fc.bias", (hidden,), "fc.bias" in state)
     head = ServingHead(hf_config, layer_model, fc, fc_bias, model)
+    if DRAFT_VOCAB_KEY not in state:
+        return head
+    ids = state[DRAFT_VOCAB_KEY].to(torch.int64)
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= layer_model.spec.vocab_size:
+        raise HeadFormatError(f"{DRAFT_VOCAB_KEY} is empty or holds ids outside the target's vocabulary")
+    if ids.unique().numel() != ids.numel():
+        raise HeadFormatError(f"{DRAFT_VOCAB_KEY} repeats ids")
     rows = _lm_head_rows(model)
-    if DRAFT_VOCAB_KEY in state and rows is not None:
-        ids = state[DRAFT_VOCAB_KEY].to(device=model.device, dtype=torch.int64)
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= layer_model.spec.vocab_size):
-            raise HeadFormatError(f"{DRAFT_VOCAB_KEY} holds ids outside the target's vocabulary")
-        head.draft_ids = ids
-        head.draft_lm_head = weight(rows.index_select(0, ids).contiguous())
+    if rows is None:
+        logger.warning("the target's lm_head is kept packed only: the head drafts over the whole vocabulary")
+        return head
+    head.draft_ids = ids.to(model.device)
+    head.draft_lm_head = weight(rows.index_select(0, head.draft_ids).contiguous())
     return head
 
 
