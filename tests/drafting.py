@@ -12,13 +12,27 @@ from tests.sim_worker import make_toy_tokenizer_json
 from zerobubble.rows import result_rows
 from zerobubble.scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
+from zerobubble.worker_svc.eagle import head_config
 from zerobubble.worker_svc.model import build_model
 from zerobubble.worker_svc.model_loader import LoadedModel
 from zerobubble.worker_svc.proposers import Proposer
+from zerobubble.worker_svc.proposers.eagle import ServingHead, serving_head
 from zerobubble.worker_svc.runner import ModelRunner, RunnerConfig
 
 VOCAB = 258  # the toy byte tokenizer's vocabulary
 K = 3
+# Seeded sampling with every control on: keyed acceptance must still give the unspeculated output.
+SEEDED = dict(
+    ignore_eos=True,
+    temperature=0.8,
+    top_p=0.95,
+    top_k=40,
+    min_p=0.02,
+    repetition_penalty=1.2,
+    frequency_penalty=0.4,
+    presence_penalty=0.3,
+    logit_bias={7: 3.0, 9: -4.0},
+)
 
 
 def loaded_model(hf: LlamaForCausalLM) -> LoadedModel:
@@ -96,3 +110,10 @@ def drive(runner: ModelRunner, scheduler: Scheduler, window: int) -> tuple[dict[
         for event in scheduler.on_step_result(result):
             outputs.setdefault(event.req_id, []).extend(event.token_ids)
     return outputs, drafted, accepted
+
+
+def eagle_head(target: LoadedModel, state: dict[str, torch.Tensor]) -> ServingHead:
+    """The serving EAGLE-1 head with weights ``state`` over ``target``, its config the target's own
+    one layer deep (as `zerobubble.worker_svc.eagle.save_head` writes it)."""
+    head_json = head_config(target.hf_config.to_dict(), fc_bias="fc.bias" in state)
+    return serving_head(head_json, state, target)

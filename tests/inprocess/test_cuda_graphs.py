@@ -95,14 +95,13 @@ def _tiny_loaded() -> LoadedModel:
 
 def _eagle_head(loaded: LoadedModel) -> object:
     """A random-weight EAGLE-1 head over ``loaded`` (seeded: the same head for both runs)."""
-    from zerobubble.worker_svc.eagle import EagleHead, SharedWeights, head_config
-    from zerobubble.worker_svc.proposers.eagle import serving_head
+    from tests.drafting import eagle_head
+    from zerobubble.worker_svc.eagle import EagleHead, SharedWeights
 
     cfg = loaded.hf_config
     torch.manual_seed(1)
     unused = torch.zeros(cfg.vocab_size, cfg.hidden_size)  # serving reads the target's own
-    state = EagleHead(cfg, SharedWeights(embed=unused, lm_head=unused)).state_dict()
-    return serving_head(head_config(cfg.to_dict(), fc_bias=True), state, loaded)
+    return eagle_head(loaded, EagleHead(cfg, SharedWeights(embed=unused, lm_head=unused)).state_dict())
 
 
 def _run(loaded: LoadedModel, spec: str, graphs: bool) -> tuple[list, ModelRunner]:

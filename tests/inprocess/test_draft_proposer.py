@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from tests.drafting import K, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
+from tests.drafting import SEEDED, K, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
 from tests.options import split_options
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions, StoppingOptions
@@ -42,19 +42,6 @@ def test_self_drafting_accepts_its_own_greedy_continuation(acceptance: str) -> N
         assert outputs[rid] == hf_greedy(hf, prompt, max_tokens[rid]), rid
     assert drafted > 50 and accepted >= 0.9 * drafted, (accepted, drafted)
     assert scheduler.stats.num_steps_completed > 0
-
-
-SEEDED = dict(
-    ignore_eos=True,
-    temperature=0.8,
-    top_p=0.95,
-    top_k=40,
-    min_p=0.02,
-    repetition_penalty=1.2,
-    frequency_penalty=0.4,
-    presence_penalty=0.3,
-    logit_bias={7: 3.0, 9: -4.0},
-)
 
 
 def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:

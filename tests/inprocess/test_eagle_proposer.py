@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.drafting import VOCAB, K, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
+from tests.drafting import SEEDED, VOCAB, K, drive, eagle_head, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
 from tests.options import split_options
 from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.worker_svc.eagle import (
@@ -39,8 +39,7 @@ from zerobubble.worker_svc.proposers.eagle import EagleProposer, resolve_head, s
 
 
 def _proposer(target: LoadedModel, state: dict[str, torch.Tensor], acceptance: str = "keyed") -> EagleProposer:
-    head_json = head_config(target.hf_config.to_dict(), fc_bias="fc.bias" in state)
-    return EagleProposer(serving_head(head_json, state, target), K, acceptance)
+    return EagleProposer(eagle_head(target, state), K, acceptance)
 
 
 def _copying_target_and_head(noise: float = 0.0) -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:
@@ -120,19 +119,6 @@ def test_drafts_equal_the_offline_chain_of_the_same_head() -> None:
             compared += 1
             agreed += runner.state.drafts[info.slot, :num].tolist() == expected
     assert compared > 20 and agreed >= compared - 1, (agreed, compared)  # one near-tie at most
-
-
-SEEDED = dict(
-    ignore_eos=True,
-    temperature=0.8,
-    top_p=0.95,
-    top_k=40,
-    min_p=0.02,
-    repetition_penalty=1.2,
-    frequency_penalty=0.4,
-    presence_penalty=0.3,
-    logit_bias={7: 3.0, 9: -4.0},
-)
 
 
 def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:

@@ -161,8 +161,7 @@ def _schedule(k: int) -> list[worker_pb2.StepPlan]:
 
 def _tiny_eagle_head(target: LoadedModel, shapes: dict[str, torch.Size]) -> object:
     """A random-weight EAGLE-1 head over ``target`` on the fake device."""
-    from zerobubble.worker_svc.eagle import head_config
-    from zerobubble.worker_svc.proposers.eagle import serving_head
+    from tests.drafting import eagle_head
 
     hidden = target.hf_config.hidden_size
     layer = {
@@ -171,7 +170,7 @@ def _tiny_eagle_head(target: LoadedModel, shapes: dict[str, torch.Size]) -> obje
         if k.startswith("model.layers.0.") and "input_layernorm" not in k
     }
     state = {"fc.weight": torch.randn(hidden, 2 * hidden, device="meta"), **layer}
-    return serving_head(head_config(target.hf_config.to_dict(), fc_bias=False), state, target)
+    return eagle_head(target, state)
 
 
 @pytest.mark.parametrize("spec", ["none", "ngram", "draft", "draft-rejection", "eagle", "eagle-rejection"])
