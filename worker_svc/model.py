@@ -245,7 +245,7 @@ class CausalLM:
         spec = self.spec
         num_tokens = hidden.shape[0]
         eps = spec.rms_norm_eps
-        cos, sin = self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
+        cos, sin = self.rotary(positions)
         plan: AttentionPlan | None = None
         # The torch path's plan reads host values: only on the CPU, where they are host memory.
         if not use_triton(hidden, None) and hidden.device.type == "cpu" and num_tokens > 0:
@@ -256,10 +256,7 @@ class CausalLM:
         for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
             if self.interrupt is not None and self.interrupt():
                 raise StepInterrupted
-            if layer.input_norm is None:
-                normed = residual = hidden if residual is None else hidden + residual
-            else:
-                normed, residual = add_rms_norm(hidden, residual, layer.input_norm, eps)
+            normed, residual = layer_input(layer, hidden, residual, eps)
             q = self.write_kv(layer, normed, cos, sin, (k_cache, v_cache), meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
             hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
@@ -267,6 +264,10 @@ class CausalLM:
             gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias)
             hidden = linear(silu_mul(gate_up), layer.down_weight, layer.down_bias)
         return hidden, residual
+
+    def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rotary tables' rows ``(cos, sin)`` ``[T, D]`` at ``positions``."""
+        return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
 
     def write_kv(
         self,
@@ -298,6 +299,17 @@ class CausalLM:
         """Float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]``."""
         assert self.lm_head is not None, "load_weights first"
         return linear(hidden, self.lm_head).float()
+
+
+def layer_input(
+    layer: LayerWeights, hidden: torch.Tensor, residual: torch.Tensor | None, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A layer's normed input and the residual stream with ``hidden`` added; a layer without an
+    input norm (an EAGLE-1 head's) takes the sum as is."""
+    if layer.input_norm is None:
+        summed = hidden if residual is None else hidden + residual
+        return summed, summed
+    return add_rms_norm(hidden, residual, layer.input_norm, eps)
 
 
 def layer_weights(

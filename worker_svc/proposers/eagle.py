@@ -40,10 +40,16 @@ import torch.nn.functional as F
 
 import zerobubble
 from zerobubble.kernels.attention import AttentionMetadata
-from zerobubble.kernels.fused import add_rms_norm
 from zerobubble.kernels.linear import LinearWeight, linear
 from zerobubble.worker_svc.eagle import DRAFT_VOCAB_KEY, HeadFormatError, check_fits
-from zerobubble.worker_svc.model import CausalLM, allocate_kv_cache, build_model, layer_weights, model_spec
+from zerobubble.worker_svc.model import (
+    CausalLM,
+    allocate_kv_cache,
+    build_model,
+    layer_input,
+    layer_weights,
+    model_spec,
+)
 from zerobubble.worker_svc.model_loader import LoadedModel, ModelLoadError, cache_dir
 from zerobubble.worker_svc.proposers.chain import ChainCache, draft_chain
 
@@ -221,12 +227,9 @@ class EagleProposer:
         slot_mapping[starts] = first_slot.to(slot_mapping.dtype)
         model = self.head.layer_model
         positions = (batch.positions - 1).clamp(min=0)
-        cos, sin = model.rope_cos.index_select(0, positions), model.rope_sin.index_select(0, positions)
-        x = self.head.fuse(batch.input_ids, before)
-        # EAGLE-1's layer takes the fused input as is (its input norm is absent).
+        cos, sin = model.rotary(positions)
         layer = model.layers[0]
-        eps = model.spec.rms_norm_eps
-        normed = x if layer.input_norm is None else add_rms_norm(x, None, layer.input_norm, eps)[0]
+        normed, _ = layer_input(layer, self.head.fuse(batch.input_ids, before), None, model.spec.rms_norm_eps)
         model.write_kv(layer, normed, cos, sin, self.kv_caches[0], slot_mapping)
         # Rows that did not sample carry their last fed hidden state into their next chunk.
         ends = batch.meta.query_start_loc[1:].long() - 1
