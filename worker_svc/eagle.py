@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zerobubble.kernels.fused import rms_norm_twin
 from zerobubble.worker_svc.model import ModelSpec, model_spec, rope_tables
 
 logger = logging.getLogger(__name__)
@@ -74,12 +75,6 @@ def check_fits(head_config: dict[str, Any], target: ModelSpec) -> None:
     ]
     if mismatches:
         raise HeadFormatError("head does not fit the target: " + "; ".join(mismatches))
-
-
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # In float32, as Hugging Face's Llama norm does, then back to the input's dtype.
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -147,7 +142,7 @@ class HeadLayer(nn.Module):
         spec, attn = self.spec, self.self_attn
         batch, seq, _ = x.shape
         eps = spec.rms_norm_eps
-        normed = x if self.input_layernorm is None else _rms_norm(x, self.input_layernorm.weight, eps)
+        normed = x if self.input_layernorm is None else rms_norm_twin(x, self.input_layernorm.weight, eps)
 
         def heads(t: torch.Tensor, n: int) -> torch.Tensor:
             return t.view(batch, seq, n, spec.head_dim).transpose(1, 2)
@@ -156,7 +151,7 @@ class HeadLayer(nn.Module):
         k = heads(attn.k_proj(normed), spec.num_kv_heads)
         v = heads(attn.v_proj(normed), spec.num_kv_heads)
         if attn.q_norm is not None and attn.k_norm is not None:
-            q, k = _rms_norm(q, attn.q_norm.weight, eps), _rms_norm(k, attn.k_norm.weight, eps)
+            q, k = rms_norm_twin(q, attn.q_norm.weight, eps), rms_norm_twin(k, attn.k_norm.weight, eps)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         if cache is not None:
             k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
@@ -167,7 +162,7 @@ class HeadLayer(nn.Module):
             raise ValueError("a multi-token block after a cache is not supported")
         out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
         hidden = x + attn.o_proj(out.transpose(1, 2).reshape(batch, seq, -1))
-        normed = _rms_norm(hidden, self.post_attention_layernorm.weight, eps)
+        normed = rms_norm_twin(hidden, self.post_attention_layernorm.weight, eps)
         return hidden + self.mlp(normed), (k, v)
 
 

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from zerobubble.worker_svc.eagle import EagleHead, HeadLayer, _rms_norm, _rotate, save_head
+from zerobubble.kernels.fused import rms_norm_twin
+from zerobubble.worker_svc.eagle import EagleHead, HeadLayer, _rotate, save_head
 from zerobubble.worker_svc.eagle_data import Sample
 
 logger = logging.getLogger(__name__)
@@ -99,8 +100,8 @@ def _qkv(layer: HeadLayer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     for proj, heads in ((attn.q_proj, spec.num_q_heads), (attn.k_proj, spec.num_kv_heads), (attn.v_proj, None)):
         out.append(proj(x).view(batch, seq, heads or spec.num_kv_heads, spec.head_dim).transpose(1, 2))
     if attn.q_norm is not None and attn.k_norm is not None:
-        out[0] = _rms_norm(out[0], attn.q_norm.weight, spec.rms_norm_eps)
-        out[1] = _rms_norm(out[1], attn.k_norm.weight, spec.rms_norm_eps)
+        out[0] = rms_norm_twin(out[0], attn.q_norm.weight, spec.rms_norm_eps)
+        out[1] = rms_norm_twin(out[1], attn.k_norm.weight, spec.rms_norm_eps)
     out[0], out[1] = _rotate(out[0], cos, sin), _rotate(out[1], cos, sin)
     return out
 
@@ -152,7 +153,7 @@ def chain_pass(
     values.append(v)
     out = chain_attention(q, keys, values)
     x = x + layer.self_attn.o_proj(out.transpose(1, 2).reshape(x.shape[0], seq, -1))
-    return x + layer.mlp(_rms_norm(x, layer.post_attention_layernorm.weight, spec.rms_norm_eps))
+    return x + layer.mlp(rms_norm_twin(x, layer.post_attention_layernorm.weight, spec.rms_norm_eps))
 
 
 def unrolled_predictions(
