@@ -243,8 +243,8 @@ class EagleProposer:
         # The carry of a sampled row: the hidden state of its last accepted position.
         starts = batch.meta.query_start_loc.long()[batch.sampled.rows_t.long()]
         accepted_at = starts + st.seq_len[idx].long() - 1 - batch.positions[starts].long()
-        self.carry[idx] = hidden[accepted_at]
-        features = self.carry[idx]
+        features = hidden[accepted_at]
+        self.carry[idx] = features
 
         def forward(j: int, token: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
             nonlocal features
