@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.sim_worker import make_toy_tokenizer_json
+from zerobubble.request_options import StoppingOptions
 from zerobubble.rows import result_rows
 from zerobubble.scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
@@ -110,6 +112,40 @@ def drive(runner: ModelRunner, scheduler: Scheduler, window: int) -> tuple[dict[
         for event in scheduler.on_step_result(result):
             outputs.setdefault(event.req_id, []).extend(event.token_ids)
     return outputs, drafted, accepted
+
+
+def prompts_sharing_a_prefix(seed: int, count: int) -> dict[str, list[int]]:
+    """``count`` prompts of different lengths after a common 17-token prefix (prefix-cache hits)."""
+    gen = torch.Generator().manual_seed(seed)
+    shared = torch.randint(0, 256, (17,), generator=gen).tolist()
+    return {f"r{i}": shared + torch.randint(0, 256, (3 + 9 * i,), generator=gen).tolist() for i in range(count)}
+
+
+def drafts_after_every_step(
+    runner: ModelRunner,
+    scheduler: Scheduler,
+    prompts: dict[str, list[int]],
+    expected: Callable[[list[int], int], list[int]],
+) -> tuple[int, int]:
+    """Run the prompts synchronously (20 tokens each); after every step compare each row's drafts
+    with ``expected(tokens so far, number of drafts)``. Returns (rows compared, rows equal)."""
+    for rid, prompt in prompts.items():
+        scheduler.add_request(rid, prompt, None, StoppingOptions(max_tokens=20, ignore_eos=True))
+    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    compared = agreed = 0
+    while scheduler.has_unfinished():
+        plan = scheduler.schedule()
+        assert plan is not None
+        result = runner.execute(plan).materialize(0.0, K)
+        runner.propose_next()
+        for event in scheduler.on_step_result(result):
+            outputs[event.req_id].extend(event.token_ids)
+        for rid, info in runner.slots.items():
+            num = int(runner.state.num_drafts[info.slot])
+            if outputs[rid] and num > 0:
+                compared += 1
+                agreed += runner.state.drafts[info.slot, :num].tolist() == expected(prompts[rid] + outputs[rid], num)
+    return compared, agreed
 
 
 def eagle_head(target: LoadedModel, state: dict[str, torch.Tensor]) -> ServingHead:

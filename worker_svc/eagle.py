@@ -6,9 +6,15 @@ with the target's last hidden state ``h[t]`` (embedding first, then hidden) thro
 norm is absent, and predicts ``h[t+1]``. The target's embedding and lm_head are shared, not
 copied: the head's own weights are ``fc.*`` and ``layers.0.*`` only.
 
-This module holds the plain-torch forward over a batch of sequences (training and offline
-evaluation), the head's format detection from ``config.json`` and the checks that a head fits
-its target. Serving over the paged KV cache is separate work.
+An EAGLE-3 head fuses three target layers' inputs instead (``fc: Linear(3H -> H)``), feeds its
+layer the embedding and that state side by side (q/k/v over ``2H``), ends in a norm and drafts
+over its own reduced vocabulary (``lm_head [D, H]`` and ``d2t``, each draft id's offset to the
+target's id).
+
+This module holds the plain-torch EAGLE-1 forward over a batch of sequences (training and
+offline evaluation) and reads every served format's ``config.json`` (EAGLE-1, EAGLE-3 and the
+speculators format: `head_layout`), checking that a head fits its target; serving is
+`zerobubble.worker_svc.proposers.eagle`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ logger = logging.getLogger(__name__)
 EAGLE1 = "eagle-1"
 EAGLE3 = "eagle-3"
 SPECULATORS = "speculators"
-SUPPORTED_FORMATS = frozenset({EAGLE1})
+# The layouts served (`zerobubble.worker_svc.proposers.eagle`); a speculators head is read as
+# the layout its algorithm names. This module's own trainable head is EAGLE-1.
+SUPPORTED_LAYOUTS = (EAGLE1, EAGLE3)
 
 # The one-layer cache of a head: keys and values ``[B, Hkv, S, D]``.
 LayerCache = tuple[torch.Tensor, torch.Tensor]
@@ -51,30 +59,99 @@ def detect_format(config: dict[str, Any]) -> str:
     return EAGLE1
 
 
-def check_fits(head_config: dict[str, Any], target: ModelSpec) -> None:
-    """Refuse a head whose shapes do not fit ``target``; the message names each mismatch."""
-    fmt = detect_format(head_config)
-    if fmt not in SUPPORTED_FORMATS:
-        raise HeadFormatError(f"{fmt} heads are not supported yet (supported: {', '.join(sorted(SUPPORTED_FORMATS))})")
-    mismatches = [
-        f"{key} {head_config.get(key)!r} != target's {want!r}"
-        for key, want in (("hidden_size", target.hidden_size), ("vocab_size", target.vocab_size))
-        if head_config.get(key) != want
-    ]
-    # The head's layer takes its attention shape from the target: one that states another split
-    # would load with the wrong one.
-    optional = (
-        ("num_attention_heads", target.num_q_heads),
-        ("num_key_value_heads", target.num_kv_heads),
-        ("head_dim", target.head_dim),
+@dataclass(frozen=True, slots=True)
+class HeadLayout:
+    """A head's ``config.json`` read into one shape whatever its format.
+
+    ``layer_config`` is the head's decoder layer as a Llama config (EAGLE-3; EAGLE-1 heads use
+    the target's own architecture). ``aux_layers`` are the target layers whose inputs an
+    EAGLE-3 head fuses, in layer order (Hugging Face's ``hidden_states`` indices: 0 is the
+    embedding); empty for EAGLE-1.
+    """
+
+    layout: str
+    layer_config: dict[str, Any]
+    draft_vocab_size: int
+    aux_layers: tuple[int, ...] = ()
+    norm_before_residual: bool = False
+
+
+def head_layout(config: dict[str, Any], target: ModelSpec) -> HeadLayout:
+    """The layout of a head with ``config``, checked against ``target``: a head of another
+    format, or whose shapes do not fit, raises `HeadFormatError` naming each mismatch."""
+    fmt = detect_format(config)
+    if fmt == SPECULATORS:
+        algorithm = str(
+            (config.get("speculators_config") or {}).get("algorithm") or config.get("speculators_model_type")
+        )
+        if algorithm != "eagle3":
+            raise HeadFormatError(f"speculators heads of algorithm {algorithm!r} are not supported (eagle3 is)")
+        layer_config = dict(config.get("transformer_layer_config") or {})
+        return _eagle3_layout(config, layer_config, target)
+    if fmt == EAGLE3:
+        return _eagle3_layout(config, config, target)
+    _check_shapes(config, target, config.get("hidden_size"))
+    return HeadLayout(EAGLE1, config, draft_vocab_size=target.vocab_size)
+
+
+def _eagle3_layout(config: dict[str, Any], layer_config: dict[str, Any], target: ModelSpec) -> HeadLayout:
+    """An EAGLE-3 head's layout: its own Llama layer, a draft vocabulary and three target layers."""
+    eagle_config = config.get("eagle_config") or {}
+    if eagle_config.get("use_aux_hidden_state") is False:
+        raise HeadFormatError("EAGLE-3 heads without auxiliary hidden states are not supported")
+    target_hidden = config.get("target_hidden_size") or layer_config.get("target_hidden_size")
+    _check_shapes(layer_config, target, target_hidden or layer_config.get("hidden_size"), optional_split=False)
+    ids = (
+        config.get("eagle_aux_hidden_state_layer_ids")
+        or eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        or layer_config.get("eagle_aux_hidden_state_layer_ids")
+        # vLLM's default for a target that names none: early, middle and late.
+        or (2, target.num_layers // 2, target.num_layers - 3)
     )
-    mismatches += [
-        f"{key} {head_config[key]!r} != target's {want!r}"
-        for key, want in optional
-        if head_config.get(key) is not None and head_config[key] != want
+    aux = tuple(sorted(int(i) for i in ids))
+    if len(set(aux)) != len(aux) or not all(0 <= i < target.num_layers for i in aux):
+        raise HeadFormatError(
+            f"eagle_aux_hidden_state_layer_ids {list(ids)} must be distinct layers of the target's "
+            f"{target.num_layers} (0 to {target.num_layers - 1})"
+        )
+    draft_vocab_size = int(config.get("draft_vocab_size") or layer_config.get("draft_vocab_size") or target.vocab_size)
+    if not 0 < draft_vocab_size <= target.vocab_size:
+        raise HeadFormatError(f"draft_vocab_size {draft_vocab_size} is not within the target's {target.vocab_size}")
+    norm_before_residual = bool(config.get("norm_before_residual", layer_config.get("norm_before_residual", False)))
+    return HeadLayout(EAGLE3, layer_config, draft_vocab_size, aux, norm_before_residual)
+
+
+def _check_shapes(config: dict[str, Any], target: ModelSpec, hidden: Any, optional_split: bool = True) -> None:
+    """Refuse a head whose hidden or vocabulary size differs from ``target``'s (and, for an
+    EAGLE-1 head, whose layer takes the target's attention split, one that states another)."""
+    mismatches = [
+        f"{key} {got!r} != target's {want!r}"
+        for key, got, want in (
+            ("hidden_size", hidden, target.hidden_size),
+            ("vocab_size", config.get("vocab_size"), target.vocab_size),
+        )
+        if got != want
     ]
+    if optional_split:
+        optional = (
+            ("num_attention_heads", target.num_q_heads),
+            ("num_key_value_heads", target.num_kv_heads),
+            ("head_dim", target.head_dim),
+        )
+        mismatches += [
+            f"{key} {config[key]!r} != target's {want!r}"
+            for key, want in optional
+            if config.get(key) is not None and config[key] != want
+        ]
     if mismatches:
         raise HeadFormatError("head does not fit the target: " + "; ".join(mismatches))
+
+
+def check_fits(head_config: dict[str, Any], target: ModelSpec) -> None:
+    """Refuse a head that this module's EAGLE-1 `EagleHead` cannot load for ``target``."""
+    layout = head_layout(head_config, target)
+    if layout.layout != EAGLE1:
+        raise HeadFormatError(f"{layout.layout} heads are served, not trained here (EagleHead is EAGLE-1)")
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

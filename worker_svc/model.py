@@ -83,6 +83,11 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down_weight: LinearWeight  # [hidden, I]
     down_bias: torch.Tensor | None
+    # An EAGLE-3 head's layer: its input is the token embedding ⊕ a hidden state ([T, 2 hidden]),
+    # normed apart (`input_norm` the embedding, `hidden_norm` the state) before q/k/v; the
+    # residual stream starts from the state, normed first when `norm_before_residual`.
+    hidden_norm: torch.Tensor | None = None
+    norm_before_residual: bool = False
 
 
 def model_spec(hf_config: Any) -> ModelSpec:
@@ -181,6 +186,9 @@ class CausalLM:
     # check that a later plan has already finished every row of the step; see
     # `ModelRunner.note_finished`). A host-side call: it never waits for the device.
     interrupt: Callable[[], bool] | None = None
+    # Layers whose input (the residual stream before them; 0: the embedding) `forward` returns
+    # too, after the final hidden state: what an EAGLE-3 head drafts from.
+    capture_layers: tuple[int, ...] = ()
 
     @property
     def scale(self) -> float:
@@ -230,16 +238,26 @@ class CausalLM:
         meta: AttentionMetadata,
         kv_caches: KVCache,
     ) -> torch.Tensor:
-        """Hidden states ``[T, hidden]`` (after the final norm) for a flat batch; writes K/V into ``kv_caches``."""
+        """Hidden states ``[T, hidden]`` (after the final norm) for a flat batch; writes K/V into
+        ``kv_caches``. With `capture_layers`, ``[T, (1 + len(capture_layers)) hidden]``: the
+        captured layers' inputs follow, in layer order (`compute_logits` reads the first part)."""
         assert self.embed is not None and self.final_norm is not None, "load_weights first"
-        hidden, residual = self.run_layers(F.embedding(input_ids, self.embed), positions, meta, kv_caches)
-        return add_rms_norm(hidden, residual, self.final_norm, self.spec.rms_norm_eps)[0]
+        captured: list[torch.Tensor] = []
+        hidden, residual = self.run_layers(F.embedding(input_ids, self.embed), positions, meta, kv_caches, captured)
+        final = add_rms_norm(hidden, residual, self.final_norm, self.spec.rms_norm_eps)[0]
+        return torch.cat([final, *captured], dim=-1) if captured else final
 
     def run_layers(
-        self, hidden: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv_caches: KVCache
+        self,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: KVCache,
+        captured: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The decoder layers over input states ``hidden [T, hidden]``: the last sublayer's output
-        and the residual stream before it, not yet added (the final norm fuses that add)."""
+        and the residual stream before it, not yet added (the final norm fuses that add). The
+        inputs of `capture_layers` are appended to ``captured``."""
         if not self.layers:
             raise RuntimeError("CausalLM.forward called before load_weights")
         spec = self.spec
@@ -253,10 +271,12 @@ class CausalLM:
         # The residual stream's add is fused into the norm that follows it: `hidden` is a
         # sublayer's output not yet added, `residual` the stream before it.
         residual: torch.Tensor | None = None
-        for layer, (k_cache, v_cache), window in zip(self.layers, kv_caches, spec.sliding_windows):
+        for i, (layer, (k_cache, v_cache), window) in enumerate(zip(self.layers, kv_caches, spec.sliding_windows)):
             if self.interrupt is not None and self.interrupt():
                 raise StepInterrupted
             normed, residual = layer_input(layer, hidden, residual, eps)
+            if captured is not None and i in self.capture_layers:
+                captured.append(residual)  # the stream's sum into this layer: a new tensor
             q = self.write_kv(layer, normed, cos, sin, (k_cache, v_cache), meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
             hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
@@ -296,8 +316,12 @@ class CausalLM:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]``."""
+        """Float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]`` (or rows of
+        `forward`'s output with captured layers: their first ``hidden`` columns)."""
         assert self.lm_head is not None, "load_weights first"
+        size = self.spec.hidden_size
+        if hidden.shape[-1] != size:
+            hidden = hidden.narrow(-1, 0, size).contiguous()
         return linear(hidden, self.lm_head).float()
 
 
@@ -305,7 +329,15 @@ def layer_input(
     layer: LayerWeights, hidden: torch.Tensor, residual: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's normed input and the residual stream with ``hidden`` added; a layer without an
-    input norm (an EAGLE-1 head's) takes the sum as is."""
+    input norm (an EAGLE-1 head's) takes the sum as is, an EAGLE-3 head's (`LayerWeights.hidden_norm`)
+    takes the embedding ⊕ state ``hidden [T, 2 H]`` of its first layer."""
+    if layer.hidden_norm is not None:
+        assert residual is None and layer.input_norm is not None, "an EAGLE-3 layer comes first"
+        size = layer.hidden_norm.shape[0]
+        embeds, state = hidden.narrow(-1, 0, size).contiguous(), hidden.narrow(-1, size, size).contiguous()
+        normed_state = add_rms_norm(state, None, layer.hidden_norm, eps)[0]
+        normed = torch.cat((add_rms_norm(embeds, None, layer.input_norm, eps)[0], normed_state), dim=-1)
+        return normed, normed_state if layer.norm_before_residual else state
     if layer.input_norm is None:
         summed = hidden if residual is None else hidden + residual
         return summed, summed
@@ -319,10 +351,14 @@ def layer_weights(
     weight: WeightMaker,
     prefix: str,
     input_norm: bool = True,
+    eagle3: bool = False,
+    norm_before_residual: bool = False,
 ) -> LayerWeights:
     """One decoder layer's weights from Hugging Face names under ``prefix``, q/k/v and gate/up
-    fused; ``input_norm=False`` for a layer without one (an EAGLE-1 head's)."""
+    fused; ``input_norm=False`` for a layer without one (an EAGLE-1 head's), ``eagle3`` for an
+    EAGLE-3 head's (q/k/v over ``2 hidden`` inputs, a ``hidden_norm``)."""
     hidden, head_dim, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    qkv_in = 2 * hidden if eagle3 else hidden
     q_size, kv_size = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
     qkv_shapes = (("q", q_size), ("k", kv_size), ("v", kv_size))
     qk_norm = None
@@ -335,7 +371,7 @@ def layer_weights(
         present = [p for p in parts if p is not None]
         return torch.cat(present).contiguous() if len(present) == len(parts) else None
 
-    qkv = torch.cat([take(prefix + f"self_attn.{n}_proj.weight", (size, hidden)) for n, size in qkv_shapes])
+    qkv = torch.cat([take(prefix + f"self_attn.{n}_proj.weight", (size, qkv_in)) for n, size in qkv_shapes])
     gate_up = torch.cat([take(prefix + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")])
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight", (hidden,)) if input_norm else None,
@@ -353,6 +389,8 @@ def layer_weights(
         ),
         down_weight=weight(take(prefix + "mlp.down_proj.weight", (hidden, inter))),
         down_bias=take_optional(prefix + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
+        hidden_norm=take(prefix + "hidden_norm.weight", (hidden,)) if eagle3 else None,
+        norm_before_residual=norm_before_residual,
     )
 
 

@@ -18,6 +18,7 @@ from zerobubble.worker_svc.eagle import (  # noqa: E402
     HeadFormatError,
     check_fits,
     detect_format,
+    head_layout,
     init_from_target_layer,
     load_head,
     save_head,
@@ -85,11 +86,20 @@ def test_detect_format() -> None:
     assert detect_format({"speculators_config": {"algorithm": "eagle3"}}) == SPECULATORS
 
 
-def test_unsupported_formats_are_named() -> None:
+def test_formats_that_cannot_be_loaded_here_are_named() -> None:
     spec = model_spec(tiny_config())
-    for config, name in (({"draft_vocab_size": 10}, "eagle-3"), ({"speculators_config": {}}, "speculators")):
-        with pytest.raises(HeadFormatError, match=f"{name} heads are not supported yet"):
-            check_fits(config, spec)
+    eagle3 = {
+        "draft_vocab_size": 10,
+        "hidden_size": HIDDEN,
+        "vocab_size": VOCAB,
+        "eagle_aux_hidden_state_layer_ids": [0, 1],
+    }
+    with pytest.raises(HeadFormatError, match="eagle-3 heads are served, not trained here"):
+        check_fits(eagle3, spec)
+    with pytest.raises(HeadFormatError, match="speculators heads of algorithm 'None' are not supported"):
+        head_layout({"speculators_config": {}}, spec)
+    with pytest.raises(HeadFormatError, match="without auxiliary hidden states"):
+        head_layout(eagle3 | {"eagle_config": {"use_aux_hidden_state": False}}, spec)
 
 
 def test_mismatched_head_is_refused_naming_the_mismatch() -> None:

@@ -1,10 +1,12 @@
-"""EAGLE proposer: a one-layer head that reads the target's final hidden states drafts k tokens.
+"""EAGLE proposer: a one-layer head that reads the target's hidden states drafts k tokens.
 
-The head (an EAGLE-1 layout, see `zerobubble.worker_svc.eagle`) has one entry per position ``t``:
-the fusion ``fc(embed(x[t+1]) ⊕ h[t])`` of the next token and the target's hidden state there,
-run through one decoder layer that predicts ``h[t+1]``, whose logits (the target's lm_head) give
-``x[t+2]``. Its K/V live in a paged cache of their own, one layer deep, indexed by the SAME block
-tables as the target's (entry ``t`` at position ``t``'s slot), so no second allocator exists.
+The head (EAGLE-1 or EAGLE-3, see `zerobubble.worker_svc.eagle`) has one entry per position
+``t``: the next token ``x[t+1]`` with the head's state ``h[t]`` there (EAGLE-1: the target's last
+hidden state; EAGLE-3: ``fc`` over three target layers' inputs, which the target's forward then
+returns beside its last hidden state, `CausalLM.capture_layers`), run through one decoder layer
+that predicts ``h[t+1]``, whose logits give ``x[t+2]``. Its K/V live in a paged cache of their
+own, one layer deep, indexed by the SAME block tables as the target's (entry ``t`` at position
+``t``'s slot), so no second allocator exists.
 
 Everything stays on the device, and every shape is known to the host:
 
@@ -40,8 +42,9 @@ import torch.nn.functional as F
 
 import zerobubble
 from zerobubble.kernels.attention import AttentionMetadata
-from zerobubble.kernels.linear import LinearWeight, linear
-from zerobubble.worker_svc.eagle import DRAFT_VOCAB_KEY, HeadFormatError, check_fits
+from zerobubble.kernels.fused import add_rms_norm
+from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
+from zerobubble.worker_svc.eagle import DRAFT_VOCAB_KEY, EAGLE3, HeadFormatError, HeadLayout, head_layout
 from zerobubble.worker_svc.model import (
     CausalLM,
     allocate_kv_cache,
@@ -63,32 +66,56 @@ PACKAGED_HEADS = Path(zerobubble.__file__).resolve().parent / "heads"
 
 @dataclass(slots=True, eq=False)
 class ServingHead:
-    """An EAGLE-1 head laid out for the paged forward: ``fc`` and one layer over the target's
-    embedding and lm_head."""
+    """An EAGLE head laid out for the paged forward over its target.
 
-    hf_config: Any  # the target's config, one layer deep (the head's KV cache shape)
+    EAGLE-1: ``fc`` fuses the token embedding ⊕ the target's last hidden state into the layer's
+    input. EAGLE-3: ``fc`` turns the inputs of the target's `aux_layers` into the head's state,
+    and the layer takes the embedding ⊕ that state (normed apart, `zerobubble.worker_svc.model.
+    layer_input`); a final norm precedes its own lm_head. Either way the head's state for a
+    position is ``[hidden]`` wide, which is what the proposer carries between steps.
+    """
+
+    hf_config: Any  # the head layer's config, one layer deep (its KV cache's shape)
     layer_model: CausalLM  # one layer, no embedding or final norm of its own
-    fc: LinearWeight  # [hidden, 2 hidden]
+    fc: LinearWeight
     fc_bias: torch.Tensor | None
     target: CausalLM
-    # The ids the head drafts from (`zerobubble.worker_svc.eagle.draft_vocab`) and the target's
-    # lm_head rows for them; None: the whole vocabulary through the target's lm_head.
+    embed: torch.Tensor  # [vocab, hidden]: the head's own, else the target's
+    aux_layers: tuple[int, ...] = ()  # EAGLE-3: the target layers whose inputs it reads
+    final_norm: torch.Tensor | None = None  # EAGLE-3
+    # The target ids the head drafts (a draft vocabulary; EAGLE-3's ``d2t``) and the lm_head
+    # over them; lm_head None: the target's own, over the whole vocabulary.
     draft_ids: torch.Tensor | None = None
-    draft_lm_head: LinearWeight | None = None
+    lm_head: LinearWeight | None = None
 
-    def fuse(self, tokens: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """``fc(embed(tokens) ⊕ hidden)``: the head's layer input for each entry."""
-        assert self.target.embed is not None
-        return linear(torch.cat((F.embedding(tokens, self.target.embed), hidden), dim=-1), self.fc, self.fc_bias)
+    def target_state(self, features: torch.Tensor) -> torch.Tensor:
+        """The head's state ``[T, hidden]`` at each position of a target forward's output: the
+        last hidden state (EAGLE-1), or ``fc`` over the captured layers' inputs (EAGLE-3)."""
+        size = self.target.spec.hidden_size
+        if not self.aux_layers:
+            return features if features.shape[-1] == size else features.narrow(-1, 0, size)
+        captured = features.narrow(-1, size, features.shape[-1] - size).contiguous()
+        return linear(captured, self.fc, self.fc_bias)
 
-    def logits(self, features: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab]`` of predicted hidden states; ids outside the draft
-        vocabulary get -inf (the sampler then never draws them)."""
-        if self.draft_ids is None or self.draft_lm_head is None:
-            return self.target.compute_logits(features)
-        vocab = self.layer_model.spec.vocab_size
-        full = torch.full((features.shape[0], vocab), float("-inf"), dtype=torch.float32, device=features.device)
-        return full.index_copy_(1, self.draft_ids, linear(features, self.draft_lm_head).float())
+    def fuse(self, tokens: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The head layer's input for each entry: ``fc(embed(tokens) ⊕ state)`` (EAGLE-1) or
+        ``embed(tokens) ⊕ state`` (EAGLE-3, normed by the layer itself)."""
+        joined = torch.cat((F.embedding(tokens, self.embed), state), dim=-1)
+        return joined if self.aux_layers else linear(joined, self.fc, self.fc_bias)
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]`` of predicted states; ids outside the draft vocabulary
+        get -inf (the sampler then never draws them)."""
+        if self.final_norm is not None:
+            state = add_rms_norm(state, None, self.final_norm, self.layer_model.spec.rms_norm_eps)[0]
+        if self.lm_head is None:
+            return self.target.compute_logits(state)
+        logits = linear(state, self.lm_head).float()
+        if self.draft_ids is None:
+            return logits
+        vocab = self.target.spec.vocab_size
+        full = torch.full((state.shape[0], vocab), float("-inf"), dtype=torch.float32, device=state.device)
+        return full.index_copy_(1, self.draft_ids, logits)
 
 
 def resolve_head(spec: str) -> Path:
@@ -122,15 +149,36 @@ def load_serving_head(spec: str, target: LoadedModel) -> ServingHead:
         head = serving_head(head_json, state, target)
     except (HeadFormatError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"EAGLE head {str(folder)!r}: {exc}") from exc
-    logger.info("loaded EAGLE-1 head %s for %s", folder, target.name)
+    layout = "EAGLE-3" if head.aux_layers else "EAGLE-1"
+    logger.info("loaded %s head %s for %s (target layers %s)", layout, folder, target.name, head.aux_layers or "last")
     return head
 
 
 def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel) -> ServingHead:
-    """The head with config ``head_json`` and weights ``state`` (EAGLE-1 names) over ``target``;
-    raises `HeadFormatError` (or ``KeyError``/``ValueError`` for a missing or misshapen weight)."""
+    """The head with config ``head_json`` and weights ``state`` over ``target`` (any format of
+    `zerobubble.worker_svc.eagle.head_layout`; EAGLE-3's ``midlayer.`` names or the speculators'
+    ``layers.0.``); raises `HeadFormatError` (or ``KeyError``/``ValueError`` for a missing or
+    misshapen weight)."""
     assert target.model is not None, "the target's weights first"
-    check_fits(head_json, model_spec(target.hf_config))
+    layout = head_layout(head_json, model_spec(target.hf_config))
+    state = {_canonical_name(name): tensor for name, tensor in state.items()}
+    if layout.layout == EAGLE3:
+        return _eagle3_head(layout, state, target.model)
+    head = _eagle1_head(head_json, state, target)
+    if DRAFT_VOCAB_KEY in state:
+        _limit_vocab(head, state[DRAFT_VOCAB_KEY].to(torch.int64), DRAFT_VOCAB_KEY)
+    return head
+
+
+def _canonical_name(name: str) -> str:
+    """One name per weight across the head formats: EAGLE-3 releases call their layer
+    ``midlayer``, some conversions keep a ``model.`` prefix."""
+    name = name.removeprefix("model.")
+    return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
+
+
+def _eagle1_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel) -> ServingHead:
+    """An EAGLE-1 head: one layer of the target's architecture, the target's embedding."""
     hf_config = copy.deepcopy(target.hf_config)
     hf_config.num_hidden_layers = 1
     hf_config.intermediate_size = int(head_json.get("intermediate_size", hf_config.intermediate_size))
@@ -139,6 +187,7 @@ def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], targ
     if getattr(hf_config, "layer_types", None) is not None:
         hf_config.layer_types = ["full_attention"]
     model = target.model
+    assert model is not None and model.embed is not None
     layer_model = build_model(hf_config, model.dtype, model.device, model.prepack)
     take, take_optional, weight = layer_model.weight_readers(state)
     hidden = layer_model.spec.hidden_size
@@ -146,21 +195,73 @@ def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], targ
     layer_model.layers = [layer_weights(layer_model.spec, take, take_optional, weight, "layers.0.", has_norm)]
     fc = weight(take("fc.weight", (hidden, 2 * hidden)))
     fc_bias = take_optional("fc.bias", (hidden,), "fc.bias" in state)
-    head = ServingHead(hf_config, layer_model, fc, fc_bias, model)
-    if DRAFT_VOCAB_KEY not in state:
-        return head
-    ids = state[DRAFT_VOCAB_KEY].to(torch.int64)
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= layer_model.spec.vocab_size:
-        raise HeadFormatError(f"{DRAFT_VOCAB_KEY} is empty or holds ids outside the target's vocabulary")
+    return ServingHead(hf_config, layer_model, fc, fc_bias, model, model.embed)
+
+
+def _eagle3_head(layout: HeadLayout, state: dict[str, torch.Tensor], target: CausalLM) -> ServingHead:
+    """An EAGLE-3 head: its own Llama layer over the embedding ⊕ fused target state, a final
+    norm and its own lm_head over the draft vocabulary (``d2t``)."""
+    from transformers import LlamaConfig
+
+    skip = {"architectures", "model_type", "auto_map", "torch_dtype", "dtype", "transformers_version"}
+    hf_config = LlamaConfig(**{k: v for k, v in layout.layer_config.items() if k not in skip and not k.startswith("_")})
+    hf_config.num_hidden_layers = 1
+    hf_config.vocab_size = target.spec.vocab_size
+    # The head drafts at the target's positions, which may run past the head's own table.
+    hf_config.max_position_embeddings = max(int(hf_config.max_position_embeddings), target.spec.max_position_embeddings)
+    layer_model = build_model(hf_config, target.dtype, target.device, target.prepack)
+    take, take_optional, weight = layer_model.weight_readers(state)
+    spec, target_hidden = layer_model.spec, target.spec.hidden_size
+    layer_model.layers = [
+        layer_weights(spec, take, take_optional, weight, "layers.0.", eagle3=True,
+                      norm_before_residual=layout.norm_before_residual)
+    ]  # fmt: skip
+    if "embed_tokens.weight" in state:
+        embed = take("embed_tokens.weight", (spec.vocab_size, spec.hidden_size))
+    elif spec.hidden_size == target_hidden and target.embed is not None:
+        embed = target.embed
+    else:
+        raise HeadFormatError(f"hidden_size {spec.hidden_size} != target's {target_hidden} and no embed_tokens")
+    fc = weight(take("fc.weight", (spec.hidden_size, len(layout.aux_layers) * target_hidden)))
+    fc_bias = take_optional("fc.bias", (spec.hidden_size,), "fc.bias" in state)
+    head = ServingHead(
+        hf_config, layer_model, fc, fc_bias, target, embed, layout.aux_layers, take("norm.weight", (spec.hidden_size,))
+    )
+    size = layout.draft_vocab_size
+    if "lm_head.weight" in state:
+        head.lm_head = weight(take("lm_head.weight", (size, spec.hidden_size)))
+    elif size != spec.vocab_size or spec.hidden_size != target_hidden:
+        raise KeyError("missing weight 'lm_head.weight'")
+    if "d2t" in state:
+        offsets = state["d2t"].to(device="cpu", dtype=torch.int64)
+        if tuple(offsets.shape) != (size,):
+            raise ValueError(f"weight 'd2t' has shape {tuple(offsets.shape)}, expected {(size,)}")
+        _limit_vocab(head, torch.arange(size) + offsets, "d2t", own_rows=True)
+    elif size != spec.vocab_size:
+        raise KeyError(f"missing weight 'd2t' (draft_vocab_size {size} < vocab_size {spec.vocab_size})")
+    return head
+
+
+def _limit_vocab(head: ServingHead, ids: torch.Tensor, what: str, own_rows: bool = False) -> None:
+    """Draft over the target ids ``ids`` only: the head's own lm_head rows (``own_rows``, in the
+    order of ``ids``) or those rows of the target's lm_head."""
+    vocab = head.target.spec.vocab_size
+    if ids.numel() == 0:
+        raise HeadFormatError(f"{what}: empty")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+        raise HeadFormatError(f"{what}: ids outside the target's vocabulary of {vocab}")
     if ids.unique().numel() != ids.numel():
-        raise HeadFormatError(f"{DRAFT_VOCAB_KEY} repeats ids")
-    rows = _lm_head_rows(model)
+        raise HeadFormatError(f"{what}: repeated ids")
+    device = head.target.device
+    if own_rows:
+        head.draft_ids = ids.to(device)
+        return
+    rows = _lm_head_rows(head.target)
     if rows is None:
         logger.warning("the target's lm_head is kept packed only: the head drafts over the whole vocabulary")
-        return head
-    head.draft_ids = ids.to(model.device)
-    head.draft_lm_head = weight(rows.index_select(0, head.draft_ids).contiguous())
-    return head
+        return
+    head.draft_ids = ids.to(device)
+    head.lm_head = prepare_linear(rows.index_select(0, head.draft_ids).contiguous(), head.target.prepack)
 
 
 def _lm_head_rows(model: CausalLM) -> torch.Tensor | None:
@@ -187,6 +288,9 @@ class EagleProposer:
     def bind(self, runner: Any) -> None:
         cfg = runner.config
         self.runner = runner
+        # Set before the runner captures graphs: a captured forward returns these layers too.
+        if runner.model is not None:
+            runner.model.capture_layers = self.head.aux_layers
         self.head.layer_model.interrupt = runner.model.interrupt
         # One block more than the target: the scratch block that takes writes without room.
         self.scratch_block = cfg.num_blocks
@@ -207,14 +311,15 @@ class EagleProposer:
         self.has_carry.narrow(0, slot, 1).zero_()  # a device fill: no host scalar is copied
 
     def observe(self, batch: Any, hidden: torch.Tensor) -> None:
-        """Write the step's entries (each fed token with the hidden state before it)."""
-        self._hidden = hidden
+        """Write the step's entries (each fed token with the head's state before it) from the
+        target forward's output ``hidden``."""
+        states = self._hidden = self.head.target_state(hidden)
         if batch.num_tokens == 0:
             return
         st, bs = self.runner.state, self.runner.config.block_size
         starts = batch.meta.query_start_loc[:-1].long()
         slots = batch.req_slots.long()
-        before = hidden.roll(1, 0)
+        before = states.roll(1, 0)
         before[starts] = self.carry[slots]
         # Entry p - 1's slot: the previous fed token's, or for a row's first token the block
         # table's; the scratch block when there is no hidden state before it (position 0, or
@@ -233,17 +338,17 @@ class EagleProposer:
         model.write_kv(layer, normed, cos, sin, self.kv_caches[0], slot_mapping)
         # Rows that did not sample carry their last fed hidden state into their next chunk.
         ends = batch.meta.query_start_loc[1:].long() - 1
-        self.carry[slots] = hidden[ends]
+        self.carry[slots] = states[ends]
         self.has_carry.index_fill_(0, slots, True)
 
     def propose(self, slots: torch.Tensor, batch: Any) -> None:
         st, idx = self.runner.state, slots.long()
-        hidden, self._hidden = self._hidden, None
-        assert hidden is not None, "observe first"
-        # The carry of a sampled row: the hidden state of its last accepted position.
+        states, self._hidden = self._hidden, None
+        assert states is not None, "observe first"
+        # The carry of a sampled row: the head's state at its last accepted position.
         starts = batch.meta.query_start_loc.long()[batch.sampled.rows_t.long()]
         accepted_at = starts + st.seq_len[idx].long() - 1 - batch.positions[starts].long()
-        features = hidden[accepted_at]
+        features = states[accepted_at]
         self.carry[idx] = features
 
         def forward(j: int, token: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
