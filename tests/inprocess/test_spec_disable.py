@@ -18,7 +18,15 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.drafting import K, copying_target_and_head, eagle_head, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
+from tests.drafting import (
+    K,
+    copying_target_and_head,
+    eagle_head,
+    hf_greedy,
+    loaded_model,
+    runner_and_scheduler,
+    tiny_hf,
+)
 from zerobubble.request_options import StoppingOptions
 from zerobubble.rows import plan_rows, result_rows
 from zerobubble.worker_svc.proposers import Proposer
