@@ -371,10 +371,11 @@ class Scheduler:
         decodes = _Decodes()
         records: dict[str, _Scheduled] = {}
         num_preemptions_before = self.stats.num_preemptions
+        max_drafts = self._draft_limit()
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
-            budget -= self._schedule_running(req, budget, plan, decodes, records)
+            budget -= self._schedule_running(req, budget, max_drafts, plan, decodes, records)
             i += 1
         # Admitting right after a preemption would only hand the freed blocks back and forth.
         if self.stats.num_preemptions == num_preemptions_before:
@@ -423,16 +424,32 @@ class Scheduler:
         req = rec.request
         return req.status is not RequestStatus.RUNNING or req.admission_id != rec.admission_id
 
+    def _draft_limit(self) -> int:
+        """Draft slots a decode of the next plan may carry: `num_spec_tokens`, or 0 while at
+        least `spec_disable_batch_size` requests run (where verifying drafts in a large batch
+        costs a compute-bound device more than the accepted tokens save).
+
+        The count is of running requests as the plan starts, prefilling ones included (their
+        chunks share the step's compute): it is known before any row is planned and stays the
+        same for every row of a plan, whereas the decodes a plan ends up with depend on the
+        budget and on preemptions made while it is built. Drafts come back as requests finish.
+        """
+        limit = self.config.spec_disable_batch_size
+        if limit and len(self._running) >= limit:
+            return 0
+        return self.config.num_spec_tokens
+
     def _schedule_running(
         self,
         req: Request,
         budget: int,
+        max_drafts: int,
         plan: worker_pb2.StepPlan,
         decodes: _Decodes,
         records: dict[str, _Scheduled],
     ) -> int:
-        """Add a running request's next prefill chunk (to ``plan``) or decode (to ``decodes``);
-        returns the tokens used."""
+        """Add a running request's next prefill chunk (to ``plan``) or decode (to ``decodes``,
+        with at most ``max_drafts`` draft slots); returns the tokens used."""
         if req.is_prefilling:
             if not self._make_room(req):
                 return 0
@@ -443,7 +460,7 @@ class Scheduler:
             return num_tokens
         # Tokens confirmed or in flight; slots beyond the limit could never be verified.
         num_draft_slots = min(
-            self.config.num_spec_tokens,
+            max_drafts,
             req.max_tokens - req.num_pending_outputs - 1,
             budget - 1,
         )

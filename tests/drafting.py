@@ -73,7 +73,9 @@ def tiny_hf(seed: int, max_positions: int = 256, num_layers: int = 2) -> LlamaFo
     return LlamaForCausalLM(cfg).eval()
 
 
-def runner_and_scheduler(target: LlamaForCausalLM, proposer: Proposer | None) -> tuple[ModelRunner, Scheduler]:
+def runner_and_scheduler(
+    target: LlamaForCausalLM, proposer: Proposer | None, spec_disable_batch_size: int = 0
+) -> tuple[ModelRunner, Scheduler]:
     k = K if proposer is not None else 0
     runner = ModelRunner(
         loaded_model(target),
@@ -89,6 +91,7 @@ def runner_and_scheduler(target: LlamaForCausalLM, proposer: Proposer | None) ->
             max_num_batched_tokens=24,
             num_spec_tokens=k,
             num_lookahead_slots=k,
+            spec_disable_batch_size=spec_disable_batch_size,
             enable_prefix_caching=True,
             vocab_size=VOCAB,
         ),
@@ -153,3 +156,19 @@ def eagle_head(target: LoadedModel, state: dict[str, torch.Tensor]) -> ServingHe
     one layer deep (as `zerobubble.worker_svc.eagle.save_head` writes it)."""
     head_json = head_config(target.hf_config.to_dict(), fc_bias="fc.bias" in state)
     return serving_head(head_json, state, target)
+
+
+def copying_target_and_head(noise: float = 0.0) -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:
+    """A one-layer target with unit-RMS embeddings and the EAGLE head that copies it: its greedy
+    drafts are the target's own continuation (tests/inprocess/test_eagle_proposer.py explains
+    why); ``noise`` perturbs the head's fusion so that some drafts are wrong."""
+    hf = tiny_hf(0, num_layers=1)
+    with torch.no_grad():
+        embed = hf.model.embed_tokens.weight
+        embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
+    hidden = hf.config.hidden_size
+    fc = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
+    fc += noise * torch.randn(fc.shape, generator=torch.Generator().manual_seed(5))
+    layer = {k.removeprefix("model."): v for k, v in hf.state_dict().items() if k.startswith("model.layers.0.")}
+    del layer["layers.0.input_layernorm.weight"]
+    return hf, {"fc.weight": fc, **layer}

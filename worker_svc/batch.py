@@ -77,7 +77,21 @@ class StepBatch:
     sampled: SampledRows | None  # None when no row samples
     row_widths: list[int] = field(default_factory=list)  # host copy of num_scheduled
     all_decode: bool = False  # every row is a decode (a CUDA graph may replay it)
+    # False when the plan gave its decode rows no draft slot (`plans_drafts`): the step fed no
+    # drafts, and the runner makes none after it.
+    drafts_planned: bool = True
     grammar: GrammarInputs | None = None  # constrained rows' drafts, on their way to the host
+
+
+def plans_drafts(decodes: DecodeRows, entries: list[PlanRow]) -> bool:
+    """Whether a step's plan gives a draft slot to some decode row, or has no decode row at
+    all (a step of prefill chunks says nothing about the decodes that follow it).
+
+    Decodes without a draft slot mean the scheduler stopped drafting (`--spec-disable-batch-size`)
+    or every row is at its last tokens: drafts made after such a step would rarely be verified.
+    """
+    draft_slots = decodes.num_draft_slots + [e.num_draft_slots for e in entries if not e.token_ids]
+    return not draft_slots or any(draft_slots)
 
 
 @dataclass(slots=True)
@@ -188,6 +202,7 @@ class BatchBuilder:
             sampled=self._sampled_rows(host, req_slots, positions, want_logprobs),
             row_widths=host.num_scheduled,
             all_decode=all(host.is_decode),
+            drafts_planned=plans_drafts(decodes, entries),
         )
 
     def _admit_rows(self, decodes: DecodeRows, entries: list[PlanRow]) -> HostRows:

@@ -437,7 +437,11 @@ class ModelRunner:
         # The next drafts are left to `propose_next`, after the caller has handed this result
         # on: the copy then waits for this step's sampling only, and the scheduler hears the
         # step while a draft model's k forwards run (on a GPU: while they are launched).
-        if self.proposer is not None:
+        # A plan that gave no decode row a draft slot fed no drafts, so the carried state a
+        # proposer keeps (an EAGLE head's hidden state) is already that of the last accepted
+        # position; skipping the chain leaves these rows' draft counts at the zero
+        # `update_state` wrote, and the next step verifies no drafts for them.
+        if self.proposer is not None and batch.drafts_planned:
             self._next_drafts = (s.slots, batch)
         return pending
 

@@ -416,6 +416,12 @@ class SchedulerServiceConfig(ServiceConfig):
         60.0,
         "seconds SIGTERM lets running requests finish before cancelling the rest (the manifests' grace period is 60 s)",
     )
+    spec_disable_batch_size: int = setting(
+        0,
+        "plan no draft tokens while this many requests or more are running (vLLM's "
+        "speculative_disable_by_batch_size): on a compute-bound device verifying drafts costs more "
+        "than it saves in large batches (0 = never disable)",
+    )
 
     def worker_addresses(self) -> list[str]:
         """``--workers`` split into its addresses."""
@@ -447,6 +453,7 @@ class SchedulerServiceConfig(ServiceConfig):
             "--lookahead-margin-ms must be >= 0 (or -1: plans ahead go out at once)",
         )
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        _require(self.spec_disable_batch_size >= 0, "--spec-disable-batch-size must be >= 0 (0 = never disable)")
         if self.loop_cores:
             self.loop_core_set()
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
@@ -545,6 +552,8 @@ class SchedulerConfig:
     max_num_seqs: int = default_of(SchedulerServiceConfig, "max_num_seqs")
     max_num_batched_tokens: int = default_of(SchedulerServiceConfig, "max_num_batched_tokens")
     num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
+    # Running requests from which decodes are planned without drafts; 0 = never.
+    spec_disable_batch_size: int = default_of(SchedulerServiceConfig, "spec_disable_batch_size")
     # Extra slots allocated past each step (a draft model writes its k-token chain there).
     num_lookahead_slots: int = 0
     enable_prefix_caching: bool = default_of(SchedulerServiceConfig, "enable_prefix_caching")
@@ -560,6 +569,7 @@ class SchedulerConfig:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             enable_prefix_caching=cfg.enable_prefix_caching,
             max_waiting=cfg.max_waiting,
+            spec_disable_batch_size=cfg.spec_disable_batch_size,
         )
 
     def with_worker(self, info: worker_pb2.WorkerInfo) -> SchedulerConfig:
@@ -591,8 +601,8 @@ class SchedulerConfig:
         ):
             _require(getattr(self, name) >= 1, f"SchedulerConfig.{name} must be positive")
         _require(
-            self.num_spec_tokens >= 0 and self.vocab_size >= 0,
-            "SchedulerConfig.num_spec_tokens and vocab_size must be >= 0",
+            self.num_spec_tokens >= 0 and self.vocab_size >= 0 and self.spec_disable_batch_size >= 0,
+            "SchedulerConfig.num_spec_tokens, vocab_size and spec_disable_batch_size must be >= 0",
         )
 
 

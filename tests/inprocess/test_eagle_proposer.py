@@ -25,6 +25,7 @@ from tests.drafting import (
     SEEDED,
     VOCAB,
     K,
+    copying_target_and_head,
     drafts_after_every_step,
     drive,
     eagle_head,
@@ -54,21 +55,6 @@ def _proposer(target: LoadedModel, state: dict[str, torch.Tensor], acceptance: s
     return EagleProposer(eagle_head(target, state), K, acceptance)
 
 
-def _copying_target_and_head(noise: float = 0.0) -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:
-    """A one-layer target with unit-RMS embeddings and the head that copies it (module docstring);
-    ``noise`` perturbs the head's fusion so that some drafts are wrong."""
-    hf = tiny_hf(0, num_layers=1)
-    with torch.no_grad():
-        embed = hf.model.embed_tokens.weight
-        embed /= embed.pow(2).mean(-1, keepdim=True).sqrt()
-    hidden = hf.config.hidden_size
-    fc = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
-    fc += noise * torch.randn(fc.shape, generator=torch.Generator().manual_seed(5))
-    layer = {k.removeprefix("model."): v for k, v in hf.state_dict().items() if k.startswith("model.layers.0.")}
-    del layer["layers.0.input_layernorm.weight"]
-    return hf, {"fc.weight": fc, **layer}
-
-
 def _random_head(hf: LlamaForCausalLM, seed: int) -> EagleHead:
     torch.manual_seed(seed)
     embed = hf.model.embed_tokens.weight.detach()
@@ -81,7 +67,7 @@ def _random_head(hf: LlamaForCausalLM, seed: int) -> EagleHead:
 
 @pytest.mark.parametrize("window", [1, 2])
 def test_a_head_copying_its_target_drafts_the_targets_greedy_continuation(window: int) -> None:
-    hf, state = _copying_target_and_head()
+    hf, state = copying_target_and_head()
     runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), state))
     prompts = prompts_sharing_a_prefix(1, 5)
     max_tokens = {rid: 12 + 5 * i for i, rid in enumerate(prompts)}
@@ -116,7 +102,7 @@ def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:
     """A perturbed copying head (drafts accepted and rejected): seeded sampling with every
     control emits exactly the tokens of the runner without speculation, sync or async, batched
     or alone."""
-    hf, state = _copying_target_and_head(noise=0.3)
+    hf, state = copying_target_and_head(noise=0.3)
     prompts = {rid: prompt * 2 for rid, prompt in prompts_sharing_a_prefix(3, 3).items()}
 
     def run(eagle: bool, window: int, req_ids: list[str]) -> tuple[dict[str, list[int]], int, int]:
@@ -135,7 +121,7 @@ def test_keyed_acceptance_gives_the_unspeculated_seeded_output() -> None:
 
 
 def test_a_head_that_does_not_fit_its_target_is_refused_naming_the_mismatch() -> None:
-    hf, state = _copying_target_and_head()
+    hf, state = copying_target_and_head()
     target = loaded_model(hf)
     wrong = head_config(hf.config.to_dict(), fc_bias=False) | {"hidden_size": 48}
     with pytest.raises(HeadFormatError, match="hidden_size 48 != target's 64"):
@@ -153,7 +139,7 @@ def test_a_head_that_does_not_fit_its_target_is_refused_naming_the_mismatch() ->
 
 def test_greedy_sampling_options_are_respected() -> None:
     """Default options sample greedily: the copying head's run equals Hugging Face (window 2)."""
-    hf, state = _copying_target_and_head()
+    hf, state = copying_target_and_head()
     runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), state))
     prompt = prompts_sharing_a_prefix(4, 1)["r0"]
     scheduler.add_request("r0", prompt, SamplingOptions(), StoppingOptions(max_tokens=24, ignore_eos=True))
@@ -172,7 +158,7 @@ def test_draft_vocabulary_keeps_eos_then_frequent_tokens_then_low_ids() -> None:
 def test_a_draft_vocabulary_limits_the_heads_logits_to_its_ids() -> None:
     """Inside the subset the head's logits equal the full lm_head's; outside they are -inf, so
     a draft is never drawn there."""
-    hf, state = _copying_target_and_head()
+    hf, state = copying_target_and_head()
     target = loaded_model(hf)
     subset = torch.tensor([3, 17, 40, 41, 200, 256])
     full = _proposer(target, state).head

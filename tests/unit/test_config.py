@@ -59,7 +59,13 @@ def test_every_setting_is_a_documented_flag_with_an_env_fallback(command: str) -
 def test_inner_configs_take_their_defaults_from_the_settings() -> None:
     service = SchedulerServiceConfig()
     inner = SchedulerConfig()
-    for name in ("max_num_seqs", "max_num_batched_tokens", "enable_prefix_caching", "max_waiting"):
+    for name in (
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "enable_prefix_caching",
+        "max_waiting",
+        "spec_disable_batch_size",
+    ):
         assert getattr(inner, name) == getattr(service, name), name
     assert SchedulerConfig.from_service(SchedulerServiceConfig(max_num_seqs=5)).max_num_seqs == 5
 
@@ -91,6 +97,8 @@ def test_draft_without_a_draft_model_is_a_usage_error_naming_the_flags(capsys) -
         (["serve", "--cpu-affinity", "0", "--loop-cores", "1"], ["--loop-cores", "outside --cpu-affinity"]),
         (["serve", "--loop-cores", "x"], ["--loop-cores"]),
         (["serve", "--cpu-affinity", "0", "--loop-cores", "first"], ["--loop-cores first", "leaves no core"]),
+        (["serve", "--spec-disable-batch-size", "-1"], ["--spec-disable-batch-size"]),
+        (["scheduler", "--workers", "w:1", "--spec-disable-batch-size", "-2"], ["--spec-disable-batch-size"]),
     ],
 )
 def test_bad_combinations_name_their_flags(argv: list[str], flags: list[str], capsys) -> None:
@@ -143,6 +151,30 @@ def test_from_env_builds_and_validates_like_the_cli() -> None:
         from_env(WorkerConfig, {"ZEROBUBBLE_DTYPE": "float8"})
     with pytest.raises(ConfigError, match="--draft-model"):
         from_env(WorkerConfig, {"ZEROBUBBLE_SPEC_METHOD": "draft"})
+
+
+@pytest.mark.parametrize("command", ["serve", "scheduler"])
+def test_spec_disable_batch_size_reaches_the_scheduler_from_a_flag_or_the_environment(command: str) -> None:
+    """A scheduler setting (the worker's Describe brings k, not the threshold): from the flag,
+    else from ``ZEROBUBBLE_SPEC_DISABLE_BATCH_SIZE``, through to the worker-completed config."""
+    from zerobubble.api import worker_pb2
+
+    workers = ["--workers", "w:1"] if command == "scheduler" else []
+    env = {env_name("spec_disable_batch_size"): "8"}
+    for argv, environ, expected in (
+        ([], {}, 0),
+        ([], env, 8),
+        (["--spec-disable-batch-size", "4"], env, 4),
+    ):
+        args = build_parser(env=environ).parse_args([command, *workers, *argv])
+        assert args.spec_disable_batch_size == expected
+        service = SchedulerServiceConfig(spec_disable_batch_size=args.spec_disable_batch_size)
+        info = worker_pb2.WorkerInfo(num_blocks=8, block_size=4, max_model_len=32, num_spec_tokens=3)
+        inner = SchedulerConfig.from_service(service).with_worker(info)
+        assert (inner.spec_disable_batch_size, inner.num_spec_tokens) == (expected, 3)
+    assert from_env(SchedulerServiceConfig, {**env, "ZEROBUBBLE_WORKERS": "w:1"}).spec_disable_batch_size == 8
+    with pytest.raises(ConfigError, match="--spec-disable-batch-size must be >= 0"):
+        from_env(SchedulerServiceConfig, {env_name("spec_disable_batch_size"): "-1", "ZEROBUBBLE_WORKERS": "w:1"})
 
 
 def test_credentials_are_secret_settings() -> None:

@@ -237,6 +237,38 @@ def test_no_draft_slots_that_could_not_be_verified() -> None:
     assert seen and min(seen) < 6
 
 
+@pytest.mark.parametrize("window", [1, 2])
+@pytest.mark.parametrize("limit", [0, 2])
+def test_drafts_stop_while_the_batch_is_large_and_come_back(window: int, limit: int) -> None:
+    """`spec_disable_batch_size`: with as many running requests as the limit or more, every
+    decode is planned without draft slots; below it (requests finished) drafts come back. The
+    limit 0 never disables. Outputs are the model's either way."""
+    max_tokens = {"r0": 6, "r1": 14, "r2": 40}
+    stopping = {rid: StoppingOptions(max_tokens=n, ignore_eos=True) for rid, n in max_tokens.items()}
+    case = make_case(
+        num_requests=3, stopping=stopping, num_spec_tokens=3, spec_disable_batch_size=limit, eos_per_mille=0
+    )
+    scheduler = case.scheduler
+    plans: list[tuple[int, list[int]]] = []  # (running requests before the plan, its decodes' draft slots)
+    schedule = scheduler.schedule
+
+    def logged_schedule() -> worker_pb2.StepPlan | None:
+        running = scheduler.num_running()
+        plan = schedule()
+        if plan is not None:
+            plans.append((running, [e.num_draft_slots for e in plan_rows(plan) if not e.token_ids]))
+        return plan
+
+    scheduler.schedule = logged_schedule  # type: ignore[method-assign]
+    assert_matches_reference(case, drive(scheduler, case.worker, window))
+    large = [slots for running, slots in plans if running >= 2 and slots]
+    small = [slots for running, slots in plans if running < 2 and slots]
+    assert large and small
+    assert any(any(slots) for slots in small)  # drafts are back once one request is left
+    assert any(any(slots) for slots in large) == (limit == 0)
+    assert scheduler.stats.num_accepted_tokens > 0
+
+
 # ------------------------------------------------------------------------------ stops
 
 
