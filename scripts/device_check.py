@@ -937,13 +937,70 @@ def random_eagle_head(loaded: Any, seed: int = 1) -> Any:
     return serving_head(head_config(cfg.to_dict(), fc_bias=False), state, loaded)
 
 
+def random_eagle3_head(loaded: Any, seed: int = 2, draft_vocab_size: int = 32000) -> Any:
+    """A random-weight EAGLE-3 head (speculators format) at ``loaded``'s shape: three captured
+    layers, a Llama layer over ``2 hidden`` inputs, its own lm_head over a draft vocabulary."""
+    from zerobubble.worker_svc.proposers.eagle import serving_head
+
+    cfg, device, dtype = loaded.hf_config, loaded.model.device, loaded.model.dtype
+    hidden, layers = cfg.hidden_size, cfg.num_hidden_layers
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    head_dim = getattr(cfg, "head_dim", None) or hidden // heads
+    vocab = min(draft_vocab_size, cfg.vocab_size)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=gen, device=device) * shape[-1] ** -0.5).to(dtype)
+
+    def norm() -> torch.Tensor:
+        return torch.ones(hidden, device=device, dtype=dtype)
+
+    aux = sorted({0, layers // 2, layers - 1})  # three layers where the target has them
+    p = "layers.0."
+    state = {
+        "fc.weight": rand(hidden, len(aux) * hidden),
+        p + "input_layernorm.weight": norm(),
+        p + "hidden_norm.weight": norm(),
+        p + "post_attention_layernorm.weight": norm(),
+        p + "self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        p + "self_attn.k_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        p + "self_attn.v_proj.weight": rand(kv_heads * head_dim, 2 * hidden),
+        p + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        p + "mlp.gate_proj.weight": rand(cfg.intermediate_size, hidden),
+        p + "mlp.up_proj.weight": rand(cfg.intermediate_size, hidden),
+        p + "mlp.down_proj.weight": rand(hidden, cfg.intermediate_size),
+        "norm.weight": norm(),
+        "lm_head.weight": rand(vocab, hidden),
+        "d2t": torch.zeros(vocab, dtype=torch.int64),  # the first `vocab` target ids
+    }
+    layer = {
+        "hidden_size": hidden,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "vocab_size": cfg.vocab_size,
+        "max_position_embeddings": cfg.max_position_embeddings,
+    }
+    config = {
+        "speculators_config": {"algorithm": "eagle3"},
+        "transformer_layer_config": layer,
+        "draft_vocab_size": vocab,
+        "eagle_aux_hidden_state_layer_ids": aux,
+    }
+    return serving_head(config, state, loaded)
+
+
 def build_runner(loaded: Any, spec: str, cuda_graphs: bool, num_blocks: int, max_num_seqs: int = 16) -> Any:
     """A runner over an already loaded model (several runners may share one model); ``eagle``
-    drafts with a random-weight head."""
+    and ``eagle3`` draft with a random-weight head of that layout."""
     from zerobubble.worker_svc.proposers import build_proposer
     from zerobubble.worker_svc.runner import ModelRunner, RunnerConfig
 
-    proposer = build_proposer(spec, 3, draft_model=random_eagle_head(loaded) if spec == "eagle" else None)
+    heads = {"eagle": random_eagle_head, "eagle3": random_eagle3_head}
+    draft_model = heads[spec](loaded) if spec in heads else None
+    proposer = build_proposer("eagle" if spec in heads else spec, 3, draft_model=draft_model)
     config = RunnerConfig(
         num_blocks=num_blocks,
         block_size=16,
@@ -976,7 +1033,7 @@ def check_sync_free(ctx: Context) -> None:
     cfg = tiny_config("llama", vocab_size=512, max_position_embeddings=2048)
     loaded = in_memory_model(cfg, ctx.device, torch.bfloat16)
     prompts = repetitive_prompts(6, 100, cfg.vocab_size, 9)
-    for spec in ("none", "ngram", "eagle"):
+    for spec in ("none", "ngram", "eagle", "eagle3"):
         for graphs in (False, True):
             name = f"spec={spec} cuda_graphs={graphs}"
             started = time.perf_counter()

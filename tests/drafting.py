@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -172,3 +174,91 @@ def copying_target_and_head(noise: float = 0.0) -> tuple[LlamaForCausalLM, dict[
     layer = {k.removeprefix("model."): v for k, v in hf.state_dict().items() if k.startswith("model.layers.0.")}
     del layer["layers.0.input_layernorm.weight"]
     return hf, {"fc.weight": fc, **layer}
+
+
+@dataclass(frozen=True)
+class Eagle3Shape:
+    """A random EAGLE-3 head's shape over a target: a Llama layer of its own (with an
+    intermediate size, norm epsilon and rope base unlike the target's, as releases may have)
+    and a draft vocabulary. Builds the head's ``config.json`` in either format and its weights."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    inter: int
+    vocab: int
+    draft_vocab: int
+    eps: float = 1e-5
+    rope_theta: float = 5000.0
+
+    @classmethod
+    def of(cls, target: Any, draft_vocab: int) -> Eagle3Shape:
+        heads = target.num_attention_heads
+        return cls(
+            target.hidden_size, heads, target.num_key_value_heads, target.hidden_size // heads,
+            target.intermediate_size - 16, target.vocab_size, draft_vocab,
+        )  # fmt: skip
+
+    def layer_config(self, **extra: object) -> dict:
+        fields = dict(
+            model_type="llama",
+            hidden_size=self.hidden,
+            intermediate_size=self.inter,
+            num_attention_heads=self.heads,
+            num_key_value_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.eps,
+            vocab_size=self.vocab,
+            max_position_embeddings=256,
+            rope_theta=self.rope_theta,
+        )
+        return fields | extra
+
+    def release_config(self, **extra: object) -> dict:
+        """An EAGLE-3 release's config.json (a Llama config with ``draft_vocab_size``)."""
+        fields = dict(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=self.draft_vocab)
+        return self.layer_config(**(fields | extra))
+
+    def speculators_config(self, aux: list[int], **extra: object) -> dict:
+        """The speculators format's config.json: the layer apart, the algorithm named."""
+        return dict(
+            architectures=["Eagle3Speculator"],
+            speculators_model_type="eagle3",
+            speculators_config={"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}},
+            transformer_layer_config=self.layer_config(num_hidden_layers=1),
+            draft_vocab_size=self.draft_vocab,
+            eagle_aux_hidden_state_layer_ids=aux,
+            **extra,
+        )
+
+    def weights(self, seed: int, prefix: str = "layers.0.", num_aux: int = 3) -> dict[str, torch.Tensor]:
+        """Random weights, sharp enough that drafts are far from ties, the layer under ``prefix``
+        (``midlayer.`` in EAGLE-3 releases); ``d2t`` maps to a random subset of the vocabulary."""
+        gen = torch.Generator().manual_seed(seed)
+        hidden, q, kv = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
+
+        def rand(*shape: int, scale: float = 0.3) -> torch.Tensor:
+            return torch.randn(*shape, generator=gen) * scale
+
+        def norm() -> torch.Tensor:
+            return 1.0 + rand(hidden, scale=0.1)
+
+        ids = torch.randperm(self.vocab, generator=gen)[: self.draft_vocab].sort().values
+        return {
+            "fc.weight": rand(hidden, num_aux * hidden, scale=0.15),
+            prefix + "input_layernorm.weight": norm(),
+            prefix + "hidden_norm.weight": norm(),
+            prefix + "self_attn.q_proj.weight": rand(q, 2 * hidden),
+            prefix + "self_attn.k_proj.weight": rand(kv, 2 * hidden),
+            prefix + "self_attn.v_proj.weight": rand(kv, 2 * hidden),
+            prefix + "self_attn.o_proj.weight": rand(hidden, q),
+            prefix + "post_attention_layernorm.weight": norm(),
+            prefix + "mlp.gate_proj.weight": rand(self.inter, hidden),
+            prefix + "mlp.up_proj.weight": rand(self.inter, hidden),
+            prefix + "mlp.down_proj.weight": rand(hidden, self.inter),
+            "norm.weight": norm(),
+            "lm_head.weight": rand(self.draft_vocab, hidden, scale=1.0),
+            "d2t": ids - torch.arange(self.draft_vocab),
+            "t2d": torch.zeros(self.vocab, dtype=torch.bool).index_fill_(0, ids, True),
+        }

@@ -238,7 +238,7 @@ class WorkerConfig(ServiceConfig):
     spec_method: str = setting(
         "none",
         "speculative decoding proposer: ngram (prompt lookup), draft (a smaller model) or eagle (an "
-        "EAGLE-1 head over the target's hidden states)",
+        "EAGLE-1, EAGLE-3 or speculators-format head over the target's hidden states)",
         choices=("none", "ngram", "draft", "eagle"),
     )
     num_spec_tokens: int = setting(3, "draft tokens per decode step")

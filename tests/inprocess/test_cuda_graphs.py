@@ -104,8 +104,22 @@ def _eagle_head(loaded: LoadedModel) -> object:
     return eagle_head(loaded, EagleHead(cfg, SharedWeights(embed=unused, lm_head=unused)).state_dict())
 
 
+def _draft_model(loaded: LoadedModel, spec: str) -> object:
+    """A random-weight EAGLE-1 (``eagle``) or EAGLE-3 (``eagle3``: two captured layers) head."""
+    from tests.drafting import Eagle3Shape
+    from zerobubble.worker_svc.proposers.eagle import serving_head
+
+    if spec == "eagle":
+        return _eagle_head(loaded)
+    if spec == "eagle3":
+        shape = Eagle3Shape.of(loaded.hf_config, draft_vocab=64)
+        return serving_head(shape.speculators_config([0, 1]), shape.weights(3, num_aux=2), loaded)
+    return None
+
+
 def _run(loaded: LoadedModel, spec: str, graphs: bool) -> tuple[list, ModelRunner]:
-    proposer = build_proposer(spec, 3, draft_model=_eagle_head(loaded) if spec == "eagle" else None)
+    method = "eagle" if spec.startswith("eagle") else spec
+    proposer = build_proposer(method, 3, draft_model=_draft_model(loaded, spec))
     runner = ModelRunner(
         loaded,
         RunnerConfig(
@@ -135,7 +149,7 @@ def _run(loaded: LoadedModel, spec: str, graphs: bool) -> tuple[list, ModelRunne
     return results, runner
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram", "eagle"])
+@pytest.mark.parametrize("spec", ["none", "ngram", "eagle", "eagle3"])
 def test_emulated_graph_replay_matches_eager(spec: str) -> None:
     loaded = _tiny_loaded()
     eager, _ = _run(loaded, spec, graphs=False)

@@ -19,6 +19,7 @@ from transformers import LlamaForCausalLM
 from tests.drafting import (
     SEEDED,
     VOCAB,
+    Eagle3Shape,
     K,
     drafts_after_every_step,
     drive,
@@ -37,88 +38,19 @@ from zerobubble.worker_svc.model_loader import LoadedModel
 from zerobubble.worker_svc.proposers.eagle import EagleProposer, serving_head
 
 NUM_LAYERS = 8  # vLLM's default captured layers (2, L // 2, L - 3) are distinct from 8 on
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER = 64, 4, 2, 16, 80
-DRAFT_VOCAB = 96
-EPS = 1e-5
-
-
-def _layer_config(**extra: object) -> dict:
-    return dict(
-        model_type="llama",
-        hidden_size=HIDDEN,
-        intermediate_size=INTER,
-        num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS,
-        head_dim=HEAD_DIM,
-        rms_norm_eps=EPS,
-        vocab_size=VOCAB,
-        max_position_embeddings=256,
-        rope_theta=5000.0,
-        **extra,
-    )
-
-
-def original_config(**extra: object) -> dict:
-    """An EAGLE-3 release's config.json (a Llama config with ``draft_vocab_size``)."""
-    fields = dict(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=DRAFT_VOCAB)
-    return _layer_config(**(fields | extra))
-
-
-def speculators_config(aux: list[int], **extra: object) -> dict:
-    """The speculators format's config.json: the layer apart, the algorithm named."""
-    return dict(
-        architectures=["Eagle3Speculator"],
-        speculators_model_type="eagle3",
-        speculators_config={"algorithm": "eagle3", "verifier": {"name_or_path": "tiny"}},
-        transformer_layer_config=_layer_config(num_hidden_layers=1),
-        draft_vocab_size=DRAFT_VOCAB,
-        eagle_aux_hidden_state_layer_ids=aux,
-        **extra,
-    )
-
-
-def random_weights(seed: int, prefix: str = "layers.0.") -> dict[str, torch.Tensor]:
-    """A random EAGLE-3 head (sharp enough that drafts are far from ties) with its layer under
-    ``prefix`` (``midlayer.`` in EAGLE-3 releases); ``d2t`` maps to a random subset of the
-    target's vocabulary that includes its most common ids."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int, scale: float = 0.3) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
-
-    def norm() -> torch.Tensor:
-        return 1.0 + rand(HIDDEN, scale=0.1)
-
-    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
-    ids = torch.randperm(VOCAB, generator=gen)[:DRAFT_VOCAB].sort().values
-    return {
-        "fc.weight": rand(HIDDEN, 3 * HIDDEN, scale=0.15),
-        prefix + "input_layernorm.weight": norm(),
-        prefix + "hidden_norm.weight": norm(),
-        prefix + "self_attn.q_proj.weight": rand(q, 2 * HIDDEN),
-        prefix + "self_attn.k_proj.weight": rand(kv, 2 * HIDDEN),
-        prefix + "self_attn.v_proj.weight": rand(kv, 2 * HIDDEN),
-        prefix + "self_attn.o_proj.weight": rand(HIDDEN, q),
-        prefix + "post_attention_layernorm.weight": norm(),
-        prefix + "mlp.gate_proj.weight": rand(INTER, HIDDEN),
-        prefix + "mlp.up_proj.weight": rand(INTER, HIDDEN),
-        prefix + "mlp.down_proj.weight": rand(HIDDEN, INTER),
-        "norm.weight": norm(),
-        "lm_head.weight": rand(DRAFT_VOCAB, HIDDEN, scale=1.0),
-        "d2t": ids - torch.arange(DRAFT_VOCAB),
-        "t2d": torch.zeros(VOCAB, dtype=torch.bool).index_fill_(0, ids, True),
-    }
+SHAPE = Eagle3Shape.of(tiny_hf(0).config, draft_vocab=96)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + SHAPE.eps) * weight
 
 
 def _rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """``x [heads, S, D]`` rotated with Hugging Face's rotate-half convention at base 5000."""
-    inv = 1.0 / (5000.0 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
+    """``x [heads, S, D]`` rotated with Hugging Face's rotate-half convention at the head's base."""
+    dim = SHAPE.head_dim
+    inv = 1.0 / (SHAPE.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
     angles = torch.cat([positions.float()[:, None] * inv[None]] * 2, dim=-1)
-    half = HEAD_DIM // 2
+    half = dim // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * angles.cos() + rotated * angles.sin()
 
@@ -129,7 +61,7 @@ class ReferenceHead:
     def __init__(self, hf: LlamaForCausalLM, w: dict[str, torch.Tensor], aux: list[int], norm_first: bool) -> None:
         self.hf, self.w, self.aux, self.norm_first = hf, w, sorted(aux), norm_first
         self.embed = hf.model.embed_tokens.weight.detach()
-        self.ids = torch.arange(DRAFT_VOCAB) + w["d2t"]
+        self.ids = torch.arange(SHAPE.draft_vocab) + w["d2t"]
 
     def layer(self, tokens: list[int], states: torch.Tensor) -> torch.Tensor:
         """Every entry's predicted state (before the final norm), causally over all entries."""
@@ -140,9 +72,13 @@ class ReferenceHead:
         seq, pos = len(tokens), torch.arange(len(tokens))
 
         def heads(name: str, n: int) -> torch.Tensor:
-            return (x @ w[p + f"self_attn.{name}_proj.weight"].T).view(seq, n, HEAD_DIM).transpose(0, 1)
+            return (x @ w[p + f"self_attn.{name}_proj.weight"].T).view(seq, n, SHAPE.head_dim).transpose(0, 1)
 
-        q, k, v = _rope(heads("q", HEADS), pos), _rope(heads("k", KV_HEADS), pos), heads("v", KV_HEADS)
+        q, k, v = (
+            _rope(heads("q", SHAPE.heads), pos),
+            _rope(heads("k", SHAPE.kv_heads), pos),
+            heads("v", SHAPE.kv_heads),
+        )
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         h = attn.transpose(0, 1).reshape(seq, -1) @ w[p + "self_attn.o_proj.weight"].T + residual
         m = _rms(h, w[p + "post_attention_layernorm.weight"])
@@ -171,8 +107,8 @@ def _proposer(target: LoadedModel, config: dict, state: dict[str, torch.Tensor])
 
 # (config, weight-name prefix, captured layers as the head will read them)
 FORMATS = {
-    "eagle3-release": (original_config(), "midlayer.", [2, 4, 5]),
-    "speculators": (speculators_config([6, 1, 3], norm_before_residual=True), "layers.0.", [1, 3, 6]),
+    "eagle3-release": (SHAPE.release_config(), "midlayer.", [2, 4, 5]),
+    "speculators": (SHAPE.speculators_config([6, 1, 3], norm_before_residual=True), "layers.0.", [1, 3, 6]),
 }
 
 
@@ -197,8 +133,8 @@ def test_the_target_returns_the_captured_layers_inputs_after_its_last_hidden_sta
     with torch.inference_mode():
         hs = hf.model(ids[None], output_hidden_states=True).hidden_states
         logits = hf.lm_head(hs[-1][0])
-    assert out.shape == (len(ids), 4 * HIDDEN)
-    for part, want in zip(out.split(HIDDEN, dim=-1), (hs[-1], hs[0], hs[3], hs[7])):
+    assert out.shape == (len(ids), 4 * SHAPE.hidden)
+    for part, want in zip(out.split(SHAPE.hidden, dim=-1), (hs[-1], hs[0], hs[3], hs[7])):
         torch.testing.assert_close(part, want[0], atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(model.compute_logits(out), logits, atol=2e-5, rtol=1e-4)
 
@@ -207,7 +143,7 @@ def test_the_target_returns_the_captured_layers_inputs_after_its_last_hidden_sta
 def test_drafts_equal_the_plain_torch_eagle3_chain(fmt: str) -> None:
     config, prefix, aux = FORMATS[fmt]
     hf = tiny_hf(0, num_layers=NUM_LAYERS)
-    weights = random_weights(11, prefix)
+    weights = SHAPE.weights(11, prefix)
     runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), config, weights))
     canonical = {k.replace("midlayer.", "layers.0."): v for k, v in weights.items()}
     reference = ReferenceHead(hf, canonical, aux, norm_first=fmt == "speculators")
@@ -221,7 +157,7 @@ def test_output_with_an_eagle3_head_equals_the_unspeculated_output(window: int) 
     equals the runner without speculation, sync and async."""
     hf = tiny_hf(1, num_layers=NUM_LAYERS)
     config, prefix, _ = FORMATS["speculators"]
-    weights = random_weights(12, prefix)
+    weights = SHAPE.weights(12, prefix)
     prompts = prompts_sharing_a_prefix(3, 3)
     runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), config, weights))
     for rid, prompt in prompts.items():
@@ -243,24 +179,24 @@ def test_output_with_an_eagle3_head_equals_the_unspeculated_output(window: int) 
 def test_heads_that_do_not_fit_are_refused_naming_the_field() -> None:
     hf = tiny_hf(0, num_layers=NUM_LAYERS)
     target = loaded_model(hf)
-    weights = random_weights(13)
+    weights = SHAPE.weights(13)
     cases = [
         (
-            speculators_config([1, 3, 8]),
+            SHAPE.speculators_config([1, 3, 8]),
             HeadFormatError,
             r"layer_ids \[1, 3, 8\] must be distinct layers of the target's 8",
         ),
-        (speculators_config([1, 3, 3]), HeadFormatError, "must be distinct"),
-        (original_config(target_hidden_size=48), HeadFormatError, "hidden_size 48 != target's 64"),
-        (original_config(draft_vocab_size=VOCAB + 1), HeadFormatError, "draft_vocab_size 259 is not within"),
-        (speculators_config([1, 2, 3]) | {"speculators_config": {"algorithm": "mlp"}}, HeadFormatError, "'mlp'"),
+        (SHAPE.speculators_config([1, 3, 3]), HeadFormatError, "must be distinct"),
+        (SHAPE.release_config(target_hidden_size=48), HeadFormatError, "hidden_size 48 != target's 64"),
+        (SHAPE.release_config(draft_vocab_size=VOCAB + 1), HeadFormatError, "draft_vocab_size 259 is not within"),
+        (SHAPE.speculators_config([1, 2, 3]) | {"speculators_config": {"algorithm": "mlp"}}, HeadFormatError, "'mlp'"),
     ]
     for config, error, message in cases:
         with pytest.raises(error, match=message):
             serving_head(config, weights, target)
     with pytest.raises(HeadFormatError, match="d2t: ids outside the target's vocabulary of 258"):
-        serving_head(original_config(), weights | {"d2t": weights["d2t"] + VOCAB}, target)
+        serving_head(SHAPE.release_config(), weights | {"d2t": weights["d2t"] + VOCAB}, target)
     with pytest.raises(KeyError, match="d2t"):
-        serving_head(original_config(), {k: v for k, v in weights.items() if k != "d2t"}, target)
+        serving_head(SHAPE.release_config(), {k: v for k, v in weights.items() if k != "d2t"}, target)
     with pytest.raises(ValueError, match=r"'fc.weight' has shape \(64, 192\), expected \(64, 128\)"):
-        serving_head(speculators_config([1, 3]), weights, target)
+        serving_head(SHAPE.speculators_config([1, 3]), weights, target)

@@ -173,16 +173,31 @@ def _tiny_eagle_head(target: LoadedModel, shapes: dict[str, torch.Size]) -> obje
     return eagle_head(target, state)
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram", "draft", "draft-rejection", "eagle", "eagle-rejection"])
+def _eagle3_weights(target_config: LlamaConfig) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A random EAGLE-3 head's config and weights (made before the fake mode), drafting over the
+    whole vocabulary: a ``d2t`` map is checked on the host once, when the head loads."""
+    from tests.drafting import Eagle3Shape
+
+    shape = Eagle3Shape.of(target_config, draft_vocab=target_config.vocab_size)
+    weights = {k: v for k, v in shape.weights(4, num_aux=2).items() if k not in ("d2t", "t2d")}
+    return shape.speculators_config([0, 1]), weights
+
+
+@pytest.mark.parametrize("spec", ["none", "ngram", "draft", "draft-rejection", "eagle", "eagle-rejection", "eagle3"])
 def test_steps_read_nothing_from_the_device(spec: str) -> None:
+    from zerobubble.worker_svc.proposers.eagle import serving_head
+
     configs = [_config(2), _config(1)]
     shapes = [_shapes(c) for c in configs]
+    eagle3 = _eagle3_weights(configs[0]) if spec == "eagle3" else None
     with FakeTensorMode(allow_non_fake_inputs=True), torch.inference_mode():
         target = _tiny_model(0, configs[0], shapes[0])
         method, _, acceptance = spec.partition("-")
         draft = _tiny_model(1, configs[1], shapes[1]) if method == "draft" else None
         if method == "eagle":
             draft = _tiny_eagle_head(target, shapes[0])
+        if eagle3 is not None:
+            method, draft = "eagle", serving_head(*eagle3, target)
         proposer = build_proposer(method, K, draft_model=draft, draft_acceptance=acceptance or "keyed")
         runner = ModelRunner(
             target,
