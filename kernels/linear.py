@@ -17,6 +17,13 @@ the weight memory of bfloat16; on torch 2.13 that product is slower than oneDNN'
 (docs/benchmarks/cpu-llamacpp.md), so int8 is the choice for memory, not speed. Quantizing the
 activations too (fbgemm's dynamic int8 product) is faster, but its single scale over a whole
 prefill costs too much accuracy.
+
+``quantization="int4"`` (CPU): weight-only 4-bit in groups of 32 inputs along each output row,
+asymmetric (a scale and a minimum per group: llama.cpp's Q4_1 layout, the peer's), multiplied by
+torch's int4 weight-only CPU product, which reads a quarter of bfloat16's bytes. For one row
+(a single decode stream, bound by reading the weights) it is about 3× faster than oneDNN's
+bfloat16 product here; from about 8 rows on, its unpacking makes it slower
+(docs/benchmarks/cpu-llamacpp.md).
 """
 
 from __future__ import annotations
@@ -47,9 +54,12 @@ class LinearWeight:
     min_packed_rows: int = 0
     int8: torch.Tensor | None = None  # [out, in] int8 weight-only
     int8_scale: torch.Tensor | None = None  # [out] in the activations' dtype
+    int4: torch.Tensor | None = None  # torch's packed int4 layout of [out, in]
+    int4_scales_zeros: torch.Tensor | None = None  # [in / INT4_GROUP, out, 2] in the activations' dtype
 
 
-QUANTIZATIONS = ("none", "int8")
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP = 32  # inputs sharing one scale and minimum, as in llama.cpp's Q4_0/Q4_1 blocks
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,11 +77,47 @@ def _prepare_int8(weight: torch.Tensor) -> LinearWeight:
     return LinearWeight(None, int8=q.contiguous(), int8_scale=scale.to(weight.dtype))
 
 
+def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric 4-bit codes per ``group`` inputs: ``(q [out, in] int32 in 0..15, scales_and_zeros
+    [in / group, out, 2] float32)``, ``w ≈ (q - 8) * scale + zero`` (torch's int4 convention, with
+    ``zero = minimum + 8 * scale``), see :func:`dequantize_int4`."""
+    out_features, in_features = weight.shape
+    if in_features % group:
+        raise ValueError(
+            f"int4 needs a weight's inputs in groups of {group}; got a [{out_features}, {in_features}] one"
+        )
+    w = weight.float().reshape(out_features, in_features // group, group)
+    low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    scale = ((high - low) / 15).clamp(min=1e-8)
+    q = torch.round((w - low) / scale).clamp_(0, 15).to(torch.int32).reshape(out_features, in_features)
+    scales_and_zeros = torch.cat((scale, low + 8 * scale), dim=-1).transpose(0, 1).contiguous()
+    return q, scales_and_zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """The float32 ``[out, in]`` weight the int4 codes stand for (the product's torch twin)."""
+    out_features, in_features = q.shape
+    groups = scales_and_zeros.shape[0]
+    scale, zero = scales_and_zeros.float().transpose(0, 1).unbind(-1)  # [out, groups] each
+    codes = q.float().reshape(out_features, groups, in_features // groups)
+    return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
+
+
+def _prepare_int4(weight: torch.Tensor) -> LinearWeight:
+    if weight.device.type != "cpu":
+        raise ValueError("int4 quantization runs on the CPU only")
+    q, scales_and_zeros = quantize_int4(weight)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return LinearWeight(None, int4=packed, int4_scales_zeros=scales_and_zeros.to(weight.dtype))
+
+
 def prepare_linear(weight: torch.Tensor, prepack: bool = True, quantization: str = "none") -> LinearWeight:
     """Wrap ``weight`` ``[out, in]`` for :func:`linear`: packed for oneDNN when that helps here,
-    or quantized (``quantization="int8"``)."""
+    or quantized (``quantization="int8"`` or ``"int4"``)."""
     if quantization == "int8":
         return _prepare_int8(weight)
+    if quantization == "int4":
+        return _prepare_int4(weight)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r} (known: {', '.join(QUANTIZATIONS)})")
     if not (prepack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
@@ -95,6 +141,9 @@ def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = No
     enough."""
     if weight.int8 is not None:
         out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, weight.int8, weight.int8_scale)
+        return out if bias is None else out + bias
+    if weight.int4 is not None:
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.int4, INT4_GROUP, weight.int4_scales_zeros)
         return out if bias is None else out + bias
     if weight.packed is not None and x.shape[0] >= weight.min_packed_rows:
         return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")

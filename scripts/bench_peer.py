@@ -37,6 +37,8 @@ from zerobubble.tools.launch import free_port, start_scheduler, start_worker  # 
 OURS = {
     "ours default (bfloat16)": {},
     "ours --quantization int8": {"quantization": "int8"},
+    "ours --quantization int4": {"quantization": "int4"},
+    "ours --quantization int4 --spec-method ngram": {"quantization": "int4", "spec_method": "ngram"},
     "ours --spec-method ngram": {"spec_method": "ngram"},
     "ours --dtype float32": {"dtype": "float32"},
 }

@@ -177,7 +177,7 @@ class CausalLM:
     rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
     rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see zerobubble.kernels.fused.qk_norm_rope_twin
     prepack: bool = True  # lay linear weights out for oneDNN on CPU (kernels/linear.py)
-    quantization: str = "none"  # "int8": int8 linear weights (kernels/linear.py)
+    quantization: str = "none"  # "int8" / "int4": weight-only quantized linear weights (kernels/linear.py)
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
     final_norm: torch.Tensor | None = None
@@ -208,7 +208,11 @@ class CausalLM:
         self.embed = take("model.embed_tokens.weight", (spec.vocab_size, hidden))
         self.final_norm = take("model.norm.weight", (hidden,))
         tied = spec.tie_word_embeddings
-        self.lm_head = weight(self.embed if tied else take("lm_head.weight", (spec.vocab_size, hidden)))
+        head = self.embed if tied else take("lm_head.weight", (spec.vocab_size, hidden))
+        # 4-bit logits cost most of int4's accuracy (top-1 agreement 94 % against 99 % with the
+        # head unquantized, docs/benchmarks/cpu-llamacpp.md); llama.cpp keeps its output matrix
+        # at a higher precision too.
+        self.lm_head = weight(head) if self.quantization != "int4" else prepare_linear(head, self.prepack)
 
     def weight_readers(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Taker, OptionalTaker, WeightMaker]:
         """``take(name, shape)`` (checked, in this model's dtype and device), ``take_optional``
@@ -399,8 +403,8 @@ def build_model(
 ) -> CausalLM:
     """An empty :class:`CausalLM` for ``hf_config``; fill it with :meth:`CausalLM.load_weights`.
 
-    ``prepack`` lays the linear weights out for oneDNN on CPU, ``quantization="int8"`` stores
-    them as int8 (see :mod:`zerobubble.kernels.linear`).
+    ``prepack`` lays the linear weights out for oneDNN on CPU, ``quantization`` ("int8", "int4")
+    stores them quantized (see :mod:`zerobubble.kernels.linear`).
     """
     spec = model_spec(hf_config)
     cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)

@@ -103,7 +103,7 @@ def load_model(
     """Resolve ``spec`` and load its weights into our Llama-family forward.
 
     ``prepack``: lay linear weights out for oneDNN on CPU (:mod:`zerobubble.kernels.linear`).
-    ``quantization``: ``"int8"`` stores the linear weights as int8 (:mod:`zerobubble.kernels.linear`).
+    ``quantization``: ``"int8"`` / ``"int4"`` store the linear weights quantized (:mod:`zerobubble.kernels.linear`).
     ``weights=False``: config, tokenizer and EOS ids only (``model`` is None).
 
     Raises:

@@ -112,7 +112,11 @@ def workload_token_rows(loaded: LoadedModel, rows: list[dict[str, Any]], max_tok
 
 
 # name -> (activations dtype, quantization): each as `--dtype auto` runs it on a CPU with native bfloat16.
-PRECISIONS = {"bfloat16": (torch.bfloat16, "none"), "int8": (torch.bfloat16, "int8")}
+PRECISIONS = {
+    "bfloat16": (torch.bfloat16, "none"),
+    "int8": (torch.bfloat16, "int8"),
+    "int4": (torch.bfloat16, "int4"),
+}
 
 
 def measure(

@@ -224,9 +224,11 @@ class WorkerConfig(ServiceConfig):
     )
     quantization: str = setting(
         "none",
-        "weight quantization: int8 = weight-only int8 with a scale per output channel, activations "
-        "in --dtype (CPU only; half bfloat16's weight memory, slower per token on torch 2.13)",
-        choices=("none", "int8"),
+        "weight quantization (CPU only, activations in --dtype): int8 = weight-only int8 with a scale "
+        "per output channel (half bfloat16's weight memory); int4 = weight-only 4-bit in groups of 32 "
+        "with a scale and minimum each, llama.cpp's Q4_1 layout (a quarter of the memory, fastest for "
+        "few concurrent requests, slower for many)",
+        choices=("none", "int8", "int4"),
     )
     device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
     block_size: int = setting(16, "tokens per KV cache block")
@@ -327,8 +329,10 @@ class WorkerConfig(ServiceConfig):
         if self.cpu_cores:
             cores_within(self.cpu_cores, "--cpu-cores", self.cpu_affinity)
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
-        if self.quantization == "int8":
-            _require(self.device != "cuda", "--quantization int8 runs on the CPU only (--device cpu or auto)")
+        if self.quantization != "none":
+            _require(
+                self.device != "cuda", f"--quantization {self.quantization} runs on the CPU only (--device cpu or auto)"
+            )
         if self.spec_method == "ngram":
             _require(
                 1 <= self.ngram_min <= self.ngram_max,

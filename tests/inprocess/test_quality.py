@@ -17,7 +17,7 @@ from zerobubble.worker_svc.quality import Quality, measure
 
 NUM_ROWS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS = 16, 192, 24
 # precision -> (least top-1 agreement, largest relative perplexity change)
-BOUNDS = {"bfloat16": (0.97, 0.01), "int8": (0.95, 0.03)}
+BOUNDS = {"bfloat16": (0.97, 0.01), "int8": (0.95, 0.03), "int4": (0.95, 0.03)}
 
 
 @pytest.fixture(scope="module")

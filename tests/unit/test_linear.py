@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zerobubble.kernels.linear import linear, prepare_linear, quantize_int8
+from zerobubble.kernels.linear import dequantize_int4, linear, prepare_linear, quantize_int4, quantize_int8
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -81,8 +81,37 @@ def test_int8_linear_is_the_dequantized_product(num_rows: int, with_bias: bool) 
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_int8_is_refused_off_the_cpu_and_unknown_schemes_by_name() -> None:
-    with pytest.raises(ValueError, match="int4"):
-        prepare_linear(torch.randn(4, 4), quantization="int4")
-    with pytest.raises(ValueError, match="CPU"):
-        prepare_linear(torch.randn(4, 4, device="meta"), quantization="int8")
+def test_int4_codes_are_within_half_a_step_of_each_group() -> None:
+    """Every group of 32 inputs gets its own scale and minimum: a group of tiny weights beside a
+    group of large ones keeps its precision."""
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(8, 64, generator=g) * torch.tensor([0.01] * 32 + [5.0] * 32)
+    q, scales_and_zeros = quantize_int4(weight)
+    assert q.dtype == torch.int32 and int(q.min()) >= 0 and int(q.max()) <= 15
+    assert scales_and_zeros.shape == (2, 8, 2)
+    step = scales_and_zeros[..., 0].transpose(0, 1).repeat_interleave(32, dim=1)  # [out, in]
+    assert torch.all((dequantize_int4(q, scales_and_zeros) - weight).abs() <= step / 2 + 1e-6)
+    assert float(step[:, :32].max()) < 0.01  # the small group's step is its own
+
+
+@pytest.mark.parametrize("num_rows", [1, 5, 16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_int4_linear_is_the_dequantized_product(num_rows: int, with_bias: bool) -> None:
+    """torch's packed int4 product equals its twin, the product of the dequantized weight."""
+    g = torch.Generator().manual_seed(num_rows)
+    weight, x = torch.randn(96, 128, generator=g), torch.randn(num_rows, 128, generator=g)
+    bias = torch.randn(96, generator=g) if with_bias else None
+    got = linear(x, prepare_linear(weight, quantization="int4"), bias)
+    want = F.linear(x, dequantize_int4(*quantize_int4(weight)), bias)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_quantization_is_refused_off_the_cpu_and_unknown_schemes_by_name() -> None:
+    with pytest.raises(ValueError, match="int2"):
+        prepare_linear(torch.randn(4, 4), quantization="int2")
+    for scheme in ("int8", "int4"):
+        with pytest.raises(ValueError, match="CPU"):
+            prepare_linear(torch.randn(4, 32, device="meta"), quantization=scheme)
+    with pytest.raises(ValueError, match=r"groups of 32; got a \[4, 48\] one"):
+        prepare_linear(torch.randn(4, 48), quantization="int4")
