@@ -97,11 +97,26 @@ def ours(worker_flags: dict, slots: int) -> Iterator[str]:
     try:
         scheduler = start_scheduler([worker], max_num_seqs=max(slots, 16))
         try:
-            yield f"http://127.0.0.1:{scheduler.ports['HTTP']}/v1"
+            url = f"http://127.0.0.1:{scheduler.ports['HTTP']}/v1"
+            _wait_until_serving(f"{url}/models")
+            yield url
         finally:
             scheduler.stop()
     finally:
         worker.stop()
+
+
+def _wait_until_serving(url: str, timeout_s: float = 120.0) -> None:
+    """Until ``url`` answers 200: the front is up before its worker link is (503 until then)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise RuntimeError(f"{url} did not answer 200 in {timeout_s:.0f} s")
 
 
 def measure(server: Callable[[], object], rows: list[BenchRow], concurrency: int) -> Measured:
