@@ -2,8 +2,8 @@
 perplexity over float32's own greedy continuations of workload prompts (worker_svc/quality.py).
 
 A subset of the shipped workload; the full figures (every row, 64 tokens each) are in
-docs/benchmarks/cpu-llamacpp.md, where bfloat16 agrees on 98.5 % of positions and int8 on 97.4 %.
-A few hundred positions vary by a point or two with the rows chosen, so the agreement bounds
+docs/benchmarks/cpu-llamacpp.md, where bfloat16 agrees on 98.5 % of positions, int8 on 97.4 % and
+int4 on 98.4 %. A few hundred positions vary by a point or two with the rows chosen, so the agreement bounds
 here sit that much below the full figures' targets (99 % and 97 %); perplexity keeps its targets.
 """
 
