@@ -84,10 +84,16 @@ def head_layout(config: dict[str, Any], target: ModelSpec) -> HeadLayout:
         algorithm = str(
             (config.get("speculators_config") or {}).get("algorithm") or config.get("speculators_model_type")
         )
-        if algorithm != "eagle3":
-            raise HeadFormatError(f"speculators heads of algorithm {algorithm!r} are not supported (eagle3 is)")
         layer_config = dict(config.get("transformer_layer_config") or {})
-        return _eagle3_layout(config, layer_config, target)
+        if algorithm == "eagle3":
+            return _eagle3_layout(config, layer_config, target)
+        if algorithm != "eagle":
+            raise HeadFormatError(f"speculators heads of algorithm {algorithm!r} are not supported (eagle, eagle3 are)")
+        # EAGLE-1/HASS: the EAGLE-1 layout, unless the extra norms of its TTT variant are on.
+        if config.get("layernorms"):
+            raise HeadFormatError("speculators eagle heads with layernorms: true are not supported")
+        _check_shapes(layer_config, target, layer_config.get("hidden_size"))
+        return HeadLayout(EAGLE1, layer_config, draft_vocab_size=target.vocab_size)
     if fmt == EAGLE3:
         return _eagle3_layout(config, config, target)
     _check_shapes(config, target, config.get("hidden_size"))

@@ -65,10 +65,25 @@ def _random_head(hf: LlamaForCausalLM, seed: int) -> EagleHead:
     return head.eval()
 
 
-@pytest.mark.parametrize("window", [1, 2])
-def test_a_head_copying_its_target_drafts_the_targets_greedy_continuation(window: int) -> None:
+def _as_speculators(hf: LlamaForCausalLM, state: dict[str, torch.Tensor]) -> EagleProposer:
+    """The same EAGLE-1 head in the speculators format: its config and weight names."""
+    config = {
+        "architectures": ["EagleSpeculator", "LlamaDecoderLayer"],
+        "speculators_model_type": "eagle",
+        "speculators_config": {"algorithm": "eagle", "verifier": {"name_or_path": "tiny"}},
+        "transformer_layer_config": hf.config.to_dict() | {"num_hidden_layers": 1},
+        "layernorms": False,
+        "fusion_bias": "fc.bias" in state,
+    }
+    renamed = {k.replace("fc.", "fusion_fc.").replace("layers.0.", "transformer."): v for k, v in state.items()}
+    return EagleProposer(serving_head(config, renamed, loaded_model(hf)), K)
+
+
+@pytest.mark.parametrize("window, fmt", [(1, "eagle-1"), (2, "eagle-1"), (2, "speculators")])
+def test_a_head_copying_its_target_drafts_the_targets_greedy_continuation(window: int, fmt: str) -> None:
     hf, state = copying_target_and_head()
-    runner, scheduler = runner_and_scheduler(hf, _proposer(loaded_model(hf), state))
+    proposer = _as_speculators(hf, state) if fmt == "speculators" else _proposer(loaded_model(hf), state)
+    runner, scheduler = runner_and_scheduler(hf, proposer)
     prompts = prompts_sharing_a_prefix(1, 5)
     max_tokens = {rid: 12 + 5 * i for i, rid in enumerate(prompts)}
     for rid, prompt in prompts.items():
@@ -129,9 +144,9 @@ def test_a_head_that_does_not_fit_its_target_is_refused_naming_the_mismatch() ->
     other_split = head_config(hf.config.to_dict(), fc_bias=False) | {"num_key_value_heads": 4}
     with pytest.raises(HeadFormatError, match="num_key_value_heads 4 != target's 2"):
         serving_head(other_split, state, target)
-    speculators_eagle1 = {"speculators_config": {"algorithm": "eagle"}, "transformer_layer_config": {}}
-    with pytest.raises(HeadFormatError, match="speculators heads of algorithm 'eagle' are not supported"):
-        serving_head(speculators_eagle1, state, target)
+    ttt = {"speculators_config": {"algorithm": "eagle"}, "transformer_layer_config": {}, "layernorms": True}
+    with pytest.raises(HeadFormatError, match="layernorms: true are not supported"):
+        serving_head(ttt, state, target)
     with pytest.raises(KeyError, match="fc.weight"):
         without_fc = {k: v for k, v in state.items() if k != "fc.weight"}
         serving_head(head_config(hf.config.to_dict(), fc_bias=False), without_fc, target)

@@ -164,21 +164,29 @@ def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], targ
     state = {_canonical_name(name): tensor for name, tensor in state.items()}
     if layout.layout == EAGLE3:
         return _eagle3_head(layout, state, target.model)
-    head = _eagle1_head(head_json, state, target)
+    head = _eagle1_head(layout.layer_config, state, target)
     if DRAFT_VOCAB_KEY in state:
         _limit_vocab(head, state[DRAFT_VOCAB_KEY].to(torch.int64), DRAFT_VOCAB_KEY)
     return head
 
 
+# Other names of the same weights: EAGLE-3 releases call their layer ``midlayer``, the
+# speculators format's EAGLE-1 heads ``transformer`` and their fusion ``fusion_fc``.
+_RENAMED_PREFIXES = {"midlayer.": "layers.0.", "transformer.": "layers.0.", "fusion_fc.": "fc."}
+
+
 def _canonical_name(name: str) -> str:
-    """One name per weight across the head formats: EAGLE-3 releases call their layer
-    ``midlayer``, some conversions keep a ``model.`` prefix."""
+    """One name per weight across the head formats (some conversions add a ``model.`` prefix)."""
     name = name.removeprefix("model.")
-    return "layers.0." + name.removeprefix("midlayer.") if name.startswith("midlayer.") else name
+    for prefix, canonical in _RENAMED_PREFIXES.items():
+        if name.startswith(prefix):
+            return canonical + name.removeprefix(prefix)
+    return name
 
 
 def _eagle1_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel) -> ServingHead:
-    """An EAGLE-1 head: one layer of the target's architecture, the target's embedding."""
+    """An EAGLE-1 head (``head_json``: its layer's config): one layer of the target's
+    architecture, the target's embedding."""
     hf_config = copy.deepcopy(target.hf_config)
     hf_config.num_hidden_layers = 1
     hf_config.intermediate_size = int(head_json.get("intermediate_size", hf_config.intermediate_size))
