@@ -36,10 +36,7 @@ logger = logging.getLogger(__name__)
 
 EAGLE1 = "eagle-1"
 EAGLE3 = "eagle-3"
-SPECULATORS = "speculators"
-# The layouts served (`zerobubble.worker_svc.proposers.eagle`); a speculators head is read as
-# the layout its algorithm names. This module's own trainable head is EAGLE-1.
-SUPPORTED_LAYOUTS = (EAGLE1, EAGLE3)
+SPECULATORS = "speculators"  # read as the layout its algorithm names (EAGLE-1 or EAGLE-3)
 
 # The one-layer cache of a head: keys and values ``[B, Hkv, S, D]``.
 LayerCache = tuple[torch.Tensor, torch.Tensor]

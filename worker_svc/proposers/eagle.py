@@ -184,12 +184,12 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def _eagle1_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel) -> ServingHead:
-    """An EAGLE-1 head (``head_json``: its layer's config): one layer of the target's
-    architecture, the target's embedding."""
+def _eagle1_head(layer_config: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel) -> ServingHead:
+    """An EAGLE-1 head: one layer of the target's architecture (the intermediate size from its
+    ``layer_config``), the target's embedding."""
     hf_config = copy.deepcopy(target.hf_config)
     hf_config.num_hidden_layers = 1
-    hf_config.intermediate_size = int(head_json.get("intermediate_size", hf_config.intermediate_size))
+    hf_config.intermediate_size = int(layer_config.get("intermediate_size", hf_config.intermediate_size))
     # Full attention, as the head is trained (worker_svc/eagle.py), whatever the target's window.
     hf_config.sliding_window = None
     if getattr(hf_config, "layer_types", None) is not None:
