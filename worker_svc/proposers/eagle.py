@@ -156,9 +156,9 @@ def load_serving_head(spec: str, target: LoadedModel) -> ServingHead:
 
 def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel) -> ServingHead:
     """The head with config ``head_json`` and weights ``state`` over ``target`` (any format of
-    `zerobubble.worker_svc.eagle.head_layout`; EAGLE-3's ``midlayer.`` names or the speculators'
-    ``layers.0.``); raises `HeadFormatError` (or ``KeyError``/``ValueError`` for a missing or
-    misshapen weight)."""
+    `zerobubble.worker_svc.eagle.head_layout`, its weights under any of the names
+    `_canonical_name` knows); raises `HeadFormatError` (or ``KeyError``/``ValueError`` for a
+    missing or misshapen weight)."""
     assert target.model is not None, "the target's weights first"
     layout = head_layout(head_json, model_spec(target.hf_config))
     state = {_canonical_name(name): tensor for name, tensor in state.items()}
