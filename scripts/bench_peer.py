@@ -71,19 +71,13 @@ def llama_server(binary: Path, gguf: Path, threads: int, slots: int) -> Iterator
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-np", str(slots), "-c", str(2048 * slots), "--no-webui"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+    def still_running() -> None:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
+
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited with {proc.returncode}: {' '.join(cmd)}")
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise RuntimeError("llama-server did not become healthy in 120 s")
+        _wait_until_serving(f"http://127.0.0.1:{port}/health", check=still_running)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.terminate()
@@ -106,10 +100,13 @@ def ours(worker_flags: dict, slots: int) -> Iterator[str]:
         worker.stop()
 
 
-def _wait_until_serving(url: str, timeout_s: float = 120.0) -> None:
-    """Until ``url`` answers 200: the front is up before its worker link is (503 until then)."""
+def _wait_until_serving(url: str, timeout_s: float = 120.0, check: Callable[[], None] | None = None) -> None:
+    """Until ``url`` answers 200 (our front is up before its worker link is, and answers 503
+    until then); ``check`` raises when the server can no longer come up."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if check is not None:
+            check()
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return

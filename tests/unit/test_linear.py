@@ -67,18 +67,32 @@ def test_int8_weights_quantize_per_channel_within_half_a_step() -> None:
     assert torch.all((q.float() * scale[:, None] - weight).abs() <= scale[:, None] / 2 + 1e-6)
 
 
+def _dequantized_int8(weight: torch.Tensor) -> torch.Tensor:
+    q, scale = quantize_int8(weight)
+    return q.float() * scale[:, None]
+
+
+# scheme -> (inputs per weight row, its twin: the dequantized weight, tolerance)
+DEQUANTIZED = {
+    "int8": (64, _dequantized_int8, 1e-5),
+    "int4": (128, lambda weight: dequantize_int4(*quantize_int4(weight)), 1e-4),
+}
+
+
+@pytest.mark.parametrize("scheme", list(DEQUANTIZED))
 @pytest.mark.parametrize("num_rows", [1, 5, 16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_int8_linear_is_the_dequantized_product(num_rows: int, with_bias: bool) -> None:
-    """The int8 weight-only product is the product of the dequantized weight."""
+def test_quantized_linear_is_the_dequantized_product(scheme: str, num_rows: int, with_bias: bool) -> None:
+    """Each weight-only product (torch's int8 one, its packed int4 one) equals its twin, the
+    product of the dequantized weight."""
+    in_features, dequantized, tolerance = DEQUANTIZED[scheme]
     g = torch.Generator().manual_seed(num_rows)
-    weight, x = torch.randn(96, 64, generator=g), torch.randn(num_rows, 64, generator=g)
+    weight, x = torch.randn(96, in_features, generator=g), torch.randn(num_rows, in_features, generator=g)
     bias = torch.randn(96, generator=g) if with_bias else None
-    got = linear(x, prepare_linear(weight, quantization="int8"), bias)
-    q, scale = quantize_int8(weight)
-    want = F.linear(x, q.float() * scale[:, None], bias)
+    got = linear(x, prepare_linear(weight, quantization=scheme), bias)
+    want = F.linear(x, dequantized(weight), bias)
     assert got.dtype == torch.float32 and got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
 def test_int4_codes_are_within_half_a_step_of_each_group() -> None:
@@ -92,19 +106,6 @@ def test_int4_codes_are_within_half_a_step_of_each_group() -> None:
     step = scales_and_zeros[..., 0].transpose(0, 1).repeat_interleave(32, dim=1)  # [out, in]
     assert torch.all((dequantize_int4(q, scales_and_zeros) - weight).abs() <= step / 2 + 1e-6)
     assert float(step[:, :32].max()) < 0.01  # the small group's step is its own
-
-
-@pytest.mark.parametrize("num_rows", [1, 5, 16])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_int4_linear_is_the_dequantized_product(num_rows: int, with_bias: bool) -> None:
-    """torch's packed int4 product equals its twin, the product of the dequantized weight."""
-    g = torch.Generator().manual_seed(num_rows)
-    weight, x = torch.randn(96, 128, generator=g), torch.randn(num_rows, 128, generator=g)
-    bias = torch.randn(96, generator=g) if with_bias else None
-    got = linear(x, prepare_linear(weight, quantization="int4"), bias)
-    want = F.linear(x, dequantize_int4(*quantize_int4(weight)), bias)
-    assert got.dtype == torch.float32 and got.shape == want.shape
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
 def test_quantization_is_refused_off_the_cpu_and_unknown_schemes_by_name() -> None:
