@@ -406,13 +406,19 @@ class Scheduler:
         """A plan that runs nothing and only carries finish notices, or None when none helps.
 
         Call it when `schedule` has nothing to run. Finish notices normally ride on the next
-        plan; with nothing else to run there is none, and a step planned ahead whose every row
-        has finished since (the step after an EOS or a stop string at concurrency 1) would run
-        to its end, holding the cores or the device while the finished request's client gets
-        its last message and sends the next request. This plan lets the worker cut that step
-        short at once (its `note_finished`); it is only built while such a step is in flight.
+        plan; with nothing else to run there is none. Two cases need them sooner:
+
+        - a step planned ahead whose every row has finished since (the step after an EOS or a
+          stop string at concurrency 1) would run to its end, holding the cores or the device
+          while the finished request's client gets its last message and sends the next request;
+          this plan lets the worker cut that step short at once (its `note_finished`);
+        - with no step in flight the worker would keep the finished requests' slots (their
+          draft and grammar state) until the next request, and a worker holding requests that
+          waits for a plan counts the wait as a bubble: an idle server would look like a stalled one.
         """
-        if not self._pending_finished or not any(
+        if not self._pending_finished:
+            return None
+        if self._inflight and not any(
             records and all(self._is_stale(rec) for rec in records.values()) for records in self._inflight.values()
         ):
             return None

@@ -379,7 +379,7 @@ class WorkerLink:
                 if due is None or due <= time.monotonic():
                     due = None
                     plan = self.sched.schedule()
-                if plan is None and self.inflight:
+                if plan is None:
                     plan = self.sched.notice_plan()  # finish notices never wait
                 if plan is None:
                     break

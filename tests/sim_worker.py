@@ -514,9 +514,9 @@ def drive(
     out: dict[str, Collected] = {}
     inflight: deque[worker_pb2.StepResult] = deque()
     num_plans = 0
-    while scheduler.has_unfinished() or inflight:
+    while True:
         plan = scheduler.schedule() if len(inflight) < window else None
-        if plan is None and notices and inflight and len(inflight) < window:
+        if plan is None and notices and len(inflight) < window:
             plan = scheduler.notice_plan()
         if plan is not None:
             num_plans += 1
@@ -525,7 +525,9 @@ def drive(
                 after_plan(scheduler, plan)
             inflight.append(worker.execute(plan))
             continue
-        assert inflight, "scheduler stalled with unfinished requests and nothing in flight"
+        if not inflight:
+            assert not scheduler.has_unfinished(), "scheduler stalled with unfinished requests and nothing in flight"
+            break
         events = scheduler.on_step_result(inflight.popleft())
         collect(out, events)
         if after_result is not None:

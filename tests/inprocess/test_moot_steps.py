@@ -77,12 +77,12 @@ def one_after_another(
 
     add_next()
     next_due = False
-    while scheduler.has_unfinished() or pending or next_due:
+    while True:
         if next_due and not (arrive_late and pending):
             add_next()
             next_due = False
         plan = scheduler.schedule() if len(pending) < window else None
-        if plan is None and notices and pending and len(pending) < window:
+        if plan is None and notices and len(pending) < window:
             plan = scheduler.notice_plan()
             if plan is not None:
                 assert not plan_rows(plan) and plan.finished_req_ids
@@ -90,6 +90,8 @@ def one_after_another(
             runner.note_finished(plan)
             pending.append(plan)
             continue
+        if not pending:
+            break
         plan = pending.popleft()
         before = runner.notices.num_cut_steps
         if during_forward is not None:
@@ -169,3 +171,15 @@ def test_a_finish_notice_alone_cuts_the_step_in_flight(runner) -> None:
     noticed, cut = one_after_another(runner, window=2, arrive_late=True, notices=True)
     assert noticed == sync
     assert len(cut) >= 1, "the notice-only plans cut nothing"
+
+
+@pytest.mark.parametrize("window", [1, 2])
+def test_finished_requests_leave_the_worker_when_nothing_else_runs(runner, window: int) -> None:
+    """Once the last request has finished and no step is in flight, the notice-only plan still
+    goes out: the worker drops the request's slot instead of holding it until the next request
+    (a worker holding requests counts its wait for a plan as a bubble)."""
+    _, _ = one_after_another(runner, window=window, notices=False)
+    assert runner.slots, "without notices the last request's slot stays: the test exercises nothing"
+    out, _ = one_after_another(runner, window=window, notices=True)
+    assert all(out.values())
+    assert not runner.slots, f"slots of finished requests kept: {sorted(runner.slots)}"

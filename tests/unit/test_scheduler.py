@@ -386,10 +386,10 @@ def test_finish_with_steps_in_flight_loses_and_duplicates_nothing() -> None:
     assert case.scheduler.block_pool.num_used == 0
 
 
-def test_notice_plans_only_when_a_step_in_flight_is_all_finished() -> None:
+def test_notice_plans_when_a_step_in_flight_is_all_finished_or_none_is_in_flight() -> None:
     """`notice_plan` (what the worker link sends when nothing is to run): it carries the finish
-    notices alone, only while some step in flight has nothing but finished rows, and changes no
-    output."""
+    notices alone, only while some step in flight has nothing but finished rows or no step is in
+    flight, and changes no output."""
     # One request at a time (max_num_seqs=1): each EOS leaves steps in flight with only its row.
     case = make_case(num_spec_tokens=3, eos_per_mille=60, stopping=StoppingOptions(max_tokens=60), max_num_seqs=1)
     notice_plans: list[worker_pb2.StepPlan] = []
@@ -421,6 +421,18 @@ def test_notice_plans_only_when_a_step_in_flight_is_all_finished() -> None:
     assert scheduler.on_step_result(worker_pb2.StepResult(step_id=first.step_id)) == []
     assert scheduler.on_step_result(worker_pb2.StepResult(step_id=notice.step_id)) == []
     assert not scheduler.has_unfinished() and scheduler.num_inflight_steps() == 0
+
+    # Nothing in flight: a finish notice goes out at once, not with the next request's plan.
+    scheduler.add_request("c", [5, 6, 7], SamplingOptions(seed=3), StoppingOptions(max_tokens=50))
+    third = scheduler.schedule()
+    assert third is not None and scheduler.notice_plan() is None  # c runs in the step in flight
+    # An answer without c's row ends c (with an error); then nothing is in flight.
+    events = scheduler.on_step_result(worker_pb2.StepResult(step_id=third.step_id))
+    assert [e.req_id for e in events if e.finish_reason is not None] == ["c"]
+    assert scheduler.num_inflight_steps() == 0
+    alone = scheduler.notice_plan()
+    assert alone is not None and not plan_rows(alone) and list(alone.finished_req_ids) == ["c"]
+    assert scheduler.notice_plan() is None
 
 
 def test_abort_with_steps_in_flight() -> None:
