@@ -6,8 +6,12 @@ scale) and a layer some forty; each reads and writes the whole activation, and o
 costs a launch of a few microseconds even inside a CUDA graph. Each function here is one kernel
 on CUDA (Triton) and its torch twin elsewhere. The twins are the model's reference semantics,
 rounding included: every intermediate a Hugging Face layer rounds to the model dtype is rounded
-here too, so the Triton kernels match the twins to within one rounding step in 16-bit dtypes and
-exactly in float32, and the float32 twins are bit for bit Hugging Face's computation.
+here too, but for one: the residual stream is kept in float32 (Hugging Face rounds each sum to the
+model dtype, and over a deep stack those roundings move the logits enough to change the argmax
+now and then: with the stream in float32, bfloat16 SmolLM2 agrees with float32 on 99.14 % of next
+tokens instead of 98.96 %, docs/benchmarks/cpu-llamacpp.md). The Triton kernels match the twins to
+within one rounding step in 16-bit dtypes and exactly in float32, and the float32 twins are bit for
+bit Hugging Face's computation.
 
 Every Triton kernel is reached through a ``torch.library`` custom op with a fake implementation,
 so a forward can run under ``FakeTensorMode`` (the kernel-count test) and be traced by
@@ -41,9 +45,16 @@ def rms_norm_twin(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 
 def add_rms_norm_twin(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    """``(rms_norm(x + residual), x + residual)``; with no residual, ``(rms_norm(x), x)``."""
-    summed = x if residual is None else residual + x
-    return rms_norm_twin(summed, weight, eps), summed
+    """``(rms_norm(x + residual), x + residual)``; with no residual, ``(rms_norm(x), x)``.
+
+    The sum (the residual stream) is float32 whatever ``x``'s dtype, and ``residual`` may be
+    either; the normed activations are in ``x.dtype``, as Hugging Face's norm rounds them.
+    """
+    summed = x.float() if residual is None else residual.float() + x
+    if x.dtype == torch.float32:
+        return rms_norm_twin(summed, weight, eps), summed
+    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype), summed
 
 
 def qk_norm_rope_twin(qk: Tensor, cos: Tensor, sin: Tensor, norm_weight: Tensor | None, eps: float) -> Tensor:
@@ -76,16 +87,15 @@ if HAS_TRITON:
         stride_x, stride_r, stride_o, stride_ro, hidden, eps,
         HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        """One program per token: the residual sum (rounded to the dtype), then its norm."""
+        """One program per token: the residual sum (float32), then its norm."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < hidden
         x = tl.load(x_ptr + t * stride_x + cols, mask=mask, other=0.0)
         if HAS_RESIDUAL:
             x = x.to(tl.float32) + tl.load(residual_ptr + t * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-            x = x.to(out_ptr.dtype.element_ty)
-        tl.store(residual_out_ptr + t * stride_ro + cols, x, mask=mask)
         x32 = x.to(tl.float32)
+        tl.store(residual_out_ptr + t * stride_ro + cols, x32, mask=mask)
         inv = tl.rsqrt(tl.sum(x32 * x32, axis=0) / hidden + eps)
         normed = (x32 * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
         w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
@@ -142,7 +152,7 @@ if HAS_TRITON:
 @torch.library.custom_op("zerobubble::add_rms_norm", mutates_args=())
 def _add_rms_norm_op(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     num_tokens, hidden = x.shape
-    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    out, residual_out = torch.empty_like(x), torch.empty_like(x, dtype=torch.float32)
     if num_tokens:
         _add_rms_norm_kernel[(num_tokens,)](
             x, residual if residual is not None else x, weight, out, residual_out,
@@ -154,7 +164,7 @@ def _add_rms_norm_op(x: Tensor, residual: Tensor | None, weight: Tensor, eps: fl
 
 @_add_rms_norm_op.register_fake
 def _(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
-    return torch.empty_like(x), torch.empty_like(x)
+    return torch.empty_like(x), torch.empty_like(x, dtype=torch.float32)
 
 
 @torch.library.custom_op("zerobubble::qk_norm_rope", mutates_args=())
@@ -205,7 +215,8 @@ def _(gate_up: Tensor) -> Tensor:
 def add_rms_norm(
     x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, impl: KernelImpl = None
 ) -> tuple[Tensor, Tensor]:
-    """``(normed, new_residual)`` for ``x [T, hidden]``: the residual stream's sum and its RMSNorm."""
+    """``(normed, new_residual)`` for ``x [T, hidden]``: the residual stream's sum (float32) and its
+    RMSNorm (in ``x.dtype``)."""
     if use_triton(x, impl, _add_rms_norm_kernel if HAS_TRITON else None):
         normed, summed = torch.ops.zerobubble.add_rms_norm(x, residual, weight, eps)
         return normed, summed

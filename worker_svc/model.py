@@ -36,6 +36,9 @@ from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
 
 logger = logging.getLogger(__name__)
 
+# Leading logits of a 16-bit model recomputed in float32 (`CausalLM.compute_logits`).
+EXACT_TOP_LOGITS = 8
+
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
 _SILU_NAMES = frozenset({"silu", "swish"})
@@ -180,6 +183,7 @@ class CausalLM:
     quantization: str = "none"  # "int8" / "int4": weight-only quantized linear weights (kernels/linear.py)
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
+    head_rows: torch.Tensor | None = None  # [vocab, hidden] plain lm_head rows (the embedding when tied)
     final_norm: torch.Tensor | None = None
     layers: list[LayerWeights] = field(default_factory=list)
     # Asked before each layer: True stops the forward with `StepInterrupted` (the runner's
@@ -213,6 +217,7 @@ class CausalLM:
         # head unquantized, docs/benchmarks/cpu-llamacpp.md); llama.cpp keeps its output matrix
         # at a higher precision too.
         self.lm_head = weight(head) if self.quantization != "int4" else prepare_linear(head, self.prepack)
+        self.head_rows = head
 
     def weight_readers(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Taker, OptionalTaker, WeightMaker]:
         """``take(name, shape)`` (checked, in this model's dtype and device), ``take_optional``
@@ -280,7 +285,7 @@ class CausalLM:
                 raise StepInterrupted
             normed, residual = layer_input(layer, hidden, residual, eps)
             if captured is not None and i in self.capture_layers:
-                captured.append(residual)  # the stream's sum into this layer: a new tensor
+                captured.append(residual.to(normed.dtype))  # the stream's sum into this layer
             q = self.write_kv(layer, normed, cos, sin, (k_cache, v_cache), meta.slot_mapping)
             attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
             hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
@@ -321,12 +326,23 @@ class CausalLM:
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[N, vocab]`` for the selected hidden rows ``[N, hidden]`` (or rows of
-        `forward`'s output with captured layers: their first ``hidden`` columns)."""
-        assert self.lm_head is not None, "load_weights first"
+        `forward`'s output with captured layers: their first ``hidden`` columns).
+
+        A 16-bit product rounds every logit to 8 significant bits (steps of 1/16 between 8 and
+        16), so a near-tie between the leading tokens would be settled by that rounding; the
+        leading logits are recomputed in float32 from the same hidden row and weight rows, which
+        makes the choice among them float32's (one greedy choice in about 200 differs otherwise).
+        """
+        assert self.lm_head is not None and self.head_rows is not None, "load_weights first"
         size = self.spec.hidden_size
         if hidden.shape[-1] != size:
             hidden = hidden.narrow(-1, 0, size).contiguous()
-        return linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head).float()
+        if hidden.dtype == torch.float32:
+            return logits
+        top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices
+        rows = F.embedding(top, self.head_rows).float()  # [N, top, hidden]
+        return logits.scatter_(1, top, torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1))
 
 
 def layer_input(

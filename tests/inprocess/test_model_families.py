@@ -30,8 +30,15 @@ from transformers import (
 
 from tests.hf_oracle import hf_greedy, report_divergence
 from zerobubble.kernels.attention import AttentionMetadata
+from zerobubble.kernels.linear import linear
 from zerobubble.kernels.slot_mapping import compute_slot_mapping
-from zerobubble.worker_svc.model import CausalLM, allocate_kv_cache, build_model, kv_cache_bytes_per_block
+from zerobubble.worker_svc.model import (
+    EXACT_TOP_LOGITS,
+    CausalLM,
+    allocate_kv_cache,
+    build_model,
+    kv_cache_bytes_per_block,
+)
 from zerobubble.worker_svc.model_loader import load_model
 
 VOCAB = 128
@@ -193,6 +200,27 @@ def test_half_precision_close_to_float32_reference(dtype: torch.dtype) -> None:
     for r, reference in enumerate(family.reference):
         # bf16 keeps ~3 significant digits (fp16 ~4); the argmax rarely flips on random weights.
         assert (paged[r].float() - reference).abs().max() < 0.15 * reference.abs().max()
+
+
+@pytest.mark.parametrize("name", ["llama", "llama-tied"])
+def test_leading_logits_of_a_16_bit_model_are_float32_products(name: str) -> None:
+    """The 16-bit lm_head rounds every logit to 8 significant bits; the leading ones are
+    recomputed in float32 from the same hidden row and weight rows (the oracle: a float32
+    matmul of both), so the argmax is float32's, and the other logits keep the 16-bit product."""
+    family = _make_family(name, torch.bfloat16)
+    ours = family.ours
+    hidden = torch.randn(12, family.config.hidden_size, generator=torch.Generator().manual_seed(5)).bfloat16()
+    logits = ours.compute_logits(hidden)
+    assert ours.head_rows is not None
+    exact = hidden.float() @ ours.head_rows.float().T
+    rounded = exact.bfloat16().float()  # what the 16-bit product gives, up to its own accumulation
+    assert ours.lm_head is not None
+    top = linear(hidden, ours.lm_head).float().topk(EXACT_TOP_LOGITS, dim=-1).indices  # the leading ones
+    torch.testing.assert_close(logits.gather(1, top), exact.gather(1, top), atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits.argmax(-1), exact.argmax(-1))
+    rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, top, False)
+    assert not torch.equal(logits[rest], exact[rest])  # the tail is still the rounded product
+    torch.testing.assert_close(logits[rest], rounded[rest], atol=0.05, rtol=2**-7)
 
 
 def test_kv_cache_sizing() -> None:

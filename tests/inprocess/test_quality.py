@@ -2,9 +2,10 @@
 perplexity over float32's own greedy continuations of workload prompts (worker_svc/quality.py).
 
 A subset of the shipped workload; the full figures (every row, 64 tokens each) are in
-docs/benchmarks/cpu-llamacpp.md, where bfloat16 agrees on 98.5 % of positions, int8 on 97.4 % and
-int4 on 98.4 %. A few hundred positions vary by a point or two with the rows chosen, so the agreement bounds
-here sit that much below the full figures' targets (99 % and 97 %); perplexity keeps its targets.
+docs/benchmarks/cpu-llamacpp.md, where bfloat16 agrees on 99.1 % of positions, int8 on 97.8 % and
+int4 on 99.2 % (this subset: 99.5 %, 98.2 %, 98.2 %). A few hundred positions vary by a point or two
+with the rows chosen, so the agreement bounds here sit a point below the full figures' targets
+(99 % and 97 %); perplexity keeps its targets.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from zerobubble.worker_svc.quality import Quality, measure
 
 NUM_ROWS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS = 16, 192, 24
 # precision -> (least top-1 agreement, largest relative perplexity change)
-BOUNDS = {"bfloat16": (0.97, 0.01), "int8": (0.95, 0.03), "int4": (0.95, 0.03)}
+BOUNDS = {"bfloat16": (0.98, 0.01), "int8": (0.96, 0.03), "int4": (0.96, 0.03)}
 
 
 @pytest.fixture(scope="module")
