@@ -173,13 +173,12 @@ def test_a_finish_notice_alone_cuts_the_step_in_flight(runner) -> None:
     assert len(cut) >= 1, "the notice-only plans cut nothing"
 
 
-@pytest.mark.parametrize("window", [1, 2])
-def test_finished_requests_leave_the_worker_when_nothing_else_runs(runner, window: int) -> None:
+def test_finished_requests_leave_the_worker_when_nothing_else_runs(runner) -> None:
     """Once the last request has finished and no step is in flight, the notice-only plan still
     goes out: the worker drops the request's slot instead of holding it until the next request
     (a worker holding requests counts its wait for a plan as a bubble)."""
-    _, _ = one_after_another(runner, window=window, notices=False)
+    _, _ = one_after_another(runner, window=2, notices=False)
     assert runner.slots, "without notices the last request's slot stays: the test exercises nothing"
-    out, _ = one_after_another(runner, window=window, notices=True)
+    out, _ = one_after_another(runner, window=2, notices=True)
     assert all(out.values())
     assert not runner.slots, f"slots of finished requests kept: {sorted(runner.slots)}"

@@ -3,7 +3,7 @@ perplexity over float32's own greedy continuations of workload prompts (worker_s
 
 A subset of the shipped workload; the full figures (every row, 64 tokens each) are in
 docs/benchmarks/cpu-llamacpp.md, where bfloat16 agrees on 99.1 % of positions, int8 on 97.8 % and
-int4 on 99.2 % (this subset: 99.5 %, 98.2 %, 98.2 %). A few hundred positions vary by a point or two
+int4 on 99.2 % (this subset: 98.9 %, 98.2 %, 98.2 %). A few hundred positions vary by a point or two
 with the rows chosen, so the agreement bounds here sit a point below the full figures' targets
 (99 % and 97 %); perplexity keeps its targets.
 """
@@ -16,15 +16,15 @@ import pytest
 
 from zerobubble.worker_svc.quality import Quality, measure
 
-NUM_ROWS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS = 16, 192, 24
+NUM_ROWS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS = 12, 192, 24
 # precision -> (least top-1 agreement, largest relative perplexity change)
 BOUNDS = {"bfloat16": (0.98, 0.01), "int8": (0.96, 0.03), "int4": (0.96, 0.03)}
 
 
 @pytest.fixture(scope="module")
 def qualities(grounded_rows: list[dict[str, Any]]) -> dict[str, Quality]:
-    # Every third row: code, prose and chat alike, not only the first kind in the file.
-    rows = grounded_rows[::3][:NUM_ROWS]  # every third row: code, prose and chat alike
+    # Every fourth row: code, prose and chat alike, not only the first kind in the file.
+    rows = grounded_rows[::4][:NUM_ROWS]
     return {q.name: q for q in measure(rows, list(BOUNDS), MAX_PROMPT_TOKENS, MAX_NEW_TOKENS)}
 
 
