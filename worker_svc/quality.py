@@ -79,17 +79,37 @@ def compare(
     return Quality(name, total, agree / total, math.exp(nll_other / total), math.exp(nll_ref / total))
 
 
-def greedy_continuations(loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def greedy_continuations(
+    loaded: LoadedModel, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 16
+) -> list[list[int]]:
     """Each prompt followed by float32's greedy continuation (Hugging Face's ``generate``, the
-    oracle every exactness test uses): the text a served request would read."""
+    oracle every exactness test uses), up to and including its first EOS: the text a served
+    request would read.
+
+    Prompts are generated ``batch_size`` at a time, left-padded: a padded row's logits may differ
+    from its unpadded run in the last bits, which can change a near-tied choice. That is harmless
+    here: the continuation only supplies realistic text, and both precisions are scored on the
+    same tokens.
+    """
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    eos = hf.generation_config.eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    pad = min(stops) if stops else 0
     out = []
     with torch.inference_mode():
-        for ids in prompts:
-            generated = hf.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False)
-            out.append(generated[0].tolist())
+        for first in range(0, len(prompts), batch_size):
+            batch = prompts[first : first + batch_size]
+            width = max(len(ids) for ids in batch)
+            input_ids = torch.tensor([[pad] * (width - len(ids)) + ids for ids in batch])
+            mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in batch])
+            generated = hf.generate(
+                input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad
+            )
+            for ids, row in zip(batch, generated[:, width:].tolist(), strict=True):
+                ends = [i for i, token in enumerate(row) if token in stops]
+                out.append(ids + (row[: ends[0] + 1] if ends else row))
     return out
 
 
