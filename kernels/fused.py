@@ -30,18 +30,20 @@ from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, next_power_of_2, 
 # torch twins
 
 
-def rms_norm_twin(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """RMSNorm over the last dim, computed in float32 as Hugging Face does, scaled in ``x.dtype``.
+def rms_norm_twin(x: Tensor, weight: Tensor, eps: float, dtype: torch.dtype | None = None) -> Tensor:
+    """RMSNorm over the last dim, computed in float32 as Hugging Face does, rounded to and scaled
+    in ``dtype`` (``x.dtype`` by default; a float32 residual sum is normed into the model dtype).
 
     ``weight`` is ``[D]``, or ``[H, D]`` for per-head norms of a ``[T, H, D]`` input.
     """
-    if x.dtype == torch.float32:
+    dtype = dtype or x.dtype
+    if dtype == torch.float32 == x.dtype:
         if weight.dim() == 1:
             return F.rms_norm(x, weight.shape, weight, eps)
         return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    return weight * x32.to(dtype)
 
 
 def add_rms_norm_twin(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -51,10 +53,7 @@ def add_rms_norm_twin(x: Tensor, residual: Tensor | None, weight: Tensor, eps: f
     either; the normed activations are in ``x.dtype``, as Hugging Face's norm rounds them.
     """
     summed = x.float() if residual is None else residual.float() + x
-    if x.dtype == torch.float32:
-        return rms_norm_twin(summed, weight, eps), summed
-    normed = summed * torch.rsqrt(summed.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * normed.to(x.dtype), summed
+    return rms_norm_twin(summed, weight, eps, x.dtype), summed
 
 
 def qk_norm_rope_twin(qk: Tensor, cos: Tensor, sin: Tensor, norm_weight: Tensor | None, eps: float) -> Tensor:
