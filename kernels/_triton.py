@@ -21,7 +21,9 @@ except ImportError:  # CPU-only installs run the torch references
     tl = None
     HAS_TRITON = False
 
-KernelImpl = Literal["torch", "triton"] | None
+# None: Triton on CUDA, the torch twin elsewhere; "cpp": the compiled CPU kernels
+# (zerobubble.kernels.cpu), which a caller asks for explicitly once it has loaded them.
+KernelImpl = Literal["torch", "triton", "cpp"] | None
 
 
 def is_interpreted(kernel: object) -> bool:
@@ -38,12 +40,12 @@ def use_triton(tensor: torch.Tensor, impl: KernelImpl, kernel: object | None = N
     otherwise; ``"triton"`` or ``"torch"`` forces one. Forcing Triton on CPU tensors needs the
     interpreter, which ``kernel`` (the jitted function) is checked against.
     """
-    if impl == "torch":
+    if impl in ("torch", "cpp"):
         return False
     if impl is None:
         return HAS_TRITON and tensor.is_cuda
     if impl != "triton":
-        raise ValueError(f"impl must be None, 'torch' or 'triton', got {impl!r}")
+        raise ValueError(f"impl must be None, 'torch', 'triton' or 'cpp', got {impl!r}")
     if not HAS_TRITON:
         raise RuntimeError("impl='triton' requested but triton is not installed")
     if not tensor.is_cuda and kernel is not None and not is_interpreted(kernel):

@@ -113,10 +113,13 @@ class AttentionPlan:
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (row, window) -> mask
 
 
-def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int) -> AttentionPlan:
+def plan_attention(
+    meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: int, batched: bool = True
+) -> AttentionPlan:
     """Split the batch into groups of short rows and looped long rows (torch path only).
 
     ``k_cache`` supplies the cache geometry, which every layer's caches must share.
+    ``batched=False``: the long rows only (the C++ kernel attends the short ones itself).
     """
     num_cache_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     qsl = meta.query_start_loc.tolist()
@@ -130,7 +133,7 @@ def plan_attention(meta: AttentionMetadata, k_cache: torch.Tensor, num_q_heads: 
         if q_len > MAX_BATCHED_QUERY_LEN:
             block_ids = meta.block_tables[r, : -(-seq_lens[r] // block_size)].long()
             plan.prefill_rows.append(_PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], block_ids))
-        elif q_len > 0:
+        elif q_len > 0 and batched:
             by_len.setdefault(q_len, []).append(r)
     # int32 halves the index traffic; caches too large to address with it keep int64.
     index_dtype = torch.int32 if num_cache_blocks * num_kv_heads * block_size * head_dim < 2**31 else torch.int64
@@ -185,6 +188,9 @@ def write_kv_cache(
     """Store ``k``/``v`` ``[T, num_kv_heads, head_dim]`` at flat slots ``slot_mapping`` (all valid)."""
     if k.shape[0] == 0:
         return
+    if impl == "cpp" and k.dtype == k_cache.dtype:
+        torch.ops.zerobubble_cpu.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+        return
     if use_triton(k, impl, _write_kv_kernel if HAS_TRITON else None):
         torch.ops.zerobubble.write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return
@@ -223,7 +229,9 @@ def paged_attention(
         # Off the CPU the planned path's host reads would stall the host behind the device.
         return _paged_attention_gathered(q, k_cache, v_cache, meta, scale, window)
     if plan is None:
-        plan = plan_attention(meta, k_cache, q.shape[1])
+        plan = plan_attention(meta, k_cache, q.shape[1], batched=impl != "cpp")
+    if impl == "cpp":
+        return _paged_attention_cpp(q, k_cache, v_cache, meta, plan, scale, window)
     return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window)
 
 
@@ -317,7 +325,38 @@ def _paged_attention_torch(
     for group in plan.groups:
         attended = _batched_attention(q, key_storage, value_storage, group, scale, window)
         out[group.token_index.reshape(-1)] = attended.view(-1, *q.shape[1:])
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out)
+
+
+def _paged_attention_cpp(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    plan: AttentionPlan,
+    scale: float,
+    window: int,
+) -> torch.Tensor:
+    """Short rows through the C++ kernel (zerobubble.kernels.cpu), long rows through SDPA."""
+    key_storage, value_storage = _key_storage(k_cache), _value_storage(v_cache)
+    out: torch.Tensor = torch.ops.zerobubble_cpu.paged_attention(
+        q, key_storage, value_storage, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+        MAX_BATCHED_QUERY_LEN, scale, window,
+    )  # fmt: skip
+    return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out)
+
+
+def _attend_long_rows(
+    q: torch.Tensor,
+    key_storage: torch.Tensor,
+    value_storage: torch.Tensor,
+    plan: AttentionPlan,
+    scale: float,
+    window: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """Writes the attention of each of the plan's long rows (prefill chunks) into ``out``, by SDPA."""
+    num_kv_heads, head_dim = key_storage.shape[1], key_storage.shape[2]
     for i, row in enumerate(plan.prefill_rows):
         num_queries = row.end - row.start
         # [nblk, Hkv, D, bs] and [nblk, Hkv, bs, D] -> [1, Hkv, L, D]; a copy is cheap next to a prefill.

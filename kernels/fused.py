@@ -4,14 +4,16 @@ Between two matmuls a decoder layer is a chain of small elementwise steps. Run o
 time, a bfloat16 RMSNorm alone is eight kernels (cast, square, mean, add, rsqrt, multiply, cast,
 scale) and a layer some forty; each reads and writes the whole activation, and on a GPU each
 costs a launch of a few microseconds even inside a CUDA graph. Each function here is one kernel
-on CUDA (Triton) and its torch twin elsewhere. The twins are the model's reference semantics,
+on CUDA (Triton) or, asked for with ``impl="cpp"``, on the CPU (`zerobubble.kernels.cpu`), and
+its torch twin elsewhere. The twins are the model's reference semantics,
 rounding included: every intermediate a Hugging Face layer rounds to the model dtype is rounded
 here too, but for one: the residual stream is kept in float32 (Hugging Face rounds each sum to the
 model dtype, and over a deep stack those roundings move the logits enough to change the argmax
 now and then: with the stream in float32, bfloat16 SmolLM2 agrees with float32 on 99.14 % of next
 tokens instead of 98.96 %, docs/benchmarks/cpu-llamacpp.md). The Triton kernels match the twins to
-within one rounding step in 16-bit dtypes and exactly in float32, and the float32 twins are bit for
-bit Hugging Face's computation.
+within one rounding step in 16-bit dtypes and exactly in float32, the C++ kernels to within one
+rounding step (their reductions sum in another order), and the float32 twins are bit for bit
+Hugging Face's computation.
 
 Every Triton kernel is reached through a ``torch.library`` custom op with a fake implementation,
 so a forward can run under ``FakeTensorMode`` (the kernel-count test) and be traced by
@@ -216,6 +218,9 @@ def add_rms_norm(
 ) -> tuple[Tensor, Tensor]:
     """``(normed, new_residual)`` for ``x [T, hidden]``: the residual stream's sum (float32) and its
     RMSNorm (in ``x.dtype``)."""
+    if impl == "cpp":
+        normed, summed = torch.ops.zerobubble_cpu.add_rms_norm(x, residual, weight, eps)
+        return normed, summed
     if use_triton(x, impl, _add_rms_norm_kernel if HAS_TRITON else None):
         normed, summed = torch.ops.zerobubble.add_rms_norm(x, residual, weight, eps)
         return normed, summed
@@ -234,6 +239,9 @@ def qk_norm_rope(
 ) -> Tensor:
     """The first ``num_heads`` heads of ``qkv [T, >= num_heads * head_dim]`` (q then k), normed
     per head when ``norm_weight`` is given and rotated: ``[T, num_heads, head_dim]``."""
+    if impl == "cpp":
+        rotated: Tensor = torch.ops.zerobubble_cpu.qk_norm_rope(qkv, cos, sin, norm_weight, num_heads, head_dim, eps)
+        return rotated
     if use_triton(qkv, impl, _qk_norm_rope_kernel if HAS_TRITON else None):
         result: Tensor = torch.ops.zerobubble.qk_norm_rope(qkv, cos, sin, norm_weight, num_heads, head_dim, eps)
         return result
@@ -243,6 +251,9 @@ def qk_norm_rope(
 
 def silu_mul(gate_up: Tensor, impl: KernelImpl = None) -> Tensor:
     """``silu(gate) * up`` of ``gate_up [T, 2 I]`` -> ``[T, I]``."""
+    if impl == "cpp":
+        product: Tensor = torch.ops.zerobubble_cpu.silu_mul(gate_up)
+        return product
     if use_triton(gate_up, impl, _silu_mul_kernel if HAS_TRITON else None):
         result: Tensor = torch.ops.zerobubble.silu_mul(gate_up)
         return result

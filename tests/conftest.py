@@ -45,6 +45,15 @@ def grounded_rows() -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+@pytest.fixture(scope="session")
+def cpu_kernels() -> None:
+    """The compiled CPU kernels (zerobubble.kernels.cpu), built on first use: a failed build fails
+    the tests that need them rather than skipping them."""
+    from zerobubble.kernels import cpu
+
+    assert cpu.load(), "the compiled CPU kernels did not build or load (the warning above says why)"
+
+
 # --- the worker-runtime harness's runners (tests/runner_harness.py), shared by several modules
 
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from zerobubble.kernels._triton import use_triton
+from zerobubble.kernels._triton import KernelImpl, use_triton
 from zerobubble.kernels.attention import (
     AttentionMetadata,
     AttentionPlan,
@@ -181,6 +181,9 @@ class CausalLM:
     rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see zerobubble.kernels.fused.qk_norm_rope_twin
     prepack: bool = True  # lay linear weights out for oneDNN on CPU (kernels/linear.py)
     quantization: str = "none"  # "int8" / "int4": weight-only quantized linear weights (kernels/linear.py)
+    # "cpp": the compiled CPU kernels serve the norms, rotation, SiLU and attention
+    # (zerobubble.kernels.cpu); None: Triton on CUDA, the torch twins elsewhere.
+    kernels: KernelImpl = None
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
     head_rows: torch.Tensor | None = None  # [vocab, hidden] plain lm_head rows (the embedding when tied)
@@ -253,7 +256,7 @@ class CausalLM:
         assert self.embed is not None and self.final_norm is not None, "load_weights first"
         captured: list[torch.Tensor] = []
         hidden, residual = self.run_layers(F.embedding(input_ids, self.embed), positions, meta, kv_caches, captured)
-        final = add_rms_norm(hidden, residual, self.final_norm, self.spec.rms_norm_eps)[0]
+        final = add_rms_norm(hidden, residual, self.final_norm, self.spec.rms_norm_eps, self.kernels)[0]
         return torch.cat([final, *captured], dim=-1) if captured else final
 
     def run_layers(
@@ -276,22 +279,24 @@ class CausalLM:
         plan: AttentionPlan | None = None
         # The torch path's plan reads host values: only on the CPU, where they are host memory.
         if not use_triton(hidden, None) and hidden.device.type == "cpu" and num_tokens > 0:
-            plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads)
+            plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads, batched=self.kernels != "cpp")
         # The residual stream's add is fused into the norm that follows it: `hidden` is a
         # sublayer's output not yet added, `residual` the stream before it.
         residual: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache), window) in enumerate(zip(self.layers, kv_caches, spec.sliding_windows)):
             if self.interrupt is not None and self.interrupt():
                 raise StepInterrupted
-            normed, residual = layer_input(layer, hidden, residual, eps)
+            normed, residual = layer_input(layer, hidden, residual, eps, self.kernels)
             if captured is not None and i in self.capture_layers:
                 captured.append(residual.to(normed.dtype))  # the stream's sum into this layer
             q = self.write_kv(layer, normed, cos, sin, (k_cache, v_cache), meta.slot_mapping)
-            attn = paged_attention(q, k_cache, v_cache, meta, self.scale, sliding_window=window, plan=plan)
+            attn = paged_attention(
+                q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan
+            )
             hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
-            normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps)
+            normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps, self.kernels)
             gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias)
-            hidden = linear(silu_mul(gate_up), layer.down_weight, layer.down_bias)
+            hidden = linear(silu_mul(gate_up, self.kernels), layer.down_weight, layer.down_bias)
         return hidden, residual
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -312,13 +317,13 @@ class CausalLM:
         qk_heads = spec.num_q_heads + spec.num_kv_heads
         qkv = linear(normed, layer.qkv_weight, layer.qkv_bias)
         # q and k get the same per-head norm and rotation, so they are processed as one tensor.
-        qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, spec.rms_norm_eps)
+        qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, spec.rms_norm_eps, self.kernels)
         # narrow, not [] slicing: Python indexing takes a device guard, which a CUDA-less
         # build cannot give even to fake CUDA tensors (tests/inprocess/test_kernel_count.py).
         q, k = qk.split((spec.num_q_heads, spec.num_kv_heads), dim=1)
         kv_size = spec.num_kv_heads * spec.head_dim
         v = qkv.narrow(1, qk_heads * spec.head_dim, kv_size).view(normed.shape[0], spec.num_kv_heads, -1)
-        write_kv_cache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+        write_kv_cache(k, v, kv_cache[0], kv_cache[1], slot_mapping, self.kernels)
         return q
 
     __call__ = forward
@@ -346,7 +351,7 @@ class CausalLM:
 
 
 def layer_input(
-    layer: LayerWeights, hidden: torch.Tensor, residual: torch.Tensor | None, eps: float
+    layer: LayerWeights, hidden: torch.Tensor, residual: torch.Tensor | None, eps: float, impl: KernelImpl = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A layer's normed input and the residual stream with ``hidden`` added; a layer without an
     input norm (an EAGLE-1 head's) takes the sum as is, an EAGLE-3 head's (`LayerWeights.hidden_norm`)
@@ -355,13 +360,13 @@ def layer_input(
         assert residual is None and layer.input_norm is not None, "an EAGLE-3 layer comes first"
         size = layer.hidden_norm.shape[0]
         embeds, state = hidden.narrow(-1, 0, size).contiguous(), hidden.narrow(-1, size, size).contiguous()
-        normed_state = add_rms_norm(state, None, layer.hidden_norm, eps)[0]
-        normed = torch.cat((add_rms_norm(embeds, None, layer.input_norm, eps)[0], normed_state), dim=-1)
+        normed_state = add_rms_norm(state, None, layer.hidden_norm, eps, impl)[0]
+        normed = torch.cat((add_rms_norm(embeds, None, layer.input_norm, eps, impl)[0], normed_state), dim=-1)
         return normed, normed_state if layer.norm_before_residual else state
     if layer.input_norm is None:
         summed = hidden if residual is None else hidden + residual
         return summed, summed
-    return add_rms_norm(hidden, residual, layer.input_norm, eps)
+    return add_rms_norm(hidden, residual, layer.input_norm, eps, impl)
 
 
 def layer_weights(
@@ -415,12 +420,17 @@ def layer_weights(
 
 
 def build_model(
-    hf_config: Any, dtype: torch.dtype, device: torch.device | str, prepack: bool = True, quantization: str = "none"
+    hf_config: Any,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    prepack: bool = True,
+    quantization: str = "none",
+    kernels: KernelImpl = None,
 ) -> CausalLM:
     """An empty :class:`CausalLM` for ``hf_config``; fill it with :meth:`CausalLM.load_weights`.
 
     ``prepack`` lays the linear weights out for oneDNN on CPU, ``quantization`` ("int8", "int4")
-    stores them quantized (see :mod:`zerobubble.kernels.linear`).
+    stores them quantized (see :mod:`zerobubble.kernels.linear`), ``kernels`` is `CausalLM.kernels`.
     """
     spec = model_spec(hf_config)
     cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)
@@ -435,6 +445,7 @@ def build_model(
         rope_sin=torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype),
         prepack=prepack,
         quantization=quantization,
+        kernels=kernels,
     )
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from zerobubble.kernels._triton import KernelImpl
 from zerobubble.worker_svc.model import SUPPORTED_MODEL_TYPES, CausalLM, build_model
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,17 @@ def resolve_model(spec: str) -> Path:
     )
 
 
+def uses_cpu_kernels(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a model in ``dtype`` on ``device`` runs the compiled CPU kernels: 16-bit models on
+    the CPU, once the kernels load. Float32 keeps the torch ops, whose products and norms are
+    bit for bit Hugging Face's (the greedy-exactness oracle)."""
+    if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    from zerobubble.kernels import cpu
+
+    return cpu.load()
+
+
 def load_model(
     spec: str,
     dtype: torch.dtype | str = torch.float32,
@@ -99,12 +111,14 @@ def load_model(
     prepack: bool = True,
     weights: bool = True,
     quantization: str = "none",
+    cpu_kernels: bool = True,
 ) -> LoadedModel:
     """Resolve ``spec`` and load its weights into our Llama-family forward.
 
     ``prepack``: lay linear weights out for oneDNN on CPU (:mod:`zerobubble.kernels.linear`).
     ``quantization``: ``"int8"`` / ``"int4"`` store the linear weights quantized (:mod:`zerobubble.kernels.linear`).
     ``weights=False``: config, tokenizer and EOS ids only (``model`` is None).
+    ``cpu_kernels``: a 16-bit model on the CPU runs the compiled kernels (:mod:`zerobubble.kernels.cpu`).
 
     Raises:
         ModelLoadError: the model is missing, malformed or of an unsupported family.
@@ -127,7 +141,8 @@ def load_model(
     if not weights:
         return loaded
     try:
-        model = build_model(hf_config, torch_dtype, torch.device(device), prepack, quantization)
+        kernels: KernelImpl = "cpp" if cpu_kernels and uses_cpu_kernels(torch_dtype, torch.device(device)) else None
+        model = build_model(hf_config, torch_dtype, torch.device(device), prepack, quantization, kernels)
     except ValueError as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: {exc}") from exc
     state_dict: dict[str, torch.Tensor] = {}

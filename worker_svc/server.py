@@ -140,7 +140,9 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
         # fine for the tests' fake device, out of memory at once at real lengths on a GPU.
         raise ConfigError("--device cuda needs triton (Linux CUDA builds of torch bring it): pip install triton")
     dtype = resolve_dtype(cfg.dtype, device)
-    loaded = load_model(cfg.model, dtype, device, cfg.prepack_weights, quantization=cfg.quantization)
+    loaded = load_model(
+        cfg.model, dtype, device, cfg.prepack_weights, quantization=cfg.quantization, cpu_kernels=cfg.cpu_kernels
+    )
     draft = _load_drafter(cfg, loaded, dtype, device)
     proposer = build_proposer(
         cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max, draft, cfg.draft_acceptance

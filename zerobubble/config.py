@@ -272,6 +272,11 @@ class WorkerConfig(ServiceConfig):
         "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
         "batches; float32 weights then take twice the memory)",
     )
+    cpu_kernels: bool = setting(
+        True,
+        "CPU, bfloat16/float16: run the norms, rotation, SiLU and paged attention as compiled C++ "
+        "kernels (built once per machine with the host's compiler; torch ops where that fails)",
+    )
     auth_token: str = setting(
         "",
         "token the scheduler must send (its --worker-auth-token) to use Execute and "

@@ -1,4 +1,5 @@
-"""Triton kernels vs torch references (CPU, ``TRITON_INTERPRET=1``) vs naive dense attention."""
+"""Triton kernels (CPU, ``TRITON_INTERPRET=1``) and the compiled CPU kernels vs torch references vs
+naive dense attention."""
 
 from __future__ import annotations
 
@@ -140,24 +141,62 @@ def test_paged_attention_triton_in_bfloat16_matches_torch(requests: list[tuple[i
     torch.testing.assert_close(triton_out.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("requests", [REQUESTS, DECODES, LONG_PREFILLS], ids=["mixed", "decodes", "long-prefills"])
+@pytest.mark.parametrize(("block_size", "head_dim", "num_kv_heads"), [(4, 16, 2), (5, 24, 2), (16, 64, 1), (4, 16, 4)])
+def test_paged_attention_cpp_matches_dense(
+    cpu_kernels: None, block_size: int, head_dim: int, num_kv_heads: int, requests: list[tuple[int, int]], window: int
+) -> None:
+    """The C++ kernel takes the short rows, SDPA the long ones, as the model runs them."""
+    q, k_cache, v_cache, meta = _batch(block_size, head_dim, block_size, num_kv_heads, requests=requests)
+    scale = head_dim**-0.5
+    got = paged_attention(q, k_cache, v_cache, meta, scale, impl="cpp", sliding_window=window or None)
+    torch.testing.assert_close(got, _dense_attention(q, k_cache, v_cache, meta, scale, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_paged_attention_cpp_in_bfloat16_matches_dense(cpu_kernels: None, window: int) -> None:
+    q, k_cache, v_cache, meta = _batch(4, 16, 1, requests=REQUESTS)
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    got = paged_attention(q, k_cache, v_cache, meta, 0.25, impl="cpp", sliding_window=window or None)
+    assert got.dtype == torch.bfloat16
+    expected = _dense_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.25, window)
+    # bfloat16 inputs, float32 scores, probabilities and sums, one rounding of the output: a
+    # bfloat16 step (2^-8 relative) of the largest outputs.
+    torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=2**-7)
+
+
+def test_paged_attention_cpp_names_a_bad_cache(cpu_kernels: None) -> None:
+    q, k_cache, v_cache, meta = _batch(4, 16, seed=0)
+    with pytest.raises(RuntimeError, match="caches must be in q's dtype"):
+        paged_attention(q.bfloat16(), k_cache, v_cache, meta, 0.25, impl="cpp")
+
+
 def test_torch_path_rejects_other_layouts() -> None:
     q, k_cache, v_cache, meta = _batch(4, 16, seed=0, layout="contiguous")
     with pytest.raises(ValueError, match="new_kv_cache"):
         paged_attention(q, k_cache, v_cache, meta, 0.25, impl="torch")
 
 
-@needs_triton
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=needs_triton), "cpp"])
 @pytest.mark.parametrize("layout", ["new_kv_cache", "contiguous"])
-def test_write_kv_cache_triton_matches_torch(layout: str) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_cache_matches_torch(
+    request: pytest.FixtureRequest, impl: str, layout: str, dtype: torch.dtype
+) -> None:
+    if impl == "cpp":
+        request.getfixturevalue("cpu_kernels")
     q, k_cache, v_cache, meta = _batch(4, 16, seed=7, layout=layout)
+    k_cache, v_cache = k_cache.to(dtype), v_cache.to(dtype)
     g = torch.Generator().manual_seed(8)
-    k = torch.randn(q.shape[0], NUM_KV_HEADS, 16, generator=g)
-    v = torch.randn(q.shape[0], NUM_KV_HEADS, 16, generator=g)
-    caches = {impl: (k_cache.clone(), v_cache.clone()) for impl in ("torch", "triton")}
-    for impl, (kc, vc) in caches.items():
-        write_kv_cache(k, v, kc, vc, meta.slot_mapping, impl=impl)
-    assert torch.equal(caches["torch"][0], caches["triton"][0])
-    assert torch.equal(caches["torch"][1], caches["triton"][1])
+    # k and v as the model passes them: strided views of one fused projection.
+    kv = torch.randn(q.shape[0], 2 * NUM_KV_HEADS + 1, 16, generator=g).to(dtype)
+    k, v = kv[:, 1 : 1 + NUM_KV_HEADS], kv[:, 1 + NUM_KV_HEADS :]
+    caches = {name: (k_cache.clone(), v_cache.clone()) for name in ("torch", impl)}
+    for name, (kc, vc) in caches.items():
+        write_kv_cache(k, v, kc, vc, meta.slot_mapping, impl=name)  # type: ignore[arg-type]
+    assert torch.equal(caches["torch"][0], caches[impl][0])
+    assert torch.equal(caches["torch"][1], caches[impl][1])
     written = caches["torch"][0][meta.slot_mapping // 4, meta.slot_mapping % 4]
     assert torch.equal(written, k)
 

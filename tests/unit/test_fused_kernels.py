@@ -1,4 +1,5 @@
-"""The fused layer kernels: Triton (CPU interpreter) vs their torch twins, and the twins vs Hugging Face."""
+"""The fused layer kernels: Triton (CPU interpreter) and C++ (zerobubble.kernels.cpu) vs their torch
+twins, and the twins vs Hugging Face."""
 
 from __future__ import annotations
 
@@ -15,12 +16,22 @@ from zerobubble.kernels._triton import HAS_TRITON  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 DTYPES = [torch.float32, torch.bfloat16]
+IMPLS = [pytest.param("triton", marks=needs_triton), "cpp"]
+
+
+@pytest.fixture
+def impl(request: pytest.FixtureRequest) -> str:
+    """The kernel implementation under test; "cpp" needs the compiled kernels loaded."""
+    if request.param == "cpp":
+        request.getfixturevalue("cpu_kernels")
+    return str(request.param)
 
 
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     """float32: a few ulps; 16-bit: a couple of rounding steps at the tensor's scale (the
-    interpreter truncates where torch rounds to nearest, and a rotation's two rounded products
-    may cancel, so a 16-bit result may sit a step or two away)."""
+    interpreter truncates where torch rounds to nearest, a compiled reduction sums in another
+    order, and a rotation's two rounded products may cancel, so a 16-bit result may sit a step
+    or two away)."""
     assert got.dtype == want.dtype and got.shape == want.shape
     if got.dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -29,26 +40,32 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6 * scale)
 
 
-@needs_triton
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hidden", [576, 64])
-@pytest.mark.parametrize("with_residual", [True, False])
-def test_add_rms_norm_matches_twin(dtype: torch.dtype, hidden: int, with_residual: bool) -> None:
+@pytest.mark.parametrize("residual_dtype", [None, "model", torch.float32])
+def test_add_rms_norm_matches_twin(
+    impl: str, dtype: torch.dtype, hidden: int, residual_dtype: torch.dtype | str | None
+) -> None:
     g = torch.Generator().manual_seed(hidden)
     x = (torch.randn(7, hidden, generator=g) * 3).to(dtype)
-    residual = torch.randn(7, hidden, generator=g).to(dtype) if with_residual else None
+    residual = None
+    if residual_dtype is not None:  # the stream in the model dtype (a first sum) or float32 (later ones)
+        residual = torch.randn(7, hidden, generator=g).to(dtype if residual_dtype == "model" else residual_dtype)
     weight = torch.randn(hidden, generator=g).to(dtype)
-    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5, impl="triton")
+    normed, summed = fused.add_rms_norm(x, residual, weight, 1e-5, impl=impl)
     want_normed, want_summed = fused.add_rms_norm(x, residual, weight, 1e-5, impl="torch")
     _close(summed, want_summed)
     _close(normed, want_normed)
 
 
-@needs_triton
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_heads", "head_dim"), [(12, 64), (5, 128)])
 @pytest.mark.parametrize("with_norm", [True, False])
-def test_qk_norm_rope_matches_twin(dtype: torch.dtype, num_heads: int, head_dim: int, with_norm: bool) -> None:
+def test_qk_norm_rope_matches_twin(
+    impl: str, dtype: torch.dtype, num_heads: int, head_dim: int, with_norm: bool
+) -> None:
     g = torch.Generator().manual_seed(num_heads)
     num_tokens = 6
     # A fused qkv row: the q and k heads first, then v heads the kernel must not read.
@@ -57,27 +74,36 @@ def test_qk_norm_rope_matches_twin(dtype: torch.dtype, num_heads: int, head_dim:
     cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype)
     sin = torch.cat((-angles.sin(), angles.sin()), -1).to(dtype)
     weight = torch.randn(num_heads, head_dim, generator=g).to(dtype) if with_norm else None
-    got = fused.qk_norm_rope(qkv, cos, sin, weight, num_heads, head_dim, 1e-6, impl="triton")
+    got = fused.qk_norm_rope(qkv, cos, sin, weight, num_heads, head_dim, 1e-6, impl=impl)
     want = fused.qk_norm_rope(qkv, cos, sin, weight, num_heads, head_dim, 1e-6, impl="torch")
     _close(got, want)
 
 
-@needs_triton
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("inter", [1536, 40, 3000])
-def test_silu_mul_matches_twin(dtype: torch.dtype, inter: int) -> None:
+def test_silu_mul_matches_twin(impl: str, dtype: torch.dtype, inter: int) -> None:
+    # Gates near the ends of float32's exponential on both sides, and zeros.
     gate_up = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
-    _close(fused.silu_mul(gate_up, impl="triton"), fused.silu_mul(gate_up, impl="torch"))
+    gate_up[0, :4] = torch.tensor([86.0, -86.0, 0.0, -0.0])
+    _close(fused.silu_mul(gate_up, impl=impl), fused.silu_mul(gate_up, impl="torch"))
 
 
-@needs_triton
-def test_kernels_accept_an_empty_batch() -> None:
+@pytest.mark.parametrize("impl", IMPLS, indirect=True)
+def test_kernels_accept_an_empty_batch(impl: str) -> None:
     x = torch.empty(0, 64)
-    normed, summed = fused.add_rms_norm(x, x, torch.ones(64), 1e-5, impl="triton")
+    normed, summed = fused.add_rms_norm(x, x, torch.ones(64), 1e-5, impl=impl)
     assert normed.shape == summed.shape == (0, 64)
-    assert fused.silu_mul(torch.empty(0, 80), impl="triton").shape == (0, 40)
-    qk = fused.qk_norm_rope(torch.empty(0, 256), torch.empty(0, 32), torch.empty(0, 32), None, 4, 32, 1e-6, "triton")
+    assert fused.silu_mul(torch.empty(0, 80), impl=impl).shape == (0, 40)
+    qk = fused.qk_norm_rope(torch.empty(0, 256), torch.empty(0, 32), torch.empty(0, 32), None, 4, 32, 1e-6, impl)
     assert qk.shape == (0, 4, 32)
+
+
+def test_cpp_kernels_name_a_misshapen_input(cpu_kernels: None) -> None:
+    with pytest.raises(RuntimeError, match="weight must be"):
+        fused.add_rms_norm(torch.ones(2, 64), None, torch.ones(32), 1e-5, impl="cpp")
+    with pytest.raises(RuntimeError, match="gate_up must be"):
+        fused.silu_mul(torch.ones(2, 7), impl="cpp")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

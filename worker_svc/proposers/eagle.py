@@ -107,7 +107,8 @@ class ServingHead:
         """Float32 logits ``[N, vocab]`` of predicted states; ids outside the draft vocabulary
         get -inf (the sampler then never draws them)."""
         if self.final_norm is not None:
-            state = add_rms_norm(state, None, self.final_norm, self.layer_model.spec.rms_norm_eps)[0]
+            model = self.layer_model
+            state = add_rms_norm(state, None, self.final_norm, model.spec.rms_norm_eps, model.kernels)[0]
         if self.lm_head is None:
             return self.target.compute_logits(state)
         logits = linear(state, self.lm_head).float()
@@ -196,7 +197,7 @@ def _eagle1_head(layer_config: dict[str, Any], state: dict[str, torch.Tensor], t
         hf_config.layer_types = ["full_attention"]
     model = target.model
     assert model is not None and model.embed is not None
-    layer_model = build_model(hf_config, model.dtype, model.device, model.prepack)
+    layer_model = build_model(hf_config, model.dtype, model.device, model.prepack, kernels=model.kernels)
     take, take_optional, weight = layer_model.weight_readers(state)
     hidden = layer_model.spec.hidden_size
     has_norm = "layers.0.input_layernorm.weight" in state
@@ -217,7 +218,7 @@ def _eagle3_head(layout: HeadLayout, state: dict[str, torch.Tensor], target: Cau
     hf_config.vocab_size = target.spec.vocab_size
     # The head drafts at the target's positions, which may run past the head's own table.
     hf_config.max_position_embeddings = max(int(hf_config.max_position_embeddings), target.spec.max_position_embeddings)
-    layer_model = build_model(hf_config, target.dtype, target.device, target.prepack)
+    layer_model = build_model(hf_config, target.dtype, target.device, target.prepack, kernels=target.kernels)
     take, take_optional, weight = layer_model.weight_readers(state)
     spec, target_hidden = layer_model.spec, target.spec.hidden_size
     layer_model.layers = [
@@ -342,7 +343,8 @@ class EagleProposer:
         positions = (batch.positions - 1).clamp(min=0)
         cos, sin = model.rotary(positions)
         layer = model.layers[0]
-        normed, _ = layer_input(layer, self.head.fuse(batch.input_ids, before), None, model.spec.rms_norm_eps)
+        fused = self.head.fuse(batch.input_ids, before)
+        normed, _ = layer_input(layer, fused, None, model.spec.rms_norm_eps, model.kernels)
         model.write_kv(layer, normed, cos, sin, self.kv_caches[0], slot_mapping)
         # Rows that did not sample carry their last fed hidden state into their next chunk.
         ends = batch.meta.query_start_loc[1:].long() - 1

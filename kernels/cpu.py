@@ -1,0 +1,109 @@
+"""The compiled CPU kernels of the decode path (``csrc/cpu_kernels.cpp``), built once per machine.
+
+On a CPU the decode step of a small model is as much dispatch as arithmetic: between its matmuls
+a layer runs some thirty aten ops on a few rows each, every one paying a few microseconds. The
+C++ kernels do each fused step of `zerobubble.kernels.fused` and the paged KV write and
+short-row attention of `zerobubble.kernels.attention` in one pass, and register as torch
+operators (``torch.ops.zerobubble_cpu.*``). The public functions of those modules run them for
+``impl="cpp"``; a model asks for that when it loaded them (`zerobubble.worker_svc.model.CausalLM.kernels`).
+
+They are compiled with the host's C++ compiler for the host's instruction set (``-march=native``)
+into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``),
+under a name that changes with the source, the torch version and the CPU: the first load on a
+machine takes about half a minute (``python -m zerobubble.kernels.cpu`` does it ahead of time),
+later ones are immediate. Where no compiler works, loading reports why and the torch twins serve.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+NAMESPACE = "zerobubble_cpu"
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    """The instruction-set flags of this CPU (``-march=native`` compiles for them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def library_name() -> str:
+    """The extension's name: one per source, torch version and instruction set."""
+    digest = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(_FLAGS).encode()):
+        digest.update(part)
+    return f"{NAMESPACE}_{digest.hexdigest()[:12]}"
+
+
+def is_loaded() -> bool:
+    """Whether the operators are registered in this process."""
+    try:
+        return hasattr(getattr(torch.ops, NAMESPACE), "paged_attention")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _put_ninja_on_path() -> None:
+    """torch's extension builder runs ``ninja`` from PATH; a virtual environment that was not
+    activated has the `ninja` package's binary beside its interpreter only."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return
+    os.environ["PATH"] = os.pathsep.join((ninja.BIN_DIR, os.environ.get("PATH", "")))
+
+
+@functools.cache
+def load(verbose: bool = False) -> bool:
+    """Compile (when not yet built for this source, torch and CPU) and load the kernels; False,
+    with a warning naming the reason, where that fails (no compiler, no OpenMP, another OS)."""
+    if is_loaded():
+        return True
+    from torch.utils.cpp_extension import load as load_extension
+
+    _put_ninja_on_path()
+    try:
+        load_extension(
+            name=library_name(),
+            sources=[str(SOURCE)],
+            extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as exc:  # noqa: BLE001 - any build failure leaves the torch twins in charge
+        logger.warning("the compiled CPU kernels are unavailable, the torch ops serve instead: %s", exc)
+        return False
+    return is_loaded()
+
+
+def main() -> None:
+    """``python -m zerobubble.kernels.cpu``: build (or find) the kernels; exit 1 if they fail."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ok = load(verbose="-v" in sys.argv[1:])
+    print(f"{library_name()}: {'loaded' if ok else 'unavailable'}")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

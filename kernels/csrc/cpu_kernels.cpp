@@ -1,0 +1,388 @@
+// CPU kernels of the decode path: the residual add + RMSNorm, q/k norm + RoPE, SiLU·up, the
+// paged KV write and paged attention for short query rows, each one pass over its data.
+//
+// Run one aten op at a time, these steps cost some thirty dispatches a layer (a few microseconds
+// each, whatever the size), which at a decode batch's few rows is as long as the layer's matmuls.
+// Each kernel reproduces its torch twin in zerobubble/kernels (fused.py, attention.py): values are
+// computed in float32 and rounded to the tensor dtype exactly where the twin rounds, so 16-bit
+// results agree with the twin to within one rounding step (reductions sum in another order).
+// Registered as torch operators in the `zerobubble_cpu` namespace (zerobubble/kernels/cpu.py).
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+using at::Tensor;
+
+template <typename T>
+inline float to_f32(T v) {
+  return static_cast<float>(v);
+}
+
+// bfloat16 -> float is a shift; spelled out so that loops over it vectorize.
+template <>
+inline float to_f32<c10::BFloat16>(c10::BFloat16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.x) << 16;
+  float out;
+  std::memcpy(&out, &bits, sizeof(out));
+  return out;
+}
+
+// Rounds to the tensor dtype (round to nearest even, as torch's casts do).
+template <typename T>
+inline float round_to(float v) {
+  return to_f32<T>(static_cast<T>(v));
+}
+
+// exp(x), x clamped to [-87, 88] (the normal floats): 2^n * 2^f with n the nearest integer to
+// x log2(e) and 2^f, |f| <= 1/2, from its degree-6 Taylor polynomial (relative error below 2e-7).
+// A plain loop over it vectorizes, which std::exp's library call does not.
+inline float fast_exp(float x) {
+  float t = std::min(std::max(x, -87.0f), 88.0f) * 1.4426950408889634f;
+  float n = std::nearbyint(t);
+  float f = t - n;
+  float p = 1.5403530393381608e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+template <typename T>
+inline float inverse_rms(const T* x, int64_t n, double eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    float v = to_f32(x[i]);
+    sum += v * v;
+  }
+  return 1.0f / std::sqrt(sum / static_cast<float>(n) + static_cast<float>(eps));
+}
+
+void check_cpu(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// ---------------------------------------------------------------------------------------------
+// residual add + RMSNorm
+
+template <typename T, typename R>
+void add_rms_norm_rows(const Tensor& x, const R* residual, int64_t residual_stride, const Tensor& weight,
+                       double eps, Tensor& out, Tensor& summed) {
+  const int64_t num_tokens = x.size(0), hidden = x.size(1);
+  const T* xp = x.data_ptr<T>();
+  const T* w = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  float* sp = summed.data_ptr<float>();
+  const int64_t x_stride = x.stride(0);
+  at::parallel_for(0, num_tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const T* row = xp + t * x_stride;
+      float* s = sp + t * hidden;
+      if (residual != nullptr) {
+        const R* r = residual + t * residual_stride;
+        for (int64_t i = 0; i < hidden; ++i) s[i] = to_f32(r[i]) + to_f32(row[i]);
+      } else {
+        for (int64_t i = 0; i < hidden; ++i) s[i] = to_f32(row[i]);
+      }
+      const float inv = inverse_rms(s, hidden, eps);
+      T* o = op + t * hidden;
+      for (int64_t i = 0; i < hidden; ++i) o[i] = static_cast<T>(to_f32(w[i]) * round_to<T>(s[i] * inv));
+    }
+  });
+}
+
+std::tuple<Tensor, Tensor> add_rms_norm(const Tensor& x, const std::optional<Tensor>& residual,
+                                        const Tensor& weight, double eps) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [T, hidden] with unit stride along hidden");
+  TORCH_CHECK(weight.is_contiguous() && weight.numel() == x.size(1) && weight.scalar_type() == x.scalar_type(),
+              "weight must be [hidden] in x's dtype");
+  Tensor out = at::empty(x.sizes(), x.options());
+  Tensor summed = at::empty(x.sizes(), x.options().dtype(at::kFloat));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    if (!residual.has_value()) {
+      add_rms_norm_rows<scalar_t, float>(x, nullptr, 0, weight, eps, out, summed);
+      return;
+    }
+    const Tensor& r = *residual;
+    TORCH_CHECK(r.sizes() == x.sizes() && r.stride(1) == 1, "residual must be shaped like x");
+    if (r.scalar_type() == at::kFloat) {
+      add_rms_norm_rows<scalar_t, float>(x, r.data_ptr<float>(), r.stride(0), weight, eps, out, summed);
+    } else {
+      TORCH_CHECK(r.scalar_type() == x.scalar_type(), "residual must be float32 or x's dtype");
+      add_rms_norm_rows<scalar_t, scalar_t>(x, r.data_ptr<scalar_t>(), r.stride(0), weight, eps, out, summed);
+    }
+  });
+  return {out, summed};
+}
+
+// ---------------------------------------------------------------------------------------------
+// per-head q/k norm + RoPE (half-split layout; cos holds (cos, cos), sin holds (-sin, sin))
+
+template <typename T>
+void qk_norm_rope_rows(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const T* norm, int64_t num_heads,
+                       int64_t head_dim, double eps, Tensor& out) {
+  const int64_t num_tokens = qkv.size(0), half = head_dim / 2;
+  const T* src = qkv.data_ptr<T>();
+  const T* cp = cos.data_ptr<T>();
+  const T* sp = sin.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, num_tokens * num_heads, 64, [&](int64_t begin, int64_t end) {
+    std::vector<float> x(head_dim);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / num_heads, h = item % num_heads;
+      const T* in = src + t * qkv.stride(0) + h * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) x[d] = to_f32(in[d]);
+      if (norm != nullptr) {
+        const float inv = inverse_rms(in, head_dim, eps);
+        const T* w = norm + h * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) x[d] = round_to<T>(to_f32(w[d]) * round_to<T>(x[d] * inv));
+      }
+      const T* c = cp + t * cos.stride(0);
+      const T* s = sp + t * sin.stride(0);
+      T* o = op + item * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        const float partner = x[d < half ? d + half : d - half];
+        o[d] = static_cast<T>(round_to<T>(x[d] * to_f32(c[d])) + round_to<T>(partner * to_f32(s[d])));
+      }
+    }
+  });
+}
+
+Tensor qk_norm_rope(const Tensor& qkv, const Tensor& cos, const Tensor& sin, const std::optional<Tensor>& norm_weight,
+                    int64_t num_heads, int64_t head_dim, double eps) {
+  check_cpu(qkv, "qkv");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && qkv.size(1) >= num_heads * head_dim && head_dim % 2 == 0,
+              "qkv must be [T, >= num_heads * head_dim] with unit stride along its columns");
+  for (const Tensor* t : {&cos, &sin}) {
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == qkv.size(0) && t->size(1) == head_dim && t->stride(1) == 1 &&
+                    t->scalar_type() == qkv.scalar_type(),
+                "cos and sin must be [T, head_dim] in qkv's dtype");
+  }
+  Tensor out = at::empty({qkv.size(0), num_heads, head_dim}, qkv.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, qkv.scalar_type(), "qk_norm_rope", [&] {
+    const scalar_t* norm = nullptr;
+    if (norm_weight.has_value()) {
+      TORCH_CHECK(norm_weight->is_contiguous() && norm_weight->numel() == num_heads * head_dim &&
+                      norm_weight->scalar_type() == qkv.scalar_type(),
+                  "norm_weight must be [num_heads, head_dim] in qkv's dtype");
+      norm = norm_weight->data_ptr<scalar_t>();
+    }
+    qk_norm_rope_rows<scalar_t>(qkv, cos, sin, norm, num_heads, head_dim, eps, out);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// SiLU(gate) * up
+
+Tensor silu_mul(const Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.stride(1) == 1 && gate_up.size(1) % 2 == 0,
+              "gate_up must be [T, 2 I] with unit stride along its columns");
+  const int64_t num_tokens = gate_up.size(0), inter = gate_up.size(1) / 2;
+  Tensor out = at::empty({num_tokens, inter}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_mul", [&] {
+    using T = scalar_t;
+    const T* src = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    const int64_t stride = gate_up.stride(0);
+    at::parallel_for(0, num_tokens, 8, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const T* gate = src + t * stride;
+        const T* up = gate + inter;
+        T* o = op + t * inter;
+        for (int64_t i = 0; i < inter; ++i) {
+          const float g = to_f32(gate[i]);
+          o[i] = static_cast<T>(round_to<T>(g / (1.0f + fast_exp(-g))) * to_f32(up[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged KV write
+
+template <typename I>
+inline int64_t index_at(const Tensor& t, int64_t i) {
+  return static_cast<int64_t>(t.data_ptr<I>()[i * t.stride(0)]);
+}
+
+void write_kv_cache(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache, const Tensor& slot_mapping) {
+  check_cpu(k, "k");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              "k, v must be [T, kv_heads, head_dim] and the caches [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k_cache.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong || slot_mapping.scalar_type() == at::kInt,
+              "slot_mapping must be int32 or int64");
+  const int64_t num_tokens = k.size(0), heads = k.size(1), dim = k.size(2), block_size = k_cache.size(1);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
+    for (int64_t t = 0; t < num_tokens; ++t) {
+      const int64_t slot = slot_mapping.scalar_type() == at::kLong ? index_at<int64_t>(slot_mapping, t)
+                                                                   : index_at<int32_t>(slot_mapping, t);
+      const int64_t block = slot / block_size, offset = slot % block_size;
+      for (auto [src, cache] : {std::pair<const Tensor*, Tensor*>{&k, &k_cache}, {&v, &v_cache}}) {
+        const scalar_t* in = src->data_ptr<scalar_t>() + t * src->stride(0);
+        scalar_t* dst = cache->data_ptr<scalar_t>() + block * cache->stride(0) + offset * cache->stride(1);
+        for (int64_t h = 0; h < heads; ++h) {
+          for (int64_t d = 0; d < dim; ++d) {
+            dst[h * cache->stride(2) + d * cache->stride(3)] = in[h * src->stride(1) + d * src->stride(2)];
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// paged attention for short query rows
+
+struct AttentionShape {
+  int64_t num_q_heads, num_kv_heads, head_dim, block_size, table_stride;
+  int64_t q_token_stride, q_head_stride;
+  float scale;
+  int64_t window;  // 0: none
+};
+
+// One (query token, head): scores over the visible context, their softmax in float32, the
+// weighted sum of values. Keys are stored [blocks, kv_heads, head_dim, block_size] and values
+// [blocks, kv_heads, block_size, head_dim] (zerobubble.kernels.attention.new_kv_cache).
+template <typename T>
+void attend_one(const T* q, const T* keys, const T* values, const int32_t* table, int64_t query_pos, int64_t kv_head,
+                const AttentionShape& s, std::vector<float>& scores, std::vector<float>& acc, T* out) {
+  const int64_t first = s.window > 0 ? std::max<int64_t>(0, query_pos - s.window + 1) : 0;
+  const int64_t num_keys = query_pos + 1, bs = s.block_size, dim = s.head_dim;
+  scores.assign(static_cast<size_t>(num_keys), 0.0f);
+  const int64_t head_block = dim * bs;  // one KV head's part of a block, keys or values
+  for (int64_t b = first / bs; b * bs < num_keys; ++b) {
+    const T* kb = keys + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
+    float* sc = scores.data() + b * bs;
+    const int64_t n = std::min(bs, num_keys - b * bs);
+    for (int64_t d = 0; d < dim; ++d) {
+      const float qd = to_f32(q[d]) * s.scale;
+      const T* row = kb + d * bs;
+      for (int64_t j = 0; j < n; ++j) sc[j] += qd * to_f32(row[j]);
+    }
+  }
+  float max_score = -INFINITY;
+  for (int64_t j = first; j < num_keys; ++j) max_score = std::max(max_score, scores[j]);
+  float total = 0.0f;
+  for (int64_t j = first; j < num_keys; ++j) {
+    scores[j] = fast_exp(scores[j] - max_score);
+    total += scores[j];
+  }
+  acc.assign(static_cast<size_t>(dim), 0.0f);
+  for (int64_t b = first / bs; b * bs < num_keys; ++b) {
+    const T* vb = values + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
+    const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min(bs, num_keys - b * bs);
+    for (int64_t j = lo; j < hi; ++j) {
+      const float p = scores[b * bs + j];
+      const T* row = vb + j * dim;
+      for (int64_t d = 0; d < dim; ++d) acc[d] += p * to_f32(row[d]);
+    }
+  }
+  const float inv_total = 1.0f / total;
+  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(acc[d] * inv_total);
+}
+
+Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor& value_storage,
+                       const Tensor& query_start_loc, const Tensor& seq_lens, const Tensor& block_tables,
+                       int64_t max_query_len, double scale, int64_t window) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, heads, head_dim] with unit stride along head_dim");
+  TORCH_CHECK(key_storage.is_contiguous() && value_storage.is_contiguous() && key_storage.dim() == 4 &&
+                  value_storage.dim() == 4,
+              "key_storage must be [blocks, kv_heads, head_dim, block_size] and value_storage "
+              "[blocks, kv_heads, block_size, head_dim], both contiguous");
+  TORCH_CHECK(key_storage.scalar_type() == q.scalar_type() && value_storage.scalar_type() == q.scalar_type(),
+              "the caches must be in q's dtype");
+  for (const Tensor* t : {&query_start_loc, &seq_lens, &block_tables}) {
+    TORCH_CHECK(t->scalar_type() == at::kInt && t->stride(-1) == 1, "the metadata tensors must be int32, unit stride");
+  }
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) >= seq_lens.size(0), "block_tables must be [R, blocks]");
+  const int64_t num_tokens = q.size(0), num_rows = seq_lens.size(0);
+  AttentionShape s{q.size(1), key_storage.size(1), q.size(2), key_storage.size(3), block_tables.stride(0),
+                   q.stride(0), q.stride(1), static_cast<float>(scale), window};
+  TORCH_CHECK(s.num_q_heads % s.num_kv_heads == 0 && key_storage.size(2) == s.head_dim,
+              "q's heads must be a multiple of the caches' and head_dim must match");
+  Tensor out = at::empty({num_tokens, s.num_q_heads, s.head_dim}, q.options());
+  // (token, its row, its position) for the tokens of rows no longer than max_query_len.
+  const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  std::vector<int64_t> token, row, pos;
+  int64_t context = 0;
+  for (int64_t r = 0; r < num_rows; ++r) {
+    const int64_t q_len = qsl[r + 1] - qsl[r];
+    if (q_len == 0 || q_len > max_query_len) continue;
+    for (int64_t i = 0; i < q_len; ++i) {
+      token.push_back(qsl[r] + i);
+      row.push_back(r);
+      pos.push_back(lens[r] - q_len + i);
+      context += lens[r];
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(token.size()) * s.num_q_heads;
+  // Below ~64k multiply-adds a second thread costs more to wake than it saves.
+  const int64_t work = context * s.num_q_heads * s.head_dim * 2;
+  const int64_t grain = work < (1 << 16) ? std::max<int64_t>(num_items, 1) : 1;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    const scalar_t* qp = q.data_ptr<scalar_t>();
+    const scalar_t* keys = key_storage.data_ptr<scalar_t>();
+    const scalar_t* values = value_storage.data_ptr<scalar_t>();
+    const int32_t* tables = block_tables.data_ptr<int32_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int64_t group = s.num_q_heads / s.num_kv_heads;
+    at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t i = item / s.num_q_heads, h = item % s.num_q_heads, t = token[i];
+        attend_one<scalar_t>(qp + t * s.q_token_stride + h * s.q_head_stride, keys, values,
+                             tables + row[i] * s.table_stride, pos[i], h / group, s, scores, acc,
+                             op + (t * s.num_q_heads + h) * s.head_dim);
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(zerobubble_cpu, m) {
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "qk_norm_rope(Tensor qkv, Tensor cos, Tensor sin, Tensor? norm_weight, int num_heads, int head_dim, "
+      "float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor q, Tensor key_storage, Tensor value_storage, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor block_tables, int max_query_len, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(zerobubble_cpu, CPU, m) {
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("qk_norm_rope", &qk_norm_rope);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("write_kv_cache", &write_kv_cache);
+  m.impl("paged_attention", &paged_attention);
+}
