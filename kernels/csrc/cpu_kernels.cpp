@@ -267,22 +267,26 @@ struct AttentionShape {
 // One (query token, head): scores over the visible context, their softmax in float32, the
 // weighted sum of values. Keys are stored [blocks, kv_heads, head_dim, block_size] and values
 // [blocks, kv_heads, block_size, head_dim] (zerobubble.kernels.attention.new_kv_cache).
-template <typename T>
+// BS and D, when not 0, fix the block size and head dim at compile time: a block's scores and
+// the output row then stay in vector registers across the inner loops.
+template <typename T, int BS, int D>
 void attend_one(const T* q, const T* keys, const T* values, const int32_t* table, int64_t query_pos, int64_t kv_head,
-                const AttentionShape& s, std::vector<float>& scores, std::vector<float>& acc, T* out) {
+                const AttentionShape& s, std::vector<float>& scores, T* out) {
+  const int64_t bs = BS ? BS : s.block_size, dim = D ? D : s.head_dim;
   const int64_t first = s.window > 0 ? std::max<int64_t>(0, query_pos - s.window + 1) : 0;
-  const int64_t num_keys = query_pos + 1, bs = s.block_size, dim = s.head_dim;
-  scores.assign(static_cast<size_t>(num_keys), 0.0f);
+  const int64_t num_keys = query_pos + 1, num_blocks = (num_keys + bs - 1) / bs;
+  scores.resize(static_cast<size_t>(num_blocks * bs));
   const int64_t head_block = dim * bs;  // one KV head's part of a block, keys or values
-  for (int64_t b = first / bs; b * bs < num_keys; ++b) {
+  float qs[D ? D : 1024];
+  for (int64_t d = 0; d < dim; ++d) qs[d] = to_f32(q[d]) * s.scale;
+  for (int64_t b = first / bs; b < num_blocks; ++b) {
     const T* kb = keys + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
-    float* sc = scores.data() + b * bs;
-    const int64_t n = std::min(bs, num_keys - b * bs);
+    float block_scores[BS ? BS : 1024] = {};
     for (int64_t d = 0; d < dim; ++d) {
-      const float qd = to_f32(q[d]) * s.scale;
       const T* row = kb + d * bs;
-      for (int64_t j = 0; j < n; ++j) sc[j] += qd * to_f32(row[j]);
+      for (int64_t j = 0; j < bs; ++j) block_scores[j] += qs[d] * to_f32(row[j]);
     }
+    std::memcpy(scores.data() + b * bs, block_scores, sizeof(float) * bs);
   }
   float max_score = -INFINITY;
   for (int64_t j = first; j < num_keys; ++j) max_score = std::max(max_score, scores[j]);
@@ -291,8 +295,8 @@ void attend_one(const T* q, const T* keys, const T* values, const int32_t* table
     scores[j] = fast_exp(scores[j] - max_score);
     total += scores[j];
   }
-  acc.assign(static_cast<size_t>(dim), 0.0f);
-  for (int64_t b = first / bs; b * bs < num_keys; ++b) {
+  float acc[D ? D : 1024] = {};
+  for (int64_t b = first / bs; b < num_blocks; ++b) {
     const T* vb = values + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
     const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min(bs, num_keys - b * bs);
     for (int64_t j = lo; j < hi; ++j) {
@@ -303,6 +307,18 @@ void attend_one(const T* q, const T* keys, const T* values, const int32_t* table
   }
   const float inv_total = 1.0f / total;
   for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(acc[d] * inv_total);
+}
+
+// The attend_one for this cache geometry: compiled for the common block sizes and head dims.
+template <typename T>
+auto attend_for(const AttentionShape& s) {
+  using Fn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t, const AttentionShape&,
+                      std::vector<float>&, T*);
+  if (s.block_size == 16 && s.head_dim == 64) return static_cast<Fn>(&attend_one<T, 16, 64>);
+  if (s.block_size == 16 && s.head_dim == 128) return static_cast<Fn>(&attend_one<T, 16, 128>);
+  if (s.block_size == 32 && s.head_dim == 64) return static_cast<Fn>(&attend_one<T, 32, 64>);
+  if (s.block_size == 32 && s.head_dim == 128) return static_cast<Fn>(&attend_one<T, 32, 128>);
+  return static_cast<Fn>(&attend_one<T, 0, 0>);
 }
 
 Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor& value_storage,
@@ -325,6 +341,7 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor&
                    q.stride(0), q.stride(1), static_cast<float>(scale), window};
   TORCH_CHECK(s.num_q_heads % s.num_kv_heads == 0 && key_storage.size(2) == s.head_dim,
               "q's heads must be a multiple of the caches' and head_dim must match");
+  TORCH_CHECK(s.head_dim <= 1024 && s.block_size <= 1024, "head_dim and block_size must be at most 1024");
   Tensor out = at::empty({num_tokens, s.num_q_heads, s.head_dim}, q.options());
   // (token, its row, its position) for the tokens of rows no longer than max_query_len.
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -352,13 +369,13 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor&
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
     const int64_t group = s.num_q_heads / s.num_kv_heads;
+    const auto attend = attend_for<scalar_t>(s);
     at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc;
+      std::vector<float> scores;
       for (int64_t item = begin; item < end; ++item) {
         const int64_t i = item / s.num_q_heads, h = item % s.num_q_heads, t = token[i];
-        attend_one<scalar_t>(qp + t * s.q_token_stride + h * s.q_head_stride, keys, values,
-                             tables + row[i] * s.table_stride, pos[i], h / group, s, scores, acc,
-                             op + (t * s.num_q_heads + h) * s.head_dim);
+        attend(qp + t * s.q_token_stride + h * s.q_head_stride, keys, values, tables + row[i] * s.table_stride,
+               pos[i], h / group, s, scores, op + (t * s.num_q_heads + h) * s.head_dim);
       }
     });
   });
