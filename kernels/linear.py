@@ -11,10 +11,12 @@ call; bfloat16 weights keep only the packed one.
 On CUDA, or where oneDNN is missing, a weight is just the plain tensor for ``F.linear``.
 
 ``quantization="int8"`` (CPU): weight-only int8. Each weight is stored as int8 with one scale
-per output channel (symmetric, ``max |w| / 127``) and multiplied by torch's int8 weight-only
-product, which widens the weights as it reads them; the activations keep the model dtype. Half
-the weight memory of bfloat16; on torch 2.13 that product is slower than oneDNN's bfloat16 one
-(docs/benchmarks/cpu-llamacpp.md), so int8 is the choice for memory, not speed. Quantizing the
+per output channel (symmetric, ``max |w| / 127``) and widened as it is read; the activations keep
+the model dtype. Half the weight memory of bfloat16. For up to ``CPP_INT8_MAX_ROWS`` rows (a
+decode step of a few requests) the compiled CPU kernel (`zerobubble.kernels.cpu`, ``impl="cpp"``)
+streams the weight at the memory's speed, prefetching the next rows, where torch 2.13's
+weight-only product reaches about two thirds of it; for more rows torch's product, which is
+slower than oneDNN's bfloat16 one there (docs/benchmarks/cpu-llamacpp.md). Quantizing the
 activations too (fbgemm's dynamic int8 product) is faster, but its single scale over a whole
 prefill costs too much accuracy.
 
@@ -34,12 +36,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from zerobubble.kernels._triton import KernelImpl
+
 logger = logging.getLogger(__name__)
 
 # The row count oneDNN chooses its blocked layout for: a decode batch. The layout serves any row count.
 _PACK_ROWS_HINT = 16
 # Below this many float32 rows MKL's gemv over the plain weight beats the packed product.
 _F32_MIN_PACKED_ROWS = 4
+# Up to this many rows the compiled int8 product (zerobubble.kernels.cpu), which streams the
+# weight once, beats torch's; with more rows torch's, which widens the weights in blocks, wins.
+CPP_INT8_MAX_ROWS = 4
 
 
 @dataclass(slots=True, eq=False)
@@ -136,11 +143,16 @@ def prepare_linear(weight: torch.Tensor, prepack: bool = True, quantization: str
     return LinearWeight(None, packed, 0)
 
 
-def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None, impl: KernelImpl = None
+) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large
-    enough."""
+    enough; ``impl="cpp"``: an int8 weight's product for a few rows by the compiled CPU kernel."""
     if weight.int8 is not None:
-        out: torch.Tensor = torch.ops.aten._weight_int8pack_mm(x, weight.int8, weight.int8_scale)
+        if impl == "cpp" and x.shape[0] <= CPP_INT8_MAX_ROWS:
+            out: torch.Tensor = torch.ops.zerobubble_cpu.int8_linear(x, weight.int8, weight.int8_scale)
+        else:
+            out = torch.ops.aten._weight_int8pack_mm(x, weight.int8, weight.int8_scale)
         return out if bias is None else out + bias
     if weight.int4 is not None:
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.int4, INT4_GROUP, weight.int4_scales_zeros)

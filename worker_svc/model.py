@@ -293,10 +293,10 @@ class CausalLM:
             attn = paged_attention(
                 q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan
             )
-            hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
+            hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, self.kernels)
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps, self.kernels)
-            gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias)
-            hidden = linear(silu_mul(gate_up, self.kernels), layer.down_weight, layer.down_bias)
+            gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias, self.kernels)
+            hidden = linear(silu_mul(gate_up, self.kernels), layer.down_weight, layer.down_bias, self.kernels)
         return hidden, residual
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,7 +315,7 @@ class CausalLM:
         """A layer's q/k/v projection of its normed input: writes K/V at ``slot_mapping``, returns q ``[T, Hq, D]``."""
         spec = self.spec
         qk_heads = spec.num_q_heads + spec.num_kv_heads
-        qkv = linear(normed, layer.qkv_weight, layer.qkv_bias)
+        qkv = linear(normed, layer.qkv_weight, layer.qkv_bias, self.kernels)
         # q and k get the same per-head norm and rotation, so they are processed as one tensor.
         qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, spec.rms_norm_eps, self.kernels)
         # narrow, not [] slicing: Python indexing takes a device guard, which a CUDA-less
@@ -342,7 +342,7 @@ class CausalLM:
         size = self.spec.hidden_size
         if hidden.shape[-1] != size:
             hidden = hidden.narrow(-1, 0, size).contiguous()
-        logits = linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head, impl=self.kernels).float()
         if hidden.dtype == torch.float32:
             return logits
         top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices

@@ -1,5 +1,6 @@
 // CPU kernels of the decode path: the residual add + RMSNorm, q/k norm + RoPE, SiLU·up, the
-// paged KV write and paged attention for short query rows, each one pass over its data.
+// paged KV write, paged attention for short query rows and the weight-only int8 product for a
+// few rows, each one pass over its data.
 //
 // Run one aten op at a time, these steps cost some thirty dispatches a layer (a few microseconds
 // each, whatever the size), which at a decode batch's few rows is as long as the layer's matmuls.
@@ -11,6 +12,10 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -264,61 +269,81 @@ struct AttentionShape {
   int64_t window;  // 0: none
 };
 
-// One (query token, head): scores over the visible context, their softmax in float32, the
-// weighted sum of values. Keys are stored [blocks, kv_heads, head_dim, block_size] and values
-// [blocks, kv_heads, block_size, head_dim] (zerobubble.kernels.attention.new_kv_cache).
-// BS and D, when not 0, fix the block size and head dim at compile time: a block's scores and
-// the output row then stay in vector registers across the inner loops.
+// Query heads attended together: the heads of one grouped-query KV head, at most this many.
+constexpr int64_t kMaxGroup = 8;
+
+// One query token's heads that share KV head `kv_head` (`num_heads` of them, consecutive):
+// scores over the visible context, their softmax in float32, the weighted sums of values. Each
+// key and value row is read and widened once for all of them. Keys are stored
+// [blocks, kv_heads, head_dim, block_size] and values [blocks, kv_heads, block_size, head_dim]
+// (zerobubble.kernels.attention.new_kv_cache). BS and D, when not 0, fix the block size and
+// head dim at compile time, so that the inner loops are whole vector operations.
 template <typename T, int BS, int D>
-void attend_one(const T* q, const T* keys, const T* values, const int32_t* table, int64_t query_pos, int64_t kv_head,
-                const AttentionShape& s, std::vector<float>& scores, T* out) {
+void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values, const int32_t* table,
+                  int64_t query_pos, int64_t kv_head, const AttentionShape& s, std::vector<float>& scores, T* out) {
   const int64_t bs = BS ? BS : s.block_size, dim = D ? D : s.head_dim;
   const int64_t first = s.window > 0 ? std::max<int64_t>(0, query_pos - s.window + 1) : 0;
-  const int64_t num_keys = query_pos + 1, num_blocks = (num_keys + bs - 1) / bs;
-  scores.resize(static_cast<size_t>(num_blocks * bs));
+  const int64_t num_keys = query_pos + 1, num_blocks = (num_keys + bs - 1) / bs, span = num_blocks * bs;
+  scores.resize(static_cast<size_t>(num_heads * span));
   const int64_t head_block = dim * bs;  // one KV head's part of a block, keys or values
-  float qs[D ? D : 1024];
-  for (int64_t d = 0; d < dim; ++d) qs[d] = to_f32(q[d]) * s.scale;
+  float qs[kMaxGroup][D ? D : 1024];
+  for (int64_t h = 0; h < num_heads; ++h) {
+    for (int64_t d = 0; d < dim; ++d) qs[h][d] = to_f32(q[h * s.q_head_stride + d]) * s.scale;
+  }
+  float block_scores[kMaxGroup][BS ? BS : 1024];
+  float row_f32[D ? std::max(BS, D) : 1024];
   for (int64_t b = first / bs; b < num_blocks; ++b) {
     const T* kb = keys + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
-    float block_scores[BS ? BS : 1024] = {};
+    for (int64_t h = 0; h < num_heads; ++h) std::fill(block_scores[h], block_scores[h] + bs, 0.0f);
     for (int64_t d = 0; d < dim; ++d) {
-      const T* row = kb + d * bs;
-      for (int64_t j = 0; j < bs; ++j) block_scores[j] += qs[d] * to_f32(row[j]);
+      for (int64_t j = 0; j < bs; ++j) row_f32[j] = to_f32(kb[d * bs + j]);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float qd = qs[h][d];
+        for (int64_t j = 0; j < bs; ++j) block_scores[h][j] += qd * row_f32[j];
+      }
     }
-    std::memcpy(scores.data() + b * bs, block_scores, sizeof(float) * bs);
+    for (int64_t h = 0; h < num_heads; ++h) std::memcpy(&scores[h * span + b * bs], block_scores[h], sizeof(float) * bs);
   }
-  float max_score = -INFINITY;
-  for (int64_t j = first; j < num_keys; ++j) max_score = std::max(max_score, scores[j]);
-  float total = 0.0f;
-  for (int64_t j = first; j < num_keys; ++j) {
-    scores[j] = fast_exp(scores[j] - max_score);
-    total += scores[j];
+  float totals[kMaxGroup];
+  for (int64_t h = 0; h < num_heads; ++h) {
+    float* sc = scores.data() + h * span;
+    float max_score = -INFINITY, total = 0.0f;
+    for (int64_t j = first; j < num_keys; ++j) max_score = std::max(max_score, sc[j]);
+    for (int64_t j = first; j < num_keys; ++j) {
+      sc[j] = fast_exp(sc[j] - max_score);
+      total += sc[j];
+    }
+    totals[h] = total;
   }
-  float acc[D ? D : 1024] = {};
+  float acc[kMaxGroup][D ? D : 1024];
+  for (int64_t h = 0; h < num_heads; ++h) std::fill(acc[h], acc[h] + dim, 0.0f);
   for (int64_t b = first / bs; b < num_blocks; ++b) {
     const T* vb = values + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
     const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min(bs, num_keys - b * bs);
     for (int64_t j = lo; j < hi; ++j) {
-      const float p = scores[b * bs + j];
-      const T* row = vb + j * dim;
-      for (int64_t d = 0; d < dim; ++d) acc[d] += p * to_f32(row[d]);
+      for (int64_t d = 0; d < dim; ++d) row_f32[d] = to_f32(vb[j * dim + d]);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float p = scores[h * span + b * bs + j];
+        for (int64_t d = 0; d < dim; ++d) acc[h][d] += p * row_f32[d];
+      }
     }
   }
-  const float inv_total = 1.0f / total;
-  for (int64_t d = 0; d < dim; ++d) out[d] = static_cast<T>(acc[d] * inv_total);
+  for (int64_t h = 0; h < num_heads; ++h) {
+    const float inv_total = 1.0f / totals[h];
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] = static_cast<T>(acc[h][d] * inv_total);
+  }
 }
 
-// The attend_one for this cache geometry: compiled for the common block sizes and head dims.
+// The attend_heads for this cache geometry: compiled for the common block sizes and head dims.
 template <typename T>
 auto attend_for(const AttentionShape& s) {
-  using Fn = void (*)(const T*, const T*, const T*, const int32_t*, int64_t, int64_t, const AttentionShape&,
+  using Fn = void (*)(const T*, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t, const AttentionShape&,
                       std::vector<float>&, T*);
-  if (s.block_size == 16 && s.head_dim == 64) return static_cast<Fn>(&attend_one<T, 16, 64>);
-  if (s.block_size == 16 && s.head_dim == 128) return static_cast<Fn>(&attend_one<T, 16, 128>);
-  if (s.block_size == 32 && s.head_dim == 64) return static_cast<Fn>(&attend_one<T, 32, 64>);
-  if (s.block_size == 32 && s.head_dim == 128) return static_cast<Fn>(&attend_one<T, 32, 128>);
-  return static_cast<Fn>(&attend_one<T, 0, 0>);
+  if (s.block_size == 16 && s.head_dim == 64) return static_cast<Fn>(&attend_heads<T, 16, 64>);
+  if (s.block_size == 16 && s.head_dim == 128) return static_cast<Fn>(&attend_heads<T, 16, 128>);
+  if (s.block_size == 32 && s.head_dim == 64) return static_cast<Fn>(&attend_heads<T, 32, 64>);
+  if (s.block_size == 32 && s.head_dim == 128) return static_cast<Fn>(&attend_heads<T, 32, 128>);
+  return static_cast<Fn>(&attend_heads<T, 0, 0>);
 }
 
 Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor& value_storage,
@@ -358,7 +383,9 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor&
       context += lens[r];
     }
   }
-  const int64_t num_items = static_cast<int64_t>(token.size()) * s.num_q_heads;
+  // An item: one token's query heads of one KV head, at most kMaxGroup of them.
+  const int64_t group = s.num_q_heads / s.num_kv_heads, chunks = (group + kMaxGroup - 1) / kMaxGroup;
+  const int64_t num_items = static_cast<int64_t>(token.size()) * s.num_kv_heads * chunks;
   // Below ~64k multiply-adds a second thread costs more to wake than it saves.
   const int64_t work = context * s.num_q_heads * s.head_dim * 2;
   const int64_t grain = work < (1 << 16) ? std::max<int64_t>(num_items, 1) : 1;
@@ -368,17 +395,100 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor&
     const scalar_t* values = value_storage.data_ptr<scalar_t>();
     const int32_t* tables = block_tables.data_ptr<int32_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
-    const int64_t group = s.num_q_heads / s.num_kv_heads;
     const auto attend = attend_for<scalar_t>(s);
     at::parallel_for(0, num_items, grain, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
       for (int64_t item = begin; item < end; ++item) {
-        const int64_t i = item / s.num_q_heads, h = item % s.num_q_heads, t = token[i];
-        attend(qp + t * s.q_token_stride + h * s.q_head_stride, keys, values, tables + row[i] * s.table_stride,
-               pos[i], h / group, s, scores, op + (t * s.num_q_heads + h) * s.head_dim);
+        const int64_t i = item / (s.num_kv_heads * chunks), kv_head = item / chunks % s.num_kv_heads;
+        const int64_t first_head = kv_head * group + item % chunks * kMaxGroup, t = token[i];
+        const int64_t num_heads = std::min(kMaxGroup, (kv_head + 1) * group - first_head);
+        attend(qp + t * s.q_token_stride + first_head * s.q_head_stride, num_heads, keys, values,
+               tables + row[i] * s.table_stride, pos[i], kv_head, s, scores,
+               op + (t * s.num_q_heads + first_head) * s.head_dim);
       }
     });
   });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------
+// weight-only int8 product for a few rows (a decode step of one or a few requests)
+
+// The dot products of float32 x [in] with four int8 weight rows. With AVX-512 the weights are
+// widened 16 at a time by instruction (the compiler's own vectorization of this loop is several
+// times slower); elsewhere a plain loop.
+constexpr int64_t kPrefetchQuads = 1;
+
+inline void dot4_int8(const float* x, const int8_t* w0, const int8_t* w1, const int8_t* w2, const int8_t* w3,
+                      int64_t in, float* sums) {
+  int64_t k = 0;
+  float a[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#if defined(__AVX512F__)
+  const int8_t* rows[4] = {w0, w1, w2, w3};
+  __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+  const int64_t ahead = kPrefetchQuads * 4 * in;
+  for (; k + 16 <= in; k += 16) {
+    const __m512 xv = _mm512_loadu_ps(x + k);
+    for (int r = 0; r < 4; ++r) {
+      if (k % 64 == 0) _mm_prefetch(reinterpret_cast<const char*>(rows[r] + k + ahead), _MM_HINT_T0);
+      const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[r] + k));
+      acc[r] = _mm512_fmadd_ps(xv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(packed)), acc[r]);
+    }
+  }
+  for (int r = 0; r < 4; ++r) a[r] = _mm512_reduce_add_ps(acc[r]);
+#endif
+  for (; k < in; ++k) {
+    a[0] += x[k] * static_cast<float>(w0[k]);
+    a[1] += x[k] * static_cast<float>(w1[k]);
+    a[2] += x[k] * static_cast<float>(w2[k]);
+    a[3] += x[k] * static_cast<float>(w3[k]);
+  }
+  std::copy(a, a + 4, sums);
+}
+
+// y[m, n] = scale[n] * sum_k x[m, k] w[n, k], summed in float32 and rounded once, as torch's
+// int8 weight-only product does. Four weight rows at a time, so four independent sums hide the
+// multiply-add latency and each activation load serves four rows; the weight streams from
+// memory once, which is what bounds a decode step.
+template <typename T>
+void int8_rows(const Tensor& x, const Tensor& weight, const Tensor& scale, Tensor& out) {
+  const int64_t rows = x.size(0), in = x.size(1), outs = weight.size(0);
+  std::vector<float> xf(static_cast<size_t>(rows * in));
+  const T* xp = x.data_ptr<T>();
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t k = 0; k < in; ++k) xf[m * in + k] = to_f32(xp[m * x.stride(0) + k]);
+  }
+  const int8_t* w = weight.data_ptr<int8_t>();
+  const T* sp = scale.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, (outs + 3) / 4, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t quad = begin; quad < end; ++quad) {
+      const int64_t n = quad * 4, count = std::min<int64_t>(4, outs - n);
+      // A short last quad repeats its first row; only `count` results are stored.
+      const int8_t* w0 = w + n * in;
+      const int8_t* w1 = w + (n + (count > 1 ? 1 : 0)) * in;
+      const int8_t* w2 = w + (n + (count > 2 ? 2 : 0)) * in;
+      const int8_t* w3 = w + (n + (count > 3 ? 3 : 0)) * in;
+      for (int64_t m = 0; m < rows; ++m) {
+        float sums[4];
+        dot4_int8(xf.data() + m * in, w0, w1, w2, w3, in, sums);
+        for (int64_t i = 0; i < count; ++i) op[m * outs + n + i] = static_cast<T>(sums[i] * to_f32(sp[n + i]));
+      }
+    }
+  });
+}
+
+Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "x must be [rows, in] with unit stride along in");
+  TORCH_CHECK(weight.scalar_type() == at::kChar && weight.is_contiguous() && weight.dim() == 2 &&
+                  weight.size(1) == x.size(1),
+              "weight must be a contiguous int8 [out, in]");
+  TORCH_CHECK(scale.is_contiguous() && scale.numel() == weight.size(0) && scale.scalar_type() == x.scalar_type(),
+              "scale must be [out] in x's dtype");
+  Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "int8_linear",
+                                  [&] { int8_rows<scalar_t>(x, weight, scale, out); });
   return out;
 }
 
@@ -394,6 +504,7 @@ TORCH_LIBRARY(zerobubble_cpu, m) {
   m.def(
       "paged_attention(Tensor q, Tensor key_storage, Tensor value_storage, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_tables, int max_query_len, float scale, int window) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(zerobubble_cpu, CPU, m) {
@@ -402,4 +513,5 @@ TORCH_LIBRARY_IMPL(zerobubble_cpu, CPU, m) {
   m.impl("silu_mul", &silu_mul);
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("paged_attention", &paged_attention);
+  m.impl("int8_linear", &int8_linear);
 }

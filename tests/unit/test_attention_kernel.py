@@ -154,6 +154,14 @@ def test_paged_attention_cpp_matches_dense(
     torch.testing.assert_close(got, _dense_attention(q, k_cache, v_cache, meta, scale, window), atol=1e-5, rtol=1e-5)
 
 
+def test_paged_attention_cpp_attends_wide_query_groups(cpu_kernels: None) -> None:
+    """Ten query heads a KV head: the kernel takes a KV head's query heads eight at a time."""
+    _, k_cache, v_cache, meta = _batch(16, 64, 2, requests=REQUESTS)
+    q = torch.randn(int(meta.query_start_loc[-1]), 20, 64, generator=torch.Generator().manual_seed(3))
+    got = paged_attention(q, k_cache, v_cache, meta, 0.125, impl="cpp", sliding_window=6)
+    torch.testing.assert_close(got, _dense_attention(q, k_cache, v_cache, meta, 0.125, 6), atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [0, 6])
 def test_paged_attention_cpp_in_bfloat16_matches_dense(cpu_kernels: None, window: int) -> None:
     q, k_cache, v_cache, meta = _batch(4, 16, 1, requests=REQUESTS)

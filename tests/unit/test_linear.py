@@ -95,6 +95,29 @@ def test_quantized_linear_is_the_dequantized_product(scheme: str, num_rows: int,
     torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("num_rows", "in_features"), [(1, 192), (3, 200), (4, 192), (6, 192)])
+def test_compiled_int8_product_is_the_dequantized_product(
+    cpu_kernels: None, dtype: torch.dtype, num_rows: int, in_features: int
+) -> None:
+    """The compiled CPU kernel's int8 product (up to CPP_INT8_MAX_ROWS rows; torch's beyond),
+    over 97 outputs (not a multiple of its four-row blocks) and inputs that are or are not a
+    multiple of its 16-wide steps: the dequantized weight's product, rounded once to the
+    activations' dtype. (torch's own product, for 6 rows, needs a multiple of 64 inputs.)"""
+    g = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(97, in_features, generator=g)
+    x = torch.randn(num_rows, in_features, generator=g).to(dtype)
+    bias = torch.randn(97, generator=g).to(dtype)
+    got = linear(x, prepare_linear(weight.to(dtype), quantization="int8"), bias, impl="cpp")
+    q, scale = quantize_int8(weight.to(dtype))
+    want = (F.linear(x.float(), q.float()) * scale.to(dtype).float() + bias.float()).to(dtype)
+    assert got.dtype == dtype and got.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:  # one rounding of the product, one of the bias sum
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7 * float(want.abs().max()))
+
+
 def test_int4_codes_are_within_half_a_step_of_each_group() -> None:
     """Every group of 32 inputs gets its own scale and minimum: a group of tiny weights beside a
     group of large ones keeps its precision."""
