@@ -69,6 +69,13 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// Asks for `bytes` at `p` to be brought into the cache ahead of use: a paged cache's next block
+// lies anywhere in memory, where the hardware's stream prefetcher cannot guess it.
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
 template <typename T>
 inline float inverse_rms(const T* x, int64_t n, double eps) {
   float sum = 0.0f;
@@ -292,8 +299,12 @@ void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values,
   }
   float block_scores[kMaxGroup][BS ? BS : 1024];
   float row_f32[D ? std::max(BS, D) : 1024];
+  const auto block_of = [&](const T* storage, int64_t b) {
+    return storage + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
+  };
   for (int64_t b = first / bs; b < num_blocks; ++b) {
-    const T* kb = keys + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
+    const T* kb = block_of(keys, b);
+    if (b + 1 < num_blocks) prefetch_bytes(block_of(keys, b + 1), head_block * sizeof(T));
     for (int64_t h = 0; h < num_heads; ++h) std::fill(block_scores[h], block_scores[h] + bs, 0.0f);
     for (int64_t d = 0; d < dim; ++d) {
       for (int64_t j = 0; j < bs; ++j) row_f32[j] = to_f32(kb[d * bs + j]);
@@ -318,7 +329,8 @@ void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values,
   float acc[kMaxGroup][D ? D : 1024];
   for (int64_t h = 0; h < num_heads; ++h) std::fill(acc[h], acc[h] + dim, 0.0f);
   for (int64_t b = first / bs; b < num_blocks; ++b) {
-    const T* vb = values + (static_cast<int64_t>(table[b]) * s.num_kv_heads + kv_head) * head_block;
+    const T* vb = block_of(values, b);
+    if (b + 1 < num_blocks) prefetch_bytes(block_of(values, b + 1), head_block * sizeof(T));
     const int64_t lo = std::max<int64_t>(first - b * bs, 0), hi = std::min(bs, num_keys - b * bs);
     for (int64_t j = lo; j < hi; ++j) {
       for (int64_t d = 0; d < dim; ++d) row_f32[d] = to_f32(vb[j * dim + d]);
