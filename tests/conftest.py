@@ -57,7 +57,18 @@ def cpu_kernels() -> None:
 # --- the worker-runtime harness's runners (tests/runner_harness.py), shared by several modules
 
 
-def _runner(spec: str, draft_acceptance: str = "rejection"):
+@pytest.fixture(scope="session")
+def eagle_head_dir(smollm2_dir, grounded_rows, tmp_path_factory) -> Path:
+    """An EAGLE head for SmolLM2 fitted to its forward over 16 grounded prompts
+    (tests/drafting.py `fitted_head`): drafts that are right now and then, made in seconds."""
+    from tests.drafting import fitted_head
+    from tests.e2e import prompt_ids
+
+    prompts = prompt_ids(smollm2_dir, grounded_rows[1::3])
+    return fitted_head(smollm2_dir, prompts, tmp_path_factory.mktemp("eagle-head"))
+
+
+def _runner(spec: str, draft_acceptance: str = "rejection", draft_model: str = ""):
     # Imported here: the light client's floor environment collects tests without torch.
     from tests.runner_harness import K
     from zerobubble.worker_svc.server import WorkerConfig, build_runner
@@ -68,7 +79,7 @@ def _runner(spec: str, draft_acceptance: str = "rejection"):
         num_spec_tokens=K,
         kv_cache_memory_gb=0.25,
         max_num_seqs=16,
-        draft_model={"draft": "smollm2-135m", "eagle": "smollm2-135m-eagle"}.get(spec, ""),
+        draft_model=draft_model,
         draft_acceptance=draft_acceptance,
     )
     runner, _ = build_runner(cfg)
@@ -84,20 +95,20 @@ def ngram_runner(smollm2_dir):
 def draft_runner(smollm2_dir):
     # SmolLM2 drafting for itself, as in test_async_spec_e2e: greedy drafts are then always right,
     # so a rejected draft can only mean that the runner fed or verified the wrong thing.
-    return _runner("draft")
+    return _runner("draft", draft_model="smollm2-135m")
 
 
 @pytest.fixture(scope="module")
 def keyed_draft_runner(smollm2_dir):
     # Keyed acceptance (the worker's default): draft-model drafts verified like n-gram ones, so
     # seeded output is the unspeculated one. `draft_runner` keeps rejection sampling covered.
-    return _runner("draft", draft_acceptance="keyed")
+    return _runner("draft", draft_acceptance="keyed", draft_model="smollm2-135m")
 
 
 @pytest.fixture(scope="module")
-def eagle_runner(smollm2_dir):
-    # The shipped EAGLE head for SmolLM2 (zerobubble/heads), keyed acceptance.
-    return _runner("eagle", draft_acceptance="keyed")
+def eagle_runner(eagle_head_dir):
+    # An EAGLE head fitted to SmolLM2 (eagle_head_dir), keyed acceptance.
+    return _runner("eagle", draft_acceptance="keyed", draft_model=str(eagle_head_dir))
 
 
 @pytest.fixture(params=["ngram", "draft", "eagle"])

@@ -1,7 +1,9 @@
-"""Tiny random Llama targets and a scheduler driving an in-process runner, for the proposers' tests."""
+"""Tiny random Llama targets, a scheduler driving an in-process runner and an EAGLE head fitted to
+the real model, for the proposers' tests."""
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -262,3 +264,41 @@ class Eagle3Shape:
             "d2t": ids - torch.arange(self.draft_vocab),
             "t2d": torch.zeros(self.vocab, dtype=torch.bool).index_fill_(0, ids, True),
         }
+
+
+@torch.no_grad()
+def fitted_head(model_dir: Path, prompts: list[list[int]], out_dir: Path) -> Path:
+    """An EAGLE-1 head for the model in ``model_dir``, fitted in closed form instead of trained:
+    its layer is the target's first with the attention and MLP outputs zeroed (so it passes its
+    input through), and ``fc`` is the ridge regression from (embedding of token t + 1, final
+    hidden state at t) to the final hidden state at t + 1 over the target's own forward of
+    ``prompts``. A linear guess of the next state: its drafts are right now and then (about one
+    in nine on the grounded rows), which exercises acceptance, rejection and partial acceptance
+    over the real model in seconds; the trained head (scripts/train_eagle.py) is for speed,
+    measured in benchmarks."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    embed = hf.model.embed_tokens.weight
+    inputs, targets = [], []
+    for ids in prompts:
+        tokens = torch.tensor(ids)
+        hidden = hf.model(tokens[None]).last_hidden_state[0]
+        inputs.append(torch.cat((embed[tokens[1:]], hidden[:-1]), dim=-1))
+        targets.append(hidden[1:])
+    x, y = torch.cat(inputs).double(), torch.cat(targets).double()
+    fc = torch.linalg.solve(x.T @ x + torch.eye(x.shape[1], dtype=x.dtype), x.T @ y).T
+    state: dict[str, torch.Tensor] = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        state.update(load_file(str(path)))
+    head = {k.removeprefix("model."): v.clone() for k, v in state.items() if k.startswith("model.layers.0.")}
+    del head["layers.0.input_layernorm.weight"]  # EAGLE-1's layer has none
+    head["layers.0.self_attn.o_proj.weight"].zero_()
+    head["layers.0.mlp.down_proj.weight"].zero_()
+    head["fc.weight"] = fc.float()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.to(torch.bfloat16).contiguous() for k, v in head.items()}, str(out_dir / "model.safetensors"))
+    config = json.loads((model_dir / "config.json").read_text())
+    (out_dir / "config.json").write_text(json.dumps(head_config(config, fc_bias=False), indent=2) + "\n")
+    return out_dir

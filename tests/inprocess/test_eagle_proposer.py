@@ -192,8 +192,15 @@ def test_a_draft_vocabulary_limits_the_heads_logits_to_its_ids() -> None:
         _proposer(target, {**state, DRAFT_VOCAB_KEY: torch.tensor([3, 3, 7])})
 
 
-def test_head_names_resolve_to_the_shipped_head_and_bad_ones_are_named(tmp_path) -> None:
-    shipped = resolve_head("smollm2-135m-eagle")
-    assert (shipped / "config.json").is_file() and (shipped / "model.safetensors").is_file()
+def test_head_names_resolve_to_the_model_cache_and_bad_ones_are_named(tmp_path, monkeypatch) -> None:
+    """A built-in name is the folder `make eagle-head` trains into the model cache; before it is
+    made, the error says how to make it."""
+    monkeypatch.setenv("ZEROBUBBLE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ModelLoadError, match="make eagle-head"):
+        resolve_head("smollm2-135m-eagle")
+    made = tmp_path / "models" / "smollm2-135m-eagle"
+    made.mkdir(parents=True)
+    (made / "config.json").write_text("{}")
+    assert resolve_head("smollm2-135m-eagle") == made
     with pytest.raises(ModelLoadError, match="no EAGLE head directory"):
         resolve_head(str(tmp_path / "missing"))

@@ -1,9 +1,10 @@
 """Async scheduling + speculative decoding end to end: scheduler and worker processes over gRPC.
 
 The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,draft,eagle}` (draft:
-SmolLM2 drafting for itself; eagle: the shipped head; k=3). One worker process per spec method serves every scheduler of
-that method; a worker takes one scheduler stream at a time, so each test starts its own scheduler
-and stops it before the next one connects. Hugging Face greedy `generate` is the oracle for greedy
+SmolLM2 drafting for itself; eagle: a head fitted to SmolLM2, tests/drafting.py; k=3). One
+worker process per spec method serves every scheduler of that method; a worker takes one
+scheduler stream at a time, so each test starts its own scheduler and stops it before the next
+one connects. Hugging Face greedy `generate` is the oracle for greedy
 outputs; seeded sampling is checked by identity across configurations.
 
 Runtime: the default suite runs three of the six combinations (a cover: each spec method, each
@@ -54,14 +55,15 @@ MAX_TOKENS_PREEMPT = 32  # 8 x (157 to 445 prompt + 32) tokens against about 700
 class WorkerPool:
     """One worker process per spec method, started on first use, stopped with the module."""
 
-    def __init__(self) -> None:
+    def __init__(self, eagle_head: Path) -> None:
         self.workers: dict[str, Service] = {}
+        self.draft_models = {"draft": "smollm2-135m", "eagle": str(eagle_head)}
 
     def get(self, spec: str) -> Service:
         if spec not in self.workers:
             options = dict(kv_cache_memory_gb=0.5, max_num_seqs=32, spec_method=spec, num_spec_tokens=K)
-            if spec in ("draft", "eagle"):
-                options["draft_model"] = "smollm2-135m" if spec == "draft" else "smollm2-135m-eagle"
+            if spec in self.draft_models:
+                options["draft_model"] = self.draft_models[spec]
             self.workers[spec] = start_worker(**options)
         return self.workers[spec]
 
@@ -71,8 +73,8 @@ class WorkerPool:
 
 
 @pytest.fixture(scope="module")
-def pool(smollm2_dir) -> Iterator[WorkerPool]:
-    pool = WorkerPool()
+def pool(smollm2_dir, eagle_head_dir) -> Iterator[WorkerPool]:
+    pool = WorkerPool(eagle_head_dir)
     yield pool
     pool.stop()
 

@@ -40,7 +40,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-import zerobubble
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.fused import add_rms_norm
 from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
@@ -58,10 +57,9 @@ from zerobubble.worker_svc.proposers.chain import ChainCache, draft_chain
 
 logger = logging.getLogger(__name__)
 
-# `--draft-model` names that resolve to a head shipped in the package or made by
-# scripts/train_eagle.py into the model cache.
+# `--draft-model` names that resolve to a head `make eagle-head` (scripts/train_eagle.py) trains
+# into the model cache.
 BUILTIN_HEADS = {"smollm2-135m-eagle": "smollm2-135m"}
-PACKAGED_HEADS = Path(zerobubble.__file__).resolve().parent / "heads"
 
 
 @dataclass(slots=True, eq=False)
@@ -120,15 +118,15 @@ class ServingHead:
 
 
 def resolve_head(spec: str) -> Path:
-    """The head folder for ``--draft-model``: a built-in name (packaged, else in the model cache,
-    where scripts/train_eagle.py writes it) or a directory."""
+    """The head folder for ``--draft-model``: a built-in name (in the model cache, where
+    scripts/train_eagle.py writes it) or a directory."""
     if spec in BUILTIN_HEADS:
-        for folder in (PACKAGED_HEADS / spec, cache_dir() / "models" / spec):
-            if (folder / "config.json").is_file():
-                return folder
+        folder = cache_dir() / "models" / spec
+        if (folder / "config.json").is_file():
+            return folder
         raise ModelLoadError(
-            f"EAGLE head {spec!r} not found in {PACKAGED_HEADS} or {cache_dir() / 'models'}: "
-            "make it with `python scripts/train_eagle.py`"
+            f"EAGLE head {spec!r} not found in {folder.parent}: train it there with `make eagle-head` "
+            "(scripts/train_eagle.py, about an hour on a CPU) or pass a head's directory"
         )
     path = Path(spec).expanduser()
     if not (path / "config.json").is_file():
