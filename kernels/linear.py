@@ -15,8 +15,9 @@ per output channel (symmetric, ``max |w| / 127``) and widened as it is read; the
 the model dtype. Half the weight memory of bfloat16. For up to ``CPP_INT8_MAX_ROWS`` rows (a
 decode step of a few requests) the compiled CPU kernel (`zerobubble.kernels.cpu`, ``impl="cpp"``)
 streams the weight at the memory's speed, prefetching the next rows, where torch 2.13's
-weight-only product reaches about two thirds of it; for more rows torch's product, which is
-slower than oneDNN's bfloat16 one there (docs/benchmarks/cpu-llamacpp.md). Quantizing the
+weight-only product reaches about two thirds of it; up to ``INT8_MIN_WIDENED_ROWS`` torch's
+product, which is slower than oneDNN's bfloat16 one there (docs/benchmarks/cpu-llamacpp.md); from
+there on (prefill) the weight widened to the model dtype, a dense product, then the scales. Quantizing the
 activations too (fbgemm's dynamic int8 product) is faster, but its single scale over a whole
 prefill costs too much accuracy.
 
@@ -47,6 +48,10 @@ _F32_MIN_PACKED_ROWS = 4
 # Up to this many rows the compiled int8 product (zerobubble.kernels.cpu), which streams the
 # weight once, beats torch's; with more rows torch's, which widens the weights in blocks, wins.
 CPP_INT8_MAX_ROWS = 4
+# From this many rows (a prefill chunk, a large batch) widening an int8 weight to the activations'
+# dtype and taking the dense product beats torch's weight-only product, which is bound by its
+# per-row widening there (a 3072 x 576 weight, 260 rows, bfloat16: 4.8 ms against 11.9).
+INT8_MIN_WIDENED_ROWS = 16
 
 
 @dataclass(slots=True, eq=False)
@@ -149,8 +154,12 @@ def linear(
     """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large
     enough; ``impl="cpp"``: an int8 weight's product for a few rows by the compiled CPU kernel."""
     if weight.int8 is not None:
+        assert weight.int8_scale is not None
         if impl == "cpp" and x.shape[0] <= CPP_INT8_MAX_ROWS:
             out: torch.Tensor = torch.ops.zerobubble_cpu.int8_linear(x, weight.int8, weight.int8_scale)
+        elif x.shape[0] >= INT8_MIN_WIDENED_ROWS:
+            # int8 codes are exact in any float dtype: the product is the dense one, scaled after.
+            out = F.linear(x, weight.int8.to(x.dtype)) * weight.int8_scale
         else:
             out = torch.ops.aten._weight_int8pack_mm(x, weight.int8, weight.int8_scale)
         return out if bias is None else out + bias
