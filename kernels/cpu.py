@@ -9,9 +9,9 @@ operators (``torch.ops.zerobubble_cpu.*``). The public functions of those module
 
 They are compiled with the host's C++ compiler for the host's instruction set (``-march=native``)
 into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``),
-under a name that changes with the source, the torch version and the CPU: the first load on a
-machine takes about half a minute (``python -m zerobubble.kernels.cpu`` does it ahead of time),
-later ones are immediate. Where no compiler works, loading reports why and the torch twins serve.
+under a name that changes with the source, the torch version, the CPU and the environment: the
+first load on a machine takes 15-30 seconds (``python -m zerobubble.kernels.cpu`` does it ahead
+of time), later ones are immediate. Where no compiler works, loading reports why and the torch twins serve.
 """
 
 from __future__ import annotations
@@ -46,10 +46,13 @@ def _cpu_flags() -> str:
 
 
 def library_name() -> str:
-    """The extension's name: one per source, torch version and instruction set."""
+    """The extension's name: one per source, torch version, instruction set and environment (the
+    build files name the environment's torch headers, so two environments sharing one name would
+    rebuild it each time they alternate)."""
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_flags().encode(), " ".join(_FLAGS).encode()):
-        digest.update(part)
+    parts = (SOURCE.read_bytes(), torch.__version__, _cpu_flags(), " ".join(_FLAGS), sys.prefix)
+    for part in parts:
+        digest.update(part if isinstance(part, bytes) else part.encode())
     return f"{NAMESPACE}_{digest.hexdigest()[:12]}"
 
 
