@@ -5,9 +5,9 @@ time, a bfloat16 RMSNorm alone is eight kernels (cast, square, mean, add, rsqrt,
 scale) and a layer some forty; each reads and writes the whole activation, and on a GPU each
 costs a launch of a few microseconds even inside a CUDA graph. Each function here is one kernel
 on CUDA (Triton) or, asked for with ``impl="cpp"``, on the CPU (`zerobubble.kernels.cpu`), and
-its torch twin elsewhere. The twins are the model's reference semantics,
-rounding included: every intermediate a Hugging Face layer rounds to the model dtype is rounded
-here too, but for one: the residual stream is kept in float32 (Hugging Face rounds each sum to the
+its torch twin elsewhere. The twins are the model's reference semantics, rounding included:
+every intermediate a Hugging Face layer rounds to the model dtype is rounded here too, but for
+one: the residual stream is kept in float32 (Hugging Face rounds each sum to the
 model dtype, and over a deep stack those roundings move the logits enough to change the argmax
 now and then: with the stream in float32, bfloat16 SmolLM2 agrees with float32 on 99.14 % of next
 tokens instead of 98.96 %, docs/benchmarks/cpu-llamacpp.md). The Triton kernels match the twins to

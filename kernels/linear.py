@@ -15,11 +15,11 @@ per output channel (symmetric, ``max |w| / 127``) and widened as it is read; the
 the model dtype. Half the weight memory of bfloat16. For up to ``CPP_INT8_MAX_ROWS`` rows (a
 decode step of a few requests) the compiled CPU kernel (`zerobubble.kernels.cpu`, ``impl="cpp"``)
 streams the weight at the memory's speed, prefetching the next rows, where torch 2.13's
-weight-only product reaches about two thirds of it; up to ``INT8_MIN_WIDENED_ROWS`` torch's
-product, which is slower than oneDNN's bfloat16 one there (docs/benchmarks/cpu-llamacpp.md); from
-there on (prefill) the weight widened to the model dtype, a dense product, then the scales. Quantizing the
-activations too (fbgemm's dynamic int8 product) is faster, but its single scale over a whole
-prefill costs too much accuracy.
+weight-only product reaches about two thirds of it; below ``INT8_MIN_WIDENED_ROWS`` torch's
+product, which is slower than oneDNN's bfloat16 one there (docs/benchmarks/cpu-llamacpp.md);
+from there on (prefill) the weight widened to the model dtype, a dense product, then the
+scales. Quantizing the activations too (fbgemm's dynamic int8 product) is faster, but its
+single scale over a whole prefill costs too much accuracy.
 
 ``quantization="int4"`` (CPU): weight-only 4-bit in groups of 32 inputs along each output row,
 asymmetric (a scale and a minimum per group: llama.cpp's Q4_1 layout, the peer's), multiplied by
