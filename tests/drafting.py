@@ -276,7 +276,7 @@ def fitted_head(model_dir: Path, prompts: list[list[int]], out_dir: Path) -> Pat
     in nine on the grounded rows), which exercises acceptance, rejection and partial acceptance
     over the real model in seconds; the trained head (scripts/train_eagle.py) is for speed,
     measured in benchmarks."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -289,10 +289,8 @@ def fitted_head(model_dir: Path, prompts: list[list[int]], out_dir: Path) -> Pat
         targets.append(hidden[1:])
     x, y = torch.cat(inputs).double(), torch.cat(targets).double()
     fc = torch.linalg.solve(x.T @ x + torch.eye(x.shape[1], dtype=x.dtype), x.T @ y).T
-    state: dict[str, torch.Tensor] = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        state.update(load_file(str(path)))
-    head = {k.removeprefix("model."): v.clone() for k, v in state.items() if k.startswith("model.layers.0.")}
+    layer = hf.state_dict().items()
+    head = {k.removeprefix("model."): v.clone() for k, v in layer if k.startswith("model.layers.0.")}
     del head["layers.0.input_layernorm.weight"]  # EAGLE-1's layer has none
     head["layers.0.self_attn.o_proj.weight"].zero_()
     head["layers.0.mlp.down_proj.weight"].zero_()
