@@ -8,6 +8,12 @@ inputs of 4 to ~64 rows (decode batches, verification rows) and for bfloat16 inp
 over the plain weight is still the faster one, so float32 weights keep both copies and pick per
 call; bfloat16 weights keep only the packed one.
 
+With the compiled CPU kernels (``impl="cpp"``, `zerobubble.kernels.cpu`) on a CPU with AVX-512
+BF16, bfloat16 weights are laid out in their own blocks instead (:func:`pack_bf16`: 16 outputs
+by 2 inputs per vector) and multiplied by the compiled product at every row count: 1.4-1.7x
+oneDNN's product at 1-4 rows, where a decode step is bound by reading the weights, and level
+with it from 64 rows on (docs/benchmarks/cpu-llamacpp.md).
+
 On CUDA, or where oneDNN is missing, a weight is just the plain tensor for ``F.linear``.
 
 ``quantization="int8"`` (CPU): weight-only int8. Each weight is stored as int8 with one scale
@@ -52,13 +58,16 @@ CPP_INT8_MAX_ROWS = 4
 # dtype and taking the dense product beats torch's weight-only product, which is bound by its
 # per-row widening there (a 3072 x 576 weight, 260 rows, bfloat16: 4.8 ms against 11.9).
 INT8_MIN_WIDENED_ROWS = 16
+# Outputs per block and inputs per pair of the compiled bfloat16 product's weight layout.
+BF16_BLOCK_OUTPUTS = 16
 
 
 @dataclass(slots=True, eq=False)
 class LinearWeight:
     """One ``[out, in]`` linear weight: the plain tensor and/or a oneDNN-packed copy.
 
-    ``packed`` is used for inputs of at least ``min_packed_rows`` rows, ``dense`` otherwise.
+    ``packed`` is used for inputs of at least ``min_packed_rows`` rows, ``dense`` otherwise;
+    ``blocks`` (with ``num_outputs``), where present, for every input.
     """
 
     dense: torch.Tensor | None
@@ -68,6 +77,8 @@ class LinearWeight:
     int8_scale: torch.Tensor | None = None  # [out] in the activations' dtype
     int4: torch.Tensor | None = None  # torch's packed int4 layout of [out, in]
     int4_scales_zeros: torch.Tensor | None = None  # [in / INT4_GROUP, out, 2] in the activations' dtype
+    blocks: torch.Tensor | None = None  # [ceil(out / 16), in / 2, 16, 2] bfloat16, see pack_bf16
+    num_outputs: int = 0  # out, for blocks (the last block is padded with zero rows)
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -123,15 +134,47 @@ def _prepare_int4(weight: torch.Tensor) -> LinearWeight:
     return LinearWeight(None, int4=packed, int4_scales_zeros=scales_and_zeros.to(weight.dtype))
 
 
-def prepare_linear(weight: torch.Tensor, prepack: bool = True, quantization: str = "none") -> LinearWeight:
-    """Wrap ``weight`` ``[out, in]`` for :func:`linear`: packed for oneDNN when that helps here,
-    or quantized (``quantization="int8"`` or ``"int4"``)."""
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` (``in`` even) in the compiled bfloat16 product's layout
+    ``[ceil(out / 16), in / 2, 16, 2]``: for each block of 16 outputs and each pair of inputs, the
+    32 values one AVX-512 BF16 instruction takes; outputs past ``out`` are zero."""
+    out_features, in_features = weight.shape
+    if in_features % 2:
+        raise ValueError(f"the bfloat16 block layout needs an even number of inputs; got {in_features}")
+    num_blocks = -(-out_features // BF16_BLOCK_OUTPUTS)
+    padded = F.pad(weight.to(torch.bfloat16), (0, 0, 0, num_blocks * BF16_BLOCK_OUTPUTS - out_features))
+    blocks = padded.reshape(num_blocks, BF16_BLOCK_OUTPUTS, in_features // 2, 2).permute(0, 2, 1, 3)
+    return blocks.contiguous()
+
+
+def unpack_bf16(blocks: torch.Tensor, num_outputs: int) -> torch.Tensor:
+    """The ``[num_outputs, in]`` weight :func:`pack_bf16` laid out (the product's torch twin)."""
+    num_blocks, pairs = blocks.shape[:2]
+    return blocks.permute(0, 2, 1, 3).reshape(num_blocks * BF16_BLOCK_OUTPUTS, 2 * pairs)[:num_outputs]
+
+
+def _uses_bf16_blocks(weight: torch.Tensor, impl: KernelImpl) -> bool:
+    if impl != "cpp" or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
+        return False
+    from zerobubble.kernels import cpu
+
+    return cpu.load() and bool(torch.ops.zerobubble_cpu.bf16_linear_is_native())
+
+
+def prepare_linear(
+    weight: torch.Tensor, prepack: bool = True, quantization: str = "none", impl: KernelImpl = None
+) -> LinearWeight:
+    """Wrap ``weight`` ``[out, in]`` for :func:`linear`: laid out for the compiled bfloat16 product
+    (``impl="cpp"``) or for oneDNN when that helps here, or quantized (``quantization="int8"`` or
+    ``"int4"``). ``prepack=False`` keeps the plain weight."""
     if quantization == "int8":
         return _prepare_int8(weight)
     if quantization == "int4":
         return _prepare_int4(weight)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r} (known: {', '.join(QUANTIZATIONS)})")
+    if prepack and _uses_bf16_blocks(weight, impl):
+        return LinearWeight(None, blocks=pack_bf16(weight), num_outputs=weight.shape[0])
     if not (prepack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()):  # fmt: skip
         return LinearWeight(weight)
@@ -152,7 +195,11 @@ def linear(
     x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None, impl: KernelImpl = None
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large
-    enough; ``impl="cpp"``: an int8 weight's product for a few rows by the compiled CPU kernel."""
+    enough; ``impl="cpp"``: an int8 weight's product for a few rows by the compiled CPU kernel.
+    A weight in bfloat16 blocks is always multiplied by the compiled product."""
+    if weight.blocks is not None:
+        product: torch.Tensor = torch.ops.zerobubble_cpu.bf16_linear(x, weight.blocks, weight.num_outputs, bias)
+        return product
     if weight.int8 is not None:
         assert weight.int8_scale is not None
         if impl == "cpp" and x.shape[0] <= CPP_INT8_MAX_ROWS:

@@ -219,7 +219,9 @@ class CausalLM:
         # 4-bit logits cost most of int4's accuracy (top-1 agreement 94 % against 99 % with the
         # head unquantized, docs/benchmarks/cpu-llamacpp.md); llama.cpp keeps its output matrix
         # at a higher precision too.
-        self.lm_head = weight(head) if self.quantization != "int4" else prepare_linear(head, self.prepack)
+        self.lm_head = (
+            weight(head) if self.quantization != "int4" else prepare_linear(head, self.prepack, impl=self.kernels)
+        )
         self.head_rows = head
 
     def weight_readers(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Taker, OptionalTaker, WeightMaker]:
@@ -238,7 +240,7 @@ class CausalLM:
             return take(name, shape) if present else None
 
         def weight(tensor: torch.Tensor) -> LinearWeight:
-            return prepare_linear(tensor, self.prepack, self.quantization)
+            return prepare_linear(tensor, self.prepack, self.quantization, self.kernels)
 
         return take, take_optional, weight
 

@@ -504,6 +504,147 @@ Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale) {
   return out;
 }
 
+// ---------------------------------------------------------------------------------------------
+// bfloat16 product over a weight in pairs-of-inputs blocks
+
+// The weight is laid out once, at load time, as [out / 16][in / 2][16][2] (`pack_bf16` in
+// zerobubble/kernels/linear.py): for 16 outputs, each pair of inputs' 32 values is one vector, so
+// one AVX-512 BF16 instruction multiplies it exactly by an input row's pair (broadcast) and adds
+// into 16 float32 sums, one per output; no sums need folding across lanes at the end. Each pair
+// of weight vectors serves up to 8 input rows from registers. Without AVX-512 BF16 a plain loop
+// does the same sums (correct, not fast: callers use this product only where
+// `bf16_linear_is_native()` says the instructions were compiled in).
+#if defined(__AVX512BF16__)
+constexpr bool kNativeBf16 = true;
+#else
+constexpr bool kNativeBf16 = false;
+#endif
+constexpr int64_t kBf16Lanes = 16;   // outputs per block
+constexpr int kBf16MaxTileRows = 8;  // input rows sharing the weight vectors in registers
+
+struct Bf16Tile {
+  const c10::BFloat16* const* x;  // R input rows
+  const c10::BFloat16* w;         // the first block's first pair
+  int64_t block_stride;           // elements from one block to the next
+  int64_t pairs;                  // in / 2
+  int64_t ahead;                  // elements to prefetch ahead of the weight read (0: none)
+  const c10::BFloat16* bias;      // at the first block's first output, or null
+  c10::BFloat16* out;             // at (first row, first block's first output)
+  int64_t out_stride;
+  int64_t count;                  // outputs to store from the first block on (B blocks hold up to 16 B)
+};
+
+// out[r][b * 16 + lane] for R rows and B blocks: float32 sums, bias added, rounded once.
+template <int R, int B>
+void bf16_tile(const Bf16Tile& t) {
+#if defined(__AVX512BF16__)
+  __m512 acc[R][B];
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < B; ++b) acc[r][b] = _mm512_setzero_ps();
+  }
+  for (int64_t kk = 0; kk < t.pairs; ++kk) {
+    __m512bh wv[B];
+    for (int b = 0; b < B; ++b) {
+      const c10::BFloat16* wp = t.w + b * t.block_stride + kk * 2 * kBf16Lanes;
+      if (t.ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(wp + t.ahead), _MM_HINT_T0);
+      wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp));
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, t.x[r] + 2 * kk, sizeof(pair));
+      const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_set1_epi32(pair));
+      for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
+    }
+  }
+  float sums[R][B * kBf16Lanes];
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(sums[r] + b * kBf16Lanes, acc[r][b]);
+  }
+#else
+  float sums[R][B * kBf16Lanes] = {};
+  for (int64_t kk = 0; kk < t.pairs; ++kk) {
+    for (int b = 0; b < B; ++b) {
+      const c10::BFloat16* wp = t.w + b * t.block_stride + kk * 2 * kBf16Lanes;
+      for (int r = 0; r < R; ++r) {
+        const float x0 = to_f32(t.x[r][2 * kk]), x1 = to_f32(t.x[r][2 * kk + 1]);
+        for (int64_t lane = 0; lane < kBf16Lanes; ++lane) {
+          sums[r][b * kBf16Lanes + lane] += x0 * to_f32(wp[2 * lane]) + x1 * to_f32(wp[2 * lane + 1]);
+        }
+      }
+    }
+  }
+#endif
+  for (int r = 0; r < R; ++r) {
+    for (int64_t j = 0; j < t.count; ++j) {
+      const float b = t.bias == nullptr ? 0.0f : to_f32(t.bias[j]);
+      t.out[r * t.out_stride + j] = static_cast<c10::BFloat16>(sums[r][j] + b);
+    }
+  }
+}
+
+template <int B>
+void bf16_tile_rows(int rows, const Bf16Tile& t) {
+  switch (rows) {
+    case 1: return bf16_tile<1, B>(t);
+    case 2: return bf16_tile<2, B>(t);
+    case 3: return bf16_tile<3, B>(t);
+    case 4: return bf16_tile<4, B>(t);
+    case 5: return bf16_tile<5, B>(t);
+    case 6: return bf16_tile<6, B>(t);
+    case 7: return bf16_tile<7, B>(t);
+    default: return bf16_tile<8, B>(t);
+  }
+}
+
+// y = x w^T (+ bias) for bfloat16 x [rows, in] and w packed by `pack_bf16`: float32 sums rounded
+// once, as oneDNN's bfloat16 product does. Threads take pairs of output blocks; each pair streams
+// from memory once and serves every input row, up to 8 at a time, from the cache.
+Tensor bf16_linear(const Tensor& x, const Tensor& packed, int64_t out_features, const std::optional<Tensor>& bias) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x must be bfloat16 [rows, in] with an even `in` and unit stride along it");
+  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
+                  packed.size(0) * kBf16Lanes >= out_features && packed.size(1) * 2 == x.size(1) &&
+                  packed.size(2) == kBf16Lanes && packed.size(3) == 2,
+              "packed must be a contiguous bfloat16 [out / 16, in / 2, 16, 2] weight for x");
+  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
+                                    bias->numel() == out_features),
+              "bias must be bfloat16 [out_features]");
+  const int64_t rows = x.size(0), pairs = packed.size(1), blocks = (out_features + kBf16Lanes - 1) / kBf16Lanes;
+  const int64_t block_stride = pairs * 2 * kBf16Lanes;
+  Tensor out = at::empty({rows, out_features}, x.options());
+  const auto* xp = x.data_ptr<c10::BFloat16>();
+  const auto* wp = packed.data_ptr<c10::BFloat16>();
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  auto* op = out.data_ptr<c10::BFloat16>();
+  // Tiles of up to 8 rows, as even as the row count allows (12 rows: 6 + 6, not 8 + 4).
+  const int64_t num_tiles = (rows + kBf16MaxTileRows - 1) / kBf16MaxTileRows;
+  at::parallel_for(0, (blocks + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+    const c10::BFloat16* xr[kBf16MaxTileRows];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t block = pair * 2, num_blocks = std::min<int64_t>(2, blocks - block);
+      const int64_t first_out = block * kBf16Lanes;
+      for (int64_t tile = 0, m = 0; tile < num_tiles; ++tile) {
+        const int64_t tile_rows = (rows - m) / (num_tiles - tile);
+        for (int64_t r = 0; r < tile_rows; ++r) xr[r] = xp + (m + r) * x.stride(0);
+        const Bf16Tile t{xr, wp + block * block_stride, block_stride, pairs,
+                         tile == 0 && pair + 1 < end ? 2 * block_stride : 0,
+                         bp == nullptr ? nullptr : bp + first_out, op + m * out_features + first_out,
+                         out_features, std::min(num_blocks * kBf16Lanes, out_features - first_out)};
+        if (num_blocks == 2) {
+          bf16_tile_rows<2>(static_cast<int>(tile_rows), t);
+        } else {
+          bf16_tile_rows<1>(static_cast<int>(tile_rows), t);
+        }
+        m += tile_rows;
+      }
+    }
+  });
+  return out;
+}
+
+bool bf16_linear_is_native() { return kNativeBf16; }
+
 }  // namespace
 
 TORCH_LIBRARY(zerobubble_cpu, m) {
@@ -517,6 +658,8 @@ TORCH_LIBRARY(zerobubble_cpu, m) {
       "paged_attention(Tensor q, Tensor key_storage, Tensor value_storage, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_tables, int max_query_len, float scale, int window) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
+  m.def("bf16_linear_is_native() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(zerobubble_cpu, CPU, m) {
@@ -526,4 +669,9 @@ TORCH_LIBRARY_IMPL(zerobubble_cpu, CPU, m) {
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("paged_attention", &paged_attention);
   m.impl("int8_linear", &int8_linear);
+  m.impl("bf16_linear", &bf16_linear);
+}
+
+TORCH_LIBRARY_IMPL(zerobubble_cpu, CompositeExplicitAutograd, m) {
+  m.impl("bf16_linear_is_native", &bf16_linear_is_native);
 }

@@ -6,7 +6,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zerobubble.kernels.linear import dequantize_int4, linear, prepare_linear, quantize_int4, quantize_int8
+from zerobubble.kernels.linear import (
+    dequantize_int4,
+    linear,
+    pack_bf16,
+    prepare_linear,
+    quantize_int4,
+    quantize_int8,
+    unpack_bf16,
+)
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -116,6 +124,58 @@ def test_compiled_int8_product_is_the_dequantized_product(
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
     else:  # one rounding of the product, one of the bias sum
         torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=2**-7 * float(want.abs().max()))
+
+
+def test_bf16_blocks_hold_every_weight_once_and_pad_with_zeros() -> None:
+    weight = torch.randn(40, 70).bfloat16()
+    blocks = pack_bf16(weight)
+    assert blocks.shape == (3, 35, 16, 2) and blocks.is_contiguous()
+    # Block 1, input pair 4: outputs 16..31 at inputs 8 and 9.
+    assert torch.equal(blocks[1, 4], weight[16:32, 8:10])
+    assert torch.equal(unpack_bf16(blocks, 40), weight)
+    assert int(torch.count_nonzero(blocks[2, :, 8:])) == 0  # outputs 40..47 do not exist
+    with pytest.raises(ValueError, match="even number of inputs; got 7"):
+        pack_bf16(torch.randn(4, 7))
+
+
+@pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 12, 17, 70])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_compiled_bf16_product_is_the_float32_product_rounded_once(
+    cpu_kernels: None, num_rows: int, with_bias: bool
+) -> None:
+    """The compiled bfloat16 product over its block layout: 72 outputs (four blocks and a half:
+    an odd last block, partly padding) and 150 inputs (75 pairs), row counts that fill its tiles
+    of up to 8 rows exactly, unevenly and not at all: the exact products summed in float32, the
+    bias added, rounded once (so within one bfloat16 step of the float64 product)."""
+    g = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(72, 150, generator=g).bfloat16()
+    bias = torch.randn(72, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(num_rows, 150, generator=g).bfloat16()
+    prepared = prepare_linear(weight, impl="cpp")
+    if not torch.ops.zerobubble_cpu.bf16_linear_is_native():
+        pytest.skip("this CPU has no AVX-512 BF16: bfloat16 weights stay oneDNN's")
+    assert prepared.blocks is not None and prepared.dense is None and prepared.packed is None
+    got = linear(x, prepared, bias)
+    exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert got.dtype == torch.bfloat16 and got.shape == (num_rows, 72)
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
+    # Rows are independent: the product of one row alone is the same row of the batch's.
+    assert torch.equal(linear(x[-1:], prepared, bias), got[-1:])
+
+
+def test_compiled_bf16_product_only_where_it_applies(cpu_kernels: None) -> None:
+    """The block layout is for bfloat16 weights with an even number of inputs, when the compiled
+    kernels are asked for and weights are laid out at all; the product names a bad weight."""
+    weight = torch.randn(32, 48)
+    assert prepare_linear(weight.bfloat16()).blocks is None  # impl=None: oneDNN's layout
+    assert prepare_linear(weight.bfloat16(), prepack=False, impl="cpp").blocks is None
+    assert prepare_linear(weight, impl="cpp").blocks is None  # float32 stays HF-exact
+    assert prepare_linear(torch.randn(32, 47).bfloat16(), impl="cpp").blocks is None
+    x = torch.randn(2, 48).bfloat16()
+    with pytest.raises(RuntimeError, match="packed must be"):
+        torch.ops.zerobubble_cpu.bf16_linear(x, weight.bfloat16(), 32, None)
+    with pytest.raises(RuntimeError, match="x must be bfloat16"):
+        torch.ops.zerobubble_cpu.bf16_linear(x.float(), pack_bf16(weight), 32, None)
 
 
 def test_int4_codes_are_within_half_a_step_of_each_group() -> None:

@@ -268,7 +268,9 @@ def _limit_vocab(head: ServingHead, ids: torch.Tensor, what: str, own_rows: bool
         logger.warning("the target's lm_head is kept packed only: the head drafts over the whole vocabulary")
         return
     head.draft_ids = ids.to(device)
-    head.lm_head = prepare_linear(rows.index_select(0, head.draft_ids).contiguous(), head.target.prepack)
+    head.lm_head = prepare_linear(
+        rows.index_select(0, head.draft_ids).contiguous(), head.target.prepack, impl=head.target.kernels
+    )
 
 
 def _lm_head_rows(model: CausalLM) -> torch.Tensor | None:
