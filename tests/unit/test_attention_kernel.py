@@ -163,12 +163,23 @@ def test_paged_attention_cpp_attends_wide_query_groups(cpu_kernels: None) -> Non
 
 
 @pytest.mark.parametrize("window", [0, 6])
-def test_paged_attention_cpp_in_bfloat16_matches_dense(cpu_kernels: None, window: int) -> None:
-    q, k_cache, v_cache, meta = _batch(4, 16, 1, requests=REQUESTS)
+@pytest.mark.parametrize(
+    ("block_size", "head_dim", "num_q_heads", "num_kv_heads"),
+    [(4, 16, 4, 1), (16, 64, 9, 3), (32, 128, 12, 2)],
+    ids=["generic-loop", "smollm2-groups-of-3", "groups-of-6"],
+)
+def test_paged_attention_cpp_in_bfloat16_matches_dense(
+    cpu_kernels: None, window: int, block_size: int, head_dim: int, num_q_heads: int, num_kv_heads: int
+) -> None:
+    """The geometries compiled with vector key rows (block size 16 or 32) and the generic loop;
+    query groups of a compiled size (3) and of one run as the next (6 as 8, two heads unused)."""
+    _, k_cache, v_cache, meta = _batch(block_size, head_dim, 1, num_kv_heads, requests=REQUESTS)
+    q = torch.randn(int(meta.query_start_loc[-1]), num_q_heads, head_dim, generator=torch.Generator().manual_seed(4))
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
-    got = paged_attention(q, k_cache, v_cache, meta, 0.25, impl="cpp", sliding_window=window or None)
+    scale = head_dim**-0.5
+    got = paged_attention(q, k_cache, v_cache, meta, scale, impl="cpp", sliding_window=window or None)
     assert got.dtype == torch.bfloat16
-    expected = _dense_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.25, window)
+    expected = _dense_attention(q.float(), k_cache.float(), v_cache.float(), meta, scale, window)
     # bfloat16 inputs, float32 scores, probabilities and sums, one rounding of the output: a
     # bfloat16 step (2^-8 relative) of the largest outputs.
     torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=2**-7)
