@@ -3,7 +3,8 @@
 On a CPU the decode step of a small model is as much dispatch as arithmetic: between its matmuls
 a layer runs some thirty aten ops on a few rows each, every one paying a few microseconds. The
 C++ kernels do each fused step of `zerobubble.kernels.fused` and the paged KV write and
-short-row attention of `zerobubble.kernels.attention` in one pass, and register as torch
+short-row attention of `zerobubble.kernels.attention` in one pass, and the bfloat16 and few-row
+int8 products of `zerobubble.kernels.linear` at the memory's speed, and register as torch
 operators (``torch.ops.zerobubble_cpu.*``). The public functions of those modules run them for
 ``impl="cpp"``; a model asks for that when it loaded them (`zerobubble.worker_svc.model.CausalLM.kernels`).
 

@@ -269,13 +269,15 @@ class WorkerConfig(ServiceConfig):
     )
     prepack_weights: bool = setting(
         True,
-        "CPU: keep linear weights in oneDNN's blocked layout as well (faster decode "
-        "batches; float32 weights then take twice the memory)",
+        "CPU: lay linear weights out once for the product that runs them (oneDNN's blocked "
+        "layout; bfloat16 with --cpu-kernels on AVX-512 BF16: the compiled product's blocks); "
+        "float32 weights then take twice the memory",
     )
     cpu_kernels: bool = setting(
         True,
-        "CPU, bfloat16/float16: run the norms, rotation, SiLU and paged attention as compiled C++ "
-        "kernels (built once per machine with the host's compiler; torch ops where that fails)",
+        "CPU, bfloat16/float16: run the norms, rotation, SiLU, paged attention and the bfloat16 "
+        "and few-row int8 products as compiled C++ kernels (built once per machine with the "
+        "host's compiler; torch ops where that fails)",
     )
     auth_token: str = setting(
         "",

@@ -615,8 +615,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale) {
 // The weight is laid out once, at load time, as [out / 16][in / 2][16][2] (`pack_bf16` in
 // zerobubble/kernels/linear.py): for 16 outputs, each pair of inputs' 32 values is one vector, so
 // one AVX-512 BF16 instruction multiplies it exactly by an input row's pair (broadcast) and adds
-// into 16 float32 sums, one per output; no sums need folding across lanes at the end. Each pair
-// of weight vectors serves up to 8 input rows from registers. Without AVX-512 BF16 a plain loop
+// into 16 float32 sums, one per output; no sums need folding across lanes at the end. Three
+// blocks are read together, each triple of weight vectors serving up to 8 input rows from registers. Without AVX-512 BF16 a plain loop
 // does the same sums (correct, not fast: callers use this product only where
 // `bf16_linear_is_native()` says the instructions were compiled in).
 #if defined(__AVX512BF16__)
@@ -626,6 +626,7 @@ constexpr bool kNativeBf16 = false;
 #endif
 constexpr int64_t kBf16Lanes = 16;   // outputs per block
 constexpr int kBf16MaxTileRows = 8;  // input rows sharing the weight vectors in registers
+constexpr int64_t kBf16GroupBlocks = 3;  // blocks read together: 8 x 3 sums, 3 weight vectors
 
 struct Bf16Tile {
   const c10::BFloat16* const* x;  // R input rows
@@ -702,7 +703,7 @@ void bf16_tile_rows(int rows, const Bf16Tile& t) {
 }
 
 // y = x w^T (+ bias) for bfloat16 x [rows, in] and w packed by `pack_bf16`: float32 sums rounded
-// once, as oneDNN's bfloat16 product does. Threads take pairs of output blocks; each pair streams
+// once, as oneDNN's bfloat16 product does. Threads take groups of three output blocks; each streams
 // from memory once and serves every input row, up to 8 at a time, from the cache.
 Tensor bf16_linear(const Tensor& x, const Tensor& packed, int64_t out_features, const std::optional<Tensor>& bias) {
   check_cpu(x, "x");
@@ -724,19 +725,21 @@ Tensor bf16_linear(const Tensor& x, const Tensor& packed, int64_t out_features, 
   auto* op = out.data_ptr<c10::BFloat16>();
   // Tiles of up to 8 rows, as even as the row count allows (12 rows: 6 + 6, not 8 + 4).
   const int64_t num_tiles = (rows + kBf16MaxTileRows - 1) / kBf16MaxTileRows;
-  at::parallel_for(0, (blocks + 1) / 2, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (blocks + kBf16GroupBlocks - 1) / kBf16GroupBlocks, 4, [&](int64_t begin, int64_t end) {
     const c10::BFloat16* xr[kBf16MaxTileRows];
-    for (int64_t pair = begin; pair < end; ++pair) {
-      const int64_t block = pair * 2, num_blocks = std::min<int64_t>(2, blocks - block);
+    for (int64_t group = begin; group < end; ++group) {
+      const int64_t block = group * kBf16GroupBlocks, num_blocks = std::min(kBf16GroupBlocks, blocks - block);
       const int64_t first_out = block * kBf16Lanes;
       for (int64_t tile = 0, m = 0; tile < num_tiles; ++tile) {
         const int64_t tile_rows = (rows - m) / (num_tiles - tile);
         for (int64_t r = 0; r < tile_rows; ++r) xr[r] = xp + (m + r) * x.stride(0);
         const Bf16Tile t{xr, wp + block * block_stride, block_stride, pairs,
-                         tile == 0 && pair + 1 < end ? 2 * block_stride : 0,
+                         tile == 0 && group + 1 < end ? kBf16GroupBlocks * block_stride : 0,
                          bp == nullptr ? nullptr : bp + first_out, op + m * out_features + first_out,
                          out_features, std::min(num_blocks * kBf16Lanes, out_features - first_out)};
-        if (num_blocks == 2) {
+        if (num_blocks == 3) {
+          bf16_tile_rows<3>(static_cast<int>(tile_rows), t);
+        } else if (num_blocks == 2) {
           bf16_tile_rows<2>(static_cast<int>(tile_rows), t);
         } else {
           bf16_tile_rows<1>(static_cast<int>(tile_rows), t);

@@ -140,16 +140,18 @@ def test_bf16_blocks_hold_every_weight_once_and_pad_with_zeros() -> None:
 
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 12, 17, 70])
 @pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("num_outputs", [40, 60, 72])
 def test_compiled_bf16_product_is_the_float32_product_rounded_once(
-    cpu_kernels: None, num_rows: int, with_bias: bool
+    cpu_kernels: None, num_rows: int, with_bias: bool, num_outputs: int
 ) -> None:
-    """The compiled bfloat16 product over its block layout: 72 outputs (four blocks and a half:
-    an odd last block, partly padding) and 150 inputs (75 pairs), row counts that fill its tiles
-    of up to 8 rows exactly, unevenly and not at all: the exact products summed in float32, the
-    bias added, rounded once (so within one bfloat16 step of the float64 product)."""
+    """The compiled bfloat16 product over its block layout: 40, 60 and 72 outputs (blocks of 16
+    read three at a time: one group of 3, 3 + 1 and 3 + 2 blocks, the last one partly padding)
+    and 150 inputs (75 pairs), row counts that fill its tiles of up to 8 rows exactly, unevenly
+    and not at all: the exact products summed in float32, the bias added, rounded once (so within
+    one bfloat16 step of the float64 product)."""
     g = torch.Generator().manual_seed(num_rows)
-    weight = torch.randn(72, 150, generator=g).bfloat16()
-    bias = torch.randn(72, generator=g).bfloat16() if with_bias else None
+    weight = torch.randn(num_outputs, 150, generator=g).bfloat16()
+    bias = torch.randn(num_outputs, generator=g).bfloat16() if with_bias else None
     x = torch.randn(num_rows, 150, generator=g).bfloat16()
     prepared = prepare_linear(weight, impl="cpp")
     if not torch.ops.zerobubble_cpu.bf16_linear_is_native():
@@ -157,7 +159,7 @@ def test_compiled_bf16_product_is_the_float32_product_rounded_once(
     assert prepared.blocks is not None and prepared.dense is None and prepared.packed is None
     got = linear(x, prepared, bias)
     exact = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    assert got.dtype == torch.bfloat16 and got.shape == (num_rows, 72)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_rows, num_outputs)
     torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
     # Rows are independent: the product of one row alone is the same row of the batch's.
     assert torch.equal(linear(x[-1:], prepared, bias), got[-1:])
