@@ -154,11 +154,10 @@ def unpack_bf16(blocks: torch.Tensor, num_outputs: int) -> torch.Tensor:
 
 
 def _uses_bf16_blocks(weight: torch.Tensor, impl: KernelImpl) -> bool:
+    # impl="cpp": the caller has loaded the compiled kernels (zerobubble.kernels.cpu).
     if impl != "cpp" or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
         return False
-    from zerobubble.kernels import cpu
-
-    return cpu.load() and bool(torch.ops.zerobubble_cpu.bf16_linear_is_native())
+    return bool(torch.ops.zerobubble_cpu.bf16_linear_is_native())
 
 
 def prepare_linear(
