@@ -9,23 +9,24 @@ over the plain weight is still the faster one, so float32 weights keep both copi
 call; bfloat16 weights keep only the packed one.
 
 With the compiled CPU kernels (``impl="cpp"``, `zerobubble.kernels.cpu`) on a CPU with AVX-512
-BF16, bfloat16 weights are laid out in their own blocks instead (:func:`pack_bf16`: 16 outputs
+BF16, bfloat16 weights are laid out in their own blocks instead (:func:`pack_blocks`: 16 outputs
 by 2 inputs per vector) and multiplied by the compiled product at every row count: 1.4-1.7x
 oneDNN's product at 1-4 rows, where a decode step is bound by reading the weights, and level
-with it from 64 rows on (docs/benchmarks/cpu-llamacpp.md).
+with it from 64 rows on (docs/benchmarks/cpu-llamacpp.md). int8 weights of a bfloat16 model
+take the same blocks and product, widened to bfloat16 as they are read.
 
 On CUDA, or where oneDNN is missing, a weight is just the plain tensor for ``F.linear``.
 
 ``quantization="int8"`` (CPU): weight-only int8. Each weight is stored as int8 with one scale
 per output channel (symmetric, ``max |w| / 127``) and widened as it is read; the activations keep
-the model dtype. Half the weight memory of bfloat16. For up to ``CPP_INT8_MAX_ROWS`` rows (a
-decode step of a few requests) the compiled CPU kernel (`zerobubble.kernels.cpu`, ``impl="cpp"``)
-streams the weight at the memory's speed, prefetching the next rows, where torch 2.13's
-weight-only product reaches about two thirds of it; below ``INT8_MIN_WIDENED_ROWS`` torch's
-product, which is slower than oneDNN's bfloat16 one there (docs/benchmarks/cpu-llamacpp.md);
-from there on (prefill) the weight widened to the model dtype, a dense product, then the
-scales. Quantizing the activations too (fbgemm's dynamic int8 product) is faster, but its
-single scale over a whole prefill costs too much accuracy.
+the model dtype. Half the weight memory of bfloat16. A bfloat16 model with the compiled kernels
+keeps the codes in the block layout above, for every row count. Otherwise, for up to
+``CPP_INT8_MAX_ROWS`` rows (a decode step of a few requests) the compiled CPU kernel
+(`zerobubble.kernels.cpu`, ``impl="cpp"``) streams the plain codes, prefetching the next rows,
+where torch 2.13's weight-only product reaches about two thirds of its speed; below
+``INT8_MIN_WIDENED_ROWS`` torch's product; from there on (prefill) the weight widened to the
+model dtype, a dense product, then the scales. Quantizing the activations too (fbgemm's dynamic
+int8 product) is faster, but its single scale over a whole prefill costs too much accuracy.
 
 ``quantization="int4"`` (CPU): weight-only 4-bit in groups of 32 inputs along each output row,
 asymmetric (a scale and a minimum per group: llama.cpp's Q4_1 layout, the peer's), multiplied by
@@ -59,7 +60,9 @@ CPP_INT8_MAX_ROWS = 4
 # per-row widening there (a 3072 x 576 weight, 260 rows, bfloat16: 4.8 ms against 11.9).
 INT8_MIN_WIDENED_ROWS = 16
 # Outputs per block and inputs per pair of the compiled bfloat16 product's weight layout.
-BF16_BLOCK_OUTPUTS = 16
+BLOCK_OUTPUTS = 16
+# Blocks the compiled product reads together; a weight's blocks are padded to a multiple of it.
+BLOCK_GROUP = 3
 
 
 @dataclass(slots=True, eq=False)
@@ -77,7 +80,8 @@ class LinearWeight:
     int8_scale: torch.Tensor | None = None  # [out] in the activations' dtype
     int4: torch.Tensor | None = None  # torch's packed int4 layout of [out, in]
     int4_scales_zeros: torch.Tensor | None = None  # [in / INT4_GROUP, out, 2] in the activations' dtype
-    blocks: torch.Tensor | None = None  # [ceil(out / 16), in / 2, 16, 2] bfloat16, see pack_bf16
+    # [out / 16 (padded), in / 2, 16, 2] bfloat16, or int8 with int8_scale: see pack_blocks
+    blocks: torch.Tensor | None = None
     num_outputs: int = 0  # out, for blocks (the last block is padded with zero rows)
 
 
@@ -93,10 +97,12 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-def _prepare_int8(weight: torch.Tensor) -> LinearWeight:
+def _prepare_int8(weight: torch.Tensor, blocks: bool) -> LinearWeight:
     if weight.device.type != "cpu":
         raise ValueError("int8 quantization runs on the CPU only")
     q, scale = quantize_int8(weight)
+    if blocks:
+        return LinearWeight(None, int8_scale=scale.to(weight.dtype), blocks=pack_blocks(q), num_outputs=q.shape[0])
     return LinearWeight(None, int8=q.contiguous(), int8_scale=scale.to(weight.dtype))
 
 
@@ -134,46 +140,51 @@ def _prepare_int4(weight: torch.Tensor) -> LinearWeight:
     return LinearWeight(None, int4=packed, int4_scales_zeros=scales_and_zeros.to(weight.dtype))
 
 
-def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` ``[out, in]`` (``in`` even) in the compiled bfloat16 product's layout
-    ``[ceil(out / 16), in / 2, 16, 2]``: for each block of 16 outputs and each pair of inputs, the
-    32 values one AVX-512 BF16 instruction takes; outputs past ``out`` are zero."""
+def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` ``[out, in]`` (``in`` even; bfloat16, or int8 codes) in the compiled product's
+    layout ``[num_blocks, in / 2, 16, 2]``: for each block of 16 outputs and each pair of inputs,
+    the 32 values one AVX-512 BF16 instruction takes. ``num_blocks`` is ``ceil(out / 16)`` rounded
+    up to a multiple of ``BLOCK_GROUP`` (the blocks the product reads together); outputs past
+    ``out`` are zero."""
     out_features, in_features = weight.shape
     if in_features % 2:
         raise ValueError(f"the bfloat16 block layout needs an even number of inputs; got {in_features}")
-    num_blocks = -(-out_features // BF16_BLOCK_OUTPUTS)
-    padded = F.pad(weight.to(torch.bfloat16), (0, 0, 0, num_blocks * BF16_BLOCK_OUTPUTS - out_features))
-    blocks = padded.reshape(num_blocks, BF16_BLOCK_OUTPUTS, in_features // 2, 2).permute(0, 2, 1, 3)
+    num_blocks = -(-out_features // (BLOCK_OUTPUTS * BLOCK_GROUP)) * BLOCK_GROUP
+    padded = torch.zeros(num_blocks * BLOCK_OUTPUTS, in_features, dtype=weight.dtype)
+    padded[:out_features] = weight
+    blocks = padded.reshape(num_blocks, BLOCK_OUTPUTS, in_features // 2, 2).permute(0, 2, 1, 3)
     return blocks.contiguous()
 
 
-def unpack_bf16(blocks: torch.Tensor, num_outputs: int) -> torch.Tensor:
-    """The ``[num_outputs, in]`` weight :func:`pack_bf16` laid out (the product's torch twin)."""
+def unpack_blocks(blocks: torch.Tensor, num_outputs: int) -> torch.Tensor:
+    """The ``[num_outputs, in]`` weight :func:`pack_blocks` laid out (the product's torch twin)."""
     num_blocks, pairs = blocks.shape[:2]
-    return blocks.permute(0, 2, 1, 3).reshape(num_blocks * BF16_BLOCK_OUTPUTS, 2 * pairs)[:num_outputs]
+    return blocks.permute(0, 2, 1, 3).reshape(num_blocks * BLOCK_OUTPUTS, 2 * pairs)[:num_outputs]
 
 
-def _uses_bf16_blocks(weight: torch.Tensor, impl: KernelImpl) -> bool:
+def _uses_blocks(weight: torch.Tensor, impl: KernelImpl) -> bool:
+    """Whether ``weight`` (in the model's dtype) goes to the compiled block product."""
     # impl="cpp": the caller has loaded the compiled kernels (zerobubble.kernels.cpu).
     if impl != "cpp" or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
         return False
-    return bool(torch.ops.zerobubble_cpu.bf16_linear_is_native())
+    return bool(torch.ops.zerobubble_cpu.block_linear_is_native())
 
 
 def prepare_linear(
     weight: torch.Tensor, prepack: bool = True, quantization: str = "none", impl: KernelImpl = None
 ) -> LinearWeight:
-    """Wrap ``weight`` ``[out, in]`` for :func:`linear`: laid out for the compiled bfloat16 product
+    """Wrap ``weight`` ``[out, in]`` for :func:`linear`: laid out for the compiled block product
     (``impl="cpp"``) or for oneDNN when that helps here, or quantized (``quantization="int8"`` or
-    ``"int4"``). ``prepack=False`` keeps the plain weight."""
+    ``"int4"``). ``prepack=False`` keeps the plain weight (or int8 codes)."""
+    blocks = prepack and _uses_blocks(weight, impl)
     if quantization == "int8":
-        return _prepare_int8(weight)
+        return _prepare_int8(weight, blocks)
     if quantization == "int4":
         return _prepare_int4(weight)
     if quantization != "none":
         raise ValueError(f"unknown quantization {quantization!r} (known: {', '.join(QUANTIZATIONS)})")
-    if prepack and _uses_bf16_blocks(weight, impl):
-        return LinearWeight(None, blocks=pack_bf16(weight), num_outputs=weight.shape[0])
+    if blocks:
+        return LinearWeight(None, blocks=pack_blocks(weight), num_outputs=weight.shape[0])
     if not (prepack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
             and torch.backends.mkldnn.is_available()):  # fmt: skip
         return LinearWeight(weight)
@@ -195,9 +206,10 @@ def linear(
 ) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large
     enough; ``impl="cpp"``: an int8 weight's product for a few rows by the compiled CPU kernel.
-    A weight in bfloat16 blocks is always multiplied by the compiled product."""
+    A weight in blocks is always multiplied by the compiled product."""
     if weight.blocks is not None:
-        product: torch.Tensor = torch.ops.zerobubble_cpu.bf16_linear(x, weight.blocks, weight.num_outputs, bias)
+        scale = weight.int8_scale if weight.blocks.dtype == torch.int8 else None
+        product: torch.Tensor = torch.ops.zerobubble_cpu.block_linear(x, weight.blocks, weight.num_outputs, scale, bias)
         return product
     if weight.int8 is not None:
         assert weight.int8_scale is not None

@@ -1,6 +1,6 @@
 // CPU kernels of the decode path: the residual add + RMSNorm, q/k norm + RoPE, SiLU·up, the
-// paged KV write, paged attention for short query rows and the weight-only int8 product for a
-// few rows, each one pass over its data.
+// paged KV write, paged attention for short query rows, the bfloat16 product and the weight-only
+// int8 products, each one pass over its data.
 //
 // Run one aten op at a time, these steps cost some thirty dispatches a layer (a few microseconds
 // each, whatever the size), which at a decode batch's few rows is as long as the layer's matmuls.
@@ -610,39 +610,55 @@ Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// bfloat16 product over a weight in pairs-of-inputs blocks
+// bfloat16 activations times a weight in pairs-of-inputs blocks (bfloat16, or int8 with scales)
 
-// The weight is laid out once, at load time, as [out / 16][in / 2][16][2] (`pack_bf16` in
-// zerobubble/kernels/linear.py): for 16 outputs, each pair of inputs' 32 values is one vector, so
+// The weight is laid out once, at load time, as [out / 16][in / 2][16][2] (`pack_blocks` in
+// zerobubble/kernels/linear.py; the block count padded with zeros to a multiple of 3): for 16 outputs, each pair of inputs' 32 values is one vector, so
 // one AVX-512 BF16 instruction multiplies it exactly by an input row's pair (broadcast) and adds
 // into 16 float32 sums, one per output; no sums need folding across lanes at the end. Three
-// blocks are read together, each triple of weight vectors serving up to 8 input rows from registers. Without AVX-512 BF16 a plain loop
-// does the same sums (correct, not fast: callers use this product only where
-// `bf16_linear_is_native()` says the instructions were compiled in).
+// blocks are read together, each triple of weight vectors serving up to 8 input rows from
+// registers. int8 weights (weight-only quantization, a scale per output) are widened to bfloat16
+// as they are read, exactly (|q| <= 127 needs 7 bits), and the sums scaled at the end. Without
+// AVX-512 BF16 a plain loop does the same sums (correct, not fast: callers use this product only
+// where `block_linear_is_native()` says the instructions were compiled in).
 #if defined(__AVX512BF16__)
 constexpr bool kNativeBf16 = true;
 #else
 constexpr bool kNativeBf16 = false;
 #endif
-constexpr int64_t kBf16Lanes = 16;   // outputs per block
-constexpr int kBf16MaxTileRows = 8;  // input rows sharing the weight vectors in registers
-constexpr int64_t kBf16GroupBlocks = 3;  // blocks read together: 8 x 3 sums, 3 weight vectors
+constexpr int64_t kBlockLanes = 16;       // outputs per block
+constexpr int kBlockMaxTileRows = 8;      // input rows sharing the weight vectors in registers
+constexpr int kBlockGroupBlocks = 3;  // blocks read together: 8 x 3 sums, 3 weight vectors
 
-struct Bf16Tile {
+#if defined(__AVX512BF16__)
+inline __m512bh load_pairs(const c10::BFloat16* p) {
+  return reinterpret_cast<__m512bh>(_mm512_loadu_si512(p));
+}
+inline __m512bh load_pairs(const int8_t* p) {
+  const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+  const __m512 hi =
+      _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+#endif
+
+template <typename W>
+struct BlockTile {
   const c10::BFloat16* const* x;  // R input rows
-  const c10::BFloat16* w;         // the first block's first pair
+  const W* w;                     // the first block's first pair
   int64_t block_stride;           // elements from one block to the next
   int64_t pairs;                  // in / 2
   int64_t ahead;                  // elements to prefetch ahead of the weight read (0: none)
+  const c10::BFloat16* scale;     // at the first block's first output, or null (no scales)
   const c10::BFloat16* bias;      // at the first block's first output, or null
   c10::BFloat16* out;             // at (first row, first block's first output)
   int64_t out_stride;
   int64_t count;                  // outputs to store from the first block on (B blocks hold up to 16 B)
 };
 
-// out[r][b * 16 + lane] for R rows and B blocks: float32 sums, bias added, rounded once.
-template <int R, int B>
-void bf16_tile(const Bf16Tile& t) {
+// out[r][b * 16 + lane] for R rows and B blocks: float32 sums, scaled, bias added, rounded once.
+template <typename W, int R, int B>
+void block_tile(const BlockTile<W>& t) {
 #if defined(__AVX512BF16__)
   __m512 acc[R][B];
   for (int r = 0; r < R; ++r) {
@@ -651,9 +667,9 @@ void bf16_tile(const Bf16Tile& t) {
   for (int64_t kk = 0; kk < t.pairs; ++kk) {
     __m512bh wv[B];
     for (int b = 0; b < B; ++b) {
-      const c10::BFloat16* wp = t.w + b * t.block_stride + kk * 2 * kBf16Lanes;
+      const W* wp = t.w + b * t.block_stride + kk * 2 * kBlockLanes;
       if (t.ahead != 0) _mm_prefetch(reinterpret_cast<const char*>(wp + t.ahead), _MM_HINT_T0);
-      wv[b] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(wp));
+      wv[b] = load_pairs(wp);
     }
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -662,19 +678,19 @@ void bf16_tile(const Bf16Tile& t) {
       for (int b = 0; b < B; ++b) acc[r][b] = _mm512_dpbf16_ps(acc[r][b], xv, wv[b]);
     }
   }
-  float sums[R][B * kBf16Lanes];
+  float sums[R][B * kBlockLanes];
   for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < B; ++b) _mm512_storeu_ps(sums[r] + b * kBf16Lanes, acc[r][b]);
+    for (int b = 0; b < B; ++b) _mm512_storeu_ps(sums[r] + b * kBlockLanes, acc[r][b]);
   }
 #else
-  float sums[R][B * kBf16Lanes] = {};
+  float sums[R][B * kBlockLanes] = {};
   for (int64_t kk = 0; kk < t.pairs; ++kk) {
     for (int b = 0; b < B; ++b) {
-      const c10::BFloat16* wp = t.w + b * t.block_stride + kk * 2 * kBf16Lanes;
+      const W* wp = t.w + b * t.block_stride + kk * 2 * kBlockLanes;
       for (int r = 0; r < R; ++r) {
         const float x0 = to_f32(t.x[r][2 * kk]), x1 = to_f32(t.x[r][2 * kk + 1]);
-        for (int64_t lane = 0; lane < kBf16Lanes; ++lane) {
-          sums[r][b * kBf16Lanes + lane] += x0 * to_f32(wp[2 * lane]) + x1 * to_f32(wp[2 * lane + 1]);
+        for (int64_t lane = 0; lane < kBlockLanes; ++lane) {
+          sums[r][b * kBlockLanes + lane] += x0 * to_f32(wp[2 * lane]) + x1 * to_f32(wp[2 * lane + 1]);
         }
       }
     }
@@ -682,76 +698,93 @@ void bf16_tile(const Bf16Tile& t) {
 #endif
   for (int r = 0; r < R; ++r) {
     for (int64_t j = 0; j < t.count; ++j) {
-      const float b = t.bias == nullptr ? 0.0f : to_f32(t.bias[j]);
-      t.out[r * t.out_stride + j] = static_cast<c10::BFloat16>(sums[r][j] + b);
+      const float scale = t.scale == nullptr ? 1.0f : to_f32(t.scale[j]);
+      const float bias = t.bias == nullptr ? 0.0f : to_f32(t.bias[j]);
+      t.out[r * t.out_stride + j] = static_cast<c10::BFloat16>(sums[r][j] * scale + bias);
     }
   }
 }
 
-template <int B>
-void bf16_tile_rows(int rows, const Bf16Tile& t) {
+template <typename W>
+void block_tile_rows(int rows, const BlockTile<W>& t) {
+  constexpr int B = kBlockGroupBlocks;
   switch (rows) {
-    case 1: return bf16_tile<1, B>(t);
-    case 2: return bf16_tile<2, B>(t);
-    case 3: return bf16_tile<3, B>(t);
-    case 4: return bf16_tile<4, B>(t);
-    case 5: return bf16_tile<5, B>(t);
-    case 6: return bf16_tile<6, B>(t);
-    case 7: return bf16_tile<7, B>(t);
-    default: return bf16_tile<8, B>(t);
+    case 1: return block_tile<W, 1, B>(t);
+    case 2: return block_tile<W, 2, B>(t);
+    case 3: return block_tile<W, 3, B>(t);
+    case 4: return block_tile<W, 4, B>(t);
+    case 5: return block_tile<W, 5, B>(t);
+    case 6: return block_tile<W, 6, B>(t);
+    case 7: return block_tile<W, 7, B>(t);
+    default: return block_tile<W, 8, B>(t);
   }
 }
 
-// y = x w^T (+ bias) for bfloat16 x [rows, in] and w packed by `pack_bf16`: float32 sums rounded
-// once, as oneDNN's bfloat16 product does. Threads take groups of three output blocks; each streams
-// from memory once and serves every input row, up to 8 at a time, from the cache.
-Tensor bf16_linear(const Tensor& x, const Tensor& packed, int64_t out_features, const std::optional<Tensor>& bias) {
-  check_cpu(x, "x");
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
-              "x must be bfloat16 [rows, in] with an even `in` and unit stride along it");
-  TORCH_CHECK(packed.scalar_type() == at::kBFloat16 && packed.is_contiguous() && packed.dim() == 4 &&
-                  packed.size(0) * kBf16Lanes >= out_features && packed.size(1) * 2 == x.size(1) &&
-                  packed.size(2) == kBf16Lanes && packed.size(3) == 2,
-              "packed must be a contiguous bfloat16 [out / 16, in / 2, 16, 2] weight for x");
-  TORCH_CHECK(!bias.has_value() || (bias->scalar_type() == at::kBFloat16 && bias->is_contiguous() &&
-                                    bias->numel() == out_features),
-              "bias must be bfloat16 [out_features]");
-  const int64_t rows = x.size(0), pairs = packed.size(1), blocks = (out_features + kBf16Lanes - 1) / kBf16Lanes;
-  const int64_t block_stride = pairs * 2 * kBf16Lanes;
-  Tensor out = at::empty({rows, out_features}, x.options());
+// Threads take groups of three output blocks; each streams from memory once and serves every
+// input row, up to 8 at a time, from the cache.
+template <typename W>
+void block_rows(const Tensor& x, const Tensor& blocks, int64_t out_features, const c10::BFloat16* scale,
+                const c10::BFloat16* bias, Tensor& out) {
+  const int64_t rows = x.size(0), pairs = blocks.size(1), num_blocks = blocks.size(0);
+  const int64_t block_stride = pairs * 2 * kBlockLanes;
   const auto* xp = x.data_ptr<c10::BFloat16>();
-  const auto* wp = packed.data_ptr<c10::BFloat16>();
-  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  const W* wp = blocks.data_ptr<W>();
   auto* op = out.data_ptr<c10::BFloat16>();
   // Tiles of up to 8 rows, as even as the row count allows (12 rows: 6 + 6, not 8 + 4).
-  const int64_t num_tiles = (rows + kBf16MaxTileRows - 1) / kBf16MaxTileRows;
-  at::parallel_for(0, (blocks + kBf16GroupBlocks - 1) / kBf16GroupBlocks, 4, [&](int64_t begin, int64_t end) {
-    const c10::BFloat16* xr[kBf16MaxTileRows];
+  const int64_t num_tiles = (rows + kBlockMaxTileRows - 1) / kBlockMaxTileRows;
+  at::parallel_for(0, num_blocks / kBlockGroupBlocks, 4, [&](int64_t begin, int64_t end) {
+    const c10::BFloat16* xr[kBlockMaxTileRows];
     for (int64_t group = begin; group < end; ++group) {
-      const int64_t block = group * kBf16GroupBlocks, num_blocks = std::min(kBf16GroupBlocks, blocks - block);
-      const int64_t first_out = block * kBf16Lanes;
+      const int64_t block = group * kBlockGroupBlocks, first_out = block * kBlockLanes;
       for (int64_t tile = 0, m = 0; tile < num_tiles; ++tile) {
         const int64_t tile_rows = (rows - m) / (num_tiles - tile);
         for (int64_t r = 0; r < tile_rows; ++r) xr[r] = xp + (m + r) * x.stride(0);
-        const Bf16Tile t{xr, wp + block * block_stride, block_stride, pairs,
-                         tile == 0 && group + 1 < end ? kBf16GroupBlocks * block_stride : 0,
-                         bp == nullptr ? nullptr : bp + first_out, op + m * out_features + first_out,
-                         out_features, std::min(num_blocks * kBf16Lanes, out_features - first_out)};
-        if (num_blocks == 3) {
-          bf16_tile_rows<3>(static_cast<int>(tile_rows), t);
-        } else if (num_blocks == 2) {
-          bf16_tile_rows<2>(static_cast<int>(tile_rows), t);
-        } else {
-          bf16_tile_rows<1>(static_cast<int>(tile_rows), t);
-        }
+        const BlockTile<W> t{xr, wp + block * block_stride, block_stride, pairs,
+                             tile == 0 && group + 1 < end ? kBlockGroupBlocks * block_stride : 0,
+                             scale == nullptr ? nullptr : scale + first_out,
+                             bias == nullptr ? nullptr : bias + first_out, op + m * out_features + first_out,
+                             out_features, std::min(kBlockGroupBlocks * kBlockLanes, out_features - first_out)};
+        if (t.count > 0) block_tile_rows<W>(static_cast<int>(tile_rows), t);
         m += tile_rows;
       }
     }
   });
+}
+
+// y = (x w^T) * scale (+ bias) for bfloat16 x [rows, in] and w packed by `pack_blocks`:
+// bfloat16 weights (no scale; float32 sums rounded once, as oneDNN's bfloat16 product does) or
+// int8 ones with a scale per output (as torch's weight-only int8 product, the bias in the same
+// rounding).
+Tensor block_linear(const Tensor& x, const Tensor& blocks, int64_t out_features, const std::optional<Tensor>& scale,
+                    const std::optional<Tensor>& bias) {
+  check_cpu(x, "x");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.stride(1) == 1 && x.size(1) % 2 == 0,
+              "x must be bfloat16 [rows, in] with an even `in` and unit stride along it");
+  const bool is_int8 = blocks.scalar_type() == at::kChar;
+  TORCH_CHECK((is_int8 || blocks.scalar_type() == at::kBFloat16) && blocks.is_contiguous() && blocks.dim() == 4 &&
+                  blocks.size(0) % kBlockGroupBlocks == 0 && blocks.size(0) * kBlockLanes >= out_features &&
+                  (blocks.size(0) - kBlockGroupBlocks) * kBlockLanes < out_features && blocks.size(1) * 2 == x.size(1) &&
+                  blocks.size(2) == kBlockLanes && blocks.size(3) == 2,
+              "blocks must be a contiguous bfloat16 or int8 [out / 16 (padded to a multiple of 3), in / 2, 16, 2] "
+              "weight for x");
+  TORCH_CHECK(is_int8 == scale.has_value(), "scale must be given for int8 blocks, and only for them");
+  for (const auto* t : {&scale, &bias}) {
+    TORCH_CHECK(!t->has_value() || ((*t)->scalar_type() == at::kBFloat16 && (*t)->is_contiguous() &&
+                                    (*t)->numel() == out_features),
+                "scale and bias must be bfloat16 [out_features]");
+  }
+  Tensor out = at::empty({x.size(0), out_features}, x.options());
+  const c10::BFloat16* sp = scale.has_value() ? scale->data_ptr<c10::BFloat16>() : nullptr;
+  const c10::BFloat16* bp = bias.has_value() ? bias->data_ptr<c10::BFloat16>() : nullptr;
+  if (is_int8) {
+    block_rows<int8_t>(x, blocks, out_features, sp, bp, out);
+  } else {
+    block_rows<c10::BFloat16>(x, blocks, out_features, sp, bp, out);
+  }
   return out;
 }
 
-bool bf16_linear_is_native() { return kNativeBf16; }
+bool block_linear_is_native() { return kNativeBf16; }
 
 }  // namespace
 
@@ -766,8 +799,8 @@ TORCH_LIBRARY(zerobubble_cpu, m) {
       "paged_attention(Tensor q, Tensor key_storage, Tensor value_storage, Tensor query_start_loc, "
       "Tensor seq_lens, Tensor block_tables, int max_query_len, float scale, int window) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
-  m.def("bf16_linear(Tensor x, Tensor packed, int out_features, Tensor? bias) -> Tensor");
-  m.def("bf16_linear_is_native() -> bool");
+  m.def("block_linear(Tensor x, Tensor blocks, int out_features, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("block_linear_is_native() -> bool");
 }
 
 TORCH_LIBRARY_IMPL(zerobubble_cpu, CPU, m) {
@@ -777,9 +810,9 @@ TORCH_LIBRARY_IMPL(zerobubble_cpu, CPU, m) {
   m.impl("write_kv_cache", &write_kv_cache);
   m.impl("paged_attention", &paged_attention);
   m.impl("int8_linear", &int8_linear);
-  m.impl("bf16_linear", &bf16_linear);
+  m.impl("block_linear", &block_linear);
 }
 
 TORCH_LIBRARY_IMPL(zerobubble_cpu, CompositeExplicitAutograd, m) {
-  m.impl("bf16_linear_is_native", &bf16_linear_is_native);
+  m.impl("block_linear_is_native", &block_linear_is_native);
 }

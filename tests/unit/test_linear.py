@@ -9,11 +9,11 @@ import torch.nn.functional as F
 from zerobubble.kernels.linear import (
     dequantize_int4,
     linear,
-    pack_bf16,
+    pack_blocks,
     prepare_linear,
     quantize_int4,
     quantize_int8,
-    unpack_bf16,
+    unpack_blocks,
 )
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -128,14 +128,15 @@ def test_compiled_int8_product_is_the_dequantized_product(
 
 def test_bf16_blocks_hold_every_weight_once_and_pad_with_zeros() -> None:
     weight = torch.randn(40, 70).bfloat16()
-    blocks = pack_bf16(weight)
+    blocks = pack_blocks(weight)
     assert blocks.shape == (3, 35, 16, 2) and blocks.is_contiguous()
+    assert pack_blocks(torch.randn(49, 70)).shape == (6, 35, 16, 2)  # 4 blocks, padded to 2 groups of 3
     # Block 1, input pair 4: outputs 16..31 at inputs 8 and 9.
     assert torch.equal(blocks[1, 4], weight[16:32, 8:10])
-    assert torch.equal(unpack_bf16(blocks, 40), weight)
+    assert torch.equal(unpack_blocks(blocks, 40), weight)
     assert int(torch.count_nonzero(blocks[2, :, 8:])) == 0  # outputs 40..47 do not exist
     with pytest.raises(ValueError, match="even number of inputs; got 7"):
-        pack_bf16(torch.randn(4, 7))
+        pack_blocks(torch.randn(4, 7))
 
 
 @pytest.mark.parametrize("num_rows", [1, 3, 8, 9, 12, 17, 70])
@@ -144,8 +145,8 @@ def test_bf16_blocks_hold_every_weight_once_and_pad_with_zeros() -> None:
 def test_compiled_bf16_product_is_the_float32_product_rounded_once(
     cpu_kernels: None, num_rows: int, with_bias: bool, num_outputs: int
 ) -> None:
-    """The compiled bfloat16 product over its block layout: 40, 60 and 72 outputs (blocks of 16
-    read three at a time: one group of 3, 3 + 1 and 3 + 2 blocks, the last one partly padding)
+    """The compiled bfloat16 product over its block layout: 40, 60 and 72 outputs (3, 4 and 5
+    blocks of 16, read three at a time: padded with zero outputs to 3, 6 and 6)
     and 150 inputs (75 pairs), row counts that fill its tiles of up to 8 rows exactly, unevenly
     and not at all: the exact products summed in float32, the bias added, rounded once (so within
     one bfloat16 step of the float64 product)."""
@@ -154,7 +155,7 @@ def test_compiled_bf16_product_is_the_float32_product_rounded_once(
     bias = torch.randn(num_outputs, generator=g).bfloat16() if with_bias else None
     x = torch.randn(num_rows, 150, generator=g).bfloat16()
     prepared = prepare_linear(weight, impl="cpp")
-    if not torch.ops.zerobubble_cpu.bf16_linear_is_native():
+    if not torch.ops.zerobubble_cpu.block_linear_is_native():
         pytest.skip("this CPU has no AVX-512 BF16: bfloat16 weights stay oneDNN's")
     assert prepared.blocks is not None and prepared.dense is None and prepared.packed is None
     got = linear(x, prepared, bias)
@@ -163,6 +164,26 @@ def test_compiled_bf16_product_is_the_float32_product_rounded_once(
     torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
     # Rows are independent: the product of one row alone is the same row of the batch's.
     assert torch.equal(linear(x[-1:], prepared, bias), got[-1:])
+
+
+@pytest.mark.parametrize("num_rows", [1, 4, 9, 20])
+def test_compiled_int8_block_product_is_the_dequantized_product(cpu_kernels: None, num_rows: int) -> None:
+    """int8 weights of a bfloat16 model in the compiled product's blocks (60 outputs: 4 blocks
+    padded to 6), widened to bfloat16 as read: the int8 codes' exact product summed in float32,
+    scaled per output, the bias added, rounded once."""
+    if not torch.ops.zerobubble_cpu.block_linear_is_native():
+        pytest.skip("this CPU has no AVX-512 BF16: int8 weights keep their plain codes")
+    g = torch.Generator().manual_seed(num_rows)
+    weight = torch.randn(60, 150, generator=g).bfloat16()
+    bias = torch.randn(60, generator=g).bfloat16()
+    x = torch.randn(num_rows, 150, generator=g).bfloat16()
+    prepared = prepare_linear(weight, quantization="int8", impl="cpp")
+    assert prepared.blocks is not None and prepared.blocks.dtype == torch.int8 and prepared.int8 is None
+    q, scale = quantize_int8(weight)
+    assert torch.equal(unpack_blocks(prepared.blocks, 60), q)
+    got = linear(x, prepared, bias)
+    exact = F.linear(x.double(), q.double()) * scale.bfloat16().double() + bias.double()
+    torch.testing.assert_close(got.double(), exact, rtol=2**-8, atol=1e-5)
 
 
 def test_compiled_bf16_product_only_where_it_applies(cpu_kernels: None) -> None:
@@ -174,10 +195,12 @@ def test_compiled_bf16_product_only_where_it_applies(cpu_kernels: None) -> None:
     assert prepare_linear(weight, impl="cpp").blocks is None  # float32 stays HF-exact
     assert prepare_linear(torch.randn(32, 47).bfloat16(), impl="cpp").blocks is None
     x = torch.randn(2, 48).bfloat16()
-    with pytest.raises(RuntimeError, match="packed must be"):
-        torch.ops.zerobubble_cpu.bf16_linear(x, weight.bfloat16(), 32, None)
+    with pytest.raises(RuntimeError, match="blocks must be"):
+        torch.ops.zerobubble_cpu.block_linear(x, weight.bfloat16(), 32, None, None)
     with pytest.raises(RuntimeError, match="x must be bfloat16"):
-        torch.ops.zerobubble_cpu.bf16_linear(x.float(), pack_bf16(weight), 32, None)
+        torch.ops.zerobubble_cpu.block_linear(x.float(), pack_blocks(weight.bfloat16()), 32, None, None)
+    with pytest.raises(RuntimeError, match="scale must be given for int8 blocks"):
+        torch.ops.zerobubble_cpu.block_linear(x, pack_blocks(quantize_int8(weight)[0]), 32, None, None)
 
 
 def test_int4_codes_are_within_half_a_step_of_each_group() -> None:
