@@ -1,4 +1,4 @@
-"""The compiled CPU kernels of the decode path (``csrc/cpu_kernels.cpp``), built once per machine.
+"""The compiled CPU kernels of the decode path (``csrc/``), built once per machine.
 
 On a CPU the decode step of a small model is as much dispatch as arithmetic: between its matmuls
 a layer runs some thirty aten ops on a few rows each, every one paying a few microseconds. The
@@ -30,7 +30,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "cpu_kernels.cpp"
+SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
+# One translation unit per concept (fused steps, attention, products, the operator schemas):
+# the builder compiles them in parallel.
+SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
 NAMESPACE = "zerobubble_cpu"
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -51,9 +54,11 @@ def library_name() -> str:
     build files name the environment's torch headers, so two environments sharing one name would
     rebuild it each time they alternate)."""
     digest = hashlib.sha256()
-    parts = (SOURCE.read_bytes(), torch.__version__, _cpu_flags(), " ".join(_FLAGS), sys.prefix)
-    for part in parts:
-        digest.update(part if isinstance(part, bytes) else part.encode())
+    for path in sorted(SOURCE_DIR.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.read_bytes())
+    for part in (torch.__version__, _cpu_flags(), " ".join(_FLAGS), sys.prefix):
+        digest.update(part.encode())
     return f"{NAMESPACE}_{digest.hexdigest()[:12]}"
 
 
@@ -89,7 +94,7 @@ def load(verbose: bool = False) -> bool:
     try:
         load_extension(
             name=library_name(),
-            sources=[str(SOURCE)],
+            sources=[str(path) for path in SOURCES],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,

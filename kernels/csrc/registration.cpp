@@ -1,0 +1,19 @@
+// The operators of the compiled CPU kernels (zerobubble/kernels/cpu.py loads them); each
+// source of this folder registers its CPU implementations.
+
+#include <torch/library.h>
+
+TORCH_LIBRARY(zerobubble_cpu, m) {
+  m.def("add_rms_norm(Tensor x, Tensor? residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def(
+      "qk_norm_rope(Tensor qkv, Tensor cos, Tensor sin, Tensor? norm_weight, int num_heads, int head_dim, "
+      "float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def(
+      "paged_attention(Tensor q, Tensor key_storage, Tensor value_storage, Tensor query_start_loc, "
+      "Tensor seq_lens, Tensor block_tables, int max_query_len, float scale, int window) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("block_linear(Tensor x, Tensor blocks, int out_features, Tensor? scale, Tensor? bias) -> Tensor");
+  m.def("block_linear_is_native() -> bool");
+}
