@@ -28,6 +28,11 @@ from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, is_interpreted, n
 # into one padded computation; longer ones (prefill chunks) run one request at a time, where
 # padding every row to the longest chunk would waste far more than the loop costs.
 MAX_BATCHED_QUERY_LEN = 16
+# The compiled CPU kernel attends rows of up to this many query tokens itself, one token at a
+# time: decodes, verification and prompts of a few hundred tokens (8 prompts of 256 tokens, 30
+# layers: 141-155 ms against SDPA's 303-336 ms). Longer prefill chunks go to SDPA, whose tiles
+# read each key once for many queries (one 2,000-token prompt: 1.21 s against the kernel's 1.30 s).
+CPP_MAX_QUERY_LEN = 512
 # Stands in for "no sliding window" in the Triton kernel: wider than any context.
 _NO_WINDOW = 1 << 30
 
@@ -119,7 +124,8 @@ def plan_attention(
     """Split the batch into groups of short rows and looped long rows (torch path only).
 
     ``k_cache`` supplies the cache geometry, which every layer's caches must share.
-    ``batched=False``: the long rows only (the C++ kernel attends the short ones itself).
+    ``batched=False``: the rows longer than ``CPP_MAX_QUERY_LEN`` only (the C++ kernel attends
+    the others itself).
     """
     num_cache_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     qsl = meta.query_start_loc.tolist()
@@ -128,9 +134,10 @@ def plan_attention(
     plan = AttentionPlan()
     device = meta.block_tables.device
     by_len: dict[int, list[int]] = {}
+    long_from = MAX_BATCHED_QUERY_LEN if batched else CPP_MAX_QUERY_LEN
     for r in range(num_requests):
         q_len = qsl[r + 1] - qsl[r]
-        if q_len > MAX_BATCHED_QUERY_LEN:
+        if q_len > long_from:
             block_ids = meta.block_tables[r, : -(-seq_lens[r] // block_size)].long()
             plan.prefill_rows.append(_PrefillRow(qsl[r], qsl[r + 1], seq_lens[r], block_ids))
         elif q_len > 0 and batched:
@@ -337,11 +344,12 @@ def _paged_attention_cpp(
     scale: float,
     window: int,
 ) -> torch.Tensor:
-    """Short rows through the C++ kernel (zerobubble.kernels.cpu), long rows through SDPA."""
+    """Rows of up to ``CPP_MAX_QUERY_LEN`` queries through the C++ kernel (zerobubble.kernels.cpu),
+    longer ones through SDPA."""
     key_storage, value_storage = _key_storage(k_cache), _value_storage(v_cache)
     out: torch.Tensor = torch.ops.zerobubble_cpu.paged_attention(
         q, key_storage, value_storage, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        MAX_BATCHED_QUERY_LEN, scale, window,
+        CPP_MAX_QUERY_LEN, scale, window,
     )  # fmt: skip
     return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out)
 

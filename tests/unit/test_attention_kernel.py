@@ -12,7 +12,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from zerobubble.kernels._triton import HAS_TRITON  # noqa: E402
-from zerobubble.kernels.attention import AttentionMetadata, new_kv_cache, paged_attention, write_kv_cache  # noqa: E402
+from zerobubble.kernels.attention import (  # noqa: E402
+    CPP_MAX_QUERY_LEN,
+    AttentionMetadata,
+    new_kv_cache,
+    paged_attention,
+    write_kv_cache,
+)
 from zerobubble.kernels.slot_mapping import compute_slot_mapping  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -152,6 +158,20 @@ def test_paged_attention_cpp_matches_dense(
     scale = head_dim**-0.5
     got = paged_attention(q, k_cache, v_cache, meta, scale, impl="cpp", sliding_window=window or None)
     torch.testing.assert_close(got, _dense_attention(q, k_cache, v_cache, meta, scale, window), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 300])
+def test_paged_attention_cpp_leaves_long_prefills_to_sdpa(cpu_kernels: None, window: int) -> None:
+    """A prompt longer than CPP_MAX_QUERY_LEN (SDPA) beside a shorter one and a decode (the
+    kernel), a chunk continuing a context among them: all match the dense oracle."""
+    assert CPP_MAX_QUERY_LEN < 530
+    requests = [(0, 530), (3, 1), (20, 200), (600, 40)]
+    q, k_cache, v_cache, meta = _batch(16, 64, 7, requests=requests)
+    q = q.bfloat16()
+    k_cache, v_cache = k_cache.bfloat16(), v_cache.bfloat16()
+    got = paged_attention(q, k_cache, v_cache, meta, 0.125, impl="cpp", sliding_window=window or None)
+    expected = _dense_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125, window)
+    torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=2**-7)
 
 
 def test_paged_attention_cpp_attends_wide_query_groups(cpu_kernels: None) -> None:
