@@ -166,20 +166,33 @@ void write_kv_cache(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_c
               "slot_mapping must be int32 or int64");
   const int64_t num_tokens = k.size(0), heads = k.size(1), dim = k.size(2), block_size = k_cache.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
-    for (int64_t t = 0; t < num_tokens; ++t) {
-      const int64_t slot = slot_mapping.scalar_type() == at::kLong ? index_at<int64_t>(slot_mapping, t)
-                                                                   : index_at<int32_t>(slot_mapping, t);
-      const int64_t block = slot / block_size, offset = slot % block_size;
-      for (auto [src, cache] : {std::pair<const Tensor*, Tensor*>{&k, &k_cache}, {&v, &v_cache}}) {
-        const scalar_t* in = src->data_ptr<scalar_t>() + t * src->stride(0);
-        scalar_t* dst = cache->data_ptr<scalar_t>() + block * cache->stride(0) + offset * cache->stride(1);
-        for (int64_t h = 0; h < heads; ++h) {
-          for (int64_t d = 0; d < dim; ++d) {
-            dst[h * cache->stride(2) + d * cache->stride(3)] = in[h * src->stride(1) + d * src->stride(2)];
+    // Pointers and strides read once: a prefill writes thousands of tokens, each a few hundred values.
+    const std::pair<const Tensor*, Tensor*> pairs[2] = {{&k, &k_cache}, {&v, &v_cache}};
+    const scalar_t* src[2];
+    scalar_t* dst[2];
+    int64_t src_stride[2][3], dst_stride[2][4];
+    for (int i = 0; i < 2; ++i) {
+      src[i] = pairs[i].first->data_ptr<scalar_t>();
+      dst[i] = pairs[i].second->data_ptr<scalar_t>();
+      for (int j = 0; j < 3; ++j) src_stride[i][j] = pairs[i].first->stride(j);
+      for (int j = 0; j < 4; ++j) dst_stride[i][j] = pairs[i].second->stride(j);
+    }
+    at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t slot = slot_mapping.scalar_type() == at::kLong ? index_at<int64_t>(slot_mapping, t)
+                                                                     : index_at<int32_t>(slot_mapping, t);
+        const int64_t block = slot / block_size, offset = slot % block_size;
+        for (int i = 0; i < 2; ++i) {
+          const scalar_t* in = src[i] + t * src_stride[i][0];
+          scalar_t* out = dst[i] + block * dst_stride[i][0] + offset * dst_stride[i][1];
+          for (int64_t h = 0; h < heads; ++h) {
+            for (int64_t d = 0; d < dim; ++d) {
+              out[h * dst_stride[i][2] + d * dst_stride[i][3]] = in[h * src_stride[i][1] + d * src_stride[i][2]];
+            }
           }
         }
       }
-    }
+    });
   });
 }
 
