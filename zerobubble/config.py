@@ -225,9 +225,9 @@ class WorkerConfig(ServiceConfig):
     quantization: str = setting(
         "none",
         "weight quantization (CPU only, activations in --dtype): int8 = weight-only int8 with a scale "
-        "per output channel (half bfloat16's weight memory); int4 = weight-only 4-bit in groups of 32 "
-        "with a scale and minimum each, llama.cpp's Q4_1 layout (a quarter of the memory, fastest for "
-        "few concurrent requests, slower for many)",
+        "per output channel (half bfloat16's weight memory; the fastest with the compiled CPU kernels "
+        "on AVX-512 BF16); int4 = weight-only 4-bit in groups of 32 with a scale and minimum each, "
+        "llama.cpp's Q4_1 layout (a quarter of the memory, slower than int8 for many concurrent requests)",
         choices=("none", "int8", "int4"),
     )
     device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
