@@ -59,7 +59,7 @@ CPP_INT8_MAX_ROWS = 4
 # dtype and taking the dense product beats torch's weight-only product, which is bound by its
 # per-row widening there (a 3072 x 576 weight, 260 rows, bfloat16: 4.8 ms against 11.9).
 INT8_MIN_WIDENED_ROWS = 16
-# Outputs per block and inputs per pair of the compiled bfloat16 product's weight layout.
+# Outputs per block of the compiled block product's weight layout (pack_blocks).
 BLOCK_OUTPUTS = 16
 # Blocks the compiled product reads together; a weight's blocks are padded to a multiple of it.
 BLOCK_GROUP = 3
@@ -67,7 +67,8 @@ BLOCK_GROUP = 3
 
 @dataclass(slots=True, eq=False)
 class LinearWeight:
-    """One ``[out, in]`` linear weight: the plain tensor and/or a oneDNN-packed copy.
+    """One ``[out, in]`` linear weight: the plain tensor and/or a oneDNN-packed copy, or its
+    quantized codes, or its blocks for the compiled CPU product.
 
     ``packed`` is used for inputs of at least ``min_packed_rows`` rows, ``dense`` otherwise;
     ``blocks`` (with ``num_outputs``), where present, for every input.
@@ -82,7 +83,7 @@ class LinearWeight:
     int4_scales_zeros: torch.Tensor | None = None  # [in / INT4_GROUP, out, 2] in the activations' dtype
     # [out / 16 (padded), in / 2, 16, 2] bfloat16, or int8 with int8_scale: see pack_blocks
     blocks: torch.Tensor | None = None
-    num_outputs: int = 0  # out, for blocks (the last block is padded with zero rows)
+    num_outputs: int = 0  # out, for blocks (the blocks past it hold zeros)
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -148,9 +149,9 @@ def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
     ``out`` are zero."""
     out_features, in_features = weight.shape
     if in_features % 2:
-        raise ValueError(f"the bfloat16 block layout needs an even number of inputs; got {in_features}")
+        raise ValueError(f"the block layout needs an even number of inputs; got {in_features}")
     num_blocks = -(-out_features // (BLOCK_OUTPUTS * BLOCK_GROUP)) * BLOCK_GROUP
-    padded = torch.zeros(num_blocks * BLOCK_OUTPUTS, in_features, dtype=weight.dtype)
+    padded = torch.zeros(num_blocks * BLOCK_OUTPUTS, in_features, dtype=weight.dtype, device=weight.device)
     padded[:out_features] = weight
     blocks = padded.reshape(num_blocks, BLOCK_OUTPUTS, in_features // 2, 2).permute(0, 2, 1, 3)
     return blocks.contiguous()

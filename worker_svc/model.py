@@ -179,11 +179,10 @@ class CausalLM:
     device: torch.device
     rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
     rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see zerobubble.kernels.fused.qk_norm_rope_twin
-    prepack: bool = True  # lay linear weights out for oneDNN on CPU (kernels/linear.py)
+    prepack: bool = True  # lay linear weights out for their CPU product (kernels/linear.py)
     quantization: str = "none"  # "int8" / "int4": weight-only quantized linear weights (kernels/linear.py)
-    # "cpp": the compiled CPU kernels serve the norms, rotation, SiLU, attention, the bfloat16
-    # products and few-row int8 ones (zerobubble.kernels.cpu); None: Triton on CUDA, the torch
-    # twins elsewhere.
+    # "cpp": the compiled CPU kernels serve the norms, rotation, SiLU, attention and the bfloat16
+    # and int8 products (zerobubble.kernels.cpu); None: Triton on CUDA, the torch twins elsewhere.
     kernels: KernelImpl = None
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
