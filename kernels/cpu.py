@@ -3,16 +3,16 @@
 On a CPU the decode step of a small model is as much dispatch as arithmetic: between its matmuls
 a layer runs some thirty aten ops on a few rows each, every one paying a few microseconds. The
 C++ kernels do each fused step of `zerobubble.kernels.fused` and the paged KV write and
-short-row attention of `zerobubble.kernels.attention` in one pass, and the bfloat16 and few-row
-int8 products of `zerobubble.kernels.linear` at the memory's speed, and register as torch
+short-row attention of `zerobubble.kernels.attention` in one pass, and the bfloat16 and int8
+products of `zerobubble.kernels.linear` at the memory's speed, and register as torch
 operators (``torch.ops.zerobubble_cpu.*``). The public functions of those modules run them for
 ``impl="cpp"``; a model asks for that when it loaded them (`zerobubble.worker_svc.model.CausalLM.kernels`).
 
 They are compiled with the host's C++ compiler for the host's instruction set (``-march=native``)
 into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``),
 under a name that changes with the source, the torch version, the CPU and the environment: the
-first load on a machine takes 15-30 seconds (``python -m zerobubble.kernels.cpu`` does it ahead
-of time), later ones are immediate. Where no compiler works, loading reports why and the torch twins serve.
+first load on a machine takes about half a minute (``python -m zerobubble.kernels.cpu`` does it
+ahead of time), later ones are immediate. Where no compiler works, loading reports why and the torch twins serve.
 """
 
 from __future__ import annotations
@@ -30,10 +30,11 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
-# One translation unit per concept (fused steps, attention, products, the operator schemas):
-# the builder compiles them in parallel.
-SOURCES = sorted(SOURCE_DIR.glob("*.cpp"))
+# One translation unit per concept (fused steps, attention, products, the operator schemas) and
+# their shared header: the builder compiles the units in parallel.
+SOURCE_FILES = sorted(
+    path for path in (Path(__file__).resolve().parent / "csrc").iterdir() if path.suffix in (".cpp", ".h")
+)
 NAMESPACE = "zerobubble_cpu"
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -54,9 +55,8 @@ def library_name() -> str:
     build files name the environment's torch headers, so two environments sharing one name would
     rebuild it each time they alternate)."""
     digest = hashlib.sha256()
-    for path in sorted(SOURCE_DIR.iterdir()):
-        if path.suffix in (".cpp", ".h"):
-            digest.update(path.read_bytes())
+    for path in SOURCE_FILES:
+        digest.update(path.read_bytes())
     for part in (torch.__version__, _cpu_flags(), " ".join(_FLAGS), sys.prefix):
         digest.update(part.encode())
     return f"{NAMESPACE}_{digest.hexdigest()[:12]}"
@@ -94,7 +94,7 @@ def load(verbose: bool = False) -> bool:
     try:
         load_extension(
             name=library_name(),
-            sources=[str(path) for path in SOURCES],
+            sources=[str(path) for path in SOURCE_FILES if path.suffix == ".cpp"],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,

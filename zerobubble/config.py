@@ -276,8 +276,8 @@ class WorkerConfig(ServiceConfig):
     cpu_kernels: bool = setting(
         True,
         "CPU, bfloat16/float16: run the norms, rotation, SiLU, paged attention and the bfloat16 "
-        "and few-row int8 products as compiled C++ kernels (built once per machine with the "
-        "host's compiler; torch ops where that fails)",
+        "and int8 products as compiled C++ kernels (built once per machine with the host's "
+        "compiler; torch ops where that fails)",
     )
     auth_token: str = setting(
         "",

@@ -1,4 +1,5 @@
-// Paged attention for decode and verification rows (prefill rows go to SDPA).
+// Paged attention for decode and verification rows and short prompts (rows of up to the caller's
+// max_query_len queries; zerobubble/kernels/attention.py sends longer prefill chunks to SDPA).
 
 #include "common.h"
 
@@ -7,7 +8,7 @@
 namespace zerobubble {
 namespace {
 // ---------------------------------------------------------------------------------------------
-// paged attention for short query rows
+// paged attention, one query token at a time
 
 struct AttentionShape {
   int64_t num_q_heads, num_kv_heads, head_dim, block_size, table_stride;
@@ -116,7 +117,7 @@ void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values,
     block_scores<T, BS, G>(kb, bs, dim, qs[0], D ? D : 1024, scores.data() + b * bs, span, row_f32);
   }
   float totals[G];
-  for (int h = 0; h < G; ++h) {
+  for (int64_t h = 0; h < num_heads; ++h) {  // heads past num_heads are never stored
     float* sc = scores.data() + h * span;
     // Sixteen partial maxima and sums, so that both loops are vector operations.
     float maxima[16], sums[16] = {};
@@ -189,7 +190,7 @@ struct AttentionItems {
   const std::vector<int64_t>& token;
   const std::vector<int64_t>& row;
   const std::vector<int64_t>& pos;
-  int64_t group, chunks, grain;
+  int64_t group, chunks, num_items, grain;
 };
 
 // Every item (one token's query heads of one KV head, at most kMaxGroup of them), across threads.
@@ -203,8 +204,7 @@ void attend_items(const Tensor& q, const Tensor& key_storage, const Tensor& valu
   T* op = out.data_ptr<T>();
   const int64_t group = items.group, chunks = items.chunks;
   const auto attend = attend_for<T>(s, std::min(group, kMaxGroup));
-  const int64_t num_items = static_cast<int64_t>(items.token.size()) * s.num_kv_heads * chunks;
-  at::parallel_for(0, num_items, items.grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, items.num_items, items.grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / (s.num_kv_heads * chunks), kv_head = item / chunks % s.num_kv_heads;
@@ -260,8 +260,8 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor&
   // Below ~64k multiply-adds a second thread costs more to wake than it saves.
   const int64_t work = context * s.num_q_heads * s.head_dim * 2;
   const int64_t grain = work < (1 << 16) ? std::max<int64_t>(num_items, 1) : 1;
-  // float, bfloat16 and half (not double): each dtype compiles 25 variants of the attention loop.
-  const AttentionItems items{token, row, pos, group, chunks, grain};
+  // float, bfloat16 and half (not double): each variant of the attention loop costs build time.
+  const AttentionItems items{token, row, pos, group, chunks, num_items, grain};
   switch (q.scalar_type()) {
     case at::kFloat: attend_items<float>(q, key_storage, value_storage, block_tables, s, items, out); break;
     case at::kBFloat16: attend_items<c10::BFloat16>(q, key_storage, value_storage, block_tables, s, items, out); break;

@@ -150,11 +150,6 @@ Tensor silu_mul(const Tensor& gate_up) {
 // ---------------------------------------------------------------------------------------------
 // paged KV write
 
-template <typename I>
-inline int64_t index_at(const Tensor& t, int64_t i) {
-  return static_cast<int64_t>(t.data_ptr<I>()[i * t.stride(0)]);
-}
-
 void write_kv_cache(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_cache, const Tensor& slot_mapping) {
   check_cpu(k, "k");
   TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
@@ -167,6 +162,9 @@ void write_kv_cache(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_c
   const int64_t num_tokens = k.size(0), heads = k.size(1), dim = k.size(2), block_size = k_cache.size(1);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "write_kv_cache", [&] {
     // Pointers and strides read once: a prefill writes thousands of tokens, each a few hundred values.
+    const bool long_slots = slot_mapping.scalar_type() == at::kLong;
+    const void* slots = slot_mapping.data_ptr();
+    const int64_t slot_stride = slot_mapping.stride(0);
     const std::pair<const Tensor*, Tensor*> pairs[2] = {{&k, &k_cache}, {&v, &v_cache}};
     const scalar_t* src[2];
     scalar_t* dst[2];
@@ -179,8 +177,8 @@ void write_kv_cache(const Tensor& k, const Tensor& v, Tensor k_cache, Tensor v_c
     }
     at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
       for (int64_t t = begin; t < end; ++t) {
-        const int64_t slot = slot_mapping.scalar_type() == at::kLong ? index_at<int64_t>(slot_mapping, t)
-                                                                     : index_at<int32_t>(slot_mapping, t);
+        const int64_t slot = long_slots ? static_cast<const int64_t*>(slots)[t * slot_stride]
+                                        : static_cast<const int32_t*>(slots)[t * slot_stride];
         const int64_t block = slot / block_size, offset = slot % block_size;
         for (int i = 0; i < 2; ++i) {
           const scalar_t* in = src[i] + t * src_stride[i][0];

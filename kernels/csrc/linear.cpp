@@ -89,8 +89,8 @@ Tensor int8_linear(const Tensor& x, const Tensor& weight, const Tensor& scale) {
 // bfloat16 activations times a weight in pairs-of-inputs blocks (bfloat16, or int8 with scales)
 
 // The weight is laid out once, at load time, as [out / 16][in / 2][16][2] (`pack_blocks` in
-// zerobubble/kernels/linear.py; the block count padded with zeros to a multiple of 3): for 16 outputs, each pair of inputs' 32 values is one vector, so
-// one AVX-512 BF16 instruction multiplies it exactly by an input row's pair (broadcast) and adds
+// zerobubble/kernels/linear.py; the block count padded with zeros to a multiple of 3): for 16
+// outputs, each pair of inputs' 32 values is one vector, so one AVX-512 BF16 instruction multiplies it exactly by an input row's pair (broadcast) and adds
 // into 16 float32 sums, one per output; no sums need folding across lanes at the end. Three
 // blocks are read together, each triple of weight vectors serving up to 8 input rows from
 // registers. int8 weights (weight-only quantization, a scale per output) are widened to bfloat16
@@ -220,7 +220,8 @@ void block_rows(const Tensor& x, const Tensor& blocks, int64_t out_features, con
                              scale == nullptr ? nullptr : scale + first_out,
                              bias == nullptr ? nullptr : bias + first_out, op + m * out_features + first_out,
                              out_features, std::min(kBlockGroupBlocks * kBlockLanes, out_features - first_out)};
-        if (t.count > 0) block_tile_rows<W>(static_cast<int>(tile_rows), t);
+        // Every group holds outputs: the padding is less than one group (block_linear checks it).
+        block_tile_rows<W>(static_cast<int>(tile_rows), t);
         m += tile_rows;
       }
     }
