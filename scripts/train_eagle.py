@@ -28,10 +28,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zerobubble.worker_svc.eagle import (  # noqa: E402
+    DRAFT_VOCAB_FILE,
     EagleHead,
     SharedWeights,
     draft_vocab,
     init_from_target_layer,
+    load_draft_vocab,
     load_head,
     save_draft_vocab,
 )
@@ -93,10 +95,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", default=EMBEDDED_MODEL_NAME)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--self-written", type=int, default=data.num_self_written, help="user turns the model writes")
+    parser.add_argument(
+        "--sampled-answers",
+        type=int,
+        default=data.num_sampled_answers,
+        help="sampled answers per trained workload row, beside the greedy one",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=data.max_new_tokens)
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens)
     parser.add_argument("--lr", type=float, default=defaults.lr)
+    parser.add_argument("--token-weight", type=float, default=defaults.token_weight, help="weight of the token loss")
     parser.add_argument("--unroll", type=int, default=defaults.unroll, help="passes fed the head's own predictions")
     parser.add_argument("--max-minutes", type=float, default=28.0, help="stop training after this long (0: never)")
     parser.add_argument("--k", type=int, nargs="*", default=[3], help="draft lengths to evaluate")
@@ -120,7 +129,11 @@ def parse_args() -> argparse.Namespace:
 def train_head(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str, float]:
     """Stages 1 and 2: the self-distilled data under ``out/data`` and the trained head in ``out``."""
     started = time.monotonic()
-    settings = DistillSettings(num_self_written=args.self_written, max_new_tokens=args.max_new_tokens)
+    settings = DistillSettings(
+        num_self_written=args.self_written,
+        max_new_tokens=args.max_new_tokens,
+        num_sampled_answers=args.sampled_answers,
+    )
     build_dataset(model_dir, out / "data", settings)
     data_seconds = time.monotonic() - started
     train_samples = load_split(out / "data", "train")
@@ -133,15 +146,27 @@ def train_head(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
     if args.init_from_target:
         init_from_target_layer(head, state, hf_config.num_hidden_layers - 1)
     train_settings = TrainSettings(
-        steps=args.steps, batch_tokens=args.batch_tokens, lr=args.lr, unroll=args.unroll, max_minutes=args.max_minutes
+        steps=args.steps,
+        batch_tokens=args.batch_tokens,
+        lr=args.lr,
+        unroll=args.unroll,
+        max_minutes=args.max_minutes,
+        token_weight=args.token_weight,
     )
     raw_config = json.loads((model_dir / "config.json").read_text())
-    metrics = train(head, train_samples, out, train_settings, raw_config)
+    # The ids the head drafts from, fixed before training (a resumed run reads them back): its
+    # training answers' tokens first (see `draft_vocab`).
+    vocab_file = out / DRAFT_VOCAB_FILE
+    if vocab_file.exists():
+        vocab = load_draft_vocab(out)
+    else:
+        answers = [s.input_ids[s.answer_start :] for s in train_samples]
+        eos_ids = load_model(str(model_dir), weights=False).eos_token_ids
+        vocab = draft_vocab(answers, min(args.draft_vocab, hf_config.vocab_size), eos_ids)
+        out.mkdir(parents=True, exist_ok=True)
+        save_draft_vocab(out, vocab)
+    metrics = train(head, train_samples, out, train_settings, raw_config, vocab)
     logger.info("trained: %s", metrics)
-    # The ids the head drafts from: its training answers' tokens first (see `draft_vocab`).
-    answers = [s.input_ids[s.answer_start :] for s in train_samples]
-    eos_ids = load_model(str(model_dir), weights=False).eos_token_ids
-    save_draft_vocab(out, draft_vocab(answers, min(args.draft_vocab, hf_config.vocab_size), eos_ids))
     return metrics | {
         "train_samples": len(train_samples),
         "train_answer_tokens": answer_tokens,

@@ -2,9 +2,14 @@
 
 Row ``t`` of a sample gives the head token ``x[t+1]`` and the target's hidden state ``h[t]``
 (with uniform noise, as EAGLE trains it to tolerate its own imprecise predictions); the head
-predicts ``h[t+1]``, whose logits through the shared lm_head should give ``x[t+2]``. EAGLE's loss:
-smooth L1 of the predicted against the target's hidden state plus 0.1 x cross-entropy of the
-target's token, both over the rows whose predicted token lies in the answer.
+predicts ``h[t+1]``, whose logits through the shared lm_head should give the target's next
+choice. The loss, over the rows whose predicted token lies in the answer: smooth L1 of the
+predicted against the target's hidden state (EAGLE's feature loss, which keeps a prediction fit
+to be fed back as the next draft's input) plus ``token_weight`` x the cross-entropy against the
+target's own distribution at ``t+1`` (as EAGLE-3 and HASS distil it): every position teaches the
+whole distribution, not one token, and sampled answers teach as much as greedy ones. Both sets of
+logits are taken over the draft vocabulary only, the ids the served head can propose: the full
+vocabulary's product would cost most of a step.
 
 Drafting feeds the head its own predictions after the first draft, which teacher forcing never
 shows it. So each batch is also unrolled (``unroll`` further passes, as EAGLE-3's training-time
@@ -53,7 +58,7 @@ class TrainSettings:
     noise: float = 0.2  # width of the uniform noise added to the input hidden states
     unroll: int = 2  # further passes fed the head's own predictions (chain positions 2, 3, ...)
     hidden_weight: float = 1.0
-    token_weight: float = 0.1
+    token_weight: float = 0.5
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # stop (with a checkpoint) after this long; 0 = no limit
     seed: int = 0
@@ -66,7 +71,6 @@ class Batch:
     input_ids: torch.Tensor
     hidden: torch.Tensor
     target_hidden: torch.Tensor
-    target_ids: torch.Tensor
     mask: torch.Tensor
 
 
@@ -78,7 +82,6 @@ def make_batch(samples: list[Sample]) -> Batch:
         input_ids=torch.zeros(len(samples), rows, dtype=torch.long),
         hidden=torch.zeros(len(samples), rows, size),
         target_hidden=torch.zeros(len(samples), rows, size),
-        target_ids=torch.zeros(len(samples), rows, dtype=torch.long),
         mask=torch.zeros(len(samples), rows, dtype=torch.bool),
     )
     for i, s in enumerate(samples):
@@ -86,7 +89,6 @@ def make_batch(samples: list[Sample]) -> Batch:
         batch.input_ids[i, :n] = s.input_ids[1 : n + 1]
         batch.hidden[i, :n] = s.hidden[:n]
         batch.target_hidden[i, :n] = s.hidden[1 : n + 1]
-        batch.target_ids[i, :n] = s.input_ids[2 : n + 2]
         # Row t predicts token t + 2: count it when that token is part of the answer.
         batch.mask[i, max(0, s.answer_start - 2) : n] = True
     return batch
@@ -172,22 +174,29 @@ def unrolled_predictions(
     return out
 
 
-def eagle_loss(head: EagleHead, batch: Batch, settings: TrainSettings) -> tuple[torch.Tensor, dict[str, float]]:
-    """EAGLE's loss on one batch averaged over the unrolled passes, and pass 0's parts (and each pass's accuracy)."""
+def eagle_loss(
+    head: EagleHead, batch: Batch, settings: TrainSettings, vocab_rows: torch.Tensor
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """EAGLE's loss on one batch averaged over the unrolled passes, and pass 0's parts (and each
+    pass's agreement with the target's most likely token), logits over ``vocab_rows [D, H]``."""
     noisy = batch.hidden + (torch.rand_like(batch.hidden) - 0.5) * settings.noise
     passes = unrolled_predictions(head, batch.input_ids, noisy, 1 + settings.unroll)
+    target_hidden = batch.target_hidden[batch.mask]
+    with torch.no_grad():
+        target_probs = F.linear(target_hidden, vocab_rows).softmax(-1)
+    # Each counted row's index along the sequence: rows before d start no chain of length d + 1.
+    row_index = torch.arange(batch.mask.shape[1]).expand_as(batch.mask)[batch.mask]
     total = torch.zeros(())
     metrics: dict[str, float] = {}
-    rows = torch.arange(batch.mask.shape[1])[None, :]
     for d, predicted in enumerate(passes):
-        mask = batch.mask & (rows >= d)  # rows before d start no chain of length d + 1
-        hidden_loss = F.smooth_l1_loss(predicted[mask], batch.target_hidden[mask], reduction="none").mean(-1).mean()
-        logits = head.logits(predicted[mask])
-        token_loss = F.cross_entropy(logits, batch.target_ids[mask])
-        total = total + settings.hidden_weight * hidden_loss + settings.token_weight * token_loss
-        accuracy = (logits.argmax(-1) == batch.target_ids[mask]).float().mean().item()
+        keep = row_index >= d
+        hidden_loss = F.smooth_l1_loss(predicted[batch.mask][keep], target_hidden[keep], reduction="none")
+        logits = F.linear(predicted[batch.mask][keep], vocab_rows)
+        token_loss = -(target_probs[keep] * logits.log_softmax(-1)).sum(-1).mean()
+        total = total + settings.hidden_weight * hidden_loss.mean() + settings.token_weight * token_loss
+        accuracy = (logits.argmax(-1) == target_probs[keep].argmax(-1)).float().mean().item()
         if d == 0:
-            metrics.update(vloss=hidden_loss.item(), ploss=token_loss.item(), acc=accuracy)
+            metrics.update(vloss=hidden_loss.mean().item(), ploss=token_loss.item(), acc=accuracy)
         else:
             metrics[f"acc{d}"] = accuracy
     return total / len(passes), metrics
@@ -236,9 +245,16 @@ def save_checkpoint(path: Path, head: EagleHead, optimizer: torch.optim.Optimize
 
 
 def train(
-    head: EagleHead, samples: list[Sample], out_dir: Path, settings: TrainSettings, target_config: dict[str, Any]
+    head: EagleHead,
+    samples: list[Sample],
+    out_dir: Path,
+    settings: TrainSettings,
+    target_config: dict[str, Any],
+    vocab: torch.Tensor,
 ) -> dict[str, float]:
-    """Train ``head`` (resuming from ``out_dir``'s checkpoint), save it; returns the last step's metrics."""
+    """Train ``head`` (resuming from ``out_dir``'s checkpoint) to draft from the token ids
+    ``vocab``, save it; returns the last step's metrics."""
+    vocab_rows = head.shared.lm_head[vocab].float()
     out_dir.mkdir(parents=True, exist_ok=True)
     optimizer = torch.optim.AdamW(
         head.parameters(), lr=settings.lr, betas=(0.9, 0.95), weight_decay=settings.weight_decay
@@ -264,7 +280,7 @@ def train(
         queue = queue or batches(samples, settings.batch_tokens, rng)
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, settings, time_used)
-        loss, metrics = eagle_loss(head, make_batch(queue.pop()), settings)
+        loss, metrics = eagle_loss(head, make_batch(queue.pop()), settings, vocab_rows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)

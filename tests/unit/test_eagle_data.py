@@ -12,12 +12,16 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.tiny_eagle import VOCAB, tiny_target  # noqa: E402
+from tests.tiny_eagle import VOCAB, tiny_loaded, tiny_target  # noqa: E402
 from zerobubble.worker_svc.eagle_data import (  # noqa: E402
+    NUCLEUS_CANDIDATES,
+    Conversation,
     DistillSettings,
-    answer_batch,
+    Sampling,
+    _choose,
+    answer_variants,
+    generate,
     self_written_conversations,
-    write_user_turns,
 )
 
 
@@ -36,34 +40,73 @@ class Tok:
         return " ".join(str(int(i)) for i in ids if int(i) != self.eos_token_id)
 
 
-def test_batched_answers_equal_greedy_answers_one_at_a_time() -> None:
+def test_batched_answers_equal_hugging_face_greedy_answers_one_at_a_time() -> None:
     target = tiny_target()
     eos = Tok.eos_token_id  # the third prompt's greedy answer is EOS at once; the others run to the limit
     prompts = [[1, 7, 9, 11, 3], [4, 8], [6, 6, 10, 12, 14, 20, 30]]
-    samples = answer_batch(target, Tok(), prompts, max_new_tokens=12)
+    samples = generate(tiny_loaded(target, eos), prompts, max_new_tokens=12)
     alone = [
         target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos)[0]
         for p in prompts
     ]
-    steps = max(len(a) - len(p) for a, p in zip(alone, prompts))
     assert [len(a) - len(p) for a, p in zip(alone, prompts)] == [12, 12, 1]
     for prompt, sample, full in zip(prompts, samples, alone):
-        # A token generated at the batch's last step is dropped: its hidden state was never
-        # computed (generation stops before feeding it back); an answer that ended earlier is whole.
-        kept = full if len(full) - len(prompt) < steps else full[:-1]
-        assert sample.input_ids.tolist() == kept.tolist()
+        assert sample.input_ids.tolist() == full.tolist()
         assert sample.answer_start == len(prompt)
+        # Every position's final hidden state, the answer's last token included.
         with torch.no_grad():
             hidden = target.model(full[None]).last_hidden_state[0]
-        assert torch.allclose(sample.hidden, hidden[: len(kept)], atol=1e-5)
+        assert sample.hidden.shape == hidden.shape
+        assert torch.allclose(sample.hidden, hidden, atol=1e-5)
 
 
-def test_user_turns_are_written_together_and_seeded() -> None:
-    target = tiny_target()
-    turns = write_user_turns(target, Tok(), [1, 2, 3], seed=7, count=5, max_tokens=6)
-    assert len(turns) == 5
-    assert turns == write_user_turns(target, Tok(), [1, 2, 3], seed=7, count=5, max_tokens=6)
-    assert turns != write_user_turns(target, Tok(), [1, 2, 3], seed=8, count=5, max_tokens=6)
+def test_sampled_rows_are_seeded_and_stay_in_the_vocabulary() -> None:
+    loaded = tiny_loaded(tiny_target(), Tok.eos_token_id)
+    prompts = [[1, 2, 3]] * 5
+
+    def written(seed: int) -> list[list[int]]:
+        return [s.input_ids.tolist() for s in generate(loaded, prompts, 6, Sampling(), seed)]
+
+    first = written(7)
+    assert first == written(7)
+    assert first != written(8)
+    assert len({tuple(t) for t in first}) > 1  # rows of one batch differ from each other
+    assert all(0 <= t < VOCAB for row in first for t in row)
+
+
+def test_sampling_draws_from_the_renormalized_nucleus() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.04, 0.01])
+    rows = 20_000
+    logits = probs.log().expand(rows, -1)
+    # top_p 0.9: the mass before token 2 is 0.8 < 0.9, so it is in; before token 3 it is 0.95.
+    picks = torch.tensor(_choose(logits, Sampling(1.0, 0.9), torch.Generator().manual_seed(0)))
+    counts = torch.bincount(picks, minlength=5).float() / rows
+    assert counts[3:].sum() == 0
+    expected = probs[:3] / probs[:3].sum()
+    # Three standard errors of a binomial share at 20,000 draws is under 0.011.
+    assert torch.allclose(counts[:3], expected, atol=0.011)
+    # Temperature 0.5 squares the probabilities before renormalizing (the nucleus taken after).
+    picks = torch.tensor(_choose(logits, Sampling(0.5, 1.0), torch.Generator().manual_seed(1)))
+    counts = torch.bincount(picks, minlength=5).float() / rows
+    assert torch.allclose(counts, probs**2 / (probs**2).sum(), atol=0.011)
+    assert NUCLEUS_CANDIDATES >= 5
+    assert _choose(logits[:2], None, torch.Generator()) == [0, 0]
+
+
+def test_only_trained_workload_rows_get_sampled_answers() -> None:
+    convs = [
+        Conversation("grounded-0001", [], held_out=False),
+        Conversation("grounded-0002", [], held_out=True),
+        Conversation("self-0003", [], held_out=False),
+    ]
+    pairs = answer_variants(convs, DistillSettings(num_sampled_answers=2))
+    assert [(c.key, v) for c, v in pairs] == [
+        ("grounded-0001", 0),
+        ("grounded-0001", 1),
+        ("grounded-0001", 2),
+        ("grounded-0002", 0),
+        ("self-0003", 0),
+    ]
 
 
 def test_only_the_first_self_written_turns_can_be_held_out(tmp_path: Path) -> None:

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
+F = torch.nn.functional
 pytest.importorskip("transformers")
 
-from tests.tiny_eagle import HIDDEN, tiny_config, tiny_head, tiny_samples, tiny_target  # noqa: E402
+from tests.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_samples, tiny_target  # noqa: E402
 from zerobubble.worker_svc.eagle import load_head  # noqa: E402
 from zerobubble.worker_svc.eagle_data import Sample  # noqa: E402
 from zerobubble.worker_svc.eagle_train import (  # noqa: E402
@@ -36,11 +37,10 @@ def test_batch_rows_pair_next_token_with_current_hidden() -> None:
     hidden = torch.arange(6.0)[:, None].expand(6, HIDDEN)
     short = Sample(ids[:4], hidden[:4], answer_start=3)
     batch = make_batch([Sample(ids, hidden, answer_start=3), short])
-    # Row t: token t+1 with hidden t, predicting hidden t+1 and token t+2.
+    # Row t: token t+1 with hidden t, predicting hidden t+1 (whose logits choose token t+2).
     assert batch.input_ids[0].tolist() == [11, 12, 13, 14]
     assert batch.hidden[0, :, 0].tolist() == [0, 1, 2, 3]
     assert batch.target_hidden[0, :, 0].tolist() == [1, 2, 3, 4]
-    assert batch.target_ids[0].tolist() == [12, 13, 14, 15]
     # Only rows predicting an answer token (index >= 3) count; padding never does.
     assert batch.mask.tolist() == [[False, True, True, True], [False, True, False, False]]
 
@@ -76,13 +76,35 @@ def test_unrolled_passes_are_the_drafting_chain_over_the_real_tokens(samples: li
 def test_later_passes_train_the_head_through_their_own_rows(samples: list[Sample]) -> None:
     head = tiny_head()
     batch = make_batch(samples[:2])
-    loss, metrics = eagle_loss(head, batch, TrainSettings(unroll=2, noise=0.0))
+    rows = head.shared.lm_head
+    loss, metrics = eagle_loss(head, batch, TrainSettings(unroll=2, noise=0.0), rows)
     loss.backward()
     assert set(metrics) == {"vloss", "ploss", "acc", "acc1", "acc2"}
     assert head.fc.weight.grad is not None and head.layers[0].self_attn.k_proj.weight.grad is not None
     # Without unrolling the loss is pass 0's alone.
-    single, _ = eagle_loss(head, batch, TrainSettings(unroll=0, noise=0.0))
-    assert single.item() == pytest.approx(metrics["vloss"] + 0.1 * metrics["ploss"], rel=1e-5)
+    settings = TrainSettings(unroll=0, noise=0.0)
+    single, _ = eagle_loss(head, batch, settings, rows)
+    want = metrics["vloss"] + settings.token_weight * metrics["ploss"]
+    assert single.item() == pytest.approx(want, rel=1e-5)
+
+
+def test_the_token_loss_is_the_cross_entropy_against_the_targets_distribution_over_the_draft_vocabulary(
+    samples: list[Sample],
+) -> None:
+    head = tiny_head()
+    batch = make_batch(samples[:2])
+    vocab = torch.arange(0, VOCAB, 2)
+    rows = head.shared.lm_head[vocab]
+    settings = TrainSettings(unroll=0, noise=0.0, hidden_weight=0.0, token_weight=1.0)
+    with torch.no_grad():
+        loss, metrics = eagle_loss(head, batch, settings, rows)
+        predicted, _ = head(batch.input_ids, batch.hidden)
+    # torch's own cross-entropy with probability targets: the target's softmax over the same ids.
+    logits = F.linear(predicted[batch.mask], rows)
+    target = F.linear(batch.target_hidden[batch.mask], rows)
+    assert loss.item() == pytest.approx(F.cross_entropy(logits, target.softmax(-1)).item(), rel=1e-5)
+    agree = (logits.argmax(-1) == target.argmax(-1)).float().mean().item()
+    assert metrics["acc"] == pytest.approx(agree)
 
 
 def test_training_lowers_the_loss_and_resumes(samples: list[Sample], tmp_path: Path) -> None:
@@ -90,16 +112,17 @@ def test_training_lowers_the_loss_and_resumes(samples: list[Sample], tmp_path: P
     head = tiny_head()
     batch = make_batch(samples)
     with torch.no_grad():
-        before = eagle_loss(head, batch, settings)[0].item()
-    metrics = train(head, samples, tmp_path, settings, tiny_config().to_dict())
+        before = eagle_loss(head, batch, settings, head.shared.lm_head)[0].item()
+    metrics = train(head, samples, tmp_path, settings, tiny_config().to_dict(), torch.arange(VOCAB))
     with torch.no_grad():
-        after = eagle_loss(head, batch, settings)[0].item()
+        after = eagle_loss(head, batch, settings, head.shared.lm_head)[0].item()
     assert metrics["step"] == 30
     assert after < 0.7 * before
     assert torch.load(tmp_path / CHECKPOINT, weights_only=True)["step"] == 30
     # A longer run picks the checkpoint up instead of starting over.
     resumed = tiny_head(seed=9)
-    more = train(resumed, samples, tmp_path, dataclasses.replace(settings, steps=35), tiny_config().to_dict())
+    longer = dataclasses.replace(settings, steps=35)
+    more = train(resumed, samples, tmp_path, longer, tiny_config().to_dict(), torch.arange(VOCAB))
     assert more["step"] == 35
     saved = load_head(tmp_path, tiny_config(), resumed.shared, torch.float32)
     assert torch.equal(saved.fc.weight, resumed.fc.weight.to(torch.bfloat16).float())
