@@ -107,7 +107,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--lr", type=float, default=defaults.lr)
     parser.add_argument("--token-weight", type=float, default=defaults.token_weight, help="weight of the token loss")
     parser.add_argument("--unroll", type=int, default=defaults.unroll, help="passes fed the head's own predictions")
-    parser.add_argument("--max-minutes", type=float, default=28.0, help="stop training after this long (0: never)")
+    parser.add_argument("--max-minutes", type=float, default=0.0, help="stop training after this long (0: never)")
     parser.add_argument("--k", type=int, nargs="*", default=[3], help="draft lengths to evaluate")
     parser.add_argument(
         "--init-from-target",
@@ -119,7 +119,7 @@ def parse_args() -> argparse.Namespace:
         "--eval-head", type=Path, default=None, help="only evaluate this saved head (no data, no training)"
     )
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out answers from this data folder instead")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default, every core)")
     parser.add_argument(
         "--draft-vocab", type=int, default=16384, help="token ids the head drafts from (its logits' rows)"
     )
@@ -177,7 +177,8 @@ def train_head(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
 def main() -> None:
     args = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     model_dir = resolve_model(args.model)
     out = args.out or cache_dir() / "models" / f"{Path(args.model).name}-eagle"
     report: dict[str, object] = {}

@@ -14,6 +14,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tests.sim_worker import make_toy_tokenizer_json
+from zerobubble.kernels._triton import KernelImpl
 from zerobubble.request_options import StoppingOptions
 from zerobubble.rows import result_rows
 from zerobubble.scheduler_svc.scheduler import Scheduler, SchedulerConfig
@@ -41,8 +42,8 @@ SEEDED = dict(
 )
 
 
-def loaded_model(hf: LlamaForCausalLM) -> LoadedModel:
-    model = build_model(hf.config, torch.float32, torch.device("cpu"))
+def loaded_model(hf: LlamaForCausalLM, dtype: torch.dtype = torch.float32, kernels: KernelImpl = None) -> LoadedModel:
+    model = build_model(hf.config, dtype, torch.device("cpu"), kernels=kernels)
     model.load_weights(hf.state_dict())
     return LoadedModel(
         name="tiny",
@@ -78,11 +79,12 @@ def tiny_hf(seed: int, max_positions: int = 256, num_layers: int = 2) -> LlamaFo
 
 
 def runner_and_scheduler(
-    target: LlamaForCausalLM, proposer: Proposer | None, spec_disable_batch_size: int = 0
+    target: LlamaForCausalLM | LoadedModel, proposer: Proposer | None, spec_disable_batch_size: int = 0
 ) -> tuple[ModelRunner, Scheduler]:
+    """A runner over ``target`` (a Hugging Face model, loaded in float32, or a loaded model) and its scheduler."""
     k = K if proposer is not None else 0
     runner = ModelRunner(
-        loaded_model(target),
+        target if isinstance(target, LoadedModel) else loaded_model(target),
         RunnerConfig(num_blocks=160, block_size=4, max_num_seqs=4, max_model_len=128, num_spec_tokens=k),
         proposer,
     )

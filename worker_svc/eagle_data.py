@@ -68,10 +68,10 @@ class Sample:
 class DistillSettings:
     """How much data to make."""
 
-    num_self_written: int = 640
+    num_self_written: int = 3200
     max_new_tokens: int = 192
     max_user_tokens: int = 64
-    num_sampled_answers: int = 0  # sampled answers per trained workload row, beside the greedy one
+    num_sampled_answers: int = 8  # sampled answers per trained workload row, beside the greedy one
     answer_temperature: float = 0.7
     batch_size: int = 64  # conversations answered together (and user turns written together)
     dtype: str = "auto"  # the target's dtype, as --dtype names it (auto: as the worker resolves it)

@@ -49,7 +49,7 @@ CHECKPOINT = "checkpoint.pt"
 class TrainSettings:
     """Optimizer and schedule; EAGLE's loss weights."""
 
-    steps: int = 230
+    steps: int = 800
     batch_tokens: int = 2048  # rows per step, summed over the batch's samples
     lr: float = 1e-3
     warmup: int = 20
@@ -58,7 +58,7 @@ class TrainSettings:
     noise: float = 0.2  # width of the uniform noise added to the input hidden states
     unroll: int = 2  # further passes fed the head's own predictions (chain positions 2, 3, ...)
     hidden_weight: float = 1.0
-    token_weight: float = 0.5
+    token_weight: float = 1.0
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # stop (with a checkpoint) after this long; 0 = no limit
     seed: int = 0

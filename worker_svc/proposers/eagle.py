@@ -364,7 +364,9 @@ class EagleProposer:
         def forward(j: int, token: torch.Tensor, pos: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
             nonlocal features
             out, residual = self.head.layer_model.run_layers(self.head.fuse(token, features), pos, meta, self.kv_caches)
-            features = out if residual is None else out + residual
+            # The compiled kernels keep a 16-bit model's residual stream in float32: the sum is
+            # cast back, as the head's state and its products' input are in the model's dtype.
+            features = out if residual is None else (out + residual).to(out.dtype)
             return self.head.logits(features)
 
         cache = ChainCache(self.head.layer_model.rope_cos.shape[0], self.scratch_block, kv_offset=1)
