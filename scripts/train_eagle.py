@@ -28,12 +28,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zerobubble.worker_svc.eagle import (  # noqa: E402
-    DRAFT_VOCAB_FILE,
     EagleHead,
     SharedWeights,
     draft_vocab,
     init_from_target_layer,
-    load_draft_vocab,
     load_head,
     save_draft_vocab,
 )
@@ -121,7 +119,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out answers from this data folder instead")
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default, every core)")
     parser.add_argument(
-        "--draft-vocab", type=int, default=16384, help="token ids the head drafts from (its logits' rows)"
+        "--draft-vocab", type=int, default=8192, help="token ids the served head drafts from (its logits' rows)"
+    )
+    parser.add_argument(
+        "--train-vocab",
+        type=int,
+        default=16384,
+        help="token ids the loss compares distributions over (the draft vocabulary is its most frequent part)",
     )
     return parser.parse_args()
 
@@ -154,19 +158,15 @@ def train_head(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
         token_weight=args.token_weight,
     )
     raw_config = json.loads((model_dir / "config.json").read_text())
-    # The ids the head drafts from, fixed before training (a resumed run reads them back): its
-    # training answers' tokens first (see `draft_vocab`).
-    vocab_file = out / DRAFT_VOCAB_FILE
-    if vocab_file.exists():
-        vocab = load_draft_vocab(out)
-    else:
-        answers = [s.input_ids[s.answer_start :] for s in train_samples]
-        eos_ids = load_model(str(model_dir), weights=False).eos_token_ids
-        vocab = draft_vocab(answers, min(args.draft_vocab, hf_config.vocab_size), eos_ids)
-        out.mkdir(parents=True, exist_ok=True)
-        save_draft_vocab(out, vocab)
-    metrics = train(head, train_samples, out, train_settings, raw_config, vocab)
+    # The ids the loss reads and the ids the served head drafts from: the training answers'
+    # tokens by frequency (see `draft_vocab`), so the second are the most frequent of the first.
+    # Both follow from the cached data alone, so a resumed run computes the same ones.
+    answers = [s.input_ids[s.answer_start :] for s in train_samples]
+    eos_ids = load_model(str(model_dir), weights=False).eos_token_ids
+    train_vocab = draft_vocab(answers, min(args.train_vocab, hf_config.vocab_size), eos_ids)
+    metrics = train(head, train_samples, out, train_settings, raw_config, train_vocab)
     logger.info("trained: %s", metrics)
+    save_draft_vocab(out, draft_vocab(answers, min(args.draft_vocab, args.train_vocab), eos_ids))
     return metrics | {
         "train_samples": len(train_samples),
         "train_answer_tokens": answer_tokens,

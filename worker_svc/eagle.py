@@ -388,9 +388,3 @@ def save_draft_vocab(head_dir: Path, token_ids: torch.Tensor) -> None:
 
     save_file({DRAFT_VOCAB_KEY: token_ids.to(torch.int64).contiguous()}, str(head_dir / DRAFT_VOCAB_FILE))
 
-
-def load_draft_vocab(head_dir: Path) -> torch.Tensor:
-    """The draft vocabulary :func:`save_draft_vocab` wrote, int64 ids."""
-    from safetensors.torch import load_file
-
-    return load_file(str(head_dir / DRAFT_VOCAB_FILE))[DRAFT_VOCAB_KEY].to(torch.int64)
