@@ -387,4 +387,3 @@ def save_draft_vocab(head_dir: Path, token_ids: torch.Tensor) -> None:
     from safetensors.torch import save_file
 
     save_file({DRAFT_VOCAB_KEY: token_ids.to(torch.int64).contiguous()}, str(head_dir / DRAFT_VOCAB_FILE))
-
