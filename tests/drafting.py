@@ -42,7 +42,10 @@ SEEDED = dict(
 )
 
 
-def loaded_model(hf: LlamaForCausalLM, dtype: torch.dtype = torch.float32, kernels: KernelImpl = None) -> LoadedModel:
+def loaded_model(
+    hf: LlamaForCausalLM, dtype: torch.dtype = torch.float32, kernels: KernelImpl = None, eos: int = 256
+) -> LoadedModel:
+    """``hf``'s weights in our own forward, stopping at ``eos``."""
     model = build_model(hf.config, dtype, torch.device("cpu"), kernels=kernels)
     model.load_weights(hf.state_dict())
     return LoadedModel(
@@ -51,7 +54,7 @@ def loaded_model(hf: LlamaForCausalLM, dtype: torch.dtype = torch.float32, kerne
         hf_config=hf.config,
         model=model,
         tokenizer_file=Path("tokenizer.json"),
-        eos_token_ids=[256],
+        eos_token_ids=[eos],
         max_model_len=256,
     )
 

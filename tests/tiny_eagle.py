@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 import transformers
 
 from zerobubble.worker_svc.eagle import EagleHead, SharedWeights
 from zerobubble.worker_svc.eagle_data import Sample
-from zerobubble.worker_svc.model import build_model
-from zerobubble.worker_svc.model_loader import LoadedModel
 
 VOCAB, HIDDEN = 97, 32
 
@@ -44,21 +40,6 @@ def tiny_head(model_type: str = "llama", seed: int = 1) -> EagleHead:
 def tiny_target() -> transformers.LlamaForCausalLM:
     torch.manual_seed(3)
     return transformers.LlamaForCausalLM(tiny_config()).eval()
-
-
-def tiny_loaded(target: transformers.LlamaForCausalLM, eos: int) -> LoadedModel:
-    """``target``'s weights in our own forward (float32), stopping at ``eos``."""
-    model = build_model(target.config, torch.float32, torch.device("cpu"))
-    model.load_weights(target.state_dict())
-    return LoadedModel(
-        name="tiny",
-        path=Path("."),
-        hf_config=target.config,
-        model=model,
-        tokenizer_file=Path("tokenizer.json"),
-        eos_token_ids=[eos],
-        max_model_len=target.config.max_position_embeddings,
-    )
 
 
 @torch.no_grad()

@@ -12,7 +12,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from tests.tiny_eagle import VOCAB, tiny_loaded, tiny_target  # noqa: E402
+from tests.drafting import loaded_model  # noqa: E402
+from tests.tiny_eagle import VOCAB, tiny_target  # noqa: E402
 from zerobubble.worker_svc.eagle_data import (  # noqa: E402
     NUCLEUS_CANDIDATES,
     Conversation,
@@ -44,7 +45,7 @@ def test_batched_answers_equal_hugging_face_greedy_answers_one_at_a_time() -> No
     target = tiny_target()
     eos = Tok.eos_token_id  # the third prompt's greedy answer is EOS at once; the others run to the limit
     prompts = [[1, 7, 9, 11, 3], [4, 8], [6, 6, 10, 12, 14, 20, 30]]
-    samples = generate(tiny_loaded(target, eos), prompts, max_new_tokens=12)
+    samples = generate(loaded_model(target, eos=eos), prompts, max_new_tokens=12)
     alone = [
         target.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=eos)[0]
         for p in prompts
@@ -61,7 +62,7 @@ def test_batched_answers_equal_hugging_face_greedy_answers_one_at_a_time() -> No
 
 
 def test_sampled_rows_are_seeded_and_stay_in_the_vocabulary() -> None:
-    loaded = tiny_loaded(tiny_target(), Tok.eos_token_id)
+    loaded = loaded_model(tiny_target(), eos=Tok.eos_token_id)
     prompts = [[1, 2, 3]] * 5
 
     def written(seed: int) -> list[list[int]]:
