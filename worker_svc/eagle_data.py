@@ -3,9 +3,9 @@
 Conversations come from the shipped workloads (``zerobubble/workloads/*.jsonl``) and from user
 turns the instruct model writes itself: its chat template is rendered up to where a user turn's
 text begins and the model samples the rest of the turn. The target then answers each one
-greedily, and conversations that are trained on get ``num_sampled_answers`` more answers sampled
-at ``answer_temperature`` (the head learns the target's distribution at every position, so any
-text the target could write teaches it). Every position's hidden state after the final norm is
+greedily, and the workload rows that are trained on get ``num_sampled_answers`` more answers
+sampled at ``answer_temperature`` (the head learns the target's distribution at every position,
+so any text the target could write teaches it). Every position's hidden state after the final norm is
 kept (float32): what the head reads and learns to predict.
 
 Our own forward generates, in the dtype the target serves in (``--dtype auto``), rows batched
