@@ -163,10 +163,11 @@ def train_head(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
     # Both follow from the cached data alone, so a resumed run computes the same ones.
     answers = [s.input_ids[s.answer_start :] for s in train_samples]
     eos_ids = load_model(str(model_dir), weights=False).eos_token_ids
-    train_vocab = draft_vocab(answers, min(args.train_vocab, hf_config.vocab_size), eos_ids)
+    train_size = min(args.train_vocab, hf_config.vocab_size)
+    train_vocab = draft_vocab(answers, train_size, eos_ids)
     metrics = train(head, train_samples, out, train_settings, raw_config, train_vocab)
     logger.info("trained: %s", metrics)
-    save_draft_vocab(out, draft_vocab(answers, min(args.draft_vocab, args.train_vocab), eos_ids))
+    save_draft_vocab(out, draft_vocab(answers, min(args.draft_vocab, train_size), eos_ids))
     return metrics | {
         "train_samples": len(train_samples),
         "train_answer_tokens": answer_tokens,

@@ -152,12 +152,13 @@ def _forward_rows(loaded: LoadedModel, batch: _Batch, rows: list[int], starts: l
     model = loaded.model
     assert isinstance(model, CausalLM)
     lengths = [len(batch.tokens[r]) - s for r, s in zip(rows, starts)]
+    ends = list(itertools.accumulate(lengths))
     positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths)])
     row_of = torch.repeat_interleave(torch.tensor(rows), torch.tensor(lengths))
     tables = batch.block_tables[rows]
     seq_lens = torch.tensor([s + n for s, n in zip(starts, lengths)], dtype=torch.int32)
     meta = AttentionMetadata(
-        query_start_loc=torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *ends], dtype=torch.int32),
         seq_lens=seq_lens,
         block_tables=tables,
         max_query_len=max(lengths),
@@ -167,7 +168,7 @@ def _forward_rows(loaded: LoadedModel, batch: _Batch, rows: list[int], starts: l
     ids = torch.tensor([t for r, s in zip(rows, starts) for t in batch.tokens[r][s:]], dtype=torch.long)
     hidden = model(ids, positions, meta, batch.kv_caches)
     batch.hidden[row_of, positions] = hidden.float()
-    return hidden[torch.tensor(list(itertools.accumulate(lengths))) - 1]
+    return hidden[torch.tensor(ends) - 1]
 
 
 def _choose(logits: torch.Tensor, sampling: Sampling | None, generator: torch.Generator) -> list[int]:

@@ -184,19 +184,21 @@ def eagle_loss(
     target_hidden = batch.target_hidden[batch.mask]
     with torch.no_grad():
         target_probs = F.linear(target_hidden, vocab_rows).softmax(-1)
+        target_choice = target_probs.argmax(-1)
     # Each counted row's index along the sequence: rows before d start no chain of length d + 1.
     row_index = torch.arange(batch.mask.shape[1]).expand_as(batch.mask)[batch.mask]
     total = torch.zeros(())
     metrics: dict[str, float] = {}
     for d, predicted in enumerate(passes):
         keep = row_index >= d
-        hidden_loss = F.smooth_l1_loss(predicted[batch.mask][keep], target_hidden[keep], reduction="none")
-        logits = F.linear(predicted[batch.mask][keep], vocab_rows)
+        rows = predicted[batch.mask][keep]
+        hidden_loss = F.smooth_l1_loss(rows, target_hidden[keep])
+        logits = F.linear(rows, vocab_rows)
         token_loss = -(target_probs[keep] * logits.log_softmax(-1)).sum(-1).mean()
-        total = total + settings.hidden_weight * hidden_loss.mean() + settings.token_weight * token_loss
-        accuracy = (logits.argmax(-1) == target_probs[keep].argmax(-1)).float().mean().item()
+        total = total + settings.hidden_weight * hidden_loss + settings.token_weight * token_loss
+        accuracy = (logits.argmax(-1) == target_choice[keep]).float().mean().item()
         if d == 0:
-            metrics.update(vloss=hidden_loss.mean().item(), ploss=token_loss.item(), acc=accuracy)
+            metrics.update(vloss=hidden_loss.item(), ploss=token_loss.item(), acc=accuracy)
         else:
             metrics[f"acc{d}"] = accuracy
     return total / len(passes), metrics
