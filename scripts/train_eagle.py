@@ -45,6 +45,7 @@ from zerobubble.worker_svc.model_loader import (  # noqa: E402
     read_config,
     resolve_model,
 )
+from zerobubble.worker_svc.server import resolve_dtype  # noqa: E402
 
 logger = logging.getLogger("train_eagle")
 
@@ -117,6 +118,12 @@ def parse_args() -> argparse.Namespace:
         "--eval-head", type=Path, default=None, help="only evaluate this saved head (no data, no training)"
     )
     parser.add_argument("--eval-data", type=Path, default=None, help="held-out answers from this data folder instead")
+    parser.add_argument(
+        "--train-dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="the products' dtype in training (auto: bfloat16 where the CPU computes in it natively)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU threads (0: torch's default, every core)")
     parser.add_argument(
         "--draft-vocab", type=int, default=8192, help="token ids the served head drafts from (its logits' rows)"
@@ -124,7 +131,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--train-vocab",
         type=int,
-        default=16384,
+        default=8192,
         help="token ids the loss compares distributions over (the draft vocabulary is its most frequent part)",
     )
     return parser.parse_args()
@@ -156,6 +163,7 @@ def train_head(args: argparse.Namespace, model_dir: Path, out: Path) -> dict[str
         unroll=args.unroll,
         max_minutes=args.max_minutes,
         token_weight=args.token_weight,
+        bf16=resolve_dtype(args.train_dtype, torch.device("cpu")) == torch.bfloat16,
     )
     raw_config = json.loads((model_dir / "config.json").read_text())
     # The ids the loss reads and the ids the served head drafts from: the training answers'

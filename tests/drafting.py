@@ -160,11 +160,11 @@ def drafts_after_every_step(
     return compared, agreed
 
 
-def eagle_head(target: LoadedModel, state: dict[str, torch.Tensor]) -> ServingHead:
+def eagle_head(target: LoadedModel, state: dict[str, torch.Tensor], quantization: str = "none") -> ServingHead:
     """The serving EAGLE-1 head with weights ``state`` over ``target``, its config the target's own
     one layer deep (as `zerobubble.worker_svc.eagle.save_head` writes it)."""
     head_json = head_config(target.hf_config.to_dict(), fc_bias="fc.bias" in state)
-    return serving_head(head_json, state, target)
+    return serving_head(head_json, state, target, quantization)
 
 
 def copying_target_and_head(noise: float = 0.0) -> tuple[LlamaForCausalLM, dict[str, torch.Tensor]]:

@@ -49,7 +49,7 @@ CHECKPOINT = "checkpoint.pt"
 class TrainSettings:
     """Optimizer and schedule; EAGLE's loss weights."""
 
-    steps: int = 800
+    steps: int = 1900
     batch_tokens: int = 2048  # rows per step, summed over the batch's samples
     lr: float = 1e-3
     warmup: int = 20
@@ -62,6 +62,9 @@ class TrainSettings:
     checkpoint_every: int = 50
     max_minutes: float = 0.0  # stop (with a checkpoint) after this long; 0 = no limit
     seed: int = 0
+    # The products in bfloat16 under autocast (weights, optimizer and losses stay float32):
+    # on a CPU with native bfloat16 a step takes about 0.6 x the float32 one.
+    bf16: bool = False
 
 
 @dataclass(slots=True)
@@ -183,7 +186,7 @@ def eagle_loss(
     passes = unrolled_predictions(head, batch.input_ids, noisy, 1 + settings.unroll)
     target_hidden = batch.target_hidden[batch.mask]
     with torch.no_grad():
-        target_probs = F.linear(target_hidden, vocab_rows).softmax(-1)
+        target_probs = F.linear(target_hidden, vocab_rows).float().softmax(-1)
         target_choice = target_probs.argmax(-1)
     # Each counted row's index along the sequence: rows before d start no chain of length d + 1.
     row_index = torch.arange(batch.mask.shape[1]).expand_as(batch.mask)[batch.mask]
@@ -191,9 +194,9 @@ def eagle_loss(
     metrics: dict[str, float] = {}
     for d, predicted in enumerate(passes):
         keep = row_index >= d
-        rows = predicted[batch.mask][keep]
+        rows = predicted[batch.mask][keep].float()
         hidden_loss = F.smooth_l1_loss(rows, target_hidden[keep])
-        logits = F.linear(rows, vocab_rows)
+        logits = F.linear(rows, vocab_rows).float()
         token_loss = -(target_probs[keep] * logits.log_softmax(-1)).sum(-1).mean()
         total = total + settings.hidden_weight * hidden_loss + settings.token_weight * token_loss
         accuracy = (logits.argmax(-1) == target_choice[keep]).float().mean().item()
@@ -282,7 +285,8 @@ def train(
         queue = queue or batches(samples, settings.batch_tokens, rng)
         for group in optimizer.param_groups:
             group["lr"] = _lr_at(step, settings, time_used)
-        loss, metrics = eagle_loss(head, make_batch(queue.pop()), settings, vocab_rows)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=settings.bf16):
+            loss, metrics = eagle_loss(head, make_batch(queue.pop()), settings, vocab_rows)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), settings.grad_clip)

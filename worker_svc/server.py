@@ -177,11 +177,18 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
 def _load_drafter(cfg: WorkerConfig, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> Any:
     """The draft model (``--spec-method draft``) or EAGLE head (``eagle``) ``--draft-model`` names."""
     if cfg.spec_method == "draft":
-        return load_model(cfg.draft_model, dtype, device, cfg.prepack_weights)
+        return load_model(
+            cfg.draft_model,
+            dtype,
+            device,
+            cfg.prepack_weights,
+            quantization=cfg.draft_quantization,
+            cpu_kernels=cfg.cpu_kernels,
+        )
     if cfg.spec_method == "eagle":
         from zerobubble.worker_svc.proposers.eagle import load_serving_head
 
-        return load_serving_head(cfg.draft_model, loaded)
+        return load_serving_head(cfg.draft_model, loaded, cfg.draft_quantization)
     return None
 
 

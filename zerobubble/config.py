@@ -251,6 +251,13 @@ class WorkerConfig(ServiceConfig):
         "--spec-method draft: a smaller model with --model's tokenizer; --spec-method eagle: an EAGLE "
         "head directory or a built-in head name (smollm2-135m-eagle)",
     )
+    draft_quantization: str = setting(
+        "none",
+        "weight quantization of the draft model's or EAGLE head's linear weights (CPU only, as "
+        "--quantization): drafts only, verification keeps the output exact; int8 halves the bytes "
+        "each draft step reads",
+        choices=("none", "int8", "int4"),
+    )
     draft_acceptance: str = setting(
         "keyed",
         "how draft-model and EAGLE proposals are verified: keyed (accepted iff equal to the target's own "
@@ -336,9 +343,9 @@ class WorkerConfig(ServiceConfig):
         if self.cpu_cores:
             cores_within(self.cpu_cores, "--cpu-cores", self.cpu_affinity)
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
-        if self.quantization != "none":
+        for flag, value in (("--quantization", self.quantization), ("--draft-quantization", self.draft_quantization)):
             _require(
-                self.device != "cuda", f"--quantization {self.quantization} runs on the CPU only (--device cpu or auto)"
+                value == "none" or self.device != "cuda", f"{flag} {value} runs on the CPU only (--device cpu or auto)"
             )
         if self.spec_method == "ngram":
             _require(

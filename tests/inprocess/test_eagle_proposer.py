@@ -51,8 +51,10 @@ from zerobubble.worker_svc.model_loader import LoadedModel, ModelLoadError
 from zerobubble.worker_svc.proposers.eagle import EagleProposer, resolve_head, serving_head
 
 
-def _proposer(target: LoadedModel, state: dict[str, torch.Tensor], acceptance: str = "keyed") -> EagleProposer:
-    return EagleProposer(eagle_head(target, state), K, acceptance)
+def _proposer(
+    target: LoadedModel, state: dict[str, torch.Tensor], acceptance: str = "keyed", quantization: str = "none"
+) -> EagleProposer:
+    return EagleProposer(eagle_head(target, state, quantization), K, acceptance)
 
 
 def _random_head(hf: LlamaForCausalLM, seed: int) -> EagleHead:
@@ -94,10 +96,12 @@ def test_a_head_copying_its_target_drafts_the_targets_greedy_continuation(window
     assert drafted > 50 and accepted >= 0.9 * drafted, (accepted, drafted)
 
 
-def test_a_bfloat16_target_on_the_compiled_kernels_drafts_its_greedy_continuation(cpu_kernels) -> None:
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_a_bfloat16_target_on_the_compiled_kernels_drafts_its_greedy_continuation(cpu_kernels, quantization) -> None:
     """The served default on a CPU with native bfloat16: the head's layer, its fusion and its
     draft vocabulary's lm_head run in the compiled kernels' bfloat16 products, which take only
-    bfloat16 input (the chain casts back the float32 residual sum those kernels keep)."""
+    bfloat16 input (the chain casts back the float32 residual sum those kernels keep). With
+    ``--draft-quantization int8`` the head's weights are int8 blocks and it drafts as well."""
     hf, state = copying_target_and_head()
     # Tied, as SmolLM2 is: the lm_head's rows stay at hand, so the draft ids get a product of
     # their own (an untied lm_head is kept in blocks only, and the head drafts through it).
@@ -107,8 +111,10 @@ def test_a_bfloat16_target_on_the_compiled_kernels_drafts_its_greedy_continuatio
     def target() -> LoadedModel:
         return loaded_model(hf, torch.bfloat16, kernels="cpp")
 
-    proposer = _proposer(target(), state)
-    assert proposer.head.lm_head is not None and proposer.head.lm_head.blocks is not None
+    proposer = _proposer(target(), state, quantization=quantization)
+    weight_dtype = torch.int8 if quantization == "int8" else torch.bfloat16
+    for weight in (proposer.head.lm_head, proposer.head.fc, proposer.head.layer_model.layers[0].down_weight):
+        assert weight is not None and weight.blocks is not None and weight.blocks.dtype == weight_dtype
     prompts = prompts_sharing_a_prefix(1, 4)
 
     def run(eagle: bool) -> tuple[dict[str, list[int]], int, int]:

@@ -99,6 +99,8 @@ def test_draft_without_a_draft_model_is_a_usage_error_naming_the_flags(capsys) -
         (["serve", "--cpu-affinity", "0", "--loop-cores", "first"], ["--loop-cores first", "leaves no core"]),
         (["serve", "--spec-disable-batch-size", "-1"], ["--spec-disable-batch-size"]),
         (["scheduler", "--workers", "w:1", "--spec-disable-batch-size", "-2"], ["--spec-disable-batch-size"]),
+        (["worker", "--device", "cuda", "--quantization", "int8"], ["--quantization int8", "CPU only"]),
+        (["worker", "--device", "cuda", "--draft-quantization", "int8"], ["--draft-quantization int8", "CPU only"]),
     ],
 )
 def test_bad_combinations_name_their_flags(argv: list[str], flags: list[str], capsys) -> None:

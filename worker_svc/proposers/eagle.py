@@ -53,7 +53,7 @@ from zerobubble.worker_svc.model import (
     model_spec,
 )
 from zerobubble.worker_svc.model_loader import LoadedModel, ModelLoadError, cache_dir
-from zerobubble.worker_svc.proposers.chain import ChainCache, draft_chain
+from zerobubble.worker_svc.proposers.chain import ChainCache, draft_chain, over_vocab
 
 logger = logging.getLogger(__name__)
 
@@ -101,20 +101,23 @@ class ServingHead:
         joined = torch.cat((F.embedding(tokens, self.embed), state), dim=-1)
         return joined if self.aux_layers else linear(joined, self.fc, self.fc_bias)
 
-    def logits(self, state: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[N, vocab]`` of predicted states; ids outside the draft vocabulary
-        get -inf (the sampler then never draws them)."""
+    def draft_logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Float32 logits of predicted states ``[N, hidden]`` over the draft vocabulary
+        (``[N, len(draft_ids)]``), or over the whole vocabulary when the head has none."""
         if self.final_norm is not None:
             model = self.layer_model
             state = add_rms_norm(state, None, self.final_norm, model.spec.rms_norm_eps, model.kernels)[0]
         if self.lm_head is None:
             return self.target.compute_logits(state)
-        logits = linear(state, self.lm_head).float()
+        return linear(state, self.lm_head).float()
+
+    def logits(self, state: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[N, vocab]`` of predicted states; ids outside the draft vocabulary
+        get -inf (the sampler then never draws them)."""
+        logits = self.draft_logits(state)
         if self.draft_ids is None:
             return logits
-        vocab = self.target.spec.vocab_size
-        full = torch.full((state.shape[0], vocab), float("-inf"), dtype=torch.float32, device=state.device)
-        return full.index_copy_(1, self.draft_ids, logits)
+        return over_vocab(logits, self.draft_ids, self.target.spec.vocab_size)
 
 
 def resolve_head(spec: str) -> Path:
@@ -134,9 +137,10 @@ def resolve_head(spec: str) -> Path:
     return path
 
 
-def load_serving_head(spec: str, target: LoadedModel) -> ServingHead:
-    """Load the EAGLE head ``spec`` for ``target`` in its dtype and device; a head that does not
-    fit the target is refused with the mismatch named (`ModelLoadError`)."""
+def load_serving_head(spec: str, target: LoadedModel, quantization: str = "none") -> ServingHead:
+    """Load the EAGLE head ``spec`` for ``target`` in its dtype and device, its linear weights
+    stored with ``quantization``; a head that does not fit the target is refused with the
+    mismatch named (`ModelLoadError`)."""
     from safetensors.torch import load_file
 
     folder = resolve_head(spec)
@@ -145,7 +149,7 @@ def load_serving_head(spec: str, target: LoadedModel) -> ServingHead:
     for path in sorted(folder.glob("*.safetensors")):
         state.update(load_file(str(path)))
     try:
-        head = serving_head(head_json, state, target)
+        head = serving_head(head_json, state, target, quantization)
     except (HeadFormatError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"EAGLE head {str(folder)!r}: {exc}") from exc
     layout = "EAGLE-3" if head.aux_layers else "EAGLE-1"
@@ -153,7 +157,9 @@ def load_serving_head(spec: str, target: LoadedModel) -> ServingHead:
     return head
 
 
-def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel) -> ServingHead:
+def serving_head(
+    head_json: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel, quantization: str = "none"
+) -> ServingHead:
     """The head with config ``head_json`` and weights ``state`` over ``target`` (any format of
     `zerobubble.worker_svc.eagle.head_layout`, its weights under any of the names
     `_canonical_name` knows); raises `HeadFormatError` (or ``KeyError``/``ValueError`` for a
@@ -162,8 +168,8 @@ def serving_head(head_json: dict[str, Any], state: dict[str, torch.Tensor], targ
     layout = head_layout(head_json, model_spec(target.hf_config))
     state = {_canonical_name(name): tensor for name, tensor in state.items()}
     if layout.layout == EAGLE3:
-        return _eagle3_head(layout, state, target.model)
-    head = _eagle1_head(layout.layer_config, state, target)
+        return _eagle3_head(layout, state, target.model, quantization)
+    head = _eagle1_head(layout.layer_config, state, target, quantization)
     if DRAFT_VOCAB_KEY in state:
         _limit_vocab(head, state[DRAFT_VOCAB_KEY].to(torch.int64), DRAFT_VOCAB_KEY)
     return head
@@ -183,7 +189,9 @@ def _canonical_name(name: str) -> str:
     return name
 
 
-def _eagle1_head(layer_config: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel) -> ServingHead:
+def _eagle1_head(
+    layer_config: dict[str, Any], state: dict[str, torch.Tensor], target: LoadedModel, quantization: str
+) -> ServingHead:
     """An EAGLE-1 head: one layer of the target's architecture (the intermediate size from its
     ``layer_config``), the target's embedding."""
     hf_config = copy.deepcopy(target.hf_config)
@@ -195,7 +203,7 @@ def _eagle1_head(layer_config: dict[str, Any], state: dict[str, torch.Tensor], t
         hf_config.layer_types = ["full_attention"]
     model = target.model
     assert model is not None and model.embed is not None
-    layer_model = build_model(hf_config, model.dtype, model.device, model.prepack, kernels=model.kernels)
+    layer_model = build_model(hf_config, model.dtype, model.device, model.prepack, quantization, model.kernels)
     take, take_optional, weight = layer_model.weight_readers(state)
     hidden = layer_model.spec.hidden_size
     has_norm = "layers.0.input_layernorm.weight" in state
@@ -205,7 +213,9 @@ def _eagle1_head(layer_config: dict[str, Any], state: dict[str, torch.Tensor], t
     return ServingHead(hf_config, layer_model, fc, fc_bias, model, model.embed)
 
 
-def _eagle3_head(layout: HeadLayout, state: dict[str, torch.Tensor], target: CausalLM) -> ServingHead:
+def _eagle3_head(
+    layout: HeadLayout, state: dict[str, torch.Tensor], target: CausalLM, quantization: str
+) -> ServingHead:
     """An EAGLE-3 head: its own Llama layer over the embedding ⊕ fused target state, a final
     norm and its own lm_head over the draft vocabulary (``d2t``)."""
     from transformers import LlamaConfig
@@ -216,7 +226,7 @@ def _eagle3_head(layout: HeadLayout, state: dict[str, torch.Tensor], target: Cau
     hf_config.vocab_size = target.spec.vocab_size
     # The head drafts at the target's positions, which may run past the head's own table.
     hf_config.max_position_embeddings = max(int(hf_config.max_position_embeddings), target.spec.max_position_embeddings)
-    layer_model = build_model(hf_config, target.dtype, target.device, target.prepack, kernels=target.kernels)
+    layer_model = build_model(hf_config, target.dtype, target.device, target.prepack, quantization, target.kernels)
     take, take_optional, weight = layer_model.weight_readers(state)
     spec, target_hidden = layer_model.spec, target.spec.hidden_size
     layer_model.layers = [
@@ -268,8 +278,11 @@ def _limit_vocab(head: ServingHead, ids: torch.Tensor, what: str, own_rows: bool
         logger.warning("the target's lm_head is kept packed only: the head drafts over the whole vocabulary")
         return
     head.draft_ids = ids.to(device)
+    model = head.layer_model
+    # As the target's own (`CausalLM.load_weights`): 4-bit logits lose too much, int4 keeps them whole.
+    quantization = "none" if model.quantization == "int4" else model.quantization
     head.lm_head = prepare_linear(
-        rows.index_select(0, head.draft_ids).contiguous(), head.target.prepack, impl=head.target.kernels
+        rows.index_select(0, head.draft_ids).contiguous(), model.prepack, quantization, model.kernels
     )
 
 
@@ -367,10 +380,12 @@ class EagleProposer:
             # The compiled kernels keep a 16-bit model's residual stream in float32: the sum is
             # cast back, as the head's state and its products' input are in the model's dtype.
             features = out if residual is None else (out + residual).to(out.dtype)
-            return self.head.logits(features)
+            return self.head.draft_logits(features)
 
         cache = ChainCache(self.head.layer_model.rope_cos.shape[0], self.scratch_block, kv_offset=1)
-        probs = draft_chain(self.runner, slots, batch, self.k, cache, forward, self.has_draft_probs)
+        probs = draft_chain(
+            self.runner, slots, batch, self.k, cache, forward, self.has_draft_probs, self.head.draft_ids
+        )
         if probs is not None:
             self.probs[idx] = probs
 
