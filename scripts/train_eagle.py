@@ -8,7 +8,7 @@ Three stages, each resumable: the target answers the workloads' prompts and its 
 answers are walked step by step with the head's chain and with n-gram lookup (``--k``). The head
 is written to ``OUT`` as bfloat16 ``model.safetensors`` + ``config.json`` (EAGLE-1 layout);
 ``OUT`` defaults to ``<model cache>/smollm2-135m-eagle``. The defaults take about an hour on two
-CPU cores (SmolLM2-135M): about 22 minutes of data, 33 of training, 2 of evaluation.
+CPU cores (SmolLM2-135M): about 22 minutes of data, 30 of training, 2 of evaluation.
 
     python scripts/train_eagle.py --eval-head DIR [--eval-data DIR] # evaluate a saved head only
 """
