@@ -32,6 +32,7 @@ from zerobubble.worker_svc.eagle import (  # noqa: E402
     SharedWeights,
     draft_vocab,
     init_from_target_layer,
+    load_draft_vocab,
     load_head,
     save_draft_vocab,
 )
@@ -70,12 +71,15 @@ def load_split(data_dir: Path, split: str) -> list[Sample]:
     return [load_sample(p) for p in sorted((data_dir / split).glob("*.pt"))]
 
 
-def evaluate(head: EagleHead, samples: list[Sample], ks: list[int]) -> dict[str, dict[str, object]]:
-    """Per ``k``: accepted drafts per position and tokens per step, EAGLE's chain and n-gram."""
+def evaluate(
+    head: EagleHead, samples: list[Sample], ks: list[int], draft_ids: torch.Tensor | None
+) -> dict[str, dict[str, object]]:
+    """Per ``k``: accepted drafts per position and tokens per step, EAGLE's chain (drafting
+    among ``draft_ids``, as served) and n-gram."""
     report: dict[str, dict[str, object]] = {}
     head.eval()
     for k in ks:
-        for name, drafter in (("eagle", EagleDrafter(head)), ("ngram", ngram_drafter())):
+        for name, drafter in (("eagle", EagleDrafter(head, draft_ids)), ("ngram", ngram_drafter())):
             started = time.monotonic()
             acc = simulate(samples, drafter, k)
             report[f"{name} k={k}"] = {
@@ -199,7 +203,7 @@ def main() -> None:
     held_out = load_split(args.eval_data or out / "data", "held_out")[: args.eval_limit or None]
     report["head"] = str(head_dir)
     report["held_out_samples"] = len(held_out)
-    report["acceptance"] = evaluate(head, held_out, args.k)
+    report["acceptance"] = evaluate(head, held_out, args.k, load_draft_vocab(head_dir))
     if args.eval_head is None:
         (out / "acceptance.json").write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))

@@ -382,6 +382,14 @@ def draft_vocab(answers: list[torch.Tensor], size: int, always: list[int]) -> to
     return torch.tensor(sorted(chosen), dtype=torch.int64)
 
 
+def load_draft_vocab(head_dir: Path) -> torch.Tensor | None:
+    """The head's draft vocabulary from its folder, or None when it drafts over the whole one."""
+    from safetensors.torch import load_file
+
+    path = head_dir / DRAFT_VOCAB_FILE
+    return load_file(str(path))[DRAFT_VOCAB_KEY].to(torch.int64) if path.is_file() else None
+
+
 def save_draft_vocab(head_dir: Path, token_ids: torch.Tensor) -> None:
     """Write the head's draft vocabulary beside its weights (read by the serving head)."""
     from safetensors.torch import save_file

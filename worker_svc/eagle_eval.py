@@ -89,11 +89,13 @@ class EagleDrafter:
     """The head's chain, teacher-forced over the real prefix and fed its own hidden states after.
 
     The head's rows over a sample's real tokens are computed once; a step from ``p`` reuses the
-    cache of rows ``0..p`` and drafts one token at a time on top of it.
+    cache of rows ``0..p`` and drafts one token at a time on top of it, the most likely among
+    ``draft_ids`` when given, as the served head drafts.
     """
 
-    def __init__(self, head: EagleHead) -> None:
+    def __init__(self, head: EagleHead, draft_ids: torch.Tensor | None = None) -> None:
         self.head = head
+        self.draft_ids = draft_ids  # the served head's draft vocabulary (None: the whole one)
         self._key: int | None = None
         self._rows: torch.Tensor | None = None
         self._cache: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -115,7 +117,11 @@ class EagleDrafter:
         cache = (self._cache[0][:, :, : p + 1], self._cache[1][:, :, : p + 1])
         drafts: list[int] = []
         for i in range(k):
-            token = int(self.head.logits(hidden[0, -1]).argmax())
+            logits = self.head.logits(hidden[0, -1])
+            if self.draft_ids is None:
+                token = int(logits.argmax())
+            else:
+                token = int(self.draft_ids[logits[self.draft_ids].argmax()])
             drafts.append(token)
             if i + 1 == k:
                 break

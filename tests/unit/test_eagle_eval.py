@@ -75,3 +75,26 @@ def test_eagle_chain_matches_the_head_over_the_whole_drafted_sequence() -> None:
             assert token == drafts[i], i
             ids = torch.cat((ids, torch.tensor([[token]])), dim=1)
             hidden = torch.cat((hidden, out[:, -1:]), dim=1)
+
+
+def test_an_eagle_chain_with_a_draft_vocabulary_drafts_the_most_likely_of_its_ids() -> None:
+    """As the served head does: each draft is the argmax among the draft ids, fed on as itself."""
+    head = tiny_head()
+    sample = tiny_samples(tiny_target(), count=1)[0]
+    p, k = 9, 3
+    whole = EagleDrafter(head)(sample, p, k)
+    # Leave the first unrestricted draft out, so the restricted chain must differ from there.
+    vocab = head.spec.vocab_size
+    draft_ids = torch.tensor([t for t in range(vocab) if t != whole[0]])
+    drafts = EagleDrafter(head, draft_ids)(sample, p, k)
+    ids = sample.input_ids[1 : p + 2].long()[None]
+    hidden = sample.hidden[: p + 1][None]
+    with torch.no_grad():
+        for i in range(k):
+            out, _ = head(ids, hidden)
+            logits = head.logits(out[0, -1])
+            logits[whole[0]] = float("-inf")
+            token = int(logits.argmax())
+            assert token == drafts[i] and token != whole[0], i
+            ids = torch.cat((ids, torch.tensor([[token]])), dim=1)
+            hidden = torch.cat((hidden, out[:, -1:]), dim=1)

@@ -115,8 +115,8 @@ def draft_chain(
         logits = forward(j, token, fed_pos[j], meta)
         if draft_ids is not None and plain_greedy and not with_probs:
             # Among the ids alone: spreading the logits over the whole vocabulary first costs
-            # more than the argmax. (Equal logits may pick another id than the spread's argmax;
-            # it is a draft either way.)
+            # more than the argmax. Ties go to the first of the ids: the lowest, as the spread's
+            # argmax would pick, when they are sorted (as `draft_vocab` writes them).
             token = draft_ids[logits.argmax(dim=-1)]
         else:
             if draft_ids is not None:
