@@ -130,7 +130,7 @@ bench-model: setup
 	$(PY) scripts/bench_model.py
 
 # The EAGLE head for the embedded model (`--draft-model smollm2-135m-eagle`), trained by
-# self-distillation into the model cache: about 22 minutes of data, 33 of training and 2 of
+# self-distillation into the model cache: about 22 minutes of data, 30 of training and 2 of
 # evaluation on two cores; each stage resumes where it stopped (docs/speculative-decoding.md).
 eagle-head: setup
 	$(PY) scripts/train_eagle.py

@@ -216,13 +216,16 @@ class CausalLM:
         self.final_norm = take("model.norm.weight", (hidden,))
         tied = spec.tie_word_embeddings
         head = self.embed if tied else take("lm_head.weight", (spec.vocab_size, hidden))
-        # 4-bit logits cost most of int4's accuracy (top-1 agreement 94 % against 99 % with the
-        # head unquantized, docs/benchmarks/cpu-llamacpp.md); llama.cpp keeps its output matrix
-        # at a higher precision too.
-        self.lm_head = (
-            weight(head) if self.quantization != "int4" else prepare_linear(head, self.prepack, impl=self.kernels)
-        )
+        self.lm_head = self.logits_weight(head)
         self.head_rows = head
+
+    def logits_weight(self, rows: torch.Tensor) -> LinearWeight:
+        """lm_head rows ``[N, hidden]`` laid out for their product: quantized as the other
+        weights, except under int4, whose 4-bit logits cost most of its accuracy (top-1
+        agreement 94 % against 99 % with the head unquantized, docs/benchmarks/cpu-llamacpp.md;
+        llama.cpp keeps its output matrix at a higher precision too)."""
+        quantization = "none" if self.quantization == "int4" else self.quantization
+        return prepare_linear(rows, self.prepack, quantization, self.kernels)
 
     def weight_readers(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Taker, OptionalTaker, WeightMaker]:
         """``take(name, shape)`` (checked, in this model's dtype and device), ``take_optional``

@@ -100,6 +100,12 @@ class SamplingTensors:
             random_rows=to_device(random, torch.int64, device) if mixed else None,
         )
 
+    @property
+    def is_raw_argmax(self) -> bool:
+        """Whether `sample` is the plain argmax of the logits: every row greedy and no stage
+        before it (`_raw_logit_stage`) changes them."""
+        return self.all_greedy and self.logit_bias is None and self.penalties is None
+
     def rows(self, index: Tensor) -> SamplingTensors:
         """The per-row parameters of rows ``index`` (penalties and bias are not carried: they
         belong to the raw-logit stage, which runs over the whole batch first)."""

@@ -73,8 +73,8 @@ def draft_chain(
     state; returns the draft distributions ``[rows, k, vocab]`` when ``with_probs``.
 
     ``draft_ids``: ``forward`` returns logits over these target ids only (a draft vocabulary).
-    Plain greedy rows then take the argmax among them; other controls see the whole vocabulary
-    with -inf outside them.
+    When sampling is the logits' plain argmax the drafts are taken among them; other controls
+    see the whole vocabulary with -inf outside them.
     """
     st, dev, bs = runner.state, runner.device, runner.config.block_size
     idx = slots.long()
@@ -89,7 +89,6 @@ def draft_chain(
     slot_ids = np.asarray([r.slot for r in sampled], np.int64)
     sampling = runner.sampling_tensors(slot_ids, np.ones(num_rows, np.int64), seq_len)
     penalties = sampling.penalties
-    plain_greedy = sampling.all_greedy and penalties is None and sampling.logit_bias is None
     vocab_size = runner.model.spec.vocab_size
     qsl = torch.arange(num_rows + 1, dtype=torch.int32, device=dev)
     token = st.last_token[idx].to(torch.int64)
@@ -113,7 +112,7 @@ def draft_chain(
             slot_mapping=slot_mapping[j],
         )
         logits = forward(j, token, fed_pos[j], meta)
-        if draft_ids is not None and plain_greedy and not with_probs:
+        if draft_ids is not None and sampling.is_raw_argmax and not with_probs:
             # Among the ids alone: spreading the logits over the whole vocabulary first costs
             # more than the argmax. Ties go to the first of the ids: the lowest, as the spread's
             # argmax would pick, when they are sorted (as `draft_vocab` writes them).

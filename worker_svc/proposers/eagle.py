@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.fused import add_rms_norm
-from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
+from zerobubble.kernels.linear import LinearWeight, linear
 from zerobubble.worker_svc.eagle import DRAFT_VOCAB_KEY, EAGLE3, HeadFormatError, HeadLayout, head_layout
 from zerobubble.worker_svc.model import (
     CausalLM,
@@ -278,12 +278,7 @@ def _limit_vocab(head: ServingHead, ids: torch.Tensor, what: str, own_rows: bool
         logger.warning("the target's lm_head is kept packed only: the head drafts over the whole vocabulary")
         return
     head.draft_ids = ids.to(device)
-    model = head.layer_model
-    # As the target's own (`CausalLM.load_weights`): 4-bit logits lose too much, int4 keeps them whole.
-    quantization = "none" if model.quantization == "int4" else model.quantization
-    head.lm_head = prepare_linear(
-        rows.index_select(0, head.draft_ids).contiguous(), model.prepack, quantization, model.kernels
-    )
+    head.lm_head = head.layer_model.logits_weight(rows.index_select(0, head.draft_ids).contiguous())
 
 
 def _lm_head_rows(model: CausalLM) -> torch.Tensor | None:
