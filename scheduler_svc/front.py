@@ -38,7 +38,7 @@ from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2
 from zerobubble.config import FrontConfig
 from zerobubble.request_options import MAX_N, InvalidRequest, from_generate_request
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
-from zerobubble.scheduler_svc.request import request_prompt_ids, tokenize_response
+from zerobubble.scheduler_svc.request import prediction_ids, request_prompt_ids, tokenize_response
 from zerobubble.scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
@@ -322,6 +322,12 @@ def tokenized(request: generate_pb2.GenerateRequest, link: EngineLink) -> tuple[
     relayed = generate_pb2.GenerateRequest()
     relayed.CopyFrom(request)
     relayed.token_ids.ids[:] = ids  # the input is a oneof: this clears the text or messages
+    if request.HasField("prediction") and request.prediction.WhichOneof("content") == "text":
+        try:
+            predicted = prediction_ids(request.prediction.text, tokenizer, info)
+        except InvalidRequest as exc:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from exc
+        relayed.prediction.token_ids.ids[:] = predicted  # clears the text
     return relayed, info.model
 
 

@@ -86,6 +86,16 @@ def request_prompt_ids(
     return ids
 
 
+def prediction_ids(text: str, tokenizer: Tokenizer, info: WorkerInfo) -> list[int]:
+    """A prediction's token ids: its text tokenized as output text is (no special tokens),
+    cut at the model length, past which no output token can follow it."""
+    require(
+        len(text) <= MAX_PROMPT_CHARS,
+        f"prediction: {len(text)} characters, limit is {MAX_PROMPT_CHARS}",
+    )
+    return tokenizer.encode(text)[: info.max_model_len]
+
+
 def tokenize_response(
     request: generate_pb2.TokenizeRequest, tokenizer: Tokenizer, info: WorkerInfo
 ) -> generate_pb2.TokenizeResponse:

@@ -33,7 +33,7 @@ from zerobubble.request_options import (
 )
 from zerobubble.scheduler_svc import front_gateway
 from zerobubble.scheduler_svc.front_pool import FrontPool
-from zerobubble.scheduler_svc.request import request_prompt_ids, tokenize_response
+from zerobubble.scheduler_svc.request import prediction_ids, request_prompt_ids, tokenize_response
 from zerobubble.scheduler_svc.router import Router
 from zerobubble.scheduler_svc.scheduler import QueueFullError, RequestEvent, SchedulerConfig
 from zerobubble.scheduler_svc.submission import (
@@ -210,6 +210,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         sampling, stopping = from_generate_request(request)
         try:
             prompt_ids = request_prompt_ids(request, tokenizer, info)
+            if sampling.prediction_text and not sampling.prediction_token_ids:
+                sampling.prediction_token_ids = prediction_ids(sampling.prediction_text, tokenizer, info)
+            del sampling.prediction_token_ids[info.max_model_len :]
             sampling.validate(info.vocab_size)
             if sampling.constraint is not None:
                 sampling.grammar = self.grammar_checker(info).compile(sampling.constraint)

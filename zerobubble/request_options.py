@@ -132,6 +132,11 @@ class SamplingOptions:
     # The constraint's llguidance grammar, compiled and checked by the scheduler at submission:
     # what the worker receives.
     grammar: str = ""
+    # A predicted output (OpenAI's `prediction`): its text as the client gave it, and its token
+    # ids (the client's, or the text's tokenized by the scheduler at submission): what the
+    # worker drafts from. Empty: none.
+    prediction_text: str = ""
+    prediction_token_ids: list[int] = field(default_factory=list)
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Every range; :class:`InvalidRequest` names the field as the client API spells it.
@@ -152,6 +157,11 @@ class SamplingOptions:
         require_in(self.top_logprobs, 0, MAX_TOP_LOGPROBS, "response.top_logprobs")
         require_in(self.n, 1, MAX_N, "sampling.n")
         self._validate_logit_bias(vocab_size)
+        require(
+            len(self.prediction_text) <= MAX_PROMPT_CHARS,
+            f"prediction: {len(self.prediction_text)} characters, limit is {MAX_PROMPT_CHARS}",
+        )
+        validate_token_ids(self.prediction_token_ids, "prediction", vocab_size)
 
     def _validate_logit_bias(self, vocab_size: int | None) -> None:
         bias = self.logit_bias
@@ -237,6 +247,12 @@ def from_generate_request(request: generate_pb2.GenerateRequest) -> tuple[Sampli
         n=s.n or 1,
         constraint=from_proto(request.constraint) if request.HasField("constraint") else None,
     )
+    if request.HasField("prediction"):
+        pred = request.prediction
+        if pred.WhichOneof("content") == "token_ids":
+            sampling.prediction_token_ids = list(pred.token_ids.ids)
+        else:
+            sampling.prediction_text = pred.text
     stopping = StoppingOptions(
         max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
         min_tokens=st.min_tokens,
@@ -275,6 +291,10 @@ def write_generate_request(
     st.ignore_eos = stopping.ignore_eos
     if sampling.constraint is not None:
         write_proto(sampling.constraint, request.constraint)
+    if sampling.prediction_text:
+        request.prediction.text = sampling.prediction_text
+    elif sampling.prediction_token_ids:
+        request.prediction.token_ids.ids.extend(sampling.prediction_token_ids)
 
 
 def to_worker_sampling(sampling: SamplingOptions, num_prompt_tokens: int) -> worker_pb2.SamplingParams:
@@ -294,9 +314,16 @@ def to_worker_sampling(sampling: SamplingOptions, num_prompt_tokens: int) -> wor
         top_logprobs=sampling.top_logprobs,
         num_prompt_tokens=num_prompt_tokens,
         grammar=sampling.grammar,
+        prediction_token_ids=sampling.prediction_token_ids,
     )
 
 
 def for_sequence(sampling: SamplingOptions, seed: int) -> SamplingOptions:
     """A copy of ``sampling`` for one of its ``n`` sequences, drawing with ``seed``."""
-    return dataclasses.replace(sampling, seed=seed, logit_bias=dict(sampling.logit_bias), n=1)
+    return dataclasses.replace(
+        sampling,
+        seed=seed,
+        logit_bias=dict(sampling.logit_bias),
+        n=1,
+        prediction_token_ids=list(sampling.prediction_token_ids),
+    )

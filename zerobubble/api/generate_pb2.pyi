@@ -96,7 +96,7 @@ class ResponseOptions(_message.Message):
     def __init__(self, logprobs: bool = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "stopping", "response", "model", "constraint")
+    __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "stopping", "response", "model", "constraint", "prediction")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     messages: ChatMessages
@@ -115,7 +116,16 @@ class GenerateRequest(_message.Message):
     response: ResponseOptions
     model: str
     constraint: Constraint
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., model: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+    prediction: Prediction
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ..., model: _Optional[str] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ..., prediction: _Optional[_Union[Prediction, _Mapping]] = ...) -> None: ...
+
+class Prediction(_message.Message):
+    __slots__ = ("text", "token_ids")
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    text: str
+    token_ids: TokenIds
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ...) -> None: ...
 
 class Constraint(_message.Message):
     __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar", "field_name")
@@ -140,7 +150,7 @@ class ChoiceList(_message.Message):
     def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "error", "top_logprobs", "index")
+    __slots__ = ("request_id", "text", "token_ids", "logprobs", "finish_reason", "num_prompt_tokens", "num_output_tokens", "num_cached_prompt_tokens", "error", "top_logprobs", "index", "num_accepted_prediction_tokens", "num_rejected_prediction_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -152,6 +162,8 @@ class GenerateResponse(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_REJECTED_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -163,7 +175,9 @@ class GenerateResponse(_message.Message):
     error: str
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
+    num_accepted_prediction_tokens: int
+    num_rejected_prediction_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_output_tokens: _Optional[int] = ..., num_cached_prompt_tokens: _Optional[int] = ..., error: _Optional[str] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., index: _Optional[int] = ..., num_accepted_prediction_tokens: _Optional[int] = ..., num_rejected_prediction_tokens: _Optional[int] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -216,7 +230,7 @@ class ModelInfoResponse(_message.Message):
     def __init__(self, model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., num_workers: _Optional[int] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., max_inflight_steps: _Optional[int] = ..., stats: _Optional[_Union[ServerStats, _Mapping]] = ...) -> None: ...
 
 class ServerStats(_message.Message):
-    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "worker_busy_s", "worker_idle_s", "num_generation_tokens", "num_preemptions", "grammar_s")
+    __slots__ = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "worker_busy_s", "worker_idle_s", "num_generation_tokens", "num_preemptions", "grammar_s", "num_prediction_draft_tokens", "num_prediction_accepted_tokens")
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +240,8 @@ class ServerStats(_message.Message):
     NUM_GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREDICTION_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREDICTION_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_steps: int
     num_drafts: int
     num_draft_tokens: int
@@ -235,4 +251,6 @@ class ServerStats(_message.Message):
     num_generation_tokens: int
     num_preemptions: int
     grammar_s: float
-    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., worker_idle_s: _Optional[float] = ..., num_generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., grammar_s: _Optional[float] = ...) -> None: ...
+    num_prediction_draft_tokens: int
+    num_prediction_accepted_tokens: int
+    def __init__(self, num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., worker_busy_s: _Optional[float] = ..., worker_idle_s: _Optional[float] = ..., num_generation_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., grammar_s: _Optional[float] = ..., num_prediction_draft_tokens: _Optional[int] = ..., num_prediction_accepted_tokens: _Optional[int] = ...) -> None: ...

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "top_logprobs", "num_prompt_tokens", "grammar")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "top_logprobs", "num_prompt_tokens", "grammar", "prediction_token_ids")
     class LogitBiasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -28,6 +28,7 @@ class SamplingParams(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -41,7 +42,8 @@ class SamplingParams(_message.Message):
     top_logprobs: int
     num_prompt_tokens: int
     grammar: str
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: bool = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., grammar: _Optional[str] = ...) -> None: ...
+    prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: bool = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledRequest(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_draft_slots", "new_block_ids", "is_new", "num_cached_tokens", "sample", "sampling")
@@ -88,13 +90,14 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., decodes: _Optional[_Union[DecodeColumns, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
-    __slots__ = ("req_id", "token_ids", "num_draft_tokens", "num_accepted", "logprobs", "top_logprobs", "error")
+    __slots__ = ("req_id", "token_ids", "num_draft_tokens", "num_accepted", "logprobs", "top_logprobs", "prediction_drafts", "error")
     REQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     req_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -102,8 +105,9 @@ class RequestResult(_message.Message):
     num_accepted: int
     logprobs: _containers.RepeatedScalarFieldContainer[float]
     top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
+    prediction_drafts: bool
     error: str
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., error: _Optional[str] = ...) -> None: ...
+    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prediction_drafts: bool = ..., error: _Optional[str] = ...) -> None: ...
 
 class TopLogprobs(_message.Message):
     __slots__ = ("token_ids", "logprobs")
@@ -114,16 +118,18 @@ class TopLogprobs(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class RowColumns(_message.Message):
-    __slots__ = ("req_ids", "num_tokens", "token_ids", "num_draft_tokens")
+    __slots__ = ("req_ids", "num_tokens", "token_ids", "num_draft_tokens", "prediction_drafts")
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTION_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    prediction_drafts: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., prediction_drafts: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "results", "rows", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining", "grammar_s")
@@ -154,7 +160,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "max_model_len", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "spec_method", "num_spec_tokens", "device", "dtype", "max_num_seqs", "num_lookahead_slots")
+    __slots__ = ("worker_id", "model", "max_model_len", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "spec_method", "num_spec_tokens", "device", "dtype", "max_num_seqs", "num_lookahead_slots", "num_prediction_tokens")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +178,7 @@ class WorkerInfo(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     max_model_len: int
@@ -189,4 +196,5 @@ class WorkerInfo(_message.Message):
     dtype: str
     max_num_seqs: int
     num_lookahead_slots: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ...) -> None: ...
+    num_prediction_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ..., num_prediction_tokens: _Optional[int] = ...) -> None: ...
