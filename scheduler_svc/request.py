@@ -109,6 +109,33 @@ def tokenize_response(
     return generate_pb2.TokenizeResponse(token_ids=ids, tokens=[tokenizer.id_to_token(i) or "" for i in ids])
 
 
+@dataclass(slots=True)
+class PredictionProgress:
+    """How a request's predicted output fares: its drafts verified and accepted so far (OpenAI's
+    ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``), and the draft slots its next
+    decode may carry.
+
+    The slots double while every prediction draft is accepted and fall back to one more than
+    were accepted otherwise: a prediction the output follows gets long drafts, one it left gets
+    short ones until the worker finds the output back in it (a wrong draft costs a slot the
+    step computes for nothing).
+    """
+
+    max_drafts: int
+    limit: int  # the worker's `num_prediction_tokens`
+    num_accepted: int = 0
+    num_rejected: int = 0
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One result row whose ``num_drafts`` verified drafts were the prediction's."""
+        self.num_accepted += num_accepted
+        self.num_rejected += num_drafts - num_accepted
+        if num_accepted >= num_drafts:
+            self.max_drafts = min(self.limit, 2 * self.max_drafts)
+        else:
+            self.max_drafts = max(1, num_accepted + 1)
+
+
 @dataclass(slots=True, eq=False)  # identity: `list.remove` on the running list compared every field
 class Request:
     """One generation request as the scheduler tracks it."""
@@ -146,6 +173,7 @@ class Request:
     error: str = ""
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    prediction: PredictionProgress | None = None  # with a predicted output the worker drafts from
     finish_time: float | None = None
 
     @property

@@ -250,15 +250,18 @@ class Router:
             s.num_drafts,
             s.num_draft_tokens,
             s.num_accepted_tokens,
+            s.num_prediction_draft_tokens,
+            s.num_prediction_accepted_tokens,
             tuple(s.accepted_per_pos),
         )
         # Keyed by link and checked by identity: a reconnect builds a new scheduler whose
         # counters start from zero (an id() could be reused and give negative increments).
-        seen_sched, last = self._exported.get(link.address, (None, (0, 0, 0, 0, 0, 0, 0, ())))
+        zero = (0, 0, 0, 0, 0, 0, 0, 0, 0, ())
+        seen_sched, last = self._exported.get(link.address, (None, zero))
         if seen_sched is not sched:
-            last = (0, 0, 0, 0, 0, 0, 0, ())
+            last = zero
         self._exported[link.address] = (sched, now)
-        per_pos = [n - (last[7][i] if i < len(last[7]) else 0) for i, n in enumerate(now[7])]
+        per_pos = [n - (last[9][i] if i < len(last[9]) else 0) for i, n in enumerate(now[9])]
         self.metrics.record_step(
             link.worker_id,
             float(result.forward_s),
@@ -267,6 +270,8 @@ class Router:
             num_draft_tokens=now[5] - last[5],
             num_accepted=now[6] - last[6],
             accepted_per_pos=per_pos,
+            num_prediction_draft_tokens=now[7] - last[7],
+            num_prediction_accepted=now[8] - last[8],
         )
         self.metrics.set_inflight(link.worker_id, link.inflight)
         self.metrics.add_rolled_back(now[0] - last[0])

@@ -33,7 +33,7 @@ from zerobubble.request_options import SamplingOptions, StoppingOptions, to_work
 from zerobubble.rows import RowResult, add_decode_columns, result_rows
 from zerobubble.scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
-from zerobubble.scheduler_svc.request import Request, RequestStatus
+from zerobubble.scheduler_svc.request import PredictionProgress, Request, RequestStatus
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -65,6 +65,8 @@ class RequestEvent:
     queue_s: float | None = None  # on the finishing event: arrival to first scheduling
     # One (token ids, logprobs) per token id, most likely first, when top_logprobs > 0.
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    # With a predicted output: its drafts accepted and rejected so far.
+    prediction: tuple[int, int] | None = None
 
 
 @dataclass(slots=True)
@@ -83,6 +85,9 @@ class SchedulerStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # Drafts from requests' predicted outputs (apart from the proposer's above), and accepted.
+    num_prediction_draft_tokens: int = 0
+    num_prediction_accepted_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -215,6 +220,7 @@ class Scheduler:
             # Every request is keyed, so its randomness never depends on batching.
             sampling.seed = self._rng.getrandbits(64)
         room = self._max_len - len(prompt)
+        limit = self.config.num_prediction_tokens
         return Request(
             req_id=req_id,
             prompt_token_ids=prompt,
@@ -224,6 +230,7 @@ class Scheduler:
             eos_token_ids=self._eos_token_ids,
             detokenizer=Detokenizer(self._tokenizer, prompt, stopping.stop) if detokenize else None,
             arrival_time=self._clock(),
+            prediction=PredictionProgress(limit, limit) if limit and sampling.prediction_token_ids else None,
         )
 
     def _can_share_prompt(self, leader: Request, req: Request) -> bool:
@@ -464,6 +471,10 @@ class Scheduler:
             token_ids = req.token_ids_between(start, start + num_tokens)
             self._add_prefill(req, token_ids, plan, records, is_new=False, num_cached_tokens=0)
             return num_tokens
+        if req.prediction is not None:
+            # Its own budget, even where drafting is off for the batch: drafts the output keeps
+            # accepting pay for their slots at any batch size.
+            max_drafts = max(max_drafts, req.prediction.max_drafts)
         # Tokens confirmed or in flight; slots beyond the limit could never be verified.
         num_draft_slots = min(
             max_drafts,
@@ -678,7 +689,10 @@ class Scheduler:
             assert res is not None  # num_returned >= 1 above
             # Counted here, after the stale filter: figures for preempted, aborted or already
             # finished requests would describe drafts nobody used.
-            self._count_speculation(res)
+            if res.prediction_drafts:
+                self._count_prediction(req, res)
+            else:
+                self._count_speculation(res)
             try:
                 events.append(self._reconcile(req, rec, res))
             except Exception as exc:
@@ -713,6 +727,15 @@ class Scheduler:
             per_pos.extend([0] * (num_accepted - len(per_pos)))
         for pos in range(num_accepted):
             per_pos[pos] += 1
+
+    def _count_prediction(self, req: Request, res: RowResult) -> None:
+        """Account one applied result whose drafts were the request's prediction's."""
+        if req.prediction is None or res.num_draft_tokens <= 0:
+            return
+        num_accepted = min(max(res.num_accepted, 0), res.num_draft_tokens)
+        req.prediction.record(res.num_draft_tokens, num_accepted)
+        self.stats.num_prediction_draft_tokens += res.num_draft_tokens
+        self.stats.num_prediction_accepted_tokens += num_accepted
 
     def _reconcile(self, req: Request, rec: _Scheduled, res: RowResult) -> RequestEvent:
         """Replace placeholders with real tokens, roll back rejected slots, check stops."""
@@ -837,4 +860,5 @@ class Scheduler:
             num_cached_tokens=req.num_cached_prompt_tokens,
             error=req.error,
             queue_s=queue_s,
+            prediction=(req.prediction.num_accepted, req.prediction.num_rejected) if req.prediction else None,
         )

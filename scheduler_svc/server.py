@@ -384,6 +384,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             num_cached_prompt_tokens=ev.num_cached_tokens,
             index=stream.index,
         )
+        if ev.prediction is not None:
+            reply.num_accepted_prediction_tokens, reply.num_rejected_prediction_tokens = ev.prediction
         for ids, lps in ev.top_logprobs:
             reply.top_logprobs.add(token_ids=ids, logprobs=lps)
         if ev.finish_reason is not None:
@@ -449,6 +451,8 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 stats.num_drafts += s.num_drafts
                 stats.num_draft_tokens += s.num_draft_tokens
                 stats.num_accepted_tokens += s.num_accepted_tokens
+                stats.num_prediction_draft_tokens += s.num_prediction_draft_tokens
+                stats.num_prediction_accepted_tokens += s.num_prediction_accepted_tokens
                 stats.num_preemptions += s.num_preemptions
                 stats.num_generation_tokens += s.num_generation_tokens
         return generate_pb2.ModelInfoResponse(

@@ -18,6 +18,7 @@ from zerobubble.rows import PlanRow
 from zerobubble.worker_svc import staging
 from zerobubble.worker_svc.grammar import GrammarCompiler, GrammarInputs
 from zerobubble.worker_svc.proposers import Proposer
+from zerobubble.worker_svc.proposers.prediction import PredictionDrafts
 from zerobubble.worker_svc.sampler import LogitBias, Penalties, SamplingTensors, context_token_counts, has_penalty
 from zerobubble.worker_svc.slot_table import BlockTableWrites, DecodeRows, DeviceState, SlotInfo, SlotTable
 
@@ -32,29 +33,33 @@ class SampledRows:
     """The rows of a step that sample (or verify) tokens, and where their logits come from.
 
     Logits are computed only for real slots: every fed slot of a decode row, the last token of a
-    sampling prefill chunk. A trimmed decode row has fewer than K+1 slots, so per-slot values are
-    spread back to ``[num_rows, K+1]`` by ``pad`` (which repeats a row's last slot).
+    sampling prefill chunk. Per-slot values are spread to ``[num_rows, width]``, ``width`` the
+    step's widest row (1 + its draft slots), by ``pad``, which repeats a narrower row's last slot.
     """
 
     rows: list[int]  # indices into the step's rows
     rows_t: torch.Tensor  # [S] int64, the same on the device
     slots: torch.Tensor  # [S] int32 state slots
     gather: torch.Tensor  # [G] int64 flat token index of every real slot
-    pad: torch.Tensor | None  # [S*(K+1)] int64 index into the G slots; None: G == S*(K+1)
+    pad: torch.Tensor | None  # [S*width] int64 index into the G slots; None: G == S*width
     num_cols: torch.Tensor  # [S] int32 real slots per row
     row_start: torch.Tensor  # [S] int64 flat index of each row's first slot
     positions: torch.Tensor  # [G] int64 absolute position of each sampled token
     sampling: SamplingTensors  # one row per real slot
-    logprob_index: torch.Tensor | None  # [G] int64: ``[S, K+1]`` tokens -> real slots (padded, logprobs wanted)
+    logprob_index: torch.Tensor | None  # [G] int64: ``[S, width]`` tokens -> real slots (padded, logprobs wanted)
     want_logprobs: bool
     num_top: list[int] = field(default_factory=list)  # top-N logprobs per row; empty: none wants any
     # Host copies: real slots per row and where each row starts among the gathered slots.
     num_cols_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
     base_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    # The widest sampled row's slots (1 + draft slots): per-row outputs are [S, width]. Sized by
+    # the step, not by K, so a worker that could verify long prediction drafts pays for them
+    # only in steps that carry them.
+    width: int = 1
 
-    def spread(self, t: torch.Tensor, width: int) -> torch.Tensor:
+    def spread(self, t: torch.Tensor) -> torch.Tensor:
         """Per-slot values ``[G, ...]`` -> ``[S, width, ...]``."""
-        return (t[self.pad] if self.pad is not None else t).view(len(self.rows), width, *t.shape[1:])
+        return (t[self.pad] if self.pad is not None else t).view(len(self.rows), self.width, *t.shape[1:])
 
 
 @dataclass(slots=True)
@@ -123,20 +128,21 @@ class BatchBuilder:
         state: DeviceState,
         device: torch.device,
         block_size: int,
-        num_spec_tokens: int,
         proposer: Proposer | None,
         trim_empty_drafts: bool,
         grammars: GrammarCompiler | None = None,
+        predictions: PredictionDrafts | None = None,
     ) -> None:
         """``grammars``: builds the matchers of constrained requests (None: the worker has no
-        tokenizer to constrain with, a simulated device)."""
+        tokenizer to constrain with, a simulated device); ``predictions``: where new rows'
+        predicted outputs go (None: the runner drafts from none)."""
         self.table = table
         self.grammars = grammars
         self.state = state
         self.device = device
         self.block_size = block_size
-        self.num_spec_tokens = num_spec_tokens
         self.proposer = proposer
+        self.predictions = predictions
         # Draft slots without a real draft can only be rejected; on the CPU the draft counts are
         # already host memory, so those are trimmed. (On an accelerator reading them would stall
         # the host behind the device, so the plan's shape is kept.)
@@ -232,6 +238,11 @@ class BatchBuilder:
                 info = table.admit(entry)
                 if self.proposer is not None:
                     self.proposer.admit(info.slot, entry.num_cached_tokens)
+                if self.predictions is not None:
+                    predicted = entry.sampling.prediction_token_ids if entry.sampling is not None else ()
+                    num_prompt = entry.sampling.num_prompt_tokens if entry.sampling is not None else 0
+                    self.predictions.admit(info.slot, predicted, num_prompt)
+                    info.predicted = len(predicted) > 0
                 if self.grammars is not None and entry.sampling is not None and entry.sampling.grammar:
                     table.constrain(info, self.grammars.start(entry.sampling, entry.num_cached_tokens))
             else:
@@ -288,12 +299,12 @@ class BatchBuilder:
         if not sampled_rows:
             return None
         dev = self.device
-        width = self.num_spec_tokens + 1
         sel = np.asarray(sampled_rows, np.int64)
         is_decode = np.asarray(host.is_decode, np.bool_)
         qsl_host = np.asarray(host.query_start_loc(), np.int64)
         # Real slots per sampled row: every fed slot of a decode, the last token of a prefill.
         n = np.where(is_decode[sel], np.asarray(host.num_scheduled, np.int64)[sel], 1)
+        width = int(n.max())
         firsts = qsl_host[sel + 1] - n  # flat index of each row's first logit
         base = np.cumsum(n) - n  # where each row starts among the gathered slots
         total = int(n.sum())
@@ -327,6 +338,7 @@ class BatchBuilder:
             num_top=row_top.tolist() if row_top.max() > 0 else [],
             num_cols_host=n,
             base_host=base,
+            width=width,
         )
 
     def sampling_tensors(self, slots: np.ndarray, valid_cols: np.ndarray, sample_pos: torch.Tensor) -> SamplingTensors:

@@ -16,7 +16,15 @@ from zerobubble.rows import add_row_columns
 from zerobubble.worker_svc import staging
 
 # The output tensors of a `PendingResult` that are copied to the host.
-_OUTPUT_FIELDS = ("out_tokens", "num_accepted", "num_drafts", "logprobs", "top_ids", "top_logprobs")
+_OUTPUT_FIELDS = (
+    "out_tokens",
+    "num_accepted",
+    "num_drafts",
+    "logprobs",
+    "top_ids",
+    "top_logprobs",
+    "prediction_drafts",
+)
 
 
 class CopyDone(Protocol):
@@ -35,6 +43,7 @@ class HostOutputs:
     logprobs: list[list[float]]
     top_ids: list[list[list[int]]]
     top_logprobs: list[list[list[float]]]
+    prediction_drafts: list[bool]  # empty: no row had a prediction
 
 
 @dataclass(slots=True)
@@ -45,6 +54,7 @@ class RowColumns:
     num_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     num_drafts: list[int] = field(default_factory=list)
+    prediction_drafts: list[bool] = field(default_factory=list)
 
 
 def _as_list(t: torch.Tensor | None) -> list:
@@ -78,6 +88,8 @@ class PendingResult:
     # step's begin and end on the compute stream).
     device_span: tuple[Any, Any, Any] | None = None
     grammar_s: float = 0.0  # host time the step spent filling grammar masks
+    # [num_sampled] bool: the row's verified drafts came from its prediction; None: no row has one.
+    prediction_drafts: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, step_id: int, forward_s: float = 0.0, errors: dict[str, str] | None = None) -> PendingResult:
@@ -104,13 +116,16 @@ class PendingResult:
             _as_list(self.logprobs),
             _as_list(self.top_ids),
             _as_list(self.top_logprobs),
+            _as_list(self.prediction_drafts),
         )
         accepted_per_pos = [0] * num_spec_tokens
         for num_acc in out.accepted:
             for pos in range(num_acc):
                 accepted_per_pos[pos] += 1
         cols = self._add_rows(result, out)
-        add_row_columns(result, cols.req_ids, cols.num_tokens, cols.tokens, cols.num_drafts)
+        add_row_columns(
+            result, cols.req_ids, cols.num_tokens, cols.tokens, cols.num_drafts, cols.prediction_drafts or None
+        )
         for req_id, error in self.errors.items():
             result.results.add(req_id=req_id, error=error)
         result.accepted_per_pos.extend(accepted_per_pos)
@@ -136,12 +151,16 @@ class PendingResult:
         (most rows, most steps) are returned as columns, the others get a message each."""
         cols = RowColumns()
         by_row: dict[int, int] = {row: i for i, row in enumerate(self.sampled_rows)}
+        # Rows flag prediction drafts only in steps where some row had a prediction.
+        flags = out.prediction_drafts
         for row, req_id in enumerate(self.req_ids):
             i = by_row.get(row)
             if i is None:
                 cols.req_ids.append(req_id)
                 cols.num_tokens.append(0)
                 cols.num_drafts.append(0)
+                if flags:
+                    cols.prediction_drafts.append(False)
                 continue
             num_emitted = out.accepted[i] + 1
             wants_top = bool(out.top_ids) and self.num_top[i] > 0
@@ -150,12 +169,15 @@ class PendingResult:
                 cols.num_tokens.append(num_emitted)
                 cols.tokens.extend(out.tokens[i][:num_emitted])
                 cols.num_drafts.append(out.drafted[i])
+                if flags:
+                    cols.prediction_drafts.append(flags[i])
                 continue
             entry = result.results.add(
                 req_id=req_id,
                 token_ids=out.tokens[i][:num_emitted],
                 num_draft_tokens=out.drafted[i],
                 num_accepted=out.accepted[i],
+                prediction_drafts=bool(flags) and flags[i],
             )
             if self.want_logprobs[row]:
                 entry.logprobs.extend(out.logprobs[i][:num_emitted])

@@ -39,6 +39,7 @@ from zerobubble.worker_svc.grammar import GrammarCompiler, copy_inputs, fill_mas
 from zerobubble.worker_svc.model import StepInterrupted, allocate_kv_cache
 from zerobubble.worker_svc.model_loader import LoadedModel
 from zerobubble.worker_svc.proposers import Proposer
+from zerobubble.worker_svc.proposers.prediction import PredictionDrafts
 from zerobubble.worker_svc.result_copy import PendingResult, ResultCopier
 from zerobubble.worker_svc.sampler import SamplingTensors
 from zerobubble.worker_svc.slot_table import DecodeRows, DeviceState, RunnableRows, SlotInfo, SlotLimits, SlotTable
@@ -56,10 +57,18 @@ class RunnerConfig:
     block_size: int = default_of(WorkerConfig, "block_size")
     max_num_seqs: int = default_of(WorkerConfig, "max_num_seqs")
     max_model_len: int = 2048
-    num_spec_tokens: int = 0  # K: the most draft slots any decode may carry
+    num_spec_tokens: int = 0  # the proposer's draft tokens per decode (0: no proposer)
+    # The most draft slots a decode of a request with a predicted output may carry (0: the
+    # runner makes no drafts from predictions).
+    num_prediction_tokens: int = 0
     # Replay decode-only steps through CUDA graphs (worker_svc/cuda_graphs.py); emulated with
     # the same padded buffers off CUDA (tests).
     cuda_graphs: bool = False
+
+    @property
+    def max_draft_slots(self) -> int:
+        """K: the most draft slots any decode may carry."""
+        return max(self.num_spec_tokens, self.num_prediction_tokens)
 
 
 class SimulatedStep(Protocol):
@@ -89,7 +98,8 @@ def worker_info(runner: ModelRunner, **fields) -> worker_pb2.WorkerInfo:
         vocab_size=runner.loaded.hf_config.vocab_size,
         eos_token_ids=runner.loaded.eos_token_ids,
         spec_method=proposer.method if proposer is not None else "none",
-        num_spec_tokens=runner.num_spec_tokens,
+        num_spec_tokens=runner.num_proposed,
+        num_prediction_tokens=runner.predictions.max_drafts if runner.predictions is not None else 0,
         # A draft model writes its chain past the step: the scheduler allocates those slots too.
         num_lookahead_slots=proposer.num_lookahead_slots if proposer is not None else 0,
         max_num_seqs=cfg.max_num_seqs,
@@ -100,7 +110,7 @@ def worker_info(runner: ModelRunner, **fields) -> worker_pb2.WorkerInfo:
 def max_blocks_per_seq(config: RunnerConfig) -> int:
     """Block-table columns per request: room for the lookahead slots a step may feed past
     max_model_len's last block."""
-    return -(-(config.max_model_len + config.num_spec_tokens + 1) // config.block_size) + 1
+    return -(-(config.max_model_len + config.max_draft_slots + 1) // config.block_size) + 1
 
 
 class ModelRunner:
@@ -129,11 +139,19 @@ class ModelRunner:
         self.simulator = simulator
         self.proposer = proposer
         self.faults = faults
-        self.num_spec_tokens = config.num_spec_tokens if proposer is not None else 0
+        # The proposer's drafts per decode, and K, the most draft slots any decode carries
+        # (wider for a request with a predicted output).
+        self.num_proposed = config.num_spec_tokens if proposer is not None else 0
+        # A simulated device's token function knows nothing of predictions.
+        num_predicted = config.num_prediction_tokens if simulator is None else 0
+        self.num_spec_tokens = max(self.num_proposed, num_predicted)
         self.device, self.kv_caches = self._allocate_kv_cache()
         max_blocks = max_blocks_per_seq(config)
         self.state = DeviceState.allocate(
             config.max_num_seqs, max_blocks, self.num_spec_tokens, config.num_blocks, config.block_size, self.device
+        )
+        self.predictions = (
+            PredictionDrafts(config.max_num_seqs, num_predicted, self.device) if num_predicted > 0 else None
         )
         limits = SlotLimits(
             num_blocks=config.num_blocks,
@@ -152,7 +170,7 @@ class ModelRunner:
             else None
         )
         self.builder = BatchBuilder(
-            self.table, self.state, self.device, config.block_size, self.num_spec_tokens, proposer, trim, self.grammars
+            self.table, self.state, self.device, config.block_size, proposer, trim, self.grammars, self.predictions
         )
         self.notices = FinishNotices()
         if self.model is not None:
@@ -170,7 +188,7 @@ class ModelRunner:
             return torch.device("cpu"), []
         config, loaded = self.config, self.loaded
         assert loaded.model is not None, "a runner without a simulator needs the model"
-        widths = draft_widths(self.num_spec_tokens)
+        widths = draft_widths(self.num_proposed)
         num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
         device = loaded.model.device
         caches = allocate_kv_cache(
@@ -187,7 +205,8 @@ class ModelRunner:
             self._forward_hidden,
             self.device,
             batch_buckets(config.max_num_seqs),
-            draft_widths(self.num_spec_tokens),
+            # Wider rows (drafts from a prediction) run eagerly.
+            draft_widths(self.num_proposed),
             config.block_size,
             config.num_blocks,
             max_blocks,
@@ -366,7 +385,8 @@ class ModelRunner:
                 batch.grammar, s.num_cols_host, s.base_host, vocab_size, self._history(batch), self.device
             )
             grammar_s = time.perf_counter() - begin
-        out = sample_and_verify(batch, logits, self.state, self.proposer, self.num_spec_tokens, masks)
+        drafted = self._prediction_drafted(batch)
+        out = sample_and_verify(batch, logits, self.state, self.proposer, self.num_proposed, masks, drafted)
         pending = self.advance(batch, out)
         pending.grammar_s = grammar_s
         if masks is not None and masks.errors:
@@ -391,7 +411,15 @@ class ModelRunner:
 
     def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts fed to the sampled rows and how many are real (`verification.fed_drafts`)."""
-        return fed_drafts(batch, self.state, self.num_spec_tokens)
+        return fed_drafts(batch, self.state)
+
+    def _prediction_drafted(self, batch: StepBatch) -> torch.Tensor | None:
+        """``[S]`` bool: which sampled rows were fed drafts from their prediction; None when no
+        sampled row has a prediction (most steps: nothing is computed then)."""
+        s = batch.sampled
+        if self.predictions is None or s is None or not any(batch.rows[i].predicted for i in s.rows):
+            return None
+        return self.predictions.drafted(s.slots)
 
     def advance(self, batch: StepBatch, out: StepOutputs | None) -> PendingResult:
         """Sequence-length correction on the device (the true accepted counts, not the plan's)
@@ -427,6 +455,7 @@ class ModelRunner:
         pending.sampled_rows = s.rows
         pending.out_tokens, pending.num_accepted, pending.num_drafts = out.tokens, out.num_accepted, out.num_verified
         pending.logprobs = out.logprobs
+        pending.prediction_drafts = out.prediction_drafts
         if out.top_ids is not None:
             pending.top_ids, pending.top_logprobs = out.top_ids, out.top_logprobs
             pending.num_top = s.num_top
@@ -441,9 +470,16 @@ class ModelRunner:
         # proposer keeps (an EAGLE head's hidden state) is already that of the last accepted
         # position; skipping the chain leaves these rows' draft counts at the zero
         # `update_state` wrote, and the next step verifies no drafts for them.
-        if self.proposer is not None and batch.drafts_planned:
+        if (self.proposer is not None and batch.drafts_planned) or self._predicted_rows(batch):
             self._next_drafts = (s.slots, batch)
         return pending
+
+    def _predicted_rows(self, batch: StepBatch) -> list[int]:
+        """Positions among the sampled rows of the rows with a predicted output."""
+        s = batch.sampled
+        if self.predictions is None or s is None:
+            return []
+        return [j for j, i in enumerate(s.rows) if batch.rows[i].predicted]
 
     @torch.inference_mode()
     def propose_next(self) -> None:
@@ -457,14 +493,20 @@ class ModelRunner:
             return
         slots, batch = self._next_drafts
         self._next_drafts = None
-        assert self.proposer is not None
         # Drafts for requests a later plan has finished are never used: a draft model's chain
         # stops between layers then (its forward asks `FinishNotices.moot`, as the target's does). With the
         # result already out, the finish notice for a request's last step arrives while its
         # chain runs, and the next request's prefill no longer waits for that chain.
         self.notices.current = (batch.step_id, batch.req_ids)
         try:
-            self.proposer.propose(slots, batch)
+            if self.proposer is not None and batch.drafts_planned:
+                self.proposer.propose(slots, batch)
+            predicted = self._predicted_rows(batch)
+            if predicted and self.predictions is not None:
+                # After the proposer: where the prediction is aligned, its drafts win.
+                if len(predicted) < len(slots):
+                    slots = slots[to_device(predicted, torch.long, self.device)]
+                self.predictions.propose(slots, self.state, self.config.block_size)
         except StepInterrupted:
             self.notices.num_cut_drafts += 1
             logger.debug("drafts after step %d cut short: a later plan finished all its rows", batch.step_id)

@@ -161,7 +161,7 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
         faults=faults,
     )
     logger.info(
-        "worker ready: model=%s device=%s dtype=%s quantization=%s blocks=%d x %d spec=%s k=%d",
+        "worker ready: model=%s device=%s dtype=%s quantization=%s blocks=%d x %d spec=%s k=%d prediction k=%d",
         loaded.name,
         device,
         dtype,
@@ -169,7 +169,8 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
         num_blocks,
         cfg.block_size,
         cfg.spec_method,
-        runner.num_spec_tokens,
+        runner.num_proposed,
+        cfg.num_prediction_tokens,
     )
     return runner, loaded
 
@@ -206,6 +207,7 @@ def runner_config(
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=max_model_len,
         num_spec_tokens=num_spec_tokens,
+        num_prediction_tokens=cfg.num_prediction_tokens,
         cuda_graphs=cuda_graphs,
     )
 

@@ -101,10 +101,9 @@ class SimulatedDevice:
         s = batch.sampled
         out = None
         if s is not None:
-            width = runner.num_spec_tokens + 1
             draft_tokens, num_verified = runner.fed_drafts(batch)
-            tokens = s.spread(self.next_tokens(runner, batch), width)
-            if runner.num_spec_tokens:
+            tokens = s.spread(self.next_tokens(runner, batch))
+            if s.width > 1:
                 num_accepted = count_accepted(tokens, draft_tokens, num_verified)
             else:
                 num_accepted = torch.zeros(len(s.rows), dtype=torch.int32)

@@ -65,6 +65,7 @@ class SlotInfo:
     sampling: worker_pb2.SamplingParams
     has_sample: bool = False  # a token has been sampled: decode steps are allowed
     grammar: RequestGrammar | None = None  # structured output (`zerobubble.worker_svc.grammar`)
+    predicted: bool = False  # the request has a predicted output (`proposers/prediction.py`)
 
 
 @dataclass(slots=True)

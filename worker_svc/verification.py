@@ -23,16 +23,17 @@ from zerobubble.worker_svc.slot_table import DeviceState
 class StepOutputs:
     """What sampling and verification produced for the sampled rows (still on the device)."""
 
-    tokens: torch.Tensor  # [S, K+1] sampled tokens; the first num_accepted+1 are emitted
+    tokens: torch.Tensor  # [S, width] sampled tokens; the first num_accepted+1 are emitted
     num_accepted: torch.Tensor  # [S] accepted drafts
     num_verified: torch.Tensor  # [S] drafts actually verified (real drafts fed)
-    logprobs: torch.Tensor | None  # [S, K+1]
-    top_ids: torch.Tensor | None = None  # [S, K+1, N] when a row wants top-N logprobs
-    top_logprobs: torch.Tensor | None = None  # [S, K+1, N]
+    logprobs: torch.Tensor | None  # [S, width]
+    top_ids: torch.Tensor | None = None  # [S, width, N] when a row wants top-N logprobs
+    top_logprobs: torch.Tensor | None = None  # [S, width, N]
+    prediction_drafts: torch.Tensor | None = None  # [S] bool: the row's drafts were its prediction's
 
 
-def fed_drafts(batch: StepBatch, state: DeviceState, num_spec_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The drafts fed to the sampled rows (``[S, K]``) and how many of them are real (``[S]``).
+def fed_drafts(batch: StepBatch, state: DeviceState) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafts fed to the sampled rows (``[S, width - 1]``) and how many of them are real (``[S]``).
 
     Drafts are the inputs after the first slot of each decode row; only the ones the
     proposer really produced count (the rest were filler and must be rejected).
@@ -40,9 +41,9 @@ def fed_drafts(batch: StepBatch, state: DeviceState, num_spec_tokens: int) -> tu
     s = batch.sampled
     assert s is not None
     num_verified = torch.minimum(state.num_drafts[s.slots.long()], s.num_cols - 1)
-    if not num_spec_tokens:
+    if s.width == 1:
         return batch.input_ids.new_zeros((len(s.rows), 0)), num_verified
-    col = torch.arange(num_spec_tokens, device=batch.input_ids.device)
+    col = torch.arange(s.width - 1, device=batch.input_ids.device)
     draft_idx = (s.row_start[:, None] + 1 + col[None, :]).clamp(max=batch.num_tokens - 1)
     return batch.input_ids[draft_idx], num_verified
 
@@ -52,37 +53,41 @@ def sample_and_verify(
     logits: torch.Tensor,
     state: DeviceState,
     proposer: Proposer | None,
-    num_spec_tokens: int,
+    num_proposed: int,
     masks: StepMasks | None = None,
+    prediction_drafts: torch.Tensor | None = None,
 ) -> StepOutputs:
     """Sample every real slot of the sampled rows, verify their drafts, and compute the
     logprobs asked for (``logits``: ``[G, vocab]``, one row per real slot). ``masks``: the
     grammar's allowed tokens for the constrained rows, and their drafts cut where it forbids
-    one; log-probabilities stay those of the model."""
+    one; log-probabilities stay those of the model. ``num_proposed``: the proposer's drafts per
+    row; ``prediction_drafts``: ``[S]`` bool, rows fed their prediction's drafts instead."""
     s = batch.sampled
     assert s is not None
-    width = num_spec_tokens + 1
-    draft_tokens, num_verified = fed_drafts(batch, state, num_spec_tokens)
+    width = s.width
+    draft_tokens, num_verified = fed_drafts(batch, state)
     raw_logits = logits
     if masks is not None:
         # Log-probs are the model's: mask a copy when a row reports them.
         logits, num_verified = masks.apply(logits, num_verified, in_place=not (s.want_logprobs or s.num_top))
     if proposer is not None and proposer.has_draft_probs:
-        probs = s.spread(target_probs(logits, s.sampling), width)
-        q = proposer.draft_probs(s.slots, num_spec_tokens)
+        probs = s.spread(target_probs(logits, s.sampling))
+        q = proposer.draft_probs(s.slots, min(num_proposed, width - 1))
+        if prediction_drafts is not None or q.shape[1] < width - 1:
+            q = _with_point_drafts(q, draft_tokens, prediction_drafts)
         out_tokens, num_accepted = rejection_sample(
             probs,
             q,
             draft_tokens,
             num_verified,
-            s.spread(s.sampling.seeds, width)[:, 0],
-            s.spread(s.positions, width)[:, 0],
+            s.spread(s.sampling.seeds)[:, 0],
+            s.spread(s.positions)[:, 0],
         )
     else:
-        out_tokens = s.spread(sample(logits, s.sampling), width)
+        out_tokens = s.spread(sample(logits, s.sampling))
         num_accepted = (
             count_accepted(out_tokens, draft_tokens, num_verified)
-            if num_spec_tokens
+            if width > 1
             else torch.zeros(len(s.rows), dtype=torch.int32, device=batch.input_ids.device)
         )
     lp = None
@@ -92,10 +97,24 @@ def sample_and_verify(
         tokens = out_tokens.reshape(-1)
         if s.logprob_index is not None:
             tokens = tokens[s.logprob_index]
-        lp = s.spread(token_logprobs(raw_logits, tokens.long().clamp(min=0)), width)
-    out = StepOutputs(out_tokens, num_accepted, num_verified, lp)
+        lp = s.spread(token_logprobs(raw_logits, tokens.long().clamp(min=0)))
+    out = StepOutputs(out_tokens, num_accepted, num_verified, lp, prediction_drafts=prediction_drafts)
     if s.num_top:
         # Column c holds the distribution the token at column c was drawn from.
         top_ids, top_lps = top_logprobs(raw_logits, max(s.num_top))
-        out.top_ids, out.top_logprobs = s.spread(top_ids, width), s.spread(top_lps, width)
+        out.top_ids, out.top_logprobs = s.spread(top_ids), s.spread(top_lps)
     return out
+
+
+def _with_point_drafts(
+    q: torch.Tensor, draft_tokens: torch.Tensor, prediction_drafts: torch.Tensor | None
+) -> torch.Tensor:
+    """Draft distributions ``[S, width - 1, vocab]`` for rejection sampling where some drafts
+    are not the proposer's: a prediction's draft (and any column past the proposer's) is a
+    certain token, a point mass, which rejection sampling accepts with the target's
+    probability of it and otherwise resamples from the rest of the target's distribution."""
+    point = torch.nn.functional.one_hot(draft_tokens.long().clamp(min=0), q.shape[-1]).to(q.dtype)
+    k = q.shape[1]
+    if prediction_drafts is not None:
+        q = torch.where(prediction_drafts[:, None, None], point[:, :k], q)
+    return torch.cat([q, point[:, k:]], dim=1)

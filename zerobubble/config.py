@@ -244,6 +244,11 @@ class WorkerConfig(ServiceConfig):
         choices=("none", "ngram", "draft", "eagle"),
     )
     num_spec_tokens: int = setting(3, "draft tokens per decode step")
+    num_prediction_tokens: int = setting(
+        16,
+        "most draft tokens per decode step taken from a request's predicted output (OpenAI's "
+        "`prediction`), with any --spec-method; 0 ignores predictions",
+    )
     ngram_min: int = setting(2, "shortest n-gram the proposer matches")
     ngram_max: int = setting(4, "longest n-gram the proposer matches")
     draft_model: str = setting(
@@ -339,6 +344,7 @@ class WorkerConfig(ServiceConfig):
         _require(0 < self.gpu_memory_utilization <= 1, "--gpu-memory-utilization must be in (0, 1]")
         _require(self.max_model_len >= 0, "--max-model-len must be >= 0 (0 = from the model)")
         _require(self.num_spec_tokens >= 0, "--num-spec-tokens must be >= 0")
+        _require(0 <= self.num_prediction_tokens <= 64, "--num-prediction-tokens must be in [0, 64]")
         _require(self.num_threads >= 0, "--num-threads must be >= 0")
         if self.cpu_cores:
             cores_within(self.cpu_cores, "--cpu-cores", self.cpu_affinity)
@@ -570,6 +576,8 @@ class SchedulerConfig:
     max_num_seqs: int = default_of(SchedulerServiceConfig, "max_num_seqs")
     max_num_batched_tokens: int = default_of(SchedulerServiceConfig, "max_num_batched_tokens")
     num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
+    # Draft slots a decode of a request with a predicted output may carry; 0 = predictions unused.
+    num_prediction_tokens: int = 0
     # Running requests from which decodes are planned without drafts; 0 = never.
     spec_disable_batch_size: int = default_of(SchedulerServiceConfig, "spec_disable_batch_size")
     # Extra slots allocated past each step (a draft model writes its k-token chain there).
@@ -602,6 +610,7 @@ class SchedulerConfig:
             max_model_len=info.max_model_len,
             max_num_seqs=max_num_seqs,
             num_spec_tokens=info.num_spec_tokens,
+            num_prediction_tokens=info.num_prediction_tokens,
             num_lookahead_slots=info.num_lookahead_slots,
             eos_token_ids=tuple(info.eos_token_ids),
             vocab_size=info.vocab_size,

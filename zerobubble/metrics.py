@@ -226,6 +226,18 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "Draft tokens accepted, by position in the draft (0 = first draft token).",
     ),
     MetricSpec(
+        "zerobubble_spec_decode_prediction_draft_tokens_total",
+        "counter",
+        WORKER_LABELS,
+        "Draft tokens taken from requests' predicted outputs and verified (not in the proposer's counts).",
+    ),
+    MetricSpec(
+        "zerobubble_spec_decode_prediction_accepted_tokens_total",
+        "counter",
+        WORKER_LABELS,
+        "Draft tokens taken from requests' predicted outputs and accepted.",
+    ),
+    MetricSpec(
         "zerobubble_worker_step_duration_seconds",
         "histogram",
         WORKER_LABELS,
@@ -378,6 +390,8 @@ class ServiceMetrics:
         "spec_num_draft_tokens",
         "spec_num_accepted_tokens",
         "spec_accepted_per_pos",
+        "spec_prediction_draft_tokens",
+        "spec_prediction_accepted_tokens",
         "worker_step_duration",
         "worker_idle",
         "grammar_time",
@@ -434,6 +448,8 @@ class ServiceMetrics:
         self.spec_num_draft_tokens = counter("zerobubble_spec_decode_num_draft_tokens_total")
         self.spec_num_accepted_tokens = counter("zerobubble_spec_decode_num_accepted_tokens_total")
         self.spec_accepted_per_pos = counter("zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
+        self.spec_prediction_draft_tokens = counter("zerobubble_spec_decode_prediction_draft_tokens_total")
+        self.spec_prediction_accepted_tokens = counter("zerobubble_spec_decode_prediction_accepted_tokens_total")
         self.worker_step_duration = histogram("zerobubble_worker_step_duration_seconds")
         self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
         self.grammar_time = counter("zerobubble_grammar_seconds_total")
@@ -474,6 +490,8 @@ class ServiceMetrics:
             self.spec_num_drafts,
             self.spec_num_draft_tokens,
             self.spec_num_accepted_tokens,
+            self.spec_prediction_draft_tokens,
+            self.spec_prediction_accepted_tokens,
             self.worker_step_duration,
             self.worker_idle,
             self.grammar_time,
@@ -566,12 +584,15 @@ class ServiceMetrics:
         num_accepted: int = 0,
         accepted_per_pos: Sequence[int] = (),
         grammar_s: float = 0.0,
+        num_prediction_draft_tokens: int = 0,
+        num_prediction_accepted: int = 0,
     ) -> None:
         """Account one step of ``worker``: its timings and speculation volume.
 
         ``accepted_per_pos[i]`` is the number of drafts accepted at draft position ``i`` in
-        this step. A ``StepResult`` may be passed in place of ``forward_s`` (the rest is then
-        read from it), which is what the worker service does with its own results.
+        this step; drafts from requests' predictions are counted apart (``num_prediction_*``).
+        A ``StepResult`` may be passed in place of ``forward_s`` (the rest is then read from
+        it), which is what the worker service does with its own results.
         """
         if not isinstance(forward_s, (int, float)):
             self.record_step_result(worker, forward_s)
@@ -591,6 +612,10 @@ class ServiceMetrics:
         self._child(self.spec_num_drafts, model, worker).inc(num_drafts)
         self._child(self.spec_num_draft_tokens, model, worker).inc(num_draft_tokens)
         self._child(self.spec_num_accepted_tokens, model, worker).inc(num_accepted)
+        self._child(self.spec_prediction_draft_tokens, model, worker).inc(num_prediction_draft_tokens)
+        self._child(self.spec_prediction_accepted_tokens, model, worker).inc(
+            min(num_prediction_accepted, num_prediction_draft_tokens)
+        )
         seen = self._positions.get(worker)
         for pos, accepted in enumerate(accepted_per_pos):
             position = str(pos)
@@ -605,16 +630,18 @@ class ServiceMetrics:
         A draft counts once per request that had drafts verified in the step, as vLLM counts
         ``num_drafts``.
         """
-        num_drafts, num_draft_tokens, num_accepted = speculation_counts(result)
+        counts = speculation_counts(result)
         self.record_step(
             worker,
             float(result.forward_s),
             float(result.idle_s),
-            num_drafts=num_drafts,
-            num_draft_tokens=num_draft_tokens,
-            num_accepted=num_accepted,
+            num_drafts=counts.num_drafts,
+            num_draft_tokens=counts.num_draft_tokens,
+            num_accepted=counts.num_accepted,
             accepted_per_pos=[int(n) for n in result.accepted_per_pos],
             grammar_s=float(result.grammar_s),
+            num_prediction_draft_tokens=counts.num_prediction_draft_tokens,
+            num_prediction_accepted=counts.num_prediction_accepted,
         )
         if inflight is not None:
             self.set_inflight(worker, inflight)

@@ -142,6 +142,7 @@ class RowResult:
     logprobs: Sequence[float] = ()
     top_logprobs: Sequence[Any] = ()
     error: str = ""
+    prediction_drafts: bool = False  # the drafts verified came from the request's prediction
 
 
 def result_rows(result: Any) -> dict[str, RowResult]:
@@ -159,9 +160,21 @@ def result_rows(result: Any) -> dict[str, RowResult]:
         stop = start + max(num_tokens, 0)
         rows[req_id] = RowResult(token_ids[start:stop], num_drafts, max(num_tokens - 1, 0))
         start = stop
+    # Empty unless some row had a prediction; a column that does not line up flags nothing.
+    flags = cols.prediction_drafts
+    if flags and len(flags) == len(cols.req_ids):
+        for req_id, flag in zip(cols.req_ids, flags):
+            if flag:
+                rows[req_id].prediction_drafts = True
     for r in result.results:
         rows[r.req_id] = RowResult(
-            list(r.token_ids), r.num_draft_tokens, r.num_accepted, r.logprobs, r.top_logprobs, r.error
+            list(r.token_ids),
+            r.num_draft_tokens,
+            r.num_accepted,
+            r.logprobs,
+            r.top_logprobs,
+            r.error,
+            r.prediction_drafts,
         )
     return rows
 
@@ -172,10 +185,22 @@ def add_row_columns(
     num_tokens: Sequence[int],
     token_ids: Sequence[int],
     num_draft_tokens: Sequence[int],
+    prediction_drafts: Sequence[bool] | None = None,
 ) -> None:
     """Append rows to a ``StepResult``'s columns: row i has ``num_tokens[i]`` of ``token_ids``
-    (in row order) and ``num_draft_tokens[i]`` verified drafts."""
-    per_row = {"req_ids": req_ids, "num_tokens": num_tokens, "num_draft_tokens": num_draft_tokens}
+    (in row order) and ``num_draft_tokens[i]`` verified drafts, from its prediction where
+    ``prediction_drafts[i]`` (None: no row's were).
+
+    Raises:
+        ValueError: the columns are of unequal lengths.
+    """
+    per_row: dict[str, Sequence[Any]] = {
+        "req_ids": req_ids,
+        "num_tokens": num_tokens,
+        "num_draft_tokens": num_draft_tokens,
+    }
+    if prediction_drafts is not None:
+        per_row["prediction_drafts"] = prediction_drafts
     _extend_columns(result.rows, per_row, num_tokens, "token_ids", token_ids)
 
 
@@ -191,21 +216,40 @@ def _extend_columns(
     getattr(cols, flat_name).extend(flat)
 
 
-def speculation_counts(result: Any) -> tuple[int, int, int]:
-    """(rows with drafts verified, drafts verified, drafts accepted) over a result's rows.
+@dataclass(slots=True)
+class SpeculationCounts:
+    """What a result's rows verified: the proposer's drafts (rows with drafts, drafts, accepted)
+    and, apart, the drafts taken from requests' predictions (drafts, accepted)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted: int = 0
+    num_prediction_draft_tokens: int = 0
+    num_prediction_accepted: int = 0
+
+
+def speculation_counts(result: Any) -> SpeculationCounts:
+    """The drafts a result's rows verified and accepted.
 
     Read straight from the columns: this runs for every step on the worker, over every row.
     """
     cols = result.rows
-    # (drafts, accepted) of each row: a column row's accepted drafts are its tokens but the last.
-    pairs = itertools.chain(
-        zip(cols.num_draft_tokens, [n - 1 for n in cols.num_tokens]),
-        ((r.num_draft_tokens, r.num_accepted) for r in result.results),
+    flags = cols.prediction_drafts if len(cols.prediction_drafts) == len(cols.req_ids) else ()
+    # (drafts, accepted, from the prediction) of each row: a column row's accepted drafts are
+    # its tokens but the last.
+    rows = itertools.chain(
+        zip(cols.num_draft_tokens, [n - 1 for n in cols.num_tokens], flags or itertools.repeat(False)),
+        ((r.num_draft_tokens, r.num_accepted, r.prediction_drafts) for r in result.results),
     )
-    num_drafts = num_draft_tokens = num_accepted = 0
-    for n, accepted in pairs:
-        if n > 0:
-            num_drafts += 1
-            num_draft_tokens += n
-            num_accepted += accepted
-    return num_drafts, num_draft_tokens, num_accepted
+    counts = SpeculationCounts()
+    for n, accepted, predicted in rows:
+        if n <= 0:
+            continue
+        if predicted:
+            counts.num_prediction_draft_tokens += n
+            counts.num_prediction_accepted += accepted
+        else:
+            counts.num_drafts += 1
+            counts.num_draft_tokens += n
+            counts.num_accepted += accepted
+    return counts

@@ -1,0 +1,139 @@
+"""Drafts from a request's predicted output (OpenAI's Predicted Outputs).
+
+A client that expects its reply to repeat a known text (the file being edited, the document
+being revised) sends it as `prediction`; its tokens become that request's drafts, beside (and
+before) whatever the worker's proposer drafts. Verification is unchanged, so the output is
+exactly what it is without the prediction.
+
+Per state slot the device keeps the prediction's tokens and an *anchor*: the prediction index
+the sequence's last token was aligned with when drafts were last made, and the sequence length
+then. After a step the row has grown by ``g`` tokens; if the output followed the prediction,
+its last token now sits at ``anchor + g`` (a *continuation*, checked by that one token). If not,
+the proposer re-synchronises: the longest run (up to ``match_len``) of the sequence's last
+tokens found in the prediction, at least ``min_match`` long, preferring the first such place
+after the anchor, so that an edit in the middle of a file costs a few steps, not the rest of
+the file. The drafts are the prediction's tokens after the aligned position.
+
+Everything runs as whole-batch tensor operations with static shapes and no host read, so it
+fits an accelerator step as the n-gram proposer does (`kernels/ngram.py`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from zerobubble.worker_svc import staging
+from zerobubble.worker_svc.slot_table import DeviceState
+
+# The prediction buffer's first width (tokens); it doubles when a longer prediction arrives.
+_MIN_WIDTH = 64
+
+
+class PredictionDrafts:
+    """Every state slot's predicted output on the device, and the drafts made from it."""
+
+    def __init__(
+        self, num_slots: int, max_drafts: int, device: torch.device, match_len: int = 8, min_match: int = 2
+    ) -> None:
+        """``max_drafts``: the most drafts a row gets (the scheduler plans at most that many
+        slots); ``match_len``: the longest run of tokens compared when re-synchronising;
+        ``min_match``: the shortest run that re-synchronises."""
+        self.max_drafts = max_drafts
+        self.match_len = match_len
+        self.min_match = min_match
+        self.device = device
+        i32, i64 = torch.int32, torch.int64
+        self.tokens = torch.full((num_slots, _MIN_WIDTH), -1, dtype=i32, device=device)
+        self.length = torch.zeros(num_slots, dtype=i64, device=device)
+        self.anchor = torch.full((num_slots,), -1, dtype=i64, device=device)
+        self.anchor_total = torch.zeros(num_slots, dtype=i64, device=device)
+        # The slot's current drafts came from its prediction (what a result reports per row).
+        self.active = torch.zeros(num_slots, dtype=torch.bool, device=device)
+
+    def admit(self, slot: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
+        """A request (new or resumed) takes ``slot``, with its prediction (empty: none).
+
+        Its first output token is expected at prediction index 0: the anchor is index -1 at the
+        prompt's length. A resumed request keeps that guess, checked by the continuation test.
+        """
+        n = len(token_ids)
+        if n > self.tokens.shape[1]:
+            width = max(_MIN_WIDTH, 1 << (n - 1).bit_length())
+            grown = torch.full((self.tokens.shape[0], width), -1, dtype=torch.int32, device=self.device)
+            grown[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = grown
+        row = self.tokens[slot]
+        row.fill_(-1)
+        if n:
+            staging.write(row[:n], token_ids)
+        self.length[slot] = n
+        self.anchor[slot] = -1
+        self.anchor_total[slot] = num_prompt_tokens
+        self.active[slot] = False
+
+    def drafted(self, slots: torch.Tensor) -> torch.Tensor:
+        """``[S]`` bool: whether each slot's current drafts came from its prediction (a copy)."""
+        return self.active[slots.long()]
+
+    def propose(self, slots: torch.Tensor, state: DeviceState, block_size: int) -> None:
+        """Drafts for ``slots`` (rows that just sampled and have a prediction), written over
+        the proposer's where the prediction is aligned with the output."""
+        idx = slots.long()
+        pred = self.tokens[idx].long()  # [R, P]
+        num_rows, width = pred.shape
+        length = self.length[idx]
+        anchor = self.anchor[idx]
+        total = state.seq_len[idx].long() + 1  # the sequence: its history and its last token
+        suffix = _suffix_lengths(pred, _sequence_tail(state, idx, total, self.match_len, block_size))
+        ends = torch.arange(width, device=pred.device)
+        # A continuation: the output's last token is the prediction's at the expected index.
+        expected = anchor + (total - self.anchor_total[idx])
+        at_expected = suffix.gather(1, expected.clamp(0, width - 1)[:, None])[:, 0]
+        follows = (expected >= 0) & (expected < length - 1) & (at_expected >= 1)
+        # Re-synchronising: the longest run, then the first place after the anchor, then the first.
+        key = suffix * (2 * width) + (ends[None, :] > anchor[:, None]) * width + (width - 1 - ends[None, :])
+        eligible = (suffix >= self.min_match) & (ends[None, :] < length[:, None] - 1)
+        best_key, best_end = torch.where(eligible, key, -1).max(dim=1)
+        aligned = torch.where(follows, expected, best_end)
+        found = follows | (best_key >= 0)
+        num = torch.where(found, (length - 1 - aligned).clamp(0, self.max_drafts), 0)
+        cols = torch.arange(self.max_drafts, device=pred.device)
+        src = (aligned[:, None] + 1 + cols[None, :]).clamp(max=width - 1)
+        use = num > 0
+        take = cols[None, :] < num[:, None]
+        drafts = torch.where(take, pred.gather(1, src), -1).to(torch.int32)
+        k = self.max_drafts
+        state.drafts[idx, :k] = torch.where(use[:, None], drafts, state.drafts[idx, :k])
+        state.num_drafts[idx] = torch.where(use, num.to(torch.int32), state.num_drafts[idx])
+        self.active[idx] = use
+        self.anchor[idx] = torch.where(found, aligned, anchor)
+        self.anchor_total[idx] = torch.where(found, total, self.anchor_total[idx])
+
+
+def _sequence_tail(state: DeviceState, idx: torch.Tensor, total: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    """``[R, n]`` the last ``n`` tokens of each row's sequence (its history pages, then its last
+    sampled token), -2 before the sequence's start (it matches no prediction token)."""
+    pos = total[:, None] - n + torch.arange(n, device=idx.device)[None, :]
+    held = state.seq_len[idx].long()[:, None]
+    in_history = (pos >= 0) & (pos < held)
+    table = state.block_table[idx]
+    col = (pos.clamp(min=0) // block_size).clamp(max=table.shape[1] - 1)
+    block = torch.where(in_history, table.gather(1, col).long(), 0)
+    from_history = state.history.view(-1)[block * block_size + pos.clamp(min=0) % block_size].long()
+    last = state.last_token[idx].long()[:, None].expand(-1, n)
+    return torch.where(pos == held, last, torch.where(in_history, from_history, -2))
+
+
+def _suffix_lengths(pred: torch.Tensor, tail: torch.Tensor) -> torch.Tensor:
+    """``[R, P]``: for each prediction index e, how many of the sequence's last tokens (up to
+    ``tail``'s width) equal the prediction's tokens ending at e, in order."""
+    n = tail.shape[1]
+    running = torch.ones_like(pred, dtype=torch.bool)
+    suffix = torch.zeros_like(pred)
+    for j in range(n):
+        earlier = pred if j == 0 else torch.nn.functional.pad(pred[:, :-j], (j, 0), value=-1)
+        running &= earlier == tail[:, n - 1 - j, None]
+        suffix += running
+    return suffix
