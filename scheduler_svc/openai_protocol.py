@@ -1,10 +1,12 @@
 """The OpenAI wire format: request bodies of `/v1/chat/completions` and `/v1/completions`, how they
 map onto a `GenerateRequest`, and the pieces of the replies (choices, logprobs, usage).
 
-The HTTP layer checks what the JSON shape decides (types, which fields go together); a body
-becomes the request model's options (`zerobubble/request_options.py`), whose one validator owns
-every range and runs before any protobuf is built, so a value the wire cannot carry is a named
-400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
+Every parameter of OpenAI's two request schemas is declared here and is served, refused by
+name (`_REFUSED`), or accepted and ignored, as docs/openai-api.md lists; a top-level parameter
+not declared is refused. The HTTP layer checks what the JSON shape decides (types, which fields
+go together); a body becomes the request model's options (`zerobubble/request_options.py`),
+whose one validator owns every range and runs before any protobuf is built, so a value the wire
+cannot carry is a named 400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
 turns back into the OpenAI name.
 
 The fields that constrain the output (`response_format`, vLLM's `structured_outputs` and
@@ -213,8 +215,9 @@ class _CommonBody(_RequestBody):
 
 
 class ChatCompletionBody(_CommonBody):
-    """`POST /v1/chat/completions`. The fields typed `Any` are refused whenever given
-    (`_REFUSED`); the ignored ones are hints about OpenAI's own storage, caching and billing."""
+    """`POST /v1/chat/completions`. The parameters `_REFUSED` names are typed loosely so that any
+    value asking for them gets the refusal's reason; the ignored ones are hints about OpenAI's
+    own storage, caching and billing."""
 
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
