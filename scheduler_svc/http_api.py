@@ -104,6 +104,9 @@ class Choice:
     num_chars: int = 0  # text length so far, for completions' text_offset
     finish_reason: str | None = None
     started: bool = False
+    echo: str = ""  # the prompt, sent before the text (completions' `echo`); a stream's once
+    accepted_prediction: int = 0  # running totals of the sequence's last reply
+    rejected_prediction: int = 0
     call_parser: tool_calls.ToolCallParser | None = None  # a streamed reply's, when it parses tool calls
 
 
@@ -121,12 +124,14 @@ class Exchange:
     prompt_tokens: dict[int, int] = field(default_factory=dict)
     cached_tokens: dict[int, int] = field(default_factory=dict)
     parse_tool_calls: bool = False  # read tool calls out of the output (`oa.parses_tool_calls`)
+    echoes: list[str] = field(default_factory=list)  # per prompt, with completions' `echo`
 
     def choice(self, prompt_index: int, reply: generate_pb2.GenerateResponse) -> Choice:
         index = prompt_index * self.body.n + reply.index
         if index not in self.choices:
             parser = tool_calls.ToolCallParser() if self.parse_tool_calls and self.body.stream else None
-            self.choices[index] = Choice(index, call_parser=parser)
+            echo = self.echoes[prompt_index] if self.echoes else ""
+            self.choices[index] = Choice(index, call_parser=parser, echo=echo)
         return self.choices[index]
 
     def add(self, prompt_index: int, reply: generate_pb2.GenerateResponse) -> tuple[Choice, dict | None]:
@@ -136,6 +141,9 @@ class Exchange:
         self.cached_tokens[prompt_index] = reply.num_cached_prompt_tokens or self.cached_tokens.get(prompt_index, 0)
         choice.text.append(reply.text)
         choice.token_ids.extend(reply.token_ids)
+        # A front rebuilds a reply of tokens alone without these totals: keep the largest.
+        choice.accepted_prediction = max(choice.accepted_prediction, reply.num_accepted_prediction_tokens)
+        choice.rejected_prediction = max(choice.rejected_prediction, reply.num_rejected_prediction_tokens)
         logprobs_obj = None
         if self.wants_logprobs and reply.token_ids:
             texts = [self.token_text(t) for t in reply.token_ids]
@@ -161,10 +169,15 @@ class Exchange:
         return bool(self.body.logprobs) or (not self.chat and self.body.logprobs is not None)
 
     def usage(self) -> dict[str, Any]:
+        choices = self.choices.values()
         return oa.usage(
-            sum(self.prompt_tokens.values()),
-            sum(len(c.token_ids) for c in self.choices.values()),
-            sum(self.cached_tokens.values()),
+            oa.TokenCounts(
+                prompt=sum(self.prompt_tokens.values()),
+                completion=sum(len(c.token_ids) for c in choices),
+                cached=sum(self.cached_tokens.values()),
+                accepted_prediction=sum(c.accepted_prediction for c in choices),
+                rejected_prediction=sum(c.rejected_prediction for c in choices),
+            )
         )
 
     def envelope(self, choices: list[dict], chunk: bool) -> dict[str, Any]:
@@ -194,7 +207,9 @@ class Exchange:
                 message, reason = self._message(text, c.finish_reason)
                 out.append({"index": index, "message": message, "logprobs": logprobs, "finish_reason": reason})
             else:
-                out.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": c.finish_reason})
+                out.append(
+                    {"index": index, "text": c.echo + text, "logprobs": logprobs, "finish_reason": c.finish_reason}
+                )
         return out
 
     def _message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
@@ -347,7 +362,8 @@ async def read_body(request: Request, model: type[oa.Body]) -> oa.Body:
     except pydantic.ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"] if not _UNION_TAG.match(str(p)))
-        raise HTTPError(400, f"{param}: {first['msg']}", param or None) from None
+        message = "unknown parameter" if first["type"] == "extra_forbidden" else first["msg"]
+        raise HTTPError(400, f"{param}: {message}", param or None) from None
 
 
 async def generate(servicer: Frontend, request: Request, model: type[oa.Body], chat: bool) -> Response:
@@ -372,6 +388,7 @@ async def generate(servicer: Frontend, request: Request, model: type[oa.Body], c
         model=body.model or link.info.model,
         token_text=lambda t: tokenizer.decode([t], skip_special_tokens=False),
         parse_tool_calls=oa.parses_tool_calls(body),
+        echoes=oa.echoed_prompts(body, tokenizer),
     )
     submissions = await _submit_all(servicer, requests, body)
     if body.stream:
@@ -410,7 +427,7 @@ def _stream_chunk(
     exchange: Exchange, choice: Choice, reply: generate_pb2.GenerateResponse, logprobs: dict | None
 ) -> dict[str, Any] | None:
     """The chunk entry of one reply, or None when it carries nothing to send."""
-    if not reply.text and not reply.token_ids and choice.finish_reason is None:
+    if not reply.text and not reply.token_ids and choice.finish_reason is None and not choice.echo:
         return None
     if choice.call_parser is not None:
         delta = _tool_call_delta(choice, reply.text)
@@ -421,7 +438,8 @@ def _stream_chunk(
         delta = {"content": reply.text} if reply.text or choice.finish_reason is None else {}
         entry = {"index": choice.index, "delta": delta}
     else:
-        entry = {"index": choice.index, "text": reply.text}
+        entry = {"index": choice.index, "text": choice.echo + reply.text}
+        choice.echo = ""  # sent
     entry["logprobs"] = logprobs
     entry["finish_reason"] = choice.finish_reason
     return entry

@@ -1,10 +1,12 @@
 """The OpenAI wire format: request bodies of `/v1/chat/completions` and `/v1/completions`, how they
 map onto a `GenerateRequest`, and the pieces of the replies (choices, logprobs, usage).
 
-The HTTP layer checks what the JSON shape decides (types, which fields go together); a body
-becomes the request model's options (`zerobubble/request_options.py`), whose one validator owns
-every range and runs before any protobuf is built, so a value the wire cannot carry is a named
-400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
+Every parameter of OpenAI's two request schemas is declared here and is served, refused by
+name (`_REFUSED`), or accepted and ignored, as docs/openai-api.md lists; a top-level parameter
+not declared is refused. The HTTP layer checks what the JSON shape decides (types, which fields
+go together); a body becomes the request model's options (`zerobubble/request_options.py`),
+whose one validator owns every range and runs before any protobuf is built, so a value the wire
+cannot carry is a named 400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
 turns back into the OpenAI name.
 
 The fields that constrain the output (`response_format`, vLLM's `structured_outputs` and
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -63,14 +66,24 @@ class ParamError(ValueError):
 
 
 class _Body(BaseModel):
-    # Unknown fields are ignored, as vLLM does: clients send vendor fields we have no use for.
+    # Unknown fields inside a body's objects are ignored: clients send a reply's message back
+    # as history with the fields OpenAI added to it (`refusal`, `annotations`, `audio`).
     model_config = ConfigDict(extra="ignore")
 
 
+class _RequestBody(_Body):
+    # An unknown top-level parameter is a 400 naming it, as OpenAI answers: a parameter dropped
+    # silently is an answer to a question the client did not ask. Every parameter OpenAI
+    # defines is declared (served, refused by name, or ignored: docs/openai-api.md).
+    model_config = ConfigDict(extra="forbid")
+
+
 class StreamOptions(_Body):
-    """`stream_options`: a last chunk with the usage when `include_usage`."""
+    """`stream_options`: a last chunk with the usage when `include_usage`. `include_obfuscation`
+    pads chunks against length side channels; chunks are sent unpadded."""
 
     include_usage: StrictBool = False
+    include_obfuscation: StrictBool | None = None
 
 
 class ContentPart(_Body):
@@ -78,6 +91,13 @@ class ContentPart(_Body):
 
     type: StrictStr
     text: StrictStr | None = None
+
+
+class Prediction(_Body):
+    """`prediction`: text the output is expected to repeat (OpenAI's Predicted Outputs)."""
+
+    type: Literal["content"]
+    content: StrictStr | list[ContentPart]
 
 
 class FunctionCall(_Body):
@@ -163,7 +183,7 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-class _CommonBody(_Body):
+class _CommonBody(_RequestBody):
     """Fields both endpoints take: OpenAI's, then the extras vLLM accepts."""
 
     model: StrictStr | None = None
@@ -176,9 +196,10 @@ class _CommonBody(_Body):
     presence_penalty: Float = 0.0
     frequency_penalty: Float = 0.0
     logit_bias: dict[str, Float] | None = None
-    user: StrictStr | None = None
+    user: StrictStr | None = None  # ignored: an end user's id for OpenAI's abuse monitoring
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
+    prediction: Prediction | None = None
     top_k: StrictInt | None = None
     min_p: Float = 0.0
     repetition_penalty: Float | None = None
@@ -194,7 +215,9 @@ class _CommonBody(_Body):
 
 
 class ChatCompletionBody(_CommonBody):
-    """`POST /v1/chat/completions`."""
+    """`POST /v1/chat/completions`. The parameters `_REFUSED` names are typed loosely so that any
+    value asking for them gets the refusal's reason; the ignored ones are hints about OpenAI's
+    own storage, caching and billing."""
 
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None
@@ -203,6 +226,21 @@ class ChatCompletionBody(_CommonBody):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True  # false: "required" makes exactly one call
+    modalities: list[Literal["text", "audio"]] | None = None
+    store: StrictBool | None = None
+    audio: Any = None
+    function_call: Any = None
+    functions: Any = None
+    moderation: Any = None
+    reasoning_effort: StrictStr | None = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    metadata: dict[StrictStr, StrictStr] | None = None  # ignored, as nothing is stored
+    service_tier: StrictStr | None = None  # ignored: every request is served alike
+    safety_identifier: StrictStr | None = None  # ignored, as `user`
+    prompt_cache_key: StrictStr | None = None  # ignored: prefixes are cached by their tokens
+    prompt_cache_options: dict[str, Any] | None = None  # ignored, as prompt_cache_key
+    prompt_cache_retention: StrictStr | None = None  # ignored, as prompt_cache_key
 
 
 class CompletionBody(_CommonBody):
@@ -212,24 +250,26 @@ class CompletionBody(_CommonBody):
     logprobs: Annotated[StrictInt, Field()] | None = None
     echo: StrictBool = False
     suffix: StrictStr | None = None
+    best_of: StrictInt | None = None
 
 
 Body = ChatCompletionBody | CompletionBody
 
 
-def _message_text(index: int, message: ChatMessage) -> str:
-    if message.content is None:
-        return ""
-    if isinstance(message.content, str):
-        return message.content
+def _joined_text(content: str | list[ContentPart] | None, name: str) -> str:
+    """A content's text: the string, or its text parts joined (other parts are refused)."""
+    if content is None or isinstance(content, str):
+        return content or ""
     parts = []
-    for j, part in enumerate(message.content):
+    for j, part in enumerate(content):
         if part.type != "text" or part.text is None:
-            raise ParamError(
-                f"messages[{index}].content[{j}]", f"only text parts are supported, got type {part.type!r}"
-            )
+            raise ParamError(f"{name}[{j}]", f"only text parts are supported, got type {part.type!r}")
         parts.append(part.text)
     return "".join(parts)
+
+
+def _message_text(index: int, message: ChatMessage) -> str:
+    return _joined_text(message.content, f"messages[{index}].content")
 
 
 def _prompts(body: CompletionBody) -> list[str | list[int]]:
@@ -243,6 +283,14 @@ def _prompts(body: CompletionBody) -> list[str | list[int]]:
     if len(prompt) > MAX_PROMPTS:
         raise ParamError("prompt", f"{len(prompt)} prompts, limit is {MAX_PROMPTS}")
     return list(prompt)  # type: ignore[arg-type]
+
+
+def echoed_prompts(body: Body, tokenizer: Tokenizer) -> list[str]:
+    """The text each prompt's choices start with under completions' `echo` (none without):
+    a text prompt as given, token ids decoded as they are (special tokens shown)."""
+    if not isinstance(body, CompletionBody) or not body.echo:
+        return []
+    return [p if isinstance(p, str) else tokenizer.decode(p, skip_special_tokens=False) for p in _prompts(body)]
 
 
 def body_options(body: Body) -> tuple[SamplingOptions, StoppingOptions]:
@@ -265,6 +313,7 @@ def body_options(body: Body) -> tuple[SamplingOptions, StoppingOptions]:
         logit_bias=_logit_bias(body.logit_bias or {}),
         n=body.n,
         constraint=body_constraint(body),
+        prediction_text="" if body.prediction is None else _joined_text(body.prediction.content, "prediction.content"),
     )
     if isinstance(body, ChatCompletionBody):
         sampling.logprobs = body.logprobs
@@ -414,18 +463,45 @@ def mentions_tools(body: Body) -> bool:
     )
 
 
+def _given(value: Any) -> bool:
+    return value is not None
+
+
+# Parameters asking for what is not served: (parameter, whether its value asks for it, why).
+_REFUSED: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
+    ("audio", _given, "audio output is not served"),
+    ("modalities", lambda v: v is not None and v != ["text"], 'only ["text"] is served'),
+    ("function_call", _given, "deprecated by OpenAI and not served: use tool_choice"),
+    ("functions", _given, "deprecated by OpenAI and not served: use tools"),
+    ("moderation", _given, "no moderation model is served"),
+    ("reasoning_effort", lambda v: v not in (None, "none"), "the served models take no reasoning effort"),
+    ("verbosity", _given, "the served models take no verbosity setting"),
+    ("web_search_options", _given, "web search is not served"),
+    ("store", lambda v: v is True, "completions are not stored"),
+    ("suffix", bool, "fill in the middle is not supported"),
+)
+MAX_SEED = 2**63 - 1  # OpenAI's and vLLM's seeds are signed 64-bit integers
+
+
 def _check_unsupported(body: Body) -> None:
-    """ParamError for a feature we do not serve."""
+    """ParamError for a feature we do not serve, or a field that needs another one."""
+    for name, asks, why in _REFUSED:
+        if asks(getattr(body, name, None)):
+            raise ParamError(name, why)
+    if body.stream_options is not None and not body.stream:
+        raise ParamError("stream_options", "only allowed with stream: true")
+    if body.seed is not None and not -MAX_SEED - 1 <= body.seed <= MAX_SEED:
+        raise ParamError("seed", f"must fit in 64 signed bits, got {shown(body.seed)}")
     if isinstance(body, ChatCompletionBody):
         if body.top_logprobs is not None and not body.logprobs:
             raise ParamError("top_logprobs", "requires logprobs: true")
         if not body.messages:
             raise ParamError("messages", "must not be empty")
     else:
-        if body.echo:
-            raise ParamError("echo", "echo is not supported")
-        if body.suffix:
-            raise ParamError("suffix", "suffix is not supported")
+        if body.best_of is not None and body.best_of != body.n:
+            raise ParamError("best_of", "choosing the best of more sequences than n is not supported")
+        if body.echo and body.logprobs is not None:
+            raise ParamError("logprobs", "with echo it needs the prompt's log-probabilities, which are not computed")
 
 
 def _validated(body: Body, prompts: list[str | list[int]]) -> tuple[SamplingOptions, StoppingOptions]:
@@ -593,13 +669,30 @@ def finish_reason(value: int) -> str | None:
     return FINISH_REASONS.get(value)
 
 
-def usage(num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
-    """The `usage` object."""
+@dataclass(frozen=True, slots=True)
+class TokenCounts:
+    """A call's token counts, summed over its prompts and sequences."""
+
+    prompt: int = 0
+    completion: int = 0
+    cached: int = 0
+    accepted_prediction: int = 0  # the prediction's tokens that the output kept
+    rejected_prediction: int = 0  # those it did not (in OpenAI's completion_tokens, not in ours)
+
+
+def usage(counts: TokenCounts) -> dict[str, Any]:
+    """The `usage` object, with OpenAI's details (no audio or reasoning tokens here)."""
     return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_completion_tokens,
-        "total_tokens": num_prompt_tokens + num_completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+        "prompt_tokens": counts.prompt,
+        "completion_tokens": counts.completion,
+        "total_tokens": counts.prompt + counts.completion,
+        "prompt_tokens_details": {"cached_tokens": counts.cached, "audio_tokens": 0},
+        "completion_tokens_details": {
+            "reasoning_tokens": 0,
+            "audio_tokens": 0,
+            "accepted_prediction_tokens": counts.accepted_prediction,
+            "rejected_prediction_tokens": counts.rejected_prediction,
+        },
     }
 
 

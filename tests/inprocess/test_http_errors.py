@@ -9,10 +9,12 @@ request runs against the simulated worker of tests/sim_link.py.
 from __future__ import annotations
 
 import asyncio
+import typing
 
 import httpx
 import pytest
 
+from tests import openai_table
 from tests.polling import wait_until_async
 from tests.sim_link import NUM_BLOCKS, sim_stub
 from zerobubble.config import SchedulerServiceConfig
@@ -90,6 +92,20 @@ def test_version_and_unknown_route() -> None:
         ({**CHAT, "tools": [{"type": "function"}]}, "tools.0.function"),
         ({**CHAT, "tool_choice": "required"}, "tool_choice"),
         ({**CHAT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "any"}, "tool_choice"),
+        ({**CHAT, "temprature": 0}, "temprature"),
+        ({**CHAT, "stream_options": {"include_usage": True}}, "stream_options"),
+        ({**CHAT, "stream": False, "stream_options": {"include_usage": False}}, "stream_options"),
+        ({**CHAT, "seed": 2**63}, "seed"),
+        ({**CHAT, "seed": -(2**63) - 1}, "seed"),
+        ({**CHAT, "prediction": "hello"}, "prediction"),
+        ({**CHAT, "prediction": {"type": "text", "content": "hello"}}, "prediction.type"),
+        ({**CHAT, "prediction": {"type": "content"}}, "prediction.content"),
+        ({**CHAT, "prediction": {"type": "content", "content": 5}}, "prediction.content"),
+        ({**CHAT, "prediction": {"type": "content", "content": [{"type": "image_url"}]}}, "prediction.content[0]"),
+        ({**CHAT, "modalities": ["audio"]}, "modalities"),
+        ({**CHAT, "store": True}, "store"),
+        ({**CHAT, "reasoning_effort": "high"}, "reasoning_effort"),
+        ({**CHAT, "metadata": {"k": 1}}, "metadata.k"),
     ],
 )
 def test_bad_chat_bodies_are_400_naming_the_field(body: dict, param: str) -> None:
@@ -100,10 +116,16 @@ def test_bad_chat_bodies_are_400_naming_the_field(body: dict, param: str) -> Non
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"model": "m", "prompt": "hi", "echo": True}, "echo"),
+        ({"model": "m", "prompt": "hi", "echo": True, "logprobs": 1}, "logprobs"),
         ({"model": "m", "prompt": []}, "prompt"),
         ({"model": "m", "prompt": [1.5]}, "prompt"),
         ({"model": "m", "prompt": "hi", "logprobs": True}, "logprobs"),
+        ({"model": "m", "prompt": "hi", "best_of": 3, "n": 2}, "best_of"),
+        ({"model": "m", "prompt": "hi", "suffix": "end"}, "suffix"),
+        ({"model": "m", "prompt": "hi", "seed": 2**64}, "seed"),
+        ({"model": "m", "prompt": "hi", "stream_options": {}}, "stream_options"),
+        ({"model": "m", "prompt": "hi", "max_completion_tokens": 4}, "max_completion_tokens"),
+        ({"model": "m", "prompt": "hi", "prediction": {"type": "content", "content": [{"text": "x"}]}}, "prediction"),
     ],
 )
 def test_bad_completion_bodies_are_400_naming_the_field(body: dict, param: str) -> None:
@@ -228,3 +250,54 @@ def test_a_refused_later_prompt_withdraws_every_sequence_of_the_call(
     assert_error(response, status, param)
     assert (queued, unfinished_later, num_streams) == (0, 0, 0)
     assert num_free == NUM_BLOCKS
+
+
+def declared(model: type[ChatCompletionBody] | type[CompletionBody]) -> set[str]:
+    """The top-level parameters a request model takes, as the wire spells them."""
+    return {field.alias or name for name, field in model.model_fields.items()}
+
+
+@pytest.mark.parametrize(("endpoint", "model"), [("chat", ChatCompletionBody), ("completions", CompletionBody)])
+def test_the_request_models_declare_exactly_the_documented_parameters(endpoint: str, model: type) -> None:
+    """A field added to a model without a row in docs/openai-api.md (or a row without a field)
+    fails here; the rows' requests run in tests/services/test_openai_params.py."""
+    assert declared(model) == openai_table.parameters(endpoint)
+
+
+def test_the_documented_parameters_cover_the_openai_sdk() -> None:
+    """Every parameter the installed `openai` SDK can send has a row: a new OpenAI parameter is
+    decided in the table before a client can send it (and get "unknown parameter")."""
+    from openai.types import completion_create_params as legacy
+    from openai.types.chat import completion_create_params as chat
+
+    for endpoint, params in (
+        ("chat", chat.CompletionCreateParamsBase),
+        ("completions", legacy.CompletionCreateParamsBase),
+    ):
+        sent = set(typing.get_type_hints(params)) | {"stream"}  # stream is on the subclasses
+        assert sent <= openai_table.parameters(endpoint), sorted(sent - openai_table.parameters(endpoint))
+
+
+def test_every_refused_example_is_400_naming_it_before_any_worker() -> None:
+    """Refusals are decided by the body alone: without a worker they still come before the 503."""
+    bases = {"chat": CHAT, "completions": {"model": "m", "prompt": "hi"}}
+    for row in openai_table.rows():
+        for endpoint in row.endpoints:
+            response = call(
+                "POST", f"/v1/{endpoint.replace('chat', 'chat/completions')}", json={**bases[endpoint], **row.example}
+            )
+            if row.status == "refused":
+                assert_error(response, 400, row.name)
+            else:
+                assert_error(response, 503)
+
+
+def test_a_prediction_maps_onto_the_proto_as_text() -> None:
+    parts = {"type": "content", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}
+    for prediction, text in ((parts, "Hello there"), ({"type": "content", "content": "Hi"}, "Hi")):
+        (request,) = build_requests(ChatCompletionBody.model_validate({**CHAT, "prediction": prediction}), "p")
+        assert request.prediction.text == text
+        (completion,) = build_requests(CompletionBody.model_validate({"prompt": "a", "prediction": prediction}), "p")
+        assert completion.prediction.text == text
+    (none,) = build_requests(ChatCompletionBody.model_validate(CHAT), "p")
+    assert not none.HasField("prediction")

@@ -848,6 +848,8 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
             # Structured output: the fronts relay the constraint, the scheduler checks it (a
             # simulated device does not enforce it: only the relaying is compared here).
             {**chat, "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}},
+            # A prediction: tokenized by the fronts; the usage's prediction counts relayed.
+            {**chat, "prediction": {"type": "content", "content": "The Nile, the Amazon and the Danube."}},
         ]
 
         def answers(fronts: int) -> tuple:

@@ -56,6 +56,7 @@ COMMON: dict[str, tuple[Any, Any, Any]] = {
     "guided_regex": ("a(b", 5, "a" * 300_000),
     "guided_choice": ([], "x", ["x"] * 100_000),
     "guided_grammar": ("start: nope", 5, HUGE_TEXT),
+    "prediction": ({"type": "text", "content": "x"}, "x", {"type": "content", "content": HUGE_TEXT}),
 }
 CHAT_ONLY: dict[str, tuple[Any, Any, Any]] = {
     "messages": ([], "hi", [{"role": "user", "content": HUGE_TEXT}]),
@@ -65,12 +66,18 @@ CHAT_ONLY: dict[str, tuple[Any, Any, Any]] = {
     "tools": ([{"type": "function"}], "x", [{}] * 10_000),
     "tool_choice": ("maybe", 5, {"type": "function", "function": {"name": HUGE_TEXT}}),
     "parallel_tool_calls": (2, "yes", [True] * 1000),
+    "modalities": (["video"], "text", ["text"] * 100_000),
+    "store": (True, "no", [False] * 1000),
+    "reasoning_effort": ("high", 5, HUGE_TEXT),
+    "metadata": ({"k": 1}, "x", {str(i): "v" * 100 for i in range(10_000)}),
+    "service_tier": ("flex", 5, HUGE_TEXT),
 }
 COMPLETION_ONLY: dict[str, tuple[Any, Any, Any]] = {
     "prompt": ([], 5, [1_000_000_000_000]),
     "logprobs": (-1, "1", HUGE_INT),
     "echo": (2, "yes", True),
     "suffix": ("", 5, HUGE_TEXT),
+    "best_of": (0, "2", HUGE_INT),
 }
 KINDS = ("out_of_range", "wrong_type", "absurd")
 
