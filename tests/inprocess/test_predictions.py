@@ -1,0 +1,105 @@
+"""Predicted outputs (OpenAI's `prediction`) as drafts, through the real Scheduler and runner.
+
+The oracle is the same request without its prediction: greedy and seeded output must be
+identical token for token, sync and async, with no proposer, with n-gram and with an EAGLE head,
+with a JSON-schema constraint, and for a prediction wrong from its first token. That the
+prediction was used at all is read from the scheduler's counts of accepted prediction drafts.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+
+import pytest
+
+from tests.drive import run_job
+from tests.inprocess.test_structured import grammar_of
+from zerobubble.scheduler_svc.scheduler import SchedulerStats
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
+from zerobubble.worker_svc.server import tokenizer_fields
+
+pytestmark = pytest.mark.timeout(900)
+
+MAX_TOKENS = 48
+MODES = [("plain", 1), ("plain", 2), ("ngram", 2), ("eagle", 2)]
+
+
+@pytest.fixture(scope="module")
+def plain_runner(smollm2_dir):
+    from zerobubble.worker_svc.server import WorkerConfig, build_runner
+
+    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.25, max_num_seqs=16))
+    return runner
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir) -> Tokenizer:
+    fields = tokenizer_fields(smollm2_dir)
+    return Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
+
+
+def edit_requests(tokenizer: Tokenizer, grounded_rows: list[dict], **params) -> list[tuple[str, list[int], dict]]:
+    """Code edits predicting their own code block, a JSON answer predicting a JSON text, and a
+    prediction of unrelated tokens (wrong from the first)."""
+    requests = []
+    edits = [row for row in grounded_rows if row["kind"] == "code-edit"][:3]
+    for i, row in enumerate(edits):
+        code = re.search(r"```python\n(.*?)```", row["messages"][0]["content"], re.S)
+        assert code is not None
+        prompt = tokenizer.apply_chat_template(row["messages"])
+        requests.append((f"edit{i}", prompt, {"prediction_token_ids": tokenizer.encode(code.group(1))}))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
+    question = "Describe a person as JSON with a name and an age."
+    requests.append(
+        (
+            "json",
+            tokenizer.apply_chat_template([{"role": "user", "content": question}]),
+            {
+                "grammar": grammar_of("json_schema", schema),
+                "prediction_token_ids": tokenizer.encode(json.dumps({"name": "John", "age": 30})),
+            },
+        )
+    )
+    rng = random.Random(0)
+    wrong = [rng.randrange(1000, 40000) for _ in range(64)]
+    requests.append(("wrong", requests[0][1], {"prediction_token_ids": wrong}))
+    return [(req_id, ids, {"max_tokens": MAX_TOKENS, **options, **params}) for req_id, ids, options in requests]
+
+
+def without_predictions(requests: list[tuple[str, list[int], dict]]) -> list[tuple[str, list[int], dict]]:
+    return [(r, ids, {k: v for k, v in o.items() if k != "prediction_token_ids"}) for r, ids, o in requests]
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_output_with_a_prediction_is_the_output_without_it(
+    plain_runner, ngram_runner, eagle_runner, tokenizer, grounded_rows, name
+):
+    params = {} if name == "greedy" else {"temperature": 0.9, "seed": 5}
+    requests = edit_requests(tokenizer, grounded_rows, **params)
+    reference = run_job(plain_runner, without_predictions(requests), window=1)
+    runners = {"plain": plain_runner, "ngram": ngram_runner, "eagle": eagle_runner}
+    for runner_name, window in MODES:
+        stats = SchedulerStats()
+        outputs = run_job(runners[runner_name], requests, window=window, stats=stats)
+        assert outputs == reference, (runner_name, window)
+        # The predictions were drafted from and some of their drafts accepted.
+        assert stats.num_prediction_accepted_tokens > 0, (runner_name, window)
+        assert stats.num_prediction_accepted_tokens <= stats.num_prediction_draft_tokens
+    # Alone, the edit whose prediction the output follows longest is the same too.
+    alone = run_job(plain_runner, [requests[0]], window=2)
+    assert alone["edit0"] == reference["edit0"]
+
+
+def test_a_prediction_the_output_follows_is_mostly_accepted(plain_runner, tokenizer, grounded_rows):
+    """The greedy output itself, given back as the prediction, is drafted from nearly all the
+    way: few steps, almost every prediction draft accepted, and the same output."""
+    requests = without_predictions(edit_requests(tokenizer, grounded_rows))[:3]
+    reference = run_job(plain_runner, requests, window=2)
+    predicted = [(r, ids, {**o, "prediction_token_ids": reference[r]}) for r, ids, o in requests]
+    baseline, stats = SchedulerStats(), SchedulerStats()
+    run_job(plain_runner, requests[:1], window=2, stats=baseline)
+    assert run_job(plain_runner, predicted[:1], window=2, stats=stats) == {"edit0": reference["edit0"]}
+    assert stats.num_prediction_accepted_tokens >= 0.9 * (len(reference["edit0"]) - 2)
+    assert stats.num_steps_completed <= baseline.num_steps_completed / 3
