@@ -118,8 +118,13 @@ class PendingResult:
             _as_list(self.top_logprobs),
             _as_list(self.prediction_drafts),
         )
+        # The proposer's acceptance by position; prediction drafts are counted apart.
         accepted_per_pos = [0] * num_spec_tokens
-        for num_acc in out.accepted:
+        for i, num_acc in enumerate(out.accepted):
+            if out.prediction_drafts and out.prediction_drafts[i]:
+                continue
+            if num_acc > len(accepted_per_pos):
+                accepted_per_pos.extend([0] * (num_acc - len(accepted_per_pos)))
             for pos in range(num_acc):
                 accepted_per_pos[pos] += 1
         cols = self._add_rows(result, out)

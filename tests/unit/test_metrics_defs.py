@@ -39,6 +39,8 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
     "zerobubble_spec_decode_num_draft_tokens_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_spec_decode_num_accepted_tokens_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_spec_decode_num_accepted_tokens_per_pos_total": ("counter", frozenset({"model", "worker", "position"})),
+    "zerobubble_spec_decode_prediction_draft_tokens_total": ("counter", frozenset({"model", "worker"})),
+    "zerobubble_spec_decode_prediction_accepted_tokens_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_worker_step_duration_seconds": ("histogram", frozenset({"model", "worker"})),
     "zerobubble_worker_idle_seconds_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_grammar_seconds_total": ("counter", frozenset({"model", "worker"})),
@@ -326,6 +328,28 @@ def test_step_result_is_accounted_from_the_proto() -> None:
     assert _value(s, "zerobubble_grammar_seconds_total", worker="w0") == pytest.approx(0.0002)
     per_pos = {lab["position"]: v for _, lab, v in s["zerobubble_spec_decode_num_accepted_tokens_per_pos_total"]}
     assert per_pos == {"0": 2, "1": 1, "2": 0}
+    assert _value(s, "zerobubble_spec_decode_prediction_draft_tokens_total", worker="w0") == 0
+
+
+def test_prediction_drafts_are_counted_apart_from_the_proposers() -> None:
+    """Rows whose drafts were their prediction's, in columns and as messages, count in the
+    prediction families only."""
+    result = worker_pb2.StepResult(step_id=7, forward_s=0.003)
+    result.results.add(req_id="a", token_ids=[1, 2, 3], num_draft_tokens=3, num_accepted=2)
+    result.results.add(
+        req_id="g", token_ids=[1, 2, 3, 4, 5], num_draft_tokens=6, num_accepted=4, prediction_drafts=True
+    )
+    # A worker flags every column row once one row is flagged.
+    add_row_columns(result, ["d", "h", "i"], [3, 7, 1], list(range(11)), [3, 8, 3], [False, True, False])
+    m = ServiceMetrics(model="m")
+    m.record_step_result("w0", result)
+    s = _scrape(m)
+    assert _value(s, "zerobubble_spec_decode_prediction_draft_tokens_total", worker="w0") == 14
+    assert _value(s, "zerobubble_spec_decode_prediction_accepted_tokens_total", worker="w0") == 10
+    # a's, d's and i's drafts are the proposer's.
+    assert _value(s, "zerobubble_spec_decode_num_drafts_total", worker="w0") == 3
+    assert _value(s, "zerobubble_spec_decode_num_draft_tokens_total", worker="w0") == 9
+    assert _value(s, "zerobubble_spec_decode_num_accepted_tokens_total", worker="w0") == 4
 
 
 def test_worker_role_exports_only_its_own_figures() -> None:
