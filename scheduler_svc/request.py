@@ -116,9 +116,10 @@ class PredictionProgress:
     decode may carry.
 
     The slots double while every prediction draft is accepted and fall back to one more than
-    were accepted otherwise: a prediction the output follows gets long drafts, one it left gets
-    short ones until the worker finds the output back in it (a wrong draft costs a slot the
-    step computes for nothing).
+    were accepted otherwise, and halve after a decode the prediction gave no draft: a
+    prediction the output follows gets long drafts, one it left gets short ones until the
+    worker finds the output back in it (a wrong draft, or a slot no draft fills on an
+    accelerator, where a plan's slots are kept, is computed for nothing).
     """
 
     max_drafts: int
@@ -134,6 +135,10 @@ class PredictionProgress:
             self.max_drafts = min(self.limit, 2 * self.max_drafts)
         else:
             self.max_drafts = max(1, num_accepted + 1)
+
+    def unaligned(self) -> None:
+        """A decode with draft slots got no draft from the prediction."""
+        self.max_drafts = max(1, self.max_drafts // 2)
 
 
 @dataclass(slots=True, eq=False)  # identity: `list.remove` on the running list compared every field

@@ -689,9 +689,9 @@ class Scheduler:
             assert res is not None  # num_returned >= 1 above
             # Counted here, after the stale filter: figures for preempted, aborted or already
             # finished requests would describe drafts nobody used.
-            if res.prediction_drafts:
-                self._count_prediction(req, res)
-            else:
+            if req.prediction is not None:
+                self._count_prediction(req, rec, res)
+            if not res.prediction_drafts:
                 self._count_speculation(res)
             try:
                 events.append(self._reconcile(req, rec, res))
@@ -728,9 +728,12 @@ class Scheduler:
         for pos in range(num_accepted):
             per_pos[pos] += 1
 
-    def _count_prediction(self, req: Request, res: RowResult) -> None:
-        """Account one applied result whose drafts were the request's prediction's."""
-        if req.prediction is None or res.num_draft_tokens <= 0:
+    def _count_prediction(self, req: Request, rec: _Scheduled, res: RowResult) -> None:
+        """Account one applied result of a request with a predicted output."""
+        assert req.prediction is not None
+        if not res.prediction_drafts or res.num_draft_tokens <= 0:
+            if rec.num_draft_slots > 0:
+                req.prediction.unaligned()
             return
         num_accepted = min(max(res.num_accepted, 0), res.num_draft_tokens)
         req.prediction.record(res.num_draft_tokens, num_accepted)

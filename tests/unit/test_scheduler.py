@@ -889,3 +889,54 @@ def test_cached_prefix_blocks_counts_without_taking_references() -> None:
     assert case.scheduler.cached_prefix_blocks(list(b"abcdefghXXXX")) == 2
     assert case.scheduler.cached_prefix_blocks(list(b"abcdefghijklmnop")) == 3
     assert case.scheduler.block_pool.num_used == 0
+
+
+# ------------------------------------------------------------------- predicted outputs
+
+
+def test_a_predicted_output_gets_its_own_draft_budget() -> None:
+    """A request with a prediction gets up to the worker's `num_prediction_tokens` draft slots
+    even with no proposer; the budget stays at the limit while its prediction drafts are all
+    accepted, falls to one more than were accepted, halves when the prediction gave no draft;
+    its accepted and rejected drafts are counted apart from the proposer's and reach its
+    events. A request without a prediction gets no draft slot."""
+    config = SchedulerConfig(
+        num_blocks=64, block_size=4, max_model_len=200, num_spec_tokens=0, num_prediction_tokens=8, vocab_size=64
+    )
+    scheduler = Scheduler(config, Tokenizer(make_toy_tokenizer_json()))
+    options = {"max_tokens": 100, "ignore_eos": True}
+    scheduler.add_request("p", [1, 2, 3], *split_options({**options, "prediction_token_ids": [5] * 40}))
+    scheduler.add_request("q", [1, 2, 3], *split_options(options))
+
+    def answer(tokens: list[int], drafts: int = 0, predicted: bool = False) -> tuple[dict[str, int], dict]:
+        """Run the next plan (sync): ``p`` gets ``tokens`` after ``drafts`` verified drafts,
+        ``q`` one token; the plan's draft slots per decode row and the events."""
+        plan = scheduler.schedule()
+        assert plan is not None
+        slots = {row.req_id: row.num_draft_slots for row in plan_rows(plan) if not row.token_ids}
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        result.results.add(
+            req_id="p",
+            token_ids=tokens,
+            num_draft_tokens=drafts,
+            num_accepted=len(tokens) - 1,
+            prediction_drafts=predicted,
+        )
+        result.results.add(req_id="q", token_ids=[5])
+        return slots, {ev.req_id: ev for ev in scheduler.on_step_result(result)}
+
+    answer([5])  # the prefills
+    slots, _ = answer([5] * 9, 8, True)  # all 8 accepted: the budget stays at the limit
+    assert slots == {"p": 8, "q": 0}
+    slots, _ = answer([5] * 4, 8, True)  # 3 of 8 accepted
+    assert slots == {"p": 8, "q": 0}
+    slots, events = answer([5], 3, False)  # the proposer's drafts
+    assert slots == {"p": 4, "q": 0}
+    assert events["p"].prediction == (11, 5) and events["q"].prediction is None
+    slots, _ = answer([5])
+    assert slots == {"p": 2, "q": 0}
+    slots, _ = answer([5])
+    assert slots == {"p": 1, "q": 0}
+    stats = scheduler.stats
+    assert (stats.num_prediction_draft_tokens, stats.num_prediction_accepted_tokens) == (16, 11)
+    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 0)
