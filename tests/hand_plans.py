@@ -17,7 +17,14 @@ class Plans:
         self.next_block = 0
 
     def new(
-        self, req_id: str, tokens: list[int], *, sample: bool, temperature: float = 0.0, logprobs: bool = False
+        self,
+        req_id: str,
+        tokens: list[int],
+        *,
+        sample: bool,
+        temperature: float = 0.0,
+        logprobs: bool = False,
+        prediction: list[int] | None = None,
     ) -> worker_pb2.ScheduledRequest:
         blocks = list(range(self.next_block, self.next_block + BLOCKS_PER_REQUEST))
         self.next_block += BLOCKS_PER_REQUEST
@@ -35,6 +42,7 @@ class Plans:
             logit_bias={3: 2.0, 7: -1.0} if temperature else {},
             top_logprobs=2 if logprobs else 0,
             num_prompt_tokens=len(tokens),
+            prediction_token_ids=prediction or [],
         )
         return worker_pb2.ScheduledRequest(
             req_id=req_id, token_ids=tokens, new_block_ids=blocks, is_new=True, sample=sample, sampling=sampling

@@ -140,22 +140,30 @@ def _tiny_model(seed: int, cfg: LlamaConfig, shapes: dict[str, torch.Size]) -> L
     )
 
 
-def _schedule(k: int) -> list[worker_pb2.StepPlan]:
+def _schedule(k: int, predicted: bool = False) -> list[worker_pb2.StepPlan]:
+    """``predicted``: a and c carry predicted outputs, and their decodes every draft slot."""
     p = Plans(k)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    wide = k if predicted else K
+    a_pred, c_pred = ([7, 8, 5, 6, 7, 8, 1, 2, 3], [4, 4, 2, 9, 9]) if predicted else (None, None)
     return [
         # A non-sampling first chunk beside a one-chunk prompt that samples (greedy, logprobs).
-        p.plan(p.new("a", prompt[:6], sample=False), p.new("b", [1, 2, 3, 1, 2], sample=True, logprobs=True)),
+        p.plan(
+            p.new("a", prompt[:6], sample=False, prediction=a_pred),
+            p.new("b", [1, 2, 3, 1, 2], sample=True, logprobs=True),
+        ),
         # The rest of a's prompt (samples) beside b's first verification row.
         p.plan(p.chunk("a", prompt[6:]), p.decode("b")),
-        p.plan(p.decode("a"), p.decode("b")),
+        p.plan(p.decode("a", wide), p.decode("b")),
         # Fewer draft slots than proposed; a random row (temperature, top-k, top-p) joins.
-        p.plan(p.decode("a", 1), p.decode("b"), p.new("c", [9, 9, 9, 4], sample=True, temperature=0.8)),
-        p.plan(p.decode("a"), p.decode("c")),
+        p.plan(
+            p.decode("a", 1), p.decode("b"), p.new("c", [9, 9, 9, 4], sample=True, temperature=0.8, prediction=c_pred)
+        ),
+        p.plan(p.decode("a", wide), p.decode("c", wide)),
         # b finished; a new request prefills beside decodes.
         p.plan(p.decode("a"), p.decode("c"), p.new("d", [3, 3, 3], sample=True, logprobs=True), finished=("b",)),
-        p.plan(p.decode("a", 0), p.decode("c"), p.decode("d")),
-        p.plan(p.decode("a"), p.decode("c"), p.decode("d")),
+        p.plan(p.decode("a", 0), p.decode("c", wide), p.decode("d")),
+        p.plan(p.decode("a", wide), p.decode("c"), p.decode("d")),
     ]
 
 
@@ -183,10 +191,26 @@ def _eagle3_weights(target_config: LlamaConfig) -> tuple[dict, dict[str, torch.T
     return shape.speculators_config([0, 1]), weights
 
 
-@pytest.mark.parametrize("spec", ["none", "ngram", "draft", "draft-rejection", "eagle", "eagle-rejection", "eagle3"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "none",
+        "ngram",
+        "draft",
+        "draft-rejection",
+        "eagle",
+        "eagle-rejection",
+        "eagle3",
+        # With predicted outputs: alone, beside a proposer, verified by rejection sampling.
+        "none+prediction",
+        "ngram+prediction",
+        "draft-rejection+prediction",
+    ],
+)
 def test_steps_read_nothing_from_the_device(spec: str) -> None:
     from zerobubble.worker_svc.proposers.eagle import serving_head
 
+    spec, _, with_predictions = spec.partition("+")
     configs = [_config(2), _config(1)]
     shapes = [_shapes(c) for c in configs]
     eagle3 = _eagle3_weights(configs[0]) if spec == "eagle3" else None
@@ -201,14 +225,21 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
         proposer = build_proposer(method, K, draft_model=draft, draft_acceptance=acceptance or "keyed")
         runner = ModelRunner(
             target,
-            RunnerConfig(num_blocks=64, block_size=BLOCK_SIZE, max_num_seqs=4, max_model_len=32, num_spec_tokens=K),
+            RunnerConfig(
+                num_blocks=64,
+                block_size=BLOCK_SIZE,
+                max_num_seqs=4,
+                max_model_len=32,
+                num_spec_tokens=K if proposer is not None else 0,
+                num_prediction_tokens=6 if with_predictions else 0,
+            ),
             proposer,
         )
         assert runner.copier.accelerator and not runner.builder.trim_empty_drafts
         audit = TransferAudit()
         pendings = []
         with audit:
-            for plan in _schedule(runner.num_spec_tokens):
+            for plan in _schedule(runner.num_spec_tokens, bool(with_predictions)):
                 # Raises DataDependentOutputException / DynamicOutputShapeException on any read.
                 pendings.append(runner.execute(plan))
     uploads = [c for c in audit.copies if c.direction == "h2d"]
@@ -220,7 +251,18 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
     sampled_steps = [p for p in pendings if p.out_tokens is not None]
     assert len(sampled_steps) == len(pendings)
     num_result_tensors = sum(
-        sum(t is not None for t in (p.out_tokens, p.num_accepted, p.num_drafts, p.logprobs, p.top_ids, p.top_logprobs))
+        sum(
+            t is not None
+            for t in (
+                p.out_tokens,
+                p.num_accepted,
+                p.num_drafts,
+                p.logprobs,
+                p.top_ids,
+                p.top_logprobs,
+                p.prediction_drafts,
+            )
+        )
         for p in pendings
     )
     assert len(downloads) == num_result_tensors

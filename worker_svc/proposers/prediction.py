@@ -68,10 +68,11 @@ class PredictionDrafts:
         row.fill_(-1)
         if n:
             staging.write(row[:n], token_ids)
-        self.length[slot] = n
-        self.anchor[slot] = -1
-        self.anchor_total[slot] = num_prompt_tokens
-        self.active[slot] = False
+        # Filled in place: `t[i] = number` is a blocking copy of a host scalar on CUDA.
+        self.length[slot].fill_(n)
+        self.anchor[slot].fill_(-1)
+        self.anchor_total[slot].fill_(num_prompt_tokens)
+        self.active[slot].fill_(False)
 
     def drafted(self, slots: torch.Tensor) -> torch.Tensor:
         """``[S]`` bool: whether each slot's current drafts came from its prediction (a copy)."""
