@@ -435,7 +435,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
     if servicer.worker_id.endswith(":0"):
         servicer.worker_id = f"{socket.gethostname()}:{port}"
     if metrics is not None:
-        metrics.add_worker(servicer.worker_id, runner.num_spec_tokens)
+        metrics.add_worker(servicer.worker_id, runner.num_proposed)
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], True)
     logger.info("worker %s listening on %s:%d", servicer.worker_id, cfg.host, port)

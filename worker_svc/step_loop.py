@@ -146,7 +146,7 @@ class StepLoop:
         self._loop.call_soon_threadsafe(self.answers_queue.put_nowait, item)
 
     def _materialize_and_deliver(self, pending: PendingResult, idle_s: float) -> None:
-        self.deliver(materialize_result(pending, idle_s, self.runner.num_spec_tokens, self.on_device_fault))
+        self.deliver(materialize_result(pending, idle_s, self.runner.num_proposed, self.on_device_fault))
 
     def start_copier(self) -> None:
         self._copier.start()
