@@ -12,8 +12,11 @@ Each dataset row is one request: ``messages`` (chat, template applied by the ser
 sent under ``--no-constraints``) and ``prediction`` (text the reply is expected to repeat, sent as
 the request's predicted output; not sent under ``--no-prediction``, so one workload compares
 both). Rows are greedy unless they say otherwise.
-``--dataset`` takes a path or the bare name of a workload shipped in ``zerobubble/workloads/``
-(``grounded``: 48 chat rows of code edits, grounded questions and open chat).
+``--dataset`` takes a path or the bare name of a workload shipped in ``zerobubble/workloads/``:
+``grounded`` (48 chat rows of code edits, grounded questions and open chat), ``structured`` (the
+same rows, each with a JSON schema) and ``edits`` (36 code edits and document revisions whose
+replies repeat most of the text being edited, each with that text as its prediction; written by
+``scripts/make_edits_workload.py``).
 
 Throughput and latencies are measured here, on the client. Each reply's accepted and rejected
 prediction tokens are the server's counts (gRPC: the final message; OpenAI:

@@ -209,7 +209,7 @@ def test_bench_cli_reports_an_unknown_dataset_name(tmp_path: Path, monkeypatch: 
     args = build_parser(env={}).parse_args(["bench", "--dataset", "no-such-workload", "--target", "localhost:1"])
     assert run_bench(args) == 2
     shipped = capsys.readouterr().err.split("shipped: ", 1)[1]
-    assert "grounded" in shipped
+    assert "grounded" in shipped and "edits" in shipped
 
 
 def test_select_rows_does_not_mutate_its_input() -> None:

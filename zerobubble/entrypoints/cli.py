@@ -247,7 +247,8 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
         "--dataset",
         default="",
         env=env,
-        help="JSONL file (messages|prompt, max_tokens, kind, ...) or a shipped workload's name: grounded, structured",
+        help="JSONL file (messages|prompt, max_tokens, kind, ...) or a shipped workload's name: grounded, "
+        "structured, edits",
     )
     add_flag(
         parser,
