@@ -2,8 +2,8 @@
 """Write ``zerobubble/workloads/edits.jsonl``: requests whose reply repeats most of a text the client
 already holds, each with the ``prediction`` that client would send (OpenAI's Predicted Outputs).
 
-    python scripts/make_edits_workload.py                 # write the workload (a few minutes on 2 cores)
-    python scripts/make_edits_workload.py --limit 4 --dry-run --show   # try the wording on 4 rows
+    python scripts/make_edits_workload.py                 # write the workload (about 5 minutes on 2 cores)
+    python scripts/make_edits_workload.py --limit 4 --dry-run --show   # try the wording on 4 rows of each kind
 
 Two kinds of rows, each a user asking for a small change and for the whole text back:
 
@@ -17,7 +17,11 @@ Two kinds of rows, each a user asking for a small change and for the whole text 
 ``max_tokens`` is 1.3x the prediction's tokens, capped at 512, room to repeat it whole. The
 script then answers every row with the embedded model, greedy, and prints how much of each
 prediction the reply repeats in order (difflib's matching blocks over token ids): the share a
-server could accept from the prediction, at most.
+server could accept from the prediction, at most. On 2026-12-07 (Python 3.11.7, transformers
+5.25.0): 0.645 of the code predictions' tokens, 0.828 of the documents', 0.706 over all rows.
+
+The documents are cached by prompt in ``<zerobubble cache>/edits-workload-documents.json``, so
+rewording an instruction does not write them again; delete it to write them afresh.
 """
 
 from __future__ import annotations
@@ -62,16 +66,16 @@ CODE_EDITS: tuple[tuple[str, str], ...] = (
     ("heapq._siftup", "Add a one-line docstring."),
     ("statistics.median", "Change the error message to 'median of empty data'."),
     ("statistics.mode", "Rename the variable `pairs` to `most_common`."),
-    ("statistics.fmean", "Change the error message 'fmean requires at least one data point' to 'no data'."),
-    ("statistics.stdev", "Rename the variable `mss` to `mean_square`."),
+    ("html.escape", "Rename the parameter `s` to `text`."),
+    ("shutil.copy", "Rename the parameter `dst` to `destination`."),
     ("statistics.geometric_mean", "Add the return annotation `-> float`."),
     ("html.unescape", "Rename the parameter `s` to `text`."),
     ("glob._glob1", "Add a one-line docstring."),
     ("glob.escape", "Rename the parameter `pathname` to `path`."),
-    ("gettext._expand_lang", "Rename the variable `ret` to `variants`."),
-    ("urllib.parse.urldefrag", "Rename the variable `defrag` to `base`."),
+    ("secrets.token_hex", "Rename the parameter `nbytes` to `num_bytes`."),
+    ("shutil._samefile", "Add a one-line docstring."),
     ("urllib.parse._splitport", "Add type hints: `host` is `str` and it returns `tuple[str, str | None]`."),
-    ("quopri.unhex", 'Replace the `assert False, ...` line with `raise ValueError("non-hex digit " + repr(c))`.'),
+    ("quopri.needsquoting", "Rename the parameter `c` to `char`."),
     ("shutil.copyfileobj", "Rename the variable `buf` to `chunk`."),
     ("shutil.ignore_patterns", "Rename the inner function `_ignore_patterns` to `_ignore`."),
 )
@@ -147,9 +151,11 @@ DOCUMENTS: tuple[DocumentTask, ...] = (
     DocumentTask("lisbon-guide", "Write a short travel guide to Lisbon.", TYPO, TYPO),
 )
 
+# The instruction first and the file last: the 135M model then copies more of the file than
+# when the file comes first (0.59 of its tokens against 0.44, over these rows).
 CODE_REQUEST = (
-    "Here is a Python file:\n\n```python\n{text}\n```\n\n"
-    "{instruction} Return the whole file with only that change, in a ```python block."
+    "{instruction} Reply with the complete updated file in a ```python block, keeping every other line "
+    "exactly as it is.\n\n```python\n{text}\n```"
 )
 DOC_REQUEST = (
     "Here is a document:\n\n```markdown\n{text}\n```\n\n"
