@@ -2,7 +2,7 @@
 """Write ``zerobubble/workloads/edits.jsonl``: requests whose reply repeats most of a text the client
 already holds, each with the ``prediction`` that client would send (OpenAI's Predicted Outputs).
 
-    python scripts/make_edits_workload.py                 # write the workload (about 5 minutes on 2 cores)
+    python scripts/make_edits_workload.py                 # write the workload (about 6 minutes on 2 cores)
     python scripts/make_edits_workload.py --limit 4 --dry-run --show   # try the wording on 4 rows of each kind
 
 Two kinds of rows, each a user asking for a small change and for the whole text back:
@@ -321,7 +321,10 @@ def build_rows(model: Model, limit: int) -> list[dict[str, Any]]:
 
 def written_documents(model: Model, prompts: list[str]) -> list[str]:
     """The model's greedy document for each prompt, kept in the user's cache by prompt so that
-    rewording one instruction does not write every document again."""
+    rewording one instruction does not write every document again.
+
+    One prompt at a time, unpadded: a document then does not depend on which others were
+    written with it, so a fresh run writes the same ones."""
     from zerobubble.worker_svc.model_loader import cache_dir, write_atomic
 
     path = cache_dir() / "edits-workload-documents.json"
@@ -329,7 +332,7 @@ def written_documents(model: Model, prompts: list[str]) -> list[str]:
     missing = [p for p in prompts if p not in cached]
     if missing:
         chats = [[{"role": "user", "content": p}] for p in missing]
-        cached.update(zip(missing, model.replies(chats, [DOCUMENT_MAX_TOKENS] * len(missing))))
+        cached.update((p, model.replies([chat], [DOCUMENT_MAX_TOKENS])[0]) for p, chat in zip(missing, chats))
         write_atomic(path, json.dumps(cached, indent=1, ensure_ascii=False))
     return [cached[p] for p in prompts]
 
