@@ -3,6 +3,10 @@
 It is not a model or a scheduler: it answers with token ids 0, 1, 2, ... two per message (like
 accepted drafts), so client code (streaming, concurrency limits, reports, auth) can be tested
 against known replies in milliseconds. Integration tests use the real services instead.
+
+A request with a predicted output is answered with counts derived from it, so a test can tell
+the prediction crossed the wire: accepted, half the reply's tokens (rounded down); rejected,
+the prediction's characters.
 """
 
 from __future__ import annotations
@@ -52,14 +56,26 @@ class FakeGeneration(generate_pb2_grpc.GenerationServicer):
                     num_prompt_tokens=3,
                     num_output_tokens=start + len(ids),
                 )
+            accepted, rejected = self._prediction_counts(request)
             yield generate_pb2.GenerateResponse(
                 request_id="r",
                 finish_reason=generate_pb2.FINISH_REASON_MAX_TOKENS,
                 num_prompt_tokens=3,
                 num_output_tokens=n,
+                num_accepted_prediction_tokens=accepted,
+                num_rejected_prediction_tokens=rejected,
             )
         finally:
             self.in_flight -= 1
+
+    def _prediction_counts(self, request: generate_pb2.GenerateRequest) -> tuple[int, int]:
+        """(accepted, rejected) prediction tokens of a reply, counted in the server's stats too."""
+        if not request.HasField("prediction"):
+            return 0, 0
+        accepted, rejected = request.stopping.max_tokens // 2, len(request.prediction.text)
+        self.stats.num_prediction_draft_tokens += accepted + rejected
+        self.stats.num_prediction_accepted_tokens += accepted
+        return accepted, rejected
 
     async def ModelInfo(
         self, request: generate_pb2.ModelInfoRequest, context: grpc.aio.ServicerContext

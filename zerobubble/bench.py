@@ -8,14 +8,22 @@ OpenAI-compatible HTTP server: ours, vLLM, llama.cpp's ``llama-server``; see
 
 Each dataset row is one request: ``messages`` (chat, template applied by the server) or
 ``prompt`` (raw text), ``max_tokens``, and optionally ``kind`` (for ``--kind`` filtering),
-``temperature``, ``seed`` and ``ignore_eos``. Rows are greedy unless they say otherwise.
-``--dataset`` takes a path or the bare name of a workload shipped in ``zerobubble/workloads/``
-(``grounded``: 48 chat rows of code edits, grounded questions and open chat).
+``temperature``, ``seed``, ``ignore_eos``, ``schema`` (a JSON schema the reply must follow; not
+sent under ``--no-constraints``) and ``prediction`` (text the reply is expected to repeat, sent as
+the request's predicted output; not sent under ``--no-prediction``, so one workload compares
+both). Rows are greedy unless they say otherwise.
+``--dataset`` takes a path or the bare name of a workload shipped in ``zerobubble/workloads/``:
+``grounded`` (48 chat rows of code edits, grounded questions and open chat), ``structured`` (the
+same rows, each with a JSON schema) and ``edits`` (36 code edits and document revisions whose
+replies repeat most of the text being edited, each with that text as its prediction; written by
+``scripts/make_edits_workload.py``).
 
-Throughput and latencies are measured here, on the client. Speculation and worker-idle figures
-(gRPC backend only) come from the difference of two reads of ``ModelInfo.stats``, the server's
-cumulative counters, so they include any other traffic the server handled meanwhile: benchmark an
-otherwise idle server.
+Throughput and latencies are measured here, on the client. Each reply's accepted and rejected
+prediction tokens are the server's counts (gRPC: the final message; OpenAI:
+``usage.completion_tokens_details``, None where absent). Speculation, prediction-draft and
+worker-idle figures (gRPC backend only) come from the difference of two reads of
+``ModelInfo.stats``, the server's cumulative counters, so they include any other traffic the
+server handled meanwhile: benchmark an otherwise idle server.
 """
 
 from __future__ import annotations
@@ -69,13 +77,15 @@ class BenchRow:
     seed: int | None = None
     ignore_eos: bool = False
     schema: dict[str, Any] | None = None  # structured output: the JSON schema the reply must follow
+    prediction: str | None = None  # predicted output: text the reply is expected to repeat in large part
 
 
 def parse_row(obj: Any, index: int) -> BenchRow:
     """Validate one decoded JSON row.
 
     Raises:
-        ValueError: the row lacks an input or ``max_tokens``, or has both inputs.
+        ValueError: the row lacks an input or ``max_tokens``, has both inputs, or a field has the
+            wrong type.
     """
     if not isinstance(obj, dict):
         raise ValueError(f"row {index}: expected a JSON object, got {type(obj).__name__}")
@@ -95,6 +105,12 @@ def parse_row(obj: Any, index: int) -> BenchRow:
     schema = obj.get("schema")
     if schema is not None and not isinstance(schema, dict):
         raise ValueError(f"row {index}: 'schema' must be a JSON object (a JSON schema)")
+    prediction = obj.get("prediction")
+    if prediction is not None and not isinstance(prediction, str):
+        raise ValueError(
+            f"row {index}: 'prediction' must be a string (the text the reply is expected to repeat), "
+            f"got {type(prediction).__name__}"
+        )
     return BenchRow(
         index=index,
         kind=str(obj.get("kind", "")),
@@ -107,17 +123,33 @@ def parse_row(obj: Any, index: int) -> BenchRow:
         seed=int(seed) if seed is not None else None,
         ignore_eos=bool(obj.get("ignore_eos", False)),
         schema=schema,
+        prediction=prediction,
     )
 
 
-def select_rows(rows: Sequence[BenchRow], *, kind: str = "", limit: int = 0, max_tokens_cap: int = 0) -> list[BenchRow]:
-    """Apply ``--kind``, then ``--limit``, then ``--max-tokens-cap`` (empty/0 = off); ``rows`` is left as is."""
+def select_rows(
+    rows: Sequence[BenchRow],
+    *,
+    kind: str = "",
+    limit: int = 0,
+    max_tokens_cap: int = 0,
+    constraints: bool = True,
+    predictions: bool = True,
+) -> list[BenchRow]:
+    """Apply ``--kind``, then ``--limit``, then ``--max-tokens-cap`` (empty/0 = off); without
+    ``constraints`` or ``predictions`` the rows lose their schema or prediction, so the same
+    requests run with and without them. ``rows`` is left as is."""
     chosen = [row for row in rows if not kind or row.kind == kind]
     if limit > 0:
         chosen = chosen[:limit]
     if max_tokens_cap > 0:
         chosen = [dataclasses.replace(row, max_tokens=min(row.max_tokens, max_tokens_cap)) for row in chosen]
-    return chosen
+    dropped: dict[str, Any] = {}
+    if not constraints:
+        dropped["schema"] = None
+    if not predictions:
+        dropped["prediction"] = None
+    return [dataclasses.replace(row, **dropped) for row in chosen] if dropped else chosen
 
 
 def shipped_workloads() -> list[str]:
@@ -144,8 +176,16 @@ def resolve_dataset(spec: str | Path) -> Path:
     )
 
 
-def load_dataset(path: str | Path, *, kind: str = "", limit: int = 0, max_tokens_cap: int = 0) -> list[BenchRow]:
-    """Read a JSONL dataset (blank lines skipped) and select rows as ``bench`` does.
+def load_dataset(
+    path: str | Path,
+    *,
+    kind: str = "",
+    limit: int = 0,
+    max_tokens_cap: int = 0,
+    constraints: bool = True,
+    predictions: bool = True,
+) -> list[BenchRow]:
+    """Read a JSONL dataset (blank lines skipped) and select rows as ``bench`` does (:func:`select_rows`).
 
     ``path`` may also be a shipped workload's name (:func:`resolve_dataset`). Shared with
     ``scripts/hf_baseline.py`` so both sides run exactly the same requests.
@@ -165,12 +205,14 @@ def load_dataset(path: str | Path, *, kind: str = "", limit: int = 0, max_tokens
             except json.JSONDecodeError as exc:
                 raise ValueError(f"{path}:{line_no}: invalid JSON: {exc}") from exc
             rows.append(parse_row(obj, len(rows)))
-    return select_rows(rows, kind=kind, limit=limit, max_tokens_cap=max_tokens_cap)
+    return select_rows(
+        rows, kind=kind, limit=limit, max_tokens_cap=max_tokens_cap, constraints=constraints, predictions=predictions
+    )
 
 
 def row_request(row: BenchRow) -> generate_pb2.GenerateRequest:
     """The request a row stands for; greedy when the row gives no temperature, constrained to
-    the row's schema when it has one."""
+    the row's schema when it has one, with its prediction as the predicted output."""
     request = build_request(
         prompt=row.prompt,
         messages=row.messages,
@@ -178,6 +220,7 @@ def row_request(row: BenchRow) -> generate_pb2.GenerateRequest:
         temperature=row.temperature if row.temperature is not None else 0.0,
         seed=row.seed,
         ignore_eos=row.ignore_eos,
+        prediction=row.prediction,
     )
     if row.schema is not None:
         request.constraint.json_schema = json.dumps(row.schema)
@@ -229,6 +272,19 @@ def idle_fraction(delta: generate_pb2.ServerStats) -> float | None:
     return delta.worker_idle_s / total
 
 
+def prediction_acceptance(delta: generate_pb2.ServerStats) -> float | None:
+    """Accepted ÷ verified drafts taken from requests' predictions; None when none were drafted."""
+    if delta.num_prediction_draft_tokens <= 0:
+        return None
+    return delta.num_prediction_accepted_tokens / delta.num_prediction_draft_tokens
+
+
+def total_or_none(values: Sequence[int | None]) -> int | None:
+    """The sum of the counts the server gave; None when it gave none."""
+    given = [v for v in values if v is not None]
+    return sum(given) if given else None
+
+
 def time_per_output_token(completion: Completion) -> float | None:
     """Decode time per token after the first, which credits speculation's multi-token messages."""
     if completion.ttft_s is None or completion.output_len < 2:
@@ -249,6 +305,9 @@ def request_record(row: BenchRow, completion: Completion) -> dict[str, Any]:
         "itl_s": completion.itl,
         "num_prompt_tokens": completion.num_prompt_tokens,
         "num_output_tokens": completion.output_len,
+        "with_prediction": row.prediction is not None,
+        "accepted_prediction_tokens": completion.num_accepted_prediction_tokens,
+        "rejected_prediction_tokens": completion.num_rejected_prediction_tokens,
     }
     if completion.error:
         record["error"] = completion.error
@@ -310,6 +369,7 @@ def summarize(
         if delta is not None and delta.grammar_s > 0 and delta.num_generation_tokens > 0
         else None
     )
+    report.update(prediction_figures(rows, completions, delta))
     report["server_stats"] = (
         {d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields}
         if delta is not None
@@ -317,6 +377,41 @@ def summarize(
     )
     report["requests"] = [request_record(row, c) for row, c in zip(rows, completions)]
     return report
+
+
+def prediction_figures(
+    rows: Sequence[BenchRow], completions: Sequence[Completion], delta: generate_pb2.ServerStats | None
+) -> dict[str, Any]:
+    """The report's predicted-output figures: requests sent with a prediction; the tokens of it
+    the replies say were accepted and rejected (None where no reply said); the server's drafts
+    taken from predictions over the run, those accepted and the ratio (None without stats, the
+    ratio also without such drafts)."""
+    return {
+        "num_prediction_requests": sum(row.prediction is not None for row in rows),
+        "accepted_prediction_tokens": total_or_none([c.num_accepted_prediction_tokens for c in completions]),
+        "rejected_prediction_tokens": total_or_none([c.num_rejected_prediction_tokens for c in completions]),
+        "server_prediction_draft_tokens": delta.num_prediction_draft_tokens if delta is not None else None,
+        "server_prediction_accepted_tokens": delta.num_prediction_accepted_tokens if delta is not None else None,
+        "prediction_acceptance": prediction_acceptance(delta) if delta is not None else None,
+    }
+
+
+def format_prediction(report: Mapping[str, Any]) -> str | None:
+    """The summary's prediction line; None when no request carried one and no reply counted any."""
+    accepted, rejected = report.get("accepted_prediction_tokens"), report.get("rejected_prediction_tokens")
+    if not report.get("num_prediction_requests") and not accepted and not rejected:
+        return None
+    if accepted is None and rejected is None:
+        counts = "n/a (the server reports no counts)"
+    else:
+        counts = f"{accepted or 0} tokens accepted, {rejected or 0} rejected"
+    line = f"prediction   {report.get('num_prediction_requests', 0)} requests with one: {counts}"
+    if report.get("prediction_acceptance") is not None:
+        line += (
+            f"; server drafted {report['server_prediction_draft_tokens']} tokens from predictions, "
+            f"acceptance {report['prediction_acceptance']:.3f}"
+        )
+    return line
 
 
 def format_summary(report: Mapping[str, Any]) -> str:
@@ -349,6 +444,8 @@ def format_summary(report: Mapping[str, Any]) -> str:
         f"speculation  {spec}",
         f"worker idle  {ratio(report['worker_idle_fraction'], '{:.1%}')}",
     ]
+    if (prediction := format_prediction(report)) is not None:
+        lines.append(prediction)
     if report.get("grammar_s_per_token") is not None:
         lines.append(f"grammar      {report['grammar_s_per_token'] * 1e6:.0f} us of worker CPU per output token")
     return "\n".join(lines)

@@ -4,8 +4,10 @@ Rows with ``messages`` go to ``/v1/chat/completions``, rows with ``prompt`` to `
 always streamed (SSE) with ``stream_options.include_usage`` so TTFT and inter-token gaps are
 measured on the client exactly as for gRPC, and the output token count is the server's usage
 figure. A server that sends no usage is counted one token per content chunk (llama.cpp and vLLM
-stream one token per chunk without speculation). Server-side figures (acceptance, worker idle)
-do not exist over this API and are reported as n/a.
+stream one token per chunk without speculation). A row's prediction is sent as OpenAI's
+``prediction`` and its accepted and rejected tokens read from ``usage.completion_tokens_details``
+(None where the server leaves them out). Server-side figures (acceptance, worker idle) do not
+exist over this API and are reported as n/a.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class OpenAIBackendError(RuntimeError):
 
 
 def request_body(row: BenchRow, model: str) -> tuple[str, dict[str, Any]]:
-    """(path, JSON body) for one row; greedy unless the row says otherwise."""
+    """(path, JSON body) for one row; greedy unless the row says otherwise, with the row's
+    prediction in OpenAI's shape (``{"type": "content", "content": ...}``)."""
     body: dict[str, Any] = {
         "model": model,
         "max_tokens": row.max_tokens,
@@ -45,6 +48,8 @@ def request_body(row: BenchRow, model: str) -> tuple[str, dict[str, Any]]:
         body["seed"] = row.seed
     if row.ignore_eos:
         body["ignore_eos"] = True  # a vLLM extra; llama-server and ours accept it too
+    if row.prediction is not None:
+        body["prediction"] = {"type": "content", "content": row.prediction}
     if row.schema is not None:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "row", "schema": row.schema}}
     if row.messages is not None:
@@ -75,8 +80,7 @@ async def stream_completion(client: httpx.AsyncClient, row: BenchRow, model: str
                 if "error" in chunk:
                     raise OpenAIRequestError(str(chunk["error"].get("message", chunk["error"])))
                 if chunk.get("usage"):
-                    completion.num_prompt_tokens = chunk["usage"].get("prompt_tokens", 0)
-                    completion.num_output_tokens = chunk["usage"].get("completion_tokens", 0)
+                    read_usage(chunk["usage"], completion)
                 for choice in chunk.get("choices") or ():
                     text = (choice.get("delta") or {}).get("content") or choice.get("text") or ""
                     if text:
@@ -99,6 +103,16 @@ async def stream_completion(client: httpx.AsyncClient, row: BenchRow, model: str
     if not completion.num_output_tokens:
         completion.num_output_tokens = num_chunks
     return completion
+
+
+def read_usage(usage: dict[str, Any], completion: Completion) -> None:
+    """Token counts from a ``usage`` object; the prediction counts stay None where the server
+    gives no ``completion_tokens_details`` (or none of them in it)."""
+    completion.num_prompt_tokens = usage.get("prompt_tokens", 0)
+    completion.num_output_tokens = usage.get("completion_tokens", 0)
+    details = usage.get("completion_tokens_details") or {}
+    completion.num_accepted_prediction_tokens = details.get("accepted_prediction_tokens")
+    completion.num_rejected_prediction_tokens = details.get("rejected_prediction_tokens")
 
 
 class OpenAIRequestError(RuntimeError):

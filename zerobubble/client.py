@@ -101,6 +101,10 @@ class Completion:
     # Output tokens as the server counted them; HTTP replies carry text only, so there it is the
     # usage figure and `token_ids` stays empty.
     num_output_tokens: int = 0
+    # The request's predicted output: its tokens the server verified and accepted, and rejected.
+    # None: the server did not say (an HTTP server without `completion_tokens_details`).
+    num_accepted_prediction_tokens: int | None = None
+    num_rejected_prediction_tokens: int | None = None
 
     @property
     def output_len(self) -> int:
@@ -233,11 +237,14 @@ def build_request(
     logit_bias: Mapping[int, float] | None = None,
     n: int = 0,
     constraint: Constraint | None = None,
+    prediction: str | None = None,
 ) -> generate_pb2.GenerateRequest:
     """A ``GenerateRequest`` from plain Python values; None leaves a field to the server default.
 
     ``messages`` are ``{"role": ..., "content": ...}`` mappings (the OpenAI shape);
-    ``constraint`` holds the output to a schema, regex, choice or grammar.
+    ``constraint`` holds the output to a schema, regex, choice or grammar; ``prediction`` is
+    text the reply is expected to repeat (OpenAI's Predicted Outputs), which the server may
+    draft from without changing the reply.
 
     Raises:
         ValueError: not exactly one of ``prompt``, ``messages``, ``token_ids`` is given.
@@ -287,6 +294,8 @@ def build_request(
     request.response.top_logprobs = top_logprobs
     if constraint is not None:
         write_proto(constraint, request.constraint)
+    if prediction is not None:
+        request.prediction.text = prediction
     return request
 
 
@@ -356,6 +365,9 @@ async def complete(
         if response.finish_reason != generate_pb2.FINISH_REASON_UNSPECIFIED:
             completion.finish_reason = finish_reason_name(response.finish_reason)
             completion.error = response.error
+            # The final message's counts cover the whole reply.
+            completion.num_accepted_prediction_tokens = response.num_accepted_prediction_tokens
+            completion.num_rejected_prediction_tokens = response.num_rejected_prediction_tokens
             completion.e2e_s = now - started
     for index, completion in by_index.items():
         completion.text = "".join(text_parts.get(index, []))

@@ -208,7 +208,8 @@ def test_bench_cli_reports_an_unknown_dataset_name(tmp_path: Path, monkeypatch: 
     monkeypatch.chdir(tmp_path)
     args = build_parser(env={}).parse_args(["bench", "--dataset", "no-such-workload", "--target", "localhost:1"])
     assert run_bench(args) == 2
-    assert "shipped: grounded" in capsys.readouterr().err
+    shipped = capsys.readouterr().err.split("shipped: ", 1)[1]
+    assert "grounded" in shipped and "edits" in shipped
 
 
 def test_select_rows_does_not_mutate_its_input() -> None:
@@ -226,6 +227,8 @@ def test_select_rows_does_not_mutate_its_input() -> None:
         ({"prompt": "a", "max_tokens": 0}, "max_tokens"),
         ({"messages": [{"content": "no role"}], "max_tokens": 4}, "messages"),
         (["not", "an", "object"], "JSON object"),
+        ({"prompt": "a", "max_tokens": 4, "prediction": 5}, "'prediction' must be a string.*got int"),
+        ({"prompt": "a", "max_tokens": 4, "prediction": {"type": "content"}}, "'prediction' must be a string"),
     ],
 )
 def test_parse_row_rejects_bad_rows(obj: object, message: str) -> None:
@@ -259,6 +262,125 @@ def test_build_request_needs_exactly_one_input() -> None:
     assert list(request.token_ids.ids) == [5, 6] and list(request.stopping.stop) == ["\n"]
     assert request.sampling.top_k == 4 and request.response.logprobs
     assert not request.stopping.HasField("max_tokens") and not request.sampling.HasField("temperature")
+
+
+# --- predicted outputs -------------------------------------------------------------------------
+
+
+def prediction_dataset(path: Path) -> Path:
+    return write_dataset(
+        path,
+        [
+            {
+                "kind": "code-edit",
+                "messages": [{"role": "user", "content": "edit"}],
+                "max_tokens": 8,
+                "prediction": "x = 1\n",
+            },
+            {"kind": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8},
+        ],
+    )
+
+
+def test_a_rows_prediction_goes_into_its_request_and_no_prediction_drops_it(tmp_path: Path) -> None:
+    from zerobubble.entrypoints.bench import load_rows
+    from zerobubble.entrypoints.cli import build_parser
+
+    path = prediction_dataset(tmp_path / "p.jsonl")
+    parser = build_parser(env={})
+    with_rows = load_rows(parser.parse_args(["bench", "--dataset", str(path)]))
+    request = row_request(with_rows[0])
+    assert request.prediction.WhichOneof("content") == "text" and request.prediction.text == "x = 1\n"
+    assert not row_request(with_rows[1]).HasField("prediction")
+    without = load_rows(parser.parse_args(["bench", "--dataset", str(path), "--no-prediction"]))
+    assert [r.messages for r in without] == [r.messages for r in with_rows]
+    assert [r.max_tokens for r in without] == [r.max_tokens for r in with_rows]
+    assert not any(row_request(row).HasField("prediction") for row in without)
+
+
+def test_the_openai_body_carries_the_prediction_in_openais_shape() -> None:
+    from zerobubble.bench_openai import request_body
+
+    row = BenchRow(index=0, kind="", max_tokens=5, messages=[{"role": "user", "content": "q"}], prediction="abc")
+    path, body = request_body(row, "m")
+    assert path == "/chat/completions" and body["prediction"] == {"type": "content", "content": "abc"}
+    _, plain = request_body(BenchRow(index=0, kind="", max_tokens=5, messages=[{"role": "user", "content": "q"}]), "m")
+    assert "prediction" not in plain
+
+
+def test_openai_usage_gives_prediction_counts_or_none() -> None:
+    from zerobubble.bench_openai import read_usage
+
+    counted = Completion()
+    read_usage(
+        {
+            "prompt_tokens": 9,
+            "completion_tokens": 20,
+            "completion_tokens_details": {"accepted_prediction_tokens": 12, "rejected_prediction_tokens": 3},
+        },
+        counted,
+    )
+    assert (counted.num_prompt_tokens, counted.num_output_tokens) == (9, 20)
+    assert (counted.num_accepted_prediction_tokens, counted.num_rejected_prediction_tokens) == (12, 3)
+    silent = Completion()
+    read_usage({"prompt_tokens": 9, "completion_tokens": 20}, silent)
+    assert silent.num_accepted_prediction_tokens is None and silent.num_rejected_prediction_tokens is None
+
+
+def test_the_report_counts_prediction_tokens_per_request_and_in_total() -> None:
+    rows = [
+        BenchRow(index=0, kind="k", max_tokens=4, prompt="p", prediction="abc"),
+        BenchRow(index=1, kind="k", max_tokens=4, prompt="p"),
+    ]
+    completions = [
+        Completion(token_ids=[1, 2], num_accepted_prediction_tokens=6, num_rejected_prediction_tokens=2),
+        Completion(token_ids=[3], num_accepted_prediction_tokens=0, num_rejected_prediction_tokens=0),
+    ]
+    delta = generate_pb2.ServerStats(num_prediction_draft_tokens=10, num_prediction_accepted_tokens=6)
+    report = summarize(rows, completions, wall_s=1.0, concurrency=1, delta=delta)
+    assert report["num_prediction_requests"] == 1
+    assert (report["accepted_prediction_tokens"], report["rejected_prediction_tokens"]) == (6, 2)
+    assert (report["server_prediction_draft_tokens"], report["server_prediction_accepted_tokens"]) == (10, 6)
+    assert report["prediction_acceptance"] == pytest.approx(0.6)
+    first, second = report["requests"]
+    assert first["with_prediction"] and not second["with_prediction"]
+    assert (first["accepted_prediction_tokens"], first["rejected_prediction_tokens"]) == (6, 2)
+    assert "1 requests with one: 6 tokens accepted, 2 rejected" in format_summary(report)
+    assert "acceptance 0.600" in format_summary(report).splitlines()[-1]
+    json.dumps(report)
+
+
+def test_without_counts_the_prediction_figures_are_none() -> None:
+    rows = [BenchRow(index=0, kind="k", max_tokens=4, prompt="p", prediction="abc")]
+    report = summarize(rows, [Completion(token_ids=[1])], wall_s=1.0, concurrency=1, backend="openai")
+    assert report["accepted_prediction_tokens"] is None and report["rejected_prediction_tokens"] is None
+    assert report["server_prediction_draft_tokens"] is None and report["prediction_acceptance"] is None
+    assert report["requests"][0]["accepted_prediction_tokens"] is None
+    assert "1 requests with one: n/a" in format_summary(report)
+    plain = summarize(
+        [BenchRow(index=0, kind="k", max_tokens=4, prompt="p")], [Completion()], wall_s=1.0, concurrency=1
+    )
+    assert "prediction" not in format_summary(plain)
+
+
+def test_bench_over_grpc_sends_predictions_and_reports_the_replies_counts() -> None:
+    servicer = FakeGeneration()
+    rows = [
+        BenchRow(index=0, kind="k", max_tokens=6, prompt="p", prediction="twelve chars"),
+        BenchRow(index=1, kind="k", max_tokens=4, prompt="p"),
+    ]
+
+    async def body(target: str) -> dict:
+        return await run_bench_async(target, rows, concurrency=2)
+
+    report = asyncio.run(with_fake_server(servicer, body))
+    first, second = report["requests"]
+    # The fake counts half the reply accepted and the prediction's characters rejected.
+    assert (first["accepted_prediction_tokens"], first["rejected_prediction_tokens"]) == (3, 12)
+    assert (second["accepted_prediction_tokens"], second["rejected_prediction_tokens"]) == (0, 0)
+    assert (report["accepted_prediction_tokens"], report["rejected_prediction_tokens"]) == (3, 12)
+    assert (report["server_prediction_draft_tokens"], report["server_prediction_accepted_tokens"]) == (15, 3)
+    assert report["prediction_acceptance"] == pytest.approx(3 / 15)
 
 
 # --- client and bench against a fake scheduler ---------------------------------------------------

@@ -4,7 +4,6 @@ write the report; ``zerobubble bench plot`` draws reports (see :mod:`zerobubble.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -12,11 +11,30 @@ from pathlib import Path
 
 import grpc.aio
 
-from zerobubble.bench import format_summary, load_dataset, run_bench_async
+from zerobubble.bench import BenchRow, format_summary, load_dataset, run_bench_async
 from zerobubble.bench_openai import OpenAIBackendError, run_openai_bench_async
 from zerobubble.client import ChannelSettings, format_rpc_error
 from zerobubble.config import ConfigError, check_event_loop
 from zerobubble.event_loop import run_loop
+
+
+def load_rows(args: argparse.Namespace) -> list[BenchRow]:
+    """The rows ``bench`` sends: ``--dataset`` selected by ``--kind``, ``--limit`` and
+    ``--max-tokens-cap``, without schemas under ``--no-constraints`` and without predictions
+    under ``--no-prediction``.
+
+    Raises:
+        OSError: the dataset cannot be read.
+        ValueError: it holds an invalid row.
+    """
+    return load_dataset(
+        args.dataset,
+        kind=args.kind,
+        limit=args.limit,
+        max_tokens_cap=args.max_tokens_cap,
+        constraints=args.constraints,
+        predictions=args.prediction,
+    )
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -34,9 +52,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
-        rows = load_dataset(args.dataset, kind=args.kind, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
-        if not args.constraints:
-            rows = [dataclasses.replace(row, schema=None) for row in rows]
+        rows = load_rows(args)
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -247,7 +247,8 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
         "--dataset",
         default="",
         env=env,
-        help="JSONL file (messages|prompt, max_tokens, kind, ...) or a shipped workload's name: grounded",
+        help="JSONL file (messages|prompt, max_tokens, kind, ...) or a shipped workload's name: grounded, "
+        "structured, edits",
     )
     add_flag(
         parser,
@@ -315,6 +316,13 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
         default=True,
         env=env,
         help="constrain rows that carry a 'schema' to it (--no-constraints: the same rows unconstrained)",
+    )
+    add_flag(
+        parser,
+        "--prediction",
+        default=True,
+        env=env,
+        help="send a row's 'prediction' as the request's predicted output (--no-prediction: the same rows without it)",
     )
     add_flag(parser, "--json", default="", env=env, help="write the full report (per request too) to this file")
     add_flag(parser, "--progress", default=True, env=env, help="progress bar when stdout is a terminal")
