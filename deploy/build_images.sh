@@ -23,7 +23,8 @@
 #
 # The base is built once and kept (its tag names a digest of its package list); podman's layer
 # cache keeps torch and the dependencies between builds, so a rebuild after a source change
-# reinstalls only the project.
+# reinstalls only the project. Each source change leaves the previous build's project layers
+# behind (about 1 GB); `podman image prune` frees them, and with them the layer cache.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "$0")/.." && pwd)"

@@ -27,7 +27,7 @@ import secrets
 import shlex
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -240,8 +240,13 @@ def test_probes_of_the_manifests_pass(deployment: Deployment) -> None:
     print(f"containers serving {deployment.started_s:.1f} s after the first podman run")
 
 
-async def stream_chat(sdk: openai.AsyncOpenAI, row: dict[str, Any], on_token: asyncio.Event) -> tuple[str, str]:
-    """One greedy chat completion, streamed; ``on_token`` is set at the first content delta."""
+# Content deltas streamed over all rows before a worker is killed: the rows are admitted and
+# decoding, far from their SUBSET_MAX_TOKENS.
+KILL_AFTER_TOKENS = 4
+
+
+async def stream_chat(sdk: openai.AsyncOpenAI, row: dict[str, Any], on_delta: Callable[[], None]) -> tuple[str, str]:
+    """One greedy chat completion, streamed; ``on_delta`` is called at each content delta."""
     text, reason = "", ""
     stream = await sdk.chat.completions.create(
         model=MODEL, messages=row["messages"], max_tokens=SUBSET_MAX_TOKENS, temperature=0, stream=True
@@ -250,14 +255,19 @@ async def stream_chat(sdk: openai.AsyncOpenAI, row: dict[str, Any], on_token: as
         for choice in chunk.choices:
             if choice.delta.content:
                 text += choice.delta.content
-                on_token.set()
+                on_delta()
             if choice.finish_reason:
                 reason = choice.finish_reason
     return text, reason
 
 
-def worker_steps(worker: Container) -> float:
-    return total(scrape(worker.ports["METRICS"]), "zerobubble_worker_step_duration_seconds_count")
+def inflight_plans(deployment: Deployment) -> list[float]:
+    """Plans the scheduler has in flight to each worker container (its own per-worker gauge)."""
+    samples = scrape(deployment.scheduler.ports["METRICS"])
+    return [
+        total(samples, "zerobubble_inflight_steps", worker=f"zerobubble-worker-{i}")
+        for i in range(len(deployment.workers))
+    ]
 
 
 def test_greedy_rows_survive_a_killed_worker_container(
@@ -267,20 +277,31 @@ def test_greedy_rows_survive_a_killed_worker_container(
     reference = hf_texts(smollm2_dir, rows, SUBSET_MAX_TOKENS)
     base_url = f"http://127.0.0.1:{deployment.scheduler.ports['HTTP']}/v1"
     wait_until(lambda: num_workers(deployment.scheduler.ports["SCHEDULER"]) == 2, 60, "both workers connected")
-    steps_before = [worker_steps(w) for w in deployment.workers]
 
     async def run() -> list[tuple[str, str]]:
+        streamed = 0
+        enough = asyncio.Event()
+
+        def on_delta() -> None:
+            nonlocal streamed
+            streamed += 1
+            if streamed >= KILL_AFTER_TOKENS:
+                enough.set()
+
         async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as sdk:
-            firsts = [asyncio.Event() for _ in rows]
-            tasks = [asyncio.create_task(stream_chat(sdk, row, first)) for row, first in zip(rows, firsts)]
-            # Every request has streamed a token, so each is placed on a worker and mid-generation.
-            await asyncio.wait_for(asyncio.gather(*(f.wait() for f in firsts)), 240)
-            assert not any(t.done() for t in tasks), "a request ended before the kill: nothing was in flight"
-            # Routing may put every request on one worker: kill the one that is busiest.
-            ran = [worker_steps(w) - before for w, before in zip(deployment.workers, steps_before)]
-            deployment.killed = ran.index(max(ran))
-            assert ran[deployment.killed] > 0, "no worker ran a step for these requests"
+            tasks = [asyncio.create_task(stream_chat(sdk, row, on_delta)) for row in rows]
+            await asyncio.wait_for(enough.wait(), 240)
+            # The worker with the most plans in flight (routing may give one worker every row):
+            # killing it loses steps it was computing, not only an idle connection.
+            plans = inflight_plans(deployment)
+            deadline = time.monotonic() + 10
+            while max(plans) == 0 and time.monotonic() < deadline:  # a moment between two plans
+                await asyncio.sleep(0.02)
+                plans = inflight_plans(deployment)
+            deployment.killed = plans.index(max(plans))
+            assert plans[deployment.killed] > 0, f"no plan in flight to any worker: {plans}"
             podman("kill", "--signal", "KILL", deployment.workers[deployment.killed].name)
+            assert not all(t.done() for t in tasks), "every request ended before the kill"
             return list(await asyncio.gather(*tasks))
 
     ours = asyncio.run(run())
