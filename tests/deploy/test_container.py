@@ -12,7 +12,8 @@ are the manifests' probes run against them. Then:
   no request is lost or changed;
 - ``/metrics`` scraped from the scheduler and the surviving worker parse and carry the contract's
   families, labelled with the worker ids the pods would give;
-- ``podman stop`` (SIGTERM) ends each remaining container by draining, with exit status 0.
+- ``podman stop`` (SIGTERM) on the scheduler and the surviving worker while a request streams:
+  the request completes and each container exits 0 within the grace period.
 
 The image is built by ``make images`` (deploy/build_images.sh); the test skips without podman or
 the image (under CI it fails instead).
@@ -338,12 +339,55 @@ def test_metrics_scraped_from_the_containers(deployment: Deployment) -> None:
     assert total(own, "zerobubble_worker_step_duration_seconds_count") > 0
 
 
-def test_sigterm_drains_and_exits_cleanly(deployment: Deployment) -> None:
+# Long enough that the request is still running when SIGTERM arrives, whatever the host's speed.
+DRAIN_MAX_TOKENS = 96
+
+
+def test_sigterm_drains_a_running_request_and_exits_cleanly(
+    deployment: Deployment, grounded_rows: list[dict[str, Any]]
+) -> None:
     """``podman stop`` sends the image's STOPSIGNAL (SIGTERM) and waits the grace period, as the
-    kubelet does: a clean drain exits 0 well within it; a SIGKILL after the grace would be 137."""
-    for container in [survivor(deployment), deployment.scheduler]:
-        started = time.monotonic()
-        podman("stop", "--time", "60", container.name, timeout=90)
+    kubelet does at a rollout or node drain. Stopping the scheduler and the worker together while
+    a request streams: both stop taking requests, the running one still completes, and each
+    container exits 0 before the grace period ends (a SIGKILL after it would read 137)."""
+    base_url = f"http://127.0.0.1:{deployment.scheduler.ports['HTTP']}/v1"
+    containers = [survivor(deployment), deployment.scheduler]
+    row = grounded_rows[SUBSET[0]]
+
+    async def run() -> tuple[str, str | None]:
+        first = asyncio.Event()
+        async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as sdk:
+            stream = await sdk.chat.completions.create(
+                model=MODEL, messages=row["messages"], max_tokens=DRAIN_MAX_TOKENS, temperature=0, stream=True
+            )
+
+            async def read() -> tuple[str, str | None]:
+                text, reason = "", None
+                async for chunk in stream:
+                    for choice in chunk.choices:
+                        if choice.delta.content:
+                            text += choice.delta.content
+                            first.set()
+                        reason = choice.finish_reason or reason
+                return text, reason
+
+            reading = asyncio.create_task(read())
+            await asyncio.wait_for(first.wait(), 120)
+            stops = [asyncio.to_thread(podman, "stop", "--time", "60", c.name, timeout=90) for c in containers]
+            stopping = asyncio.gather(*stops)
+            await asyncio.sleep(0)
+            assert not reading.done(), "the request ended before SIGTERM"
+            result = await reading
+            await stopping
+            return result
+
+    started = time.monotonic()
+    text, reason = asyncio.run(run())
+    assert reason in ("length", "stop") and text, (reason, text)
+    for container in containers:
         running, code = container.state()
         assert not running and code == 0, f"{container.name} exited {code}:\n{container.logs()[-4000:]}"
-        assert time.monotonic() - started < 55, f"{container.name} took the whole grace period to stop"
+    assert time.monotonic() - started < 55, "the containers took the whole grace period to stop"
+    # The scheduler's shutdown log counts the requests it drained: the SIGTERM came mid-request.
+    drained = re.search(r"draining (\d+) requests", deployment.scheduler.logs())
+    assert drained and int(drained.group(1)) >= 1, deployment.scheduler.logs()[-4000:]
