@@ -6,6 +6,8 @@ overlay's), as uid 10001 with no capabilities and, for the scheduler, a read-onl
 filesystem. Ports are the services' own announcements (several runs share a host); the probes
 are the manifests' probes run against them. Then:
 
+- the image's user, exposed ports and stop signal are the manifests' (uid 10001, every
+  containerPort, SIGTERM);
 - the manifests' readiness and liveness probes pass on every container;
 - workload rows through the scheduler's OpenAI front equal Hugging Face's greedy output computed
   in this process, while one worker container is killed (SIGKILL) with requests in flight on it:
@@ -22,6 +24,7 @@ the image (under CI it fails instead).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import secrets
@@ -228,6 +231,20 @@ def num_workers(port: int) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         return int(stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=10).num_workers)
+
+
+def test_image_declares_the_manifests_user_ports_and_stop_signal(podman_ready: None) -> None:
+    """runAsNonRoot needs a numeric non-root USER; the pods' container ports should be exposed."""
+    config = json.loads(podman("image", "inspect", "--format", "{{json .Config}}", IMAGE))
+    assert config["User"] == "10001:10001", config["User"]
+    for role in ("scheduler", "worker"):
+        manifest = manifest_container(role)
+        docs = yaml.safe_load_all((K8S / "base" / f"{role}.yaml").read_text())
+        pod = next(d for d in docs if d and d["kind"] in ("Deployment", "StatefulSet"))["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsUser"] == 10001
+        for port in manifest["ports"]:
+            assert f"{port['containerPort']}/tcp" in config["ExposedPorts"], (role, port)
+    assert config.get("StopSignal", "SIGTERM") == "SIGTERM"
 
 
 def test_probes_of_the_manifests_pass(deployment: Deployment) -> None:
