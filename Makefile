@@ -22,7 +22,7 @@ FLOOR_PINS := grpcio==1.75.1 protobuf==6.31.1 httpx==0.27.0 tqdm==4.60.0 grpcio-
 FLOOR_STAMP := $(FLOOR_VENV)/.installed-$(shell echo '$(FLOOR_PINS)' | md5sum | cut -c1-12)
 FLOOR_TESTS := tests/unit/test_client_light.py tests/unit/test_proto_current.py tests/inprocess/test_bench.py
 
-.PHONY: setup setup-floor setup-newest test-newest prometheus serve test test-floor test-slow chaos lint proto proto-lint deploy-check bench-model bench eagle-head clean
+.PHONY: setup setup-floor setup-newest test-newest prometheus podman images test-container serve test test-floor test-slow chaos lint proto proto-lint deploy-check bench-model bench eagle-head clean
 
 setup: $(STAMP)
 
@@ -85,6 +85,33 @@ prometheus:
 	if ! { $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PROMETHEUS_PKG) >/dev/null; }; then \
 		echo "warning: apt-get could not install '$(PROMETHEUS_PKG)': $$hint; the Prometheus tests will skip"; exit 0; fi; \
 	if [ -d /run/systemd/system ]; then $$sudo systemctl disable --now prometheus >/dev/null 2>&1 || true; fi
+
+# podman, runc and debootstrap (Debian/Ubuntu packages) for `make images` and the container test,
+# installed with apt as `prometheus` is above. runc: crun, podman's default, fails on hosts with
+# a hybrid cgroup layout.
+PODMAN_PKGS := podman runc debootstrap
+podman:
+	@if command -v podman >/dev/null 2>&1 && command -v runc >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1; then exit 0; fi; \
+	if ! command -v apt-get >/dev/null 2>&1; then \
+		echo "note: install $(PODMAN_PKGS) (apt-get is unavailable); the container test will skip"; exit 0; fi; \
+	if [ "$$(id -u)" = 0 ]; then sudo=""; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo="sudo -n"; \
+	else echo "note: run 'sudo apt-get install $(PODMAN_PKGS)'; the container test will skip"; exit 0; fi; \
+	echo "installing $(PODMAN_PKGS) with apt (image build and container test)"; \
+	if ! { $$sudo apt-get update -qq && $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(PODMAN_PKGS) >/dev/null; }; then \
+		echo "warning: apt-get could not install $(PODMAN_PKGS); the container test will skip"; exit 0; fi
+
+# The CPU image, from a local Debian base when python:3.11-slim cannot be pulled
+# (deploy/build_images.sh; IMAGE_ARGS=--registry uses the registry's bases, --cuda adds the CUDA
+# image). The base and podman's layers are cached: a rebuild reinstalls only the project.
+IMAGE_ARGS ?=
+images: podman
+	@if ! command -v podman >/dev/null 2>&1; then echo "note: podman not found: no image built"; exit 0; fi; \
+	deploy/build_images.sh $(IMAGE_ARGS)
+
+# One scheduler and two worker containers of that image, as the manifests run them.
+test-container: setup images
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PY) -m pytest -q -p no:cacheprovider tests/deploy/test_container.py $(PYTEST_ARGS)
 
 serve: setup
 	$(PY) -m zerobubble serve $(SERVE_ARGS)

@@ -1,4 +1,4 @@
-"""External programs some tests need (kubectl, promtool, prometheus), found or skipped clearly.
+"""External programs some tests need (kubectl, promtool, prometheus, podman), found or skipped clearly.
 
 Outside CI a missing program skips the test with a message naming what to install. Under CI
 (``CI`` set, as ``.ci/run`` does) it fails instead: a test that is skipped in CI is a test that
@@ -19,6 +19,8 @@ SOURCES: dict[str, str] = {
     "`make test` does it as root)",
     "prometheus": "install the Debian/Ubuntu package 'prometheus' (apt-get install prometheus; "
     "`make test` does it as root)",
+    "podman": "install the Debian/Ubuntu packages 'podman runc' (`make images` does it as root)",
+    "runc": "install the Debian/Ubuntu package 'runc' (`make images` does it as root)",
 }
 
 
