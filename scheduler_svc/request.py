@@ -115,11 +115,14 @@ class PredictionProgress:
     ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``), and the draft slots its next
     decode may carry.
 
-    The slots double while every prediction draft is accepted and fall back to one more than
-    were accepted otherwise, and halve after a decode the prediction gave no draft: a
-    prediction the output follows gets long drafts, one it left gets short ones until the
-    worker finds the output back in it (a wrong draft, or a slot no draft fills on an
-    accelerator, where a plan's slots are kept, is computed for nothing).
+    The slots double while every prediction draft is accepted, fall back to one more than were
+    accepted (at least a quarter of the limit) otherwise, and halve (to that quarter) after a
+    decode the prediction gave no draft: a prediction the output follows gets long drafts, one
+    it left shorter ones until the worker finds the output back in it (a wrong draft, or a
+    slot no draft fills on an accelerator, where a plan's slots are kept, is computed for
+    nothing). The quarter keeps an edit in the middle of a file from costing the steps of
+    growing back from one slot: a 2-core CPU verifies 17 tokens of a row in about the time of
+    one, and the scheduler cannot know how far the edit goes.
     """
 
     max_drafts: int
@@ -134,11 +137,15 @@ class PredictionProgress:
         if num_accepted >= num_drafts:
             self.max_drafts = min(self.limit, 2 * self.max_drafts)
         else:
-            self.max_drafts = max(1, num_accepted + 1)
+            self.max_drafts = max(self._floor, num_accepted + 1)
 
     def unaligned(self) -> None:
         """A decode with draft slots got no draft from the prediction."""
-        self.max_drafts = max(1, self.max_drafts // 2)
+        self.max_drafts = max(self._floor, self.max_drafts // 2)
+
+    @property
+    def _floor(self) -> int:
+        return max(1, self.limit // 4)
 
 
 @dataclass(slots=True, eq=False)  # identity: `list.remove` on the running list compared every field

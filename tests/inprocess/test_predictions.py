@@ -2,18 +2,19 @@
 
 The oracle is the same request without its prediction: greedy and seeded output must be
 identical token for token, sync and async, with no proposer, with n-gram and with an EAGLE head,
-with a JSON-schema constraint, and for a prediction wrong from its first token. That the
-prediction was used at all is read from the scheduler's counts of accepted prediction drafts.
+with a JSON-schema constraint, and for a prediction wrong from its first token, on rows of the
+shipped `edits` workload (every row, in the slow test). That the prediction was used at all is
+read from the scheduler's counts of accepted prediction drafts.
 """
 
 from __future__ import annotations
 
 import json
 import random
-import re
 
 import pytest
 
+from tests.conftest import REPO_ROOT
 from tests.drive import run_job
 from tests.inprocess.test_structured import grammar_of
 from zerobubble.scheduler_svc.scheduler import SchedulerStats
@@ -40,16 +41,31 @@ def tokenizer(smollm2_dir) -> Tokenizer:
     return Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
 
 
-def edit_requests(tokenizer: Tokenizer, grounded_rows: list[dict], **params) -> list[tuple[str, list[int], dict]]:
-    """Code edits predicting their own code block, a JSON answer predicting a JSON text, and a
-    prediction of unrelated tokens (wrong from the first)."""
+EDITS = REPO_ROOT / "zerobubble" / "workloads" / "edits.jsonl"
+
+
+def edit_rows(num_rows: int = 0) -> list[dict]:
+    """Rows of the shipped `edits` workload: all, or the first ``num_rows`` code edits and one
+    document revision."""
+    rows = [json.loads(line) for line in EDITS.read_text().splitlines()]
+    if not num_rows:
+        return rows
+    return [row for row in rows if row["kind"] == "code-edit"][:num_rows] + [
+        next(row for row in rows if row["kind"] == "doc-revision")
+    ]
+
+
+def edit_requests(
+    tokenizer: Tokenizer, rows: list[dict], max_tokens: int = 0, **params
+) -> list[tuple[str, list[int], dict]]:
+    """Each row with its prediction (``max_tokens``: a cap), a JSON answer predicting a JSON
+    text, and a prediction of unrelated tokens (wrong from the first)."""
     requests = []
-    edits = [row for row in grounded_rows if row["kind"] == "code-edit"][:3]
-    for i, row in enumerate(edits):
-        code = re.search(r"```python\n(.*?)```", row["messages"][0]["content"], re.S)
-        assert code is not None
+    for i, row in enumerate(rows):
         prompt = tokenizer.apply_chat_template(row["messages"])
-        requests.append((f"edit{i}", prompt, {"prediction_token_ids": tokenizer.encode(code.group(1))}))
+        limit = min(row["max_tokens"], max_tokens) if max_tokens else row["max_tokens"]
+        predicted = {"prediction_token_ids": tokenizer.encode(row["prediction"]), "max_tokens": limit}
+        requests.append((f"edit{i}", prompt, predicted))
     schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}}}
     question = "Describe a person as JSON with a name and an age."
     requests.append(
@@ -68,34 +84,45 @@ def edit_requests(tokenizer: Tokenizer, grounded_rows: list[dict], **params) -> 
     return [(req_id, ids, {"max_tokens": MAX_TOKENS, **options, **params}) for req_id, ids, options in requests]
 
 
+def check_every_mode(runners: dict, requests: list[tuple[str, list[int], dict]]) -> None:
+    """Each mode's outputs with the predictions equal the plain runner's without them, and
+    some prediction drafts were accepted."""
+    reference = run_job(runners["plain"], without_predictions(requests), window=1)
+    for runner_name, window in MODES:
+        stats = SchedulerStats()
+        outputs = run_job(runners[runner_name], requests, window=window, stats=stats)
+        assert outputs == reference, (runner_name, window)
+        assert stats.num_prediction_accepted_tokens > 0, (runner_name, window)
+        assert stats.num_prediction_accepted_tokens <= stats.num_prediction_draft_tokens
+
+
 def without_predictions(requests: list[tuple[str, list[int], dict]]) -> list[tuple[str, list[int], dict]]:
     return [(r, ids, {k: v for k, v in o.items() if k != "prediction_token_ids"}) for r, ids, o in requests]
 
 
 @pytest.mark.parametrize("name", ["greedy", "seeded"])
-def test_output_with_a_prediction_is_the_output_without_it(
-    plain_runner, ngram_runner, eagle_runner, tokenizer, grounded_rows, name
-):
+def test_output_with_a_prediction_is_the_output_without_it(plain_runner, ngram_runner, eagle_runner, tokenizer, name):
     params = {} if name == "greedy" else {"temperature": 0.9, "seed": 5}
-    requests = edit_requests(tokenizer, grounded_rows, **params)
-    reference = run_job(plain_runner, without_predictions(requests), window=1)
-    runners = {"plain": plain_runner, "ngram": ngram_runner, "eagle": eagle_runner}
-    for runner_name, window in MODES:
-        stats = SchedulerStats()
-        outputs = run_job(runners[runner_name], requests, window=window, stats=stats)
-        assert outputs == reference, (runner_name, window)
-        # The predictions were drafted from and some of their drafts accepted.
-        assert stats.num_prediction_accepted_tokens > 0, (runner_name, window)
-        assert stats.num_prediction_accepted_tokens <= stats.num_prediction_draft_tokens
-    # Alone, the edit whose prediction the output follows longest is the same too.
+    requests = edit_requests(tokenizer, edit_rows(2), max_tokens=MAX_TOKENS, **params)
+    check_every_mode({"plain": plain_runner, "ngram": ngram_runner, "eagle": eagle_runner}, requests)
+    # Alone, too.
     alone = run_job(plain_runner, [requests[0]], window=2)
-    assert alone["edit0"] == reference["edit0"]
+    assert alone["edit0"] == run_job(plain_runner, without_predictions(requests[:1]), window=2)["edit0"]
 
 
-def test_a_prediction_the_output_follows_is_mostly_accepted(plain_runner, tokenizer, grounded_rows):
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["greedy", "seeded"])
+def test_every_edits_row_is_the_same_with_its_prediction(plain_runner, ngram_runner, eagle_runner, tokenizer, name):
+    """Every shipped `edits` row, whole, with its prediction and without, in every mode."""
+    params = {} if name == "greedy" else {"temperature": 0.9, "seed": 5}
+    requests = edit_requests(tokenizer, edit_rows(), **params)
+    check_every_mode({"plain": plain_runner, "ngram": ngram_runner, "eagle": eagle_runner}, requests)
+
+
+def test_a_prediction_the_output_follows_is_mostly_accepted(plain_runner, tokenizer):
     """The greedy output itself, given back as the prediction, is drafted from nearly all the
     way: few steps, almost every prediction draft accepted, and the same output."""
-    requests = without_predictions(edit_requests(tokenizer, grounded_rows))[:3]
+    requests = without_predictions(edit_requests(tokenizer, edit_rows(2), max_tokens=MAX_TOKENS))[:3]
     reference = run_job(plain_runner, requests, window=2)
     predicted = [(r, ids, {**o, "prediction_token_ids": reference[r]}) for r, ids, o in requests]
     baseline, stats = SchedulerStats(), SchedulerStats()

@@ -18,10 +18,22 @@ MAX_BLOCKS = 64
 K = 5
 MATCH_LEN = 8
 MIN_MATCH = 2
+NEAR = 6
 
 
-def reference(seq: list[int], pred: list[int], anchor: int, anchor_total: int) -> tuple[list[int], int, int]:
-    """(drafts, anchor, anchor_total) after one proposal, written as the rule reads."""
+def lookup(seq: list[int]) -> list[int]:
+    """Prompt lookup: the longest (4 down to 2) suffix of ``seq`` found earlier, the latest
+    occurrence; the tokens after it."""
+    for n in range(4, 1, -1):
+        starts = [i for i in range(len(seq) - n) if seq[i : i + n] == seq[-n:]]
+        if starts:
+            return seq[starts[-1] + n : starts[-1] + n + K]
+    return []
+
+
+def reference(seq: list[int], pred: list[int], anchor: int, anchor_total: int) -> tuple[list[int], int, int, bool]:
+    """(drafts, anchor, anchor_total, from the prediction) after one proposal, written as the
+    rule reads."""
     total = len(seq)
 
     def run(e: int) -> int:
@@ -34,11 +46,11 @@ def reference(seq: list[int], pred: list[int], anchor: int, anchor_total: int) -
     if 0 <= expected < len(pred) - 1 and run(expected) >= 1:
         aligned = expected
     else:
-        ends = [e for e in range(len(pred) - 1) if run(e) >= MIN_MATCH]
+        ends = [e for e in range(len(pred) - 1) if run(e) >= MIN_MATCH or (anchor < e <= anchor + NEAR and run(e) >= 1)]
         if not ends:
-            return [], anchor, anchor_total
+            return lookup(seq), anchor, anchor_total, False
         aligned = max(ends, key=lambda e: (run(e), e > anchor, -e))
-    return pred[aligned + 1 : aligned + 1 + K], aligned, total
+    return pred[aligned + 1 : aligned + 1 + K], aligned, total, True
 
 
 def _state() -> DeviceState:
@@ -77,7 +89,7 @@ def _continue(rng: random.Random, seq: list[int], pred: list[int], aligned: int 
 def test_drafts_follow_the_reference_over_random_edits(seed):
     rng = random.Random(seed)
     state = _state()
-    drafts = PredictionDrafts(NUM_SLOTS, K, torch.device("cpu"), MATCH_LEN, MIN_MATCH)
+    drafts = PredictionDrafts(NUM_SLOTS, K, torch.device("cpu"), MATCH_LEN, MIN_MATCH, NEAR)
     # A small vocabulary: runs of the prediction recur, so ties and re-synchronising happen.
     preds = [[rng.randrange(6) for _ in range(rng.randint(20, 90))] for _ in range(NUM_SLOTS)]
     prompts = [[rng.randrange(6) for _ in range(rng.randint(1, 12))] for _ in range(NUM_SLOTS)]
@@ -96,19 +108,19 @@ def test_drafts_follow_the_reference_over_random_edits(seed):
         rows = sorted(rng.sample(range(NUM_SLOTS), rng.randint(1, NUM_SLOTS)))
         drafts.propose(torch.tensor(rows, dtype=torch.int32), state, BLOCK_SIZE)
         for slot in rows:
-            want, anchor, total = reference(seqs[slot], preds[slot], *anchors[slot])
+            want, anchor, total, predicted = reference(seqs[slot], preds[slot], *anchors[slot])
             n = int(state.num_drafts[slot])
             assert state.drafts[slot, :n].tolist() == want
-            assert bool(drafts.active[slot]) == bool(want)
+            assert bool(drafts.active[slot]) == (predicted and bool(want))
             anchors[slot] = (anchor, total)
-            aligned[slot] = anchor if want else None
+            aligned[slot] = anchor if predicted and want else None
             num_drafted += n
     assert num_drafted > 100  # the walk really drafted
 
 
 def test_a_row_without_a_match_keeps_the_proposers_drafts():
     state = _state()
-    drafts = PredictionDrafts(NUM_SLOTS, K, torch.device("cpu"), MATCH_LEN, MIN_MATCH)
+    drafts = PredictionDrafts(NUM_SLOTS, K, torch.device("cpu"), MATCH_LEN, MIN_MATCH, NEAR)
     drafts.admit(0, [10, 11, 12, 13, 14, 15], 3)
     _store(state, 0, [1, 2, 3, 7])  # the output's first token is not the prediction's
     state.drafts[0, :2] = torch.tensor([42, 43])
@@ -116,15 +128,23 @@ def test_a_row_without_a_match_keeps_the_proposers_drafts():
     drafts.propose(torch.tensor([0], dtype=torch.int32), state, BLOCK_SIZE)
     assert state.drafts[0, :2].tolist() == [42, 43] and int(state.num_drafts[0]) == 2
     assert not bool(drafts.active[0])
-    # One token in common is not enough to re-synchronise on...
+    # Once the output reaches the prediction, its drafts replace the proposer's.
     _store(state, 0, [1, 2, 3, 7, 10])
     drafts.propose(torch.tensor([0], dtype=torch.int32), state, BLOCK_SIZE)
-    assert not bool(drafts.active[0])
-    # ... two are: the prediction's drafts replace the proposer's.
-    _store(state, 0, [1, 2, 3, 7, 10, 11])
-    drafts.propose(torch.tensor([0], dtype=torch.int32), state, BLOCK_SIZE)
-    assert state.drafts[0, : int(state.num_drafts[0])].tolist() == [12, 13, 14, 15]
+    assert state.drafts[0, : int(state.num_drafts[0])].tolist() == [11, 12, 13, 14, 15]
     assert bool(drafts.active[0])
+
+
+def test_an_unaligned_row_drafts_by_prompt_lookup_over_its_own_sequence():
+    """Where the prediction gives nothing, the row's sequence does: the tokens after the
+    latest earlier occurrence of its last tokens (the quoted file of an edit request)."""
+    state = _state()
+    drafts = PredictionDrafts(NUM_SLOTS, K, torch.device("cpu"), MATCH_LEN, MIN_MATCH, NEAR)
+    drafts.admit(2, [30, 31, 32], 9)
+    _store(state, 2, [1, 2, 3, 4, 5, 6, 9, 9, 9, 1, 2, 3])
+    drafts.propose(torch.tensor([2], dtype=torch.int32), state, BLOCK_SIZE)
+    assert state.drafts[2, : int(state.num_drafts[2])].tolist() == [4, 5, 6, 9, 9]
+    assert not bool(drafts.active[2])
 
 
 def test_a_longer_prediction_grows_the_buffer_and_a_new_request_clears_the_slot():

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 
 import torch
 
+from zerobubble.kernels.ngram import ngram_propose
 from zerobubble.worker_svc import staging
 from zerobubble.worker_svc.slot_table import DeviceState
 
@@ -35,14 +36,22 @@ class PredictionDrafts:
     """Every state slot's predicted output on the device, and the drafts made from it."""
 
     def __init__(
-        self, num_slots: int, max_drafts: int, device: torch.device, match_len: int = 8, min_match: int = 2
+        self,
+        num_slots: int,
+        max_drafts: int,
+        device: torch.device,
+        match_len: int = 8,
+        min_match: int = 2,
+        near: int = 16,
     ) -> None:
         """``max_drafts``: the most drafts a row gets (the scheduler plans at most that many
         slots); ``match_len``: the longest run of tokens compared when re-synchronising;
-        ``min_match``: the shortest run that re-synchronises."""
+        ``min_match``: the shortest run that re-synchronises, except within ``near`` tokens
+        after the previous alignment, where one token does."""
         self.max_drafts = max_drafts
         self.match_len = match_len
         self.min_match = min_match
+        self.near = near
         self.device = device
         i32, i64 = torch.int32, torch.int64
         self.tokens = torch.full((num_slots, _MIN_WIDTH), -1, dtype=i32, device=device)
@@ -79,38 +88,57 @@ class PredictionDrafts:
         return self.active[slots.long()]
 
     def propose(self, slots: torch.Tensor, state: DeviceState, block_size: int) -> None:
-        """Drafts for ``slots`` (rows that just sampled and have a prediction), written over
-        the proposer's where the prediction is aligned with the output."""
+        """Drafts for ``slots`` (rows that just sampled and have a prediction): the
+        prediction's where it is aligned with the output, else the longest earlier match of
+        the output's last tokens in the row's own sequence (prompt lookup, which finds the text
+        an edit request quotes), else the proposer's as they are."""
         idx = slots.long()
+        k = self.max_drafts
+        aligned, found, total = self._align(idx, state, block_size)
+        length = self.length[idx]
+        num = torch.where(found, (length - 1 - aligned).clamp(0, k), 0)
+        cols = torch.arange(k, device=idx.device)
+        src = (aligned[:, None] + 1 + cols[None, :]).clamp(max=self.tokens.shape[1] - 1)
+        from_prediction = torch.where(cols[None, :] < num[:, None], self.tokens[idx].gather(1, src), -1)
+        lookup, num_lookup = ngram_propose(
+            slots, state.seq_len, state.last_token, state.block_table, state.history, block_size, 2, 4, k
+        )
+        use = num > 0
+        fallback = ~use & (num_lookup > 0)
+        drafts = torch.where(use[:, None], from_prediction, lookup)
+        take = use | fallback
+        state.drafts[idx, :k] = torch.where(take[:, None], drafts.to(torch.int32), state.drafts[idx, :k])
+        state.num_drafts[idx] = torch.where(
+            use, num.to(torch.int32), torch.where(fallback, num_lookup, state.num_drafts[idx])
+        )
+        self.active[idx] = use
+        self.anchor[idx] = torch.where(found, aligned, self.anchor[idx])
+        self.anchor_total[idx] = torch.where(found, total, self.anchor_total[idx])
+
+    def _align(self, idx: torch.Tensor, state: DeviceState, block_size: int) -> tuple[torch.Tensor, ...]:
+        """Each row's prediction index aligned with its last token, whether one was found, and
+        the row's sequence length."""
         pred = self.tokens[idx].long()  # [R, P]
-        num_rows, width = pred.shape
+        width = pred.shape[1]
         length = self.length[idx]
         anchor = self.anchor[idx]
         total = state.seq_len[idx].long() + 1  # the sequence: its history and its last token
         suffix = _suffix_lengths(pred, _sequence_tail(state, idx, total, self.match_len, block_size))
-        ends = torch.arange(width, device=pred.device)
+        ends = torch.arange(width, device=pred.device)[None, :]
         # A continuation: the output's last token is the prediction's at the expected index.
         expected = anchor + (total - self.anchor_total[idx])
         at_expected = suffix.gather(1, expected.clamp(0, width - 1)[:, None])[:, 0]
         follows = (expected >= 0) & (expected < length - 1) & (at_expected >= 1)
-        # Re-synchronising: the longest run, then the first place after the anchor, then the first.
-        key = suffix * (2 * width) + (ends[None, :] > anchor[:, None]) * width + (width - 1 - ends[None, :])
-        eligible = (suffix >= self.min_match) & (ends[None, :] < length[:, None] - 1)
+        # Re-synchronising: one token in common is enough just after the anchor, where the
+        # output resumes after a short edit; elsewhere `min_match`. The longest run wins, then
+        # the first place after the anchor, then the first place.
+        after = ends > anchor[:, None]
+        near = after & (ends <= anchor[:, None] + self.near)
+        eligible = ((suffix >= self.min_match) | (near & (suffix >= 1))) & (ends < length[:, None] - 1)
+        key = suffix * (2 * width) + after * width + (width - 1 - ends)
         best_key, best_end = torch.where(eligible, key, -1).max(dim=1)
         aligned = torch.where(follows, expected, best_end)
-        found = follows | (best_key >= 0)
-        num = torch.where(found, (length - 1 - aligned).clamp(0, self.max_drafts), 0)
-        cols = torch.arange(self.max_drafts, device=pred.device)
-        src = (aligned[:, None] + 1 + cols[None, :]).clamp(max=width - 1)
-        use = num > 0
-        take = cols[None, :] < num[:, None]
-        drafts = torch.where(take, pred.gather(1, src), -1).to(torch.int32)
-        k = self.max_drafts
-        state.drafts[idx, :k] = torch.where(use[:, None], drafts, state.drafts[idx, :k])
-        state.num_drafts[idx] = torch.where(use, num.to(torch.int32), state.num_drafts[idx])
-        self.active[idx] = use
-        self.anchor[idx] = torch.where(found, aligned, anchor)
-        self.anchor_total[idx] = torch.where(found, total, self.anchor_total[idx])
+        return aligned, follows | (best_key >= 0), total
 
 
 def _sequence_tail(state: DeviceState, idx: torch.Tensor, total: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
