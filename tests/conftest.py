@@ -87,6 +87,25 @@ def _runner(spec: str, draft_acceptance: str = "rejection", draft_model: str = "
 
 
 @pytest.fixture(scope="module")
+def plain_runner(smollm2_dir):
+    """SmolLM2 in float32 without a proposer."""
+    from zerobubble.worker_svc.server import WorkerConfig, build_runner
+
+    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.25, max_num_seqs=16))
+    return runner
+
+
+@pytest.fixture(scope="module")
+def tokenizer(smollm2_dir):
+    """The scheduler's tokenizer of SmolLM2 (its chat template included)."""
+    from zerobubble.scheduler_svc.tokenizer import Tokenizer
+    from zerobubble.worker_svc.server import tokenizer_fields
+
+    fields = tokenizer_fields(smollm2_dir)
+    return Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
+
+
+@pytest.fixture(scope="module")
 def ngram_runner(smollm2_dir):
     return _runner("ngram")
 

@@ -19,25 +19,10 @@ from tests.structured_cases import CHOICE_CASES, REGEX_CASES, schema_cases, sche
 from zerobubble.scheduler_svc.scheduler import SchedulerStats
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 from zerobubble.structured import Constraint, to_grammar
-from zerobubble.worker_svc.server import tokenizer_fields
 
 pytestmark = pytest.mark.timeout(900)
 
 MAX_TOKENS = 160
-
-
-@pytest.fixture(scope="module")
-def plain_runner(smollm2_dir):
-    from zerobubble.worker_svc.server import WorkerConfig, build_runner
-
-    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.25, max_num_seqs=16))
-    return runner
-
-
-@pytest.fixture(scope="module")
-def tokenizer(smollm2_dir) -> Tokenizer:
-    fields = tokenizer_fields(smollm2_dir)
-    return Tokenizer(fields["tokenizer_json"], fields["chat_template"], fields["bos_token"], fields["eos_token"])
 
 
 def chat(tokenizer: Tokenizer, question: str) -> list[int]:
