@@ -290,3 +290,24 @@ def test_constraints_over_grpc_and_their_refusals(services):
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (kind, value)
         assert refused.value.details().startswith(f"{field}: "), refused.value.details()
     wait_all_released(scheduler.ports["METRICS"])
+
+
+def test_a_prediction_over_grpc_leaves_the_output_and_counts_its_drafts(services):
+    """`GenerateRequest.prediction`, as text and as token ids: the same greedy tokens as without
+    it, and the final reply counts its drafts (accepted + rejected); none without one."""
+    scheduler, _ = services
+    kw = {"messages": [{"role": "user", "content": "Write a haiku about the sea."}], "max_tokens": 32}
+    plain = run(one(scheduler.target, **kw))
+    assert plain.num_accepted_prediction_tokens == plain.num_rejected_prediction_tokens == 0
+    text = run(one(scheduler.target, prediction=plain.text, **kw))
+    assert text.token_ids == plain.token_ids
+    assert text.num_accepted_prediction_tokens >= len(plain.token_ids) // 2
+    request = build_request(**kw)
+    request.prediction.token_ids.ids.extend(plain.token_ids)
+
+    async def by_ids():
+        async with grpc.aio.insecure_channel(scheduler.target) as channel:
+            return await complete(generate_pb2_grpc.GenerationStub(channel), request, timeout=120)
+
+    ids = run(by_ids())
+    assert ids.token_ids == plain.token_ids and ids.num_accepted_prediction_tokens >= len(plain.token_ids) // 2
