@@ -23,7 +23,7 @@ from zerobubble.scheduler_svc.tokenizer import Tokenizer
 pytestmark = pytest.mark.timeout(900)
 
 MAX_TOKENS = 48
-MODES = [("plain", 1), ("plain", 2), ("ngram", 2), ("eagle", 2)]
+MODES = [("plain", 1), ("plain", 2), ("ngram", 2), ("eagle", 2), ("draft", 2)]
 
 
 EDITS = REPO_ROOT / "zerobubble" / "workloads" / "edits.jsonl"
@@ -86,10 +86,13 @@ def without_predictions(requests: list[tuple[str, list[int], dict]]) -> list[tup
 
 
 @pytest.mark.parametrize("name", ["greedy", "seeded"])
-def test_output_with_a_prediction_is_the_output_without_it(plain_runner, ngram_runner, eagle_runner, tokenizer, name):
+def test_output_with_a_prediction_is_the_output_without_it(
+    plain_runner, ngram_runner, eagle_runner, keyed_draft_runner, tokenizer, name
+):
     params = {} if name == "greedy" else {"temperature": 0.9, "seed": 5}
     requests = edit_requests(tokenizer, edit_rows(2), max_tokens=MAX_TOKENS, **params)
-    check_every_mode({"plain": plain_runner, "ngram": ngram_runner, "eagle": eagle_runner}, requests)
+    runners = {"plain": plain_runner, "ngram": ngram_runner, "eagle": eagle_runner, "draft": keyed_draft_runner}
+    check_every_mode(runners, requests)
     # Alone, too.
     alone = run_job(plain_runner, [requests[0]], window=2)
     assert alone["edit0"] == run_job(plain_runner, without_predictions(requests[:1]), window=2)["edit0"]
@@ -97,11 +100,24 @@ def test_output_with_a_prediction_is_the_output_without_it(plain_runner, ngram_r
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["greedy", "seeded"])
-def test_every_edits_row_is_the_same_with_its_prediction(plain_runner, ngram_runner, eagle_runner, tokenizer, name):
+def test_every_edits_row_is_the_same_with_its_prediction(
+    plain_runner, ngram_runner, eagle_runner, keyed_draft_runner, tokenizer, name
+):
     """Every shipped `edits` row, whole, with its prediction and without, in every mode."""
     params = {} if name == "greedy" else {"temperature": 0.9, "seed": 5}
     requests = edit_requests(tokenizer, edit_rows(), **params)
-    check_every_mode({"plain": plain_runner, "ngram": ngram_runner, "eagle": eagle_runner}, requests)
+    runners = {"plain": plain_runner, "ngram": ngram_runner, "eagle": eagle_runner, "draft": keyed_draft_runner}
+    check_every_mode(runners, requests)
+
+
+def test_rejection_sampling_verifies_prediction_drafts_as_certain_tokens(plain_runner, draft_runner, tokenizer):
+    """Under `--draft-acceptance rejection` a prediction's draft is a point mass: greedy, it is
+    accepted exactly when it is the target's token, so the output is unchanged."""
+    requests = edit_requests(tokenizer, edit_rows(1), max_tokens=MAX_TOKENS)
+    reference = run_job(plain_runner, without_predictions(requests), window=1)
+    stats = SchedulerStats()
+    assert run_job(draft_runner, requests, window=2, stats=stats) == reference
+    assert stats.num_prediction_accepted_tokens > 0
 
 
 def test_a_prediction_the_output_follows_is_mostly_accepted(plain_runner, tokenizer):
