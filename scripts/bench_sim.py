@@ -622,7 +622,7 @@ def logic_ms_per_step(num_requests: int, k: int, num_steps: int, inflight: int) 
         t1 = time.perf_counter()
         for data in plan_bytes:
             pending.append(runner.execute(worker_pb2.StepPlan.FromString(data)))
-        result_bytes = pending.pop(0).materialize(0.0, runner.num_spec_tokens).SerializeToString()
+        result_bytes = pending.pop(0).materialize(0.0, runner.num_proposed).SerializeToString()
         t2 = time.perf_counter()
         sched.on_step_result(worker_pb2.StepResult.FromString(result_bytes))
         t3 = time.perf_counter()

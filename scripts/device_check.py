@@ -905,7 +905,7 @@ def drive(
             stats.num_steps += 1
         if not inflight:
             raise RuntimeError("scheduler stalled with unfinished requests and nothing in flight")
-        result = inflight.popleft().materialize(0.0, runner.num_spec_tokens)
+        result = inflight.popleft().materialize(0.0, runner.num_proposed)
         if result.error:
             raise RuntimeError(result.error)
         for event in scheduler.on_step_result(result):

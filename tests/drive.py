@@ -38,7 +38,7 @@ def run_job(
             inflight.append(runner.execute(plan))
         if not inflight:
             break
-        result = inflight.pop(0).materialize(0.0, runner.num_spec_tokens)
+        result = inflight.pop(0).materialize(0.0, runner.num_proposed)
         assert not result.error, result.error
         for ev in scheduler.on_step_result(result):
             outputs[ev.req_id].extend(ev.token_ids)

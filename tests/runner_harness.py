@@ -211,7 +211,7 @@ class HandPlanner:
         self.step_id += 1
         plan = worker_pb2.StepPlan(step_id=self.step_id, requests=entries, finished_req_ids=finished)
         num_calls = len(self.rec.target.calls)
-        result = self.runner.execute(plan).materialize(0.0, self.runner.num_spec_tokens)
+        result = self.runner.execute(plan).materialize(0.0, self.runner.num_proposed)
         self.runner.propose_next()  # as the worker's step loop does once the result is handed on
         self.results.append(result)
         assert len(self.rec.target.calls) == num_calls + 1, "one target forward per plan"
@@ -372,7 +372,7 @@ def drive(
             trace.max_inflight_seen = max(trace.max_inflight_seen, len(inflight))
         assert inflight, "scheduler stalled with unfinished requests and nothing in flight"
         plan, call, pending = inflight.popleft()
-        result = pending.materialize(0.0, runner.num_spec_tokens)
+        result = pending.materialize(0.0, runner.num_proposed)
         assert not result.error, result.error
         trace.steps.append((plan, call, result))
         collect(scheduler.on_step_result(result))

@@ -98,7 +98,7 @@ def one_after_another(
             during_forward(plan, pending)
         result = run_step(runner, plan)
         if not isinstance(result, worker_pb2.StepResult):
-            result = result.materialize(0.0, runner.num_spec_tokens)
+            result = result.materialize(0.0, runner.num_proposed)
         if runner.notices.num_cut_steps > before:
             assert not result_rows(result) and not result.error, result
             cut.append(plan.step_id)

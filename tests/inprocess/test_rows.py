@@ -85,7 +85,7 @@ def test_a_plan_with_broken_columns_fails_that_step_and_the_worker_goes_on() -> 
     prefill.sampling.seed = 1
     first = run_step(runner, worker_pb2.StepPlan(step_id=1, requests=[prefill]))
     assert not isinstance(first, worker_pb2.StepResult)
-    assert len(result_rows(first.materialize(0.0, runner.num_spec_tokens))["a"].token_ids) == 1
+    assert len(result_rows(first.materialize(0.0, runner.num_proposed))["a"].token_ids) == 1
     broken = worker_pb2.StepPlan(step_id=2)
     broken.decodes.req_ids.append("a")  # no draft count, no block count
     failed = run_step(runner, broken)
@@ -100,5 +100,5 @@ def test_a_plan_with_broken_columns_fails_that_step_and_the_worker_goes_on() -> 
     add_decode_columns(plan, ["b"], [0], [0], [])
     decoded = run_step(runner, plan)
     assert not isinstance(decoded, worker_pb2.StepResult)
-    assert len(result_rows(pending.materialize(0.0, runner.num_spec_tokens))["b"].token_ids) == 1
-    assert len(result_rows(decoded.materialize(0.0, runner.num_spec_tokens))["b"].token_ids) == 1
+    assert len(result_rows(pending.materialize(0.0, runner.num_proposed))["b"].token_ids) == 1
+    assert len(result_rows(decoded.materialize(0.0, runner.num_proposed))["b"].token_ids) == 1

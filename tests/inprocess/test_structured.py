@@ -165,7 +165,7 @@ def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(plain_runner
     while scheduler.has_unfinished():
         plan = scheduler.schedule()
         assert plan is not None
-        result = plain_runner.execute(plan).materialize(0.0, plain_runner.num_spec_tokens)
+        result = plain_runner.execute(plan).materialize(0.0, plain_runner.num_proposed)
         assert not result.error
         for event in scheduler.on_step_result(result):
             outputs[event.req_id].extend(event.token_ids)

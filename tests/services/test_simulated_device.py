@@ -236,7 +236,7 @@ def test_kv_usage_counts_each_held_block_once_as_requests_come_and_go():
             num_checked += 1
         if not inflight:
             break
-        sched.on_step_result(inflight.pop(0).materialize(0.0, runner.num_spec_tokens))
+        sched.on_step_result(inflight.pop(0).materialize(0.0, runner.num_proposed))
     assert num_checked > 20 and sched.prefix_cache_counters.num_hit_tokens > 0
     runner.reset()
     assert runner.kv_usage() == 0.0
