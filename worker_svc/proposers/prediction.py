@@ -10,9 +10,11 @@ the sequence's last token was aligned with when drafts were last made, and the s
 then. After a step the row has grown by ``g`` tokens; if the output followed the prediction,
 its last token now sits at ``anchor + g`` (a *continuation*, checked by that one token). If not,
 the proposer re-synchronises: the longest run (up to ``match_len``) of the sequence's last
-tokens found in the prediction, at least ``min_match`` long, preferring the first such place
-after the anchor, so that an edit in the middle of a file costs a few steps, not the rest of
-the file. The drafts are the prediction's tokens after the aligned position.
+tokens found in the prediction, at least ``min_match`` long (one token within ``near`` after
+the anchor), preferring the first such place after the anchor, so that an edit in the middle
+of a file costs a few steps, not the rest of the file. The drafts are the prediction's tokens
+after the aligned position; a row not aligned drafts by prompt lookup over its own sequence
+(an edit request quotes what it edits), with the same budget.
 
 Everything runs as whole-batch tensor operations with static shapes and no host read, so it
 fits an accelerator step as the n-gram proposer does (`kernels/ngram.py`).
