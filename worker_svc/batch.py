@@ -56,6 +56,9 @@ class SampledRows:
     # the step, not by K, so a worker that could verify long prediction drafts pays for them
     # only in steps that carry them.
     width: int = 1
+    # Positions among ``rows`` of the rows with a predicted output (read once per step by the
+    # runner: which rows' drafts to report and to make from their predictions).
+    predicted: list[int] = field(default_factory=list)
 
     def spread(self, t: torch.Tensor) -> torch.Tensor:
         """Per-slot values ``[G, ...]`` -> ``[S, width, ...]``."""
@@ -339,6 +342,9 @@ class BatchBuilder:
             num_cols_host=n,
             base_host=base,
             width=width,
+            predicted=[j for j, i in enumerate(sampled_rows) if host.rows[i].predicted]
+            if self.predictions is not None
+            else [],
         )
 
     def sampling_tensors(self, slots: np.ndarray, valid_cols: np.ndarray, sample_pos: torch.Tensor) -> SamplingTensors:

@@ -385,7 +385,8 @@ class ModelRunner:
                 batch.grammar, s.num_cols_host, s.base_host, vocab_size, self._history(batch), self.device
             )
             grammar_s = time.perf_counter() - begin
-        drafted = self._prediction_drafted(batch)
+        s = batch.sampled
+        drafted = self.predictions.drafted(s.slots) if self.predictions is not None and s.predicted else None
         out = sample_and_verify(batch, logits, self.state, self.proposer, self.num_proposed, masks, drafted)
         pending = self.advance(batch, out)
         pending.grammar_s = grammar_s
@@ -412,14 +413,6 @@ class ModelRunner:
     def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts fed to the sampled rows and how many are real (`verification.fed_drafts`)."""
         return fed_drafts(batch, self.state)
-
-    def _prediction_drafted(self, batch: StepBatch) -> torch.Tensor | None:
-        """``[S]`` bool: which sampled rows were fed drafts from their prediction; None when no
-        sampled row has a prediction (most steps: nothing is computed then)."""
-        s = batch.sampled
-        if self.predictions is None or s is None or not any(batch.rows[i].predicted for i in s.rows):
-            return None
-        return self.predictions.drafted(s.slots)
 
     def advance(self, batch: StepBatch, out: StepOutputs | None) -> PendingResult:
         """Sequence-length correction on the device (the true accepted counts, not the plan's)
@@ -470,16 +463,9 @@ class ModelRunner:
         # proposer keeps (an EAGLE head's hidden state) is already that of the last accepted
         # position; skipping the chain leaves these rows' draft counts at the zero
         # `update_state` wrote, and the next step verifies no drafts for them.
-        if (self.proposer is not None and batch.drafts_planned) or self._predicted_rows(batch):
+        if (self.proposer is not None and batch.drafts_planned) or s.predicted:
             self._next_drafts = (s.slots, batch)
         return pending
-
-    def _predicted_rows(self, batch: StepBatch) -> list[int]:
-        """Positions among the sampled rows of the rows with a predicted output."""
-        s = batch.sampled
-        if self.predictions is None or s is None:
-            return []
-        return [j for j, i in enumerate(s.rows) if batch.rows[i].predicted]
 
     @torch.inference_mode()
     def propose_next(self) -> None:
@@ -501,7 +487,7 @@ class ModelRunner:
         try:
             if self.proposer is not None and batch.drafts_planned:
                 self.proposer.propose(slots, batch)
-            predicted = self._predicted_rows(batch)
+            predicted = batch.sampled.predicted if batch.sampled is not None else []
             if predicted and self.predictions is not None:
                 # After the proposer: where the prediction is aligned, its drafts win.
                 if len(predicted) < len(slots):

@@ -160,12 +160,9 @@ def result_rows(result: Any) -> dict[str, RowResult]:
         stop = start + max(num_tokens, 0)
         rows[req_id] = RowResult(token_ids[start:stop], num_drafts, max(num_tokens - 1, 0))
         start = stop
-    # Empty unless some row had a prediction; a column that does not line up flags nothing.
-    flags = cols.prediction_drafts
-    if flags and len(flags) == len(cols.req_ids):
-        for req_id, flag in zip(cols.req_ids, flags):
-            if flag:
-                rows[req_id].prediction_drafts = True
+    for req_id, flag in zip(cols.req_ids, _prediction_flags(cols)):
+        if flag:
+            rows[req_id].prediction_drafts = True
     for r in result.results:
         rows[r.req_id] = RowResult(
             list(r.token_ids),
@@ -177,6 +174,13 @@ def result_rows(result: Any) -> dict[str, RowResult]:
             r.prediction_drafts,
         )
     return rows
+
+
+def _prediction_flags(cols: Any) -> Sequence[bool]:
+    """A ``RowColumns``' per-row prediction flags: empty unless some row had a prediction, and
+    empty too when the column does not line up with the rows (it then flags nothing)."""
+    flags = cols.prediction_drafts
+    return flags if len(flags) == len(cols.req_ids) else ()
 
 
 def add_row_columns(
@@ -234,7 +238,7 @@ def speculation_counts(result: Any) -> SpeculationCounts:
     Read straight from the columns: this runs for every step on the worker, over every row.
     """
     cols = result.rows
-    flags = cols.prediction_drafts if len(cols.prediction_drafts) == len(cols.req_ids) else ()
+    flags = _prediction_flags(cols)
     # (drafts, accepted, from the prediction) of each row: a column row's accepted drafts are
     # its tokens but the last.
     rows = itertools.chain(
