@@ -128,7 +128,7 @@ def defined_kernels() -> set[str]:
     from triton.runtime.jit import JITFunction
 
     names = set()
-    for path in sorted((ROOT / "kernels").glob("*.py")):
+    for path in sorted((ROOT / "zerobubble" / "kernels").glob("*.py")):
         module = importlib.import_module(f"zerobubble.kernels.{path.stem}")
         names |= {n for n, v in vars(module).items() if isinstance(v, JITFunction) and n.endswith("_kernel")}
     return names

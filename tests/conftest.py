@@ -54,15 +54,15 @@ def cpu_kernels() -> None:
     assert cpu.load(), "the compiled CPU kernels did not build or load (the warning above says why)"
 
 
-# --- the worker-runtime harness's runners (tests/runner_harness.py), shared by several modules
+# --- the worker-runtime harness's runners (tests/support/runner_harness.py), shared by several modules
 
 
 @pytest.fixture(scope="session")
 def eagle_head_dir(smollm2_dir, grounded_rows, tmp_path_factory) -> Path:
     """An EAGLE head for SmolLM2 fitted to its forward over 16 grounded prompts
-    (tests/drafting.py `fitted_head`): drafts that are right now and then, made in seconds."""
-    from tests.drafting import fitted_head
-    from tests.e2e import prompt_ids
+    (tests/support/drafting.py `fitted_head`): drafts that are right now and then, made in seconds."""
+    from tests.support.drafting import fitted_head
+    from tests.support.e2e import prompt_ids
 
     prompts = prompt_ids(smollm2_dir, grounded_rows[1::3])
     return fitted_head(smollm2_dir, prompts, tmp_path_factory.mktemp("eagle-head"))
@@ -70,7 +70,7 @@ def eagle_head_dir(smollm2_dir, grounded_rows, tmp_path_factory) -> Path:
 
 def _runner(spec: str, draft_acceptance: str = "rejection", draft_model: str = ""):
     # Imported here: the light client's floor environment collects tests without torch.
-    from tests.runner_harness import K
+    from tests.support.runner_harness import K
     from zerobubble.worker_svc.server import WorkerConfig, build_runner
 
     cfg = WorkerConfig(
@@ -138,6 +138,6 @@ def spec_runner(request):
 @pytest.fixture(scope="module")
 def grounded(smollm2_dir, grounded_rows) -> tuple[list[list[int]], list[list[int]]]:
     """(prompt ids, Hugging Face greedy outputs capped at 64 tokens) for every grounded row."""
-    from tests.e2e import hf_reference, prompt_ids
+    from tests.support.e2e import hf_reference, prompt_ids
 
     return prompt_ids(smollm2_dir, grounded_rows), hf_reference(smollm2_dir, grounded_rows)

@@ -42,10 +42,10 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.metrics_scrape import scrape, total
-from tests.polling import wait_until
-from tests.services.test_http_api import SUBSET, SUBSET_MAX_TOKENS, hf_texts
-from tests.tools import require
+from tests.support.e2e import SUBSET, SUBSET_MAX_TOKENS, hf_texts
+from tests.support.metrics_scrape import scrape, total
+from tests.support.polling import wait_until
+from tests.support.tools import require
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.metrics import METRIC_SPECS, metric_spec
 

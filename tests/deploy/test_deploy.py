@@ -1,7 +1,7 @@
 """deploy.check passes on the repository and catches what would break a real rollout.
 
 Overlays are rendered by ``kubectl kustomize`` and the alert rules are checked by ``promtool``;
-tests that need either find it through ``tests.tools.require`` (skipped with the package to
+tests that need either find it through ``tests.support.tools.require`` (skipped with the package to
 install when missing, a failure under CI).
 """
 
@@ -20,7 +20,7 @@ import yaml
 
 from deploy import check as deploy_check
 from deploy import promtool as prom
-from tests.tools import require
+from tests.support.tools import require
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"

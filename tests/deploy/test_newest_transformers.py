@@ -12,8 +12,8 @@ import importlib.util
 
 import pytest
 
-from tests.drive import run_job
-from tests.hf_oracle import hf_greedy
+from tests.support.drive import run_job
+from tests.support.hf_oracle import hf_greedy
 from zerobubble.worker_svc.server import WorkerConfig, build_runner
 
 MAX_TOKENS = 16

@@ -29,9 +29,9 @@ import grpc
 import pytest
 import yaml
 
-from tests.prometheus_server import PrometheusServer, ScrapeJob, start_prometheus
-from tests.servers import Service, start_scheduler, start_worker, wait_serving
-from tests.tools import require
+from tests.support.prometheus_server import PrometheusServer, ScrapeJob, start_prometheus
+from tests.support.servers import Service, start_scheduler, start_worker, wait_serving
+from tests.support.tools import require
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import Completion, build_request, complete
 from zerobubble.metrics import METRIC_SPECS, metric_spec

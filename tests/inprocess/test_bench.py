@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from tests.fake_generation import FakeGeneration
+from tests.support.fake_generation import FakeGeneration
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.bench import (
     BenchRow,

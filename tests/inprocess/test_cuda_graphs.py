@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.hand_plans import Plans
+from tests.support.hand_plans import Plans
 from zerobubble.rows import result_rows
 from zerobubble.worker_svc.cuda_graphs import (
     GraphKey,
@@ -95,7 +95,7 @@ def _tiny_loaded() -> LoadedModel:
 
 def _eagle_head(loaded: LoadedModel) -> object:
     """A random-weight EAGLE-1 head over ``loaded`` (seeded: the same head for both runs)."""
-    from tests.drafting import eagle_head
+    from tests.support.drafting import eagle_head
     from zerobubble.worker_svc.eagle import EagleHead, SharedWeights
 
     cfg = loaded.hf_config
@@ -106,7 +106,7 @@ def _eagle_head(loaded: LoadedModel) -> object:
 
 def _draft_model(loaded: LoadedModel, spec: str) -> object:
     """A random-weight EAGLE-1 (``eagle``) or EAGLE-3 (``eagle3``: two captured layers) head."""
-    from tests.drafting import Eagle3Shape
+    from tests.support.drafting import Eagle3Shape
     from zerobubble.worker_svc.proposers.eagle import serving_head
 
     if spec == "eagle":

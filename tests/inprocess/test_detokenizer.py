@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.sim_worker import EOS_ID, make_toy_tokenizer, make_toy_tokenizer_json
+from tests.support.sim_worker import EOS_ID, make_toy_tokenizer, make_toy_tokenizer_json
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 

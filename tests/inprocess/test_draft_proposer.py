@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from tests.drafting import SEEDED, K, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
-from tests.options import split_options
+from tests.support.drafting import SEEDED, K, drive, hf_greedy, loaded_model, runner_and_scheduler, tiny_hf
+from tests.support.options import split_options
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.worker_svc.proposers.draft import DraftModelProposer

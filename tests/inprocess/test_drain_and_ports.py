@@ -15,7 +15,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import generate_latest
 
-from tests.sim_link import FakeChannel, SimCall, sim_stub
+from tests.support.sim_link import FakeChannel, SimCall, sim_stub
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2
 from zerobubble.client import build_request, complete
@@ -111,7 +111,7 @@ def test_client_deadline_frees_blocks_and_a_stalled_reader_gets_everything(monke
     """A deadline aborts the request and returns its KV blocks; a client that stops reading
     does not hold up another stream, and when it reads again it gets every token exactly once
     (the events waiting behind a blocked write go out merged, see `merge_pending`)."""
-    from tests.metrics_scrape import scrape, total
+    from tests.support.metrics_scrape import scrape, total
 
     monkeypatch.setattr(worker_link.worker_pb2_grpc, "WorkerStub", SlowStub)
     monkeypatch.setattr(worker_link.rpc, "aio_channel", FakeChannel)

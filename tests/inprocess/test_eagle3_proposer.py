@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaForCausalLM
 
-from tests.drafting import (
+from tests.support.drafting import (
     SEEDED,
     VOCAB,
     Eagle3Shape,
@@ -29,7 +29,7 @@ from tests.drafting import (
     runner_and_scheduler,
     tiny_hf,
 )
-from tests.options import split_options
+from tests.support.options import split_options
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.request_options import StoppingOptions
 from zerobubble.worker_svc.eagle import HeadFormatError

@@ -21,7 +21,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.drafting import (
+from tests.support.drafting import (
     SEEDED,
     VOCAB,
     K,
@@ -35,7 +35,7 @@ from tests.drafting import (
     runner_and_scheduler,
     tiny_hf,
 )
-from tests.options import split_options
+from tests.support.options import split_options
 from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.worker_svc.eagle import (
     DRAFT_VOCAB_KEY,

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 import pytest
 import torch
 
-from tests.drive import make_scheduler
+from tests.support.drive import make_scheduler
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig
 from zerobubble.request_options import StoppingOptions

@@ -3,7 +3,7 @@
 The app is the real one over a real servicer and router; the router has no worker, which is
 exactly the state these answers are about (401 comes before any routing, 503 is "no worker").
 The answers that need a real worker are in tests/services/test_http_api.py; a refused multi-prompt
-request runs against the simulated worker of tests/sim_link.py.
+request runs against the simulated worker of tests/support/sim_link.py.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import typing
 import httpx
 import pytest
 
-from tests import openai_table
-from tests.polling import wait_until_async
-from tests.sim_link import NUM_BLOCKS, sim_stub
+from tests.support import openai_table
+from tests.support.polling import wait_until_async
+from tests.support.sim_link import NUM_BLOCKS, sim_stub
 from zerobubble.config import SchedulerServiceConfig
 from zerobubble.scheduler_svc import worker_link
 from zerobubble.scheduler_svc.http_api import build_app

@@ -28,7 +28,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from tests.hf_oracle import hf_greedy, report_divergence
+from tests.support.hf_oracle import hf_greedy, report_divergence
 from zerobubble.kernels._triton import KernelImpl
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.linear import linear

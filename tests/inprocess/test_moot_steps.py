@@ -18,7 +18,7 @@ from collections import deque
 
 import pytest
 
-from tests.drive import make_scheduler
+from tests.support.drive import make_scheduler
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import StoppingOptions
 from zerobubble.rows import plan_rows, result_rows

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO_ROOT
-from tests.drive import run_job
-from tests.inprocess.test_structured import grammar_of
+from tests.support.drive import run_job
+from tests.support.structured_cases import grammar_of
 from zerobubble.scheduler_svc.scheduler import SchedulerStats
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
@@ -28,7 +28,7 @@ MODES = [("plain", 1), ("plain", 2), ("ngram", 2), ("eagle", 2), ("draft", 2)]
 SEEDED_MODES = [("plain", 2), ("ngram", 2)]
 
 
-EDITS = REPO_ROOT / "zerobubble" / "workloads" / "edits.jsonl"
+EDITS = Path(__file__).resolve().parents[2] / "zerobubble" / "workloads" / "edits.jsonl"
 
 
 def edit_rows(num_rows: int = 0) -> list[dict]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.drive import run_job
-from tests.e2e import hf_reference, prompt_ids
-from tests.hf_oracle import report_divergence
+from tests.support.drive import run_job
+from tests.support.e2e import hf_reference, prompt_ids
+from tests.support.hf_oracle import report_divergence
 from zerobubble.api import worker_pb2
 from zerobubble.rows import result_rows
 from zerobubble.worker_svc.server import WorkerConfig, build_runner

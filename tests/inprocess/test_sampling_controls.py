@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.e2e import prompt_ids
-from tests.hf_oracle import load_hf_model
-from tests.options import split_options
-from tests.runner_harness import (
+from tests.support.e2e import prompt_ids
+from tests.support.hf_oracle import load_hf_model
+from tests.support.options import split_options
+from tests.support.runner_harness import (
     K,
     drive,
     make_scheduler,

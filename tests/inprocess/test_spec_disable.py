@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from tests.drafting import (
+from tests.support.drafting import (
     K,
     copying_target_and_head,
     eagle_head,

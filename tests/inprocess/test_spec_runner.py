@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.hf_oracle import hf_greedy, load_hf_model
-from tests.runner_harness import (  # noqa: F401  (fixtures are used by name)
+from tests.support.hf_oracle import hf_greedy, load_hf_model
+from tests.support.runner_harness import (  # noqa: F401  (fixtures are used by name)
     SHORT_CODE_ROWS,
     Call,
     HandPlanner,

@@ -14,8 +14,8 @@ import re
 import jsonschema
 import pytest
 
-from tests.drive import run_job
-from tests.structured_cases import CHOICE_CASES, REGEX_CASES, schema_cases, schema_text
+from tests.support.drive import run_job
+from tests.support.structured_cases import CHOICE_CASES, REGEX_CASES, grammar_of, schema_cases
 from zerobubble.scheduler_svc.scheduler import SchedulerStats
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 from zerobubble.structured import Constraint, to_grammar
@@ -27,11 +27,6 @@ MAX_TOKENS = 160
 
 def chat(tokenizer: Tokenizer, question: str) -> list[int]:
     return tokenizer.apply_chat_template([{"role": "user", "content": question}])
-
-
-def grammar_of(kind: str, value: object) -> str:
-    text = schema_text(value) if kind == "json_schema" else json.dumps(value) if kind == "choice" else str(value)
-    return to_grammar(Constraint(kind, text))
 
 
 def requests_for(
@@ -149,7 +144,7 @@ def test_a_grammar_the_worker_cannot_compile_fails_only_its_request(plain_runner
     """A grammar that reached the worker without the scheduler's check (a client of the worker
     protocol) ends its own request with an error; the request beside it in the same plans runs
     as it would alone."""
-    from tests.options import split_options
+    from tests.support.options import split_options
     from zerobubble.tools.in_process import make_scheduler
 
     good = ("good", chat(tokenizer, "Say hello."), {"max_tokens": 12})

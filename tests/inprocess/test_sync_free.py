@@ -36,7 +36,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.hand_plans import Plans
+from tests.support.hand_plans import Plans
 from zerobubble.api import worker_pb2
 from zerobubble.worker_svc.model import build_model
 from zerobubble.worker_svc.model_loader import LoadedModel
@@ -169,7 +169,7 @@ def _schedule(k: int, predicted: bool = False) -> list[worker_pb2.StepPlan]:
 
 def _tiny_eagle_head(target: LoadedModel, shapes: dict[str, torch.Size]) -> object:
     """A random-weight EAGLE-1 head over ``target`` on the fake device."""
-    from tests.drafting import eagle_head
+    from tests.support.drafting import eagle_head
 
     hidden = target.hf_config.hidden_size
     layer = {
@@ -184,7 +184,7 @@ def _tiny_eagle_head(target: LoadedModel, shapes: dict[str, torch.Size]) -> obje
 def _eagle3_weights(target_config: LlamaConfig) -> tuple[dict, dict[str, torch.Tensor]]:
     """A random EAGLE-3 head's config and weights (made before the fake mode), drafting over the
     whole vocabulary: a ``d2t`` map is checked on the host once, when the head loads."""
-    from tests.drafting import Eagle3Shape
+    from tests.support.drafting import Eagle3Shape
 
     shape = Eagle3Shape.of(target_config, draft_vocab=target_config.vocab_size)
     weights = {k: v for k, v in shape.weights(4, num_aux=2).items() if k not in ("d2t", "t2d")}

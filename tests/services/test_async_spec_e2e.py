@@ -1,7 +1,7 @@
 """Async scheduling + speculative decoding end to end: scheduler and worker processes over gRPC.
 
 The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,draft,eagle}` (draft:
-SmolLM2 drafting for itself; eagle: a head fitted to SmolLM2, tests/drafting.py; k=3). One
+SmolLM2 drafting for itself; eagle: a head fitted to SmolLM2, tests/support/drafting.py; k=3). One
 worker process per spec method serves every scheduler of that method; a worker takes one
 scheduler stream at a time, so each test starts its own scheduler and stops it before the next
 one connects. Hugging Face greedy `generate` is the oracle for greedy
@@ -26,7 +26,7 @@ import grpc
 import pytest
 import torch
 
-from tests.e2e import (
+from tests.support.e2e import (
     MIN_IDENTICAL,
     TEST_MAX_TOKENS,
     LazyReference,
@@ -35,9 +35,9 @@ from tests.e2e import (
     prompt_ids,
     run_workload,
 )
-from tests.hf_oracle import load_hf_model
-from tests.metrics_scrape import metric, wait_all_released
-from tests.servers import Service, start_scheduler, start_worker, wait_serving
+from tests.support.hf_oracle import load_hf_model
+from tests.support.metrics_scrape import metric, wait_all_released
+from tests.support.servers import Service, start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
 

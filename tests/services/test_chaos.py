@@ -30,8 +30,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.metrics_scrape import scrape, total
-from tests.servers import start_scheduler, start_worker, wait_serving
+from tests.support.metrics_scrape import scrape, total
+from tests.support.servers import start_scheduler, start_worker, wait_serving
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from zerobubble.client import build_request, complete

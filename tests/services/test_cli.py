@@ -280,7 +280,7 @@ def test_client_commands_do_not_import_torch() -> None:
 @pytest.fixture
 def fake_target() -> Iterator[str]:
     """A fake scheduler (see ``test_bench.FakeGeneration``) on its own event-loop thread."""
-    from tests.fake_generation import FakeGeneration
+    from tests.support.fake_generation import FakeGeneration
 
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)

@@ -23,10 +23,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.metrics_scrape import scrape, total
-from tests.polling import wait_until
-from tests.servers import Service, start_scheduler, start_worker, wait_serving
-from tests.sim_worker import EOS_ID, make_toy_tokenizer
+from tests.support.metrics_scrape import scrape, total
+from tests.support.polling import wait_until
+from tests.support.servers import Service, start_scheduler, start_worker, wait_serving
+from tests.support.sim_worker import EOS_ID, make_toy_tokenizer
 from zerobubble.api import front_pb2, front_pb2_grpc, generate_pb2, generate_pb2_grpc
 from zerobubble.bench import BenchRow, run_bench_async
 from zerobubble.client import ChannelSettings, build_request, open_channel, wait_connected

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,9 +23,8 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e import TEST_MAX_TOKENS, prompt_ids
-from tests.hf_oracle import hf_greedy
-from tests.servers import Service, serving
+from tests.support.e2e import SUBSET, SUBSET_MAX_TOKENS, TEST_MAX_TOKENS, hf_texts
+from tests.support.servers import Service, serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import build_request, complete
 
@@ -36,8 +34,6 @@ MODEL = "smollm2-135m"
 MAX_NUM_SEQS = 4
 MAX_WAITING = 8  # a burst of MAX_NUM_SEQS requests is queued before the next tick admits it
 # A code edit, a grounded QA and two open chat rows (short prompts: prefill dominates on CPU).
-SUBSET = (0, 9, 29, 40)
-SUBSET_MAX_TOKENS = 24
 HELLO = [{"role": "user", "content": "Write one sentence about the sea."}]
 
 
@@ -60,22 +56,6 @@ def base_url(scheduler: Service) -> str:
 @pytest.fixture()
 def client(base_url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=300)
-
-
-def hf_texts(model_dir: Path, rows: list[dict[str, Any]], max_tokens: int) -> list[tuple[str, str]]:
-    """(text, OpenAI finish reason) of Hugging Face greedy on each row's chat prompt."""
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    outputs = hf_greedy(model_dir, prompt_ids(model_dir, rows), max_tokens)
-    eos = tok.eos_token_id
-    return [
-        (
-            tok.decode(ids, skip_special_tokens=True),
-            "stop" if ids and ids[-1] == eos and len(ids) <= max_tokens else "length",
-        )
-        for ids in outputs
-    ]
 
 
 def chat_concurrently(
@@ -274,7 +254,7 @@ def test_full_queue_is_429(base_url) -> None:
 def test_bench_openai_backend_sees_what_the_grpc_backend_sees(base_url, scheduler, grounded_rows) -> None:
     """`zerobubble bench --backend openai` on our HTTP front: the same greedy texts and output
     token counts as `--backend grpc` on the same rows, at a Poisson rate."""
-    from tests.e2e import bench_rows
+    from tests.support.e2e import bench_rows
     from zerobubble.bench import run_bench_async
     from zerobubble.bench_openai import run_openai_bench_async
 

@@ -18,9 +18,9 @@ from collections import defaultdict
 import grpc
 import pytest
 
-from tests.metrics_scrape import scrape, total
-from tests.polling import wait_until_async
-from tests.servers import start_scheduler, start_worker, wait_serving
+from tests.support.metrics_scrape import scrape, total
+from tests.support.polling import wait_until_async
+from tests.support.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import Completion, build_request, complete
 from zerobubble.metrics import METRIC_SPECS, metric_spec

@@ -16,8 +16,8 @@ import grpc
 import httpx
 import pytest
 
-from tests import openai_table
-from tests.servers import Service, serving
+from tests.support import openai_table
+from tests.support.servers import Service, serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.timeout(1200)

@@ -16,7 +16,7 @@ import grpc
 import httpx
 import pytest
 
-from tests.servers import Service, serving
+from tests.support.servers import Service, serving
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 
 pytestmark = pytest.mark.timeout(900)

@@ -25,7 +25,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.servers import start_scheduler, start_worker
+from tests.support.servers import start_scheduler, start_worker
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.client import ChannelSettings, build_request, complete, open_channel
 from zerobubble.tools.launch import ROOT, start_front

@@ -9,10 +9,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.e2e import assert_matches_reference, bench_rows, hf_reference, run_workload
-from tests.metrics_scrape import metric, wait_all_released
-from tests.polling import wait_until
-from tests.servers import start_scheduler, start_worker, wait_serving
+from tests.support.e2e import assert_matches_reference, bench_rows, hf_reference, run_workload
+from tests.support.metrics_scrape import metric, wait_all_released
+from tests.support.polling import wait_until
+from tests.support.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.drive import make_scheduler, run_job
-from tests.e2e import bench_rows, run_workload
-from tests.servers import Service, start_scheduler, start_worker, wait_serving
+from tests.support.drive import make_scheduler, run_job
+from tests.support.e2e import bench_rows, run_workload
+from tests.support.servers import Service, start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import build_request, complete
 from zerobubble.config import parse_cores

@@ -24,8 +24,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.metrics_scrape import wait_all_released
-from tests.servers import Service, serving
+from tests.support.metrics_scrape import wait_all_released
+from tests.support.servers import Service, serving
 from zerobubble.client import build_request, complete
 from zerobubble.request_options import Constraint
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.servers import start_scheduler, start_worker, wait_serving
+from tests.support.servers import start_scheduler, start_worker, wait_serving
 from zerobubble.api import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from zerobubble.client import build_request, complete
 

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from tests.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_shared, tiny_target  # noqa: E402
+from tests.support.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_shared, tiny_target  # noqa: E402
 from zerobubble.worker_svc.eagle import (  # noqa: E402
     EAGLE1,
     EAGLE3,

@@ -12,7 +12,7 @@ torch = pytest.importorskip("torch")
 F = torch.nn.functional
 pytest.importorskip("transformers")
 
-from tests.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_samples, tiny_target  # noqa: E402
+from tests.support.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_samples, tiny_target  # noqa: E402
 from zerobubble.worker_svc.eagle import load_head  # noqa: E402
 from zerobubble.worker_svc.eagle_data import Sample  # noqa: E402
 from zerobubble.worker_svc.eagle_train import (  # noqa: E402

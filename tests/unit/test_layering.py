@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.import_graph import cycles, import_graph, imports_anything, project_modules, python_files
+from tests.support.import_graph import cycles, import_graph, imports_anything, project_modules, python_files
 
 ROOT = Path(__file__).resolve().parents[2]
 ROOF = ("zerobubble.entrypoints", "zerobubble.tools", "zerobubble.__main__")
@@ -114,16 +114,17 @@ def test_internals_package_map_lists_every_module(graph: dict[str, set[str]]) ->
     assert missing == []
 
 
-def test_test_modules_share_helpers_through_helper_modules() -> None:
-    """Tests import shared code from helper modules (tests/*.py without `test_`), never from
-    another test module or a helper's private name."""
+def test_test_modules_share_helpers_through_tests_support() -> None:
+    """Shared test code lives in tests/support/ and is imported from there, never from another
+    test module or by a helper's private name; no helper module lies loose beside the tests."""
     import ast
 
+    loose = sorted(p.name for p in (ROOT / "tests").glob("*.py") if p.name not in ("__init__.py", "conftest.py"))
     bad = []
     for path in python_files(ROOT / "tests"):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests."):
-                if node.module.split(".")[1].startswith("test_"):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("tests"):
+                if not (node.module or "").startswith("tests.support"):
                     bad.append(f"{path.name}: from {node.module}")
                 bad += [f"{path.name}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
-    assert bad == []
+    assert (loose, bad) == ([], [])

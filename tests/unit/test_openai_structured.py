@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.sim_worker import make_toy_tokenizer_json
+from tests.support.sim_worker import make_toy_tokenizer_json
 from zerobubble.request_options import from_proto
 from zerobubble.scheduler_svc.openai_protocol import ChatCompletionBody, CompletionBody, ParamError, build_requests
 from zerobubble.scheduler_svc.tokenizer import Tokenizer

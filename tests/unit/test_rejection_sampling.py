@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from tests.stats import chi_square_pvalue  # noqa: E402
+from tests.support.stats import chi_square_pvalue  # noqa: E402
 from zerobubble.kernels.verify import count_accepted, rejection_sample  # noqa: E402
 
 VOCAB = 8

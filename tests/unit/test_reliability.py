@@ -1,6 +1,6 @@
 """Fault isolation and supervision on the scheduler side, without model processes.
 
-The worker behind a `WorkerLink` here is `SimWorker` (tests/sim_worker.py, the pure-Python
+The worker behind a `WorkerLink` here is `SimWorker` (tests/support/sim_worker.py, the pure-Python
 worker with the real worker's semantics) answering over a stand-in for the `Execute` call, so
 the link's supervision (reset, re-queue from confirmed tokens, reconnect) runs in milliseconds.
 """
@@ -13,9 +13,9 @@ import time
 
 import pytest
 
-from tests.polling import wait_until_async
-from tests.sim_link import FakeChannel, SimCall, sim_stub, toy_info
-from tests.sim_worker import (
+from tests.support.polling import wait_until_async
+from tests.support.sim_link import FakeChannel, SimCall, sim_stub, toy_info
+from tests.support.sim_worker import (
     make_toy_tokenizer,
     reference_generate,
 )
@@ -112,7 +112,7 @@ def test_migration_that_cannot_place_a_request_ends_it_with_error() -> None:
 def test_a_bad_result_for_one_request_ends_only_that_request() -> None:
     """An exception while applying one row (here its detokenizer) ends that request with ERROR;
     the step's other rows apply normally and their outputs are unchanged."""
-    from tests.sim_worker import assert_matches_reference, drive, make_case
+    from tests.support.sim_worker import assert_matches_reference, drive, make_case
 
     case = make_case(num_requests=4, stopping=StoppingOptions(max_tokens=20), eos_per_mille=0)
     victim = case.scheduler.get_request("r1")

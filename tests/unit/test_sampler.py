@@ -10,7 +10,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.stats import chi_square_pvalue  # noqa: E402
+from tests.support.stats import chi_square_pvalue  # noqa: E402
 from zerobubble.worker_svc.sampler import SamplingTensors, sample, target_probs, token_logprobs  # noqa: E402
 
 VOCAB = 6

@@ -1,6 +1,6 @@
 """Scheduler invariants under async (in-flight window) + speculative execution.
 
-Every test drives the real `Scheduler` against `SimWorker` (tests/sim_worker.py), which asserts
+Every test drives the real `Scheduler` against `SimWorker` (tests/support/sim_worker.py), which asserts
 the worker-side rules itself (no placeholder inputs, writes only into the request's own,
 unshared blocks, KV context always equal to the request's own sequence, no slots past
 max_tokens / max_model_len) and compares the final outputs with the toy model run directly.
@@ -18,8 +18,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.options import split_options
-from tests.sim_worker import (
+from tests.support.options import split_options
+from tests.support.sim_worker import (
     EOS_ID,
     Collected,
     assert_matches_reference,

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.sim_worker import make_toy_tokenizer_json
+from tests.support.sim_worker import make_toy_tokenizer_json
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 from zerobubble.scheduler_svc.tool_calls import ToolCallParser, call_text, parse, parse_call, system_prompt
 

@@ -3,7 +3,7 @@ exactly as the worker link does over the network (no gRPC)."""
 
 from __future__ import annotations
 
-from tests.options import split_options
+from tests.support.options import split_options
 from zerobubble.scheduler_svc.scheduler import SchedulerStats
 from zerobubble.tools.in_process import make_scheduler
 from zerobubble.worker_svc.runner import ModelRunner

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tests.drive import make_scheduler  # noqa: F401  (re-exported for the harness users)
+from tests.support.drive import make_scheduler  # noqa: F401  (re-exported for the harness users)
 from zerobubble.api import worker_pb2
 from zerobubble.rows import plan_rows, result_rows
 from zerobubble.scheduler_svc.scheduler import (

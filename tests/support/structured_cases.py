@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from zerobubble.structured import Constraint, to_grammar
+
 NAME = {"type": "string", "minLength": 1, "maxLength": 24}
 SHORT = {"type": "string", "maxLength": 16}
 YEAR = {"type": "integer", "minimum": 1800, "maximum": 2030}
@@ -97,3 +99,8 @@ CHOICE_CASES = [
 
 def schema_text(schema: dict[str, Any]) -> str:
     return json.dumps(schema)
+
+
+def grammar_of(kind: str, value: object) -> str:
+    text = schema_text(value) if kind == "json_schema" else json.dumps(value) if kind == "choice" else str(value)
+    return to_grammar(Constraint(kind, text))

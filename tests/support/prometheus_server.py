@@ -1,7 +1,7 @@
 """A real Prometheus server for tests: started on loopback, scraping given targets, queried over
 its HTTP API (https://prometheus.io/docs/prometheus/latest/querying/api/).
 
-The server comes from the Debian/Ubuntu package ``prometheus`` (``tests.tools.require``). Each
+The server comes from the Debian/Ubuntu package ``prometheus`` (``tests.support.tools.require``). Each
 server gets its own config, data directory and port, so runs never share state. Scrape targets
 are file-based service discovery, so the server can start (which takes seconds) while the
 services it will scrape are still loading, and learns their ports when they announce them.
@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 from zerobubble.tools.launch import free_port
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tests.sim_worker import make_toy_tokenizer_json
+from tests.support.sim_worker import make_toy_tokenizer_json
 from zerobubble.kernels._triton import KernelImpl
 from zerobubble.request_options import StoppingOptions
 from zerobubble.rows import result_rows

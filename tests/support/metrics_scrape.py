@@ -6,7 +6,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.polling import wait_until
+from tests.support.polling import wait_until
 
 
 def scrape(port: int) -> list:

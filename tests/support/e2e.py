@@ -7,7 +7,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from tests.hf_oracle import hf_greedy, report_divergence
+from tests.support.hf_oracle import hf_greedy, report_divergence
 from zerobubble.bench import BenchRow, parse_row, run_bench_async
 
 # Correctness runs cap every row at this many new tokens so that the whole matrix of
@@ -77,3 +77,24 @@ def assert_matches_reference(
         print("\n".join(notes))
         assert len(ours) - len(differ) >= min_identical, "\n".join(notes)
     return len(ours) - len(differ)
+
+
+def hf_texts(model_dir: Path, rows: list[dict[str, Any]], max_tokens: int) -> list[tuple[str, str]]:
+    """(text, OpenAI finish reason) of Hugging Face greedy on each row's chat prompt."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    outputs = hf_greedy(model_dir, prompt_ids(model_dir, rows), max_tokens)
+    eos = tok.eos_token_id
+    return [
+        (
+            tok.decode(ids, skip_special_tokens=True),
+            "stop" if ids and ids[-1] == eos and len(ids) <= max_tokens else "length",
+        )
+        for ids in outputs
+    ]
+
+
+# Workload rows the HTTP tests (and the container test) send, and their length.
+SUBSET = (0, 9, 29, 40)
+SUBSET_MAX_TOKENS = 24

@@ -11,7 +11,7 @@ import time
 
 import grpc
 
-from tests.sim_worker import EOS_ID, TOY_CHAT_TEMPLATE, SimWorker, make_toy_tokenizer_json
+from tests.support.sim_worker import EOS_ID, TOY_CHAT_TEMPLATE, SimWorker, make_toy_tokenizer_json
 from zerobubble.api import worker_pb2
 
 BLOCK_SIZE = 4

@@ -2,7 +2,7 @@
 
 Every `import` counts, including those inside functions: a lazy import still makes one module
 depend on another. Used by tests/unit/test_layering.py and printable for notes:
-`python -m tests.import_graph [ROOT]`.
+`python -m tests.support.import_graph [ROOT]`.
 """
 
 from __future__ import annotations
@@ -13,14 +13,8 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-# Import name -> folder. The services' folders sit at the top of the tree and import under
-# `zerobubble` (through the symlinks in zerobubble/, which the walk below does not follow).
-PACKAGES = {
-    "zerobubble": "zerobubble",
-    "zerobubble.scheduler_svc": "scheduler_svc",
-    "zerobubble.worker_svc": "worker_svc",
-    "zerobubble.kernels": "kernels",
-}
+# Import name -> folder: one package, its services and kernels as subpackages.
+PACKAGES = {"zerobubble": "zerobubble"}
 
 
 def module_name(folder: Path, package: str, path: Path) -> str:
@@ -32,7 +26,7 @@ def module_name(folder: Path, package: str, path: Path) -> str:
 
 
 def python_files(folder: Path) -> list[Path]:
-    """`*.py` under `folder`, not through symlinks (zerobubble/'s links to the services)."""
+    """`*.py` under `folder`."""
     return sorted(Path(d, f) for d, _, files in os.walk(folder) for f in files if f.endswith(".py"))
 
 
@@ -138,7 +132,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def main() -> None:
-    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parent.parent
+    root = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).resolve().parents[2]
     graph = import_graph(root)
     for name in sorted(graph):
         print(f"{name} -> {', '.join(sorted(graph[name])) or '-'}")

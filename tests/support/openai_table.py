@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "openai-api.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "openai-api.md"
 STATUSES = ("implemented", "refused", "ignored")
 # Section headings of the doc and the endpoints their rows apply to.
 SECTIONS = {

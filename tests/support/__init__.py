@@ -1,0 +1,1 @@
+"""Helpers the tests share: oracles, harnesses, servers on loopback, statistics."""

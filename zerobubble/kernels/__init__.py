@@ -1,0 +1,1 @@
+"""The GPU (Triton) and CPU (C++) kernels of the worker, each beside its torch twin."""
