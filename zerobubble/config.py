@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 ENV_PREFIX = "ZEROBUBBLE_"
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+# --cpu-linear: zerobubble.kernels.linear_choice.CHOICES (that module imports torch; a test keeps them equal).
+CPU_LINEAR_CHOICES = ("auto", "default", "blocks", "onednn", "dense", "int8-rows", "int8-torch", "int8-widened", "int4")
 
 # gRPC's own runtime switches that our processes run with unless `GRPC_EXPERIMENTS` is set.
 # Its EventEngine endpoints hand every read and write between their own threads and the
@@ -290,6 +292,14 @@ class WorkerConfig(ServiceConfig):
         "CPU, bfloat16/float16: run the norms, rotation, SiLU, paged attention and the bfloat16 "
         "and int8 products as compiled C++ kernels (built once per machine with the host's "
         "compiler; torch ops where that fails)",
+    )
+    cpu_linear: str = setting(
+        "auto",
+        "CPU: the product that runs each linear weight: auto = the fastest for each weight shape "
+        "and row count, timed on this machine at the first start and cached beside the compiled "
+        "kernels (logged at info); default = the plan tuned on an AMD EPYC without AVX2-only or AMX "
+        "paths, no timing; or one product wherever it can run a weight (benchmarks, tests)",
+        choices=CPU_LINEAR_CHOICES,
     )
     auth_token: str = setting(
         "",

@@ -7,7 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from zerobubble.kernels.linear import (
+    BUCKET_ROWS,
+    candidates,
     dequantize_int4,
+    lay_out,
     linear,
     pack_blocks,
     prepare_linear,
@@ -45,11 +48,11 @@ def test_packed_linear_matches_f_linear(dtype: torch.dtype, num_rows: int, with_
 
 @needs_onednn
 def test_float32_keeps_the_plain_weight_for_few_rows() -> None:
-    """1-3 float32 rows go through MKL's gemv on the plain weight: bit-identical to F.linear."""
+    """1-4 float32 rows go through MKL's gemv on the plain weight: bit-identical to F.linear."""
     weight = torch.randn(64, 48)
     prepared = prepare_linear(weight)
-    assert prepared.dense is weight and prepared.min_packed_rows == 4
-    for num_rows in (1, 2, 3):
+    assert prepared.dense is weight and prepared.plan == ("dense", "dense", "onednn", "onednn", "onednn")
+    for num_rows in (1, 2, 3, 4):
         x = torch.randn(num_rows, 48)
         assert torch.equal(linear(x, prepared), F.linear(x, weight))
     # bfloat16 is faster packed at every size, so it keeps only the packed copy (where the CPU has
@@ -104,19 +107,24 @@ def test_quantized_linear_is_the_dequantized_product(scheme: str, num_rows: int,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("num_rows", "in_features"), [(1, 192), (3, 200), (4, 192), (6, 192)])
-def test_compiled_int8_product_is_the_dequantized_product(
-    cpu_kernels: None, dtype: torch.dtype, num_rows: int, in_features: int
+@pytest.mark.parametrize(("num_rows", "in_features"), [(1, 192), (3, 200), (4, 192), (6, 192), (20, 200)])
+@pytest.mark.parametrize("product", ["int8-rows", "int8-torch", "int8-widened"])
+def test_every_int8_product_is_the_dequantized_product(
+    cpu_kernels: None, dtype: torch.dtype, num_rows: int, in_features: int, product: str
 ) -> None:
-    """The compiled CPU kernel's int8 product (up to CPP_INT8_MAX_ROWS rows; torch's beyond),
-    over 97 outputs (not a multiple of its four-row blocks) and inputs that are or are not a
-    multiple of its 16-wide steps: the dequantized weight's product, rounded once to the
-    activations' dtype. (torch's own product, for 6 rows, needs a multiple of 64 inputs.)"""
+    """Each product over plain int8 codes, over 97 outputs (not a multiple of the compiled
+    kernel's four-row blocks) and inputs that are or are not a multiple of its 16-wide steps:
+    the dequantized weight's product, rounded once to the activations' dtype. torch's own
+    product is offered only for a multiple of 64 inputs."""
     g = torch.Generator().manual_seed(num_rows)
     weight = torch.randn(97, in_features, generator=g)
     x = torch.randn(num_rows, in_features, generator=g).to(dtype)
     bias = torch.randn(97, generator=g).to(dtype)
-    got = linear(x, prepare_linear(weight.to(dtype), quantization="int8"), bias, impl="cpp")
+    names = candidates(weight.to(dtype), "int8", impl="cpp")
+    if product not in names:
+        assert product == "int8-torch" and in_features % 64
+        return
+    got = linear(x, lay_out(weight.to(dtype), "int8", (product,) * len(BUCKET_ROWS)), bias)
     q, scale = quantize_int8(weight.to(dtype))
     want = (F.linear(x.float(), q.float()) * scale.to(dtype).float() + bias.float()).to(dtype)
     assert got.dtype == dtype and got.shape == want.shape

@@ -39,7 +39,7 @@ NAMESPACE = "zerobubble_cpu"
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     """The instruction-set flags of this CPU (``-march=native`` compiles for them)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -57,7 +57,7 @@ def library_name() -> str:
     digest = hashlib.sha256()
     for path in SOURCE_FILES:
         digest.update(path.read_bytes())
-    for part in (torch.__version__, _cpu_flags(), " ".join(_FLAGS), sys.prefix):
+    for part in (torch.__version__, cpu_flags(), " ".join(_FLAGS), sys.prefix):
         digest.update(part.encode())
     return f"{NAMESPACE}_{digest.hexdigest()[:12]}"
 
@@ -68,6 +68,12 @@ def is_loaded() -> bool:
         return hasattr(getattr(torch.ops, NAMESPACE), "paged_attention")
     except (AttributeError, RuntimeError):
         return False
+
+
+def native_bf16() -> bool:
+    """Whether the loaded kernels' block product runs on AVX-512 BF16 instructions (compiled for a
+    CPU without them, it is a plain loop that no product plan offers)."""
+    return bool(torch.ops.zerobubble_cpu.block_linear_is_native())
 
 
 def _put_ninja_on_path() -> None:

@@ -38,7 +38,9 @@ bfloat16 product here; from about 8 rows on, its unpacking makes it slower
 
 from __future__ import annotations
 
+import bisect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -50,40 +52,42 @@ logger = logging.getLogger(__name__)
 
 # The row count oneDNN chooses its blocked layout for: a decode batch. The layout serves any row count.
 _PACK_ROWS_HINT = 16
-# Below this many float32 rows MKL's gemv over the plain weight beats the packed product.
-_F32_MIN_PACKED_ROWS = 4
-# Up to this many rows the compiled int8 product (zerobubble.kernels.cpu), which streams the
-# weight once, beats torch's; with more rows torch's, which widens the weights in blocks, wins.
-CPP_INT8_MAX_ROWS = 4
-# From this many rows (a prefill chunk, a large batch) widening an int8 weight to the activations'
-# dtype and taking the dense product beats torch's weight-only product, which is bound by its
-# per-row widening there (a 3072 x 576 weight, 260 rows, bfloat16: 4.8 ms against 11.9).
-INT8_MIN_WIDENED_ROWS = 16
 # Outputs per block of the compiled block product's weight layout (pack_blocks).
 BLOCK_OUTPUTS = 16
 # Blocks the compiled product reads together; a weight's blocks are padded to a multiple of it.
 BLOCK_GROUP = 3
+# Row buckets a weight's plan names one product for: 1, 2-4, 5-16, 17-64 and 65 or more rows
+# (one decode stream, a few, a decode batch or verification, a wide batch, prefill).
+ROW_BUCKETS = (1, 4, 16, 64)
+# The row count each bucket is timed at (zerobubble.kernels.linear_choice).
+BUCKET_ROWS = (1, 4, 16, 64, 256)
 
 
 @dataclass(slots=True, eq=False)
 class LinearWeight:
-    """One ``[out, in]`` linear weight: the plain tensor and/or a oneDNN-packed copy, or its
-    quantized codes, or its blocks for the compiled CPU product.
+    """One ``[out, in]`` linear weight in the layouts its products read, and which product runs
+    each row bucket (``plan[row_bucket(rows)]``, a name in `PRODUCTS`).
 
-    ``packed`` is used for inputs of at least ``min_packed_rows`` rows, ``dense`` otherwise;
-    ``blocks`` (with ``num_outputs``), where present, for every input.
+    The layouts: the plain tensor (``dense``), oneDNN's packed copy (``packed``), int8 codes
+    (``int8``, ``int8_scale``), torch's int4 layout, or blocks for the compiled CPU product
+    (``blocks``: bfloat16, or int8 codes with ``int8_scale``). Only those the plan uses are kept.
     """
 
-    dense: torch.Tensor | None
+    num_outputs: int
+    plan: tuple[str, ...]
+    dense: torch.Tensor | None = None
     packed: torch.Tensor | None = None
-    min_packed_rows: int = 0
     int8: torch.Tensor | None = None  # [out, in] int8 weight-only
     int8_scale: torch.Tensor | None = None  # [out] in the activations' dtype
     int4: torch.Tensor | None = None  # torch's packed int4 layout of [out, in]
     int4_scales_zeros: torch.Tensor | None = None  # [in / INT4_GROUP, out, 2] in the activations' dtype
     # [out / 16 (padded), in / 2, 16, 2] bfloat16, or int8 with int8_scale: see pack_blocks
     blocks: torch.Tensor | None = None
-    num_outputs: int = 0  # out, for blocks (the blocks past it hold zeros)
+
+
+def row_bucket(num_rows: int) -> int:
+    """The index of the bucket ``num_rows`` falls in (``len(ROW_BUCKETS)``: more than the last bound)."""
+    return bisect.bisect_left(ROW_BUCKETS, num_rows)
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -96,15 +100,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = (w32.abs().amax(dim=1) / 127.0).clamp(min=1e-12)
     q = torch.round(w32 / scale[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scale
-
-
-def _prepare_int8(weight: torch.Tensor, blocks: bool) -> LinearWeight:
-    if weight.device.type != "cpu":
-        raise ValueError("int8 quantization runs on the CPU only")
-    q, scale = quantize_int8(weight)
-    if blocks:
-        return LinearWeight(None, int8_scale=scale.to(weight.dtype), blocks=pack_blocks(q), num_outputs=q.shape[0])
-    return LinearWeight(None, int8=q.contiguous(), int8_scale=scale.to(weight.dtype))
 
 
 def quantize_int4(weight: torch.Tensor, group: int = INT4_GROUP) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,14 +128,6 @@ def dequantize_int4(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Te
     return ((codes - 8) * scale[..., None] + zero[..., None]).reshape(out_features, in_features)
 
 
-def _prepare_int4(weight: torch.Tensor) -> LinearWeight:
-    if weight.device.type != "cpu":
-        raise ValueError("int4 quantization runs on the CPU only")
-    q, scales_and_zeros = quantize_int4(weight)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    return LinearWeight(None, int4=packed, int4_scales_zeros=scales_and_zeros.to(weight.dtype))
-
-
 def pack_blocks(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` ``[out, in]`` (``in`` even; bfloat16, or int8 codes) in the compiled product's
     layout ``[num_blocks, in / 2, 16, 2]``: for each block of 16 outputs and each pair of inputs,
@@ -163,69 +150,187 @@ def unpack_blocks(blocks: torch.Tensor, num_outputs: int) -> torch.Tensor:
     return blocks.permute(0, 2, 1, 3).reshape(num_blocks * BLOCK_OUTPUTS, 2 * pairs)[:num_outputs]
 
 
-def _uses_blocks(weight: torch.Tensor, impl: KernelImpl) -> bool:
-    """Whether ``weight`` (in the model's dtype) goes to the compiled block product."""
+def _runs_blocks(dtype: torch.dtype, in_features: int, impl: KernelImpl) -> bool:
+    """Whether the compiled block product can serve a weight whose activations are ``dtype``."""
     # impl="cpp": the caller has loaded the compiled kernels (zerobubble.kernels.cpu).
-    if impl != "cpp" or weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[1] % 2:
+    if impl != "cpp" or dtype != torch.bfloat16 or in_features % 2:
         return False
-    return bool(torch.ops.zerobubble_cpu.block_linear_is_native())
+    from zerobubble.kernels import cpu
+
+    return cpu.native_bf16()
+
+
+def _onednn_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed product is offered for ``dtype`` weights on this CPU (without native
+    bfloat16 instructions oneDNN would emulate them; plain F.linear is no worse)."""
+    if dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        return dtype == torch.float32 or bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+# The products, by name: what each reads and how it multiplies. A weight's plan names one per
+# row bucket; `candidates` says which can run a given weight here.
+Product = Callable[[torch.Tensor, LinearWeight, "torch.Tensor | None"], torch.Tensor]
+
+
+def _plus(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
+
+
+def _block_product(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    assert w.blocks is not None
+    scale = w.int8_scale if w.blocks.dtype == torch.int8 else None
+    out: torch.Tensor = torch.ops.zerobubble_cpu.block_linear(x, w.blocks, w.num_outputs, scale, bias)
+    return out
+
+
+def _onednn_product(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    out: torch.Tensor = torch.ops.mkldnn._linear_pointwise(x, w.packed, bias, "none", [], "")
+    return out
+
+
+def _dense_product(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    assert w.dense is not None
+    return F.linear(x, w.dense, bias)
+
+
+def _int8_rows_product(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    # The compiled kernel streams the codes once, prefetching ahead: made for a few rows.
+    return _plus(torch.ops.zerobubble_cpu.int8_linear(x, w.int8, w.int8_scale), bias)
+
+
+def _int8_torch_product(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return _plus(torch.ops.aten._weight_int8pack_mm(x, w.int8, w.int8_scale), bias)
+
+
+def _int8_widened_product(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    # int8 codes are exact in any float dtype: the product is the dense one, scaled after. For
+    # many rows the widening is a small share of the product.
+    assert w.int8 is not None and w.int8_scale is not None
+    return _plus(F.linear(x, w.int8.to(x.dtype)) * w.int8_scale, bias)
+
+
+def _int4_product(x: torch.Tensor, w: LinearWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    return _plus(torch.ops.aten._weight_int4pack_mm_for_cpu(x, w.int4, INT4_GROUP, w.int4_scales_zeros), bias)
+
+
+@dataclass(frozen=True, slots=True)
+class ProductKind:
+    """A linear product: the layout it reads (a `LinearWeight` field) and its function."""
+
+    layout: str
+    run: Product
+
+
+PRODUCTS: dict[str, ProductKind] = {
+    "blocks": ProductKind("blocks", _block_product),
+    "onednn": ProductKind("packed", _onednn_product),
+    "dense": ProductKind("dense", _dense_product),
+    "int8-rows": ProductKind("int8", _int8_rows_product),
+    "int8-torch": ProductKind("int8", _int8_torch_product),
+    "int8-widened": ProductKind("int8", _int8_widened_product),
+    "int4": ProductKind("int4", _int4_product),
+}
+
+
+def candidates(
+    weight: torch.Tensor, quantization: str = "none", prepack: bool = True, impl: KernelImpl = None
+) -> tuple[str, ...]:
+    """The products that can run ``weight`` (in the model's dtype) here, in `PRODUCTS`' order;
+    ``prepack=False`` leaves only those over the plain weight or codes."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r} (known: {', '.join(QUANTIZATIONS)})")
+    if quantization != "none" and weight.device.type != "cpu":
+        raise ValueError(f"{quantization} quantization runs on the CPU only")
+    if quantization == "int4":
+        out_features, in_features = weight.shape
+        if in_features % INT4_GROUP:
+            raise ValueError(
+                f"int4 needs a weight's inputs in groups of {INT4_GROUP}; got a [{out_features}, {in_features}] one"
+            )
+        return ("int4",)
+    on_cpu = weight.device.type == "cpu"
+    blocks = prepack and on_cpu and _runs_blocks(weight.dtype, weight.shape[1], impl)
+    if quantization == "int8":
+        rows = ("int8-rows",) if impl == "cpp" else ()
+        # torch 2.13's weight-only int8 product reads past a row of inputs that is not a
+        # multiple of 64 for more than a few rows (it crashes).
+        torch_int8 = ("int8-torch",) if weight.shape[1] % 64 == 0 else ()
+        return ("blocks",) * blocks + rows + torch_int8 + ("int8-widened",)
+    onednn = prepack and on_cpu and _onednn_packs(weight.dtype)
+    return ("blocks",) * blocks + ("onednn",) * onednn + ("dense",)
+
+
+def default_plan(names: tuple[str, ...], dtype: torch.dtype) -> tuple[str, ...]:
+    """The plan measured on the machine the kernels were tuned on (AMD EPYC, AVX-512 BF16, no
+    AMX), used where no measurement is asked for: the block product at every row count where it
+    runs; else oneDNN's packed product (float32: MKL's gemv over the plain weight for 1-4 rows,
+    bit-identical to ``F.linear``); int8 codes: the compiled kernel for 1-4 rows, torch's
+    weight-only product up to 16, the widened dense product beyond (a 3072 x 576 weight, 260
+    rows, bfloat16: 4.8 ms against torch's 11.9)."""
+    num_buckets = len(BUCKET_ROWS)
+    if "blocks" in names or len(names) == 1:
+        return (names[0],) * num_buckets
+    if "onednn" in names:
+        few = "dense" if dtype == torch.float32 else "onednn"
+        return (few, few) + ("onednn",) * (num_buckets - 2)
+    if "int8-widened" in names:
+        middle = "int8-torch" if "int8-torch" in names else "int8-widened"
+        few = "int8-rows" if "int8-rows" in names else middle
+        return (few, few, middle, "int8-widened", "int8-widened")
+    return ("dense",) * num_buckets
+
+
+def lay_out(
+    weight: torch.Tensor, quantization: str, plan: tuple[str, ...], num_outputs: int | None = None
+) -> LinearWeight:
+    """``weight`` ``[out, in]`` in the layouts ``plan``'s products read."""
+    layouts = {PRODUCTS[name].layout for name in plan}
+    out = LinearWeight(weight.shape[0] if num_outputs is None else num_outputs, plan)
+    if quantization == "int8":
+        q, scale = quantize_int8(weight)
+        out.int8_scale = scale.to(weight.dtype)
+        out.int8 = q.contiguous() if "int8" in layouts else None
+        out.blocks = pack_blocks(q) if "blocks" in layouts else None
+        return out
+    if quantization == "int4":
+        q, scales_and_zeros = quantize_int4(weight)
+        out.int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        out.int4_scales_zeros = scales_and_zeros.to(weight.dtype)
+        return out
+    out.dense = weight if "dense" in layouts else None
+    out.blocks = pack_blocks(weight) if "blocks" in layouts else None
+    if "packed" in layouts:
+        out.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
+    return out
+
+
+# What picks a weight's plan: given the weight (in the model's dtype), its quantization, the
+# candidates and the default plan (zerobubble.kernels.linear_choice.LinearChooser).
+PlanChooser = Callable[[torch.Tensor, str, tuple[str, ...], tuple[str, ...]], tuple[str, ...]]
 
 
 def prepare_linear(
-    weight: torch.Tensor, prepack: bool = True, quantization: str = "none", impl: KernelImpl = None
+    weight: torch.Tensor,
+    prepack: bool = True,
+    quantization: str = "none",
+    impl: KernelImpl = None,
+    choose: PlanChooser | None = None,
 ) -> LinearWeight:
-    """Wrap ``weight`` ``[out, in]`` for :func:`linear`: laid out for the compiled block product
-    (``impl="cpp"``) or for oneDNN when that helps here, or quantized (``quantization="int8"`` or
-    ``"int4"``). ``prepack=False`` keeps the plain weight (or int8 codes)."""
-    blocks = prepack and _uses_blocks(weight, impl)
-    if quantization == "int8":
-        return _prepare_int8(weight, blocks)
-    if quantization == "int4":
-        return _prepare_int4(weight)
-    if quantization != "none":
-        raise ValueError(f"unknown quantization {quantization!r} (known: {', '.join(QUANTIZATIONS)})")
-    if blocks:
-        return LinearWeight(None, blocks=pack_blocks(weight), num_outputs=weight.shape[0])
-    if not (prepack and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-            and torch.backends.mkldnn.is_available()):  # fmt: skip
-        return LinearWeight(weight)
-    try:
-        # Without native bfloat16 instructions oneDNN would emulate them; plain F.linear is no worse.
-        if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-            return LinearWeight(weight)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_ROWS_HINT)
-    except (AttributeError, RuntimeError) as exc:  # a torch build without this oneDNN op or ISA
-        logger.warning("oneDNN weight packing unavailable, using plain F.linear: %s", exc)
-        return LinearWeight(weight)
-    if weight.dtype == torch.float32:
-        return LinearWeight(weight, packed, _F32_MIN_PACKED_ROWS)
-    return LinearWeight(None, packed, 0)
+    """Wrap ``weight`` ``[out, in]`` for :func:`linear`: quantized (``quantization="int8"`` or
+    ``"int4"``) or not, laid out for the products that run it here: those ``choose`` picks per
+    row bucket among the candidates, else the default plan. ``prepack=False`` keeps the plain
+    weight (or int8 codes)."""
+    names = candidates(weight, quantization, prepack, impl)
+    plan = default_plan(names, weight.dtype)
+    if choose is not None and len(names) > 1:
+        plan = choose(weight, quantization, names, plan)
+    return lay_out(weight, quantization, plan)
 
 
-def linear(
-    x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None, impl: KernelImpl = None
-) -> torch.Tensor:
-    """``x @ weight.T + bias`` for ``x`` ``[N, in]``, through the packed weight when ``N`` is large
-    enough; ``impl="cpp"``: an int8 weight's product for a few rows by the compiled CPU kernel.
-    A weight in blocks is always multiplied by the compiled product."""
-    if weight.blocks is not None:
-        scale = weight.int8_scale if weight.blocks.dtype == torch.int8 else None
-        product: torch.Tensor = torch.ops.zerobubble_cpu.block_linear(x, weight.blocks, weight.num_outputs, scale, bias)
-        return product
-    if weight.int8 is not None:
-        assert weight.int8_scale is not None
-        if impl == "cpp" and x.shape[0] <= CPP_INT8_MAX_ROWS:
-            out: torch.Tensor = torch.ops.zerobubble_cpu.int8_linear(x, weight.int8, weight.int8_scale)
-        elif x.shape[0] >= INT8_MIN_WIDENED_ROWS:
-            # int8 codes are exact in any float dtype: the product is the dense one, scaled after.
-            out = F.linear(x, weight.int8.to(x.dtype)) * weight.int8_scale
-        else:
-            out = torch.ops.aten._weight_int8pack_mm(x, weight.int8, weight.int8_scale)
-        return out if bias is None else out + bias
-    if weight.int4 is not None:
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight.int4, INT4_GROUP, weight.int4_scales_zeros)
-        return out if bias is None else out + bias
-    if weight.packed is not None and x.shape[0] >= weight.min_packed_rows:
-        return torch.ops.mkldnn._linear_pointwise(x, weight.packed, bias, "none", [], "")
-    assert weight.dense is not None, "a weight without its plain copy is always packed"
-    return F.linear(x, weight.dense, bias)
+def linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` for ``x`` ``[N, in]`` by the product ``weight``'s plan names for ``N`` rows."""
+    return PRODUCTS[weight.plan[row_bucket(x.shape[0])]].run(x, weight, bias)

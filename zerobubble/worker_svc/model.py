@@ -32,7 +32,7 @@ from zerobubble.kernels.attention import (
     write_kv_cache,
 )
 from zerobubble.kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
-from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
+from zerobubble.kernels.linear import LinearWeight, PlanChooser, linear, prepare_linear
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,9 @@ class CausalLM:
     # "cpp": the compiled CPU kernels serve the norms, rotation, SiLU, attention and the bfloat16
     # and int8 products (zerobubble.kernels.cpu); None: Triton on CUDA, the torch twins elsewhere.
     kernels: KernelImpl = None
+    # Picks each linear weight's product per row count (zerobubble.kernels.linear_choice); None:
+    # the default plan.
+    linear_chooser: PlanChooser | None = None
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
     head_rows: torch.Tensor | None = None  # [vocab, hidden] plain lm_head rows (the embedding when tied)
@@ -225,7 +228,7 @@ class CausalLM:
         agreement 94 % against 99 % with the head unquantized, docs/benchmarks/cpu-llamacpp.md;
         llama.cpp keeps its output matrix at a higher precision too)."""
         quantization = "none" if self.quantization == "int4" else self.quantization
-        return prepare_linear(rows, self.prepack, quantization, self.kernels)
+        return prepare_linear(rows, self.prepack, quantization, self.kernels, self.linear_chooser)
 
     def weight_readers(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Taker, OptionalTaker, WeightMaker]:
         """``take(name, shape)`` (checked, in this model's dtype and device), ``take_optional``
@@ -243,7 +246,7 @@ class CausalLM:
             return take(name, shape) if present else None
 
         def weight(tensor: torch.Tensor) -> LinearWeight:
-            return prepare_linear(tensor, self.prepack, self.quantization, self.kernels)
+            return prepare_linear(tensor, self.prepack, self.quantization, self.kernels, self.linear_chooser)
 
         return take, take_optional, weight
 
@@ -298,10 +301,10 @@ class CausalLM:
             attn = paged_attention(
                 q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan
             )
-            hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, self.kernels)
+            hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps, self.kernels)
-            gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias, self.kernels)
-            hidden = linear(silu_mul(gate_up, self.kernels), layer.down_weight, layer.down_bias, self.kernels)
+            gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias)
+            hidden = linear(silu_mul(gate_up, self.kernels), layer.down_weight, layer.down_bias)
         return hidden, residual
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -320,7 +323,7 @@ class CausalLM:
         """A layer's q/k/v projection of its normed input: writes K/V at ``slot_mapping``, returns q ``[T, Hq, D]``."""
         spec = self.spec
         qk_heads = spec.num_q_heads + spec.num_kv_heads
-        qkv = linear(normed, layer.qkv_weight, layer.qkv_bias, self.kernels)
+        qkv = linear(normed, layer.qkv_weight, layer.qkv_bias)
         # q and k get the same per-head norm and rotation, so they are processed as one tensor.
         qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, spec.rms_norm_eps, self.kernels)
         # narrow, not [] slicing: Python indexing takes a device guard, which a CUDA-less
@@ -347,7 +350,7 @@ class CausalLM:
         size = self.spec.hidden_size
         if hidden.shape[-1] != size:
             hidden = hidden.narrow(-1, 0, size).contiguous()
-        logits = linear(hidden, self.lm_head, impl=self.kernels).float()
+        logits = linear(hidden, self.lm_head).float()
         if hidden.dtype == torch.float32:
             return logits
         top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices
@@ -431,11 +434,13 @@ def build_model(
     prepack: bool = True,
     quantization: str = "none",
     kernels: KernelImpl = None,
+    linear_chooser: PlanChooser | None = None,
 ) -> CausalLM:
     """An empty :class:`CausalLM` for ``hf_config``; fill it with :meth:`CausalLM.load_weights`.
 
-    ``prepack`` lays the linear weights out for oneDNN on CPU, ``quantization`` ("int8", "int4")
-    stores them quantized (see :mod:`zerobubble.kernels.linear`), ``kernels`` is `CausalLM.kernels`.
+    ``prepack`` lays the linear weights out for their CPU products, ``quantization`` ("int8",
+    "int4") stores them quantized, ``linear_chooser`` picks their products (see
+    :mod:`zerobubble.kernels.linear`), ``kernels`` is `CausalLM.kernels`.
     """
     spec = model_spec(hf_config)
     cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)
@@ -451,6 +456,7 @@ def build_model(
         prepack=prepack,
         quantization=quantization,
         kernels=kernels,
+        linear_chooser=linear_chooser,
     )
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from zerobubble.kernels._triton import KernelImpl
+from zerobubble.kernels.linear_choice import LinearChooser, warn_if_int8_is_slower
 from zerobubble.worker_svc.model import SUPPORTED_MODEL_TYPES, CausalLM, build_model
 
 logger = logging.getLogger(__name__)
@@ -112,6 +113,7 @@ def load_model(
     weights: bool = True,
     quantization: str = "none",
     cpu_kernels: bool = True,
+    cpu_linear: str = "auto",
 ) -> LoadedModel:
     """Resolve ``spec`` and load its weights into our Llama-family forward.
 
@@ -119,6 +121,8 @@ def load_model(
     ``quantization``: ``"int8"`` / ``"int4"`` store the linear weights quantized (:mod:`zerobubble.kernels.linear`).
     ``weights=False``: config, tokenizer and EOS ids only (``model`` is None).
     ``cpu_kernels``: a 16-bit model on the CPU runs the compiled kernels (:mod:`zerobubble.kernels.cpu`).
+    ``cpu_linear``: how each linear weight's product is picked on the CPU
+    (:mod:`zerobubble.kernels.linear_choice`: ``"auto"`` times them here).
 
     Raises:
         ModelLoadError: the model is missing, malformed or of an unsupported family.
@@ -142,7 +146,8 @@ def load_model(
         return loaded
     try:
         kernels: KernelImpl = "cpp" if cpu_kernels and uses_cpu_kernels(torch_dtype, torch.device(device)) else None
-        model = build_model(hf_config, torch_dtype, torch.device(device), prepack, quantization, kernels)
+        chooser = LinearChooser(cpu_linear, kernels) if torch.device(device).type == "cpu" else None
+        model = build_model(hf_config, torch_dtype, torch.device(device), prepack, quantization, kernels, chooser)
     except ValueError as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: {exc}") from exc
     state_dict: dict[str, torch.Tensor] = {}
@@ -156,6 +161,10 @@ def load_model(
     except (KeyError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: weights do not match config.json: {exc}") from exc
     del state_dict
+    if chooser is not None:
+        chooser.report()
+        if quantization == "int8":
+            warn_if_int8_is_slower(chooser, kernels)
     logger.info("loaded %s (%s, %s) in %.2fs", path, torch_dtype, device, time.perf_counter() - started)
     loaded.model = model
     return loaded

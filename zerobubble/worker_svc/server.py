@@ -141,7 +141,13 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
         raise ConfigError("--device cuda needs triton (Linux CUDA builds of torch bring it): pip install triton")
     dtype = resolve_dtype(cfg.dtype, device)
     loaded = load_model(
-        cfg.model, dtype, device, cfg.prepack_weights, quantization=cfg.quantization, cpu_kernels=cfg.cpu_kernels
+        cfg.model,
+        dtype,
+        device,
+        cfg.prepack_weights,
+        quantization=cfg.quantization,
+        cpu_kernels=cfg.cpu_kernels,
+        cpu_linear=cfg.cpu_linear,
     )
     draft = _load_drafter(cfg, loaded, dtype, device)
     proposer = build_proposer(
@@ -185,6 +191,7 @@ def _load_drafter(cfg: WorkerConfig, loaded: LoadedModel, dtype: torch.dtype, de
             cfg.prepack_weights,
             quantization=cfg.draft_quantization,
             cpu_kernels=cfg.cpu_kernels,
+            cpu_linear=cfg.cpu_linear,
         )
     if cfg.spec_method == "eagle":
         from zerobubble.worker_svc.proposers.eagle import load_serving_head

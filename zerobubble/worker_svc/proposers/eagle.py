@@ -203,7 +203,9 @@ def _eagle1_head(
         hf_config.layer_types = ["full_attention"]
     model = target.model
     assert model is not None and model.embed is not None
-    layer_model = build_model(hf_config, model.dtype, model.device, model.prepack, quantization, model.kernels)
+    layer_model = build_model(
+        hf_config, model.dtype, model.device, model.prepack, quantization, model.kernels, model.linear_chooser
+    )
     take, take_optional, weight = layer_model.weight_readers(state)
     hidden = layer_model.spec.hidden_size
     has_norm = "layers.0.input_layernorm.weight" in state
@@ -226,7 +228,9 @@ def _eagle3_head(
     hf_config.vocab_size = target.spec.vocab_size
     # The head drafts at the target's positions, which may run past the head's own table.
     hf_config.max_position_embeddings = max(int(hf_config.max_position_embeddings), target.spec.max_position_embeddings)
-    layer_model = build_model(hf_config, target.dtype, target.device, target.prepack, quantization, target.kernels)
+    layer_model = build_model(
+        hf_config, target.dtype, target.device, target.prepack, quantization, target.kernels, target.linear_chooser
+    )
     take, take_optional, weight = layer_model.weight_readers(state)
     spec, target_hidden = layer_model.spec, target.spec.hidden_size
     layer_model.layers = [
