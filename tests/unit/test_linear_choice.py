@@ -152,3 +152,24 @@ def test_int8_reports_how_it_compares_with_the_16_bit_products(
     forced = LinearChooser("blocks", "cpp")
     prepare_linear(torch.randn(64, 128).bfloat16(), quantization="int8", impl="cpp", choose=forced)
     assert warn_if_int8_is_slower(forced, "cpp") is None
+
+
+@pytest.mark.slow
+def test_kernels_built_for_avx2_only_match_their_twins(tmp_path: Path) -> None:
+    """The kernels compiled for a CPU without AVX-512 (x86-64-v3: AVX2 and FMA) in a process of
+    their own: the kernel tests pass there, and no product plan offers the block product."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, cpu.MARCH_ENV: "x86-64-v3", "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    tests = ["tests/unit/test_linear.py", "tests/unit/test_fused_kernels.py", "tests/unit/test_attention_kernel.py"]
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests], cwd=root, env=env, text=True,
+        capture_output=True, timeout=1200,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    probe = "from zerobubble.kernels import cpu; assert cpu.load(); print(cpu.native_bf16())"
+    native = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, text=True, capture_output=True)
+    assert native.stdout.strip() == "False", native.stderr[-2000:]

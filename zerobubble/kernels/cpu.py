@@ -8,8 +8,8 @@ products of `zerobubble.kernels.linear` at the memory's speed, and register as t
 operators (``torch.ops.zerobubble_cpu.*``). The public functions of those modules run them for
 ``impl="cpp"``; a model asks for that when it loaded them (`zerobubble.worker_svc.model.CausalLM.kernels`).
 
-They are compiled with the host's C++ compiler for the host's instruction set (``-march=native``)
-into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``),
+They are compiled with the host's C++ compiler for the host's instruction set (``-march=native``,
+or the level ``$ZEROBUBBLE_CPU_MARCH`` names: AVX-512, AVX2 and plain paths are in the source) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``),
 under a name that changes with the source, the torch version, the CPU and the environment: the
 first load on a machine takes about half a minute (``python -m zerobubble.kernels.cpu`` does it
 ahead of time), later ones are immediate. Where no compiler works, loading reports why and the torch twins serve.
@@ -36,7 +36,15 @@ SOURCE_FILES = sorted(
     path for path in (Path(__file__).resolve().parent / "csrc").iterdir() if path.suffix in (".cpp", ".h")
 )
 NAMESPACE = "zerobubble_cpu"
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# The instruction set the kernels are compiled for: this CPU's own by default; a named level
+# (e.g. x86-64-v3: AVX2 and FMA, no AVX-512) builds them for every CPU of that level, as an image
+# built on one node for another would need.
+MARCH_ENV = "ZEROBUBBLE_CPU_MARCH"
+
+
+def compile_flags() -> list[str]:
+    """The compiler's flags: optimised, OpenMP, for ``$ZEROBUBBLE_CPU_MARCH`` (default ``native``)."""
+    return ["-O3", f"-march={os.environ.get(MARCH_ENV) or 'native'}", "-fopenmp"]
 
 
 def cpu_flags() -> str:
@@ -57,7 +65,7 @@ def library_name() -> str:
     digest = hashlib.sha256()
     for path in SOURCE_FILES:
         digest.update(path.read_bytes())
-    for part in (torch.__version__, cpu_flags(), " ".join(_FLAGS), sys.prefix):
+    for part in (torch.__version__, cpu_flags(), " ".join(compile_flags()), sys.prefix):
         digest.update(part.encode())
     return f"{NAMESPACE}_{digest.hexdigest()[:12]}"
 
@@ -101,7 +109,7 @@ def load(verbose: bool = False) -> bool:
         load_extension(
             name=library_name(),
             sources=[str(path) for path in SOURCE_FILES if path.suffix == ".cpp"],
-            extra_cflags=_FLAGS,
+            extra_cflags=compile_flags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=verbose,

@@ -13,7 +13,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
