@@ -31,6 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from zerobubble.bench import BenchRow, load_dataset  # noqa: E402
 from zerobubble.bench_openai import run_openai_bench_async  # noqa: E402
+from zerobubble.kernels.cpu import describe_cpu  # noqa: E402
 from zerobubble.tools.launch import free_port, start_scheduler, start_worker  # noqa: E402
 
 # Our configurations: name -> worker flags. The default is what `zerobubble serve` runs.
@@ -139,6 +140,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = load_dataset(args.dataset, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
     gguf = args.gguf or embedded_gguf()
+    machine = describe_cpu()
+    print(f"CPU: {machine}", flush=True)
     results: dict[int, dict[str, Measured]] = {c: {s: Measured() for s in args.systems} for c in args.concurrency}
     for round_index in range(args.rounds):
         for concurrency in args.concurrency:
@@ -153,7 +156,8 @@ def main() -> None:
                 total = results[concurrency][system]
                 total.tokens, total.wall_s = total.tokens + got.tokens, total.wall_s + got.wall_s
                 print(f"round {round_index + 1} c={concurrency} {system}: {got.rate:.1f} tok/s", flush=True)
-    print(f"\n{len(rows)} rows of {args.dataset}, max_tokens capped at {args.max_tokens_cap}, {args.rounds} rounds")
+    print(f"\nCPU: {machine}")
+    print(f"{len(rows)} rows of {args.dataset}, max_tokens capped at {args.max_tokens_cap}, {args.rounds} rounds")
     print("| system | " + " | ".join(f"concurrency {c}: tok/s (x llama-server)" for c in args.concurrency) + " |")
     print("|---|" + "---|" * len(args.concurrency))
     for system in args.systems:
@@ -166,7 +170,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         out = {c: {s: {"tokens": m.tokens, "wall_s": m.wall_s} for s, m in r.items()} for c, r in results.items()}
-        args.json.write_text(json.dumps(out, indent=2))
+        args.json.write_text(json.dumps({"cpu": machine, "results": out}, indent=2))
 
 
 if __name__ == "__main__":

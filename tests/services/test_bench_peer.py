@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from zerobubble.kernels.cpu import cpu_model
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,7 +25,10 @@ def test_bench_peer_runs_our_server_and_counts_every_token(tmp_path: Path) -> No
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    measured = json.loads(out.read_text())["1"]["ours --dtype float32"]
+    report = json.loads(out.read_text())
+    assert report["cpu"].startswith(cpu_model()) and "cores" in report["cpu"]  # the machine it ran on
+    assert f"CPU: {report['cpu']}" in proc.stdout
+    measured = report["results"]["1"]["ours --dtype float32"]
     assert measured["tokens"] == 2 * 4  # ignore_eos: every row generates exactly its max_tokens
     assert measured["wall_s"] > 0
     assert "| ours --dtype float32 |" in proc.stdout

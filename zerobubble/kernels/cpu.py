@@ -9,10 +9,12 @@ operators (``torch.ops.zerobubble_cpu.*``). The public functions of those module
 ``impl="cpp"``; a model asks for that when it loaded them (`zerobubble.worker_svc.model.CausalLM.kernels`).
 
 They are compiled with the host's C++ compiler for the host's instruction set (``-march=native``,
-or the level ``$ZEROBUBBLE_CPU_MARCH`` names: AVX-512, AVX2 and plain paths are in the source) into torch's extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``),
-under a name that changes with the source, the torch version, the CPU and the environment: the
-first load on a machine takes about half a minute (``python -m zerobubble.kernels.cpu`` does it
-ahead of time), later ones are immediate. Where no compiler works, loading reports why and the torch twins serve.
+or the level ``$ZEROBUBBLE_CPU_MARCH`` names: the source has AVX-512, AVX2 and plain paths) into
+torch's extension cache (``$TORCH_EXTENSIONS_DIR``, else ``~/.cache/torch_extensions``), under a
+name that changes with the source, the torch version, the CPU and the environment: the first
+load on a machine takes about half a minute (``python -m zerobubble.kernels.cpu`` does it ahead
+of time), later ones are immediate. Where no compiler works, loading reports why and the torch
+twins serve.
 """
 
 from __future__ import annotations
@@ -56,6 +58,30 @@ def cpu_flags() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+# The instruction-set extensions that decide which products run fastest (the benchmarks name them).
+NOTABLE_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile")
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` prints it (``/proc/cpuinfo``), else the platform's."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def describe_cpu() -> str:
+    """``"AMD EPYC; avx2 fma avx512f avx512_vnni avx512_bf16; 2 cores"``: the model, which of
+    `NOTABLE_FLAGS` it has, and the cores this process may use (the benchmarks record it)."""
+    flags = set(cpu_flags().split())
+    have = " ".join(flag for flag in NOTABLE_FLAGS if flag in flags) or "none of " + " ".join(NOTABLE_FLAGS)
+    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu_model()}; {have}; {num_cores} cores"
 
 
 def library_name() -> str:

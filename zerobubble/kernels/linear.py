@@ -1,39 +1,29 @@
-"""Linear layers over weights laid out once, at load time, for the device that runs them.
+"""Linear layers over weights laid out once, at load time, for the products that run them.
 
-On CPU, ``F.linear`` hands a plain ``[out, in]`` weight to MKL, which repacks it on every call;
-for the few-row inputs of decoding that repacking costs more than the product itself. oneDNN's
-inner product over a weight reordered once into its blocked layout is 25-40% faster for float32
-inputs of 4 to ~64 rows (decode batches, verification rows) and for bfloat16 inputs of any size
-(``scripts/bench_model.py --no-prepack`` measures the difference). For 1-3 float32 rows MKL's gemv
-over the plain weight is still the faster one, so float32 weights keep both copies and pick per
-call; bfloat16 weights keep only the packed one.
+A weight is multiplied by one of several products (`PRODUCTS`), chosen per row bucket
+(`ROW_BUCKETS`: 1, 2-4, 5-16, 17-64, 65+ rows) when it is loaded; `LinearWeight` keeps the
+layouts its plan reads and nothing else. Which products can run a weight here is `candidates`;
+which one runs each bucket is measured on the machine (`zerobubble.kernels.linear_choice`) or,
+without measuring, `default_plan`:
 
-With the compiled CPU kernels (``impl="cpp"``, `zerobubble.kernels.cpu`) on a CPU with AVX-512
-BF16, bfloat16 weights are laid out in their own blocks instead (:func:`pack_blocks`: 16 outputs
-by 2 inputs per vector) and multiplied by the compiled product at every row count: 1.4-1.7x
-oneDNN's product at 1-4 rows, where a decode step is bound by reading the weights, and level
-with it from 64 rows on (docs/benchmarks/cpu-llamacpp.md). int8 weights of a bfloat16 model
-take the same blocks and product, widened to bfloat16 as they are read.
-
-On CUDA, or where oneDNN is missing, a weight is just the plain tensor for ``F.linear``.
-
-``quantization="int8"`` (CPU): weight-only int8. Each weight is stored as int8 with one scale
-per output channel (symmetric, ``max |w| / 127``) and widened as it is read; the activations keep
-the model dtype. Half the weight memory of bfloat16. A bfloat16 model with the compiled kernels
-keeps the codes in the block layout above, for every row count. Otherwise, for up to
-``CPP_INT8_MAX_ROWS`` rows (a decode step of a few requests) the compiled CPU kernel
-(`zerobubble.kernels.cpu`, ``impl="cpp"``) streams the plain codes, prefetching the next rows,
-where torch 2.13's weight-only product reaches about two thirds of its speed; below
-``INT8_MIN_WIDENED_ROWS`` torch's product; from there on (prefill) the weight widened to the
-model dtype, a dense product, then the scales. Quantizing the activations too (fbgemm's dynamic
-int8 product) is faster, but its single scale over a whole prefill costs too much accuracy.
-
-``quantization="int4"`` (CPU): weight-only 4-bit in groups of 32 inputs along each output row,
-asymmetric (a scale and a minimum per group: llama.cpp's Q4_1 layout, the peer's), multiplied by
-torch's int4 weight-only CPU product, which reads a quarter of bfloat16's bytes. For one row
-(a single decode stream, bound by reading the weights) it is about 3× faster than oneDNN's
-bfloat16 product here; from about 8 rows on, its unpacking makes it slower
-(docs/benchmarks/cpu-llamacpp.md).
+- ``blocks``: the compiled CPU product (`zerobubble.kernels.cpu`, AVX-512 BF16) over the weight in
+  its own blocks (:func:`pack_blocks`: 16 outputs by 2 inputs per vector), bfloat16 or int8 codes
+  widened as read. It reads a weight at the memory's speed for a few rows, where a decode step
+  is bound by reading the weights (1.4-1.7x oneDNN's product at 1-4 rows on an AMD EPYC).
+- ``onednn``: oneDNN's inner product over the weight reordered once into its blocked layout (MKL
+  would repack a plain weight on every call); it uses AMX tiles where the CPU has them.
+- ``dense``: ``F.linear`` over the plain weight (for 1-4 float32 rows MKL's gemv, bit-identical to
+  Hugging Face's forward; on CUDA every weight).
+- ``int8-rows``, ``int8-torch``, ``int8-widened``: weight-only int8 (one scale per output channel,
+  symmetric, ``max |w| / 127``; the activations keep the model dtype; half bfloat16's memory) by the
+  compiled kernel that streams the codes for a few rows, torch's weight-only product, or the codes
+  widened to the activations' dtype and a dense product (prefill). Quantizing the activations too
+  (fbgemm's dynamic int8 product) is faster, but its single scale over a whole prefill costs too
+  much accuracy.
+- ``int4``: weight-only 4-bit in groups of 32 inputs along each output row, asymmetric (a scale and
+  a minimum per group: llama.cpp's Q4_1 layout, the peer's), by torch's int4 weight-only CPU
+  product, which reads a quarter of bfloat16's bytes: about 3x oneDNN's bfloat16 product for one
+  row, slower from about 8 rows on (docs/benchmarks/cpu-llamacpp.md).
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -35,6 +34,7 @@ from typing import Any
 
 import torch
 
+from zerobubble.kernels import cpu
 from zerobubble.kernels._triton import KernelImpl
 from zerobubble.kernels.linear import BUCKET_ROWS, PRODUCTS, ROW_BUCKETS, candidates, default_plan, lay_out
 
@@ -60,23 +60,10 @@ def bucket_names() -> tuple[str, ...]:
     return tuple(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in zip(lows, ROW_BUCKETS)) + (f"{lows[-1]}+",)
 
 
-def cpu_model() -> str:
-    """The CPU's model name as ``lscpu`` prints it (``/proc/cpuinfo``), else the platform's."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_key(impl: KernelImpl) -> str:
     """What a measured choice holds for: this CPU and its flags, torch, the thread count and the
     compiled kernels' build (their name changes with their source and compiler flags)."""
-    from zerobubble.kernels import cpu
-
-    parts = [cpu_model(), cpu.cpu_flags(), torch.__version__, str(torch.get_num_threads())]
+    parts = [cpu.cpu_model(), cpu.cpu_flags(), torch.__version__, str(torch.get_num_threads())]
     if impl == "cpp":
         parts.append(cpu.library_name())
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
@@ -228,7 +215,7 @@ class LinearChooser:
         times = time_products(weight, quantization, names)
         self.measure_seconds += time.perf_counter() - started
         plan = pick_plan(times, default)
-        _write_cache(path, key, {"plan": list(plan), "times": times, "cpu": cpu_model()})
+        _write_cache(path, key, {"plan": list(plan), "times": times, "cpu": cpu.cpu_model()})
         return Choice(plan, times)
 
     def report(self) -> list[str]:
@@ -285,6 +272,6 @@ def warn_if_int8_is_slower(chooser: LinearChooser, impl: KernelImpl) -> float | 
         logger.warning(
             "--quantization int8 is slower than %s on this CPU (%s): its one-row products take %.2f ms a "
             "step against %.2f ms (%.2fx); --quantization none is faster here",
-            str(dtype).removeprefix("torch."), cpu_model(), int8_ms, wide_ms, ratio,
+            str(dtype).removeprefix("torch."), cpu.cpu_model(), int8_ms, wide_ms, ratio,
         )  # fmt: skip
     return ratio
