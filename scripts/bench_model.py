@@ -5,11 +5,17 @@ with a ``DynamicCache`` cropped back after every step, ours over a scattered pag
 prefill, and prints median step times side by side with the ratio ours/HF. KV contents are random:
 timing does not depend on them, and building a real 512-token context for 32 rows would take far
 longer than the measurement itself.
+
+A one-row decode step reads every weight once, so the memory bounds it: the table's first lines
+give the machine's read bandwidth on the same threads (the fastest of a few passes over a buffer
+far larger than the caches) and, per dtype, the step's floor: the bytes of its weights and KV
+cache divided by that bandwidth. ``--quantization int8`` times our int8 weights (HF keeps its own).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import statistics
 import sys
@@ -25,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from zerobubble.config import WorkerConfig  # noqa: E402
 from zerobubble.kernels.attention import AttentionMetadata  # noqa: E402
+from zerobubble.kernels.cpu import describe_cpu  # noqa: E402
+from zerobubble.kernels.linear import PRODUCTS, LinearWeight  # noqa: E402
 from zerobubble.kernels.slot_mapping import compute_slot_mapping  # noqa: E402
 from zerobubble.worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
 from zerobubble.worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
@@ -146,6 +154,35 @@ def hf_prefill(hf: torch.nn.Module, num_tokens: int) -> Callable[[], object]:
     return step
 
 
+def read_bandwidth_gbs(num_bytes: int = 1 << 30, num_passes: int = 5) -> float:
+    """The machine's read bandwidth in GB/s on torch's threads: the fastest of a few reductions
+    over a float32 buffer of ``num_bytes`` (a max is a compare per element, so memory bounds it)."""
+    buffer = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(num_passes):
+        started = time.perf_counter()
+        buffer.max()
+        best = min(best, time.perf_counter() - started)
+    return num_bytes / best / 1e9
+
+
+def step_bytes(model: CausalLM, kv_caches_bytes: int) -> int:
+    """Bytes a one-row decode step must read: every linear weight in the layouts its one-row
+    product reads, the norms, and the KV cache of the row's context."""
+    tensors: list[torch.Tensor | None] = [model.final_norm]
+    for weight in [layer_weight for layer in model.layers for layer_weight in vars_of(layer)] + [model.lm_head]:
+        layout = PRODUCTS[weight.plan[0]].layout
+        tensors += [getattr(weight, layout), weight.int8_scale if layout in ("int8", "blocks") else None]
+        tensors.append(weight.int4_scales_zeros if layout == "int4" else None)
+    return kv_caches_bytes + sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def vars_of(layer: object) -> list[LinearWeight]:
+    """The linear weights of a decoder layer."""
+    values = (getattr(layer, f.name) for f in dataclasses.fields(layer))  # type: ignore[arg-type]
+    return [value for value in values if isinstance(value, LinearWeight)]
+
+
 def run(
     dtypes: list[str],
     batches: list[int],
@@ -154,14 +191,17 @@ def run(
     num_reps: int,
     block_size: int,
     prepack: bool = True,
+    quantization: str = "none",
 ) -> list[Result]:
     """Time every case for every dtype."""
     from transformers import AutoModelForCausalLM
 
     results = []
+    bandwidth = read_bandwidth_gbs()
+    print(f"read bandwidth: {bandwidth:.1f} GB/s on {torch.get_num_threads()} threads")
     for dtype_name in dtypes:
         dtype = getattr(torch, dtype_name)
-        loaded = load_model(EMBEDDED_MODEL_NAME, dtype, "cpu", prepack)
+        loaded = load_model(EMBEDDED_MODEL_NAME, dtype, "cpu", prepack, quantization=quantization)
         hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=dtype).eval()
         for batch in batches:
             hf_step, hf_reset = hf_decode(hf, batch, context, dtype)
@@ -169,6 +209,12 @@ def run(
             ours_ms, hf_ms = time_pair(ours_step, hf_step, 2, num_reps, hf_reset)
             results.append(Result(dtype_name, f"decode batch={batch} ctx={context}", ours_ms, hf_ms))
             print_row(results[-1])
+            if batch == 1:
+                spec = loaded.model.spec
+                kv_bytes = 2 * spec.num_layers * (context + 1) * spec.num_kv_heads * spec.head_dim * dtype.itemsize
+                floor_ms = step_bytes(loaded.model, kv_bytes) / bandwidth / 1e6
+                print(f"{dtype_name:<9} {'  floor (bytes / bandwidth)':<26} {floor_ms:>10.2f} "
+                      f"{'':>10} {ours_ms / floor_ms:>7.2f}x of the floor", flush=True)  # fmt: skip
         ours_step = ours_prefill(loaded.model, loaded.hf_config, prefill_tokens, dtype, block_size)
         ours_ms, hf_ms = time_pair(ours_step, hf_prefill(hf, prefill_tokens), 1, max(3, num_reps // 2))
         results.append(Result(dtype_name, f"prefill {prefill_tokens} tokens", ours_ms, hf_ms))
@@ -203,13 +249,15 @@ def main() -> None:
         action="store_true",
         help="our linears over plain weights (F.linear), as without the worker's --prepack-weights",
     )
+    parser.add_argument("--quantization", default="none", choices=("none", "int8", "int4"), help="our weights'")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     if args.threads:
         torch.set_num_threads(args.threads)
     print(
         f"SmolLM2-135M on CPU, {torch.get_num_threads()} threads, KV block size {args.block_size}, "
-        f"weights {'plain' if args.no_prepack else 'prepacked'}, median of {args.reps} steps (ms)"
+        f"weights {'plain' if args.no_prepack else 'prepacked'} ({args.quantization}), median of {args.reps} "
+        f"steps (ms); CPU: {describe_cpu()}"
     )
     print(f"{'dtype':<9} {'case':<26} {'ours':>10} {'HF':>10} {'ours/HF':>8}")
     run(
@@ -220,6 +268,7 @@ def main() -> None:
         args.reps,
         args.block_size,
         not args.no_prepack,
+        args.quantization,
     )
 
 
