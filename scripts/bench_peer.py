@@ -44,6 +44,7 @@ OURS = {
     "ours --dtype float32": {"dtype": "float32"},
 }
 PEER = "llama-server (Q4_1)"
+BASELINE = "baseline "
 
 
 @dataclass(slots=True)
@@ -86,11 +87,11 @@ def llama_server(binary: Path, gguf: Path, threads: int, slots: int) -> Iterator
 
 
 @contextmanager
-def ours(worker_flags: dict, slots: int) -> Iterator[str]:
-    """Our worker and scheduler with its HTTP front; yields the /v1 URL."""
-    worker = start_worker(**worker_flags)
+def ours(worker_flags: dict, slots: int, root: Path = ROOT) -> Iterator[str]:
+    """Our worker and scheduler with its HTTP front, run from the checkout at ``root``; yields the /v1 URL."""
+    worker = start_worker(root=root, **worker_flags)
     try:
-        scheduler = start_scheduler([worker], max_num_seqs=max(slots, 16))
+        scheduler = start_scheduler([worker], root=root, max_num_seqs=max(slots, 16))
         try:
             url = f"http://127.0.0.1:{scheduler.ports['HTTP']}/v1"
             _wait_until_serving(f"{url}/models")
@@ -135,9 +136,15 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--threads", type=int, default=2, help="llama-server's threads (our torch uses every core)")
+    parser.add_argument(
+        "--baseline", type=Path, default=None,
+        help="a checkout of another commit: each of our systems runs from it too, as 'baseline <system>'",
+    )  # fmt: skip
     parser.add_argument("--systems", nargs="+", default=[*OURS, PEER], choices=[*OURS, PEER])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.baseline is not None:
+        args.systems += [BASELINE + system for system in args.systems if system in OURS]
     rows = load_dataset(args.dataset, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
     gguf = args.gguf or embedded_gguf()
     machine = describe_cpu()
@@ -150,6 +157,9 @@ def main() -> None:
             for system in order:
                 if system == PEER:
                     server = lambda c=concurrency: llama_server(args.llama_server, gguf, args.threads, c)  # noqa: E731
+                elif system.startswith(BASELINE):
+                    flags = OURS[system.removeprefix(BASELINE)]
+                    server = lambda f=flags, c=concurrency: ours(f, c, args.baseline.resolve())  # noqa: E731
                 else:
                     server = lambda s=system, c=concurrency: ours(OURS[s], c)  # noqa: E731
                 got = measure(server, rows, concurrency)

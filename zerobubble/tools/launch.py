@@ -68,18 +68,27 @@ def command_flags(options: dict) -> list[str]:
 
 
 def start(
-    command: str, wait_for: tuple[str, ...], timeout: float = 300.0, env: dict | None = None, **options
+    command: str,
+    wait_for: tuple[str, ...],
+    timeout: float = 300.0,
+    env: dict | None = None,
+    root: Path = ROOT,
+    **options,
 ) -> Service:
-    """Start `zerobubble <command>` and wait until it announced every port in `wait_for`."""
-    return launch([sys.executable, "-m", "zerobubble", command, *command_flags(options)], wait_for, timeout, env)
+    """Start `zerobubble <command>` and wait until it announced every port in `wait_for`; ``root``:
+    the checkout whose code runs (another commit's, for a benchmark before and after a change)."""
+    cmd = [sys.executable, "-m", "zerobubble", command, *command_flags(options)]
+    return launch(cmd, wait_for, timeout, env, root)
 
 
-def launch(cmd: list[str], wait_for: tuple[str, ...], timeout: float = 300.0, env: dict | None = None) -> Service:
-    """Start `cmd`, a process that announces its ports (`rpc.announce_port`), and wait until it
-    announced every port in `wait_for`; it is killed if it does not within `timeout` seconds."""
+def launch(
+    cmd: list[str], wait_for: tuple[str, ...], timeout: float = 300.0, env: dict | None = None, root: Path = ROOT
+) -> Service:
+    """Start `cmd` in ``root``, a process that announces its ports (`rpc.announce_port`), and wait
+    until it announced every port in `wait_for`; it is killed if it does not within `timeout` seconds."""
     proc = subprocess.Popen(
         cmd,
-        cwd=ROOT,
+        cwd=root,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
