@@ -442,6 +442,26 @@ def _stand_in(value: EnvValue) -> str | None:
     return {"secret": "from-a-secret", "field": "zerobubble-worker-0"}.get(value.source)
 
 
+@dataclass(frozen=True)
+class _ContainerEnv:
+    """One zerobubble container of a workload and the environment its manifests give it."""
+
+    cname: str  # how messages name it
+    service: str  # worker or scheduler
+    flags: tuple[str, ...]  # the service's long flags
+    env: dict[str, EnvValue]  # every variable, ours or not
+    pod: Obj
+    container: Obj
+    configmaps: dict[str, Obj]  # of its namespace, by name
+
+    def ours(self) -> dict[str, EnvValue]:
+        return {k: v for k, v in self.env.items() if k.startswith(ENV_PREFIX)}
+
+    def known(self) -> dict[str, str]:
+        """The flag each ZEROBUBBLE_* variable of the service sets, by variable."""
+        return {env_name(f): f for f in self.flags}
+
+
 def check_flags(
     objects: Sequence[Obj],
     where: str,
@@ -461,64 +481,76 @@ def check_flags(
             args = [str(a) for a in container.get("args") or []]
             service = args[0] if args else ""
             env = container_env(container, configmaps)
-            ours = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX)}
             if service not in service_flags:
-                if ours:
-                    result.fail(
-                        where, f"{cname}: sets {sorted(ours)} but its args {args} run no zerobubble worker/scheduler"
-                    )
+                if ours := sorted(k for k in env if k.startswith(ENV_PREFIX)):
+                    result.fail(where, f"{cname}: sets {ours} but its args {args} run no zerobubble worker/scheduler")
                 continue
-            flags = service_flags[service]
-            known = {env_name(f): f for f in flags}
-            secret_names = {env_name(f) for f in SECRET_FLAGS}
-            for src in container.get("envFrom") or []:
-                cm = configmaps.get((src.get("configMapRef") or {}).get("name"), {})
-                # Checked on the ConfigMap itself: an env entry may shadow the key, but the
-                # value is still readable by anyone who can read ConfigMaps.
-                for key in sorted(secret_names & set(cm.get("data") or {})):
-                    result.fail(
-                        where, f"{cname}: ConfigMap {cm['metadata']['name']} holds {key}; secrets belong in a Secret"
-                    )
-            for name, value in sorted(env.items()):
-                if name.startswith("<all keys of Secret"):
-                    result.fail(
-                        where,
-                        f"{cname}: envFrom secretRef hides which flags it sets; "
-                        "use env[].valueFrom.secretKeyRef per flag",
-                    )
-                    continue
-                if not name.startswith(ENV_PREFIX) or name in NON_FLAG_ENV:
-                    continue
-                if name not in known:
-                    result.fail(
-                        where, f"{cname}: {name} is not a flag of `zerobubble {service}`{_suggest(name, list(known))}"
-                    )
-                    continue
-                flag = known[name]
-                reachable.setdefault(service, set()).add(flag)
-                if flag in SECRET_FLAGS:
-                    _check_secret_flag(flag, name, value, pod, container, cname, where, result)
-                elif value.source == "secret":
-                    result.fail(where, f"{cname}: {name} comes from a Secret but is not secret")
-            missing = [f for f in flags if f not in SECRET_FLAGS and env_name(f) not in ours]
-            for flag in missing:
-                result.fail(
-                    where,
-                    f"{cname}: --{flag} is not reachable from the manifests; add {env_name(flag)} to its ConfigMap",
-                )
-            _check_flag_values(service, ours, template, ns, by_id, cname, where, result)
-            values = {k: v for k, v in ((k, _stand_in(e)) for k, e in ours.items() if k in known) if v is not None}
-            namespace, error = parse_with_cli(service, values)
-            if namespace is None:
-                result.fail(where, f"{cname}: `zerobubble {service}` rejects its environment: {error}")
-            else:
-                parsed.setdefault(service, []).append((cname, namespace))
+            c = _ContainerEnv(cname, service, service_flags[service], env, pod, container, configmaps)
+            _check_no_secrets_in_configmaps(c, where, result)
+            _check_env_names(c, where, result, reachable)
+            _check_flag_values(service, c.ours(), template, ns, by_id, cname, where, result)
+            config = _parse_container_env(c, where, result)
+            if config is not None:
+                parsed.setdefault(service, []).append((cname, config))
     for sname, sched in parsed.get("scheduler", []):
         for wname, work in parsed.get("worker", []):
             try:
                 check_scheduler_fits_worker(sched, work)
             except ConfigError as exc:
                 result.fail(where, f"{sname}: {exc} ({wname})")
+
+
+def _check_no_secrets_in_configmaps(c: _ContainerEnv, where: str, result: Result) -> None:
+    secret_names = {env_name(f) for f in SECRET_FLAGS}
+    for src in c.container.get("envFrom") or []:
+        name = (src.get("configMapRef") or {}).get("name")
+        cm = c.configmaps.get(name, {}) if isinstance(name, str) else {}
+        # Checked on the ConfigMap itself: an env entry may shadow the key, but the
+        # value is still readable by anyone who can read ConfigMaps.
+        for key in sorted(secret_names & set(cm.get("data") or {})):
+            result.fail(where, f"{c.cname}: ConfigMap {cm['metadata']['name']} holds {key}; secrets belong in a Secret")
+
+
+def _check_env_names(c: _ContainerEnv, where: str, result: Result, reachable: dict[str, set[str]]) -> None:
+    """Each ZEROBUBBLE_* variable names a flag of the service, from the right kind of source;
+    every flag but the secret ones is set."""
+    known = c.known()
+    for name, value in sorted(c.env.items()):
+        if name.startswith("<all keys of Secret"):
+            result.fail(
+                where,
+                f"{c.cname}: envFrom secretRef hides which flags it sets; use env[].valueFrom.secretKeyRef per flag",
+            )
+            continue
+        if not name.startswith(ENV_PREFIX) or name in NON_FLAG_ENV:
+            continue
+        if name not in known:
+            result.fail(
+                where, f"{c.cname}: {name} is not a flag of `zerobubble {c.service}`{_suggest(name, list(known))}"
+            )
+            continue
+        flag = known[name]
+        reachable.setdefault(c.service, set()).add(flag)
+        if flag in SECRET_FLAGS:
+            _check_secret_flag(flag, name, value, c.pod, c.container, c.cname, where, result)
+        elif value.source == "secret":
+            result.fail(where, f"{c.cname}: {name} comes from a Secret but is not secret")
+    ours = c.ours()
+    for flag in (f for f in c.flags if f not in SECRET_FLAGS and env_name(f) not in ours):
+        result.fail(
+            where,
+            f"{c.cname}: --{flag} is not reachable from the manifests; add {env_name(flag)} to its ConfigMap",
+        )
+
+
+def _parse_container_env(c: _ContainerEnv, where: str, result: Result) -> object | None:
+    """The config the container's service builds from its environment (None: it refuses it)."""
+    known = c.known()
+    values = {k: v for k, v in ((k, _stand_in(e)) for k, e in c.ours().items() if k in known) if v is not None}
+    config, error = parse_with_cli(c.service, values)
+    if config is None:
+        result.fail(where, f"{c.cname}: `zerobubble {c.service}` rejects its environment: {error}")
+    return config
 
 
 def _check_secret_flag(
@@ -547,6 +579,19 @@ def _check_flag_values(
     where: str,
     result: Result,
 ) -> None:
+    _check_listening(env, template, cname, where, result)
+    if service != "scheduler":
+        return
+    workers = env.get(env_name("workers"))
+    if workers is None or workers.value is None:
+        return
+    if not workers.value:
+        return  # the config's own rule: parse_with_cli reports it
+    _check_workers_target(workers.value, ns, by_id, cname, where, result)
+
+
+def _check_listening(env: dict[str, EnvValue], template: Obj, cname: str, where: str, result: Result) -> None:
+    """The ports flags equal the container ports, and the host is every address."""
     ports = {
         p.get("name"): int(p["containerPort"])
         for c in containers(template.get("spec") or {})
@@ -567,18 +612,17 @@ def _check_flag_values(
         result.fail(
             where, f"{cname}: {env_name('host')}={host.value}: probes and Services reach the pod IP; listen on 0.0.0.0"
         )
-    if service != "scheduler":
-        return
-    workers = env.get(env_name("workers"))
-    if workers is None or workers.value is None:
-        return
-    if not workers.value:
-        return  # the config's own rule: parse_with_cli reports it
-    match = WORKERS_RE.match(workers.value)
+
+
+def _check_workers_target(
+    workers: str, ns: str, by_id: dict[tuple[str, str, str], Obj], cname: str, where: str, result: Result
+) -> None:
+    """The scheduler's --workers names a headless worker Service of this overlay, by DNS."""
+    match = WORKERS_RE.match(workers)
     if not match:
         result.fail(
             where,
-            f"{cname}: {env_name('workers')}={workers.value!r}: expected "
+            f"{cname}: {env_name('workers')}={workers!r}: expected "
             "dns:///<headless worker Service>.<namespace>.svc.cluster.local:<port>, so "
             "that scaled workers are discovered",
         )

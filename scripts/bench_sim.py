@@ -97,7 +97,7 @@ def rows(num_requests: int, max_tokens: int) -> list[BenchRow]:
 
 def steady_requests(num_requests: int, max_tokens: int, args: argparse.Namespace) -> list:
     """The requests of a steady-state run: the chat `rows`, or, where the caller set
-    ``args.prompt_token_ids`` (a model without a chat template, as `device_check.py`'s random
+    ``args.prompt_token_ids`` (a model without a chat template, as the device check's random
     ones), those prompts in turn, EOS ignored so that every request runs to `max_tokens`."""
     prompts = getattr(args, "prompt_token_ids", None)
     if prompts:

@@ -1,8 +1,9 @@
 """Compile every Triton kernel for NVIDIA GPUs here, without a GPU (CI runs it: `make test`).
 
 The CPU interpreter checks what the kernels compute; it cannot tell whether they compile.
-This script drives `device_check.py`'s kernel section (every kernel, at the shapes of a real
-model: head_dim 128, a 32k vocabulary) on the CPU with each launch intercepted: the launch
+This script drives the device check's kernel section (`scripts/device_check/kernels.py`: every
+kernel, at the shapes of a real model: head_dim 128, a 32k vocabulary) on the CPU with each
+launch intercepted: the launch
 records its argument types and constexprs instead of running, and every distinct launch is then
 compiled ahead of time, to PTX and with the wheel's own `ptxas` to a cubin, for Ampere (sm_80)
 and Hopper (sm_90). Needs no CUDA driver.
@@ -140,15 +141,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # 3.9 warns when unset; this is its default
-    import device_check
     import triton
+    from device_check.common import Context
+    from device_check.kernels import check_kernels
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     launches = record_launches()
     with tempfile.TemporaryDirectory() as out:
-        ctx = device_check.Context(device=torch.device("cpu"), dry_run=False, out_dir=Path(out))
-        device_check.check_kernels(ctx)  # its comparisons fail (nothing ran); only the launches count
+        ctx = Context(device=torch.device("cpu"), dry_run=False, out_dir=Path(out))
+        check_kernels(ctx)  # its comparisons fail (nothing ran); only the launches count
     variants: dict[str, Launch] = {}
     for kernel, signature, constexprs, options in launches:
         key = f"{kernel.__name__}({constexprs}; {signature}; {options})"

@@ -34,4 +34,4 @@ if compgen -G "$WHEELS/*.whl" >/dev/null; then
   fi
 fi
 # A longer --time-budget needs a longer limit: DEVICE_CHECK_TIMEOUT_S (the budget plus a minute).
-timeout -s TERM -k 15 "${DEVICE_CHECK_TIMEOUT_S:-480}" "$PY" scripts/device_check.py "$@" 2>&1 | tee "$1/device_check.log"
+timeout -s TERM -k 15 "${DEVICE_CHECK_TIMEOUT_S:-480}" "$PY" scripts/device_check "$@" 2>&1 | tee "$1/device_check.log"

@@ -71,7 +71,6 @@ def run_hf(rows: Sequence[BenchRow], model_dir: Path, *, device: str, dtype: str
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
-    from transformers.generation.continuous_batching.utils import WorkloadHints
 
     torch_device = "cuda" if device == "auto" and torch.cuda.is_available() else ("cpu" if device == "auto" else device)
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
@@ -90,6 +89,36 @@ def run_hf(rows: Sequence[BenchRow], model_dir: Path, *, device: str, dtype: str
         eos_token_id=eos_ids or None,
         pad_token_id=model.generation_config.pad_token_id,
     )
+    results, wall_s = _generate_all(model, generation_config, rows, inputs, eos_ids)
+    requests = [
+        _request_report(row, ids, results.get(f"row-{row.index}"), tokenizer, eos_ids) for row, ids in zip(rows, inputs)
+    ]
+    output_tokens = sum(len(r["token_ids"]) for r in requests)
+    return {
+        "engine": "transformers continuous batching",
+        "transformers_version": transformers.__version__,
+        "model_dir": str(model_dir),
+        "device": torch_device,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "eos_token_ids": eos_ids,
+        "num_requests": len(requests),
+        "num_errors": sum(1 for r in requests if r["finish_reason"] == "error"),
+        "output_tokens": output_tokens,
+        "wall_s": wall_s,
+        "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else 0.0,
+        "requests_per_s": len(requests) / wall_s if wall_s > 0 else 0.0,
+        "requests": requests,
+    }
+
+
+def _generate_all(
+    model: Any, generation_config: Any, rows: Sequence[BenchRow], inputs: list[list[int]], eos_ids: list[int]
+) -> tuple[dict[str, Any], float]:
+    """Every row through one continuous-batching manager; its results by request id and the
+    wall time from the first request added to the last result."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    max_new = generation_config.max_new_tokens
     hints = WorkloadHints(
         max_prompt_length=max(len(ids) for ids in inputs), max_generated_length=max_new, num_requests=len(rows)
     )
@@ -110,39 +139,22 @@ def run_hf(rows: Sequence[BenchRow], model_dir: Path, *, device: str, dtype: str
                 logger.error("HF generation loop stopped with %d of %d requests done", len(results), len(rows))
                 break
         wall_s = time.perf_counter() - started
+    return results, wall_s
 
-    requests = []
-    for row, ids in zip(rows, inputs):
-        result = results.get(f"row-{row.index}")
-        tokens = list(result.generated_tokens) if result is not None else []
-        error = "missing result" if result is None else (result.error or "")
-        requests.append(
-            {
-                "index": row.index,
-                "kind": row.kind,
-                "token_ids": tokens,
-                "text": tokenizer.decode(tokens, skip_special_tokens=True),
-                "finish_reason": "error" if error else ("eos" if tokens and tokens[-1] in eos_ids else "max_tokens"),
-                "num_prompt_tokens": len(ids),
-                "sampled": bool(row.temperature),
-                **({"error": error} if error else {}),
-            }
-        )
-    output_tokens = sum(len(r["token_ids"]) for r in requests)
+
+def _request_report(row: BenchRow, ids: list[int], result: Any, tokenizer: Any, eos_ids: list[int]) -> dict[str, Any]:
+    """One request's entry of the report (bench's shape); `result` None: it never finished."""
+    tokens = list(result.generated_tokens) if result is not None else []
+    error = "missing result" if result is None else (result.error or "")
     return {
-        "engine": "transformers continuous batching",
-        "transformers_version": transformers.__version__,
-        "model_dir": str(model_dir),
-        "device": torch_device,
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "eos_token_ids": eos_ids,
-        "num_requests": len(requests),
-        "num_errors": sum(1 for r in requests if r["finish_reason"] == "error"),
-        "output_tokens": output_tokens,
-        "wall_s": wall_s,
-        "output_tokens_per_s": output_tokens / wall_s if wall_s > 0 else 0.0,
-        "requests_per_s": len(requests) / wall_s if wall_s > 0 else 0.0,
-        "requests": requests,
+        "index": row.index,
+        "kind": row.kind,
+        "token_ids": tokens,
+        "text": tokenizer.decode(tokens, skip_special_tokens=True),
+        "finish_reason": "error" if error else ("eos" if tokens and tokens[-1] in eos_ids else "max_tokens"),
+        "num_prompt_tokens": len(ids),
+        "sampled": bool(row.temperature),
+        **({"error": error} if error else {}),
     }
 
 

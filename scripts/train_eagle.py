@@ -27,6 +27,9 @@ import torch
 # Runnable as `python scripts/train_eagle.py` from a checkout that is not pip-installed.
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from zerobubble.tools.eagle_data import DistillSettings, Sample, build_dataset, load_sample  # noqa: E402
+from zerobubble.tools.eagle_eval import EagleDrafter, ngram_drafter, simulate  # noqa: E402
+from zerobubble.tools.eagle_train import TrainSettings, train  # noqa: E402
 from zerobubble.worker_svc.eagle import (  # noqa: E402
     EagleHead,
     SharedWeights,
@@ -36,9 +39,6 @@ from zerobubble.worker_svc.eagle import (  # noqa: E402
     load_head,
     save_draft_vocab,
 )
-from zerobubble.worker_svc.eagle_data import DistillSettings, Sample, build_dataset, load_sample  # noqa: E402
-from zerobubble.worker_svc.eagle_eval import EagleDrafter, ngram_drafter, simulate  # noqa: E402
-from zerobubble.worker_svc.eagle_train import TrainSettings, train  # noqa: E402
 from zerobubble.worker_svc.model_loader import (  # noqa: E402
     EMBEDDED_MODEL_NAME,
     cache_dir,

@@ -126,7 +126,7 @@ def test_device_check_sigterm_still_writes_what_was_found(tmp_path: Path) -> Non
     """The wrapper's timeout sends SIGTERM: the section running in its own process is stopped,
     and the report holds the records it had written, marked incomplete."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO_ROOT))
-    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "device_check.py"), str(tmp_path), "--dry-run"]
+    cmd = [sys.executable, str(REPO_ROOT / "scripts" / "device_check"), str(tmp_path), "--dry-run"]
     proc = subprocess.Popen(cmd + ["--only", "environment,kernels,families"], env=env, cwd=REPO_ROOT)
     try:
         deadline = time.monotonic() + 120

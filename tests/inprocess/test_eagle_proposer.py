@@ -7,7 +7,7 @@
    whenever the head's K/V are at the right slots. Nearly every draft must be accepted, and the
    output must equal Hugging Face's greedy tokens.
 2. The plain-torch head (`zerobubble.worker_svc.eagle.EagleHead`) walked offline over the same
-   tokens and Hugging Face's hidden states (`zerobubble.worker_svc.eagle_eval.EagleDrafter`):
+   tokens and Hugging Face's hidden states (`zerobubble.tools.eagle_eval.EagleDrafter`):
    the drafts the runner proposes after every step equal it, which checks the carried hidden
    states across prefill chunks and verification as well.
 
@@ -37,6 +37,8 @@ from tests.support.drafting import (
 )
 from tests.support.options import split_options
 from zerobubble.request_options import SamplingOptions, StoppingOptions
+from zerobubble.tools.eagle_data import Sample
+from zerobubble.tools.eagle_eval import EagleDrafter
 from zerobubble.worker_svc.eagle import (
     DRAFT_VOCAB_KEY,
     EagleHead,
@@ -45,8 +47,6 @@ from zerobubble.worker_svc.eagle import (
     draft_vocab,
     head_config,
 )
-from zerobubble.worker_svc.eagle_data import Sample
-from zerobubble.worker_svc.eagle_eval import EagleDrafter
 from zerobubble.worker_svc.model_loader import LoadedModel, ModelLoadError
 from zerobubble.worker_svc.proposers.eagle import EagleProposer, resolve_head, serving_head
 

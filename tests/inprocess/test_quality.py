@@ -1,5 +1,5 @@
 """Lower CPU precisions against float32 on the embedded model: teacher-forced top-1 agreement and
-perplexity over float32's own greedy continuations of workload prompts (worker_svc/quality.py).
+perplexity over float32's own greedy continuations of workload prompts (tools/quality.py).
 
 A subset of the shipped workload; the full figures (every row, 64 tokens each) are in
 docs/benchmarks/cpu-llamacpp.md, where bfloat16 agrees on 99.1 % of positions, int8 on 97.9 % and
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from zerobubble.worker_svc.quality import Quality, measure
+from zerobubble.tools.quality import Quality, measure
 
 NUM_ROWS, MAX_PROMPT_TOKENS, MAX_NEW_TOKENS = 12, 192, 24
 # precision -> (least top-1 agreement, largest relative perplexity change)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import transformers
 
+from zerobubble.tools.eagle_data import Sample
 from zerobubble.worker_svc.eagle import EagleHead, SharedWeights
-from zerobubble.worker_svc.eagle_data import Sample
 
 VOCAB, HIDDEN = 97, 32
 

@@ -14,7 +14,7 @@ pytest.importorskip("transformers")
 
 from tests.support.drafting import loaded_model  # noqa: E402
 from tests.support.tiny_eagle import VOCAB, tiny_target  # noqa: E402
-from zerobubble.worker_svc.eagle_data import (  # noqa: E402
+from zerobubble.tools.eagle_data import (  # noqa: E402
     NUCLEUS_CANDIDATES,
     Conversation,
     DistillSettings,

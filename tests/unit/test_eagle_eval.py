@@ -8,8 +8,8 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from tests.support.tiny_eagle import HIDDEN, tiny_head, tiny_samples, tiny_target  # noqa: E402
-from zerobubble.worker_svc.eagle_data import Sample  # noqa: E402
-from zerobubble.worker_svc.eagle_eval import EagleDrafter, ngram_drafter, simulate  # noqa: E402
+from zerobubble.tools.eagle_data import Sample  # noqa: E402
+from zerobubble.tools.eagle_eval import EagleDrafter, ngram_drafter, simulate  # noqa: E402
 
 
 def _sample(tokens: list[int], answer_start: int) -> Sample:

@@ -13,9 +13,8 @@ F = torch.nn.functional
 pytest.importorskip("transformers")
 
 from tests.support.tiny_eagle import HIDDEN, VOCAB, tiny_config, tiny_head, tiny_samples, tiny_target  # noqa: E402
-from zerobubble.worker_svc.eagle import load_head  # noqa: E402
-from zerobubble.worker_svc.eagle_data import Sample  # noqa: E402
-from zerobubble.worker_svc.eagle_train import (  # noqa: E402
+from zerobubble.tools.eagle_data import Sample  # noqa: E402
+from zerobubble.tools.eagle_train import (  # noqa: E402
     CHECKPOINT,
     TrainSettings,
     batches,
@@ -25,6 +24,7 @@ from zerobubble.worker_svc.eagle_train import (  # noqa: E402
     train,
     unrolled_predictions,
 )
+from zerobubble.worker_svc.eagle import load_head  # noqa: E402
 
 
 @pytest.fixture(scope="module")

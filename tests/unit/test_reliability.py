@@ -288,9 +288,9 @@ def test_a_cached_step_deadline_is_never_shorter_than_the_one_derived_for_the_pl
     rng = random.Random(5)
     decodes = [(0.06 * rng.uniform(0.8, 1.5), 16) for _ in range(100)]
     prefills = [(2.0 * rng.uniform(0.8, 1.5), 1100) for _ in range(3)]
-    link._latencies = deque(decodes + prefills, maxlen=worker_link.NUM_LATENCY_SAMPLES)
+    link.plans.latencies = deque(decodes + prefills, maxlen=worker_link.NUM_LATENCY_SAMPLES)
     for num_tokens in (1, 16, 17, 700, 1100, 1500, 2047, 2048, 4000):
-        derived = worker_link.derived_step_deadline(link._latencies, num_tokens)
+        derived = worker_link.derived_step_deadline(link.plans.latencies, num_tokens)
         assert link.step_deadline(num_tokens) >= derived, num_tokens
     assert link.step_deadline(2047) > worker_link.MIN_STEP_DEADLINE_S  # the case that matters
 

@@ -242,6 +242,15 @@ def add_generate_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] |
 
 def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
     """Dataset and load flags of ``bench``."""
+    _add_bench_load_flags(parser, env)
+    _add_bench_backend_flags(parser, env)
+    _add_bench_row_flags(parser, env)
+    add_flag(parser, "--json", default="", env=env, help="write the full report (per request too) to this file")
+    add_flag(parser, "--progress", default=True, env=env, help="progress bar when stdout is a terminal")
+
+
+def _add_bench_load_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    """What ``bench`` sends and how fast."""
     add_flag(
         parser,
         "--dataset",
@@ -285,6 +294,10 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
         help="the client's asyncio event loop: uvloop (less CPU per message read), the standard library's, "
         "or auto = uvloop where it is installed",
     )
+
+
+def _add_bench_backend_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    """Which server ``bench`` sends to."""
     add_flag(
         parser,
         "--backend",
@@ -307,6 +320,10 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
         env=env,
         help="model to ask for with --backend openai (empty = the first of /v1/models)",
     )
+
+
+def _add_bench_row_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | None) -> None:
+    """Which of the dataset's rows ``bench`` sends, and with what."""
     add_flag(parser, "--kind", default="", env=env, help="only rows whose 'kind' equals this")
     add_flag(parser, "--limit", default=0, type=int, env=env, help="first N rows after --kind (0 = all)")
     add_flag(parser, "--max-tokens-cap", default=0, type=int, env=env, help="cap every row's max_tokens (0 = off)")
@@ -324,8 +341,6 @@ def add_bench_flags(parser: argparse.ArgumentParser, env: Mapping[str, str] | No
         env=env,
         help="send a row's 'prediction' as the request's predicted output (--no-prediction: the same rows without it)",
     )
-    add_flag(parser, "--json", default="", env=env, help="write the full report (per request too) to this file")
-    add_flag(parser, "--progress", default=True, env=env, help="progress bar when stdout is a terminal")
 
 
 def build_parser(env: Mapping[str, str] | None = None) -> Parser:

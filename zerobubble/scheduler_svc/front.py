@@ -29,6 +29,7 @@ import socket
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -41,6 +42,9 @@ from zerobubble.scheduler_svc.detokenizer import Detokenizer
 from zerobubble.scheduler_svc.request import prediction_ids, request_prompt_ids, tokenize_response
 from zerobubble.scheduler_svc.submission import RequestError, Stream, Submission, unknown_model
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from zerobubble.scheduler_svc.http_api import HTTPFront
 
 logger = logging.getLogger(__name__)
 
@@ -616,6 +620,43 @@ async def stop_with_parent(parent_pid: int, stop: asyncio.Event, interval_s: flo
         await asyncio.sleep(interval_s)
 
 
+def _grpc_server(cfg: FrontConfig) -> grpc.aio.Server:
+    """The front's gRPC server: port reuse when several fronts share the port, bearer auth."""
+    options = [(name, 1 if name == "grpc.so_reuseport" else v) for name, v in rpc.SERVER_OPTIONS]
+    return grpc.aio.server(
+        options=options if cfg.reuse_port else rpc.SERVER_OPTIONS,
+        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"})]
+        if cfg.auth_token
+        else None,
+    )
+
+
+async def _start_http(cfg: FrontConfig, relay: RelayFrontend) -> HTTPFront:
+    """The OpenAI-compatible HTTP server beside the gRPC one."""
+    from zerobubble.scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
+
+    http = await start_http(
+        relay,  # type: ignore[arg-type]  # its `router` is itself: `any_ready` is all the API asks
+        cfg.host,
+        cfg.http_port,
+        auth_token=cfg.auth_token,
+        tls_cert=cfg.tls_cert,
+        tls_key=cfg.tls_key,
+        reuse_port=cfg.reuse_port,
+    )
+    logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
+    rpc.announce_port("HTTP", http.port)
+    return http
+
+
+async def _drain(link: EngineLink, drain_timeout: float) -> None:
+    """Wait until the running calls ended or the drain time is up."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + drain_timeout
+    while link.calls and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+
+
 async def serve_front(
     cfg: FrontConfig, ready: asyncio.Event | None = None, stop: asyncio.Event | None = None, bound: list | None = None
 ) -> None:
@@ -625,13 +666,7 @@ async def serve_front(
     link = EngineLink(cfg)
     relay = RelayFrontend(link)
     servicer = FrontServicer(relay)
-    options = [(name, 1 if name == "grpc.so_reuseport" else v) for name, v in rpc.SERVER_OPTIONS]
-    server = grpc.aio.server(
-        options=options if cfg.reuse_port else rpc.SERVER_OPTIONS,
-        interceptors=[rpc.BearerAuthInterceptor(cfg.auth_token, SERVICE_NAME, {"Generate": "unary_stream"})]
-        if cfg.auth_token
-        else None,
-    )
+    server = _grpc_server(cfg)
     health = rpc.add_health_and_reflection(server, [SERVICE_NAME])
 
     async def on_readiness(serving: bool) -> None:
@@ -655,31 +690,14 @@ async def serve_front(
     rpc.announce_port("FRONT", port)
     if bound is not None:
         bound.append(("grpc", port))
-    http = None
-    if cfg.http_port >= 0:
-        from zerobubble.scheduler_svc.http_api import start_http  # FastAPI only when HTTP is on
-
-        http = await start_http(
-            relay,  # type: ignore[arg-type]  # its `router` is itself: `any_ready` is all the API asks
-            cfg.host,
-            cfg.http_port,
-            auth_token=cfg.auth_token,
-            tls_cert=cfg.tls_cert,
-            tls_key=cfg.tls_key,
-            reuse_port=cfg.reuse_port,
-        )
-        logger.info("OpenAI-compatible HTTP on %s:%d", cfg.host, http.port)
-        rpc.announce_port("HTTP", http.port)
+    http = await _start_http(cfg, relay) if cfg.http_port >= 0 else None
     if ready is not None:
         ready.set()
     await stop.wait()
     # Health first (load balancers stop routing), then the running calls get the drain time.
     relay.draining = True
     await rpc.set_serving(health, [SERVICE_NAME], False)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + cfg.drain_timeout
-    while link.calls and loop.time() < deadline:
-        await asyncio.sleep(0.05)
+    await _drain(link, cfg.drain_timeout)
     if http is not None:
         await http.stop(grace_s=1.0)
     await rpc.graceful_stop(server, health, [SERVICE_NAME], grace_s=1.0)

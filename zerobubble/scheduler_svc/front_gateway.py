@@ -144,68 +144,13 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
             )
 
     async def Attach(self, request_iterator, context) -> AsyncIterator[front_pb2.EngineMessage]:
-        outbox = Outbox()
-        running: dict[int, Submission] = {}
-        names: set[str] = set()  # what the front reports its load as (one name, in practice)
-        reads_plain = False  # the front said it reads `EngineMessage.plain`
-
-        def deliver_to(tag: int) -> Callable[[ReplyOrEnd], None]:
-            def deliver(reply: ReplyOrEnd) -> None:
-                if reply is None:
-                    running.pop(tag, None)
-                    outbox.done(tag)
-                else:
-                    outbox.reply(tag, reply)
-
-            return deliver
-
-        def deliver_plain_to(tag: int) -> DeliverPlain:
-            def deliver_plain(index: int, token_ids: list[int], num_output_tokens: int) -> None:
-                outbox.plain(tag, index, token_ids, num_output_tokens)
-
-            return deliver_plain
-
-        async def read() -> None:
-            nonlocal reads_plain
-            async for message in request_iterator:
-                reads_plain = reads_plain or message.reads_plain
-                for submit in message.submit:
-                    try:
-                        self._check_tokenized_for(submit.tokenized_for)
-                        await self.servicer.precheck(submit.request)
-                        submission = self.servicer.submit(submit.request, detokenize=not submit.front_detokenizes)
-                    except RequestError as exc:
-                        outbox.refuse(submit.tag, exc)
-                        continue
-                    running[submit.tag] = submission
-                    outbox.accept(submit.tag)
-                    self.servicer.relay(
-                        submission, deliver_to(submit.tag), deliver_plain_to(submit.tag) if reads_plain else None
-                    )
-                for tag in message.cancel:
-                    cancelled = running.pop(tag, None)
-                    if cancelled is not None:
-                        self.servicer.close(cancelled)  # aborts it, frees its blocks
-                for stopped in message.stopped:
-                    stopping = running.get(stopped.tag)
-                    if stopping is not None and self.servicer.stop_sequence(
-                        stopping, stopped.index, stopped.num_output_tokens
-                    ):
-                        del running[stopped.tag]  # its front has ended the call
-                        self.servicer.close(stopping)
-                if message.ttft_s or message.e2e_s:
-                    self.servicer.observe_relayed(message.ttft_s, message.e2e_s)
-                if message.HasField("load"):
-                    load = message.load
-                    names.add(load.name)
-                    self.servicer.observe_front_load(load.name, load.cpu_seconds, load.num_calls)
-
+        session = _FrontSession(self.servicer, self._check_tokenized_for)
         peer = context.peer()
         logger.info("front attached: %s", peer)
-        reader = asyncio.create_task(read())
+        reader = asyncio.create_task(session.read(request_iterator))
         try:
             while True:
-                take = asyncio.ensure_future(outbox.take())
+                take = asyncio.ensure_future(session.outbox.take())
                 await asyncio.wait((take, reader), return_when=asyncio.FIRST_COMPLETED)
                 if not take.done():  # the front closed its side: nothing more will come
                     take.cancel()
@@ -215,10 +160,84 @@ class FrontGateway(front_pb2_grpc.FrontGatewayServicer):
         finally:
             # The front is gone (or closed): its requests have nobody to stream to.
             reader.cancel()
-            aborted = list(running.values())
-            running.clear()
-            for submission in aborted:
-                self.servicer.close(submission)
-            for name in names:
-                self.servicer.forget_front(name)
-            logger.info("front detached: %s (%d requests aborted)", peer, len(aborted))
+            num_aborted = session.close()
+            logger.info("front detached: %s (%d requests aborted)", peer, num_aborted)
+
+
+class _FrontSession:
+    """One attached front: its calls in flight by tag and the outbox of their replies."""
+
+    def __init__(self, servicer: RelayingServicer, check_tokenized_for: Callable[[str], None]) -> None:
+        self.servicer = servicer
+        self.check_tokenized_for = check_tokenized_for
+        self.outbox = Outbox()
+        self.running: dict[int, Submission] = {}
+        self.names: set[str] = set()  # what the front reports its load as (one name, in practice)
+        self.reads_plain = False  # the front said it reads `EngineMessage.plain`
+
+    def deliver_to(self, tag: int) -> Callable[[ReplyOrEnd], None]:
+        running, outbox = self.running, self.outbox
+
+        def deliver(reply: ReplyOrEnd) -> None:
+            if reply is None:
+                running.pop(tag, None)
+                outbox.done(tag)
+            else:
+                outbox.reply(tag, reply)
+
+        return deliver
+
+    def deliver_plain_to(self, tag: int) -> DeliverPlain:
+        outbox = self.outbox
+
+        def deliver_plain(index: int, token_ids: list[int], num_output_tokens: int) -> None:
+            outbox.plain(tag, index, token_ids, num_output_tokens)
+
+        return deliver_plain
+
+    async def read(self, request_iterator: AsyncIterator[front_pb2.FrontMessage]) -> None:
+        async for message in request_iterator:
+            self.reads_plain = self.reads_plain or message.reads_plain
+            for submit in message.submit:
+                await self._submit(submit)
+            for tag in message.cancel:
+                cancelled = self.running.pop(tag, None)
+                if cancelled is not None:
+                    self.servicer.close(cancelled)  # aborts it, frees its blocks
+            for stopped in message.stopped:
+                stopping = self.running.get(stopped.tag)
+                if stopping is not None and self.servicer.stop_sequence(
+                    stopping, stopped.index, stopped.num_output_tokens
+                ):
+                    del self.running[stopped.tag]  # its front has ended the call
+                    self.servicer.close(stopping)
+            if message.ttft_s or message.e2e_s:
+                self.servicer.observe_relayed(message.ttft_s, message.e2e_s)
+            if message.HasField("load"):
+                load = message.load
+                self.names.add(load.name)
+                self.servicer.observe_front_load(load.name, load.cpu_seconds, load.num_calls)
+
+    async def _submit(self, submit: front_pb2.Submit) -> None:
+        try:
+            self.check_tokenized_for(submit.tokenized_for)
+            await self.servicer.precheck(submit.request)
+            submission = self.servicer.submit(submit.request, detokenize=not submit.front_detokenizes)
+        except RequestError as exc:
+            self.outbox.refuse(submit.tag, exc)
+            return
+        self.running[submit.tag] = submission
+        self.outbox.accept(submit.tag)
+        self.servicer.relay(
+            submission, self.deliver_to(submit.tag), self.deliver_plain_to(submit.tag) if self.reads_plain else None
+        )
+
+    def close(self) -> int:
+        """Abort the calls still running and forget the front's load; how many were aborted."""
+        aborted = list(self.running.values())
+        self.running.clear()
+        for submission in aborted:
+            self.servicer.close(submission)
+        for name in self.names:
+            self.servicer.forget_front(name)
+        return len(aborted)

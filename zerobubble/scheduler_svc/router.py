@@ -13,6 +13,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -56,6 +57,17 @@ def resolve_targets(targets: list[str]) -> dict[str, str | None]:
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class LinkSettings:
+    """How the router connects each worker link it adds (see `WorkerLink`)."""
+
+    max_inflight_steps: int
+    creds: grpc.ChannelCredentials | None = None
+    auth_token: str = ""
+    step_deadline_s: float = 0.0
+    lookahead_margin_s: float | None = DEFAULT_LOOKAHEAD_MARGIN_S
+
+
 class Router:
     """Owns the worker links and which link each request lives on."""
 
@@ -70,11 +82,9 @@ class Router:
         lookahead_margin_s: float | None = DEFAULT_LOOKAHEAD_MARGIN_S,
     ) -> None:
         self.config = config
-        self.step_deadline_s = step_deadline_s
-        self.lookahead_margin_s = lookahead_margin_s
-        self.worker_auth_token = worker_auth_token
-        self.max_inflight_steps = max_inflight_steps
-        self.creds = creds
+        self.link_settings = LinkSettings(
+            max_inflight_steps, creds, worker_auth_token, step_deadline_s, lookahead_margin_s
+        )
         self.metrics = metrics
         self.links: list[WorkerLink] = []
         self.owner: dict[str, WorkerLink] = {}  # req_id -> link holding it
@@ -111,21 +121,22 @@ class Router:
         current = {link.address: link for link in self.links}
         for address, server_name in addresses.items():
             if address not in current:
+                settings = self.link_settings
                 link = WorkerLink(
                     address,
                     self.config,
-                    self.max_inflight_steps,
+                    settings.max_inflight_steps,
                     self._on_link_events,
                     self._on_link_lost,
-                    self.creds,
+                    settings.creds,
                     self._on_step,
                     self.link_ready,
                     server_name=server_name,
-                    auth_token=self.worker_auth_token,
-                    step_deadline_s=self.step_deadline_s,
-                    lookahead_margin_s=self.lookahead_margin_s,
+                    auth_token=settings.auth_token,
+                    step_deadline_s=settings.step_deadline_s,
+                    lookahead_margin_s=settings.lookahead_margin_s,
                 )
-                link.on_draining = self._on_link_draining
+                link.callbacks.on_draining = self._on_link_draining
                 self.links.append(link)
                 link.start()
                 logger.info("added worker %s", address)

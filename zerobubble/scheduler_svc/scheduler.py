@@ -112,6 +112,31 @@ class _Decodes:
     new_block_ids: list[int] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True)
+class _Limits:
+    """What requests on this worker may ask for."""
+
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    max_len: int  # tokens a request may hold: prompt and output
+
+
+@dataclass(slots=True)
+class _Ids:
+    """The next step id and admission id to hand out (both start at 1: 0 means none)."""
+
+    next_step_id: int = 1
+    next_admission_id: int = 1
+
+    def take_step_id(self) -> int:
+        self.next_step_id += 1
+        return self.next_step_id - 1
+
+    def take_admission_id(self) -> int:
+        self.next_admission_id += 1
+        return self.next_admission_id - 1
+
+
 def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.monotonic) -> RequestEvent:
     """End a request that no scheduler holds (taken with `take_unfinished`, not adoptable)
     with ERROR; returns its final event, so its client stream ends instead of waiting."""
@@ -136,6 +161,69 @@ def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.mo
     )
 
 
+@dataclass(slots=True)
+class _Confirmed:
+    """The tokens one result confirmed for a request, up to and including a stop."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    top_logprobs: list[tuple[list[int], list[float]]]
+    text: str
+    finish_reason: int | None
+
+
+def _confirm_tokens(req: Request, res: RowResult) -> _Confirmed:
+    """Append a result's tokens to `req`'s output in order, applying the stop rules to each;
+    tokens after a stop are dropped."""
+    token_ids = res.token_ids
+    logprobs = list(res.logprobs) if req.sampling.logprobs else []
+    if len(logprobs) != len(token_ids):
+        logprobs = []
+    tops = list(res.top_logprobs) if req.sampling.top_logprobs else []
+    if len(tops) != len(token_ids):
+        tops = []
+    new_ids: list[int] = []
+    new_logprobs: list[float] = []
+    new_tops: list[tuple[list[int], list[float]]] = []
+    text_parts: list[str] = []
+    finish_reason: int | None = None
+    # This loop runs for every token of every running request, so what it reads is looked up
+    # once per row.
+    stopping = req.stopping
+    eos_ids = () if stopping.ignore_eos else req.eos_token_ids
+    stop_ids = stopping.stop_token_ids
+    outputs = req.output_token_ids
+    detokenizer = req.detokenizer
+    for i, token_id in enumerate(token_ids):
+        outputs.append(token_id)
+        new_ids.append(token_id)
+        if logprobs:
+            req.output_logprobs.append(logprobs[i])
+            new_logprobs.append(logprobs[i])
+        if tops:
+            new_tops.append((list(tops[i].token_ids), list(tops[i].logprobs)))
+        num_outputs = len(outputs)
+        if num_outputs >= stopping.min_tokens:
+            if token_id in eos_ids:
+                finish_reason = FINISH_EOS
+                break
+            if token_id in stop_ids:
+                finish_reason = FINISH_STOP_SEQUENCE
+                break
+        if detokenizer is not None:
+            text, stopped = detokenizer.append(token_id)
+            text_parts.append(text)
+            if stopped:
+                finish_reason = FINISH_STOP_SEQUENCE
+                break
+        if num_outputs >= req.max_tokens:
+            finish_reason = FINISH_MAX_TOKENS
+            break
+    if detokenizer is not None and finish_reason is not None and finish_reason != FINISH_STOP_SEQUENCE:
+        text_parts.append(detokenizer.flush())
+    return _Confirmed(new_ids, new_logprobs, new_tops, "".join(text_parts), finish_reason)
+
+
 class Scheduler:
     """Owns requests, KV block accounting and plan building for one worker."""
 
@@ -152,13 +240,15 @@ class Scheduler:
         self.config = config
         self.stats = SchedulerStats()
         self._tokenizer = tokenizer
-        self._eos_token_ids = frozenset(config.eos_token_ids)
-        self._vocab_size = config.vocab_size or tokenizer.vocab_size
         self._clock = clock
         self._rng = rng or random.Random()
         self._pool = BlockPool(config.num_blocks, config.block_size)
-        # A request longer than the whole cache could never be resumed after preemption.
-        self._max_len = min(config.max_model_len, config.num_blocks * config.block_size)
+        self._limits = _Limits(
+            eos_token_ids=frozenset(config.eos_token_ids),
+            vocab_size=config.vocab_size or tokenizer.vocab_size,
+            # A request longer than the whole cache could never be resumed after preemption.
+            max_len=min(config.max_model_len, config.num_blocks * config.block_size),
+        )
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []  # admission order: the last one is preempted first
@@ -167,8 +257,7 @@ class Scheduler:
         # Sequences 2..n of an n > 1 request, by the id of the first: they are queued once its
         # prompt blocks are in the prefix cache, so they share them instead of recomputing.
         self._deferred: dict[str, list[Request]] = {}
-        self._next_step_id = 1
-        self._next_admission_id = 1
+        self._ids = _Ids()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -215,11 +304,11 @@ class Scheduler:
     ) -> Request:
         """A validated, keyed `Request`, not queued yet."""
         stopping = stopping or StoppingOptions()
-        validate_options(prompt, sampling, stopping, vocab_size=self._vocab_size, max_len=self._max_len)
+        validate_options(prompt, sampling, stopping, vocab_size=self._limits.vocab_size, max_len=self._limits.max_len)
         if sampling.seed is None:
             # Every request is keyed, so its randomness never depends on batching.
             sampling.seed = self._rng.getrandbits(64)
-        room = self._max_len - len(prompt)
+        room = self._limits.max_len - len(prompt)
         limit = self.config.num_prediction_tokens
         return Request(
             req_id=req_id,
@@ -227,7 +316,7 @@ class Scheduler:
             sampling=sampling,
             stopping=stopping,
             max_tokens=room if stopping.max_tokens is None else min(stopping.max_tokens, room),
-            eos_token_ids=self._eos_token_ids,
+            eos_token_ids=self._limits.eos_token_ids,
             detokenizer=Detokenizer(self._tokenizer, prompt, stopping.stop) if detokenize else None,
             arrival_time=self._clock(),
             prediction=PredictionProgress(limit, limit) if limit and sampling.prediction_token_ids else None,
@@ -300,7 +389,7 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         if req.status is not RequestStatus.WAITING or req.block_ids:
             raise ValueError(f"request {req.req_id!r} is still held by another scheduler")
-        room = self._max_len - req.num_prompt_tokens
+        room = self._limits.max_len - req.num_prompt_tokens
         if req.num_output_tokens >= room:
             raise ValueError(f"request {req.req_id!r} does not fit this worker's model length")
         if req.stopping.max_tokens is None:
@@ -401,8 +490,7 @@ class Scheduler:
 
     def _issue(self, plan: worker_pb2.StepPlan, records: dict[str, _Scheduled]) -> worker_pb2.StepPlan:
         """Number a built plan, attach the pending finish notices and track it as in flight."""
-        plan.step_id = self._next_step_id
-        self._next_step_id += 1
+        plan.step_id = self._ids.take_step_id()
         plan.finished_req_ids.extend(self._pending_finished)
         self._pending_finished.clear()
         self._inflight[plan.step_id] = records
@@ -541,8 +629,7 @@ class Scheduler:
             req.num_cached_prompt_tokens = min(num_cached_tokens, req.num_prompt_tokens)
             self.stats.num_prompt_tokens += req.num_prompt_tokens
         req.status = RequestStatus.RUNNING
-        req.admission_id = self._next_admission_id
-        self._next_admission_id += 1
+        req.admission_id = self._ids.take_admission_id()
         req.block_ids = cached_block_ids
         req.num_registered_blocks = len(cached_block_ids)
         req.num_computed = num_cached_tokens
@@ -751,61 +838,16 @@ class Scheduler:
         self.stats.num_rolled_back_tokens += num_rejected
         if req.first_token_time is None:
             req.first_token_time = self._clock()
-        logprobs = list(res.logprobs) if req.sampling.logprobs else []
-        if len(logprobs) != len(token_ids):
-            logprobs = []
-        tops = list(res.top_logprobs) if req.sampling.top_logprobs else []
-        if len(tops) != len(token_ids):
-            tops = []
-        new_ids: list[int] = []
-        new_logprobs: list[float] = []
-        new_tops: list[tuple[list[int], list[float]]] = []
-        text_parts: list[str] = []
-        finish_reason: int | None = None
-        # The stop rules, applied to each confirmed token in order (this loop runs for every
-        # token of every running request, so what it reads is looked up once per row).
-        stopping = req.stopping
-        eos_ids = () if stopping.ignore_eos else req.eos_token_ids
-        stop_ids = stopping.stop_token_ids
-        outputs = req.output_token_ids
-        detokenizer = req.detokenizer
-        for i, token_id in enumerate(token_ids):
-            outputs.append(token_id)
-            new_ids.append(token_id)
-            if logprobs:
-                req.output_logprobs.append(logprobs[i])
-                new_logprobs.append(logprobs[i])
-            if tops:
-                new_tops.append((list(tops[i].token_ids), list(tops[i].logprobs)))
-            num_outputs = len(outputs)
-            if num_outputs >= stopping.min_tokens:
-                if token_id in eos_ids:
-                    finish_reason = FINISH_EOS
-                    break  # tokens after a stop are dropped
-                if token_id in stop_ids:
-                    finish_reason = FINISH_STOP_SEQUENCE
-                    break
-            if detokenizer is not None:
-                text, stopped = detokenizer.append(token_id)
-                text_parts.append(text)
-                if stopped:
-                    finish_reason = FINISH_STOP_SEQUENCE
-                    break
-            if num_outputs >= req.max_tokens:
-                finish_reason = FINISH_MAX_TOKENS
-                break
-        if detokenizer is not None and finish_reason is not None and finish_reason != FINISH_STOP_SEQUENCE:
-            text_parts.append(detokenizer.flush())
-        text = "".join(text_parts)
-        self.stats.num_generation_tokens += len(new_ids)
+        confirmed = _confirm_tokens(req, res)
+        self.stats.num_generation_tokens += len(confirmed.token_ids)
         # The newest token's K/V is written by the next step; everything before it is done.
         self._register_confirmed(req, req.num_tokens - 1)
         if self._deferred:  # only the first sequence of an n > 1 request has siblings waiting
             self._release_siblings(req)
-        if finish_reason is not None:
-            self._finish(req, finish_reason)
-        event = self._event(req, new_ids, text, new_logprobs)
-        event.top_logprobs = new_tops
+        if confirmed.finish_reason is not None:
+            self._finish(req, confirmed.finish_reason)
+        event = self._event(req, confirmed.token_ids, confirmed.text, confirmed.logprobs)
+        event.top_logprobs = confirmed.top_logprobs
         return event
 
     def _register_confirmed(self, req: Request, num_written: int) -> None:

@@ -13,7 +13,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -135,8 +135,144 @@ class LinkStats:
     grammar_s: float = 0.0  # host time filling grammar masks (structured output)
 
 
+@dataclass(slots=True)
+class LinkChannel:
+    """Where and how one worker is reached; each (re)connection opens a fresh gRPC channel."""
+
+    address: str
+    creds: grpc.ChannelCredentials | None = None
+    # The name the worker's TLS certificate is checked against when `address` is an IP
+    # resolved from a DNS name (None: the host part of `address`).
+    server_name: str | None = None
+    metadata: tuple[tuple[str, str], ...] | None = None
+
+    def open(self) -> grpc.aio.Channel:
+        return rpc.aio_channel(self.address, self.creds, self.server_name)
+
+
+@dataclass(slots=True)
+class LinkCallbacks:
+    """What the link tells its owner (the router): results, loss, readiness, draining."""
+
+    on_events: Callable[[WorkerLink, list[RequestEvent]], None]
+    on_lost: Callable[[WorkerLink], None]
+    on_step: Callable[[WorkerLink, worker_pb2.StepResult], None] | None = None
+    on_ready: Callable[[WorkerLink], None] | None = None
+    on_draining: Callable[[WorkerLink], None] | None = None
+
+
+@dataclass(slots=True)
+class PlanBook:
+    """The plans in flight on one stream, oldest first, and the step deadline their answers
+    imply (`step_deadline_s` 0: derived from recent latencies, see `derived_step_deadline`)."""
+
+    step_deadline_s: float = 0.0
+    # (send time, tokens) of the plans in flight; (latency, tokens) of recent answers.
+    sent: deque[tuple[float, int]] = field(default_factory=deque)
+    latencies: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=NUM_LATENCY_SAMPLES))
+    deadlines: dict[int, float] = field(default_factory=dict)  # by plan size class (see DEADLINE_REFRESH_STEPS)
+    num_since_refresh: int = 0
+    # Each deadline miss doubles the next deadline (reset after a run of answered steps),
+    # so a worker that is merely slow cannot be dropped and re-added in a loop.
+    num_misses: int = 0
+    num_answered: int = 0
+
+    def oldest(self) -> tuple[float, int] | None:
+        """(send time, tokens) of the oldest plan in flight."""
+        return self.sent[0] if self.sent else None
+
+    def note_sent(self, now: float, num_tokens: int) -> None:
+        self.sent.append((now, num_tokens))
+
+    def note_answered(self, now: float) -> None:
+        """The oldest plan in flight was answered at `now`."""
+        if not self.sent:
+            return
+        sent_at, num_tokens = self.sent.popleft()
+        self.latencies.append((now - sent_at, num_tokens))
+        self.num_since_refresh += 1
+        if self.num_since_refresh >= DEADLINE_REFRESH_STEPS or len(self.latencies) <= NUM_WARMUP_STEPS:
+            self.deadlines.clear()
+            self.num_since_refresh = 0
+        self.num_answered += 1
+        if self.num_answered >= NUM_LATENCY_SAMPLES:
+            self.num_misses = 0
+
+    def note_missed(self) -> None:
+        self.num_misses += 1
+        self.num_answered = 0
+
+    def deadline(self, num_tokens: int = 1) -> float:
+        """Seconds the oldest plan in flight (of `num_tokens`) may wait for its result."""
+        base = self.step_deadline_s
+        if not base:
+            # Plans of one size class (up to the next power of two) share it, derived for the
+            # class's largest plan so that it is never short for any of them: decode plans
+            # differ by a few tokens from step to step as draft slots vary.
+            size_class = num_tokens.bit_length()
+            base = self.deadlines.get(size_class, 0.0)
+            if not base:
+                largest = (1 << size_class) - 1
+                base = self.deadlines[size_class] = derived_step_deadline(self.latencies, largest)
+        return base * 2 ** min(self.num_misses, 5)
+
+
+@dataclass(slots=True)
+class Pacer:
+    """How many plans may be on the wire and when the next plan ahead should go out
+    (`lookahead_margin_s` None: plans ahead go out at once, see `plan_ahead_due`)."""
+
+    max_inflight: int
+    lookahead_margin_s: float | None = DEFAULT_LOOKAHEAD_MARGIN_S
+    num_inflight: int = 0
+    # (device seconds, tokens) of recent steps, and when the latest result arrived (the
+    # worker then starts the next queued step): what `plan_ahead_due` is computed from.
+    step_times: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=NUM_LATENCY_SAMPLES))
+    # `predicted_step_s` of the last plan size asked, until the next step time arrives:
+    # while requests arrive, every arrival asks again for the same oldest plan in flight.
+    predicted: tuple[int, float | None] | None = None
+    last_result_at: float = 0.0
+    last_arrival_at: float = float("-inf")
+
+    def restart(self) -> None:
+        """A new stream: the step times of the previous one do not carry over."""
+        self.step_times.clear()
+        self.predicted = None
+
+    def has_room(self) -> bool:
+        return self.num_inflight < self.max_inflight
+
+    def note_result(self, result: worker_pb2.StepResult, now: float) -> None:
+        self.num_inflight -= 1
+        self.last_result_at = now
+        if result.num_tokens > 0 and result.forward_s > 0 and not result.error:
+            self.step_times.append((result.forward_s, result.num_tokens))
+            self.predicted = None
+
+    def ahead_due(self, plans: PlanBook) -> float | None:
+        """When the next plan ahead of those in flight should go out (None: at once)."""
+        oldest = plans.oldest()
+        if self.lookahead_margin_s is None or oldest is None:
+            return None
+        sent_at, num_tokens = oldest
+        num_tokens = max(num_tokens, 1)
+        if self.predicted is None or self.predicted[0] != num_tokens:
+            self.predicted = (num_tokens, predicted_step_s(self.step_times, num_tokens))
+        step_s = self.predicted[1]
+        if step_s is None or not arrivals_recent(time.monotonic() - self.last_arrival_at, step_s):
+            return None
+        # The oldest plan started when it was sent or when the step before it ended, whichever
+        # came last; its result arriving is when the step before ended, as near as we know.
+        start_s = max(sent_at, self.last_result_at)
+        return plan_ahead_due(start_s, len(plans.sent), step_s, self.lookahead_margin_s)
+
+
 class WorkerLink:
-    """Connects to one worker, keeps its plan window full and routes its results."""
+    """Connects to one worker, keeps its plan window full and routes its results.
+
+    The connection (`channel`), the window's pacing (`pacer`) and the plans in flight with their
+    deadline (`plans`) are each their own small object; the link runs the stream between them.
+    """
 
     def __init__(
         self,
@@ -155,49 +291,30 @@ class WorkerLink:
     ) -> None:
         """`step_deadline_s` 0: derived from recent step latencies (`derived_step_deadline`).
         `lookahead_margin_s` None: plans ahead go out at once (see `plan_ahead_due`)."""
-        self.address = address
-        self.step_deadline_s = step_deadline_s
-        self.lookahead_margin_s = lookahead_margin_s
-        # (device seconds, tokens) of recent steps, and when the latest result arrived (the
-        # worker then starts the next queued step): what `plan_ahead_due` is computed from.
-        self._step_times: deque[tuple[float, int]] = deque(maxlen=NUM_LATENCY_SAMPLES)
-        # `predicted_step_s` of the last plan size asked, until the next step time arrives:
-        # while requests arrive, every arrival asks again for the same oldest plan in flight.
-        self._predicted: tuple[int, float | None] | None = None
-        self._last_result_at = 0.0
-        self._last_arrival_at = float("-inf")
-        # (send time, tokens) of the plans in flight, oldest first; (latency, tokens) of recent.
-        self._sent: deque[tuple[float, int]] = deque()
-        self._latencies: deque[tuple[float, int]] = deque(maxlen=NUM_LATENCY_SAMPLES)
-        self._deadlines: dict[int, float] = {}  # derived deadline by plan size class (see DEADLINE_REFRESH_STEPS)
-        self._num_since_refresh = 0
-        # Each deadline miss doubles the next deadline (reset after a run of answered steps),
-        # so a worker that is merely slow cannot be dropped and re-added in a loop.
-        self._num_misses = 0
-        self._num_answered = 0
-        self._metadata = rpc.bearer_metadata(auth_token)
-        # The name the worker's TLS certificate is checked against when `address` is an IP
-        # resolved from a DNS name (None: the host part of `address`).
-        self.server_name = server_name
+        self.channel = LinkChannel(address, creds, server_name, rpc.bearer_metadata(auth_token))
+        self.callbacks = LinkCallbacks(on_events, on_lost, on_step, on_ready)
+        self.pacer = Pacer(max(1, max_inflight_steps), lookahead_margin_s)
+        self.plans = PlanBook(step_deadline_s)
         self.base_config = config
-        self.max_inflight = max(1, max_inflight_steps)
-        self.on_events = on_events
-        self.on_lost = on_lost
-        self.on_step = on_step
-        self.on_ready = on_ready
-        self.creds = creds
         self.info: worker_pb2.WorkerInfo | None = None
         self.scheduler: Scheduler | None = None
         self.tokenizer: Tokenizer | None = None
         self.ready = False
         self.draining = False  # the worker is shutting down: no new requests for it
-        self.on_draining: Callable[[WorkerLink], None] | None = None
-        self.inflight = 0
         self.stats = LinkStats()
         self._wake = asyncio.Event()
         self._send_lock = asyncio.Lock()
         self._task: asyncio.Task | None = None
         self._closing = False
+
+    @property
+    def address(self) -> str:
+        return self.channel.address
+
+    @property
+    def inflight(self) -> int:
+        """Plans on the wire that were not answered yet."""
+        return self.pacer.num_inflight
 
     @property
     def sched(self) -> Scheduler:
@@ -223,7 +340,7 @@ class WorkerLink:
 
     def note_arrival(self) -> None:
         """A new request was queued on this link's scheduler (see `arrivals_recent`)."""
-        self._last_arrival_at = time.monotonic()
+        self.pacer.last_arrival_at = time.monotonic()
         self.wake()
 
     def start(self) -> None:
@@ -241,56 +358,66 @@ class WorkerLink:
     async def _run(self) -> None:
         backoff = 0.2
         while not self._closing:
-            channel = rpc.aio_channel(self.address, self.creds, self.server_name)
+            channel = self.channel.open()
             try:
-                stub = worker_pb2_grpc.WorkerStub(channel)
-                self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10, metadata=self._metadata)
-                self._configure(self.info)
-                self.draining = False
-                call = stub.Execute(metadata=self._metadata)
-                self.ready = True
-                if self.on_ready is not None:
-                    self.on_ready(self)
+                call = await self._connect(channel)
                 backoff = 0.2
-                logger.info(
-                    "connected to worker %s at %s (%d blocks)", self.info.worker_id, self.address, self.info.num_blocks
-                )
-                self.wake()
                 await self._serve(call)
             except asyncio.CancelledError:
                 raise
             # InvalidStateError: a write found the call already finished (the worker died
             # between two plans, before the receiver saw it). It is a lost stream like the others.
             except (grpc.aio.AioRpcError, ConnectionError, asyncio.InvalidStateError) as exc:
-                if isinstance(exc, grpc.aio.AioRpcError) and (exc.code() == grpc.StatusCode.UNAUTHENTICATED):
-                    logger.error(
-                        "worker %s refused our token (--worker-auth-token must equal the worker's --auth-token): %s",
-                        self.address,
-                        exc.details(),
-                    )
-                elif isinstance(exc, WorkerDrained):
-                    logger.info("worker %s drained: %s", self.address, exc)
-                elif self.ready:
-                    logger.warning("lost worker %s: %s", self.address, exc)
-                else:
-                    logger.debug("worker %s not reachable: %s", self.address, exc)
+                self._log_lost(exc)
             except Exception:
                 # A bug or a bad result in the receive path (reconciliation, detokenizer,
                 # callbacks) must not end this task: that would lose the worker until restart.
                 # Reset the link like a lost stream; its requests resume from confirmed tokens.
                 logger.exception("worker link %s failed; resetting it", self.address)
             finally:
-                was_ready = self.ready
-                self.ready = False
-                self.inflight = 0
-                await channel.close(grace=None)
-                if was_ready:
-                    try:
-                        self.on_lost(self)
-                    except Exception:
-                        logger.exception("re-queueing the requests of worker %s failed", self.address)
+                await self._reset(channel)
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
+
+    async def _connect(self, channel: grpc.aio.Channel) -> grpc.aio.StreamStreamCall:
+        """Describe the worker, (re)build its scheduler and open its `Execute` stream."""
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        self.info = await stub.Describe(worker_pb2.DescribeRequest(), timeout=10, metadata=self.channel.metadata)
+        self._configure(self.info)
+        self.draining = False
+        call = stub.Execute(metadata=self.channel.metadata)
+        self.ready = True
+        if self.callbacks.on_ready is not None:
+            self.callbacks.on_ready(self)
+        logger.info("connected to worker %s at %s (%d blocks)", self.info.worker_id, self.address, self.info.num_blocks)
+        self.wake()
+        return call
+
+    def _log_lost(self, exc: Exception) -> None:
+        if isinstance(exc, grpc.aio.AioRpcError) and (exc.code() == grpc.StatusCode.UNAUTHENTICATED):
+            logger.error(
+                "worker %s refused our token (--worker-auth-token must equal the worker's --auth-token): %s",
+                self.address,
+                exc.details(),
+            )
+        elif isinstance(exc, WorkerDrained):
+            logger.info("worker %s drained: %s", self.address, exc)
+        elif self.ready:
+            logger.warning("lost worker %s: %s", self.address, exc)
+        else:
+            logger.debug("worker %s not reachable: %s", self.address, exc)
+
+    async def _reset(self, channel: grpc.aio.Channel) -> None:
+        """After a stream ended: close its channel and hand a ready link's requests back."""
+        was_ready = self.ready
+        self.ready = False
+        self.pacer.num_inflight = 0
+        await channel.close(grace=None)
+        if was_ready:
+            try:
+                self.callbacks.on_lost(self)
+            except Exception:
+                logger.exception("re-queueing the requests of worker %s failed", self.address)
 
     def _configure(self, info: worker_pb2.WorkerInfo) -> None:
         """(Re)build this link's scheduler for the worker's capacity; a reconnect starts clean."""
@@ -305,38 +432,11 @@ class WorkerLink:
 
     def step_deadline(self, num_tokens: int = 1) -> float:
         """Seconds the oldest plan in flight (of `num_tokens`) may wait for its result."""
-        base = self.step_deadline_s
-        if not base:
-            # Plans of one size class (up to the next power of two) share it, derived for the
-            # class's largest plan so that it is never short for any of them: decode plans
-            # differ by a few tokens from step to step as draft slots vary.
-            size_class = num_tokens.bit_length()
-            base = self._deadlines.get(size_class, 0.0)
-            if not base:
-                largest = (1 << size_class) - 1
-                base = self._deadlines[size_class] = derived_step_deadline(self._latencies, largest)
-        return base * 2 ** min(self._num_misses, 5)
+        return self.plans.deadline(num_tokens)
 
-    def _ahead_due(self) -> float | None:
-        """When the next plan ahead of those in flight should go out (None: at once)."""
-        if self.lookahead_margin_s is None or not self._sent:
-            return None
-        sent_at, num_tokens = self._sent[0]
-        num_tokens = max(num_tokens, 1)
-        if self._predicted is None or self._predicted[0] != num_tokens:
-            self._predicted = (num_tokens, predicted_step_s(self._step_times, num_tokens))
-        step_s = self._predicted[1]
-        if step_s is None or not arrivals_recent(time.monotonic() - self._last_arrival_at, step_s):
-            return None
-        # The oldest plan started when it was sent or when the step before it ended, whichever
-        # came last; its result arriving is when the step before ended, as near as we know.
-        start_s = max(sent_at, self._last_result_at)
-        return plan_ahead_due(start_s, len(self._sent), step_s, self.lookahead_margin_s)
-
-    async def _serve(self, call) -> None:
-        self._sent.clear()
-        self._step_times.clear()
-        self._predicted = None
+    async def _serve(self, call: grpc.aio.StreamStreamCall) -> None:
+        self.plans.sent.clear()
+        self.pacer.restart()
         receiver = asyncio.create_task(self._receive(call))
         try:
             while True:
@@ -344,9 +444,10 @@ class WorkerLink:
                 self._wake.clear()
                 waiter = asyncio.create_task(self._wake.wait())
                 timeout = None
-                if self._sent:
-                    sent_at, num_tokens = self._sent[0]
-                    deadline = self.step_deadline(num_tokens)
+                oldest = self.plans.oldest()
+                if oldest is not None:
+                    sent_at, num_tokens = oldest
+                    deadline = self.plans.deadline(num_tokens)
                     # Wake for the deadline or, when a plan ahead is held back, for its due time.
                     until = sent_at + deadline if due is None else min(sent_at + deadline, due)
                     timeout = max(0.0, until - time.monotonic())
@@ -360,21 +461,21 @@ class WorkerLink:
                     raise WorkerDrained("the worker is shutting down and holds no request")
                 if not done:
                     waiter.cancel()
-                    if self._sent and time.monotonic() - self._sent[0][0] >= deadline:
-                        self._num_misses += 1
-                        self._num_answered = 0
+                    oldest = self.plans.oldest()
+                    if oldest is not None and time.monotonic() - oldest[0] >= deadline:
+                        self.plans.note_missed()
                         raise WorkerHung(f"no answer to a step for {deadline:.1f}s (the step deadline)")
         finally:
             receiver.cancel()
             call.cancel()
 
-    async def _send_plans(self, call) -> float | None:
+    async def _send_plans(self, call: grpc.aio.StreamStreamCall) -> float | None:
         """Fill the window of plans in flight; returns when a plan ahead that is held back is
         due (None: none is held back)."""
         async with self._send_lock:  # the serving loop and the receiver both send
             due: float | None = None
-            while self.inflight < self.max_inflight:
-                due = self._ahead_due()
+            while self.pacer.has_room():
+                due = self.pacer.ahead_due(self.plans)
                 plan = None
                 if due is None or due <= time.monotonic():
                     due = None
@@ -383,12 +484,12 @@ class WorkerLink:
                     plan = self.sched.notice_plan()  # finish notices never wait
                 if plan is None:
                     break
-                self.inflight += 1
-                self._sent.append((time.monotonic(), plan_tokens(plan)))
+                self.pacer.num_inflight += 1
+                self.plans.note_sent(time.monotonic(), plan_tokens(plan))
                 await call.write(plan)
             return due
 
-    async def _receive(self, call) -> None:
+    async def _receive(self, call: grpc.aio.StreamStreamCall) -> None:
         while True:
             result = await call.read()
             if result is grpc.aio.EOF:
@@ -396,41 +497,29 @@ class WorkerLink:
             if result.draining and not self.draining:
                 logger.info("worker %s is shutting down: no new requests for it", self.worker_id)
                 self.draining = True
-                if self.on_draining is not None:
-                    self.on_draining(self)
+                if self.callbacks.on_draining is not None:
+                    self.callbacks.on_draining(self)
             if result.step_id == 0:  # a notice, not the answer to a plan
                 self.wake()
                 continue
-            self.inflight -= 1
-            self._last_result_at = time.monotonic()
-            if result.num_tokens > 0 and result.forward_s > 0 and not result.error:
-                self._step_times.append((result.forward_s, result.num_tokens))
-                self._predicted = None
-            if self._sent:
-                sent_at, num_tokens = self._sent.popleft()
-                self._latencies.append((self._last_result_at - sent_at, num_tokens))
-                self._num_since_refresh += 1
-                if self._num_since_refresh >= DEADLINE_REFRESH_STEPS or len(self._latencies) <= NUM_WARMUP_STEPS:
-                    self._deadlines.clear()
-                    self._num_since_refresh = 0
-                self._num_answered += 1
-                if self._num_answered >= NUM_LATENCY_SAMPLES:
-                    self._num_misses = 0
+            now = time.monotonic()
+            self.pacer.note_result(result, now)
+            self.plans.note_answered(now)
             self._account(result)
             if result.error:
                 logger.error("worker %s step %d failed: %s", self.worker_id, result.step_id, result.error)
                 events = self.sched.fail_step(result.step_id, result.error)
             else:
                 events = self.sched.on_step_result(result)
-            if self.on_step is not None:
-                self.on_step(self, result)
+            if self.callbacks.on_step is not None:
+                self.callbacks.on_step(self, result)
             # The next plan goes out before the clients' streams are served: the worker may be
             # waiting for it, while a client's tokens can wait the few hundred microseconds.
             try:
                 await self._send_plans(call)
             finally:
                 if events:
-                    self.on_events(self, events)
+                    self.callbacks.on_events(self, events)
             self.wake()
 
     def _account(self, result: worker_pb2.StepResult) -> None:

@@ -1,4 +1,4 @@
-"""Training an EAGLE-1 head on self-distilled samples (:mod:`zerobubble.worker_svc.eagle_data`).
+"""Training an EAGLE-1 head on self-distilled samples (:mod:`zerobubble.tools.eagle_data`).
 
 Row ``t`` of a sample gives the head token ``x[t+1]`` and the target's hidden state ``h[t]``
 (with uniform noise, as EAGLE trains it to tolerate its own imprecise predictions); the head
@@ -37,8 +37,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from zerobubble.kernels.fused import rms_norm_twin
+from zerobubble.tools.eagle_data import Sample
 from zerobubble.worker_svc.eagle import EagleHead, HeadLayer, _rotate, save_head
-from zerobubble.worker_svc.eagle_data import Sample
 
 logger = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the model once in float32 and once in the precision under test (``--dtype bfloat
 per precision, over the continuation (what a served request reads): how often its most likely
 next token is float32's (top-1 agreement), and its perplexity relative to float32's.
 
-    python -m zerobubble.worker_svc.quality --dataset grounded --limit 0
+    python -m zerobubble.tools.quality --dataset grounded --limit 0
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from zerobubble.tools.eagle_data import Sample
 from zerobubble.worker_svc.eagle import EagleHead
-from zerobubble.worker_svc.eagle_data import Sample
 
 # (sample, p, k) -> up to k drafted tokens for positions p+2 ...
 DraftFn = Callable[[Sample, int, int], list[int]]
