@@ -456,6 +456,12 @@ class SchedulerServiceConfig(ServiceConfig):
         "speculative_disable_by_batch_size): on a compute-bound device verifying drafts costs more "
         "than it saves in large batches (0 = never disable)",
     )
+    max_prefill_tokens_with_decodes: int = setting(
+        0,
+        "prompt tokens a step may carry while requests are decoding, so that their next tokens "
+        "never wait behind a long prefill chunk (a CPU computes a 512-token chunk in a third of a "
+        "second); steps without decodes take the whole --max-num-batched-tokens (0 = no limit)",
+    )
 
     def worker_addresses(self) -> list[str]:
         """``--workers`` split into its addresses."""
@@ -488,6 +494,9 @@ class SchedulerServiceConfig(ServiceConfig):
         )
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
         _require(self.spec_disable_batch_size >= 0, "--spec-disable-batch-size must be >= 0 (0 = never disable)")
+        _require(
+            self.max_prefill_tokens_with_decodes >= 0, "--max-prefill-tokens-with-decodes must be >= 0 (0 = no limit)"
+        )
         if self.loop_cores:
             self.loop_core_set()
         _require(self.http_port >= -1, "--http-port must be >= -1 (-1 = off, 0 = pick a free port)")
@@ -590,6 +599,8 @@ class SchedulerConfig:
     num_prediction_tokens: int = 0
     # Running requests from which decodes are planned without drafts; 0 = never.
     spec_disable_batch_size: int = default_of(SchedulerServiceConfig, "spec_disable_batch_size")
+    # Prompt tokens of a step that carries decodes; 0 = the whole token budget.
+    max_prefill_tokens_with_decodes: int = default_of(SchedulerServiceConfig, "max_prefill_tokens_with_decodes")
     # Extra slots allocated past each step (a draft model writes its k-token chain there).
     num_lookahead_slots: int = 0
     enable_prefix_caching: bool = default_of(SchedulerServiceConfig, "enable_prefix_caching")
@@ -606,6 +617,7 @@ class SchedulerConfig:
             enable_prefix_caching=cfg.enable_prefix_caching,
             max_waiting=cfg.max_waiting,
             spec_disable_batch_size=cfg.spec_disable_batch_size,
+            max_prefill_tokens_with_decodes=cfg.max_prefill_tokens_with_decodes,
         )
 
     def with_worker(self, info: worker_pb2.WorkerInfo) -> SchedulerConfig:

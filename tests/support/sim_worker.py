@@ -623,6 +623,7 @@ def make_case(
     max_num_batched_tokens: int = 32,
     num_spec_tokens: int = 3,
     spec_disable_batch_size: int = 0,
+    max_prefill_tokens_with_decodes: int = 0,
     enable_prefix_caching: bool = True,
     eos_per_mille: int = 15,
     logprobs: bool = False,
@@ -639,6 +640,7 @@ def make_case(
         max_num_batched_tokens=max_num_batched_tokens,
         num_spec_tokens=num_spec_tokens,
         spec_disable_batch_size=spec_disable_batch_size,
+        max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
         enable_prefix_caching=enable_prefix_caching,
         eos_token_ids=(EOS_ID,),
     )

@@ -86,6 +86,31 @@ def test_outputs_equal_the_model_run_directly(window: int, num_spec_tokens: int)
         assert case.scheduler.stats.num_rolled_back_tokens > 0
 
 
+@pytest.mark.parametrize("window", [1, 2])
+def test_decodes_never_wait_behind_more_prompt_tokens_than_the_cap(window: int) -> None:
+    """With --max-prefill-tokens-with-decodes, a step that carries decodes carries at most that
+    many prompt tokens; a step without decodes still takes the whole budget; outputs are the
+    same as without the cap."""
+    cap = 5
+    case = make_case(
+        num_requests=12, prompt_len=(10, 40), max_num_batched_tokens=32, max_prefill_tokens_with_decodes=cap
+    )
+    seen = {"capped": 0, "full": 0}
+
+    def check(_scheduler: Scheduler, plan: worker_pb2.StepPlan) -> None:
+        rows = plan_rows(plan)
+        num_prompt_tokens = sum(len(row.token_ids) for row in rows)
+        if any(not row.token_ids for row in rows):
+            assert num_prompt_tokens <= cap
+            seen["capped"] += num_prompt_tokens > 0
+        else:
+            seen["full"] += num_prompt_tokens > cap
+
+    got = drive(case.scheduler, case.worker, window, after_plan=check)
+    assert_matches_reference(case, got)
+    assert seen["capped"] > 0 and seen["full"] > 0  # both kinds of step happened
+
+
 def test_placeholders_and_counters_consistent_once_results_are_back() -> None:
     case = make_case(num_spec_tokens=4, max_num_batched_tokens=24)
     scheduler, worker = case.scheduler, case.worker

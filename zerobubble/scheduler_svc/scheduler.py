@@ -463,6 +463,7 @@ class Scheduler:
         in `finished_req_ids` of the next plan that is returned.
         """
         budget = self.config.max_num_batched_tokens
+        prefill_budget = self._prefill_budget(budget)
         plan = worker_pb2.StepPlan()
         decodes = _Decodes()
         records: dict[str, _Scheduled] = {}
@@ -471,15 +472,20 @@ class Scheduler:
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
-            budget -= self._schedule_running(req, budget, max_drafts, plan, decodes, records)
+            prefilling = req.is_prefilling
+            limit = min(budget, prefill_budget) if prefilling else budget
+            if limit > 0:
+                num_tokens = self._schedule_running(req, limit, max_drafts, plan, decodes, records)
+                budget -= num_tokens
+                prefill_budget -= num_tokens if prefilling else 0
             i += 1
         # Admitting right after a preemption would only hand the freed blocks back and forth.
         if self.stats.num_preemptions == num_preemptions_before:
-            while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
-                num_tokens = self._admit(self._waiting[0], budget, plan, records)
+            while self._waiting and min(budget, prefill_budget) > 0 and len(self._running) < self.config.max_num_seqs:
+                num_tokens = self._admit(self._waiting[0], min(budget, prefill_budget), plan, records)
                 if num_tokens == 0:
                     break
-                budget -= num_tokens
+                budget, prefill_budget = budget - num_tokens, prefill_budget - num_tokens
         if decodes.req_ids:
             add_decode_columns(
                 plan, decodes.req_ids, decodes.num_draft_slots, decodes.num_new_blocks, decodes.new_block_ids
@@ -487,6 +493,14 @@ class Scheduler:
         elif not plan.requests:
             return None
         return self._issue(plan, records)
+
+    def _prefill_budget(self, budget: int) -> int:
+        """Prompt tokens the next step may carry: all of ``budget``, or the cap while any request
+        decodes (a step's decodes wait for its whole prefill chunk)."""
+        cap = self.config.max_prefill_tokens_with_decodes
+        if cap and any(not req.is_prefilling for req in self._running):
+            return min(cap, budget)
+        return budget
 
     def _issue(self, plan: worker_pb2.StepPlan, records: dict[str, _Scheduled]) -> worker_pb2.StepPlan:
         """Number a built plan, attach the pending finish notices and track it as in flight."""
