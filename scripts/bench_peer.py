@@ -87,11 +87,11 @@ def llama_server(binary: Path, gguf: Path, threads: int, slots: int) -> Iterator
 
 
 @contextmanager
-def ours(worker_flags: dict, slots: int, root: Path = ROOT) -> Iterator[str]:
+def ours(worker_flags: dict, slots: int, root: Path = ROOT, scheduler_flags: dict | None = None) -> Iterator[str]:
     """Our worker and scheduler with its HTTP front, run from the checkout at ``root``; yields the /v1 URL."""
     worker = start_worker(root=root, **worker_flags)
     try:
-        scheduler = start_scheduler([worker], root=root, max_num_seqs=max(slots, 16))
+        scheduler = start_scheduler([worker], root=root, max_num_seqs=max(slots, 16), **(scheduler_flags or {}))
         try:
             url = f"http://127.0.0.1:{scheduler.ports['HTTP']}/v1"
             _wait_until_serving(f"{url}/models")

@@ -34,11 +34,12 @@ from zerobubble.kernels.cpu import describe_cpu  # noqa: E402
 from zerobubble.tools.launch import free_port  # noqa: E402
 from zerobubble.worker_svc.model_loader import EMBEDDED_MODEL_NAME, resolve_model  # noqa: E402
 
-# Our configurations: name -> worker flags. The default is what `zerobubble serve` runs.
-OURS = {
-    "ours default": {},
-    "ours --cpu-linear default": {"cpu_linear": "default"},
-    "ours --no-cpu-kernels": {"cpu_kernels": False},
+# Our configurations: name -> (worker flags, scheduler flags). The default is what `zerobubble serve` runs.
+OURS: dict[str, tuple[dict, dict]] = {
+    "ours default": ({}, {}),
+    "ours --max-prefill-tokens-with-decodes 128": ({}, {"max_prefill_tokens_with_decodes": 128}),
+    "ours --cpu-linear default": ({"cpu_linear": "default"}, {}),
+    "ours --no-cpu-kernels": ({"cpu_kernels": False}, {}),
 }
 PEER = "vLLM CPU"
 SERVED_NAME = "smollm2-135m"  # the name our server gives the embedded model
@@ -120,7 +121,7 @@ def main() -> None:
             if system == PEER:
                 server = vllm_server(args.vllm_python, model_dir, args.concurrency)
             else:
-                server = _ours_base(OURS[system], args.concurrency)
+                server = _ours_base(*OURS[system], args.concurrency)
             with server as base_url:
                 vllm_bench(args.vllm_python, base_url, model_dir, args, args.warmup)
                 result = vllm_bench(args.vllm_python, base_url, model_dir, args, args.num_prompts)
@@ -131,8 +132,8 @@ def main() -> None:
 
 
 @contextmanager
-def _ours_base(worker_flags: dict, slots: int) -> Iterator[str]:
-    with ours(worker_flags, slots) as url:
+def _ours_base(worker_flags: dict, scheduler_flags: dict, slots: int) -> Iterator[str]:
+    with ours(worker_flags, slots, scheduler_flags=scheduler_flags) as url:
         yield url.removesuffix("/v1")
 
 
