@@ -138,13 +138,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2, help="llama-server's threads (our torch uses every core)")
     parser.add_argument(
         "--baseline", type=Path, default=None,
-        help="a checkout of another commit: each of our systems runs from it too, as 'baseline <system>'",
+        help="another commit's checkout: our systems (or --baseline-systems) run from it too, as 'baseline <system>'",
     )  # fmt: skip
+    parser.add_argument("--baseline-systems", nargs="+", default=None, choices=list(OURS))
     parser.add_argument("--systems", nargs="+", default=[*OURS, PEER], choices=[*OURS, PEER])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.baseline is not None:
-        args.systems += [BASELINE + system for system in args.systems if system in OURS]
+        again = args.baseline_systems or [system for system in args.systems if system in OURS]
+        args.systems += [BASELINE + system for system in again]
     rows = load_dataset(args.dataset, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
     gguf = args.gguf or embedded_gguf()
     machine = describe_cpu()
