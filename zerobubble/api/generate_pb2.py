@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dzerobubble/api/generate.proto\x12\rzerobubble.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.zerobubble.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x95\x03\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x44\n\nlogit_bias\x18\t \x03(\x0b\x32\x30.zerobubble.v1.SamplingParameters.LogitBiasEntry\x12\t\n\x01n\x18\n \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"9\n\x0fResponseOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\x05\"\xa6\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x08messages\x18\x03 \x01(\x0b\x32\x1b.zerobubble.v1.ChatMessagesH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.zerobubble.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.zerobubble.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x06 \x01(\x0b\x32\x1f.zerobubble.v1.StoppingCriteria\x12\x30\n\x08response\x18\x07 \x01(\x0b\x32\x1e.zerobubble.v1.ResponseOptions\x12\r\n\x05model\x18\x08 \x01(\t\x12-\n\nconstraint\x18\t \x01(\x0b\x32\x19.zerobubble.v1.Constraint\x12-\n\nprediction\x18\n \x01(\x0b\x32\x19.zerobubble.v1.PredictionB\x07\n\x05input\"U\n\nPrediction\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.zerobubble.v1.TokenIdsH\x00\x42\t\n\x07\x63ontent\"\xa7\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.zerobubble.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x12\n\nfield_name\x18\n \x01(\tB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x85\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.zerobubble.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\x12 \n\x18num_cached_prompt_tokens\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x30\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1a.zerobubble.v1.TopLogprobs\x12\r\n\x05index\x18\x0b \x01(\x05\x12&\n\x1enum_accepted_prediction_tokens\x18\x0c \x01(\x05\x12&\n\x1enum_rejected_prediction_tokens\x18\r \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"]\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12/\n\x08messages\x18\x02 \x01(\x0b\x32\x1b.zerobubble.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xee\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bnum_workers\x18\x05 \x01(\x05\x12\x13\n\x0bspec_method\x18\x06 \x01(\t\x12\x17\n\x0fnum_spec_tokens\x18\x07 \x01(\x05\x12\x1a\n\x12max_inflight_steps\x18\x08 \x01(\x05\x12)\n\x05stats\x18\t \x01(\x0b\x32\x1a.zerobubble.v1.ServerStats\"\xb1\x02\n\x0bServerStats\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\x12\n\nnum_drafts\x18\x02 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\x03\x12\x15\n\rworker_busy_s\x18\x05 \x01(\x01\x12\x15\n\rworker_idle_s\x18\x06 \x01(\x01\x12\x1d\n\x15num_generation_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x11\n\tgrammar_s\x18\t \x01(\x01\x12#\n\x1bnum_prediction_draft_tokens\x18\n \x01(\x03\x12&\n\x1enum_prediction_accepted_tokens\x18\x0b \x01(\x03*\xb9\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_MAX_TOKENS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xf8\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.zerobubble.v1.GenerateRequest\x1a\x1f.zerobubble.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.zerobubble.v1.TokenizeRequest\x1a\x1f.zerobubble.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.zerobubble.v1.ModelInfoRequest\x1a .zerobubble.v1.ModelInfoResponseB*Z(zerobubble/gen/go/zerobubble/apiv1;apiv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dzerobubble/api/generate.proto\x12\rzerobubble.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.zerobubble.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\x95\x03\n\x12SamplingParameters\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_k\x18\x02 \x01(\x05H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x03\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x04\x88\x01\x01\x12\r\n\x05min_p\x18\x08 \x01(\x02\x12\x44\n\nlogit_bias\x18\t \x03(\x0b\x32\x30.zerobubble.v1.SamplingParameters.LogitBiasEntry\x12\t\n\x01n\x18\n \x01(\x05\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seedB\x15\n\x13_repetition_penalty\"\x88\x01\n\x10StoppingCriteria\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04stop\x18\x03 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x04 \x03(\x05\x12\x12\n\nignore_eos\x18\x05 \x01(\x08\x42\r\n\x0b_max_tokens\"9\n\x0fResponseOptions\x12\x10\n\x08logprobs\x18\x01 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x02 \x01(\x05\"\xa7\x01\n\x0bRequestSpec\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.zerobubble.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x06 \x01(\x0b\x32\x1f.zerobubble.v1.StoppingCriteria\x12\x30\n\x08response\x18\x07 \x01(\x0b\x32\x1e.zerobubble.v1.ResponseOptions\"\xa6\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12/\n\x08messages\x18\x03 \x01(\x0b\x32\x1b.zerobubble.v1.ChatMessagesH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.zerobubble.v1.TokenIdsH\x00\x12\x33\n\x08sampling\x18\x05 \x01(\x0b\x32!.zerobubble.v1.SamplingParameters\x12\x31\n\x08stopping\x18\x06 \x01(\x0b\x32\x1f.zerobubble.v1.StoppingCriteria\x12\x30\n\x08response\x18\x07 \x01(\x0b\x32\x1e.zerobubble.v1.ResponseOptions\x12\r\n\x05model\x18\x08 \x01(\t\x12-\n\nconstraint\x18\t \x01(\x0b\x32\x19.zerobubble.v1.Constraint\x12-\n\nprediction\x18\n \x01(\x0b\x32\x19.zerobubble.v1.PredictionB\x07\n\x05input\"U\n\nPrediction\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x02 \x01(\x0b\x32\x17.zerobubble.v1.TokenIdsH\x00\x42\t\n\x07\x63ontent\"\xa7\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12+\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x19.zerobubble.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x12\n\nfield_name\x18\n \x01(\tB\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\x85\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.zerobubble.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11num_output_tokens\x18\x07 \x01(\x05\x12 \n\x18num_cached_prompt_tokens\x18\x08 \x01(\x05\x12\r\n\x05\x65rror\x18\t \x01(\t\x12\x30\n\x0ctop_logprobs\x18\n \x03(\x0b\x32\x1a.zerobubble.v1.TopLogprobs\x12\r\n\x05index\x18\x0b \x01(\x05\x12&\n\x1enum_accepted_prediction_tokens\x18\x0c \x01(\x05\x12&\n\x1enum_rejected_prediction_tokens\x18\r \x01(\x05\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"]\n\x0fTokenizeRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12/\n\x08messages\x18\x02 \x01(\x0b\x32\x1b.zerobubble.v1.ChatMessagesH\x00\x42\x07\n\x05input\"5\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0e\n\x06tokens\x18\x02 \x03(\t\"\x12\n\x10ModelInfoRequest\"\xee\x01\n\x11ModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0bnum_workers\x18\x05 \x01(\x05\x12\x13\n\x0bspec_method\x18\x06 \x01(\t\x12\x17\n\x0fnum_spec_tokens\x18\x07 \x01(\x05\x12\x1a\n\x12max_inflight_steps\x18\x08 \x01(\x05\x12)\n\x05stats\x18\t \x01(\x0b\x32\x1a.zerobubble.v1.ServerStats\"\xb1\x02\n\x0bServerStats\x12\x11\n\tnum_steps\x18\x01 \x01(\x03\x12\x12\n\nnum_drafts\x18\x02 \x01(\x03\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x03\x12\x1b\n\x13num_accepted_tokens\x18\x04 \x01(\x03\x12\x15\n\rworker_busy_s\x18\x05 \x01(\x01\x12\x15\n\rworker_idle_s\x18\x06 \x01(\x01\x12\x1d\n\x15num_generation_tokens\x18\x07 \x01(\x03\x12\x17\n\x0fnum_preemptions\x18\x08 \x01(\x03\x12\x11\n\tgrammar_s\x18\t \x01(\x01\x12#\n\x1bnum_prediction_draft_tokens\x18\n \x01(\x03\x12&\n\x1enum_prediction_accepted_tokens\x18\x0b \x01(\x03*\xb9\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x01\x12\x1c\n\x18\x46INISH_REASON_MAX_TOKENS\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05\x32\xf8\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.zerobubble.v1.GenerateRequest\x1a\x1f.zerobubble.v1.GenerateResponse0\x01\x12K\n\x08Tokenize\x12\x1e.zerobubble.v1.TokenizeRequest\x1a\x1f.zerobubble.v1.TokenizeResponse\x12N\n\tModelInfo\x12\x1f.zerobubble.v1.ModelInfoRequest\x1a .zerobubble.v1.ModelInfoResponseB*Z(zerobubble/gen/go/zerobubble/apiv1;apiv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,8 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z(zerobubble/gen/go/zerobubble/apiv1;apiv1'
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMETERS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2664
-  _globals['_FINISHREASON']._serialized_end=2849
+  _globals['_FINISHREASON']._serialized_start=2834
+  _globals['_FINISHREASON']._serialized_end=3019
   _globals['_CHATMESSAGE']._serialized_start=48
   _globals['_CHATMESSAGE']._serialized_end=92
   _globals['_CHATMESSAGES']._serialized_start=94
@@ -50,28 +50,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STOPPINGCRITERIA']._serialized_end=726
   _globals['_RESPONSEOPTIONS']._serialized_start=728
   _globals['_RESPONSEOPTIONS']._serialized_end=785
-  _globals['_GENERATEREQUEST']._serialized_start=788
-  _globals['_GENERATEREQUEST']._serialized_end=1210
-  _globals['_PREDICTION']._serialized_start=1212
-  _globals['_PREDICTION']._serialized_end=1297
-  _globals['_CONSTRAINT']._serialized_start=1300
-  _globals['_CONSTRAINT']._serialized_end=1467
-  _globals['_CHOICELIST']._serialized_start=1469
-  _globals['_CHOICELIST']._serialized_end=1498
-  _globals['_GENERATERESPONSE']._serialized_start=1501
-  _globals['_GENERATERESPONSE']._serialized_end=1890
-  _globals['_TOPLOGPROBS']._serialized_start=1892
-  _globals['_TOPLOGPROBS']._serialized_end=1942
-  _globals['_TOKENIZEREQUEST']._serialized_start=1944
-  _globals['_TOKENIZEREQUEST']._serialized_end=2037
-  _globals['_TOKENIZERESPONSE']._serialized_start=2039
-  _globals['_TOKENIZERESPONSE']._serialized_end=2092
-  _globals['_MODELINFOREQUEST']._serialized_start=2094
-  _globals['_MODELINFOREQUEST']._serialized_end=2112
-  _globals['_MODELINFORESPONSE']._serialized_start=2115
-  _globals['_MODELINFORESPONSE']._serialized_end=2353
-  _globals['_SERVERSTATS']._serialized_start=2356
-  _globals['_SERVERSTATS']._serialized_end=2661
-  _globals['_GENERATION']._serialized_start=2852
-  _globals['_GENERATION']._serialized_end=3100
+  _globals['_REQUESTSPEC']._serialized_start=788
+  _globals['_REQUESTSPEC']._serialized_end=955
+  _globals['_GENERATEREQUEST']._serialized_start=958
+  _globals['_GENERATEREQUEST']._serialized_end=1380
+  _globals['_PREDICTION']._serialized_start=1382
+  _globals['_PREDICTION']._serialized_end=1467
+  _globals['_CONSTRAINT']._serialized_start=1470
+  _globals['_CONSTRAINT']._serialized_end=1637
+  _globals['_CHOICELIST']._serialized_start=1639
+  _globals['_CHOICELIST']._serialized_end=1668
+  _globals['_GENERATERESPONSE']._serialized_start=1671
+  _globals['_GENERATERESPONSE']._serialized_end=2060
+  _globals['_TOPLOGPROBS']._serialized_start=2062
+  _globals['_TOPLOGPROBS']._serialized_end=2112
+  _globals['_TOKENIZEREQUEST']._serialized_start=2114
+  _globals['_TOKENIZEREQUEST']._serialized_end=2207
+  _globals['_TOKENIZERESPONSE']._serialized_start=2209
+  _globals['_TOKENIZERESPONSE']._serialized_end=2262
+  _globals['_MODELINFOREQUEST']._serialized_start=2264
+  _globals['_MODELINFOREQUEST']._serialized_end=2282
+  _globals['_MODELINFORESPONSE']._serialized_start=2285
+  _globals['_MODELINFORESPONSE']._serialized_end=2523
+  _globals['_SERVERSTATS']._serialized_start=2526
+  _globals['_SERVERSTATS']._serialized_end=2831
+  _globals['_GENERATION']._serialized_start=3022
+  _globals['_GENERATION']._serialized_end=3270
 # @@protoc_insertion_point(module_scope)

@@ -95,6 +95,16 @@ class ResponseOptions(_message.Message):
     top_logprobs: int
     def __init__(self, logprobs: bool = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
+class RequestSpec(_message.Message):
+    __slots__ = ("sampling", "stopping", "response")
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    STOPPING_FIELD_NUMBER: _ClassVar[int]
+    RESPONSE_FIELD_NUMBER: _ClassVar[int]
+    sampling: SamplingParameters
+    stopping: StoppingCriteria
+    response: ResponseOptions
+    def __init__(self, sampling: _Optional[_Union[SamplingParameters, _Mapping]] = ..., stopping: _Optional[_Union[StoppingCriteria, _Mapping]] = ..., response: _Optional[_Union[ResponseOptions, _Mapping]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "messages", "token_ids", "sampling", "stopping", "response", "model", "constraint", "prediction")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

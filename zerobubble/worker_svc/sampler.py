@@ -16,15 +16,15 @@ one the sampler draws from.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from zerobubble.kernels.keyed_random import STREAM_SAMPLE, keyed_uniform
+from zerobubble.request_options import SamplingOptions
 from zerobubble.worker_svc.staging import to_device
 
 # Seeds are uint64 on the wire; the keyed-noise kernels take int64.
@@ -137,33 +137,39 @@ class SlotSampling:
         self.top_logprobs = np.zeros(num_slots, np.int64)  # top-N log-probabilities wanted
         self.special = np.zeros(num_slots, np.bool_)
 
-    def set(self, slot: int, p: SamplingLike) -> None:
+    def set(self, slot: int, p: SamplingOptions) -> None:
         """Record the parameters of the request admitted to ``slot``."""
         self.temperature[slot] = p.temperature
         self.top_k[slot] = p.top_k
         self.top_p[slot] = p.top_p if p.top_p > 0 else 1.0
         self.min_p[slot] = p.min_p
-        self.seed[slot] = p.seed & SEED_MASK
+        self.seed[slot] = (p.seed or 0) & SEED_MASK
         self.top_logprobs[slot] = p.top_logprobs
         self.special[slot] = has_penalty(p) or bool(p.logit_bias)
 
+    def tensors(
+        self,
+        rows: np.ndarray,
+        positions: Tensor,
+        device: torch.device | str,
+        penalties: Penalties | None = None,
+        logit_bias: LogitBias | None = None,
+    ) -> SamplingTensors:
+        """The sampling tensors of logits rows drawn for slots ``rows`` (one entry per row)."""
+        return SamplingTensors.from_params(
+            temperatures=self.temperature[rows],
+            top_ks=self.top_k[rows],
+            top_ps=self.top_p[rows],
+            seeds=self.seed[rows],
+            positions=positions,
+            device=device,
+            min_ps=self.min_p[rows],
+            penalties=penalties,
+            logit_bias=logit_bias,
+        )
 
-class SamplingLike(Protocol):
-    """The fields of `worker_pb2.SamplingParams` the sampler reads."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    top_logprobs: int
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    logit_bias: Mapping[int, float]
-
-
-def has_penalty(p: SamplingLike) -> bool:
+def has_penalty(p: SamplingOptions) -> bool:
     """Whether a request uses any of the repetition, frequency or presence penalties."""
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (0.0, 1.0))
 
