@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -215,9 +215,7 @@ class SamplingOptions:
     # Also the N most likely tokens per emitted token.
     top_logprobs: int = control(0, "response.top_logprobs", bounds=Range(0, MAX_TOP_LOGPROBS))
     # Sequences sharing the prompt; the scheduler runs each as its own request (0 on the wire: one).
-    n: int = control(
-        1, "sampling.n", bounds=Range(1, MAX_N), body=BodyParam(2, "1 to 16 sequences per prompt"), unset=(0,)
-    )
+    n: int = control(1, "sampling.n", bounds=Range(1, MAX_N), unset=(0,))
     constraint: Constraint | None = None  # structured output (`zerobubble.structured`)
     # The constraint's llguidance grammar, compiled and checked by the scheduler at submission:
     # what the worker receives.
@@ -345,12 +343,30 @@ def write_controls(options: Any, spec: Any, names: Iterable[str] | None = None) 
         if value is None or chosen is not None and name not in chosen:
             continue
         message = getattr(spec, wire.message)
-        if isinstance(value, dict):
+        if isinstance(value, Mapping):
             getattr(message, wire.field).update(value)
         elif isinstance(value, list | tuple):
             getattr(message, wire.field).extend(value)
         else:
             setattr(message, wire.field, value)
+
+
+def write_named_controls(controls: Mapping[str, Any], request: generate_pb2.GenerateRequest) -> None:
+    """Set the controls named in ``controls`` (fields of `SamplingOptions` or `StoppingOptions`)
+    on ``request``; a None value leaves its field to the server's default.
+
+    Raises:
+        TypeError: a name that is no control.
+    """
+    names = set(controls)
+    for options in (SamplingOptions(), StoppingOptions()):
+        mine = names & {name for name, _ in wires(type(options))}
+        for name in mine:
+            setattr(options, name, controls[name])
+        write_controls(options, request, mine)
+        names -= mine
+    if names:
+        raise TypeError(f"not a sampling or stopping control: {', '.join(sorted(names))}")
 
 
 def from_generate_request(request: generate_pb2.GenerateRequest) -> tuple[SamplingOptions, StoppingOptions]:
