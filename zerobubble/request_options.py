@@ -1,12 +1,19 @@
 """The request model: how tokens are drawn (`SamplingOptions`) and when generation ends
 (`StoppingOptions`), every range they may take, and their conversions at each wire boundary.
 
-A request's options travel as these two types from the moment they leave a wire form: the
-client's `GenerateRequest` (`from_generate_request`), an OpenAI body (`scheduler_svc/
-openai_protocol.py`, which writes them back with `write_generate_request`), and the plan row to
-the worker (`to_worker_sampling`). The ranges live here alone: the HTTP layer checks them before
-it builds a protobuf (so a value the wire cannot carry is a named 400, not a crash), the gRPC
-servicer and the scheduler check them again with the model's vocabulary and length.
+The two dataclasses are the one Python mirror of `generate.proto`'s `RequestSpec` (whose
+messages a `GenerateRequest` carries and the worker's `SamplingParams` embeds). Each control is
+declared once, as a field made by `control`: its path in the `RequestSpec`, its range and, for
+a body parameter of the OpenAI front, its row in docs/openai-api.md. Everything else follows
+from that declaration: the validator (`validate`), the converters each way (`read_controls`,
+`write_controls`: from and to a `GenerateRequest`, the plan row to the worker, and the client's
+`build_request`), the OpenAI body's fields (`scheduler_svc/openai_protocol.py`) and the doc's
+rows (`tools/control_table.py`). So a new control is its field here, its field in
+`generate.proto` and its stage in `worker_svc/sampler.py`.
+
+The ranges live here alone: the HTTP layer checks them before it builds a protobuf (so a value
+the wire cannot carry is a named 400, not a crash), the gRPC servicer and the scheduler check
+them again with the model's vocabulary and length.
 """
 
 from __future__ import annotations
