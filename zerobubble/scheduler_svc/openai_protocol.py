@@ -3,8 +3,10 @@ map onto a `GenerateRequest`, and the pieces of the replies (choices, logprobs, 
 
 Every parameter of OpenAI's two request schemas is declared here and is served, refused by
 name (`_REFUSED`), or accepted and ignored, as docs/openai-api.md lists; a top-level parameter
-not declared is refused. The HTTP layer checks what the JSON shape decides (types, which fields
-go together); a body becomes the request model's options (`zerobubble/request_options.py`),
+not declared is refused. The sampling and stopping controls that are body parameters of their
+own name are not written here: their fields come from the request model's declarations
+(`body_controls`), and so do their rows in the doc. The HTTP layer checks what the JSON shape
+decides (types, which fields go together); a body becomes the request model's options (`zerobubble/request_options.py`),
 whose one validator owns every range and runs before any protobuf is built, so a value the wire
 cannot carry is a named 400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
 turns back into the OpenAI name.
