@@ -219,6 +219,13 @@ class SamplingOptions:
     )
     min_p: float = control(0.0, "sampling.min_p", bounds=Range(0.0, 1.0), body=BodyParam(0.1, "vLLM extra; in [0, 1]"))
     logit_bias: dict[int, float] = control(path="sampling.logit_bias", factory=dict)
+    # Locally typical sampling (HF's TypicalLogitsWarper), after min_p.
+    typical_p: float = control(
+        1.0,
+        "sampling.typical_p",
+        bounds=Range(0, 1, low_open=True),
+        body=BodyParam(0.9, "Hugging Face's typical sampling; in (0, 1], 1 is off"),
+    )
     # Also the N most likely tokens per emitted token.
     top_logprobs: int = control(0, "response.top_logprobs", bounds=Range(0, MAX_TOP_LOGPROBS))
     # Sequences sharing the prompt; the scheduler runs each as its own request (0 on the wire: one).
