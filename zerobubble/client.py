@@ -16,14 +16,14 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 import grpc.aio
 
 from zerobubble.api import generate_pb2, generate_pb2_grpc
 from zerobubble.config import keepalive_options
-from zerobubble.request_options import Constraint, write_proto
+from zerobubble.request_options import Constraint, write_named_controls, write_proto
 
 logger = logging.getLogger(__name__)
 
@@ -219,35 +219,23 @@ def build_request(
     prompt: str | None = None,
     messages: Sequence[Mapping[str, str]] | None = None,
     token_ids: Sequence[int] | None = None,
-    max_tokens: int | None = None,
-    temperature: float | None = None,
-    top_k: int | None = None,
-    top_p: float | None = None,
-    seed: int | None = None,
-    stop: Sequence[str] = (),
-    stop_token_ids: Sequence[int] = (),
-    min_tokens: int = 0,
-    ignore_eos: bool = False,
-    logprobs: bool = False,
-    top_logprobs: int = 0,
-    presence_penalty: float = 0.0,
-    frequency_penalty: float = 0.0,
-    repetition_penalty: float | None = None,
-    min_p: float = 0.0,
-    logit_bias: Mapping[int, float] | None = None,
-    n: int = 0,
+    *,
     constraint: Constraint | None = None,
     prediction: str | None = None,
+    **controls: Any,
 ) -> generate_pb2.GenerateRequest:
-    """A ``GenerateRequest`` from plain Python values; None leaves a field to the server default.
+    """A ``GenerateRequest`` from plain Python values.
 
     ``messages`` are ``{"role": ..., "content": ...}`` mappings (the OpenAI shape);
     ``constraint`` holds the output to a schema, regex, choice or grammar; ``prediction`` is
     text the reply is expected to repeat (OpenAI's Predicted Outputs), which the server may
-    draft from without changing the reply.
+    draft from without changing the reply. ``controls`` are the sampling and stopping controls
+    by their names in `zerobubble.request_options` (``max_tokens=16, temperature=0.8,
+    logprobs=True, stop=["\\n"]``, ...); one left out, or None, is left to the server's default.
 
     Raises:
         ValueError: not exactly one of ``prompt``, ``messages``, ``token_ids`` is given.
+        TypeError: a keyword that is no control.
     """
     given = [
         name
@@ -266,32 +254,7 @@ def build_request(
     else:
         request.token_ids.SetInParent()
         request.token_ids.ids.extend(token_ids or ())
-    sampling = request.sampling
-    if temperature is not None:
-        sampling.temperature = temperature
-    if top_k is not None:
-        sampling.top_k = top_k
-    if top_p is not None:
-        sampling.top_p = top_p
-    if seed is not None:
-        sampling.seed = seed
-    sampling.presence_penalty = presence_penalty
-    sampling.frequency_penalty = frequency_penalty
-    if repetition_penalty is not None:
-        sampling.repetition_penalty = repetition_penalty
-    sampling.min_p = min_p
-    for token_id, bias in (logit_bias or {}).items():
-        sampling.logit_bias[token_id] = bias
-    sampling.n = n
-    stopping = request.stopping
-    if max_tokens is not None:
-        stopping.max_tokens = max_tokens
-    stopping.min_tokens = min_tokens
-    stopping.stop.extend(stop)
-    stopping.stop_token_ids.extend(stop_token_ids)
-    stopping.ignore_eos = ignore_eos
-    request.response.logprobs = logprobs
-    request.response.top_logprobs = top_logprobs
+    write_named_controls(controls, request)
     if constraint is not None:
         write_proto(constraint, request.constraint)
     if prediction is not None:

@@ -1,20 +1,28 @@
 """The request model: how tokens are drawn (`SamplingOptions`) and when generation ends
 (`StoppingOptions`), every range they may take, and their conversions at each wire boundary.
 
-A request's options travel as these two types from the moment they leave a wire form: the
-client's `GenerateRequest` (`from_generate_request`), an OpenAI body (`scheduler_svc/
-openai_protocol.py`, which writes them back with `write_generate_request`), and the plan row to
-the worker (`to_worker_sampling`). The ranges live here alone: the HTTP layer checks them before
-it builds a protobuf (so a value the wire cannot carry is a named 400, not a crash), the gRPC
-servicer and the scheduler check them again with the model's vocabulary and length.
+The two dataclasses are the one Python mirror of `generate.proto`'s `RequestSpec` (whose
+messages a `GenerateRequest` carries and the worker's `SamplingParams` embeds). Each control is
+declared once, as a field made by `control`: its path in the `RequestSpec`, its range and, for
+a body parameter of the OpenAI front, its row in docs/openai-api.md. Everything else follows
+from that declaration: the validator (`validate`), the converters each way (`read_controls`,
+`write_controls`: from and to a `GenerateRequest`, the plan row to the worker, and the client's
+`build_request`), the OpenAI body's fields (`scheduler_svc/openai_protocol.py`) and the doc's
+rows (`tools/control_table.py`). So a new control is its field here, its field in
+`generate.proto` and its stage in `worker_svc/sampler.py`.
+
+The ranges live here alone: the HTTP layer checks them before it builds a protobuf (so a value
+the wire cannot carry is a named 400, not a crash), the gRPC servicer and the scheduler check
+them again with the model's vocabulary and length.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from zerobubble.api import generate_pb2, worker_pb2
 
@@ -108,26 +116,120 @@ def write_proto(constraint: Constraint, message: generate_pb2.Constraint) -> Non
     message.field_name = constraint.field_name
 
 
+@dataclass(frozen=True, slots=True)
+class Range:
+    """A control's range, ``[low, high]`` or ``(low, high]``. Python compares ints and floats
+    exactly, so an integer too large for a float, infinity and NaN all fall outside it."""
+
+    low: float
+    high: float
+    low_open: bool = False
+
+    def check(self, value: float, name: str) -> None:
+        inside = (self.low < value if self.low_open else self.low <= value) and value <= self.high
+        opening = "(" if self.low_open else "["
+        require(inside, f"{name}: must be in {opening}{self.low}, {self.high}], got {shown(value)}")
+
+
+@dataclass(frozen=True, slots=True)
+class BodyParam:
+    """A control the OpenAI front takes as a body parameter of the same name, documented from
+    here: its row's example value and notes in docs/openai-api.md (`make docs`)."""
+
+    example: object
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class Wire:
+    """Where one option travels in a `RequestSpec` (and so in a `GenerateRequest`, numbered
+    alike): ``path`` is ``message.field``. An unset optional field reads as the option's default,
+    a value in ``unset`` too (the proto's zero standing for "not given")."""
+
+    path: str
+    bounds: Range | None = None
+    body: BodyParam | None = None
+    unset: tuple[object, ...] = ()
+
+    @property
+    def message(self) -> str:
+        return self.path.partition(".")[0]
+
+    @property
+    def field(self) -> str:
+        return self.path.partition(".")[2]
+
+
+def control(
+    default: Any = None,
+    path: str = "",
+    *,
+    factory: Callable[[], Any] | None = None,
+    bounds: Range | None = None,
+    body: BodyParam | None = None,
+    unset: tuple[object, ...] = (),
+) -> Any:
+    """A dataclass field that is a request control: converted, checked and (with ``body``)
+    served and documented by the OpenAI front from this declaration alone."""
+    wire = Wire(path, bounds, body, unset)
+    if factory is not None:
+        return field(default_factory=factory, metadata={"wire": wire})
+    return field(default=default, metadata={"wire": wire})
+
+
+def wires(options: type) -> list[tuple[str, Wire]]:
+    """(field name, wire) of every control of an options dataclass, in declaration order."""
+    return [(f.name, f.metadata["wire"]) for f in dataclasses.fields(options) if "wire" in f.metadata]
+
+
+def _check_ranges(options: object) -> None:
+    for name, wire in wires(type(options)):
+        value = getattr(options, name)
+        if wire.bounds is not None and value is not None:
+            wire.bounds.check(value, wire.path)
+
+
 @dataclass(slots=True)
 class SamplingOptions:
-    """How tokens are drawn. Defaults are greedy; `seed` None means the scheduler picks one.
+    """How tokens are drawn, and what the reply reports of them: the Python mirror of a
+    `RequestSpec`'s `sampling` and `response` messages. Defaults are greedy; `seed` None means
+    the scheduler picks one.
 
-    Ranges follow OpenAI (penalties in [-2, 2], logit_bias values in [-100, 100], top_logprobs
-    up to 20) and vLLM for the extras (repetition_penalty > 0, min_p in [0, 1]).
+    A control declared with `control` is converted to and from the wire, range-checked and
+    (given a `BodyParam`) taken by the OpenAI front with no other code. Ranges follow OpenAI
+    (penalties in [-2, 2], logit_bias values in [-100, 100], top_logprobs up to 20) and vLLM for
+    the extras (repetition_penalty > 0, min_p in [0, 1]).
     """
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    logprobs: bool = False
-    presence_penalty: float = 0.0  # OpenAI semantics, over output tokens
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0  # HF semantics, over prompt + output tokens
-    min_p: float = 0.0
-    logit_bias: dict[int, float] = field(default_factory=dict)
-    top_logprobs: int = 0  # also the N most likely tokens per emitted token
-    n: int = 1  # sequences sharing the prompt; the scheduler runs each as its own request
+    temperature: float = control(0.0, "sampling.temperature")
+    top_k: int = control(0, "sampling.top_k", bounds=Range(0, INT32_MAX))
+    top_p: float = control(1.0, "sampling.top_p", bounds=Range(0, 1, low_open=True), body=BodyParam(0.9, "in (0, 1]"))
+    seed: int | None = control(None, "sampling.seed")
+    logprobs: bool = control(False, "response.logprobs")
+    # OpenAI semantics, over output tokens.
+    presence_penalty: float = control(
+        0.0, "sampling.presence_penalty", bounds=Range(-2.0, 2.0), body=BodyParam(0.5, "in [-2, 2]")
+    )
+    frequency_penalty: float = control(
+        0.0, "sampling.frequency_penalty", bounds=Range(-2.0, 2.0), body=BodyParam(0.5, "in [-2, 2]")
+    )
+    # HF semantics, over prompt + output tokens.
+    repetition_penalty: float = control(
+        1.0, "sampling.repetition_penalty", body=BodyParam(1.1, "vLLM extra; > 0, over prompt and output tokens")
+    )
+    min_p: float = control(0.0, "sampling.min_p", bounds=Range(0.0, 1.0), body=BodyParam(0.1, "vLLM extra; in [0, 1]"))
+    logit_bias: dict[int, float] = control(path="sampling.logit_bias", factory=dict)
+    # Locally typical sampling (HF's TypicalLogitsWarper), after min_p.
+    typical_p: float = control(
+        1.0,
+        "sampling.typical_p",
+        bounds=Range(0, 1, low_open=True),
+        body=BodyParam(0.9, "Hugging Face's typical sampling; in (0, 1], 1 is off"),
+    )
+    # Also the N most likely tokens per emitted token.
+    top_logprobs: int = control(0, "response.top_logprobs", bounds=Range(0, MAX_TOP_LOGPROBS))
+    # Sequences sharing the prompt; the scheduler runs each as its own request (0 on the wire: one).
+    n: int = control(1, "sampling.n", bounds=Range(1, MAX_N), unset=(0,))
     constraint: Constraint | None = None  # structured output (`zerobubble.structured`)
     # The constraint's llguidance grammar, compiled and checked by the scheduler at submission:
     # what the worker receives.
@@ -137,25 +239,22 @@ class SamplingOptions:
     # worker drafts from. Empty: none.
     prediction_text: str = ""
     prediction_token_ids: list[int] = field(default_factory=list)
+    # For the worker: the prompt's length, past which presence and frequency penalties count
+    # (a request resumed after preemption prefills prompt + outputs, and those outputs count).
+    num_prompt_tokens: int = 0
 
     def validate(self, vocab_size: int | None = None) -> None:
         """Every range; :class:`InvalidRequest` names the field as the client API spells it.
         Without ``vocab_size`` token ids are checked against what the wire can carry."""
         t = self.temperature
         require(0 <= t <= FLOAT32_MAX, f"sampling.temperature: must be a finite number >= 0, got {shown(t)}")
-        require_in(self.top_k, 0, INT32_MAX, "sampling.top_k")
-        require(0 < self.top_p <= 1, f"sampling.top_p: must be in (0, 1], got {shown(self.top_p)}")
         require(
             self.seed is None or 0 <= self.seed <= UINT64_MAX,
             f"sampling.seed: must fit in 64 unsigned bits, got {shown(self.seed)}",
         )
-        require_in(self.presence_penalty, -2.0, 2.0, "sampling.presence_penalty")
-        require_in(self.frequency_penalty, -2.0, 2.0, "sampling.frequency_penalty")
         rep = self.repetition_penalty
         require(0.0 < rep <= FLOAT32_MAX, f"sampling.repetition_penalty: must be > 0 and finite, got {shown(rep)}")
-        require_in(self.min_p, 0.0, 1.0, "sampling.min_p")
-        require_in(self.top_logprobs, 0, MAX_TOP_LOGPROBS, "response.top_logprobs")
-        require_in(self.n, 1, MAX_N, "sampling.n")
+        _check_ranges(self)
         self._validate_logit_bias(vocab_size)
         require(
             len(self.prediction_text) <= MAX_PROMPT_CHARS,
@@ -173,13 +272,14 @@ class SamplingOptions:
 
 @dataclass(slots=True)
 class StoppingOptions:
-    """When generation ends. `max_tokens` None means up to the model length."""
+    """When generation ends: the Python mirror of a `RequestSpec`'s `stopping` message.
+    `max_tokens` None means up to the model length."""
 
-    max_tokens: int | None = None
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
+    max_tokens: int | None = control(None, "stopping.max_tokens")
+    min_tokens: int = control(0, "stopping.min_tokens", bounds=Range(0, INT32_MAX), body=BodyParam(1, "vLLM extra"))
+    stop: list[str] = control(path="stopping.stop", factory=list)
+    stop_token_ids: list[int] = control(path="stopping.stop_token_ids", factory=list, body=BodyParam([2], "vLLM extra"))
+    ignore_eos: bool = control(False, "stopping.ignore_eos", body=BodyParam(True, "vLLM extra"))
 
     def validate(self, vocab_size: int | None = None, max_len: int | None = None) -> None:
         """Every range; :class:`InvalidRequest` names the field. ``max_len`` is the longest
@@ -190,7 +290,7 @@ class StoppingOptions:
                 max_len is None or self.max_tokens <= max_len,
                 f"stopping.max_tokens: {self.max_tokens} exceeds the model length {max_len}",
             )
-        require_in(self.min_tokens, 0, INT32_MAX, "stopping.min_tokens")
+        _check_ranges(self)
         if self.max_tokens is not None:
             require(
                 self.min_tokens <= self.max_tokens,
@@ -228,38 +328,75 @@ def validate_options(
     stopping.validate(vocab_size, max_len)
 
 
+def read_controls(options: Any, spec: Any) -> None:
+    """Set ``options``' controls from ``spec``: a `RequestSpec`, or any message with its
+    `sampling` / `stopping` / `response` fields (a `GenerateRequest`). Unset optional fields and
+    their ``unset`` values keep the option's default; repeated and map fields are copied."""
+    for name, wire in wires(type(options)):
+        message = getattr(spec, wire.message)
+        value = getattr(message, wire.field)
+        if message.DESCRIPTOR.fields_by_name[wire.field].has_presence and not message.HasField(wire.field):
+            continue
+        if value in wire.unset:
+            continue
+        if isinstance(value, (str, bytes, int, float)):
+            setattr(options, name, value)
+        elif hasattr(value, "items"):
+            setattr(options, name, dict(value.items()))
+        else:
+            setattr(options, name, list(value))
+
+
+def write_controls(options: Any, spec: Any, names: Iterable[str] | None = None) -> None:
+    """Set ``spec``'s fields from ``options``' controls (the inverse of `read_controls`); only
+    ``names`` when given. None values stay unset. Raises ValueError for a value the wire cannot
+    carry, which `SamplingOptions.validate` and `StoppingOptions.validate` rule out."""
+    chosen = None if names is None else set(names)
+    for name, wire in wires(type(options)):
+        value = getattr(options, name)
+        if value is None or chosen is not None and name not in chosen:
+            continue
+        message = getattr(spec, wire.message)
+        if isinstance(value, Mapping):
+            getattr(message, wire.field).update(value)
+        elif isinstance(value, list | tuple):
+            getattr(message, wire.field).extend(value)
+        else:
+            setattr(message, wire.field, value)
+
+
+def write_named_controls(controls: Mapping[str, Any], request: generate_pb2.GenerateRequest) -> None:
+    """Set the controls named in ``controls`` (fields of `SamplingOptions` or `StoppingOptions`)
+    on ``request``; a None value leaves its field to the server's default.
+
+    Raises:
+        TypeError: a name that is no control.
+    """
+    names = set(controls)
+    for options in (SamplingOptions(), StoppingOptions()):
+        mine = names & {name for name, _ in wires(type(options))}
+        for name in mine:
+            setattr(options, name, controls[name])
+        write_controls(options, request, mine)
+        names -= mine
+    if names:
+        raise TypeError(f"not a sampling or stopping control: {', '.join(sorted(names))}")
+
+
 def from_generate_request(request: generate_pb2.GenerateRequest) -> tuple[SamplingOptions, StoppingOptions]:
     """The options of a client `GenerateRequest` (unset optional fields take our defaults;
     ``n`` 0 is the proto's "unset", one sequence). Not validated: see `validate_options`."""
-    s, st, resp = request.sampling, request.stopping, request.response
-    sampling = SamplingOptions(
-        temperature=s.temperature if s.HasField("temperature") else 0.0,
-        top_k=s.top_k if s.HasField("top_k") else 0,
-        top_p=s.top_p if s.HasField("top_p") else 1.0,
-        seed=s.seed if s.HasField("seed") else None,
-        logprobs=resp.logprobs,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else 1.0,
-        min_p=s.min_p,
-        logit_bias=dict(s.logit_bias),
-        top_logprobs=resp.top_logprobs,
-        n=s.n or 1,
-        constraint=from_proto(request.constraint) if request.HasField("constraint") else None,
-    )
+    sampling, stopping = SamplingOptions(), StoppingOptions()
+    read_controls(sampling, request)
+    read_controls(stopping, request)
+    if request.HasField("constraint"):
+        sampling.constraint = from_proto(request.constraint)
     if request.HasField("prediction"):
         pred = request.prediction
         if pred.WhichOneof("content") == "token_ids":
             sampling.prediction_token_ids = list(pred.token_ids.ids)
         else:
             sampling.prediction_text = pred.text
-    stopping = StoppingOptions(
-        max_tokens=st.max_tokens if st.HasField("max_tokens") else None,
-        min_tokens=st.min_tokens,
-        stop=list(st.stop),
-        stop_token_ids=list(st.stop_token_ids),
-        ignore_eos=st.ignore_eos,
-    )
     return sampling, stopping
 
 
@@ -269,26 +406,8 @@ def write_generate_request(
     """Set ``request``'s sampling, stopping and response fields from validated options (the
     inverse of `from_generate_request`). Raises ValueError for a value the wire cannot carry,
     which `SamplingOptions.validate` and `StoppingOptions.validate` rule out."""
-    s, st, resp = request.sampling, request.stopping, request.response
-    s.temperature = sampling.temperature
-    s.top_k = sampling.top_k
-    s.top_p = sampling.top_p
-    if sampling.seed is not None:
-        s.seed = sampling.seed
-    s.presence_penalty = sampling.presence_penalty
-    s.frequency_penalty = sampling.frequency_penalty
-    s.repetition_penalty = sampling.repetition_penalty
-    s.min_p = sampling.min_p
-    s.logit_bias.update(sampling.logit_bias)
-    s.n = sampling.n
-    resp.logprobs = sampling.logprobs
-    resp.top_logprobs = sampling.top_logprobs
-    if stopping.max_tokens is not None:
-        st.max_tokens = stopping.max_tokens
-    st.min_tokens = stopping.min_tokens
-    st.stop.extend(stopping.stop)
-    st.stop_token_ids.extend(stopping.stop_token_ids)
-    st.ignore_eos = stopping.ignore_eos
+    write_controls(sampling, request)
+    write_controls(stopping, request)
     if sampling.constraint is not None:
         write_proto(sampling.constraint, request.constraint)
     if sampling.prediction_text:
@@ -298,24 +417,27 @@ def write_generate_request(
 
 
 def to_worker_sampling(sampling: SamplingOptions, num_prompt_tokens: int) -> worker_pb2.SamplingParams:
-    """The plan row's sampling parameters: the one conversion from the scheduler to the worker
-    (which reads them as `zerobubble.worker_svc.sampler.SamplingLike`)."""
-    return worker_pb2.SamplingParams(
-        temperature=sampling.temperature,
-        top_k=sampling.top_k,
-        top_p=sampling.top_p,
-        seed=sampling.seed or 0,
-        logprobs=sampling.logprobs,
-        presence_penalty=sampling.presence_penalty,
-        frequency_penalty=sampling.frequency_penalty,
-        repetition_penalty=sampling.repetition_penalty,
-        min_p=sampling.min_p,
-        logit_bias=sampling.logit_bias,
-        top_logprobs=sampling.top_logprobs,
+    """The plan row's sampling parameters: the one conversion from the scheduler to the worker,
+    which reads them back with `from_worker_sampling`."""
+    params = worker_pb2.SamplingParams(
         num_prompt_tokens=num_prompt_tokens,
         grammar=sampling.grammar,
         prediction_token_ids=sampling.prediction_token_ids,
     )
+    write_controls(sampling, params.spec)
+    return params
+
+
+def from_worker_sampling(params: worker_pb2.SamplingParams) -> SamplingOptions:
+    """A plan row's sampling parameters as the worker keeps them (the inverse of
+    `to_worker_sampling`)."""
+    sampling = SamplingOptions(
+        num_prompt_tokens=params.num_prompt_tokens,
+        grammar=params.grammar,
+        prediction_token_ids=list(params.prediction_token_ids),
+    )
+    read_controls(sampling, params.spec)
+    return sampling
 
 
 def for_sequence(sampling: SamplingOptions, seed: int) -> SamplingOptions:

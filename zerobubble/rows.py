@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from zerobubble.request_options import SamplingOptions, from_worker_sampling
+
 
 @dataclass(slots=True)
 class PlanRow:
@@ -28,7 +30,7 @@ class PlanRow:
     is_new: bool = False
     num_cached_tokens: int = 0
     sample: bool = True
-    sampling: Any = None  # the SamplingParams message where the row carries one
+    sampling: SamplingOptions | None = None  # where the row carries a `SamplingParams` message
 
 
 @dataclass(slots=True)
@@ -94,7 +96,7 @@ def message_rows(plan: Any) -> list[PlanRow]:
             e.is_new,
             e.num_cached_tokens,
             e.sample,
-            e.sampling if e.HasField("sampling") else None,
+            from_worker_sampling(e.sampling) if e.HasField("sampling") else None,
         )
         for e in plan.requests
     ]

@@ -86,6 +86,8 @@ def test_version_and_unknown_route() -> None:
         ({"model": "m"}, "messages"),
         ({**CHAT, "messages": [{"content": "no role"}]}, "messages.0.role"),
         ({**CHAT, "n": 0}, "n"),
+        ({**CHAT, "typical_p": 0}, "typical_p"),
+        ({**CHAT, "typical_p": "0.5"}, "typical_p"),
         ({**CHAT, "top_logprobs": 2}, "top_logprobs"),
         ({**CHAT, "logit_bias": {"hello": 1.0}}, "logit_bias"),
         ({**CHAT, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
@@ -123,6 +125,7 @@ def test_bad_chat_bodies_are_400_naming_the_field(body: dict, param: str) -> Non
         ({"model": "m", "prompt": "hi", "best_of": 3, "n": 2}, "best_of"),
         ({"model": "m", "prompt": "hi", "suffix": "end"}, "suffix"),
         ({"model": "m", "prompt": "hi", "seed": 2**64}, "seed"),
+        ({"model": "m", "prompt": "hi", "typical_p": 1.5}, "typical_p"),
         ({"model": "m", "prompt": "hi", "stream_options": {}}, "stream_options"),
         ({"model": "m", "prompt": "hi", "max_completion_tokens": 4}, "max_completion_tokens"),
         ({"model": "m", "prompt": "hi", "prediction": {"type": "content", "content": [{"text": "x"}]}}, "prediction"),
@@ -157,6 +160,7 @@ def test_openai_fields_map_onto_the_proto() -> None:
             "logit_bias": {"42": -100},
             "top_k": -1,
             "min_p": 0.1,
+            "typical_p": 0.7,
             "repetition_penalty": 1.2,
             "min_tokens": 2,
             "ignore_eos": True,
@@ -173,6 +177,7 @@ def test_openai_fields_map_onto_the_proto() -> None:
     assert s.seed == 2**64 - 1 and s.n == 3 and dict(s.logit_bias) == {42: -100.0}
     assert s.presence_penalty == 0.5 and s.frequency_penalty == -0.5
     assert s.min_p == pytest.approx(0.1) and s.repetition_penalty == pytest.approx(1.2)
+    assert s.typical_p == pytest.approx(0.7)
     assert request.response.logprobs and request.response.top_logprobs == 4
     # OpenAI's default temperature is 1, not our gRPC default of greedy.
     (default,) = build_requests(ChatCompletionBody.model_validate(CHAT), "x")

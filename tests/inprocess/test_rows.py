@@ -32,7 +32,7 @@ def test_plan_rows_are_the_rows_written_decodes_first(decodes, prefills) -> None
     for i, (tokens, blocks, is_new, sample) in enumerate(prefills):
         entry = plan.requests.add(req_id=f"p{i}", token_ids=tokens, new_block_ids=blocks, is_new=is_new, sample=sample)
         if is_new:
-            entry.sampling.seed = i + 1
+            entry.sampling.spec.sampling.seed = i + 1
     rows = plan_rows(worker_pb2.StepPlan.FromString(plan.SerializeToString()))
     expected = [PlanRow(f"d{i}", (), k, blocks) for i, (k, blocks) in enumerate(decodes)]
     expected += [
@@ -82,7 +82,7 @@ def test_columns_that_do_not_line_up_are_refused() -> None:
 def test_a_plan_with_broken_columns_fails_that_step_and_the_worker_goes_on() -> None:
     runner, _ = build_runner(WorkerConfig(simulate_device_ms=0.0, max_num_seqs=4, kv_cache_memory_gb=0.05))
     prefill = worker_pb2.ScheduledRequest(req_id="a", token_ids=[5, 6, 7], new_block_ids=[0], is_new=True, sample=True)
-    prefill.sampling.seed = 1
+    prefill.sampling.spec.sampling.seed = 1
     first = run_step(runner, worker_pb2.StepPlan(step_id=1, requests=[prefill]))
     assert not isinstance(first, worker_pb2.StepResult)
     assert len(result_rows(first.materialize(0.0, runner.num_proposed))["a"].token_ids) == 1

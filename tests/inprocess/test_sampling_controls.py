@@ -23,13 +23,23 @@ from tests.support.runner_harness import (
     make_scheduler,
     recording,
 )
-from zerobubble.request_options import InvalidRequest, SamplingOptions, StoppingOptions
+from zerobubble.api import generate_pb2
+from zerobubble.request_options import (
+    InvalidRequest,
+    SamplingOptions,
+    StoppingOptions,
+    from_generate_request,
+    from_worker_sampling,
+    to_worker_sampling,
+    write_generate_request,
+)
 from zerobubble.rows import plan_rows
 from zerobubble.scheduler_svc.server import sequence_seed
 from zerobubble.worker_svc.sampler import (
     LogitBias,
     Penalties,
     SamplingTensors,
+    SlotSampling,
     context_token_counts,
     sample,
     target_probs,
@@ -55,6 +65,9 @@ BAD_CONTROLS = [
     (dict(logit_bias={i: 1.0 for i in range(301)}), "sampling.logit_bias"),
     (dict(top_logprobs=21), "response.top_logprobs"),
     (dict(top_logprobs=-1), "response.top_logprobs"),
+    (dict(typical_p=0.0), "sampling.typical_p"),
+    (dict(typical_p=1.5), "sampling.typical_p"),
+    (dict(typical_p=float("nan")), "sampling.typical_p"),
 ]
 
 
@@ -192,6 +205,55 @@ def test_min_p_matches_hf_warper_after_top_k() -> None:
         if m > 0:
             scores = MinPLogitsWarper(m)(None, scores)
         assert torch.allclose(ours[i], scores.softmax(-1)[0], atol=1e-6), i
+
+
+def test_typical_p_matches_hf_warper_after_top_k_and_min_p() -> None:
+    from transformers.generation.logits_process import MinPLogitsWarper, TopKLogitsWarper, TypicalLogitsWarper
+
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 50, generator=gen) * 2
+    masses = [1.0, 0.2, 0.5, 0.8, 0.95, 0.99]
+    t = SamplingTensors.from_params(
+        [0.8] * 6, [20] * 6, [1.0] * 6, list(range(6)), [3] * 6, min_ps=[0.02] * 6, typical_ps=masses
+    )
+    ours = target_probs(logits, t)
+    for i, mass in enumerate(masses):
+        scores = MinPLogitsWarper(0.02)(None, TopKLogitsWarper(20)(None, logits[i : i + 1] / 0.8))
+        if mass < 1:
+            scores = TypicalLogitsWarper(mass)(None, scores)
+        assert torch.allclose(ours[i], scores.softmax(-1)[0], atol=1e-6), i
+
+
+def test_typical_p_alone_matches_hf_warper_and_draws_only_kept_tokens() -> None:
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    gen = torch.Generator().manual_seed(4)
+    rows, vocab = 64, 300
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    masses = (torch.rand(rows, generator=gen) * 0.9 + 0.05).tolist()
+    t = SamplingTensors.from_params(
+        [1.0] * rows, [0] * rows, [1.0] * rows, list(range(rows)), [0] * rows, typical_ps=masses
+    )
+    ours = target_probs(logits, t)
+    for i, mass in enumerate(masses):
+        expected = TypicalLogitsWarper(mass)(None, logits[i : i + 1]).softmax(-1)[0]
+        assert torch.allclose(ours[i], expected, atol=1e-6), i
+    tokens = sample(logits, t)
+    assert bool((ours.gather(-1, tokens[:, None]) > 0).all())
+
+
+def test_typical_p_travels_from_the_client_request_to_the_workers_tensors() -> None:
+    request = generate_pb2.GenerateRequest(prompt="hi")
+    write_generate_request(SamplingOptions(temperature=0.7, typical_p=0.4), StoppingOptions(), request)
+    sampling, _ = from_generate_request(generate_pb2.GenerateRequest.FromString(request.SerializeToString()))
+    assert sampling.typical_p == pytest.approx(0.4)
+    assert from_generate_request(generate_pb2.GenerateRequest(prompt="hi"))[0].typical_p == 1.0  # unset: off
+    row = from_worker_sampling(to_worker_sampling(sampling, num_prompt_tokens=3))
+    slots = SlotSampling(2)
+    slots.set(1, row)
+    t = slots.tensors(torch.tensor([1, 0]).numpy(), torch.tensor([5, 5]), "cpu")
+    assert t.typical_p is not None and t.typical_p.tolist() == pytest.approx([0.4, 1.0])
+    assert slots.tensors(torch.tensor([0]).numpy(), torch.tensor([5]), "cpu").typical_p is None  # off: no work
 
 
 def test_logit_bias_steers_greedy_and_sampling() -> None:

@@ -127,6 +127,7 @@ BAD_INPUTS = [
     (dict(prompt="hi", presence_penalty=3.0), "sampling.presence_penalty"),
     (dict(prompt="hi", repetition_penalty=0.0), "sampling.repetition_penalty"),
     (dict(prompt="hi", min_p=2.0), "sampling.min_p"),
+    (dict(prompt="hi", typical_p=0.0), "sampling.typical_p"),
     (dict(prompt="hi", logit_bias={10**7: 1.0}), "sampling.logit_bias"),
     (dict(prompt="hi", top_logprobs=21), "response.top_logprobs"),
     (dict(prompt="hi", n=17), "sampling.n"),

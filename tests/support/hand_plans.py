@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from zerobubble.api import worker_pb2
+from zerobubble.request_options import SamplingOptions, to_worker_sampling
 
 K = 3  # draft slots of a full decode unless a test says otherwise
 BLOCKS_PER_REQUEST = 8
@@ -29,7 +30,7 @@ class Plans:
         blocks = list(range(self.next_block, self.next_block + BLOCKS_PER_REQUEST))
         self.next_block += BLOCKS_PER_REQUEST
         # A random row also carries every logits control: penalties, min-p, logit bias, top-N.
-        sampling = worker_pb2.SamplingParams(
+        options = SamplingOptions(
             temperature=temperature,
             top_k=20 if temperature else 0,
             top_p=0.9 if temperature else 1.0,
@@ -41,9 +42,9 @@ class Plans:
             min_p=0.05 if temperature else 0.0,
             logit_bias={3: 2.0, 7: -1.0} if temperature else {},
             top_logprobs=2 if logprobs else 0,
-            num_prompt_tokens=len(tokens),
             prediction_token_ids=prediction or [],
         )
+        sampling = to_worker_sampling(options, len(tokens))
         return worker_pb2.ScheduledRequest(
             req_id=req_id, token_ids=tokens, new_block_ids=blocks, is_new=True, sample=sample, sampling=sampling
         )

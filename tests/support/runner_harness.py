@@ -180,7 +180,7 @@ class HandPlanner:
             num_cached_tokens=cached,
             sample=cached + len(tokens) == len(known),
         )
-        entry.sampling.seed = 7
+        entry.sampling.spec.sampling.seed = 7
         return entry
 
     def prefill(self, req_id: str, num_tokens: int | None = None) -> worker_pb2.ScheduledRequest:

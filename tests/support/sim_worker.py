@@ -282,7 +282,7 @@ class SimWorker:
             self._seen.add(entry.req_id)
             self.stats.num_cached_tokens += entry.num_cached_tokens
             req = _SimRequest(
-                seed=entry.sampling.seed,
+                seed=entry.sampling.seed or 0,
                 logprobs=entry.sampling.logprobs,
                 tokens=[],
                 prefix_hashes=[],

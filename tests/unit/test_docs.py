@@ -86,3 +86,12 @@ def test_no_development_log_numbering_anywhere() -> None:
 def test_docs_name_the_hardware_not_the_workplace() -> None:
     hits = [str(p.relative_to(ROOT)) for p in _docs() if LOG_PHRASES.search(p.read_text(encoding="utf-8"))]
     assert hits == []
+
+
+def test_openai_control_rows_are_current() -> None:
+    """docs/openai-api.md's rows of the sampling and stopping controls are generated from the
+    request model: a control added there is documented by rerunning the generator."""
+    from zerobubble.tools import control_table
+
+    text = control_table.DOC.read_text(encoding="utf-8")
+    assert control_table.updated(text) == text, f"stale: run `{control_table.FIX_COMMAND}`"

@@ -170,8 +170,11 @@ def peak_kib():
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
 G, V = 128, 131072
 logits = torch.randn(G, V)
-t = SamplingTensors.from_params([0.8] * G, [50] * G, [0.9] * G, list(range(G)), list(range(G)), min_ps=[0.05] * G)
-warm = SamplingTensors.from_params([0.8] * 2, [50] * 2, [0.9] * 2, [0, 1], [0, 1], min_ps=[0.05] * 2)
+def every_filter(n):
+    return SamplingTensors.from_params(
+        [0.8] * n, [50] * n, [0.9] * n, list(range(n)), list(range(n)), min_ps=[0.05] * n, typical_ps=[0.9] * n
+    )
+t, warm = every_filter(G), every_filter(2)
 sample(logits[:2], warm), target_probs(logits[:2], warm)  # one-time allocations (thread pools) first
 gc.collect()
 with open("/proc/self/clear_refs", "w") as f:
@@ -189,3 +192,22 @@ print(json.dumps((peak_kib() - base) * 1024 / (G * V)))
 
     # Beside the logits themselves (4 bytes each, float32), which the reserve also covers.
     assert 8 < bytes_per_logit + 4 <= PEAK_BYTES_PER_LOGIT, bytes_per_logit
+
+
+@pytest.mark.parametrize(("temperature", "typical_p"), [(1.0, 0.5), (0.7, 0.9), (1.5, 0.3)])
+def test_typical_p_frequencies_match_hf_typical_warper(temperature: float, typical_p: float) -> None:
+    from transformers.generation.logits_process import TypicalLogitsWarper
+
+    num_samples = 30_000
+    expected = TypicalLogitsWarper(typical_p)(None, LOGITS[None] / temperature).double().softmax(-1)[0]
+    t = SamplingTensors.from_params(
+        [temperature] * num_samples,
+        [0] * num_samples,
+        [1.0] * num_samples,
+        list(range(2_000_003, 2_000_003 + num_samples)),
+        [17] * num_samples,
+        typical_ps=[typical_p] * num_samples,
+    )
+    assert torch.allclose(target_probs(LOGITS.expand(num_samples, VOCAB), t)[0].double(), expected, atol=1e-6)
+    counts = torch.bincount(sample(LOGITS.expand(num_samples, VOCAB), t), minlength=VOCAB)
+    assert chi_square_pvalue(counts, expected) > 1e-3

@@ -1,3 +1,4 @@
+from zerobubble.api import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,43 +8,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias", "top_logprobs", "num_prompt_tokens", "grammar", "prediction_token_ids")
-    class LogitBiasEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: int
-        value: float
-        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
-    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
-    TOP_K_FIELD_NUMBER: _ClassVar[int]
-    TOP_P_FIELD_NUMBER: _ClassVar[int]
-    SEED_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
-    MIN_P_FIELD_NUMBER: _ClassVar[int]
-    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("spec", "num_prompt_tokens", "grammar", "prediction_token_ids")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    logprobs: bool
-    presence_penalty: float
-    frequency_penalty: float
-    repetition_penalty: float
-    min_p: float
-    logit_bias: _containers.ScalarMap[int, float]
-    top_logprobs: int
+    spec: _generate_pb2.RequestSpec
     num_prompt_tokens: int
     grammar: str
     prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logprobs: bool = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., min_p: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., top_logprobs: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, spec: _Optional[_Union[_generate_pb2.RequestSpec, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ScheduledRequest(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_draft_slots", "new_block_ids", "is_new", "num_cached_tokens", "sample", "sampling")

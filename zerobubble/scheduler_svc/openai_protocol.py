@@ -3,8 +3,10 @@ map onto a `GenerateRequest`, and the pieces of the replies (choices, logprobs, 
 
 Every parameter of OpenAI's two request schemas is declared here and is served, refused by
 name (`_REFUSED`), or accepted and ignored, as docs/openai-api.md lists; a top-level parameter
-not declared is refused. The HTTP layer checks what the JSON shape decides (types, which fields
-go together); a body becomes the request model's options (`zerobubble/request_options.py`),
+not declared is refused. The sampling and stopping controls that are body parameters of their
+own name are not written here: their fields come from the request model's declarations
+(`body_controls`), and so do their rows in the doc. The HTTP layer checks what the JSON shape
+decides (types, which fields go together); a body becomes the request model's options (`zerobubble/request_options.py`),
 whose one validator owns every range and runs before any protobuf is built, so a value the wire
 cannot carry is a named 400. Its messages name proto paths (`sampling.temperature: ...`), which :func:`openai_param`
 turns back into the OpenAI name.
@@ -21,11 +23,12 @@ from __future__ import annotations
 
 import json
 import re
+import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, create_model
 
 from zerobubble.api import generate_pb2
 from zerobubble.request_options import (
@@ -36,6 +39,7 @@ from zerobubble.request_options import (
     StoppingOptions,
     shown,
     validate_token_ids,
+    wires,
     write_generate_request,
 )
 from zerobubble.scheduler_svc import tool_calls
@@ -183,29 +187,44 @@ class NamedToolChoice(_Body):
     function: NamedFunction
 
 
-class _CommonBody(_RequestBody):
-    """Fields both endpoints take: OpenAI's, then the extras vLLM accepts."""
+# The body type of a control's Python type: strict, so that "0.5" is no number and true no integer.
+_BODY_TYPES: dict[Any, Any] = {float: Float, int: StrictInt, bool: StrictBool, list[int]: list[StrictInt]}
+
+
+def body_controls(options: type) -> list[str]:
+    """The controls of an options dataclass that are body parameters of the same name (those
+    declared with a `BodyParam`); a body leaves each out with null, or by omitting it."""
+    return [name for name, wire in wires(options) if wire.body is not None]
+
+
+def _control_fields() -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    for options in (SamplingOptions, StoppingOptions):
+        hints = typing.get_type_hints(options)
+        fields.update({name: (_BODY_TYPES[hints[name]] | None, None) for name in body_controls(options)})
+    return fields
+
+
+# The controls as body parameters, generated from the request model so that a new one needs no
+# code here (its row in docs/openai-api.md is generated from the same declaration).
+_ControlsBody = create_model("_ControlsBody", __base__=_RequestBody, **_control_fields())
+
+
+class _CommonBody(_ControlsBody):  # type: ignore[valid-type,misc]
+    """Fields both endpoints take: OpenAI's, then the extras vLLM accepts (and the controls)."""
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
     temperature: Float | None = None
-    top_p: Float | None = None
     seed: StrictInt | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: StrictInt = 1
-    presence_penalty: Float = 0.0
-    frequency_penalty: Float = 0.0
     logit_bias: dict[str, Float] | None = None
     user: StrictStr | None = None  # ignored: an end user's id for OpenAI's abuse monitoring
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     prediction: Prediction | None = None
     top_k: StrictInt | None = None
-    min_p: Float = 0.0
-    repetition_penalty: Float | None = None
-    min_tokens: StrictInt = 0
-    ignore_eos: StrictBool = False
-    stop_token_ids: list[StrictInt] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
     guided_json: dict[str, Any] | StrictBool | StrictStr | None = None
@@ -304,12 +323,7 @@ def body_options(body: Body) -> tuple[SamplingOptions, StoppingOptions]:
     sampling = SamplingOptions(
         temperature=1.0 if body.temperature is None else body.temperature,
         top_k=0 if body.top_k in (None, -1) else body.top_k,  # vLLM spells "off" as -1
-        top_p=1.0 if body.top_p is None else body.top_p,
         seed=None if body.seed is None else body.seed % (1 << 64),  # a negative seed is still a seed
-        presence_penalty=body.presence_penalty,
-        frequency_penalty=body.frequency_penalty,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        min_p=body.min_p,
         logit_bias=_logit_bias(body.logit_bias or {}),
         n=body.n,
         constraint=body_constraint(body),
@@ -326,12 +340,19 @@ def body_options(body: Body) -> tuple[SamplingOptions, StoppingOptions]:
         max_tokens = body.max_completion_tokens
     stopping = StoppingOptions(
         max_tokens=max_tokens,
-        min_tokens=body.min_tokens,
         stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
-        stop_token_ids=list(body.stop_token_ids or []),
-        ignore_eos=body.ignore_eos,
     )
+    _copy_controls(body, sampling)
+    _copy_controls(body, stopping)
     return sampling, stopping
+
+
+def _copy_controls(body: Body, options: SamplingOptions | StoppingOptions) -> None:
+    """The body's control parameters onto ``options`` (those it leaves out keep our defaults)."""
+    for name in body_controls(type(options)):
+        value = getattr(body, name)
+        if value is not None:
+            setattr(options, name, list(value) if isinstance(value, list) else value)
 
 
 def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
@@ -624,17 +645,6 @@ def build_requests(
     return requests
 
 
-# Proto paths of the validator's messages -> OpenAI parameter names.
-_PARAM_NAMES = {
-    "stopping.max_tokens": "max_tokens",
-    "stopping.min_tokens": "min_tokens",
-    "stopping.stop": "stop",
-    "stopping.stop_token_ids": "stop_token_ids",
-    "response.logprobs": "logprobs",
-    "response.top_logprobs": "top_logprobs",
-}
-
-
 def openai_param(message: str, body: Body) -> tuple[str | None, str]:
     """(OpenAI parameter name, message naming it) for a validator message `path: text`."""
     path, sep, rest = message.partition(": ")
@@ -650,9 +660,8 @@ def openai_param(message: str, body: Body) -> tuple[str | None, str]:
         param = base.removeprefix("sampling.")
         return param, f"{path.removeprefix('sampling.')}: {rest}"
     else:
-        param = _PARAM_NAMES.get(base, base)
-        if "[" in path and base in _PARAM_NAMES:
-            param += path[len(base) :]
+        # A control's proto path (`stopping.stop[2]`) names its body parameter (`stop[2]`).
+        param = path.partition(".")[2] if base.startswith(("stopping.", "response.")) else base
     if (
         param.startswith("max_tokens")
         and isinstance(body, ChatCompletionBody)

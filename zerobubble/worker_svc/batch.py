@@ -363,17 +363,7 @@ class BatchBuilder:
             infos = [self.table.by_index[slot] for slot in per_row.tolist()]
             penalties = self._penalties(infos, per_row.tolist(), sample_pos)
             bias = self._logit_bias(infos)
-        return SamplingTensors.from_params(
-            temperatures=ss.temperature[per_row],
-            top_ks=ss.top_k[per_row],
-            top_ps=ss.top_p[per_row],
-            seeds=ss.seed[per_row],
-            positions=sample_pos,
-            device=self.device,
-            min_ps=ss.min_p[per_row],
-            penalties=penalties,
-            logit_bias=bias,
-        )
+        return ss.tensors(per_row, sample_pos, self.device, penalties, bias)
 
     def _penalties(self, infos: list[SlotInfo], row_slots: list[int], sample_pos: torch.Tensor) -> Penalties | None:
         """The penalty tensors of the logits rows whose request uses penalties (``infos[g]``

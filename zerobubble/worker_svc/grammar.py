@@ -33,6 +33,7 @@ import torch
 
 from zerobubble.api import worker_pb2
 from zerobubble.kernels.token_mask import BITS, apply_token_bitmask, forbidden_bias
+from zerobubble.request_options import SamplingOptions
 from zerobubble.worker_svc import staging
 
 logger = logging.getLogger(__name__)
@@ -178,7 +179,7 @@ class GrammarCompiler:
         exc = self._future(grammar).exception()
         return None if exc is None else str(exc)
 
-    def start(self, sampling: worker_pb2.SamplingParams, num_cached_tokens: int) -> RequestGrammar:
+    def start(self, sampling: SamplingOptions, num_cached_tokens: int) -> RequestGrammar:
         """A new request's grammar state (its text compiled, if `prefetch` has not already)."""
         matcher = self._future(sampling.grammar).result().deep_copy()
         return RequestGrammar(matcher, sampling.num_prompt_tokens, num_cached_tokens)

@@ -1,10 +1,10 @@
-"""Keyed sampling: greedy, temperature, top-k, top-p, min-p, penalties, logit bias, logprobs.
+"""Keyed sampling: greedy, temperature, top-k, top-p, min-p, typical-p, penalties, logit bias, logprobs.
 
 The logits of a row go through, in order (vLLM's order for the raw-logit stage, Hugging Face's
 for the warpers): logit_bias (added); repetition penalty (HF/CTRL: over every token of prompt +
 output, positive logits divided, negative multiplied); frequency and presence penalties (OpenAI:
 minus ``frequency * count + presence * [count > 0]`` over output tokens only); then temperature,
-top-k, top-p and min-p. Greedy rows take the argmax after the raw-logit stage. Log-probabilities
+top-k, top-p, min-p and typical-p. Greedy rows take the argmax after the raw-logit stage. Log-probabilities
 (and top-N) are always of the raw model distribution, as vLLM and OpenAI report them.
 
 Random rows use Gumbel-max with noise from `zerobubble.kernels.keyed_random.keyed_uniform`, keyed by
@@ -16,15 +16,15 @@ one the sampler draws from.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from zerobubble.kernels.keyed_random import STREAM_SAMPLE, keyed_uniform
+from zerobubble.request_options import SamplingOptions
 from zerobubble.worker_svc.staging import to_device
 
 # Seeds are uint64 on the wire; the keyed-noise kernels take int64.
@@ -35,7 +35,8 @@ PEAK_BYTES_PER_LOGIT = 48
 
 Measured on CPU (`tests/unit/test_sampler.py`): drawing with top-k, top-p and min-p, the rejection
 target's probabilities and the log-probabilities hold about 33 bytes per logit beyond the
-float32 logits (the sort's values and order, masks, softmaxes, the Gumbel noise), 37 with them.
+float32 logits (the sort's values and order, masks, softmaxes, the Gumbel noise), 37 with them;
+typical-p on every row adds about 5 (its own sort, after the others' buffers are freed).
 Set above that for CUDA, whose sort keeps double buffers. The worker's KV budget leaves this
 much for a full step (`zerobubble.worker_svc.server.step_reserve_bytes`)."""
 
@@ -54,6 +55,7 @@ class SamplingTensors:
     all_greedy: bool = False
     any_filter: bool = True
     min_p: Tensor | None = None  # [N] float32; None = off for every row
+    typical_p: Tensor | None = None  # [N] float32; 1 = off, None = off for every row
     penalties: Penalties | None = None
     logit_bias: LogitBias | None = None
     # [S] int64: the rows that draw at random, when some rows are greedy and some not (None when
@@ -72,6 +74,7 @@ class SamplingTensors:
         min_ps: Sequence[float] | None = None,
         penalties: Penalties | None = None,
         logit_bias: LogitBias | None = None,
+        typical_ps: Sequence[float] | None = None,
     ) -> SamplingTensors:
         """Build from per-row Python values (``positions`` may already be a device tensor)."""
         num_rows = len(temperatures)
@@ -83,6 +86,7 @@ class SamplingTensors:
         # The summaries are taken over host arrays (a step's rows come as numpy gathers).
         temps, ks, ps = np.asarray(temperatures), np.asarray(top_ks), np.asarray(top_ps)
         use_min_p = min_ps is not None and bool((np.asarray(min_ps) > 0).any())
+        use_typical = typical_ps is not None and bool((np.asarray(typical_ps) < 1).any())
         random = np.flatnonzero(temps > 0)
         mixed = 0 < len(random) < num_rows
         # Pinned staging and async copies: the host never waits for the device here.
@@ -95,6 +99,7 @@ class SamplingTensors:
             all_greedy=bool((temps <= 0).all()),
             any_filter=bool((ks > 0).any() or (ps < 1.0).any()),
             min_p=to_device(min_ps, torch.float32, device) if use_min_p and min_ps is not None else None,
+            typical_p=to_device(typical_ps, torch.float32, device) if use_typical and typical_ps is not None else None,
             penalties=penalties,
             logit_bias=logit_bias,
             random_rows=to_device(random, torch.int64, device) if mixed else None,
@@ -117,6 +122,7 @@ class SamplingTensors:
             positions=self.positions.index_select(0, index),
             any_filter=self.any_filter,
             min_p=None if self.min_p is None else self.min_p.index_select(0, index),
+            typical_p=None if self.typical_p is None else self.typical_p.index_select(0, index),
         )
 
 
@@ -133,37 +139,46 @@ class SlotSampling:
         self.top_k = np.zeros(num_slots, np.int32)
         self.top_p = np.ones(num_slots, np.float32)
         self.min_p = np.zeros(num_slots, np.float32)
+        self.typical_p = np.ones(num_slots, np.float32)
         self.seed = np.zeros(num_slots, np.int64)
         self.top_logprobs = np.zeros(num_slots, np.int64)  # top-N log-probabilities wanted
         self.special = np.zeros(num_slots, np.bool_)
 
-    def set(self, slot: int, p: SamplingLike) -> None:
+    def set(self, slot: int, p: SamplingOptions) -> None:
         """Record the parameters of the request admitted to ``slot``."""
         self.temperature[slot] = p.temperature
         self.top_k[slot] = p.top_k
         self.top_p[slot] = p.top_p if p.top_p > 0 else 1.0
         self.min_p[slot] = p.min_p
-        self.seed[slot] = p.seed & SEED_MASK
+        self.typical_p[slot] = p.typical_p
+        self.seed[slot] = (p.seed or 0) & SEED_MASK
         self.top_logprobs[slot] = p.top_logprobs
         self.special[slot] = has_penalty(p) or bool(p.logit_bias)
 
+    def tensors(
+        self,
+        rows: np.ndarray,
+        positions: Tensor,
+        device: torch.device | str,
+        penalties: Penalties | None = None,
+        logit_bias: LogitBias | None = None,
+    ) -> SamplingTensors:
+        """The sampling tensors of logits rows drawn for slots ``rows`` (one entry per row)."""
+        return SamplingTensors.from_params(
+            temperatures=self.temperature[rows],
+            top_ks=self.top_k[rows],
+            top_ps=self.top_p[rows],
+            seeds=self.seed[rows],
+            positions=positions,
+            device=device,
+            min_ps=self.min_p[rows],
+            penalties=penalties,
+            logit_bias=logit_bias,
+            typical_ps=self.typical_p[rows],
+        )
 
-class SamplingLike(Protocol):
-    """The fields of `worker_pb2.SamplingParams` the sampler reads."""
 
-    temperature: float
-    top_k: int
-    top_p: float
-    min_p: float
-    seed: int
-    top_logprobs: int
-    repetition_penalty: float
-    frequency_penalty: float
-    presence_penalty: float
-    logit_bias: Mapping[int, float]
-
-
-def has_penalty(p: SamplingLike) -> bool:
+def has_penalty(p: SamplingOptions) -> bool:
     """Whether a request uses any of the repetition, frequency or presence penalties."""
     return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (0.0, 1.0))
 
@@ -260,6 +275,22 @@ def _min_p(scaled: Tensor, min_p: Tensor) -> Tensor:
     return scaled.masked_fill(probs < threshold, float("-inf"))
 
 
+def _typical(scaled: Tensor, mass: Tensor) -> Tensor:
+    """Mask all but the tokens whose surprisal is closest to the row's entropy, the fewest that
+    hold ``mass`` of the probability (Hugging Face's TypicalLogitsWarper); rows at 1 are kept."""
+    logp = scaled.log_softmax(dim=-1)
+    entropy = -(logp * logp.exp()).nansum(dim=-1, keepdim=True)  # masked tokens give 0 * -inf
+    # In place, and the distances dropped once sorted: this stage must fit PEAK_BYTES_PER_LOGIT.
+    sorted_distance, order = logp.neg_().sub_(entropy).abs_().sort(dim=-1, stable=True)
+    del logp
+    mass_through = scaled.gather(-1, order).softmax(dim=-1).cumsum_(dim=-1)
+    last = (mass_through < mass[:, None]).sum(dim=-1, keepdim=True).clamp_(max=scaled.shape[-1] - 1)
+    drop = sorted_distance > sorted_distance.gather(-1, last)
+    drop[:, 0] = False  # the most typical token is always kept
+    drop &= (mass < 1.0)[:, None]
+    return scaled.masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), float("-inf"))
+
+
 def _processed_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
     """Biased, penalized, temperature-scaled, top-k/top-p/min-p filtered logits (masked entries
     are -inf), float32.
@@ -276,11 +307,13 @@ def _processed_logits(logits: Tensor, t: SamplingTensors) -> Tensor:
 
 
 def _filtered(scaled: Tensor, t: SamplingTensors) -> Tensor:
-    """Temperature-scaled logits with each row's top-k, top-p and min-p filters applied."""
+    """Temperature-scaled logits with each row's top-k, top-p, min-p and typical-p filters applied."""
     if t.any_filter:
         scaled = _top_k_top_p(scaled, t.top_k, t.top_p)
     if t.min_p is not None:
         scaled = _min_p(scaled, t.min_p)
+    if t.typical_p is not None:
+        scaled = _typical(scaled, t.typical_p)
     return scaled
 
 

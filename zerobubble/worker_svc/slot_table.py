@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from zerobubble.api import worker_pb2
+from zerobubble.request_options import SamplingOptions
 from zerobubble.rows import DecodeColumnLists, PlanRow, column_rows, decode_columns, message_rows
 from zerobubble.worker_svc.grammar import RequestGrammar
 from zerobubble.worker_svc.sampler import SlotSampling
@@ -62,7 +63,7 @@ class SlotInfo:
 
     slot: int
     block_ids: list[int]
-    sampling: worker_pb2.SamplingParams
+    sampling: SamplingOptions
     has_sample: bool = False  # a token has been sampled: decode steps are allowed
     grammar: RequestGrammar | None = None  # structured output (`zerobubble.worker_svc.grammar`)
     predicted: bool = False  # the request has a predicted output (`proposers/prediction.py`)
@@ -184,9 +185,8 @@ class SlotTable:
         """Give a new (or resumed) request a state slot; `runnable` checked that one is free."""
         self.release(entry.req_id)
         slot = self.free_slots.pop()
-        # A new row without sampling parameters samples greedily (every field zero), as its
-        # message's default would.
-        sampling = entry.sampling if entry.sampling is not None else worker_pb2.SamplingParams()
+        # A new row without sampling parameters samples greedily, as the options' defaults do.
+        sampling = entry.sampling if entry.sampling is not None else SamplingOptions()
         info = SlotInfo(slot=slot, block_ids=[], sampling=sampling)
         self.sampling.set(slot, sampling)
         self.slots[entry.req_id] = info
