@@ -92,6 +92,13 @@ def max_blocks_per_seq(config: RunnerConfig) -> int:
     return -(-(config.max_model_len + config.max_draft_slots + 1) // config.block_size) + 1
 
 
+def grammar_compiler(loaded: LoadedModel, vocab_size: int) -> GrammarCompiler | None:
+    """What compiles the grammars of constrained requests; None without a tokenizer."""
+    if getattr(loaded, "tokenizer_file", None) is None:
+        return None
+    return GrammarCompiler(loaded.tokenizer_file, loaded.eos_token_ids, vocab_size)
+
+
 class ModelRunner:
     """The model, its paged KV cache and the persistent batch state, composed into one step.
 
@@ -133,11 +140,7 @@ class ModelRunner:
         table = SlotTable(limits, state)
         predictions = PredictionDrafts(config.max_num_seqs, num_predicted, self.device) if num_predicted > 0 else None
         # A simulated device samples no logits: it cannot constrain them.
-        grammars = (
-            GrammarCompiler(loaded.tokenizer_file, loaded.eos_token_ids, limits.vocab_size)
-            if simulator is None and getattr(loaded, "tokenizer_file", None) is not None
-            else None
-        )
+        grammars = grammar_compiler(loaded, limits.vocab_size) if simulator is None else None
         # A simulated device stands for an accelerator too: the host never reads device state.
         trim = not staging.is_accelerator(self.device) and simulator is None
         builder = BatchBuilder(table, state, self.device, config.block_size, proposer, trim, grammars, predictions)
