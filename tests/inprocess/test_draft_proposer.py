@@ -158,9 +158,9 @@ def test_the_result_copy_is_queued_before_the_draft_chain(monkeypatch: pytest.Mo
     calls: list[str] = []
     start_copy, propose = runner.copier.start, proposer.propose
 
-    def logged_copy(pending):
+    def logged_copy(outputs):
         calls.append("copy")
-        start_copy(pending)
+        return start_copy(outputs)
 
     def logged_propose(*args):
         calls.append("propose")

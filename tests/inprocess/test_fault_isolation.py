@@ -8,6 +8,7 @@ fault-free run, and the worker must keep no state for the failed requests.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 from collections.abc import Callable, Mapping
@@ -113,7 +114,7 @@ def run(runner, mutate_plan=None, window: int = 3, late_after_step: int = 0, fau
                 mutate_plan(plan)
             inflight.append(run_step(runner, plan))
             if plan.step_id == fault_at_copy:
-                inflight[-1].ready = FailingCopy()
+                inflight[-1] = dataclasses.replace(inflight[-1], ready=FailingCopy())
             if plan.step_id == late_after_step:
                 add(len(PROMPTS) - 1)
         pending = inflight.pop(0)

@@ -7,7 +7,7 @@ Everything runs in-process, without gRPC. Two drivers feed the runner:
 - the real `Scheduler` (`drive`), with up to `window` plans in flight exactly as
   `zerobubble.scheduler_svc.worker_link` keeps them: results reach the scheduler one or more plans late.
 
-`runner.model` is wrapped by `RecordingModel`, which asserts that every id the model is fed is a
+The step device's model is wrapped by `RecordingModel`, which asserts that every id the model is fed is a
 real token and records ids and positions per step. That is instrumentation: the real forward
 still runs and produces the outputs. Hugging Face greedy `generate` (and its logits, for
 logprobs) is the oracle; seeded sampling is checked by identity across configurations.

@@ -248,25 +248,25 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
     # The only device->host traffic is the result copy (tokens, counts, logprobs), async into
     # pinned memory; it is read later by `materialize` on the copier thread.
     assert downloads and all(c.non_blocking and c.pinned for c in downloads), downloads
-    sampled_steps = [p for p in pendings if p.out_tokens is not None]
+    sampled_steps = [p.outputs for p in pendings if p.outputs is not None]
     assert len(sampled_steps) == len(pendings)
     num_result_tensors = sum(
         sum(
             t is not None
             for t in (
-                p.out_tokens,
-                p.num_accepted,
-                p.num_drafts,
-                p.logprobs,
-                p.top_ids,
-                p.top_logprobs,
-                p.prediction_drafts,
+                o.tokens,
+                o.num_accepted,
+                o.num_verified,
+                o.logprobs,
+                o.top_ids,
+                o.top_logprobs,
+                o.prediction_drafts,
             )
         )
-        for p in pendings
+        for o in sampled_steps
     )
     assert len(downloads) == num_result_tensors
-    assert all(p.out_tokens.device.type == "cpu" for p in sampled_steps)
+    assert all(o.tokens.device.type == "cpu" for o in sampled_steps)
 
 
 def test_audit_catches_a_pageable_upload_and_a_read() -> None:

@@ -73,16 +73,18 @@ class Recorders:
 def recording(runner) -> Iterator[Recorders]:
     """Install `RecordingModel` on the runner's model (and the draft model's), then restore."""
     vocab = runner.loaded.hf_config.vocab_size
-    target = RecordingModel(runner.model, vocab)
+    # The step's device runs the target model (an eager one, or the one behind decode graphs).
+    device = getattr(runner.parts.device, "eager", runner.parts.device)
+    target = RecordingModel(device.model, vocab)
     draft_loaded = getattr(runner.proposer, "draft", None)
     draft = RecordingModel(draft_loaded.model, vocab) if draft_loaded is not None else None
-    runner.model = target
+    device.model = target
     if draft is not None:
         draft_loaded.model = draft
     try:
         yield Recorders(target, draft)
     finally:
-        runner.model = target._model
+        device.model = target._model
         if draft is not None:
             draft_loaded.model = draft._model
 

@@ -16,7 +16,7 @@ from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.inputs import assemble_inputs
 from zerobubble.rows import PlanRow
 from zerobubble.worker_svc import staging
-from zerobubble.worker_svc.grammar import GrammarCompiler, GrammarInputs
+from zerobubble.worker_svc.grammar import GrammarCompiler
 from zerobubble.worker_svc.proposers import Proposer
 from zerobubble.worker_svc.proposers.prediction import PredictionDrafts
 from zerobubble.worker_svc.sampler import LogitBias, Penalties, SamplingTensors, context_token_counts, has_penalty
@@ -28,44 +28,64 @@ def to_device(values: staging.HostValues, device: torch.device, dtype: torch.dty
     return staging.to_device(values, dtype, device)
 
 
-@dataclass(slots=True)
-class SampledRows:
-    """The rows of a step that sample (or verify) tokens, and where their logits come from.
+@dataclass(frozen=True, slots=True)
+class LogitLayout:
+    """Where the sampled rows' logits come from, and how per-slot values spread to rows.
 
     Logits are computed only for real slots: every fed slot of a decode row, the last token of a
     sampling prefill chunk. Per-slot values are spread to ``[num_rows, width]``, ``width`` the
     step's widest row (1 + its draft slots), by ``pad``, which repeats a narrower row's last slot.
     """
 
-    rows: list[int]  # indices into the step's rows
-    rows_t: torch.Tensor  # [S] int64, the same on the device
-    slots: torch.Tensor  # [S] int32 state slots
     gather: torch.Tensor  # [G] int64 flat token index of every real slot
     pad: torch.Tensor | None  # [S*width] int64 index into the G slots; None: G == S*width
     num_cols: torch.Tensor  # [S] int32 real slots per row
     row_start: torch.Tensor  # [S] int64 flat index of each row's first slot
-    positions: torch.Tensor  # [G] int64 absolute position of each sampled token
-    sampling: SamplingTensors  # one row per real slot
     logprob_index: torch.Tensor | None  # [G] int64: ``[S, width]`` tokens -> real slots (padded, logprobs wanted)
-    want_logprobs: bool
-    num_top: list[int] = field(default_factory=list)  # top-N logprobs per row; empty: none wants any
     # Host copies: real slots per row and where each row starts among the gathered slots.
-    num_cols_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
-    base_host: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    num_cols_host: np.ndarray
+    base_host: np.ndarray
     # The widest sampled row's slots (1 + draft slots): per-row outputs are [S, width]. Sized by
     # the step, not by K, so a worker that could verify long prediction drafts pays for them
     # only in steps that carry them.
     width: int = 1
+
+    def spread(self, t: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Per-slot values ``[G, ...]`` -> ``[num_rows, width, ...]``."""
+        return (t[self.pad] if self.pad is not None else t).view(num_rows, self.width, *t.shape[1:])
+
+
+@dataclass(frozen=True, slots=True)
+class SampledRows:
+    """The rows of a step that sample (or verify) tokens, and their sampling controls."""
+
+    rows: list[int]  # indices into the step's rows
+    rows_t: torch.Tensor  # [S] int64, the same on the device
+    slots: torch.Tensor  # [S] int32 state slots
+    layout: LogitLayout
+    positions: torch.Tensor  # [G] int64 absolute position of each sampled token
+    sampling: SamplingTensors  # one row per real slot
+    want_logprobs: bool
+    num_top: list[int] = field(default_factory=list)  # top-N logprobs per row; empty: none wants any
     # Positions among ``rows`` of the rows with a predicted output (read once per step by the
     # runner: which rows' drafts to report and to make from their predictions).
     predicted: list[int] = field(default_factory=list)
 
     def spread(self, t: torch.Tensor) -> torch.Tensor:
         """Per-slot values ``[G, ...]`` -> ``[S, width, ...]``."""
-        return (t[self.pad] if self.pad is not None else t).view(len(self.rows), self.width, *t.shape[1:])
+        return self.layout.spread(t, len(self.rows))
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
+class RowUpdates:
+    """Per-row device tensors the sequence-length correction reads after the step."""
+
+    is_decode: torch.Tensor  # [R] bool
+    num_scheduled: torch.Tensor  # [R] int32 tokens fed per row
+    do_sample: torch.Tensor  # [R] bool
+
+
+@dataclass(frozen=True, slots=True)
 class StepBatch:
     """One plan as device inputs: built by `BatchBuilder.prepare`, read by the model, the
     sampler and the proposer."""
@@ -75,12 +95,10 @@ class StepBatch:
     rows: list[SlotInfo]
     num_tokens: int
     req_slots: torch.Tensor  # [R] int32 state slot of each row
-    is_decode: torch.Tensor  # [R] bool
-    num_scheduled: torch.Tensor  # [R] int32 tokens fed per row
-    do_sample: torch.Tensor  # [R] bool
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
+    updates: RowUpdates
     want_logprobs: list[bool]  # per row
     sampled: SampledRows | None  # None when no row samples
     row_widths: list[int] = field(default_factory=list)  # host copy of num_scheduled
@@ -88,7 +106,6 @@ class StepBatch:
     # False when the plan gave its decode rows no draft slot (`plans_drafts`): the step fed no
     # drafts, and the runner makes none after it.
     drafts_planned: bool = True
-    grammar: GrammarInputs | None = None  # constrained rows' drafts, on their way to the host
 
 
 def plans_drafts(decodes: DecodeRows, entries: list[PlanRow]) -> bool:
@@ -166,16 +183,43 @@ class BatchBuilder:
         self._write_block_tables(host.writes)
         dev = self.device
         qsl_host = host.query_start_loc()
-        slot_ids = [r.slot for r in host.rows]
-        req_slots = to_device(slot_ids, dev)
+        req_slots = to_device([r.slot for r in host.rows], dev)
         qsl = to_device(qsl_host, dev)
-        is_decode_t = to_device(host.is_decode, dev, torch.bool)
+        updates = RowUpdates(
+            is_decode=to_device(host.is_decode, dev, torch.bool),
+            num_scheduled=to_device(host.num_scheduled, dev),
+            do_sample=to_device(host.do_sample, dev, torch.bool),
+        )
+        input_ids, positions, meta = self._model_inputs(host, req_slots, qsl, updates)
+        want_logprobs = [bool(r.sampling.logprobs) for r in host.rows]
+        return StepBatch(
+            step_id=step_id,
+            req_ids=host.req_ids,
+            rows=host.rows,
+            num_tokens=qsl_host[-1],
+            req_slots=req_slots,
+            input_ids=input_ids,
+            positions=positions,
+            meta=meta,
+            updates=updates,
+            want_logprobs=want_logprobs,
+            sampled=self._sampled_rows(host, req_slots, positions, want_logprobs),
+            row_widths=host.num_scheduled,
+            all_decode=all(host.is_decode),
+            drafts_planned=plans_drafts(decodes, entries),
+        )
+
+    def _model_inputs(
+        self, host: HostRows, req_slots: torch.Tensor, qsl: torch.Tensor, updates: RowUpdates
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Input ids (decode rows from the device state; writes the history pages), positions
+        and attention metadata of the admitted rows."""
         st = self.state
         input_ids, positions, slot_mapping = assemble_inputs(
             req_slots,
             qsl,
-            is_decode_t,
-            to_device(host.prefill_ids, dev),
+            updates.is_decode,
+            to_device(host.prefill_ids, self.device),
             st.seq_len,
             st.last_token,
             st.drafts,
@@ -184,35 +228,16 @@ class BatchBuilder:
             st.history,
             self.block_size,
         )
-        num_sched_t = to_device(host.num_scheduled, dev)
         max_blocks = max(len(r.block_ids) for r in host.rows)
         meta = AttentionMetadata(
             query_start_loc=qsl,
-            seq_lens=st.seq_len[req_slots.long()] + num_sched_t,
+            seq_lens=st.seq_len[req_slots.long()] + updates.num_scheduled,
             block_tables=st.block_table[req_slots.long(), :max_blocks],
             max_query_len=max(host.num_scheduled),
             max_seq_len=max_blocks * self.block_size,
             slot_mapping=slot_mapping,
         )
-        want_logprobs = [bool(r.sampling.logprobs) for r in host.rows]
-        return StepBatch(
-            step_id=step_id,
-            req_ids=host.req_ids,
-            rows=host.rows,
-            num_tokens=qsl_host[-1],
-            req_slots=req_slots,
-            is_decode=is_decode_t,
-            num_scheduled=num_sched_t,
-            do_sample=to_device(host.do_sample, dev, torch.bool),
-            input_ids=input_ids,
-            positions=positions,
-            meta=meta,
-            want_logprobs=want_logprobs,
-            sampled=self._sampled_rows(host, req_slots, positions, want_logprobs),
-            row_widths=host.num_scheduled,
-            all_decode=all(host.is_decode),
-            drafts_planned=plans_drafts(decodes, entries),
-        )
+        return input_ids, positions, meta
 
     def _admit_rows(self, decodes: DecodeRows, entries: list[PlanRow]) -> HostRows:
         """Admissions and new KV blocks of the rows to run, and what each row feeds."""
@@ -327,21 +352,23 @@ class BatchBuilder:
             rows_t=rows_t,
             # Indexing with the Python list would copy it to the device from pageable memory.
             slots=req_slots[rows_t],
-            gather=gather,
-            pad=to_device(pad_index, dev, torch.long) if padded else None,
-            num_cols=to_device(n, dev),
-            row_start=to_device(firsts, dev, torch.long),
+            layout=LogitLayout(
+                gather=gather,
+                pad=to_device(pad_index, dev, torch.long) if padded else None,
+                num_cols=to_device(n, dev),
+                row_start=to_device(firsts, dev, torch.long),
+                # Back from [S, K+1] to one entry per real slot, in gather order.
+                logprob_index=to_device(np.repeat(np.arange(len(sel)) * width, n) + within, dev, torch.long)
+                if padded and any_logprobs
+                else None,
+                num_cols_host=n,
+                base_host=base,
+                width=width,
+            ),
             positions=sample_pos,
             sampling=self.sampling_tensors(slots, n, sample_pos),
-            # Back from [S, K+1] to one entry per real slot, in gather order.
-            logprob_index=to_device(np.repeat(np.arange(len(sel)) * width, n) + within, dev, torch.long)
-            if padded and any_logprobs
-            else None,
             want_logprobs=any_logprobs,
             num_top=row_top.tolist() if row_top.max() > 0 else [],
-            num_cols_host=n,
-            base_host=base,
-            width=width,
             predicted=[j for j, i in enumerate(sampled_rows) if host.rows[i].predicted]
             if self.predictions is not None
             else [],

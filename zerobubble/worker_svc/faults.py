@@ -1,6 +1,7 @@
 """Faults a test asks a worker to inject, through one object handed to it at construction.
 
-Production workers get `NO_FAULTS`, which injects nothing and costs a method call per step. The
+Production workers get `NO_FAULTS`, which injects nothing: the step's row check runs unwrapped
+(`checked_rows`). The
 chaos and multi-worker suites start real worker processes, so they ask for faults through the
 environment (`faults_from_env`); in-process tests pass their own `FaultInjector`.
 """
@@ -8,12 +9,13 @@ environment (`faults_from_env`); in-process tests pass their own `FaultInjector`
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from zerobubble.api import worker_pb2
 from zerobubble.rows import column_rows, decode_columns, message_rows
 from zerobubble.worker_svc.result_copy import CopyDone
+from zerobubble.worker_svc.slot_table import RunnableRows
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +95,22 @@ class EnvFaults:
 
     def copy_fault(self, step_number: int) -> CopyDone | None:
         return InjectedDeviceFault() if step_number == self.device_fault_at_step else None
+
+
+RowCheck = Callable[[worker_pb2.StepPlan], RunnableRows]
+
+
+def checked_rows(runnable: Callable[..., RunnableRows], faults: FaultInjector) -> RowCheck:
+    """The step's row check (`SlotTable.runnable`) with a test's step and row faults wrapped
+    around it; the check itself for `NO_FAULTS`, so a production step runs no fault code."""
+    if faults is NO_FAULTS:
+        return runnable
+
+    def check(plan: worker_pb2.StepPlan) -> RunnableRows:
+        faults.step_fault(plan)
+        return runnable(plan, faults.row_faults(plan))
+
+    return check
 
 
 def faults_from_env(env: Mapping[str, str]) -> FaultInjector:

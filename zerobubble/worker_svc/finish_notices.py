@@ -11,6 +11,8 @@ admissions and block appends of a cut step are applied as usual (later plans may
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from zerobubble.api import worker_pb2
 
@@ -49,6 +51,15 @@ class FinishNotices:
         step_id, req_ids = current
         finished_in = self.finished_in
         return bool(req_ids) and all(finished_in.get(req_id, -1) > step_id for req_id in req_ids)
+
+    @contextmanager
+    def running(self, step_id: int, req_ids: list[str]) -> Iterator[None]:
+        """Marks the step (or the drafts after it) whose rows `moot` checks while it runs."""
+        self.current = (step_id, req_ids)
+        try:
+            yield
+        finally:
+            self.current = None
 
     def forget_before(self, step_id: int) -> None:
         """Drop notices of plans up to ``step_id``: no step before them is left to run."""

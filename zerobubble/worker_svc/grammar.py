@@ -60,8 +60,9 @@ class RequestGrammar:
         self.pending = None
         if result.ready is not None:
             result.ready.synchronize()
-        num_emitted = int(result.num_accepted[row]) + 1
-        self.consume(result.out_tokens[row, :num_emitted].tolist())
+        outputs = result.outputs
+        num_emitted = int(outputs.num_accepted[row]) + 1
+        self.consume(outputs.tokens[row, :num_emitted].tolist())
 
     def consume(self, tokens: list[int]) -> None:
         for token in tokens:

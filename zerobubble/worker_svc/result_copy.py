@@ -6,6 +6,7 @@ builds the `StepResult` (`PendingResult.materialize`), so the next step runs mea
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -14,17 +15,7 @@ import torch
 from zerobubble.api import worker_pb2
 from zerobubble.rows import add_row_columns
 from zerobubble.worker_svc import staging
-
-# The output tensors of a `PendingResult` that are copied to the host.
-_OUTPUT_FIELDS = (
-    "out_tokens",
-    "num_accepted",
-    "num_drafts",
-    "logprobs",
-    "top_ids",
-    "top_logprobs",
-    "prediction_drafts",
-)
+from zerobubble.worker_svc.verification import StepOutputs
 
 
 class CopyDone(Protocol):
@@ -61,63 +52,87 @@ def _as_list(t: torch.Tensor | None) -> list:
     return t.tolist() if t is not None else []
 
 
-@dataclass(slots=True)
-class PendingResult:
-    """A step whose outputs may still be on the device; `materialize` copies them to the host."""
+def host_outputs(outputs: StepOutputs | None) -> HostOutputs:
+    """A step's outputs (on the host by now) as Python lists; empty when no row sampled."""
+    if outputs is None:
+        return HostOutputs([], [], [], [], [], [], [])
+    return HostOutputs(
+        _as_list(outputs.tokens),
+        _as_list(outputs.num_accepted),
+        _as_list(outputs.num_verified),
+        _as_list(outputs.logprobs),
+        _as_list(outputs.top_ids),
+        _as_list(outputs.top_logprobs),
+        _as_list(outputs.prediction_drafts),
+    )
 
-    step_id: int
-    req_ids: list[str]
-    sampled_rows: list[int]  # rows (into req_ids) that emitted tokens
-    out_tokens: torch.Tensor | None  # [num_sampled, K+1]
-    num_accepted: torch.Tensor | None
-    num_drafts: torch.Tensor | None  # drafts actually verified per sampled row
-    logprobs: torch.Tensor | None  # [num_sampled, K+1]
-    want_logprobs: list[bool]
-    num_tokens: int
-    forward_s: float
-    ready: CopyDone | None = None  # after the async device-to-host copy
-    errors: dict[str, str] = field(default_factory=dict)  # rows left out: req_id -> why
+
+@dataclass(frozen=True, slots=True)
+class StepTiming:
+    """How long a step took and the gap before it, as its result reports them."""
+
+    forward_s: float  # the step thread's time from the step's start to its result copy
     # A simulated device's own idle time before this step; it replaces the step thread's wait
     # for the plan, which says nothing about a device that runs behind the host.
     idle_s: float | None = None
-    # Top-N logprobs: [num_sampled, K+1, N] ids and values, N per sampled row (0 = none).
-    top_ids: torch.Tensor | None = None
-    top_logprobs: torch.Tensor | None = None
-    num_top: list[int] = field(default_factory=list)
     # CUDA: timing events (the previous step's end while requests were live, or None; this
     # step's begin and end on the compute stream).
     device_span: tuple[Any, Any, Any] | None = None
     grammar_s: float = 0.0  # host time the step spent filling grammar masks
-    # [num_sampled] bool: the row's verified drafts came from its prediction; None: no row has one.
-    prediction_drafts: torch.Tensor | None = None
+    # What the result copy waits for besides the copy itself: a simulated device's clock.
+    ready: CopyDone | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ResultRows:
+    """A step's rows as its result reports them: which sampled and what each asked for."""
+
+    req_ids: list[str]
+    sampled: list[int]  # rows (into req_ids) that emitted tokens
+    want_logprobs: list[bool]  # per row
+    num_top: list[int] = field(default_factory=list)  # top-N logprobs per sampled row; empty: none
+
+
+@dataclass(frozen=True, slots=True)
+class PendingResult:
+    """A step whose outputs may still be on the device; `materialize` copies them to the host.
+
+    Built once, when the step's copy has started (`zerobubble.worker_svc.step.copy_results`).
+    """
+
+    step_id: int
+    num_tokens: int
+    rows: ResultRows
+    outputs: StepOutputs | None  # None: no row sampled
+    timing: StepTiming
+    ready: CopyDone | None = None  # after the async device-to-host copy
+    errors: Mapping[str, str] = field(default_factory=dict)  # rows left out or failed: req_id -> why
 
     @classmethod
-    def empty(cls, step_id: int, forward_s: float = 0.0, errors: dict[str, str] | None = None) -> PendingResult:
+    def empty(cls, step_id: int, forward_s: float = 0.0, errors: Mapping[str, str] | None = None) -> PendingResult:
         """The result of a step that ran no row."""
-        return cls(step_id, [], [], None, None, None, None, [], 0, forward_s, errors=errors or {})
+        return cls(step_id, 0, ResultRows([], [], []), None, StepTiming(forward_s), errors=errors or {})
+
+    @property
+    def req_ids(self) -> list[str]:
+        """Every row the step ran, in order."""
+        return self.rows.req_ids
 
     def materialize(self, idle_s: float, num_spec_tokens: int) -> worker_pb2.StepResult:
         """Wait for the copy (if any) and build the wire result (`idle_s`: the step thread's
         wait for this plan while requests were live)."""
-        if self.ready is not None:
-            self.ready.synchronize()
+        for ready in (self.ready, self.timing.ready):
+            if ready is not None:
+                ready.synchronize()
         forward_s, idle_s = self._timings(idle_s)
         result = worker_pb2.StepResult(
             step_id=self.step_id,
             forward_s=forward_s,
             idle_s=idle_s,
             num_tokens=self.num_tokens,
-            grammar_s=self.grammar_s,
+            grammar_s=self.timing.grammar_s,
         )
-        out = HostOutputs(
-            _as_list(self.out_tokens),
-            _as_list(self.num_accepted),
-            _as_list(self.num_drafts),
-            _as_list(self.logprobs),
-            _as_list(self.top_ids),
-            _as_list(self.top_logprobs),
-            _as_list(self.prediction_drafts),
-        )
+        out = host_outputs(self.outputs)
         # The proposer's acceptance by position; prediction drafts are counted apart.
         accepted_per_pos = [0] * num_spec_tokens
         for i, num_acc in enumerate(out.accepted):
@@ -138,14 +153,15 @@ class PendingResult:
 
     def _timings(self, idle_s: float) -> tuple[float, float]:
         """The step's forward time and the idle time before it, as the result reports them."""
-        forward_s = self.forward_s
-        if self.idle_s is not None:
-            idle_s = self.idle_s
-        if self.device_span is not None:
+        timing = self.timing
+        forward_s = timing.forward_s
+        if timing.idle_s is not None:
+            idle_s = timing.idle_s
+        if timing.device_span is not None:
             # The step's time on the device and the device's gap before it: the step thread
             # runs ahead of the device, so its own times (launching, waiting for the next
             # plan) say nothing about the bubble there.
-            prev_end, begin, end = self.device_span
+            prev_end, begin, end = timing.device_span
             end.synchronize()
             forward_s = begin.elapsed_time(end) / 1000
             idle_s = max(prev_end.elapsed_time(begin) / 1000, 0.0) if prev_end is not None else 0.0
@@ -155,10 +171,11 @@ class PendingResult:
         """Every runnable row once, a non-sampling chunk with no tokens: rows without logprobs
         (most rows, most steps) are returned as columns, the others get a message each."""
         cols = RowColumns()
-        by_row: dict[int, int] = {row: i for i, row in enumerate(self.sampled_rows)}
+        rows = self.rows
+        by_row: dict[int, int] = {row: i for i, row in enumerate(rows.sampled)}
         # Rows flag prediction drafts only in steps where some row had a prediction.
         flags = out.prediction_drafts
-        for row, req_id in enumerate(self.req_ids):
+        for row, req_id in enumerate(rows.req_ids):
             i = by_row.get(row)
             if i is None:
                 cols.req_ids.append(req_id)
@@ -168,8 +185,8 @@ class PendingResult:
                     cols.prediction_drafts.append(False)
                 continue
             num_emitted = out.accepted[i] + 1
-            wants_top = bool(out.top_ids) and self.num_top[i] > 0
-            if not self.want_logprobs[row] and not wants_top:
+            wants_top = bool(out.top_ids) and rows.num_top[i] > 0
+            if not rows.want_logprobs[row] and not wants_top:
                 cols.req_ids.append(req_id)
                 cols.num_tokens.append(num_emitted)
                 cols.tokens.extend(out.tokens[i][:num_emitted])
@@ -184,56 +201,70 @@ class PendingResult:
                 num_accepted=out.accepted[i],
                 prediction_drafts=bool(flags) and flags[i],
             )
-            if self.want_logprobs[row]:
+            if rows.want_logprobs[row]:
                 entry.logprobs.extend(out.logprobs[i][:num_emitted])
             if wants_top:
                 # Column c holds the distribution the token at column c was drawn from.
-                n = self.num_top[i]
+                n = rows.num_top[i]
                 for col in range(num_emitted):
                     entry.top_logprobs.add(token_ids=out.top_ids[i][col][:n], logprobs=out.top_logprobs[i][col][:n])
         return cols
 
 
+@dataclass(frozen=True, slots=True)
+class Copy:
+    """A started device-to-host copy: the outputs' host tensors and what to wait for."""
+
+    outputs: StepOutputs | None
+    ready: CopyDone | None = None
+
+
 class ResultCopier:
-    """Starts each step's device-to-host copy and times steps on the device (CUDA)."""
+    """Starts each step's device-to-host copy without blocking the next step."""
 
     def __init__(self, device: torch.device) -> None:
         self.accelerator = staging.is_accelerator(device)
         self.stream = torch.cuda.Stream() if device.type == "cuda" else None
-        self.last_step_end: Any = None  # CUDA: the latest step's end event while requests were live
 
-    def device_event(self) -> Any:
-        """A timing event recorded now on the compute stream (CUDA); None elsewhere."""
-        if self.stream is None:
-            return None
-        event = torch.cuda.Event(enable_timing=True, blocking=True)
-        event.record()
-        return event
-
-    def start(self, pending: PendingResult) -> None:
+    def start(self, outputs: StepOutputs) -> Copy:
         """Start the device-to-host copy of a step's outputs without blocking the next step.
 
         On CUDA the copy runs on a side stream after the step's kernels and `materialize`
         (on the copier thread) waits for its event; the step thread never waits.
         """
         if not self.accelerator:
-            return  # CPU tensors are already on the host; materialize() just reads them
-        if self.stream is None:  # an accelerator without streams (the fake test device)
-            for name in _OUTPUT_FIELDS:
-                t = getattr(pending, name)
-                if t is not None:
-                    setattr(pending, name, staging.to_host(t))
-            return
-        main = torch.cuda.current_stream()
-        self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):
-            for name in _OUTPUT_FIELDS:
-                t = getattr(pending, name)
-                if t is not None:
-                    t.record_stream(self.stream)
-                    setattr(pending, name, staging.to_host(t))
+            return Copy(outputs)  # CPU tensors are already on the host; materialize() just reads them
+        stream = self.stream
+        if stream is None:  # an accelerator without streams (the fake test device)
+            return Copy(_map_tensors(outputs, staging.to_host))
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+
+            def to_host(t: torch.Tensor) -> torch.Tensor:
+                t.record_stream(stream)
+                return staging.to_host(t)
+
+            host = _map_tensors(outputs, to_host)
             # Blocking: the copier thread sleeps in `synchronize` instead of spinning a core
             # for most of every step (the copy runs after the whole step).
             event = torch.cuda.Event(blocking=True)
-            event.record(self.stream)
-        pending.ready = event
+            event.record(stream)
+        return Copy(host, event)
+
+
+def _map_tensors(outputs: StepOutputs, function: Callable[[torch.Tensor], torch.Tensor]) -> StepOutputs:
+    """``outputs`` with ``function`` applied to each of its tensors."""
+
+    def apply(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else function(t)
+
+    o = outputs
+    return StepOutputs(
+        function(o.tokens),
+        function(o.num_accepted),
+        function(o.num_verified),
+        apply(o.logprobs),
+        apply(o.top_ids),
+        apply(o.top_logprobs),
+        apply(o.prediction_drafts),
+    )

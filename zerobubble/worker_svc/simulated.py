@@ -35,15 +35,18 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from zerobubble.kernels.verify import count_accepted
 from zerobubble.worker_svc.batch import StepBatch
-from zerobubble.worker_svc.result_copy import PendingResult
-from zerobubble.worker_svc.runner import ModelRunner
-from zerobubble.worker_svc.verification import StepOutputs
+from zerobubble.worker_svc.grammar import StepMasks
+from zerobubble.worker_svc.result_copy import StepTiming
+from zerobubble.worker_svc.slot_table import DeviceState
+from zerobubble.worker_svc.step import Logits
+from zerobubble.worker_svc.verification import StepOutputs, fed_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +78,15 @@ class SimulatedEvent:
             time.sleep(delay)
 
 
+def history_tokens(state: DeviceState, block_size: int, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """Tokens at ``positions`` (< the slot's written length) of the requests in ``slots``."""
+    positions = np.maximum(positions, 0)
+    blocks = state.block_table.numpy()[slots, positions // block_size].astype(np.int64)
+    return state.history.numpy().reshape(-1)[blocks * block_size + positions % block_size].astype(np.int64)
+
+
 class SimulatedDevice:
-    """The simulated accelerator of one runner: its timeline and its token function."""
+    """The simulated accelerator of one runner (a `StepDevice`): its timeline and its token function."""
 
     def __init__(
         self, device_ms: float, acceptance_rate: float, vocab_size: int, special_ids: list[int], max_draft_tokens: int
@@ -94,59 +104,65 @@ class SimulatedDevice:
         self.allowed_ids = self.allowed.nonzero()[0]
         self.busy_until = 0.0
         self.live = False  # requests were live when the device finished its last step
+        self.state: DeviceState | None = None  # the runner's, once bound
+        self.block_size = 0
 
-    def step(self, runner: ModelRunner, batch: StepBatch) -> PendingResult:
-        """Stands for `run_model` + `sample`: tokens, verification, then the runner's real
-        `advance`; the step then occupies the device timeline for `device_s`."""
+    def bind(self, state: DeviceState, block_size: int) -> None:
+        """Attach to the runner's device state (the history pages the token function reads)."""
+        self.state = state
+        self.block_size = block_size
+
+    def run_model(self, batch: StepBatch) -> Logits:
+        """Nothing to compute ahead of the tokens: the token function stands for both."""
+        return Logits(None)
+
+    def sample(
+        self, batch: StepBatch, logits: Logits, masks: StepMasks | None, prediction_drafts: torch.Tensor | None
+    ) -> StepOutputs:
+        """The token function's tokens, verified against the drafts fed as the target's are."""
         s = batch.sampled
-        out = None
-        if s is not None:
-            draft_tokens, num_verified = runner.fed_drafts(batch)
-            tokens = s.spread(self.next_tokens(runner, batch))
-            if s.width > 1:
-                num_accepted = count_accepted(tokens, draft_tokens, num_verified)
-            else:
-                num_accepted = torch.zeros(len(s.rows), dtype=torch.int32)
-            # The token function is certain of its tokens: log-probability 0.
-            logprobs = torch.zeros(tokens.shape) if s.want_logprobs else None
-            out = StepOutputs(tokens, num_accepted, num_verified, logprobs)
-        pending = runner.advance(batch, out)
-        now = time.perf_counter()
-        start = max(now, self.busy_until)
-        pending.idle_s = start - self.busy_until if self.live else 0.0
-        self.busy_until = start + self.device_s
-        self.live = bool(runner.slots)
-        pending.forward_s = self.device_s
-        pending.ready = SimulatedEvent(self.busy_until)
-        return pending
+        assert s is not None and self.state is not None
+        draft_tokens, num_verified = fed_drafts(batch, self.state)
+        tokens = s.spread(self.next_tokens(batch))
+        if s.layout.width > 1:
+            num_accepted = count_accepted(tokens, draft_tokens, num_verified)
+        else:
+            num_accepted = torch.zeros(len(s.rows), dtype=torch.int32)
+        # The token function is certain of its tokens: log-probability 0.
+        logprobs = torch.zeros(tokens.shape) if s.want_logprobs else None
+        return StepOutputs(tokens, num_accepted, num_verified, logprobs)
+
+    def timing(self, start: float, logits: Logits, grammar_s: float, live: bool) -> StepTiming:
+        """The step occupies the device timeline for `device_s` after the one before it; the
+        result copy waits for its end."""
+        begin = max(time.perf_counter(), self.busy_until)
+        idle_s = begin - self.busy_until if self.live else 0.0
+        self.busy_until = begin + self.device_s
+        self.live = live
+        return StepTiming(self.device_s, idle_s=idle_s, grammar_s=grammar_s, ready=SimulatedEvent(self.busy_until))
+
+    def interrupted(self) -> None:
+        pass  # a cut step never reached the timeline
 
     def reset(self) -> None:
         self.live = False
 
-    def next_tokens(self, runner: ModelRunner, batch: StepBatch) -> torch.Tensor:
+    def next_tokens(self, batch: StepBatch) -> torch.Tensor:
         """The token after every sampled slot (``[G]`` int64), from the sequence up to it."""
         s = batch.sampled
-        assert s is not None
+        assert s is not None and self.state is not None
         positions = s.positions.numpy()  # absolute position of each new token
-        previous = batch.input_ids.numpy()[s.gather.numpy()].astype(np.int64)
+        previous = batch.input_ids.numpy()[s.layout.gather.numpy()].astype(np.int64)
         seeds = np.where(s.sampling.temperature.numpy() > 0, s.sampling.seeds.numpy(), 0)
         # The previous token keys the hash too: the function reads the sequence, not a counter.
         key = (seeds ^ (seeds >> 32)) & _MASK32
         h = _hash32(key ^ _hash32(positions & _MASK32 ^ _hash32(previous)))
-        slots = np.repeat(s.slots.numpy().astype(np.int64), s.num_cols.numpy())
-        source = self.history_tokens(runner, slots, positions - COPY_LAG)
+        slots = np.repeat(s.slots.numpy().astype(np.int64), s.layout.num_cols.numpy())
+        source = history_tokens(self.state, self.block_size, slots, positions - COPY_LAG)
         copy = (positions >= COPY_LAG) & ((h & 0xFFFF) < int(self.acceptance_rate * 65536))
         copy &= self.allowed[source]
         fresh = self.allowed_ids[((h >> 16) * len(self.allowed_ids)) >> 16]
         return torch.from_numpy(np.where(copy, source, fresh))
-
-    @staticmethod
-    def history_tokens(runner: ModelRunner, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Tokens at ``positions`` (< the slot's written length) of the requests in ``slots``."""
-        bs = runner.config.block_size
-        positions = np.maximum(positions, 0)
-        blocks = runner.state.block_table.numpy()[slots, positions // bs].astype(np.int64)
-        return runner.state.history.numpy().reshape(-1)[blocks * bs + positions % bs].astype(np.int64)
 
 
 class LagNgramProposer:
@@ -159,16 +175,16 @@ class LagNgramProposer:
     def __init__(self, num_spec_tokens: int, ngram_min: int) -> None:
         self.k = num_spec_tokens
         self.ngram_min = ngram_min
-        self.runner: ModelRunner | None = None
+        self.state: DeviceState | None = None  # the runner's, once bound
+        self.block_size = 0
         # Where `propose` reads the history, relative to the last token's position: the
         # suffix's n - 1 tokens before the last, the n tokens COPY_LAG earlier, and the k that
         # followed those.
         back = np.arange(ngram_min)
         self._offsets = np.concatenate([-back[1:], -back - COPY_LAG, np.arange(1, num_spec_tokens + 1) - COPY_LAG])
 
-    def bind(self, runner: object) -> None:
-        assert isinstance(runner, ModelRunner)
-        self.runner = runner
+    def bind(self, runner: Any) -> None:
+        self.state, self.block_size = runner.state, runner.config.block_size
 
     def admit(self, slot: int, num_cached_tokens: int) -> None:
         pass  # all state lives in the runner's history pages
@@ -177,16 +193,15 @@ class LagNgramProposer:
         pass
 
     def propose(self, slots: torch.Tensor, batch: object = None) -> None:
-        runner = self.runner
-        assert runner is not None
-        st = runner.state
+        st = self.state
+        assert st is not None
         idx = slots.numpy().astype(np.int64)
         last_pos = st.seq_len.numpy()[idx].astype(np.int64)  # position of the last sampled token
         last = st.last_token.numpy()[idx].astype(np.int64)
         n, k, offsets = self.ngram_min, self.k, self._offsets
         # Everything read from the history in one gather (it stands for one device kernel).
         pos = last_pos[:, None] + offsets[None, :]
-        tokens = SimulatedDevice.history_tokens(runner, np.repeat(idx, len(offsets)), pos.reshape(-1))
+        tokens = history_tokens(st, self.block_size, np.repeat(idx, len(offsets)), pos.reshape(-1))
         tokens = tokens.reshape(len(idx), len(offsets))
         suffix = np.concatenate([last[:, None], tokens[:, : n - 1]], axis=1)  # at last_pos - i, i < n
         match = (last_pos >= COPY_LAG + n - 1) & (suffix == tokens[:, n - 1 : 2 * n - 1]).all(axis=1)

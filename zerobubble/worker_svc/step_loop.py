@@ -11,6 +11,7 @@ plan while requests are live is the bubble; it is reported with every result.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -175,7 +176,7 @@ class StepLoop:
             self.num_steps += 1
             injected = runner.faults.copy_fault(self.num_steps)
             if injected is not None:
-                pending.ready = injected
+                pending = dataclasses.replace(pending, ready=injected)
             # The host copy overlaps the next step: it happens on the copier thread.
             self.copies.put((self._materialize_and_deliver, (pending, idle)))
             run_proposer(runner, pending.req_ids, self.on_device_fault)

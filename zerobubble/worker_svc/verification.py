@@ -19,7 +19,7 @@ from zerobubble.worker_svc.sampler import sample, target_probs, token_logprobs, 
 from zerobubble.worker_svc.slot_table import DeviceState
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class StepOutputs:
     """What sampling and verification produced for the sampled rows (still on the device)."""
 
@@ -40,11 +40,11 @@ def fed_drafts(batch: StepBatch, state: DeviceState) -> tuple[torch.Tensor, torc
     """
     s = batch.sampled
     assert s is not None
-    num_verified = torch.minimum(state.num_drafts[s.slots.long()], s.num_cols - 1)
-    if s.width == 1:
+    num_verified = torch.minimum(state.num_drafts[s.slots.long()], s.layout.num_cols - 1)
+    if s.layout.width == 1:
         return batch.input_ids.new_zeros((len(s.rows), 0)), num_verified
-    col = torch.arange(s.width - 1, device=batch.input_ids.device)
-    draft_idx = (s.row_start[:, None] + 1 + col[None, :]).clamp(max=batch.num_tokens - 1)
+    col = torch.arange(s.layout.width - 1, device=batch.input_ids.device)
+    draft_idx = (s.layout.row_start[:, None] + 1 + col[None, :]).clamp(max=batch.num_tokens - 1)
     return batch.input_ids[draft_idx], num_verified
 
 
@@ -64,7 +64,7 @@ def sample_and_verify(
     row; ``prediction_drafts``: ``[S]`` bool, rows fed their prediction's drafts instead."""
     s = batch.sampled
     assert s is not None
-    width = s.width
+    width = s.layout.width
     draft_tokens, num_verified = fed_drafts(batch, state)
     raw_logits = logits
     if masks is not None:
@@ -95,15 +95,14 @@ def sample_and_verify(
         # Rejection sampling leaves -1 after the emitted token; those columns are never
         # returned, but gathering at -1 would fail the whole step.
         tokens = out_tokens.reshape(-1)
-        if s.logprob_index is not None:
-            tokens = tokens[s.logprob_index]
+        if s.layout.logprob_index is not None:
+            tokens = tokens[s.layout.logprob_index]
         lp = s.spread(token_logprobs(raw_logits, tokens.long().clamp(min=0)))
-    out = StepOutputs(out_tokens, num_accepted, num_verified, lp, prediction_drafts=prediction_drafts)
+    top_ids = top_lps = None
     if s.num_top:
         # Column c holds the distribution the token at column c was drawn from.
-        top_ids, top_lps = top_logprobs(raw_logits, max(s.num_top))
-        out.top_ids, out.top_logprobs = s.spread(top_ids), s.spread(top_lps)
-    return out
+        top_ids, top_lps = (s.spread(t) for t in top_logprobs(raw_logits, max(s.num_top)))
+    return StepOutputs(out_tokens, num_accepted, num_verified, lp, top_ids, top_lps, prediction_drafts)
 
 
 def _with_point_drafts(

@@ -30,7 +30,7 @@ import torch
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.keyed_random import keyed_uniform
 from zerobubble.worker_svc import staging
-from zerobubble.worker_svc.sampler import SamplingTensors, sample, target_probs
+from zerobubble.worker_svc.sampler import Penalties, SamplingTensors, sample, target_probs
 
 # Keyed-noise stream for draft sampling under rejection sampling (independent of the verifier's
 # streams 0-2); keyed acceptance draws drafts with the sampler's own stream instead.
@@ -97,12 +97,7 @@ def draft_chain(
     fed_pos, slot_mapping = _chain_slots(seq_len, caps, tables, k, cache, bs)
     for j in range(k):
         if penalties is not None:
-            # The fed token is an output token of the context of position seq_len + j + 1.
-            fed = token[penalties.rows][:, None]
-            if penalties.output_counts is not None:
-                penalties.output_counts.scatter_add_(1, fed, torch.ones_like(fed, dtype=torch.int32))
-            if penalties.seen is not None:
-                penalties.seen.scatter_(1, fed, True)
+            _count_fed(penalties, token)
         meta = AttentionMetadata(
             query_start_loc=qsl,
             seq_lens=(fed_pos[j] + 1).to(torch.int32),
@@ -112,25 +107,47 @@ def draft_chain(
             slot_mapping=slot_mapping[j],
         )
         logits = forward(j, token, fed_pos[j], meta)
-        if draft_ids is not None and sampling.is_raw_argmax and not with_probs:
-            # Among the ids alone: spreading the logits over the whole vocabulary first costs
-            # more than the argmax. Ties go to the first of the ids: the lowest, as the spread's
-            # argmax would pick, when they are sorted (as `draft_vocab` writes them).
-            token = draft_ids[logits.argmax(dim=-1)]
-        else:
-            if draft_ids is not None:
-                logits = over_vocab(logits, draft_ids, vocab_size)
-            token, q = _draw(logits, dataclasses.replace(sampling, positions=seq_len + j + 1), with_probs)
-            if q is not None:
-                if probs is None:
-                    probs = torch.zeros(num_rows, k, q.shape[1], dtype=torch.float32, device=dev)
-                probs[:, j] = q
+        sampling_j = dataclasses.replace(sampling, positions=seq_len + j + 1)
+        token, q = _next_draft(logits, sampling_j, with_probs, draft_ids, vocab_size)
+        if q is not None:
+            if probs is None:
+                probs = torch.zeros(num_rows, k, q.shape[1], dtype=torch.float32, device=dev)
+            probs[:, j] = q
         drafts[:, j] = token.to(torch.int32)
     st.drafts[idx, :k] = drafts
     # Draft j is offered only if every entry written up to it went to the real cache.
     num_real = caps.clamp(max=cache.max_pos) - seq_len + cache.kv_offset
     st.num_drafts[idx] = num_real.clamp(min=0, max=k).to(torch.int32)
     return probs
+
+
+def _count_fed(penalties: Penalties, token: torch.Tensor) -> None:
+    """Add each row's fed token to its penalty counts: it is an output token of the context of
+    the position it feeds (seq_len + j + 1 at chain step j)."""
+    fed = token[penalties.rows][:, None]
+    if penalties.output_counts is not None:
+        penalties.output_counts.scatter_add_(1, fed, torch.ones_like(fed, dtype=torch.int32))
+    if penalties.seen is not None:
+        penalties.seen.scatter_(1, fed, True)
+
+
+def _next_draft(
+    logits: torch.Tensor,
+    sampling: SamplingTensors,
+    with_probs: bool,
+    draft_ids: torch.Tensor | None,
+    vocab_size: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chain step's draft per row from the proposer's logits (over ``draft_ids`` when
+    given), and the distribution drawn from when ``with_probs``."""
+    if draft_ids is not None and sampling.is_raw_argmax and not with_probs:
+        # Among the ids alone: spreading the logits over the whole vocabulary first costs
+        # more than the argmax. Ties go to the first of the ids: the lowest, as the spread's
+        # argmax would pick, when they are sorted (as `draft_vocab` writes them).
+        return draft_ids[logits.argmax(dim=-1)], None
+    if draft_ids is not None:
+        logits = over_vocab(logits, draft_ids, vocab_size)
+    return _draw(logits, sampling, with_probs)
 
 
 def _chain_slots(
