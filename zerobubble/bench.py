@@ -314,6 +314,21 @@ def request_record(row: BenchRow, completion: Completion) -> dict[str, Any]:
     return record
 
 
+def server_figures(delta: generate_pb2.ServerStats | None) -> dict[str, Any]:
+    """What the server counted over the run (None each without its stats, e.g. over HTTP)."""
+    if delta is None:
+        keys = ("acceptance_rate", "mean_accepted_length", "worker_idle_fraction", "grammar_s_per_token")
+        return dict.fromkeys((*keys, "server_stats"))
+    grammar = delta.grammar_s > 0 and delta.num_generation_tokens > 0
+    return {
+        "acceptance_rate": acceptance_rate(delta),
+        "mean_accepted_length": mean_accepted_length(delta),
+        "worker_idle_fraction": idle_fraction(delta),
+        "grammar_s_per_token": delta.grammar_s / delta.num_generation_tokens if grammar else None,
+        "server_stats": {d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields},
+    }
+
+
 def summarize(
     rows: Sequence[BenchRow],
     completions: Sequence[Completion],
@@ -361,20 +376,8 @@ def summarize(
             report[f"{name}_p{q}_s"] = percentile(series[name], q)
     report["e2e_p50_s"] = percentile(series["e2e"], 50)
     report["tpot_p50_s"] = percentile(series["tpot"], 50)
-    report["acceptance_rate"] = acceptance_rate(delta) if delta is not None else None
-    report["mean_accepted_length"] = mean_accepted_length(delta) if delta is not None else None
-    report["worker_idle_fraction"] = idle_fraction(delta) if delta is not None else None
-    report["grammar_s_per_token"] = (
-        delta.grammar_s / delta.num_generation_tokens
-        if delta is not None and delta.grammar_s > 0 and delta.num_generation_tokens > 0
-        else None
-    )
+    report.update(server_figures(delta))
     report.update(prediction_figures(rows, completions, delta))
-    report["server_stats"] = (
-        {d.name: getattr(delta, d.name) for d in generate_pb2.ServerStats.DESCRIPTOR.fields}
-        if delta is not None
-        else None
-    )
     report["requests"] = [request_record(row, c) for row, c in zip(rows, completions)]
     return report
 

@@ -76,7 +76,8 @@ class ChannelSettings:
 
 @dataclass(slots=True)
 class Completion:
-    """One whole reply, with the client-side timings the benchmark reports.
+    """One whole reply, with the client-side timings the benchmark reports (more than 15 fields:
+    it is the reply's record as a caller reads it, OpenAI's choice and usage fields flattened).
 
     ``ttft_s`` is from sending the request to the first message carrying tokens; ``itl`` holds the
     gaps between successive token-carrying messages (with speculative decoding one message may

@@ -399,6 +399,17 @@ class SimWorker:
             self._propose(req, 8)
         return res
 
+    def _verify(self, req: _SimRequest, proposed: list[int]) -> tuple[list[int], list[int]]:
+        """The drafts the toy model accepts (a prefix of ``proposed``) and the sequence after them."""
+        accepted: list[int] = []
+        seq = list(req.tokens)
+        for draft in proposed:
+            if draft != toy_next_token(req.seed, seq, self.eos_per_mille):
+                break
+            accepted.append(draft)
+            seq.append(draft)
+        return accepted, seq
+
     def _decode(
         self,
         step_id: int,
@@ -430,14 +441,7 @@ class SimWorker:
         # The slot of `last` is written at its true position, not the scheduler's count.
         base_len = len(req.tokens)
         self._write(step_id, entry.req_id, req, fed)
-        accepted: list[int] = []
-        seq = list(req.tokens)
-        for draft in proposed:
-            target = toy_next_token(req.seed, seq, self.eos_per_mille)
-            if draft != target:
-                break
-            accepted.append(draft)
-            seq.append(draft)
+        accepted, seq = self._verify(req, proposed)
         for pos in range(len(accepted)):
             if pos >= len(accepted_per_pos):
                 accepted_per_pos.append(0)

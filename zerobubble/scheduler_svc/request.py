@@ -150,7 +150,11 @@ class PredictionProgress:
 
 @dataclass(slots=True, eq=False)  # identity: `list.remove` on the running list compared every field
 class Request:
-    """One generation request as the scheduler tracks it."""
+    """One generation request as the scheduler tracks it.
+
+    Its counters (computed, placeholders, pending outputs), block list and stop state are read
+    and written for every request on every step of the planning loop, so they stay flat fields of
+    one object rather than groups behind further attribute lookups (it holds more than 15)."""
 
     req_id: str
     prompt_token_ids: list[int]

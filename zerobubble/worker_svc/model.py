@@ -166,6 +166,18 @@ def rope_tables(hf_config: Any, head_dim: int, num_positions: int) -> tuple[torc
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
 
 
+@dataclass(frozen=True, slots=True)
+class LinearSetup:
+    """How a model's linear weights are laid out (zerobubble.kernels.linear): for their CPU
+    products or plain (``prepack``), weight-only quantized (``"int8"``, ``"int4"``) or not, and
+    what picks each weight's product per row count (zerobubble.kernels.linear_choice; None: the
+    default plan)."""
+
+    prepack: bool = True
+    quantization: str = "none"
+    chooser: PlanChooser | None = None
+
+
 class StepInterrupted(Exception):
     """A forward stopped between layers because its results can no longer be used."""
 
@@ -179,14 +191,10 @@ class CausalLM:
     device: torch.device
     rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
     rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see zerobubble.kernels.fused.qk_norm_rope_twin
-    prepack: bool = True  # lay linear weights out for their CPU product (kernels/linear.py)
-    quantization: str = "none"  # "int8" / "int4": weight-only quantized linear weights (kernels/linear.py)
+    linear: LinearSetup = field(default_factory=lambda: LinearSetup())
     # "cpp": the compiled CPU kernels serve the norms, rotation, SiLU, attention and the bfloat16
     # and int8 products (zerobubble.kernels.cpu); None: Triton on CUDA, the torch twins elsewhere.
     kernels: KernelImpl = None
-    # Picks each linear weight's product per row count (zerobubble.kernels.linear_choice); None:
-    # the default plan.
-    linear_chooser: PlanChooser | None = None
     embed: torch.Tensor | None = None  # [vocab, hidden]
     lm_head: LinearWeight | None = None  # over the embedding itself when tied
     head_rows: torch.Tensor | None = None  # [vocab, hidden] plain lm_head rows (the embedding when tied)
@@ -227,8 +235,9 @@ class CausalLM:
         weights, except under int4, whose 4-bit logits cost most of its accuracy (top-1
         agreement 94 % against 99 % with the head unquantized, docs/benchmarks/cpu-llamacpp.md;
         llama.cpp keeps its output matrix at a higher precision too)."""
-        quantization = "none" if self.quantization == "int4" else self.quantization
-        return prepare_linear(rows, self.prepack, quantization, self.kernels, self.linear_chooser)
+        setup = self.linear
+        quantization = "none" if setup.quantization == "int4" else setup.quantization
+        return prepare_linear(rows, setup.prepack, quantization, self.kernels, setup.chooser)
 
     def weight_readers(self, state_dict: Mapping[str, torch.Tensor]) -> tuple[Taker, OptionalTaker, WeightMaker]:
         """``take(name, shape)`` (checked, in this model's dtype and device), ``take_optional``
@@ -246,7 +255,8 @@ class CausalLM:
             return take(name, shape) if present else None
 
         def weight(tensor: torch.Tensor) -> LinearWeight:
-            return prepare_linear(tensor, self.prepack, self.quantization, self.kernels, self.linear_chooser)
+            setup = self.linear
+            return prepare_linear(tensor, setup.prepack, setup.quantization, self.kernels, setup.chooser)
 
         return take, take_optional, weight
 
@@ -453,10 +463,8 @@ def build_model(
         device=device,
         rope_cos=torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
         rope_sin=torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype),
-        prepack=prepack,
-        quantization=quantization,
+        linear=LinearSetup(prepack, quantization, linear_chooser),
         kernels=kernels,
-        linear_chooser=linear_chooser,
     )
 
 

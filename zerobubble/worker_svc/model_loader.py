@@ -127,7 +127,6 @@ def load_model(
     Raises:
         ModelLoadError: the model is missing, malformed or of an unsupported family.
     """
-    from safetensors.torch import load_file
 
     path = resolve_model(spec)
     torch_dtype = _parse_dtype(dtype)
@@ -150,17 +149,10 @@ def load_model(
         model = build_model(hf_config, torch_dtype, torch.device(device), prepack, quantization, kernels, chooser)
     except ValueError as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: {exc}") from exc
-    state_dict: dict[str, torch.Tensor] = {}
-    for weights_file in sorted(path.glob("*.safetensors")):
-        try:
-            state_dict.update(load_file(str(weights_file), device="cpu"))
-        except Exception as exc:
-            raise ModelLoadError(f"weights file {str(weights_file)!r} is unreadable or corrupt: {exc}") from exc
     try:
-        model.load_weights(state_dict)
+        model.load_weights(_read_safetensors(path))
     except (KeyError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: weights do not match config.json: {exc}") from exc
-    del state_dict
     if chooser is not None:
         chooser.report()
         if quantization == "int8":
@@ -168,6 +160,19 @@ def load_model(
     logger.info("loaded %s (%s, %s) in %.2fs", path, torch_dtype, device, time.perf_counter() - started)
     loaded.model = model
     return loaded
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the model directory's ``*.safetensors`` files; `ModelLoadError` names a bad file."""
+    from safetensors.torch import load_file
+
+    state_dict: dict[str, torch.Tensor] = {}
+    for weights_file in sorted(path.glob("*.safetensors")):
+        try:
+            state_dict.update(load_file(str(weights_file), device="cpu"))
+        except Exception as exc:
+            raise ModelLoadError(f"weights file {str(weights_file)!r} is unreadable or corrupt: {exc}") from exc
+    return state_dict
 
 
 def read_config(path: Path) -> Any:

@@ -204,7 +204,7 @@ def _eagle1_head(
     model = target.model
     assert model is not None and model.embed is not None
     layer_model = build_model(
-        hf_config, model.dtype, model.device, model.prepack, quantization, model.kernels, model.linear_chooser
+        hf_config, model.dtype, model.device, model.linear.prepack, quantization, model.kernels, model.linear.chooser
     )
     take, take_optional, weight = layer_model.weight_readers(state)
     hidden = layer_model.spec.hidden_size
@@ -228,8 +228,9 @@ def _eagle3_head(
     hf_config.vocab_size = target.spec.vocab_size
     # The head drafts at the target's positions, which may run past the head's own table.
     hf_config.max_position_embeddings = max(int(hf_config.max_position_embeddings), target.spec.max_position_embeddings)
+    setup = target.linear
     layer_model = build_model(
-        hf_config, target.dtype, target.device, target.prepack, quantization, target.kernels, target.linear_chooser
+        hf_config, target.dtype, target.device, setup.prepack, quantization, target.kernels, setup.chooser
     )
     take, take_optional, weight = layer_model.weight_readers(state)
     spec, target_hidden = layer_model.spec, target.spec.hidden_size
