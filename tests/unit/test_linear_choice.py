@@ -63,11 +63,21 @@ def test_a_bucket_leaves_the_default_only_for_a_clear_gain() -> None:
     assert chosen == ("int8-torch", "int8-rows", "int8-torch", "int8-widened", "int8-widened")
 
 
-def test_a_forced_product_runs_wherever_it_can_and_the_default_elsewhere() -> None:
+def test_float32_keeps_its_default_plan_whatever_is_asked(tmp_path: Path) -> None:
+    """float32 is the exactness reference: never timed, never forced off its plan."""
     weight = torch.randn(48, 64)
+    default = default_plan(candidates(weight), weight.dtype)
+    for mode in ("auto", "onednn", "dense"):
+        chooser = LinearChooser(mode, None, tmp_path / "choice.json", measure_when_busy=True)
+        assert prepare_linear(weight, choose=chooser).plan == default and chooser.measure_seconds == 0
+    assert not (tmp_path / "choice.json").exists()
+
+
+def test_a_forced_product_runs_wherever_it_can_and_the_default_elsewhere() -> None:
+    weight = torch.randn(48, 64).bfloat16()
     dense = prepare_linear(weight, choose=LinearChooser("dense"))
     assert dense.plan == ("dense",) * NUM_BUCKETS and dense.packed is None and dense.dense is weight
-    x = torch.randn(20, 64)
+    x = torch.randn(20, 64).bfloat16()
     assert torch.equal(linear(x, dense), F.linear(x, weight))
     # int4 cannot run a float weight whose quantization is none: the default plan does.
     names = candidates(weight)
@@ -108,7 +118,7 @@ def test_a_busy_machine_keeps_the_default_plan_and_caches_nothing(
     monkeypatch.setattr(linear_choice, "machine_is_busy", lambda: True)
     cache = tmp_path / "choice.json"
     chooser = LinearChooser("auto", None, cache)
-    weight = torch.randn(48, 64)
+    weight = torch.randn(48, 64).bfloat16()
     assert prepare_linear(weight, choose=chooser).plan == default_plan(candidates(weight), weight.dtype)
     assert chooser.skipped_busy and not cache.exists()
 

@@ -197,7 +197,9 @@ class LinearChooser:
     def _choose(
         self, weight: torch.Tensor, quantization: str, names: tuple[str, ...], default: tuple[str, ...]
     ) -> Choice:
-        if self.mode == DEFAULT or weight.device.type != "cpu":
+        # float32 is the exactness reference: its default plan's 1-4 row product is Hugging
+        # Face's own (MKL's gemv over the plain weight), whatever another product would save.
+        if self.mode == DEFAULT or weight.device.type != "cpu" or weight.dtype == torch.float32:
             return Choice(default, {})
         if self.mode != AUTO:
             return Choice((self.mode,) * len(default) if self.mode in names else default, {})
