@@ -93,14 +93,8 @@ def one_after_another(
         if not pending:
             break
         plan = pending.popleft()
-        before = runner.notices.num_cut_steps
-        if during_forward is not None:
-            during_forward(plan, pending)
-        result = run_step(runner, plan)
-        if not isinstance(result, worker_pb2.StepResult):
-            result = result.materialize(0.0, runner.num_proposed)
-        if runner.notices.num_cut_steps > before:
-            assert not result_rows(result) and not result.error, result
+        result, was_cut = execute_plan(runner, plan, pending, during_forward)
+        if was_cut:
             cut.append(plan.step_id)
         for event in scheduler.on_step_result(result):
             assert not event.error, event.error
@@ -108,6 +102,23 @@ def one_after_another(
             if event.finish_reason is not None and next_prompt < len(PROMPTS):
                 next_due = True
     return out, cut
+
+
+def execute_plan(
+    runner, plan: worker_pb2.StepPlan, pending: deque[worker_pb2.StepPlan], during_forward=None
+) -> tuple[worker_pb2.StepResult, bool]:
+    """Run one plan as the worker's step loop does; the result, and whether the step was cut
+    short (a cut step answers with no rows and no error)."""
+    before = runner.notices.num_cut_steps
+    if during_forward is not None:
+        during_forward(plan, pending)
+    result = run_step(runner, plan)
+    if not isinstance(result, worker_pb2.StepResult):
+        result = result.materialize(0.0, runner.num_proposed)
+    was_cut = runner.notices.num_cut_steps > before
+    if was_cut:
+        assert not result_rows(result) and not result.error, result
+    return result, was_cut
 
 
 def test_moot_steps_are_cut_and_outputs_are_unchanged(runner) -> None:

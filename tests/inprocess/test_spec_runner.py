@@ -261,27 +261,31 @@ def test_results_for_requests_finished_or_cancelled_in_flight_are_dropped(reques
     for row in (c, d):
         assert trace.outputs[f"r{row}"].token_ids == reference_all[row][:40]
     assert scheduler.stats.num_stale_results >= 2
+    assert_forgotten_and_reused(trace, gone=(f"r{a}", f"r{b}"), later=f"r{d}")
+    assert not runner.slots.keys() & {f"r{a}", f"r{b}"}
 
-    # Steps that ran after each finish were discarded and the worker was told to forget them.
-    def steps_with(req_id: str) -> list[int]:
-        return [i for i, (plan, _, _) in enumerate(trace.steps) if any(e.req_id == req_id for e in plan_rows(plan))]
 
-    for req_id in (f"r{a}", f"r{b}"):
+def steps_with(trace: Trace, req_id: str) -> list[int]:
+    """Indices of the traced steps that ran a row of `req_id`."""
+    return [i for i, (plan, _, _) in enumerate(trace.steps) if any(e.req_id == req_id for e in plan_rows(plan))]
+
+
+def blocks_of(trace: Trace, req_id: str) -> set[int]:
+    """Every KV block the traced plans gave `req_id`."""
+    return {b for plan, _, _ in trace.steps for e in plan_rows(plan) if e.req_id == req_id for b in e.new_block_ids}
+
+
+def assert_forgotten_and_reused(trace: Trace, gone: tuple[str, ...], later: str) -> None:
+    """Steps that ran after each finish of `gone` were discarded and the worker was told to
+    forget each of them exactly once; `later` could only start once a slot was free, and it ran
+    on blocks the finished requests had held."""
+    for req_id in gone:
         notices = [i for i, (plan, _, _) in enumerate(trace.steps) if req_id in plan.finished_req_ids]
         assert len(notices) == 1, (req_id, notices)
-        assert max(steps_with(req_id)) < notices[0]
-    # D could only start once a slot was free, and it ran on blocks A or B had held.
-    first_d = min(steps_with(f"r{d}"))
-    assert any(
-        f"r{a}" in plan.finished_req_ids or f"r{b}" in plan.finished_req_ids
-        for plan, _, _ in trace.steps[: first_d + 1]
-    )
-
-    def blocks_of(req_id: str) -> set[int]:
-        return {b for plan, _, _ in trace.steps for e in plan_rows(plan) if e.req_id == req_id for b in e.new_block_ids}
-
-    assert blocks_of(f"r{d}") & (blocks_of(f"r{a}") | blocks_of(f"r{b}"))
-    assert not runner.slots.keys() & {f"r{a}", f"r{b}"}
+        assert max(steps_with(trace, req_id)) < notices[0]
+    first_later = min(steps_with(trace, later))
+    assert any(any(req_id in plan.finished_req_ids for req_id in gone) for plan, _, _ in trace.steps[: first_later + 1])
+    assert blocks_of(trace, later) & set().union(*(blocks_of(trace, req_id) for req_id in gone))
 
 
 @pytest.mark.parametrize("spec", ["ngram", "draft", "eagle"])

@@ -834,8 +834,6 @@ def test_stopping_lets_running_calls_through_a_front_finish(stopped: str) -> Non
 def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
     """`--fronts 2` serve the OpenAI API too: the same completions (streamed or not), the same
     errors for a refused request, models and health, as a scheduler serving HTTP itself."""
-    import httpx
-
     worker = start_worker(simulate_device_ms=2.0, max_num_seqs=16)
     try:
         chat = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 24, "temperature": 0}
@@ -857,36 +855,10 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
             scheduler = start_scheduler([worker], max_num_seqs=16, fronts=fronts)
             try:
                 wait_serving(scheduler.target)
-                return ask(scheduler), listening_ports(scheduler.proc.pid), scheduler.ports["HTTP"]
+                answered = ask_over_http(scheduler, chat, bodies, bad_schema)
+                return answered, listening_ports(scheduler.proc.pid), scheduler.ports["HTTP"]
             finally:
                 scheduler.stop()
-
-        def ask(scheduler: Service) -> tuple:
-            base = f"http://127.0.0.1:{scheduler.ports['HTTP']}"
-            with httpx.Client(base_url=base, timeout=60) as client:
-                out = []
-                for body in bodies:
-                    reply = client.post("/v1/chat/completions", json=body).json()
-                    out.append((reply["choices"], reply["usage"]))
-                streamed = client.post("/v1/chat/completions", json={**chat, "stream": True}).text
-                deltas = [line for line in streamed.splitlines() if line.startswith("data: ")]
-                texts = "".join(
-                    json.loads(d[6:])["choices"][0]["delta"].get("content", "")
-                    for d in deltas
-                    if d != "data: [DONE]" and json.loads(d[6:])["choices"]
-                )
-                refused = [
-                    (r.status_code, r.json()["error"]["message"])
-                    for r in (
-                        client.post("/v1/chat/completions", json={**chat, "top_p": 2}),
-                        client.post("/v1/chat/completions", json={**chat, "model": "no-such-model"}),
-                        client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 4}),
-                        client.post("/v1/chat/completions", json={**chat, "response_format": bad_schema}),
-                    )
-                ]
-                models = client.get("/v1/models").json()
-                health = client.get("/health").status_code
-            return out, texts, deltas[-1], refused, models, health
 
         (itself, own_ports, own_http), (via_fronts, ports, http) = answers(0), answers(2)
         assert via_fronts == itself
@@ -901,6 +873,56 @@ def test_http_through_fronts_answers_as_the_scheduler_does() -> None:
         assert own_http in own_ports and http not in ports
     finally:
         worker.stop()
+
+
+def ask_over_http(scheduler: Service, chat: dict, bodies: list[dict], bad_schema: dict) -> tuple:
+    """What a scheduler's HTTP port answers: each body's choices and usage, the streamed text of
+    `chat` and its last event, four refusals' status and message, the models and the health."""
+    import httpx
+
+    base = f"http://127.0.0.1:{scheduler.ports['HTTP']}"
+    with httpx.Client(base_url=base, timeout=60) as client:
+        out = []
+        for body in bodies:
+            reply = client.post("/v1/chat/completions", json=body).json()
+            out.append((reply["choices"], reply["usage"]))
+        streamed = client.post("/v1/chat/completions", json={**chat, "stream": True}).text
+        deltas = [line for line in streamed.splitlines() if line.startswith("data: ")]
+        texts = "".join(
+            json.loads(d[6:])["choices"][0]["delta"].get("content", "")
+            for d in deltas
+            if d != "data: [DONE]" and json.loads(d[6:])["choices"]
+        )
+        refused = [
+            (r.status_code, r.json()["error"]["message"])
+            for r in (
+                client.post("/v1/chat/completions", json={**chat, "top_p": 2}),
+                client.post("/v1/chat/completions", json={**chat, "model": "no-such-model"}),
+                client.post("/v1/chat/completions", json={"messages": [], "max_tokens": 4}),
+                client.post("/v1/chat/completions", json={**chat, "response_format": bad_schema}),
+            )
+        ]
+        models = client.get("/v1/models").json()
+        health = client.get("/health").status_code
+    return out, texts, deltas[-1], refused, models, health
+
+
+async def stream_all(
+    target: str, calls: list[generate_pb2.GenerateRequest], on_reply
+) -> list[list[generate_pb2.GenerateResponse]]:
+    """Every call at once over one channel; `on_reply(got)` after each message, with what each
+    call has received so far."""
+    got: list[list[generate_pb2.GenerateResponse]] = [[] for _ in calls]
+    async with grpc.aio.insecure_channel(target) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+
+        async def one(i: int) -> None:
+            async for reply in stub.Generate(calls[i], timeout=120):
+                got[i].append(reply)
+                on_reply(got)
+
+        await asyncio.gather(*(one(i) for i in range(len(calls))))
+    return got
 
 
 def test_a_killed_worker_behind_a_front_loses_no_call_and_changes_no_output() -> None:
@@ -924,23 +946,10 @@ def test_a_killed_worker_behind_a_front_loses_no_call_and_changes_no_output() ->
         for i, topic in enumerate(["rivers", "primes", "poems", "planets", "cities", "colours", "trees", "stars"])
     ]
 
-    async def run(on_reply) -> list[list[generate_pb2.GenerateResponse]]:
-        got: list[list[generate_pb2.GenerateResponse]] = [[] for _ in calls]
-        async with grpc.aio.insecure_channel(front.target) as channel:
-            stub = generate_pb2_grpc.GenerationStub(channel)
-
-            async def one(i: int) -> None:
-                async for reply in stub.Generate(calls[i], timeout=120):
-                    got[i].append(reply)
-                    on_reply(got)
-
-            await asyncio.gather(*(one(i) for i in range(len(calls))))
-        return got
-
     try:
         wait_serving(front.target)
         wait_until(lambda: info(front).num_workers >= 2, 30, "the scheduler to connect to both workers")
-        reference = asyncio.run(run(lambda got: None))
+        reference = asyncio.run(stream_all(front.target, calls, lambda got: None))
         killed_at: list[int] = []
 
         def kill_when_all_under_way(got: list) -> None:
@@ -949,7 +958,7 @@ def test_a_killed_worker_behind_a_front_loses_no_call_and_changes_no_output() ->
                 killed_at.extend(counts)
                 workers[1].proc.send_signal(signal.SIGKILL)
 
-        faulted = asyncio.run(run(kill_when_all_under_way))
+        faulted = asyncio.run(stream_all(front.target, calls, kill_when_all_under_way))
         workers[1].proc.wait(timeout=10)
         assert killed_at and max(killed_at) < num_tokens, killed_at
         assert "re-queueing" in "".join(scheduler.log), "the killed worker held no request: the test proved nothing"
@@ -1016,25 +1025,8 @@ def test_a_killed_front_is_started_again_and_harms_no_call_of_the_other() -> Non
         wait_until(lambda: running(scheduler) == 0, 10, "the dead front's calls to be aborted")
 
         # Started again: two fronts, the new one serving too.
-        def restarted() -> list[int] | None:
-            children = front_children(scheduler.proc.pid)
-            return children if len(children) == 2 else None
-
-        again = wait_until(restarted, 30, "the killed front to be started again", poll=0.2)
-        assert fronts[0] not in again
-        assert any("starting it again" in line for line in scheduler.log)
-        wait_serving(scheduler.target)
-
-        async def after() -> list[int]:
-            async def short(i: int) -> int:
-                out = await replies(
-                    scheduler.target, build_request(prompt=f"again {i}", max_tokens=8, ignore_eos=True), OWN_CONNECTION
-                )
-                return sum(len(m.token_ids) for m in out)
-
-            return list(await asyncio.gather(*(short(i) for i in range(8))))
-
-        assert asyncio.run(after()) == [8] * 8
+        again = wait_fronts_restarted(scheduler, killed=fronts[0])
+        assert asyncio.run(short_calls(scheduler.target, num_calls=8, max_tokens=8)) == [8] * 8
         # The killed front's series went with its stream; the new one reports in its place.
         wait_until(
             lambda: set(front_series(scheduler)) == {front_name(pid) for pid in again},
@@ -1045,6 +1037,32 @@ def test_a_killed_front_is_started_again_and_harms_no_call_of_the_other() -> Non
     finally:
         scheduler.stop()
         worker.stop()
+
+
+def wait_fronts_restarted(scheduler: Service, killed: int) -> list[int]:
+    """Wait until the scheduler runs two fronts again, neither of them the killed one, said so
+    in its log, and serves again; the fronts' pids."""
+
+    def restarted() -> list[int] | None:
+        children = front_children(scheduler.proc.pid)
+        return children if len(children) == 2 else None
+
+    again = wait_until(restarted, 30, "the killed front to be started again", poll=0.2)
+    assert killed not in again
+    assert any("starting it again" in line for line in scheduler.log)
+    wait_serving(scheduler.target)
+    return again
+
+
+async def short_calls(target: str, num_calls: int, max_tokens: int) -> list[int]:
+    """`num_calls` calls at once, each on a connection of its own; the tokens each received."""
+
+    async def short(i: int) -> int:
+        request = build_request(prompt=f"again {i}", max_tokens=max_tokens, ignore_eos=True)
+        out = await replies(target, request, OWN_CONNECTION)
+        return sum(len(m.token_ids) for m in out)
+
+    return list(await asyncio.gather(*(short(i) for i in range(num_calls))))
 
 
 def test_a_fronts_load_counts_its_open_calls_and_its_cpu() -> None:

@@ -109,6 +109,43 @@ class Poller:
 # -- the scenario ----------------------------------------------------------------------------------
 
 
+async def prompt_lengths(stub: generate_pb2_grpc.GenerationStub, requests: list[dict]) -> list[int]:
+    """The prompt lengths as the server tokenizes them, asked independently."""
+    lengths = []
+    for r in requests:
+        kind = {k: r[k] for k in ("prompt", "messages") if k in r}
+        tok_req = build_request(**kind)
+        tok = generate_pb2.TokenizeRequest()
+        if "prompt" in kind:
+            tok.prompt = tok_req.prompt
+        else:
+            tok.messages.CopyFrom(tok_req.messages)
+        lengths.append(len((await stub.Tokenize(tok, timeout=30)).token_ids))
+    return lengths
+
+
+async def cancel_after_first_tokens(stub: generate_pb2_grpc.GenerationStub, request: dict) -> int:
+    """Start `request`, cancel it once it has delivered two tokens; the tokens received."""
+    got = 0
+    call = stub.Generate(build_request(**request), timeout=120)
+    async for reply in call:
+        got += len(reply.token_ids)
+        if got >= 2:
+            break
+    call.cancel()
+    return got
+
+
+def quiet(port: int) -> bool:
+    """Every request (the cancelled one too) counted, nothing running, no step in flight."""
+    s = scrape(port)
+    return (
+        total(s, "zerobubble_request_success_total") == len(REQUESTS) + 1
+        and total(s, "zerobubble_num_requests_running") == 0
+        and total(s, "zerobubble_inflight_steps") == 0
+    )
+
+
 @pytest.fixture(scope="module")
 def observed(smollm2_dir):
     """Run the requests once; the tests below each check one part of what was scraped."""
@@ -125,44 +162,16 @@ def observed(smollm2_dir):
             async with grpc.aio.insecure_channel(scheduler.target) as channel:
                 stub = generate_pb2_grpc.GenerationStub(channel)
                 info = await stub.ModelInfo(generate_pb2.ModelInfoRequest(), timeout=30)
-                # The prompt lengths as the server tokenizes them, asked independently.
-                prompt_lens = []
-                for r in [*REQUESTS, CANCELLED]:
-                    kind = {k: r[k] for k in ("prompt", "messages") if k in r}
-                    tok_req = build_request(**kind)
-                    tok = generate_pb2.TokenizeRequest()
-                    if "prompt" in kind:
-                        tok.prompt = tok_req.prompt
-                    else:
-                        tok.messages.CopyFrom(tok_req.messages)
-                    prompt_lens.append(len((await stub.Tokenize(tok, timeout=30)).token_ids))
-
-                async def cancelled() -> int:
-                    got = 0
-                    call = stub.Generate(build_request(**CANCELLED), timeout=120)
-                    async for reply in call:
-                        got += len(reply.token_ids)
-                        if got >= 2:
-                            break
-                    call.cancel()
-                    return got
-
+                prompt_lens = await prompt_lengths(stub, [*REQUESTS, CANCELLED])
                 with Poller(scheduler.ports["METRICS"]) as poller, Poller(worker.ports["METRICS"]) as worker_poller:
                     done = await asyncio.gather(
-                        *[complete(stub, build_request(**r), timeout=180) for r in REQUESTS], cancelled()
+                        *[complete(stub, build_request(**r), timeout=180) for r in REQUESTS],
+                        cancel_after_first_tokens(stub, CANCELLED),
                     )
                     completions: list[Completion] = list(done[:-1])
-
                     # Let the scheduler see the cancel, free the blocks and go quiet.
-                    def quiet() -> bool:
-                        s = scrape(scheduler.ports["METRICS"])
-                        return (
-                            total(s, "zerobubble_request_success_total") == len(REQUESTS) + 1
-                            and total(s, "zerobubble_num_requests_running") == 0
-                            and total(s, "zerobubble_inflight_steps") == 0
-                        )
-
-                    await wait_until_async(quiet, 30, "the scheduler to go quiet", poll=0.1)
+                    port = scheduler.ports["METRICS"]
+                    await wait_until_async(lambda: quiet(port), 30, "the scheduler to go quiet", poll=0.1)
                 return info, prompt_lens, completions, done[-1], poller, worker_poller
 
         info, prompt_lens, completions, cancelled_tokens, poller, worker_poller = asyncio.run(scenario())

@@ -79,16 +79,12 @@ def test_route_prefers_prefix_hits_within_a_load_bound(links, expected):
     assert router.route([1, 2, 3]).name == expected
 
 
-def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2_dir):
-    """A worker can die between two plans: the next `write` then finds the call already done
-    (asyncio.InvalidStateError, not an RpcError). The link must count the worker as lost,
-    hand its requests back, and keep trying to reconnect, instead of dying for good."""
+def fake_worker_info(smollm2_dir):
+    """What a small worker serving SmolLM2's tokenizer describes itself as."""
     from zerobubble.api import worker_pb2
-    from zerobubble.scheduler_svc import worker_link
-    from zerobubble.scheduler_svc.scheduler import SchedulerConfig
     from zerobubble.worker_svc.server import tokenizer_fields
 
-    info = worker_pb2.WorkerInfo(
+    return worker_pb2.WorkerInfo(
         worker_id="fake",
         model="m",
         max_model_len=256,
@@ -99,17 +95,30 @@ def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2
         max_num_seqs=4,
         **tokenizer_fields(smollm2_dir),
     )
+
+
+class DeadCall:
+    """An Execute stream whose call has already finished: every write raises."""
+
+    async def write(self, plan):
+        raise asyncio.InvalidStateError("RPC already finished.")
+
+    async def read(self):
+        await asyncio.Event().wait()  # the failure shows up on write first
+
+    def cancel(self):
+        pass
+
+
+def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2_dir):
+    """A worker can die between two plans: the next `write` then finds the call already done
+    (asyncio.InvalidStateError, not an RpcError). The link must count the worker as lost,
+    hand its requests back, and keep trying to reconnect, instead of dying for good."""
+    from zerobubble.scheduler_svc import worker_link
+    from zerobubble.scheduler_svc.scheduler import SchedulerConfig
+
+    info = fake_worker_info(smollm2_dir)
     describes: list[float] = []
-
-    class DeadCall:
-        async def write(self, plan):
-            raise asyncio.InvalidStateError("RPC already finished.")
-
-        async def read(self):
-            await asyncio.Event().wait()  # the failure shows up on write first
-
-        def cancel(self):
-            pass
 
     class Stub:
         def __init__(self, channel):
