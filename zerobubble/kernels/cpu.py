@@ -80,8 +80,12 @@ def describe_cpu() -> str:
     `NOTABLE_FLAGS` it has, and the cores this process may use (the benchmarks record it)."""
     flags = set(cpu_flags().split())
     have = " ".join(flag for flag in NOTABLE_FLAGS if flag in flags) or "none of " + " ".join(NOTABLE_FLAGS)
-    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu_model()}; {have}; {num_cores} cores"
+    return f"{cpu_model()}; {have}; {num_cores()} cores"
+
+
+def num_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def library_name() -> str:

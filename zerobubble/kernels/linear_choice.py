@@ -79,8 +79,7 @@ def cache_path() -> Path:
 def machine_is_busy() -> bool:
     """Whether other work keeps this process's cores busy (the last minute's load average, less
     this process, above half of them), so that timings would measure the contention."""
-    num_cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return os.getloadavg()[0] - 1.0 > 0.5 * num_cores
+    return os.getloadavg()[0] - 1.0 > 0.5 * cpu.num_cores()
 
 
 def _read_cache(path: Path) -> dict[str, Any]:
@@ -161,6 +160,7 @@ class Choice:
 
     plan: tuple[str, ...]
     times: dict[str, list[float]]
+    default: tuple[str, ...]  # the default plan it was chosen against
     num_weights: int = 0  # weights of the loaded model(s) with this shape, dtype and quantization
 
 
@@ -200,36 +200,35 @@ class LinearChooser:
         # float32 is the exactness reference: its default plan's 1-4 row product is Hugging
         # Face's own (MKL's gemv over the plain weight), whatever another product would save.
         if self.mode == DEFAULT or weight.device.type != "cpu" or weight.dtype == torch.float32:
-            return Choice(default, {})
+            return Choice(default, {}, default)
         if self.mode != AUTO:
-            return Choice((self.mode,) * len(default) if self.mode in names else default, {})
+            return Choice((self.mode,) * len(default) if self.mode in names else default, {}, default)
         path = self.path or cache_path()
         out, inputs = weight.shape
         key = f"{machine_key(self.impl)}/{out}x{inputs}/{str(weight.dtype).removeprefix('torch.')}/{quantization}"
         key += "/" + ",".join(names)
         cached = _read_cache(path).get(key)
         if isinstance(cached, dict) and _valid(cached.get("plan"), names, len(default)):
-            return Choice(tuple(cached["plan"]), cached.get("times", {}))
+            return Choice(tuple(cached["plan"]), cached.get("times", {}), default)
         if not self.measure_when_busy and machine_is_busy():
             self.skipped_busy = True
-            return Choice(default, {})
+            return Choice(default, {}, default)
         started = time.perf_counter()
         times = time_products(weight, quantization, names)
         self.measure_seconds += time.perf_counter() - started
         plan = pick_plan(times, default)
         _write_cache(path, key, {"plan": list(plan), "times": times, "cpu": cpu.cpu_model()})
-        return Choice(plan, times)
+        return Choice(plan, times, default)
 
     def report(self) -> list[str]:
         """One line per weight shape chosen for: its plan per bucket and, where measured, how much
         faster than the default plan's product; logged at INFO."""
         labels = bucket_names()
         lines = []
-        for (shape, dtype, quantization, names), choice in self.choices.items():
+        for (shape, dtype, quantization, _names), choice in self.choices.items():
             parts = []
-            for bucket, (label, name) in enumerate(zip(labels, choice.plan)):
+            for bucket, (label, name, baseline) in enumerate(zip(labels, choice.plan, choice.default)):
                 gain = ""
-                baseline = default_plan(names, getattr(torch, dtype.removeprefix("torch.")))[bucket]
                 if choice.times and name != baseline:
                     gain = f" ({choice.times[baseline][bucket] / choice.times[name][bucket]:.2f}x {baseline})"
                 parts.append(f"{label}: {name}{gain}")
