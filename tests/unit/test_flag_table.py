@@ -1,4 +1,4 @@
-"""README.md's flag tables are generated from the CLI and must not go stale."""
+"""docs/flags.md's flag tables are generated from the CLI and must not go stale."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _readme_section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    text = (ROOT / "docs" / "flags.md").read_text(encoding="utf-8")
     start, end = text.index(flag_table.BEGIN), text.index(flag_table.END)
     return text[start : end + len(flag_table.END)]
 
 
 def test_readme_flag_table_is_current() -> None:
     assert _readme_section() == flag_table.render_section(), (
-        f"README.md's flag table is stale: run `{flag_table.FIX_COMMAND}` and commit the result"
+        f"docs/flags.md's flag table is stale: run `{flag_table.FIX_COMMAND}` and commit the result"
     )
 
 
@@ -54,10 +54,10 @@ def test_defaults_ignore_the_callers_environment(monkeypatch: pytest.MonkeyPatch
 def test_check_fails_on_a_stale_readme_and_write_fixes_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     readme = tmp_path / "README.md"
     readme.write_text(f"# title\n\n{flag_table.BEGIN}\nold table\n{flag_table.END}\n\nafter\n", encoding="utf-8")
-    assert flag_table.main(["--check", "--readme", str(readme)]) == 1
+    assert flag_table.main(["--check", "--file", str(readme)]) == 1
     assert flag_table.FIX_COMMAND in capsys.readouterr().err
-    assert flag_table.main(["--write", "--readme", str(readme)]) == 0
-    assert flag_table.main(["--check", "--readme", str(readme)]) == 0
+    assert flag_table.main(["--write", "--file", str(readme)]) == 0
+    assert flag_table.main(["--check", "--file", str(readme)]) == 0
     text = readme.read_text(encoding="utf-8")
     assert text.startswith("# title\n\n") and text.endswith("\n\nafter\n") and "old table" not in text
 

@@ -1,9 +1,9 @@
-"""README.md's flag tables, generated from the CLI that `zerobubble.config` builds.
+"""docs/flags.md's flag tables, generated from the CLI that `zerobubble.config` builds.
 
 The service flags come from the config dataclasses (:func:`zerobubble.config.service_settings`),
 the client flags from `zerobubble generate` and `zerobubble bench`; both are read from the
 parser itself, so the table shows exactly what ``--help`` shows, each command's default
-included. ``python -m zerobubble.tools.flag_table --write`` rewrites the README between the
+included. ``python -m zerobubble.tools.flag_table --write`` rewrites docs/flags.md between the
 marker comments; ``--check`` (and ``tests/unit/test_flag_table.py``) fails while it is stale.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from zerobubble.entrypoints.cli import build_parser
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+FLAGS_PAGE = Path(__file__).resolve().parents[2] / "docs" / "flags.md"
 BEGIN = "<!-- flag-table:begin (python -m zerobubble.tools.flag_table --write) -->"
 END = "<!-- flag-table:end -->"
 SERVICE_COMMANDS = ("serve", "worker", "scheduler", "front")
@@ -90,7 +90,7 @@ def render_table(commands: Sequence[str]) -> str:
 
 
 def render_section() -> str:
-    """Everything between the README's markers: the service table, then the client table."""
+    """Everything between the markers: the service table, then the client table."""
     return "\n".join(
         [
             BEGIN,
@@ -112,31 +112,31 @@ def replace_section(text: str, section: str) -> str:
     """``text`` with the part from the begin marker to the end marker replaced by ``section``."""
     start, end = text.find(BEGIN), text.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README.md lacks the flag-table markers {BEGIN!r} ... {END!r}")
+        raise ValueError(f"the file lacks the flag-table markers {BEGIN!r} ... {END!r}")
     return text[:start] + section + text[end + len(END) :]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``--write`` rewrites README.md's table; ``--check`` exits 1 when it is stale; neither prints it."""
+    """``--write`` rewrites docs/flags.md's table; ``--check`` exits 1 when it is stale; neither prints it."""
     parser = argparse.ArgumentParser(prog="python -m zerobubble.tools.flag_table", description=__doc__)
     mode = parser.add_mutually_exclusive_group()
-    mode.add_argument("--write", action="store_true", help="rewrite the section of README.md")
-    mode.add_argument("--check", action="store_true", help="exit 1 when README.md's section is stale")
-    parser.add_argument("--readme", type=Path, default=README, help="the file to read and rewrite")
+    mode.add_argument("--write", action="store_true", help="rewrite the section of docs/flags.md")
+    mode.add_argument("--check", action="store_true", help="exit 1 when docs/flags.md's section is stale")
+    parser.add_argument("--file", type=Path, default=FLAGS_PAGE, help="the file to read and rewrite")
     args = parser.parse_args(argv)
     section = render_section()
     if not (args.write or args.check):
         print(section)
         return 0
-    text = args.readme.read_text(encoding="utf-8")
+    text = args.file.read_text(encoding="utf-8")
     fresh = replace_section(text, section)
     if args.check:
         if fresh != text:
-            print(f"{args.readme}: the flag table is stale; run `{FIX_COMMAND}`", file=sys.stderr)
+            print(f"{args.file}: the flag table is stale; run `{FIX_COMMAND}`", file=sys.stderr)
             return 1
         return 0
     if fresh != text:
-        args.readme.write_text(fresh, encoding="utf-8")
+        args.file.write_text(fresh, encoding="utf-8")
     return 0
 
 
