@@ -38,6 +38,7 @@ import referencing
 import yaml
 
 from deploy import promtool as prom
+from deploy.groups import check_network_policies, check_worker_group, expand, is_leader, template_variables
 from deploy.manifests import (
     DEFAULT_KUBECTL,
     Obj,
@@ -45,7 +46,7 @@ from deploy.manifests import (
     containers,
     find_kubectl,
     object_id,
-    pod_template,
+    pod_templates,
     render,
     walk_strings,
 )
@@ -177,6 +178,19 @@ def check_schema(obj: Obj, schemas: Schemas, k8s_version: str, where: str, resul
         return
     for message in errors:
         result.fail(where, f"{_describe(obj)}: {message}")
+    if not errors:
+        for template in pod_templates(obj):
+            _check_embedded_template(obj, template, k8s_version, where, result)
+
+
+def _check_embedded_template(obj: Obj, template: Obj, k8s_version: str, where: str, result: Result) -> None:
+    """A custom resource's pod template, strictly against Kubernetes' own PodTemplateSpec."""
+    wrapped = {"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": "t"}, "template": template}
+    try:
+        kubernetes_validate.validate(wrapped, k8s_version, strict=True)
+    except kubernetes_validate.ValidationError as exc:
+        path = ".".join(map(str, exc.path)) or "<root>"
+        result.fail(where, f"{_describe(obj)}: pod {path}: {exc.message}")
 
 
 # --- references between objects ----------------------------------------------------------------
@@ -184,8 +198,7 @@ def check_schema(obj: Obj, schemas: Schemas, k8s_version: str, where: str, resul
 
 def _workloads(objects: Sequence[Obj]) -> Iterator[tuple[Obj, Obj]]:
     for obj in objects:
-        template = pod_template(obj)
-        if template is not None:
+        for template in pod_templates(obj):
             yield obj, template
 
 
@@ -453,6 +466,7 @@ class _ContainerEnv:
     pod: Obj
     container: Obj
     configmaps: dict[str, Obj]  # of its namespace, by name
+    variables: dict[str, str]  # what the workload's controller sets first in its environment (deploy.groups)
 
     def ours(self) -> dict[str, EnvValue]:
         return {k: v for k, v in self.env.items() if k.startswith(ENV_PREFIX)}
@@ -485,12 +499,20 @@ def check_flags(
                 if ours := sorted(k for k in env if k.startswith(ENV_PREFIX)):
                     result.fail(where, f"{cname}: sets {ours} but its args {args} run no zerobubble worker/scheduler")
                 continue
-            c = _ContainerEnv(cname, service, service_flags[service], env, pod, container, configmaps)
+            variables = template_variables(obj, template)
+            c = _ContainerEnv(cname, service, service_flags[service], env, pod, container, configmaps, variables)
             _check_no_secrets_in_configmaps(c, where, result)
             _check_env_names(c, where, result, reachable)
-            _check_flag_values(service, c.ours(), template, ns, by_id, cname, where, result)
+            if is_leader(obj, template):  # the other pods of a group serve nothing
+                _check_flag_values(service, c.ours(), template, ns, by_id, cname, where, result)
             config = _parse_container_env(c, where, result)
-            if config is not None:
+            if config is None:
+                continue
+            if service == "worker":
+                raw_rank = env.get(env_name("node-rank"))
+                for problem in check_worker_group(config, obj, template, container, raw_rank and raw_rank.value):
+                    result.fail(where, f"{cname}: {problem}")
+            if is_leader(obj, template):
                 parsed.setdefault(service, []).append((cname, config))
     for sname, sched in parsed.get("scheduler", []):
         for wname, work in parsed.get("worker", []):
@@ -546,7 +568,11 @@ def _check_env_names(c: _ContainerEnv, where: str, result: Result, reachable: di
 def _parse_container_env(c: _ContainerEnv, where: str, result: Result) -> object | None:
     """The config the container's service builds from its environment (None: it refuses it)."""
     known = c.known()
-    values = {k: v for k, v in ((k, _stand_in(e)) for k, e in c.ours().items() if k in known) if v is not None}
+    values = {
+        k: expand(v, c.variables)
+        for k, v in ((k, _stand_in(e)) for k, e in c.ours().items() if k in known)
+        if v is not None
+    }
     config, error = parse_with_cli(c.service, values)
     if config is None:
         result.fail(where, f"{c.cname}: `zerobubble {c.service}` rejects its environment: {error}")
@@ -917,6 +943,8 @@ class _OverlayCheck:
         try:
             check_references(objects, where, result)
             check_flags(objects, where, result, self.reachable, self.service_flags)
+            for problem in check_network_policies(objects):
+                result.fail(where, problem)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             result.fail(
                 where, f"could not check references ({type(exc).__name__}: {exc}); a field has an unexpected shape"

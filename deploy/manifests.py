@@ -66,13 +66,20 @@ def object_id(obj: Obj) -> tuple[str, str, str]:
     return (str(obj.get("kind")), str(meta.get("namespace", "")), str(meta.get("name")))
 
 
-def pod_template(obj: Obj) -> Obj | None:
-    """The pod template (metadata + spec) of a workload, or None for other kinds."""
+def pod_templates(obj: Obj) -> list[Obj]:
+    """The pod templates (metadata + spec) of a workload: one for the built-in kinds, a
+    LeaderWorkerSet's leader and worker templates (the worker's alone when it has no leader
+    template of its own), none for other kinds."""
+    spec = obj.get("spec") or {}
     if obj.get("kind") in WORKLOAD_KINDS:
-        return (obj.get("spec") or {}).get("template")
+        return [spec["template"]] if spec.get("template") else []
     if obj.get("kind") == "CronJob":
-        return ((obj.get("spec") or {}).get("jobTemplate") or {}).get("spec", {}).get("template")
-    return None
+        template = ((spec.get("jobTemplate") or {}).get("spec") or {}).get("template")
+        return [template] if template else []
+    if obj.get("kind") == "LeaderWorkerSet":
+        group = spec.get("leaderWorkerTemplate") or {}
+        return [group[key] for key in ("leaderTemplate", "workerTemplate") if group.get(key)]
+    return []
 
 
 def containers(pod_spec: Obj) -> Iterator[Obj]:

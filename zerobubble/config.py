@@ -233,6 +233,18 @@ class WorkerConfig(ServiceConfig):
         choices=("none", "int8", "int4"),
     )
     device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
+    tensor_parallel_size: int = setting(
+        1,
+        "devices (ranks) one worker's model is split over, Megatron-style (each rank holds its share of the "
+        "attention heads and MLP columns; two all-reduces per layer, NCCL on CUDA, gloo on the CPU); the "
+        "leader, rank 0, serves gRPC and starts the other ranks of its machine",
+    )
+    nnodes: int = setting(1, "machines a tensor-parallel worker spans; each runs --tensor-parallel-size / --nnodes ranks")
+    node_rank: int = setting(0, "this machine's index among --nnodes (0 = the leader's, which serves gRPC)")
+    master_addr: str = setting(
+        "127.0.0.1", "address of the leader's rendezvous that the ranks join (one machine: loopback only)"
+    )
+    master_port: int = setting(0, "port of the leader's rendezvous (0 = a free port; one machine only)")
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gb: float = setting(2.0, "KV cache budget on CPU, in GiB")
     gpu_memory_utilization: float = setting(

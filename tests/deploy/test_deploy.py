@@ -57,8 +57,9 @@ def test_repository_deploy_tree_passes(promtool: str) -> None:
     result = deploy_check.check(DEPLOY, promtool=promtool)
     assert result.problems == []
     assert any("overlays/gpu:" in n and "objects" in n for n in result.notes)
-    # The plain rules file and the PrometheusRule of both monitoring overlays.
-    assert any("promtool: 3 rule document(s) checked, 12 alerts unit-tested" in n for n in result.notes), result.notes
+    assert any("overlays/gpu-multinode:" in n and "objects" in n for n in result.notes)
+    # The plain rules file and the PrometheusRule of each of the four monitoring overlays.
+    assert any("promtool: 5 rule document(s) checked, 12 alerts unit-tested" in n for n in result.notes), result.notes
 
 
 @pytest.mark.usefixtures("kubectl")
@@ -287,6 +288,95 @@ BROKEN = [
         "cpu-demo",
         "set enableServiceLinks: false",
         id="service-links",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-tp/worker-gpus.yaml",
+        'nvidia.com/gpu: "4"',
+        'nvidia.com/gpu: "2"',
+        "gpu-tp",
+        "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=4 over 1 pod(s) runs 4 ranks per pod, one per GPU, but the pod's "
+        "nvidia.com/gpu limit is 2",
+        id="ranks-without-gpus",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-tp/worker.env",
+        "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=4",
+        "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=4\nZEROBUBBLE_MASTER_ADDR=0.0.0.0",
+        "gpu-tp",
+        "ZEROBUBBLE_MASTER_ADDR=0.0.0.0: the ranks of one pod meet on loopback",
+        id="one-pod-rendezvous-off-loopback",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/worker.env",
+        "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=16",
+        "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=8",
+        "gpu-multinode",
+        "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=8 over 2 pod(s) runs 4 ranks per pod",
+        id="group-ranks-without-gpus",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/leaderworkerset.yaml",
+        "value: $(LWS_WORKER_INDEX)",
+        'value: "0"',
+        "gpu-multinode",
+        "every pod of a group needs its own, $(LWS_WORKER_INDEX)",
+        id="node-ranks-collide",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/leaderworkerset.yaml",
+        "value: $(LWS_GROUP_SIZE)",
+        'value: "4"',
+        "gpu-multinode",
+        "ZEROBUBBLE_NNODES=4 but the LeaderWorkerSet runs groups of 2 pod(s)",
+        id="nnodes-not-the-group-size",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/worker.env",
+        "ZEROBUBBLE_MASTER_PORT=29500",
+        "ZEROBUBBLE_MASTER_PORT=29501",
+        "gpu-multinode",
+        "ZEROBUBBLE_MASTER_PORT=29501 is not a container port of the leader",
+        id="rendezvous-port-closed",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/networkpolicy.yaml",
+        "    - from:\n        - podSelector:",
+        "    - from:\n        - namespaceSelector: {}\n        - podSelector:",
+        "gpu-multinode",
+        "ingress[0] admits pods other than LeaderWorkerSet zerobubble-worker's own",
+        id="rendezvous-open-to-the-cluster",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/networkpolicy.yaml",
+        "        - port: metrics\n",
+        "        - port: metrics\n        - port: 29500\n",
+        "gpu-multinode",
+        "ingress[1] admits pods other than LeaderWorkerSet zerobubble-worker's own",
+        id="rendezvous-port-open-to-all",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/kustomization.yaml",
+        "  - networkpolicy.yaml\n",
+        "",
+        "gpu-multinode",
+        "but no NetworkPolicy limits who reaches its pods",
+        id="group-without-network-policy",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/leaderworkerset.yaml",
+        "restartPolicy: RecreateGroupOnPodRestart",
+        "restartPolicy: Always",
+        "gpu-multinode",
+        "spec.leaderWorkerTemplate.restartPolicy: 'Always' is not one of",
+        id="lws-bad-enum",
+    ),
+    pytest.param(
+        "k8s/overlays/gpu-multinode/leaderworkerset.yaml",
+        "        nodeSelector: *gpuNodes",
+        "        nodeSelectr: *gpuNodes",
+        "gpu-multinode",
+        "LeaderWorkerSet zerobubble/zerobubble-worker: pod ",
+        id="lws-pod-template-typo",
     ),
 ]
 
