@@ -1,0 +1,87 @@
+"""The shared-memory all-reduce against the sum it must equal, over real gloo process groups."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from zerobubble.worker_svc.shm_allreduce import SharedMemoryAllReduce
+
+SHAPES = [(1, 576), (7, 64), (3, 5), (128, 576)]  # the last one is past max_bytes: gloo's path
+MAX_BYTES = 64 * 1024
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _partial(rank: int, call: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * call + rank)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def _expected(world: int, call: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The ranks' partials added in rank order, in ``dtype``: what every rank must end with."""
+    total = _partial(0, call, shape, dtype) + _partial(1, call, shape, dtype)
+    for r in range(2, world):
+        total = total + _partial(r, call, shape, dtype)
+    return total
+
+
+def _sums(rank: int, world: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    reducer = SharedMemoryAllReduce(dist.group.WORLD, max_bytes=MAX_BYTES)
+    results = []
+    for call in range(40):  # many calls: both slot sets are reused many times over
+        shape = SHAPES[call % len(SHAPES)]
+        dtype = torch.float32 if call % 2 else torch.bfloat16
+        tensor = _partial(rank, call, shape, dtype)
+        results.append(reducer.all_reduce(tensor).clone())
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    reducer.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_ends_with_the_rank_ordered_sum(tmp_path: Path, world: int) -> None:
+    before = set(os.listdir("/dev/shm"))
+    mp.spawn(_sums, args=(world, _free_port(), str(tmp_path)), nprocs=world)
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for call, got in enumerate(per_rank[0]):
+        shape = SHAPES[call % len(SHAPES)]
+        dtype = torch.float32 if call % 2 else torch.bfloat16
+        if shape != SHAPES[-1]:  # gloo's own order of additions may differ; ours is fixed
+            assert torch.equal(got, _expected(world, call, shape, dtype)), call
+        else:
+            torch.testing.assert_close(got, _expected(world, call, shape, dtype), rtol=2e-2, atol=2e-2)
+        for other in per_rank[1:]:
+            assert torch.equal(other[call], got), f"ranks disagree at call {call}"
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("zerobubble-allreduce")]
+
+
+def _one_rank_missing(rank: int, world: int, port: int, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    reducer = SharedMemoryAllReduce(dist.group.WORLD, max_bytes=MAX_BYTES, timeout_s=0.5)
+    if rank == 0:
+        try:
+            reducer.all_reduce(torch.ones(4))
+        except RuntimeError as exc:
+            (Path(out_dir) / "error.txt").write_text(str(exc))
+    dist.barrier()
+    reducer.close()
+    dist.destroy_process_group()
+
+
+def test_a_rank_that_never_arrives_is_named(tmp_path: Path) -> None:
+    mp.spawn(_one_rank_missing, args=(2, _free_port(), str(tmp_path)), nprocs=2)
+    error = (tmp_path / "error.txt").read_text()
+    assert "rank(s) [1] did not arrive within 0 s" in error

@@ -1,0 +1,125 @@
+"""All-reduce over shared memory for the CPU ranks of one machine.
+
+gloo's all-reduce goes through loopback TCP: tens of microseconds to a millisecond per call
+(docs/benchmarks/tensor-parallel.md), and a tensor-parallel forward makes two per layer, so a
+small model would spend more time in collectives than in its products. Ranks on one machine can
+instead meet in a shared-memory segment, as vLLM's and SGLang's CPU backends do: each rank
+copies its partial sum into its own slot, publishes a sequence number, waits until every rank
+has published the same one, and adds the slots up in rank order — the same additions in the
+same order on every rank, so every rank ends with bit-identical sums (what keeps the ranks'
+sampled tokens identical).
+
+Two sets of slots alternate between calls: a rank writes call ``n``'s partial only after it
+has seen every rank publish call ``n - 1``, i.e. after every rank has finished reading call
+``n - 2``'s slots, the set it is about to overwrite. torch.distributed still forms the group
+(rendezvous, the segment's name, barriers); tensors larger than a slot go through it too.
+
+The segment lives in ``/dev/shm`` only until every rank has mapped it (the creator unlinks it
+then), so a killed group leaves nothing behind. Stores are ordered as written on x86 (TSO),
+which the publish-then-read protocol relies on; the compiled CPU kernels are x86-only too.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+# Each rank's sequence number sits on a cache line of its own, so a rank polling the others'
+# does not keep stealing the line that rank writes.
+_LINE = 64
+_SHM_DIR = "/dev/shm"
+# Spins between yields while waiting: ranks on cores of their own answer within a few spins;
+# more ranks than cores need the yield to let the awaited rank run at all.
+_SPINS_PER_YIELD = 32
+
+
+class SharedMemoryAllReduce:
+    """In-place sum of a tensor over the ranks of ``group``, all on this machine."""
+
+    def __init__(self, group: Any, max_bytes: int = 1 << 22, timeout_s: float = 60.0) -> None:
+        """``group``: a torch.distributed group whose ranks share this machine; ``max_bytes``:
+        the largest tensor summed through shared memory (larger ones use the group);
+        ``timeout_s``: how long a call waits for a rank before it raises."""
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
+        self.seq = 0
+        header = self.world_size * _LINE
+        self._mapping = _map_segment(group, self.rank, header + 2 * self.world_size * max_bytes)
+        counters = np.frombuffer(self._mapping, dtype=np.int64, count=header // 8)
+        self._counters = counters[:: _LINE // 8]
+        data = torch.frombuffer(self._mapping, dtype=torch.uint8, offset=header)
+        self._slots = data.view(2, self.world_size, max_bytes)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` (contiguous) over the ranks, in place; every rank must call it with a
+        tensor of the same shape and dtype, in the same order."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes > self.max_bytes or not tensor.is_contiguous():
+            dist.all_reduce(tensor, group=self.group)
+            return tensor
+        self.seq += 1
+        slots = self._slots[self.seq & 1, :, :nbytes].view(tensor.dtype)  # [world, numel]
+        flat = tensor.view(-1)
+        slots[self.rank].copy_(flat)
+        self._counters[self.rank] = self.seq
+        self._wait(self.seq)
+        torch.add(slots[0], slots[1], out=flat)
+        for r in range(2, self.world_size):
+            flat.add_(slots[r])
+        return tensor
+
+    def _wait(self, seq: int) -> None:
+        """Until every rank has published ``seq``; raises after ``timeout_s``."""
+        spins = 0
+        deadline = 0.0
+        while self._counters.min() < seq:
+            spins += 1
+            if spins % _SPINS_PER_YIELD == 0:
+                os.sched_yield()
+                now = time.monotonic()
+                if deadline == 0.0:
+                    deadline = now + self.timeout_s
+                elif now > deadline:
+                    late = [r for r in range(self.world_size) if self._counters[r] < seq]
+                    raise RuntimeError(
+                        f"tensor-parallel all-reduce {seq}: rank(s) {late} did not arrive within "
+                        f"{self.timeout_s:.0f} s (a rank died or hangs)"
+                    )
+
+    def close(self) -> None:
+        """Unmap the segment (every view of it must be gone first)."""
+        self._counters = None  # type: ignore[assignment]
+        self._slots = None  # type: ignore[assignment]
+        self._mapping.close()
+
+
+def _map_segment(group: Any, rank: int, size: int) -> mmap.mmap:
+    """The group's shared segment of ``size`` bytes, zeroed: created by the group's first rank,
+    mapped by all, then unlinked, so it disappears with the last process that maps it."""
+    names: list[str | None] = [f"zerobubble-allreduce-{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
+    dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
+    path = os.path.join(_SHM_DIR, str(names[0]))
+    if rank == 0:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)  # a new file reads as zeros: every sequence number starts at 0
+    dist.barrier(group=group)
+    if rank != 0:
+        fd = os.open(path, os.O_RDWR)
+    try:
+        mapping = mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+    dist.barrier(group=group)
+    if rank == 0:
+        os.unlink(path)
+    return mapping
