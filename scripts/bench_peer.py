@@ -42,6 +42,10 @@ OURS = {
     "ours --quantization int4 --spec-method ngram": {"quantization": "int4", "spec_method": "ngram"},
     "ours --spec-method ngram": {"spec_method": "ngram"},
     "ours --dtype float32": {"dtype": "float32"},
+    # One worker over two ranks of one thread each, against the default's one rank of two threads
+    # on the same cores: what the collectives cost (docs/benchmarks/tensor-parallel.md).
+    "ours --tensor-parallel-size 2": {"tensor_parallel_size": 2, "num_threads": 1},
+    "ours --tensor-parallel-size 2 --dtype float32": {"tensor_parallel_size": 2, "num_threads": 1, "dtype": "float32"},
 }
 PEER = "llama-server (Q4_1)"
 BASELINE = "baseline "
@@ -128,7 +132,7 @@ def measure(server: Callable[[], object], rows: list[BenchRow], concurrency: int
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--llama-server", type=Path, required=True)
+    parser.add_argument("--llama-server", type=Path, default=None, help="needed when the systems include it")
     parser.add_argument("--gguf", type=Path, default=None, help="default: the embedded model's GGUF")
     parser.add_argument("--dataset", default="grounded")
     parser.add_argument("--limit", type=int, default=16)
@@ -142,8 +146,11 @@ def main() -> None:
     )  # fmt: skip
     parser.add_argument("--baseline-systems", nargs="+", default=None, choices=list(OURS))
     parser.add_argument("--systems", nargs="+", default=[*OURS, PEER], choices=[*OURS, PEER])
+    parser.add_argument("--reference", default=PEER, help="the system the ratios are taken to (default llama-server)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if PEER in args.systems and args.llama_server is None:
+        parser.error("--llama-server PATH is needed to run llama-server (or leave it out of --systems)")
     if args.baseline is not None:
         again = args.baseline_systems or [system for system in args.systems if system in OURS]
         args.systems += [BASELINE + system for system in again]
@@ -170,12 +177,12 @@ def main() -> None:
                 print(f"round {round_index + 1} c={concurrency} {system}: {got.rate:.1f} tok/s", flush=True)
     print(f"\nCPU: {machine}")
     print(f"{len(rows)} rows of {args.dataset}, max_tokens capped at {args.max_tokens_cap}, {args.rounds} rounds")
-    print("| system | " + " | ".join(f"concurrency {c}: tok/s (x llama-server)" for c in args.concurrency) + " |")
+    print("| system | " + " | ".join(f"concurrency {c}: tok/s (x {args.reference})" for c in args.concurrency) + " |")
     print("|---|" + "---|" * len(args.concurrency))
     for system in args.systems:
         cells = []
         for c in args.concurrency:
-            peer = results[c].get(PEER)
+            peer = results[c].get(args.reference)
             ratio = f" ({results[c][system].rate / peer.rate:.2f}x)" if peer and peer.rate else ""
             cells.append(f"{results[c][system].rate:.1f}{ratio}")
         print(f"| {system} | " + " | ".join(cells) + " |")
