@@ -3,6 +3,8 @@
 #
 #   scripts/bench_llamacpp.sh build          # build llama-server once into the cache (6-20 min)
 #   scripts/bench_llamacpp.sh run [ARGS...]  # build if needed, then scripts/bench_peer.py ARGS
+#   scripts/bench_llamacpp.sh convert DIR OUT.gguf [TYPE]  # a Hugging Face directory to GGUF
+#                                            # with llama.cpp's own converter (TYPE: bf16, q8_0, ...)
 #
 # The server is built from the `llama-cpp-python` source distribution (its vendored llama.cpp)
 # with AVX-512 on and AMX off (ggml's AMX path crashes on some AMX machines), without curl, and
@@ -35,8 +37,15 @@ build() {
     echo "$SERVER"
 }
 
+convert() {
+    build >/dev/null
+    PYTHONPATH="$LLAMA_DIR/src/gguf-py" "$PY" "$LLAMA_DIR/src/convert_hf_to_gguf.py" "$1" --outfile "$2" \
+        --outtype "${3:-bf16}"
+}
+
 case "${1:-run}" in
     build) build ;;
+    convert) shift; convert "$@" ;;
     run) shift || true; build >/dev/null; exec "$PY" scripts/bench_peer.py --llama-server "$SERVER" "$@" ;;
-    *) echo "usage: $0 build | run [bench_peer.py args]" >&2; exit 2 ;;
+    *) echo "usage: $0 build | run [bench_peer.py args] | convert DIR OUT.gguf [TYPE]" >&2; exit 2 ;;
 esac

@@ -133,7 +133,10 @@ def measure(server: Callable[[], object], rows: list[BenchRow], concurrency: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", type=Path, default=None, help="needed when the systems include it")
-    parser.add_argument("--gguf", type=Path, default=None, help="default: the embedded model's GGUF")
+    parser.add_argument("--gguf", type=Path, default=None, help="llama-server's weights (default: the embedded model's GGUF)")
+    parser.add_argument(
+        "--model", default="", help="our --model (default: the embedded model); pass the same weights as --gguf"
+    )
     parser.add_argument("--dataset", default="grounded")
     parser.add_argument("--limit", type=int, default=16)
     parser.add_argument("--max-tokens-cap", type=int, default=96)
@@ -156,6 +159,7 @@ def main() -> None:
         args.systems += [BASELINE + system for system in again]
     rows = load_dataset(args.dataset, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
     gguf = args.gguf or embedded_gguf()
+    model_flags = {"model": args.model} if args.model else {}
     machine = describe_cpu()
     print(f"CPU: {machine}", flush=True)
     results: dict[int, dict[str, Measured]] = {c: {s: Measured() for s in args.systems} for c in args.concurrency}
@@ -167,10 +171,11 @@ def main() -> None:
                 if system == PEER:
                     server = lambda c=concurrency: llama_server(args.llama_server, gguf, args.threads, c)  # noqa: E731
                 elif system.startswith(BASELINE):
-                    flags = OURS[system.removeprefix(BASELINE)]
+                    flags = {**model_flags, **OURS[system.removeprefix(BASELINE)]}
                     server = lambda f=flags, c=concurrency: ours(f, c, args.baseline.resolve())  # noqa: E731
                 else:
-                    server = lambda s=system, c=concurrency: ours(OURS[s], c)  # noqa: E731
+                    flags = {**model_flags, **OURS[system]}
+                    server = lambda f=flags, c=concurrency: ours(f, c)  # noqa: E731
                 got = measure(server, rows, concurrency)
                 total = results[concurrency][system]
                 total.tokens, total.wall_s = total.tokens + got.tokens, total.wall_s + got.wall_s
