@@ -178,7 +178,9 @@ if HAS_TRITON:
                 else:
                     acc = tl.dot(a, b, acc)
             out_mask = (rows[:, None] < row_end) & (cols[None, :] < num_outputs)
-            tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+            tl.store(
+                out_ptr + rows[:, None] * stride_o + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=out_mask
+            )
 
 
 def _block_rows(num_rows: int, num_experts: int) -> int:
