@@ -138,6 +138,13 @@ SPARSE_CONFIGS = {
                   num_key_value_heads=2),
     "qwen3-windowed": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+    # Mixtures of experts: Qwen3-MoE's and Mixtral's configs keep num_experts as num_local_experts.
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=8, moe_intermediate_size=32, mlp_only_layers=[1]),
+    "mixtral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
 }  # fmt: skip
 
 
@@ -163,6 +170,7 @@ def test_the_cached_config_reads_as_transformers_resolves_it(tmp_path: Path, mon
     for config in (first, second):
         spec = model_spec(config)
         assert spec == model_spec(reference)
+        assert (spec.moe is not None) == family.endswith(("_moe", "mixtral"))
         tables, expected = rope_tables(config, spec.head_dim, 64), rope_tables(reference, spec.head_dim, 64)
         assert all(torch.equal(a, b) for a, b in zip(tables, expected))
         assert _eos_token_ids(model_dir, config) == _eos_token_ids(model_dir, reference)
