@@ -15,7 +15,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from zerobubble.kernels import moe  # noqa: E402
-from zerobubble.kernels._triton import HAS_TRITON  # noqa: E402
+from zerobubble.kernels._triton import HAS_TRITON, KernelImpl  # noqa: E402
 from zerobubble.kernels.linear import dequantize_int4, prepare_linear, quantize_int4, quantize_int8  # noqa: E402
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -111,15 +111,15 @@ def test_cpu_experts_match_the_twin(num_tokens: int, quantization: str) -> None:
     gate_up, down = _stacked(torch.float32, num_tokens)
     x, routing = _routing(num_tokens, num_tokens)
     cpu = moe.expert_weights(gate_up, down, partial(prepare_linear, quantization=quantization))
-    twin_weights = [torch.stack([dequantized(w[e]) for e in range(NUM_EXPERTS)]) for w in (gate_up, down)]
-    twin = moe.expert_weights(*twin_weights)
+    twin_gate_up, twin_down = (torch.stack([dequantized(w[e]) for e in range(NUM_EXPERTS)]) for w in (gate_up, down))
+    twin = moe.expert_weights(twin_gate_up, twin_down)
     got = moe.routed_experts(x, routing, cpu)
     want = moe.routed_experts(x, routing, twin, impl="torch")
     _close(got, want, tolerance)
 
 
 @pytest.mark.parametrize("impl", [None, "cpp"])
-def test_bfloat16_cpu_experts_are_close_to_float32(request: pytest.FixtureRequest, impl: str | None) -> None:
+def test_bfloat16_cpu_experts_are_close_to_float32(request: pytest.FixtureRequest, impl: KernelImpl) -> None:
     """bfloat16 experts (oneDNN's product, or the compiled block product with the compiled
     SiLU) against the float32 twin of the same rounded weights."""
     if impl == "cpp":

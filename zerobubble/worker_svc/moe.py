@@ -48,10 +48,10 @@ def moe_spec(hf_config: Any, num_layers: int) -> MoeSpec | None:
     model_type = getattr(hf_config, "model_type", None)
     # Qwen3-MoE's and Mixtral's configs store `num_experts` as `num_local_experts` (an attribute
     # map), which is all a cached config's plain attributes have (model_loader.read_config).
-    num_experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0)
+    num_experts = int(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0) or 0)
     if model_type == "mixtral":
         return MoeSpec(
-            num_experts=int(num_experts),
+            num_experts=num_experts,
             top_k=int(hf_config.num_experts_per_tok),
             intermediate_size=int(hf_config.intermediate_size),
             renormalize=True,
@@ -62,7 +62,6 @@ def moe_spec(hf_config: Any, num_layers: int) -> MoeSpec | None:
         )
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return None
-    num_experts = int(num_experts)
     step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
     dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
     return MoeSpec(
