@@ -62,7 +62,7 @@ def qwen3_moe_config(shape: MoeShape, vocab: int, tokenizer_config: dict[str, An
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         head_dim=shape.head_dim, num_experts=shape.experts, num_experts_per_tok=shape.top_k,
         moe_intermediate_size=shape.expert_intermediate, norm_topk_prob=True, max_position_embeddings=8192,
-        rope_theta=1000000.0, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
         bos_token_id=tokenizer_config.get("bos_token_id"), eos_token_id=tokenizer_config.get("eos_token_id"),
     )  # fmt: skip
 
