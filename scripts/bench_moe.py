@@ -29,13 +29,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 @dataclass(frozen=True, slots=True)
 class MoeShape:
-    """The sizes of a Qwen3-MoE model (q/k norms, untied lm_head, every layer sparse)."""
+    """The sizes of a Qwen3-MoE model (heads of hidden / heads, q/k norms, untied lm_head, every
+    layer sparse)."""
 
     layers: int = 18
     hidden: int = 1024
     heads: int = 16
     kv_heads: int = 4
-    head_dim: int = 64
     experts: int = 64
     top_k: int = 8
     expert_intermediate: int = 256
@@ -44,8 +44,9 @@ class MoeShape:
 def parameter_counts(shape: MoeShape, vocab: int) -> tuple[int, int]:
     """(total, active per decode token) parameters; active counts the lm_head, not the embedding
     (one row of it is read)."""
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    attention = shape.hidden * (q + 2 * kv) + q * shape.hidden + 2 * shape.head_dim + 2 * shape.hidden
+    head_dim = shape.hidden // shape.heads
+    q, kv = shape.heads * head_dim, shape.kv_heads * head_dim
+    attention = shape.hidden * (q + 2 * kv) + q * shape.hidden + 2 * head_dim + 2 * shape.hidden
     expert = 3 * shape.hidden * shape.expert_intermediate
     router = shape.experts * shape.hidden
     total = shape.layers * (attention + router + shape.experts * expert) + 2 * vocab * shape.hidden + shape.hidden
@@ -60,7 +61,7 @@ def qwen3_moe_config(shape: MoeShape, vocab: int, tokenizer_config: dict[str, An
     return Qwen3MoeConfig(
         vocab_size=vocab, hidden_size=shape.hidden, intermediate_size=4 * shape.hidden,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
-        head_dim=shape.head_dim, num_experts=shape.experts, num_experts_per_tok=shape.top_k,
+        num_experts=shape.experts, num_experts_per_tok=shape.top_k,
         moe_intermediate_size=shape.expert_intermediate, norm_topk_prob=True, max_position_embeddings=8192,
         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, tie_word_embeddings=False,
         bos_token_id=tokenizer_config.get("bos_token_id"), eos_token_id=tokenizer_config.get("eos_token_id"),
