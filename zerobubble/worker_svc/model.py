@@ -10,6 +10,8 @@ projections are fused into single matrices and the RoPE cos/sin table is precomp
 a handful of large matmuls per layer; on CPU their weights are also laid out once for oneDNN
 (:mod:`zerobubble.kernels.linear`). RoPE inverse frequencies and attention scaling come from
 ``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
+The sparse layers of the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral) run routed experts
+in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`).
 """
 
 from __future__ import annotations
