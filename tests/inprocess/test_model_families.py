@@ -9,6 +9,7 @@ contiguous block layout alike.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,7 @@ from transformers import (
 from tests.support.hf_oracle import hf_greedy, report_divergence
 from zerobubble.kernels._triton import KernelImpl
 from zerobubble.kernels.attention import AttentionMetadata
-from zerobubble.kernels.linear import linear
+from zerobubble.kernels.linear import dequantize_int4, linear, quantize_int4, quantize_int8
 from zerobubble.kernels.slot_mapping import compute_slot_mapping
 from zerobubble.worker_svc.model import (
     EXACT_TOP_LOGITS,
@@ -106,7 +107,7 @@ def _qwen3() -> tuple[Qwen3Config, type[PreTrainedModel]]:
 
 # Mixtures of experts: 8 experts, so a decode step's few tokens leave some of them idle.
 def _qwen3_moe() -> tuple[Qwen3MoeConfig, type[PreTrainedModel]]:
-    config = Qwen3MoeConfig(**COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48,
+    config = Qwen3MoeConfig(**COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
                             norm_topk_prob=True, tie_word_embeddings=False)  # fmt: skip
     return config, Qwen3MoeForCausalLM
 
@@ -145,10 +146,15 @@ class Family:
     ours: CausalLM
     tokens: list[torch.Tensor]
     reference: list[torch.Tensor]  # per request: HF logits [len, vocab] over the whole sequence
+    hf: PreTrainedModel
 
 
 def _make_family(
-    name: str, dtype: torch.dtype = torch.float32, kernels: KernelImpl = None, saved_to: Path | None = None
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    kernels: KernelImpl = None,
+    saved_to: Path | None = None,
+    quantization: str = "none",
 ) -> Family:
     """``saved_to``: our copy loads the directory Hugging Face saves there (checkpoint names: per
     expert in mixtures of experts) rather than the in-memory state dict (transformers 5's names)."""
@@ -165,7 +171,7 @@ def _make_family(
     tokens = [torch.randint(0, VOCAB, (n,)) for n in SEQ_LENS]
     with torch.no_grad():
         reference = [hf(t[None]).logits[0].float() for t in tokens]
-    ours = build_model(config, dtype, "cpu", kernels=kernels)
+    ours = build_model(config, dtype, "cpu", kernels=kernels, quantization=quantization)
     if saved_to is None:
         ours.load_weights(hf.state_dict())
     else:
@@ -173,7 +179,7 @@ def _make_family(
 
         hf.save_pretrained(saved_to)
         ours.load_weights(load_file(saved_to / "model.safetensors"))
-    return Family(config=config, ours=ours, tokens=tokens, reference=reference)
+    return Family(config=config, ours=ours, tokens=tokens, reference=reference, hf=hf)
 
 
 def _block_tables(layout: str, generator: torch.Generator) -> torch.Tensor:
@@ -239,6 +245,45 @@ def test_moe_checkpoint_names_load(name: str, tmp_path: Path) -> None:
     family = _make_family(name, saved_to=tmp_path)
     for r, logits in enumerate(_run_schedule(family, "paged")):
         torch.testing.assert_close(logits, family.reference[r], atol=2e-4, rtol=1e-4, msg=f"request {r}")
+
+
+def _dequantized(weight: torch.Tensor, quantization: str) -> torch.Tensor:
+    """What a weight-only quantized ``[out, in]`` weight stands for (zerobubble.kernels.linear)."""
+    if quantization == "int8":
+        q, scale = quantize_int8(weight)
+        return q.float() * scale[:, None]
+    return dequantize_int4(*quantize_int4(weight))
+
+
+def _dequantized_hf(hf: PreTrainedModel, quantization: str) -> PreTrainedModel:
+    """Hugging Face's model over the weights our quantized copy stands for: every projection
+    dequantized, each expert's alone; embeddings, norms and routers exact, and the lm_head
+    under int4 (`CausalLM.logits_weight`)."""
+    hf = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            exact = "embed" in name or "norm" in name or name.endswith("mlp.gate.weight")
+            if exact or param.dim() == 1 or (name.startswith("lm_head") and quantization == "int4"):
+                continue
+            rows = param.reshape(-1, param.shape[-1])  # an expert stack [E, out, in]: E x out rows
+            param.copy_(_dequantized(rows, quantization).reshape(param.shape))
+    return hf
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_experts_are_the_dequantized_model(quantization: str) -> None:
+    """Weight-only int8 and int4 cover the experts too (each expert its own quantized product,
+    the router exact): our quantized Qwen3-MoE gives the logits of Hugging Face's over the
+    dequantized weights."""
+    family = _make_family("qwen3-moe", quantization=quantization)
+    layer = family.ours.layers[0].moe
+    assert layer is not None and layer.experts.gate_up_each is not None
+    assert getattr(layer.experts.gate_up_each[0], quantization) is not None and layer.router.dense is not None
+    oracle = _dequantized_hf(family.hf, quantization)
+    for r, logits in enumerate(_run_schedule(family, "paged")):
+        with torch.no_grad():
+            reference = oracle(family.tokens[r][None]).logits[0]
+        torch.testing.assert_close(logits, reference, atol=1e-3, rtol=1e-3, msg=f"request {r}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
