@@ -162,3 +162,24 @@ def _stacked_experts(spec: MoeSpec, hidden: int, take: Taker, prefix: str) -> tu
         [torch.cat((take(gate.format(e), (inter, hidden)), take(up.format(e), (inter, hidden)))) for e in range(num)]
     )
     return gate_up, torch.stack([take(down.format(e), (hidden, inter)) for e in range(num)])
+
+
+# What a GGUF file's metadata says of a mixture of experts that transformers' GGUF config reader
+# (5.25) leaves at the config class's defaults: the experts' sizes (under "<arch>.<field>"), and
+# whether the top-k weights are renormalized, which llama.cpp's graph fixes per architecture
+# (qwen3moe renormalizes, qwen2moe does not) rather than storing it.
+GGUF_MOE_FIELDS = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+GGUF_NORM_TOPK_PROB = {"qwen3moe": True, "qwen2moe": False}
+
+
+def gguf_moe_config(fields: dict[str, Any]) -> dict[str, Any]:
+    """Config attributes of a Qwen2-MoE or Qwen3-MoE GGUF file from its metadata ``fields`` (name ->
+    value); empty for other architectures."""
+    arch = fields.get("general.architecture")
+    if arch not in GGUF_NORM_TOPK_PROB:
+        return {}
+    sizes = {attr: int(fields[f"{arch}.{key}"]) for key, attr in GGUF_MOE_FIELDS.items() if f"{arch}.{key}" in fields}
+    return {**sizes, "norm_topk_prob": GGUF_NORM_TOPK_PROB[arch]}
