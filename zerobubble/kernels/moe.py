@@ -194,7 +194,9 @@ def _grouped_linear_op(x: Tensor, weight: Tensor, offsets: Tensor) -> Tensor:
     num_experts, num_outputs = weight.shape[0], weight.shape[1]
     out = x.new_empty(num_rows, num_outputs)
     if num_rows:
-        block_m, block_n, block_k = _block_rows(num_rows, num_experts), 64, 64
+        block_m = _block_rows(num_rows, num_experts)
+        # A 64-row block with 64-wide steps spills registers (scripts/compile_kernels.py): 32 does not.
+        block_n, block_k = 64, 64 if block_m == 16 else 32
         grid = (triton.cdiv(num_rows, block_m) + num_experts, triton.cdiv(num_outputs, block_n))
         _grouped_linear_kernel[grid](
             x, weight, offsets, out, num_outputs, num_inputs, num_experts,
