@@ -26,6 +26,7 @@ LOADS = {
     "ragged": [3, 0, 1, 0, 5, 0, 0, 2],
     "one-expert": [0, 0, 0, 0, 0, 11, 0, 0],
     "wide": [40, 1, 0, 0, 17, 0, 0, 3],
+    "prefill": [70, 0, 0, 5, 0, 0, 0, 30],  # past 8 rows an expert: the kernel's 64-row blocks
     "empty": [0] * NUM_EXPERTS,
 }
 
