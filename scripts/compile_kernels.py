@@ -77,6 +77,7 @@ def record_launches() -> list[Launch]:
 
     import zerobubble.kernels._triton
     import zerobubble.kernels.attention
+    import zerobubble.kernels.moe
 
     launches: list[Launch] = []
 
@@ -98,9 +99,11 @@ def record_launches() -> list[Launch]:
     JITFunction.run = run  # type: ignore[method-assign]
     # The host wrappers accept CPU tensors for Triton only under the interpreter; here the
     # launch never runs, so let them through. The attention kernel widens its dot operands
-    # under the interpreter: compile the tensor-core variant a GPU runs.
+    # under the interpreter, and so does the grouped expert product: compile the tensor-core
+    # variants a GPU runs.
     zerobubble.kernels._triton.is_interpreted = lambda kernel: True  # type: ignore[assignment]
     zerobubble.kernels.attention.is_interpreted = lambda kernel: False  # type: ignore[assignment]
+    zerobubble.kernels.moe.is_interpreted = lambda kernel: False  # type: ignore[assignment]
     return launches
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -30,6 +31,31 @@ def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch
     gate_up = torch.randn(num_tokens, 2 * inter, generator=gen).to(dev)
     case("silu_mul", lambda impl: silu_mul(gate_up, impl=impl))
     check_token_mask(case, dev, gen, small)
+    check_moe_kernels(case, dev, gen, small)
+
+
+def check_moe_kernels(case: Callable[..., None], dev: torch.device, gen: torch.Generator, small: bool) -> None:
+    """The routed experts' grouped product (kernels/moe.py) against its twin over a ragged load:
+    half the experts idle, one with 40 % of the rows; decode-sized and prefill-sized, float32
+    and bfloat16 (the twin on the same bfloat16 inputs)."""
+    from zerobubble.kernels.moe import grouped_linear
+
+    num_experts, hidden, outputs = (8, 96, 80) if small else (128, 256, 192)
+    for rows, dtype in itertools.product((40, 160) if small else (512, 2048), (torch.float32, torch.bfloat16)):
+        heavy = torch.full((rows * 2 // 5,), 3)
+        spread = torch.randint(0, num_experts // 2, (rows - len(heavy),), generator=gen)
+        counts = torch.bincount(torch.cat((heavy, spread)), minlength=num_experts)
+        offsets = torch.cat((torch.zeros(1, dtype=torch.long), counts.cumsum(0))).to(dev)
+        x = torch.randn(rows, hidden, generator=gen).to(dtype).to(dev)
+        weight = (torch.randn(num_experts, outputs, hidden, generator=gen) * hidden**-0.5).to(dtype).to(dev)
+        name = f"grouped_linear rows={rows} {str(dtype)[6:]}"
+        tol = 1e-4 if dtype == torch.float32 else 3e-2  # bfloat16: a rounding step of outputs near 1
+        compare = functools.partial(_first_close, tol=tol)
+        case(name, lambda impl, x=x, w=weight, offsets=offsets: grouped_linear(x, w, offsets, impl=impl), compare)
+
+
+def _first_close(ref: tuple, out: tuple, tol: float) -> tuple[bool, str]:
+    return tensors_close(ref[0], out[0], atol=tol, rtol=tol)
 
 
 def check_token_mask(case: Callable[..., None], dev: torch.device, gen: torch.Generator, small: bool) -> None:

@@ -118,6 +118,26 @@ def tiny_config(family: str, **overrides: Any) -> Any:
     return cls(**common, **extra)
 
 
+def qwen3_30b_a3b_config(dry_run: bool, num_layers: int = 8) -> Any:
+    """Qwen3-30B-A3B's layer shape (hidden 2048, 32/4 heads of 128, 128 experts of 768, 8 per
+    token), ``num_layers`` of its 48 layers; tiny in a dry run."""
+    from transformers import Qwen3MoeConfig
+
+    if dry_run:
+        return Qwen3MoeConfig(
+            vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+            norm_topk_prob=True, max_position_embeddings=1024, tie_word_embeddings=False,
+        )  # fmt: skip
+    return Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=num_layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 def qwen3_1p7b_config(dry_run: bool) -> Any:
     """Qwen3-1.7B's shape (28 layers, hidden 2048, 16/8 heads of 128, vocab 151936); tiny in a dry run."""
     from transformers import Qwen3Config

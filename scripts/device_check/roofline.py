@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from device_check.common import FAIL, PASS, SKIP, Context
-from device_check.models import in_memory_model, qwen3_1p7b_config
+from device_check.models import in_memory_model, qwen3_1p7b_config, qwen3_30b_a3b_config
 
 # Peak memory bandwidth in GB/s (vendors' figures), matched against torch's device name; other
 # devices get a measured device-to-device copy.
@@ -122,24 +122,72 @@ def top_kernels(step: Callable[[], Any], device: torch.device, num: int = 10) ->
     return [f"{e.key[:60]}: {getattr(e, key) / reps:.0f} us x{e.count // reps}" for e in events]
 
 
+def moe_decode_bytes(hf_config: Any, dtype: torch.dtype, batch: int, context: int, experts_read: int) -> int:
+    """Bytes a mixture of experts' decode step must read at least: `decode_bytes` with, in place
+    of each layer's MLP, its router and the ``experts_read`` experts (over all layers) the
+    step's tokens chose."""
+    from zerobubble.worker_svc.model import model_spec
+
+    spec = model_spec(hf_config)
+    assert spec.moe is not None
+    size = torch.empty((), dtype=dtype).element_size()
+    dense_mlp = 3 * spec.hidden_size * spec.intermediate_size
+    router = spec.moe.num_experts * spec.hidden_size
+    expert = 3 * spec.hidden_size * spec.moe.intermediate_size
+    layers = spec.num_layers * (router - dense_mlp) + experts_read * expert
+    return decode_bytes(hf_config, dtype, batch, context) + layers * size
+
+
+def experts_read(step: Callable[[], Any]) -> int:
+    """Experts with at least one token, summed over the layers, in one run of ``step`` (eager:
+    each layer's routing is counted as it is made, which needs the module's `route` wrapped)."""
+    import zerobubble.worker_svc.moe as moe_layer
+
+    route, counts = moe_layer.route, []
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        routing = route(*args, **kwargs)
+        counts.append((routing.offsets.diff() > 0).sum())
+        return routing
+
+    moe_layer.route = counting
+    try:
+        step()
+    finally:
+        moe_layer.route = route
+    return int(sum(int(c) for c in counts))
+
+
 def check_roofline(ctx: Context) -> None:
     """Decode ms per step at 16 / 64 / 256 rows against the memory-bandwidth floor, and the
-    kernels that take the time."""
-    cfg = qwen3_1p7b_config(ctx.dry_run or not ctx.cuda)
+    kernels that take the time: a dense Qwen3-1.7B shape, then a Qwen3-30B-A3B-shaped layer
+    stack whose floor counts the experts the step read."""
+    batches, context = ((2, 4), 32) if ctx.dry_run else ((16, 64, 256), 512)
     dtype = torch.bfloat16 if ctx.cuda else torch.float32
+    for label, cfg in (("", qwen3_1p7b_config(ctx.dry_run or not ctx.cuda)),
+                       ("moe ", qwen3_30b_a3b_config(ctx.dry_run or not ctx.cuda))):  # fmt: skip
+        _roofline_rows(ctx, label, cfg, dtype, batches, context)
+
+
+def _roofline_rows(ctx: Context, label: str, cfg: Any, dtype: torch.dtype, batches: tuple, context: int) -> None:
     loaded = in_memory_model(cfg, ctx.device, dtype)
     bandwidth, source = device_bandwidth(ctx.device)
-    batches, context = ((2, 4), 32) if ctx.dry_run else ((16, 64, 256), 512)
     for batch in batches:
-        name = f"decode batch={batch} context={context}"
+        name = f"{label}decode batch={batch} context={context}"
         if ctx.time_left() < 20:
             ctx.add("roofline", name, SKIP, "out of time (--time-budget)")
             continue
         started = time.perf_counter()
         try:
             step = decode_step(loaded, batch, context, ctx.device, dtype)
+            read = experts_read(step) if label else 0
             ms = timed_ms(step, ctx.device, 5 if ctx.dry_run else 50)
-            floor_ms = decode_bytes(cfg, dtype, batch, context) / bandwidth * 1e3
+            floor_bytes = (
+                moe_decode_bytes(cfg, dtype, batch, context, read)
+                if label
+                else decode_bytes(cfg, dtype, batch, context)
+            )
+            floor_ms = floor_bytes / bandwidth * 1e3
             ratio = ms / floor_ms
             limit = 2.5 if batch >= 256 else 2.0
             kernels = top_kernels(step, ctx.device)
@@ -147,7 +195,10 @@ def check_roofline(ctx: Context) -> None:
             detail = f"{ms:.2f} ms vs floor {floor_ms:.2f} ms ({ratio:.2f}x, target <= {limit}x; {source})"
             if not ctx.cuda:
                 detail += "; the floor targets are for GPUs"
-            ctx.add("roofline", name, status, detail, ms=ms, floor_ms=floor_ms, ratio=ratio, top_kernels=kernels)
+            if label:
+                detail += f"; {read / cfg.num_hidden_layers:.0f} of {cfg.num_experts} experts read a layer"
+            values = dict(ms=ms, floor_ms=floor_ms, ratio=ratio, top_kernels=kernels, experts_read=read)
+            ctx.add("roofline", name, status, detail, **values)
         except Exception as exc:
             ctx.add("roofline", name, FAIL, f"{type(exc).__name__}: {exc}")
         ctx.finish_last(started)

@@ -73,6 +73,18 @@ def _qwen3_1p7b():  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
+def _qwen3_30b_a3b(num_layers: int = 4):  # type: ignore[no-untyped-def]
+    """Qwen3-30B-A3B's shape (128 experts, 8 per token), fewer layers: every layer is the same."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=num_layers, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, max_position_embeddings=40960,
+        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    )  # fmt: skip
+
+
 def _weight_shapes(hf_config) -> dict[str, torch.Size]:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
@@ -104,11 +116,12 @@ def _decode_batch(num_rows: int, context: int, block_size: int, device: str) -> 
     )
 
 
-def _count_step(temperatures: list[float], top_ks: list[int]) -> KernelCounter:
-    """One decode step of ``len(temperatures)`` rows: forward, logits, sampling."""
+def _count_step(temperatures: list[float], top_ks: list[int], hf_config=None) -> KernelCounter:  # type: ignore[no-untyped-def]
+    """One decode step of ``len(temperatures)`` rows: forward, logits, sampling (Qwen3-1.7B's
+    shape unless ``hf_config`` says otherwise)."""
     num_rows, context, block_size = len(temperatures), 100, 16
     random = [i for i, t in enumerate(temperatures) if t > 0]
-    hf_config = _qwen3_1p7b()
+    hf_config = hf_config or _qwen3_1p7b()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     model = _fake_model(hf_config, mode, DEVICE)
     with mode, torch.inference_mode():
@@ -160,3 +173,21 @@ def test_sampled_rows_pay_only_for_what_they_use() -> None:
     assert "aten.sort" not in last_few, dict(last_few)
     assert last_few["zerobubble.keyed_uniform"] == 1, dict(last_few)
     assert last_few == last_many  # no per-row Python loop anywhere in sampling
+
+
+# An MoE layer adds to the attention's kernels the router's product, the top-k routing and its
+# sort by expert (softmax, top-k, renormalizing, sort, offsets, token rows), the rows' gather,
+# the two grouped products with SiLU between them, and the weighted sum back to token order.
+MAX_PER_MOE_LAYER = 24
+
+
+def test_an_moe_decode_step_runs_grouped_products_without_reading_the_device() -> None:
+    """A Qwen3-30B-A3B-shaped decode step on fake CUDA tensors (where a read of the expert loads
+    back to the host would raise): each layer's experts are two grouped products, not a loop
+    over experts, and the count per layer is bounded."""
+    counter = _count_step([0.0] * 16, [0] * 16, _qwen3_30b_a3b())
+    first, *layers, last_layer, after = counter.segments
+    assert len(layers) == 3
+    worst = max(layers, key=lambda c: sum(c.values()))
+    assert worst["zerobubble.grouped_linear"] == 2, dict(worst)
+    assert sum(worst.values()) <= MAX_PER_MOE_LAYER, dict(worst)

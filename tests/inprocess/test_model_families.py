@@ -9,6 +9,7 @@ contiguous block layout alike.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,17 +22,23 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from tests.support.hf_oracle import hf_greedy, report_divergence
 from zerobubble.kernels._triton import KernelImpl
 from zerobubble.kernels.attention import AttentionMetadata
-from zerobubble.kernels.linear import linear
+from zerobubble.kernels.linear import dequantize_int4, linear, quantize_int4, quantize_int8
 from zerobubble.kernels.slot_mapping import compute_slot_mapping
 from zerobubble.worker_svc.model import (
     EXACT_TOP_LOGITS,
@@ -98,6 +105,25 @@ def _qwen3() -> tuple[Qwen3Config, type[PreTrainedModel]]:
     return Qwen3Config(**COMMON, head_dim=32, tie_word_embeddings=False), Qwen3ForCausalLM
 
 
+# Mixtures of experts: 8 experts, so a decode step's few tokens leave some of them idle.
+def _qwen3_moe() -> tuple[Qwen3MoeConfig, type[PreTrainedModel]]:
+    config = Qwen3MoeConfig(**COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                            norm_topk_prob=True, tie_word_embeddings=False)  # fmt: skip
+    return config, Qwen3MoeForCausalLM
+
+
+def _qwen2_moe() -> tuple[Qwen2MoeConfig, type[PreTrainedModel]]:
+    # Top-4 without renormalizing, a shared expert, and a dense second layer (mlp_only_layers).
+    config = Qwen2MoeConfig(**COMMON, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+                            shared_expert_intermediate_size=80, mlp_only_layers=[1],
+                            tie_word_embeddings=False)  # fmt: skip
+    return config, Qwen2MoeForCausalLM
+
+
+def _mixtral() -> tuple[MixtralConfig, type[PreTrainedModel]]:
+    return MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2), MixtralForCausalLM
+
+
 FAMILIES: dict[str, Callable[[], tuple[object, type[PreTrainedModel]]]] = {
     "llama": _llama,
     "llama-tied": _llama_tied,
@@ -106,6 +132,9 @@ FAMILIES: dict[str, Callable[[], tuple[object, type[PreTrainedModel]]]] = {
     "qwen2": _qwen2,
     "qwen2-yarn": _qwen2_yarn,
     "qwen3": _qwen3,
+    "qwen3-moe": _qwen3_moe,
+    "qwen2-moe": _qwen2_moe,
+    "mixtral": _mixtral,
 }
 
 
@@ -117,9 +146,18 @@ class Family:
     ours: CausalLM
     tokens: list[torch.Tensor]
     reference: list[torch.Tensor]  # per request: HF logits [len, vocab] over the whole sequence
+    hf: PreTrainedModel
 
 
-def _make_family(name: str, dtype: torch.dtype = torch.float32, kernels: KernelImpl = None) -> Family:
+def _make_family(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    kernels: KernelImpl = None,
+    saved_to: Path | None = None,
+    quantization: str = "none",
+) -> Family:
+    """``saved_to``: our copy loads the directory Hugging Face saves there (checkpoint names: per
+    expert in mixtures of experts) rather than the in-memory state dict (transformers 5's names)."""
     config, model_class = FAMILIES[name]()
     torch.manual_seed(0)
     hf = model_class(config).eval()
@@ -133,9 +171,15 @@ def _make_family(name: str, dtype: torch.dtype = torch.float32, kernels: KernelI
     tokens = [torch.randint(0, VOCAB, (n,)) for n in SEQ_LENS]
     with torch.no_grad():
         reference = [hf(t[None]).logits[0].float() for t in tokens]
-    ours = build_model(config, dtype, "cpu", kernels=kernels)
-    ours.load_weights(hf.state_dict())
-    return Family(config=config, ours=ours, tokens=tokens, reference=reference)
+    ours = build_model(config, dtype, "cpu", kernels=kernels, quantization=quantization)
+    if saved_to is None:
+        ours.load_weights(hf.state_dict())
+    else:
+        from safetensors.torch import load_file
+
+        hf.save_pretrained(saved_to)
+        ours.load_weights(load_file(saved_to / "model.safetensors"))
+    return Family(config=config, ours=ours, tokens=tokens, reference=reference, hf=hf)
 
 
 def _block_tables(layout: str, generator: torch.Generator) -> torch.Tensor:
@@ -194,6 +238,54 @@ def test_mixed_batch_matches_hf(name: str) -> None:
         torch.testing.assert_close(paged[r], contiguous[r], atol=1e-5, rtol=1e-5, msg=f"request {r} layout")
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
+def test_moe_checkpoint_names_load(name: str, tmp_path: Path) -> None:
+    """A saved checkpoint keeps each expert's projections apart (Mixtral under ``block_sparse_moe``
+    with w1/w3/w2), as the Hub's do; our copy loaded from it gives Hugging Face's logits too."""
+    family = _make_family(name, saved_to=tmp_path)
+    for r, logits in enumerate(_run_schedule(family, "paged")):
+        torch.testing.assert_close(logits, family.reference[r], atol=2e-4, rtol=1e-4, msg=f"request {r}")
+
+
+def _dequantized(weight: torch.Tensor, quantization: str) -> torch.Tensor:
+    """What a weight-only quantized ``[out, in]`` weight stands for (zerobubble.kernels.linear)."""
+    if quantization == "int8":
+        q, scale = quantize_int8(weight)
+        return q.float() * scale[:, None]
+    return dequantize_int4(*quantize_int4(weight))
+
+
+def _dequantized_hf(hf: PreTrainedModel, quantization: str) -> PreTrainedModel:
+    """Hugging Face's model over the weights our quantized copy stands for: every projection
+    dequantized, each expert's alone; embeddings, norms and routers exact, and the lm_head
+    under int4 (`CausalLM.logits_weight`)."""
+    hf = copy.deepcopy(hf)
+    with torch.no_grad():
+        for name, param in hf.named_parameters():
+            exact = "embed" in name or "norm" in name or name.endswith("mlp.gate.weight")
+            if exact or param.dim() == 1 or (name.startswith("lm_head") and quantization == "int4"):
+                continue
+            rows = param.reshape(-1, param.shape[-1])  # an expert stack [E, out, in]: E x out rows
+            param.copy_(_dequantized(rows, quantization).reshape(param.shape))
+    return hf
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_quantized_experts_are_the_dequantized_model(quantization: str) -> None:
+    """Weight-only int8 and int4 cover the experts too (each expert its own quantized product,
+    the router exact): our quantized Qwen3-MoE gives the logits of Hugging Face's over the
+    dequantized weights."""
+    family = _make_family("qwen3-moe", quantization=quantization)
+    layer = family.ours.layers[0].moe
+    assert layer is not None and layer.experts.gate_up_each is not None
+    assert getattr(layer.experts.gate_up_each[0], quantization) is not None and layer.router.dense is not None
+    oracle = _dequantized_hf(family.hf, quantization)
+    for r, logits in enumerate(_run_schedule(family, "paged")):
+        with torch.no_grad():
+            reference = oracle(family.tokens[r][None]).logits[0]
+        torch.testing.assert_close(logits, reference, atol=1e-3, rtol=1e-3, msg=f"request {r}")
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_half_precision_close_to_float32_reference(dtype: torch.dtype) -> None:
     family = _make_family("qwen3", dtype)
@@ -203,7 +295,7 @@ def test_half_precision_close_to_float32_reference(dtype: torch.dtype) -> None:
         assert (paged[r].float() - reference).abs().max() < 0.15 * reference.abs().max()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral-sliding"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral-sliding", "qwen2-moe"])
 def test_compiled_cpu_kernels_are_as_close_to_hf_as_the_torch_ops(cpu_kernels: None, name: str) -> None:
     """A bfloat16 model on the C++ kernels (norms, rotation, SiLU, paged attention) against the
     same model on the torch ops, both against Hugging Face's float32 logits, over prefill chunks,

@@ -138,6 +138,13 @@ SPARSE_CONFIGS = {
                   num_key_value_heads=2),
     "qwen3-windowed": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                            num_key_value_heads=2, use_sliding_window=True, sliding_window=16, max_window_layers=2),
+    # Mixtures of experts: Qwen3-MoE's and Mixtral's configs keep num_experts as num_local_experts.
+    "qwen3_moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32),
+    "qwen2_moe": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, num_experts=8, moe_intermediate_size=32, mlp_only_layers=[1]),
+    "mixtral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
 }  # fmt: skip
 
 
@@ -163,6 +170,7 @@ def test_the_cached_config_reads_as_transformers_resolves_it(tmp_path: Path, mon
     for config in (first, second):
         spec = model_spec(config)
         assert spec == model_spec(reference)
+        assert (spec.moe is not None) == family.endswith(("_moe", "mixtral"))
         tables, expected = rope_tables(config, spec.head_dim, 64), rope_tables(reference, spec.head_dim, 64)
         assert all(torch.equal(a, b) for a, b in zip(tables, expected))
         assert _eos_token_ids(model_dir, config) == _eos_token_ids(model_dir, reference)
@@ -206,3 +214,38 @@ def test_dtype_auto_follows_the_device_and_refuses_emulated_bfloat16(monkeypatch
     assert resolve_dtype("float32", cuda) is torch.float32
     with pytest.raises(ValueError, match=r"compute capability 8\.0 or later, this one is 7\.5: use --dtype float16"):
         resolve_dtype("bfloat16", cuda)
+
+
+LLAMA_CPP_CONVERTER = Path.home() / ".cache" / "zerobubble" / "llama.cpp" / "src" / "convert_hf_to_gguf.py"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not LLAMA_CPP_CONVERTER.is_file(), reason="llama.cpp's converter (scripts/bench_llamacpp.sh fetches it)"
+)
+def test_a_qwen3_moe_gguf_converts_to_its_hugging_face_model(tmp_path: Path, monkeypatch, smollm2_dir: Path) -> None:
+    """A Qwen3-MoE converted to GGUF by llama.cpp loads back with its experts' size and renormalized
+    routing, which transformers' GGUF config reader leaves at the class defaults (768, off): the
+    converted directory's logits are the original's, and our model's spec is the original's."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    from tests.support.tiny_models import tokenizer_vocab_size, write_tiny_model
+    from zerobubble.worker_svc.model import model_spec
+
+    monkeypatch.setenv("ZEROBUBBLE_CACHE_DIR", str(tmp_path / "cache"))
+    config = Qwen3MoeConfig(
+        vocab_size=tokenizer_vocab_size(smollm2_dir), hidden_size=64, intermediate_size=96, head_dim=32,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        num_experts=8, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True, tie_word_embeddings=False,
+    )  # fmt: skip
+    hf_dir = write_tiny_model(tmp_path / "hf", config, smollm2_dir, init_std=0.15)
+    gguf = tmp_path / "qwen3-moe.gguf"
+    command = [sys.executable, str(LLAMA_CPP_CONVERTER), str(hf_dir), "--outtype", "f32", "--outfile", str(gguf)]
+    subprocess.run(command, check=True, capture_output=True)
+    converted = load_model(str(gguf), "float32", "cpu")
+    original = model_spec(load_model(str(hf_dir), weights=False).hf_config)
+    assert model_spec(converted.hf_config).moe == original.moe and original.moe is not None
+    tokens = torch.randint(0, 1000, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [AutoModelForCausalLM.from_pretrained(d).eval()(tokens).logits for d in (hf_dir, converted.path)]
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)

@@ -19,21 +19,27 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 
 
 def write_tiny_model(
-    out_dir: Path, config: Any, tokenizer_dir: Path, seed: int = 0, init_std: float | None = None
+    out_dir: Path,
+    config: Any,
+    tokenizer_dir: Path,
+    seed: int = 0,
+    init_std: float | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
     """Save a random-weight model of ``config`` (an HF ``PretrainedConfig``, its ``vocab_size``
     set to the tokenizer's) with ``tokenizer_dir``'s tokenizer files into ``out_dir``.
 
     ``init_std`` overrides the config's ``initializer_range``: tiny models with the default
     0.02 have nearly flat logits, where greedy choices hang on rounding; a larger spread makes
-    the argmax clear while staying well-conditioned.
+    the argmax clear while staying well-conditioned. ``dtype``: the weights' (a benchmark's
+    larger model in bfloat16 takes half the memory and disk).
     """
     from transformers import AutoModelForCausalLM
 
     if init_std is not None:
         config.initializer_range = init_std
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.eval()
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)

@@ -10,6 +10,8 @@ projections are fused into single matrices and the RoPE cos/sin table is precomp
 a handful of large matmuls per layer; on CPU their weights are also laid out once for oneDNN
 (:mod:`zerobubble.kernels.linear`). RoPE inverse frequencies and attention scaling come from
 ``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
+The sparse layers of the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral) run routed experts
+in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`).
 """
 
 from __future__ import annotations
@@ -31,15 +33,24 @@ from zerobubble.kernels.attention import (
     plan_attention,
     write_kv_cache,
 )
-from zerobubble.kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
+from zerobubble.kernels.fused import add_rms_norm, qk_norm_rope
 from zerobubble.kernels.linear import LinearWeight, PlanChooser, linear, prepare_linear
+from zerobubble.worker_svc.moe import (
+    MOE_MODEL_TYPES,
+    MoeLayer,
+    MoeSpec,
+    moe_forward,
+    moe_layer_weights,
+    moe_spec,
+    swiglu,
+)
 
 logger = logging.getLogger(__name__)
 
 # Leading logits of a 16-bit model recomputed in float32 (`CausalLM.compute_logits`).
 EXACT_TOP_LOGITS = 8
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"}) | MOE_MODEL_TYPES
 SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
 _SILU_NAMES = frozenset({"silu", "swish"})
 
@@ -69,6 +80,7 @@ class ModelSpec:
     tie_word_embeddings: bool
     max_position_embeddings: int
     sliding_windows: list[int]  # per layer; 0 = full attention
+    moe: MoeSpec | None = None  # mixture-of-experts families (zerobubble.worker_svc.moe)
 
 
 @dataclass(slots=True)
@@ -82,15 +94,16 @@ class LayerWeights:
     o_weight: LinearWeight  # [hidden, Hq D]
     o_bias: torch.Tensor | None
     post_norm: torch.Tensor  # [hidden]
-    gate_up_weight: LinearWeight  # [2 I, hidden]
+    gate_up_weight: LinearWeight | None  # [2 I, hidden]; None in a sparse layer (`moe`)
     gate_up_bias: torch.Tensor | None
-    down_weight: LinearWeight  # [hidden, I]
+    down_weight: LinearWeight | None  # [hidden, I]
     down_bias: torch.Tensor | None
     # An EAGLE-3 head's layer: its input is the token embedding ⊕ a hidden state ([T, 2 hidden]),
     # normed apart (`input_norm` the embedding, `hidden_norm` the state) before q/k/v; the
     # residual stream starts from the state, normed first when `norm_before_residual`.
     hidden_norm: torch.Tensor | None = None
     norm_before_residual: bool = False
+    moe: MoeLayer | None = None  # a sparse layer's router and experts, in place of the dense MLP
 
 
 def model_spec(hf_config: Any) -> ModelSpec:
@@ -118,14 +131,16 @@ def model_spec(hf_config: Any) -> ModelSpec:
         intermediate_size=int(hf_config.intermediate_size),
         vocab_size=int(hf_config.vocab_size),
         rms_norm_eps=float(hf_config.rms_norm_eps),
-        # Qwen2 always has q/k/v biases and never an o_proj bias; the others follow attention_bias.
-        qkv_bias=attention_bias or model_type == "qwen2",
+        # Qwen2 always has q/k/v biases and never an o_proj bias (Qwen2-MoE: its qkv_bias); the
+        # others follow attention_bias.
+        qkv_bias=attention_bias or model_type == "qwen2" or bool(getattr(hf_config, "qkv_bias", False)),
         o_bias=attention_bias and model_type != "qwen2",
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=int(hf_config.max_position_embeddings),
         sliding_windows=_sliding_windows(hf_config, num_layers),
+        moe=moe_spec(hf_config, num_layers),
     )
 
 
@@ -221,7 +236,8 @@ class CausalLM:
         spec, hidden = self.spec, self.spec.hidden_size
         take, take_optional, weight = self.weight_readers(state_dict)
         self.layers = [
-            layer_weights(spec, take, take_optional, weight, f"model.layers.{i}.") for i in range(spec.num_layers)
+            layer_weights(spec, take, take_optional, weight, f"model.layers.{i}.", index=i)
+            for i in range(spec.num_layers)
         ]
         self.embed = take("model.embed_tokens.weight", (spec.vocab_size, hidden))
         self.final_norm = take("model.norm.weight", (hidden,))
@@ -313,8 +329,7 @@ class CausalLM:
             )
             hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps, self.kernels)
-            gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias)
-            hidden = linear(silu_mul(gate_up, self.kernels), layer.down_weight, layer.down_bias)
+            hidden = feed_forward(layer, normed, self.kernels)
         return hidden, residual
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,6 +383,14 @@ class CausalLM:
         return logits.scatter_(1, top, torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1))
 
 
+def feed_forward(layer: LayerWeights, normed: torch.Tensor, impl: KernelImpl = None) -> torch.Tensor:
+    """A layer's MLP over its normed input: routed experts in a sparse layer, else the dense SwiGLU."""
+    if layer.moe is not None:
+        return moe_forward(normed, layer.moe, impl)
+    assert layer.gate_up_weight is not None and layer.down_weight is not None
+    return swiglu(normed, layer.gate_up_weight, layer.down_weight, impl, layer.gate_up_bias, layer.down_bias)
+
+
 def layer_input(
     layer: LayerWeights, hidden: torch.Tensor, residual: torch.Tensor | None, eps: float, impl: KernelImpl = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,10 +419,12 @@ def layer_weights(
     input_norm: bool = True,
     eagle3: bool = False,
     norm_before_residual: bool = False,
+    index: int = 0,
 ) -> LayerWeights:
     """One decoder layer's weights from Hugging Face names under ``prefix``, q/k/v and gate/up
     fused; ``input_norm=False`` for a layer without one (an EAGLE-1 head's), ``eagle3`` for an
-    EAGLE-3 head's (q/k/v over ``2 hidden`` inputs, a ``hidden_norm``)."""
+    EAGLE-3 head's (q/k/v over ``2 hidden`` inputs, a ``hidden_norm``); ``index``: the layer's
+    number (which layers of a mixture of experts are sparse)."""
     hidden, head_dim, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
     qkv_in = 2 * hidden if eagle3 else hidden
     q_size, kv_size = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
@@ -415,7 +440,10 @@ def layer_weights(
         return torch.cat(present).contiguous() if len(present) == len(parts) else None
 
     qkv = torch.cat([take(prefix + f"self_attn.{n}_proj.weight", (size, qkv_in)) for n, size in qkv_shapes])
-    gate_up = torch.cat([take(prefix + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")])
+    sparse = spec.moe is not None and spec.moe.sparse_layers[index]
+    gate_up = (
+        None if sparse else torch.cat([take(prefix + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")])
+    )
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight", (hidden,)) if input_norm else None,
         qkv_weight=weight(qkv.contiguous()),
@@ -426,14 +454,15 @@ def layer_weights(
         o_weight=weight(take(prefix + "self_attn.o_proj.weight", (hidden, q_size))),
         o_bias=take_optional(prefix + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
         post_norm=take(prefix + "post_attention_layernorm.weight", (hidden,)),
-        gate_up_weight=weight(gate_up.contiguous()),
+        gate_up_weight=None if gate_up is None else weight(gate_up.contiguous()),
         gate_up_bias=fuse_optional(
             [take_optional(prefix + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias) for n in ("gate", "up")]
         ),
-        down_weight=weight(take(prefix + "mlp.down_proj.weight", (hidden, inter))),
+        down_weight=None if sparse else weight(take(prefix + "mlp.down_proj.weight", (hidden, inter))),
         down_bias=take_optional(prefix + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
         hidden_norm=take(prefix + "hidden_norm.weight", (hidden,)) if eagle3 else None,
         norm_before_residual=norm_before_residual,
+        moe=moe_layer_weights(spec.moe, hidden, take, weight, prefix) if spec.moe is not None and sparse else None,
     )
 
 

@@ -35,6 +35,7 @@ import torch
 from zerobubble.kernels._triton import KernelImpl
 from zerobubble.kernels.linear_choice import LinearChooser, warn_if_int8_is_slower
 from zerobubble.worker_svc.model import SUPPORTED_MODEL_TYPES, CausalLM, build_model
+from zerobubble.worker_svc.moe import gguf_moe_config
 
 logger = logging.getLogger(__name__)
 
@@ -335,13 +336,30 @@ def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:
     return final
 
 
+def _gguf_config(gguf_path: Path) -> Any:
+    """transformers' config of a GGUF file, with the mixture-of-experts facts it leaves out
+    (`zerobubble.worker_svc.moe.gguf_moe_config`)."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    reader = GGUFReader(str(gguf_path))
+    scalars = {name: field.contents() for name, field in reader.fields.items() if len(field.types) == 1}
+    for attribute, value in gguf_moe_config(scalars).items():
+        setattr(config, attribute, value)
+    return config
+
+
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     logger.info("converting %s to safetensors in %s (one time)", gguf_path, out)
     started = time.perf_counter()
     try:
-        model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype="float32")
+        config = _gguf_config(gguf_path)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf_path.parent, gguf_file=gguf_path.name, config=config, dtype="float32"
+        )
         tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     except Exception as exc:
         raise ModelLoadError(f"cannot convert GGUF file {str(gguf_path)!r}: {exc}") from exc

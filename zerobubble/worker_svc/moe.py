@@ -1,0 +1,185 @@
+"""Mixture-of-experts layers of Qwen2-MoE, Qwen3-MoE and Mixtral: what a config says about them,
+their weights under the names checkpoints use, and their forward.
+
+The families differ only in data (`MoeSpec`): whether the top-k weights are renormalized
+(Qwen's ``norm_topk_prob``; Mixtral's softmax over its top-k logits is the same thing), whether
+a shared expert with a sigmoid gate runs beside the routed ones (Qwen2-MoE), and which layers
+are sparse (Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``). The routed experts run
+through :mod:`zerobubble.kernels.moe`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from zerobubble.kernels._triton import KernelImpl
+from zerobubble.kernels.fused import silu_mul
+from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
+from zerobubble.kernels.moe import ExpertWeights, expert_weights, route, routed_experts
+
+MOE_MODEL_TYPES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral"})
+
+Taker = Callable[[str, tuple[int, ...]], Tensor]
+WeightMaker = Callable[[Tensor], LinearWeight]
+
+
+@dataclass(frozen=True, slots=True)
+class MoeSpec:
+    """A mixture-of-experts config's facts: experts, their size, routing, which layers are sparse."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each routed expert's
+    renormalize: bool
+    shared_intermediate_size: int  # 0: no shared expert
+    sparse_layers: tuple[bool, ...]
+    # Where checkpoints keep a sparse layer's weights: the block, and each expert's (gate, up, down).
+    block: str = "mlp."
+    expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+def moe_spec(hf_config: Any, num_layers: int) -> MoeSpec | None:
+    """The mixture-of-experts facts of a Qwen2-MoE, Qwen3-MoE or Mixtral config; None for others."""
+    model_type = getattr(hf_config, "model_type", None)
+    # Qwen3-MoE's and Mixtral's configs store `num_experts` as `num_local_experts` (an attribute
+    # map), which is all a cached config's plain attributes have (model_loader.read_config).
+    num_experts = int(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0) or 0)
+    if model_type == "mixtral":
+        return MoeSpec(
+            num_experts=num_experts,
+            top_k=int(hf_config.num_experts_per_tok),
+            intermediate_size=int(hf_config.intermediate_size),
+            renormalize=True,
+            shared_intermediate_size=0,
+            sparse_layers=(True,) * num_layers,
+            block="block_sparse_moe.",
+            expert_names=("w1", "w3", "w2"),
+        )
+    if model_type not in ("qwen2_moe", "qwen3_moe"):
+        return None
+    step = int(getattr(hf_config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(hf_config, "mlp_only_layers", None) or ())
+    return MoeSpec(
+        num_experts=num_experts,
+        top_k=int(hf_config.num_experts_per_tok),
+        intermediate_size=int(hf_config.moe_intermediate_size),
+        renormalize=bool(getattr(hf_config, "norm_topk_prob", False)),
+        shared_intermediate_size=int(getattr(hf_config, "shared_expert_intermediate_size", 0) or 0)
+        if model_type == "qwen2_moe"
+        else 0,
+        sparse_layers=tuple(i not in dense and num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers)),
+    )
+
+
+@dataclass(slots=True, eq=False)
+class MoeLayer:
+    """A sparse layer's feed-forward weights: the router ``[E, hidden]``, the routed experts and,
+    for Qwen2-MoE, the shared expert and its gate ``[1, hidden]``."""
+
+    router: LinearWeight
+    experts: ExpertWeights
+    top_k: int
+    renormalize: bool
+    shared_gate_up: LinearWeight | None = None  # [2 I_shared, hidden]
+    shared_down: LinearWeight | None = None  # [hidden, I_shared]
+    shared_gate: LinearWeight | None = None  # [1, hidden]
+
+
+def swiglu(
+    x: Tensor,
+    gate_up: LinearWeight,
+    down: LinearWeight,
+    impl: KernelImpl = None,
+    gate_up_bias: Tensor | None = None,
+    down_bias: Tensor | None = None,
+) -> Tensor:
+    """A SwiGLU MLP ``down(silu(gate x) * up x)`` over fused gate/up rows: a dense layer's, a shared expert's."""
+    return linear(silu_mul(linear(x, gate_up, gate_up_bias), impl), down, down_bias)
+
+
+def moe_forward(x: Tensor, layer: MoeLayer, impl: KernelImpl = None) -> Tensor:
+    """A sparse layer's feed-forward output for its normed input ``x [T, hidden]``, in ``x.dtype``."""
+    routing = route(linear(x, layer.router), layer.top_k, layer.renormalize)
+    out = routed_experts(x, routing, layer.experts, impl)  # float32
+    if layer.shared_gate_up is not None:
+        assert layer.shared_down is not None and layer.shared_gate is not None
+        shared = swiglu(x, layer.shared_gate_up, layer.shared_down, impl)
+        out = out + torch.sigmoid(linear(x, layer.shared_gate)) * shared
+    return out.to(x.dtype)
+
+
+def moe_layer_weights(spec: MoeSpec, hidden: int, take: Taker, weight: WeightMaker, prefix: str) -> MoeLayer:
+    """A sparse layer's weights under ``prefix``: transformers 5's names (``mlp.experts.gate_up_proj``
+    ``[E, 2 I, H]``, ``mlp.experts.down_proj``, ``mlp.gate.weight``) or the checkpoints' per-expert
+    ones (``mlp.experts.{e}.gate_proj.weight`` ..., Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``).
+    On the CPU each expert becomes its own linear weight (quantized as the model's), elsewhere
+    they stay stacked for the grouped kernel; the router is never quantized (a routing choice
+    moved by rounding changes the whole output)."""
+    router = _take_any(
+        take, [prefix + block + "gate.weight" for block in ("mlp.", spec.block)], (spec.num_experts, hidden)
+    )
+    gate_up, down = _stacked_experts(spec, hidden, take, prefix)
+    layer = MoeLayer(
+        router=prepare_linear(router, prepack=False),
+        experts=expert_weights(gate_up, down, weight if gate_up.device.type == "cpu" else None),
+        top_k=spec.top_k,
+        renormalize=spec.renormalize,
+    )
+    if spec.shared_intermediate_size:
+        shared, size = prefix + "mlp.shared_expert.", spec.shared_intermediate_size
+        parts = [take(f"{shared}{name}_proj.weight", (size, hidden)) for name in ("gate", "up")]
+        layer.shared_gate_up = weight(torch.cat(parts).contiguous())
+        layer.shared_down = weight(take(shared + "down_proj.weight", (hidden, size)))
+        layer.shared_gate = prepare_linear(take(prefix + "mlp.shared_expert_gate.weight", (1, hidden)), prepack=False)
+    return layer
+
+
+def _take_any(take: Taker, names: list[str], shape: tuple[int, ...]) -> Tensor:
+    """The first of ``names`` present; the last one's ``KeyError`` when none is."""
+    for name in names[:-1]:
+        try:
+            return take(name, shape)
+        except KeyError:
+            pass
+    return take(names[-1], shape)
+
+
+def _stacked_experts(spec: MoeSpec, hidden: int, take: Taker, prefix: str) -> tuple[Tensor, Tensor]:
+    """``gate_up [E, 2 I, H]`` and ``down [E, H, I]`` from the fused names or the per-expert ones."""
+    num, inter = spec.num_experts, spec.intermediate_size
+    try:
+        fused = prefix + "mlp.experts."
+        return take(fused + "gate_up_proj", (num, 2 * inter, hidden)), take(fused + "down_proj", (num, hidden, inter))
+    except KeyError:
+        pass
+    gate, up, down = (f"{prefix}{spec.block}experts.{{}}.{name}.weight" for name in spec.expert_names)
+    gate_up = torch.stack(
+        [torch.cat((take(gate.format(e), (inter, hidden)), take(up.format(e), (inter, hidden)))) for e in range(num)]
+    )
+    return gate_up, torch.stack([take(down.format(e), (hidden, inter)) for e in range(num)])
+
+
+# What a GGUF file's metadata says of a mixture of experts that transformers' GGUF config reader
+# (5.25) leaves at the config class's defaults: the experts' sizes (under "<arch>.<field>"), and
+# whether the top-k weights are renormalized, which llama.cpp's graph fixes per architecture
+# (qwen3moe renormalizes, qwen2moe does not) rather than storing it.
+GGUF_MOE_FIELDS = {
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+}
+GGUF_NORM_TOPK_PROB = {"qwen3moe": True, "qwen2moe": False}
+
+
+def gguf_moe_config(fields: dict[str, Any]) -> dict[str, Any]:
+    """Config attributes of a Qwen2-MoE or Qwen3-MoE GGUF file from its metadata ``fields`` (name ->
+    value); empty for other architectures."""
+    arch = fields.get("general.architecture")
+    if arch not in GGUF_NORM_TOPK_PROB:
+        return {}
+    sizes = {attr: int(fields[f"{arch}.{key}"]) for key, attr in GGUF_MOE_FIELDS.items() if f"{arch}.{key}" in fields}
+    return {**sizes, "norm_topk_prob": GGUF_NORM_TOPK_PROB[arch]}
