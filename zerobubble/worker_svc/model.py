@@ -68,6 +68,7 @@ def unsupported_model_type(model_type: object) -> str:
     supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
     return f"unsupported model_type {model_type!r} (supported: {supported}{hint})"
 
+
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 Taker = Callable[[str, tuple[int, ...]], torch.Tensor]
 OptionalTaker = Callable[[str, tuple[int, ...], bool], torch.Tensor | None]
@@ -258,9 +259,7 @@ def rope_tables(
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
 
 
-def rotary_tables(
-    hf_config: Any, spec: ModelSpec, layer_type: str | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(hf_config: Any, spec: ModelSpec, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 ``(cos, cos)`` and ``(-sin, sin)`` ``[max_positions, head_dim]`` as
     `zerobubble.kernels.fused.qk_norm_rope` reads them. With partial rotary the dimensions past
     ``rotary_dim`` get cos 1 and sin 0, which leaves them as they are: `rotary_permutation` puts
@@ -462,7 +461,9 @@ class CausalLM:
         """`rotary`'s rows of each table: the global one, then the local layers' where they have one."""
         rows = [self.rotary(positions)]
         if self.local_rope_cos is not None and self.local_rope_sin is not None:
-            rows.append((self.local_rope_cos.index_select(0, positions), self.local_rope_sin.index_select(0, positions)))
+            rows.append(
+                (self.local_rope_cos.index_select(0, positions), self.local_rope_sin.index_select(0, positions))
+            )
         return rows
 
     def write_kv(
