@@ -1,0 +1,60 @@
+"""Families beyond Llama through the real services: a random-weight Gemma 3 served by a worker and
+a scheduler process, greedy output identical to Hugging Face's `generate`.
+
+The tiny model (tests/support/tiny_models.py) alternates sliding and full layers with a window of
+16 tokens, far shorter than the chat prompts, so every row runs past its window; the scheduler
+keeps two plans in flight and the worker drafts with n-grams, so drafts are verified in windowed
+layers too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.e2e import assert_matches_reference, bench_rows, hf_reference, run_workload
+from tests.support.servers import serving
+from tests.support.tiny_models import tokenizer_vocab_size, write_tiny_model
+
+pytestmark = pytest.mark.timeout(600)
+
+MAX_TOKENS = 32
+# Chat rows with short prompts (prefill dominates on CPU): code edits, where n-grams draft well,
+# and open questions.
+ROWS = (0, 3, 24, 27)
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-layer Gemma 3 (sliding, sliding, full; each kind with its own RoPE base) with the
+    embedded SmolLM2's tokenizer and special tokens. Its tied embeddings at this spread make it
+    repeat a token a few times, then change: n-gram drafts are accepted and rejected."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(
+        vocab_size=tokenizer_vocab_size(smollm2_dir), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024,
+        sliding_window=WINDOW, layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        query_pre_attn_scalar=16, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2, pad_token_id=2,
+    )  # fmt: skip
+    return write_tiny_model(tmp_path_factory.mktemp("gemma3"), config, smollm2_dir, init_std=0.05)
+
+
+def test_gemma3_greedy_matches_hf_async_with_ngram_drafts(
+    gemma3_dir: Path, grounded_rows: list[dict[str, Any]]
+) -> None:
+    rows = [grounded_rows[i] for i in ROWS]
+    reference = hf_reference(gemma3_dir, rows, MAX_TOKENS)
+    worker = dict(
+        model=str(gemma3_dir), dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=8, spec_method="ngram",
+        num_spec_tokens=3,
+    )  # fmt: skip
+    with serving(worker, max_inflight_steps=2) as scheduler:
+        report = run_workload(scheduler.target, bench_rows(rows, max_tokens=MAX_TOKENS), concurrency=len(rows))
+    assert_matches_reference(report, reference, gemma3_dir, rows, min_identical=len(rows))
+    stats = report["server_stats"]
+    # Drafts both accepted and rejected (the model's runs of one token, then a change).
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
