@@ -18,6 +18,8 @@ import pytest
 import torch
 from transformers import (
     Gemma2Config,
+    Gemma3Config,
+    Gemma3ForConditionalGeneration,
     Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -126,6 +128,24 @@ def _gemma3() -> tuple[Gemma3TextConfig, type[PreTrainedModel]]:
     return config, Gemma3ForCausalLM
 
 
+def _gemma3_multimodal() -> tuple[Gemma3Config, type[PreTrainedModel]]:
+    """Gemma 3 as its 4B to 27B checkpoints come: a vision tower beside the language model,
+    which is what we serve (text in, text out)."""
+    from transformers import SiglipVisionConfig
+
+    text, _ = _gemma3()
+    text.final_logit_softcapping = None  # Gemma 3's checkpoints set none (and its multimodal model ignores one)
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    # Image token ids outside the random prompts' range: the prompts are text only.
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB + 3,
+        boi_token_index=VOCAB + 1, eoi_token_index=VOCAB + 2,
+    )  # fmt: skip
+    return config, Gemma3ForConditionalGeneration
+
+
 def _phi3_longrope() -> tuple[Phi3Config, type[PreTrainedModel]]:
     # Partial rotary (12 of 16 dimensions), LongRoPE switching to its long factors at position 16,
     # and a window.
@@ -152,6 +172,7 @@ FAMILIES: dict[str, Callable[[], tuple[object, type[PreTrainedModel]]]] = {
     "qwen3": _qwen3,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
+    "gemma3-multimodal": _gemma3_multimodal,
     "phi3": _phi3,
     "phi3-longrope": _phi3_longrope,
 }

@@ -56,17 +56,30 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor, KernelImpl], torch.Tensor]] = {
     "gelu_tanh": gelu_tanh_mul,
 }
 _GEMMA_TYPES = frozenset({"gemma2", "gemma3_text"})
+# Multimodal model types served as their language model alone (text in, text out).
+TEXT_OF_MULTIMODAL = frozenset({"gemma3"})
+# Where a multimodal checkpoint keeps its language model's weights, and our names for them.
+_LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",  # as saved (transformers 4 layout, also 5's on disk)
+    "model.language_model.": "model.",  # transformers 5 in memory
+    "language_model.lm_head.": "lm_head.",
+}
 # Layer types whose rotary table is their own where a config gives one per type (Gemma 3).
 _LOCAL_LAYER_TYPE, _GLOBAL_LAYER_TYPE = "sliding_attention", "full_attention"
 
 
 def unsupported_model_type(model_type: object) -> str:
     """The one message refusing a model type: it names the type and the supported ones."""
-    hint = ""
-    if model_type == "gemma3":
-        hint = "; the multimodal Gemma 3 is not served, its text-only checkpoints (gemma3_text) are"
-    supported = ", ".join(sorted(SUPPORTED_MODEL_TYPES))
-    return f"unsupported model_type {model_type!r} (supported: {supported}{hint})"
+    text_only = ", ".join(f"{t} (text only)" for t in sorted(TEXT_OF_MULTIMODAL))
+    return f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}, {text_only})"
+
+
+def language_config(hf_config: Any) -> Any:
+    """The config of the model we run: a multimodal one's language model (`TEXT_OF_MULTIMODAL`:
+    Gemma 3's 4B to 27B checkpoints), else the config itself."""
+    if getattr(hf_config, "model_type", None) in TEXT_OF_MULTIMODAL:
+        return hf_config.text_config
+    return hf_config
 
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
@@ -134,6 +147,7 @@ class LayerWeights:
 
 def model_spec(hf_config: Any) -> ModelSpec:
     """Read and check the config of a supported family; raises ``ValueError`` otherwise."""
+    hf_config = language_config(hf_config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(unsupported_model_type(model_type))
@@ -593,10 +607,11 @@ def adapt_state_dict(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor]) ->
     """A Hugging Face state dict under the names and in the form `layer_weights` reads: fused
     ``qkv_proj`` / ``gate_up_proj`` (Phi-3) split into views, norm weights with
     `ModelSpec.norm_offset` added (in float32, before any rounding to the model dtype), and q/k
-    rows in `rotary_permutation`'s order for partial rotary."""
-    adapted = dict(state_dict)
+    rows in `rotary_permutation`'s order for partial rotary; a multimodal checkpoint's language
+    model under the text model's names (its other weights are left unread)."""
+    adapted = {_language_model_name(name): tensor for name, tensor in state_dict.items()}
     q_size, kv_size = spec.num_q_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
-    for name, tensor in state_dict.items():
+    for name, tensor in list(adapted.items()):
         if name.endswith("self_attn.qkv_proj.weight"):
             del adapted[name]
             prefix = name.removesuffix("qkv_proj.weight")
@@ -621,6 +636,14 @@ def adapt_state_dict(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor]) ->
     return adapted
 
 
+def _language_model_name(name: str) -> str:
+    """A multimodal checkpoint's language-model weight under the text model's name; others as they are."""
+    for prefix, ours in _LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return name
+
+
 def build_model(
     hf_config: Any,
     dtype: torch.dtype,
@@ -636,6 +659,7 @@ def build_model(
     "int4") stores them quantized, ``linear_chooser`` picks their products (see
     :mod:`zerobubble.kernels.linear`), ``kernels`` is `CausalLM.kernels`.
     """
+    hf_config = language_config(hf_config)
     spec = model_spec(hf_config)
     cos, sin = rotary_tables(hf_config, spec, _GLOBAL_LAYER_TYPE if spec.local_rope else None)
     local_cos, local_sin = rotary_tables(hf_config, spec, _LOCAL_LAYER_TYPE) if spec.local_rope else (None, None)
