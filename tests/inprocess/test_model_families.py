@@ -18,10 +18,10 @@ import pytest
 import torch
 from transformers import (
     Gemma2Config,
-    Gemma3Config,
-    Gemma3ForConditionalGeneration,
     Gemma2ForCausalLM,
+    Gemma3Config,
     Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
