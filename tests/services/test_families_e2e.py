@@ -69,6 +69,18 @@ def test_gemma3_greedy_matches_hf_sync_preempted_with_chunked_prefill(
     assert stats["num_preemptions"] > 0, stats
 
 
+@pytest.mark.slow
+def test_gemma3_greedy_matches_hf_drafting_for_itself(gemma3_dir: Path, grounded_rows: list[dict[str, Any]]) -> None:
+    """The same model as its own draft model, two plans in flight: every draft accepted."""
+    rows = [grounded_rows[i] for i in ROWS]
+    worker = dict(
+        model=str(gemma3_dir), dtype="float32", kv_cache_memory_gb=0.05, max_num_seqs=8, spec_method="draft",
+        draft_model=str(gemma3_dir), num_spec_tokens=3,
+    )  # fmt: skip
+    stats = _check_greedy(gemma3_dir, rows, worker, max_inflight_steps=2)
+    assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] == stats["num_draft_tokens"], stats
+
+
 def _check_greedy(
     model_dir: Path, rows: list[dict[str, Any]], worker: dict[str, Any], **scheduler: Any
 ) -> dict[str, Any]:

@@ -76,7 +76,8 @@ def unsupported_model_type(model_type: object) -> str:
 
 def language_config(hf_config: Any) -> Any:
     """The config of the model we run: a multimodal one's language model (`TEXT_OF_MULTIMODAL`:
-    Gemma 3's 4B to 27B checkpoints), else the config itself."""
+    Gemma 3's 4B to 27B checkpoints), else the config itself. (Hugging Face's multimodal Gemma 3
+    leaves out the final logit soft-cap that its text model applies; Gemma 3's configs set none.)"""
     if getattr(hf_config, "model_type", None) in TEXT_OF_MULTIMODAL:
         return hf_config.text_config
     return hf_config
