@@ -292,10 +292,10 @@ def rotary_permutation(head_dim: int, rotary_dim: int) -> torch.Tensor:
     ``n``) for partial rotary: Hugging Face rotates pairs ``(i, i + R/2)`` of the first ``R``
     dimensions; ours pairs ``(n, n + D/2)``. The same permutation of q and k leaves every score
     as it was, so only the q/k projection rows (and q/k norms) are permuted, at load time."""
-    half, rot_half = head_dim // 2, rotary_dim // 2
+    rot_half = rotary_dim // 2
     passed = torch.arange(rotary_dim, head_dim)
     first, second = passed.chunk(2) if len(passed) else (passed, passed)
-    return torch.cat((torch.arange(rot_half), first, torch.arange(rot_half, rotary_dim), second))[: 2 * half]
+    return torch.cat((torch.arange(rot_half), first, torch.arange(rot_half, rotary_dim), second))
 
 
 @dataclass(frozen=True, slots=True)
