@@ -92,8 +92,11 @@ def check_worker_group(config: Any, obj: Obj, template: Obj, container: Obj, raw
         )
     if nnodes > 1:
         if "$(LWS_WORKER_INDEX)" not in (raw_node_rank or ""):
-            problems.append(f"ZEROBUBBLE_NODE_RANK={raw_node_rank!r}: every pod of a group needs its own, $(LWS_WORKER_INDEX)")
-        ports = {int(p["containerPort"]) for c in (template.get("spec") or {}).get("containers") or [] for p in c.get("ports") or []}
+            problems.append(
+                f"ZEROBUBBLE_NODE_RANK={raw_node_rank!r}: every pod of a group needs its own, $(LWS_WORKER_INDEX)"
+            )
+        pod_containers = (template.get("spec") or {}).get("containers") or []
+        ports = {int(p["containerPort"]) for c in pod_containers for p in c.get("ports") or []}
         if is_leader(obj, template) and config.master_port not in ports:
             problems.append(
                 f"ZEROBUBBLE_MASTER_PORT={config.master_port} is not a container port of the leader: "

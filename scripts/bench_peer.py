@@ -133,7 +133,9 @@ def measure(server: Callable[[], object], rows: list[BenchRow], concurrency: int
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", type=Path, default=None, help="needed when the systems include it")
-    parser.add_argument("--gguf", type=Path, default=None, help="llama-server's weights (default: the embedded model's GGUF)")
+    parser.add_argument(
+        "--gguf", type=Path, default=None, help="llama-server's weights (default: the embedded model's GGUF)"
+    )
     parser.add_argument(
         "--model", default="", help="our --model (default: the embedded model); pass the same weights as --gguf"
     )

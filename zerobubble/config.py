@@ -239,7 +239,9 @@ class WorkerConfig(ServiceConfig):
         "attention heads and MLP columns; two all-reduces per layer, NCCL on CUDA, gloo on the CPU); the "
         "leader, rank 0, serves gRPC and starts the other ranks of its machine",
     )
-    nnodes: int = setting(1, "machines a tensor-parallel worker spans; each runs --tensor-parallel-size / --nnodes ranks")
+    nnodes: int = setting(
+        1, "machines a tensor-parallel worker spans; each runs --tensor-parallel-size / --nnodes ranks"
+    )
     node_rank: int = setting(0, "this machine's index among --nnodes (0 = the leader's, which serves gRPC)")
     master_addr: str = setting(
         "127.0.0.1", "address of the leader's rendezvous that the ranks join (one machine: loopback only)"

@@ -16,7 +16,7 @@ from device_check.common import FAIL, PASS, SKIP, Compare, Context, near_tie_dra
 
 def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch.Generator, small: bool) -> None:
     """The decoder layer's fused kernels (kernels/fused.py) against their twins, float32."""
-    from zerobubble.kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
+    from zerobubble.kernels.fused import add_rms_norm, gelu_tanh_mul, qk_norm_rope, silu_mul
 
     num_tokens, hidden, heads, head_dim, inter = (5, 96, 6, 16, 160) if small else (64, 2048, 24, 128, 6144)
     x, residual = (torch.randn(num_tokens, hidden, generator=gen).to(dev) for _ in range(2))
@@ -30,6 +30,7 @@ def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch
     case("qk_norm_rope", lambda impl: qk_norm_rope(qkv, cos, sin, norm, heads, head_dim, 1e-6, impl=impl))
     gate_up = torch.randn(num_tokens, 2 * inter, generator=gen).to(dev)
     case("silu_mul", lambda impl: silu_mul(gate_up, impl=impl))
+    case("gelu_tanh_mul", lambda impl: gelu_tanh_mul(gate_up, impl=impl))
     check_token_mask(case, dev, gen, small)
     check_moe_kernels(case, dev, gen, small)
 
@@ -260,7 +261,7 @@ def _check_sampling_kernels(case: Callable[..., None], b: _KernelBatch, cuda: bo
 
 
 def _attention_outputs(
-    impl: str, b: _KernelBatch, cfg: Any, dtype: torch.dtype, lens: torch.Tensor, batch: tuple
+    impl: str, b: _KernelBatch, cfg: Any, dtype: torch.dtype, lens: torch.Tensor, batch: tuple, softcap: float = 0.0
 ) -> tuple:
     """``write_kv_cache`` then ``paged_attention`` over random caches (seeded: the same for each
     impl): the attention output and both caches."""
@@ -290,13 +291,13 @@ def _attention_outputs(
         max_seq_len=b.shape.max_blocks * b.shape.block_size,
         slot_mapping=slots,
     )
-    out = paged_attention(q_in, k_cache, v_cache, meta, head_dim**-0.5, impl=impl)
+    out = paged_attention(q_in, k_cache, v_cache, meta, head_dim**-0.5, impl=impl, softcap=softcap)
     return out, k_cache, v_cache
 
 
 def _check_attention_kernels(ctx: Context, section: str, b: _KernelBatch, small: bool) -> None:
     """``write_kv_cache`` + ``paged_attention`` on a mixed batch and on decodes alone, float32 and
-    bfloat16."""
+    bfloat16, and on the mixed batch with Gemma 2's soft-capped scores."""
     from transformers import LlamaConfig
 
     heads, kv_heads, head_dim = (4, 2, 16) if small else (16, 8, 128)
@@ -309,15 +310,16 @@ def _check_attention_kernels(ctx: Context, section: str, b: _KernelBatch, small:
         intermediate_size=64,
     )
     # The mixed batch runs the attention kernel's prefill tiles; decode rows alone, its small ones.
-    batches = {"": b.q_lens, " decodes": torch.full_like(b.q_lens, 1 + b.shape.k)}
-    for (batch_name, lens), dtype in itertools.product(batches.items(), (torch.float32, torch.bfloat16)):
+    batches = {"": (b.q_lens, 0.0), " decodes": (torch.full_like(b.q_lens, 1 + b.shape.k), 0.0)}
+    batches[" soft-capped"] = (b.q_lens, 2.0)  # a cap that bites on unit-scale scores
+    for (batch_name, (lens, softcap)), dtype in itertools.product(batches.items(), (torch.float32, torch.bfloat16)):
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         batch = b.flat_batch(lens)
         name = f"write_kv_cache + paged_attention {str(dtype)[6:]}{batch_name}"
         started = time.perf_counter()
         try:
-            ref = _attention_outputs("torch", b, cfg, dtype, lens, batch)
-            out = _attention_outputs("triton", b, cfg, dtype, lens, batch)
+            ref = _attention_outputs("torch", b, cfg, dtype, lens, batch, softcap)
+            out = _attention_outputs("triton", b, cfg, dtype, lens, batch, softcap)
             results = [tensors_close(x, y, atol=tol, rtol=tol) for x, y in zip(ref, out)]
             ok = all(r[0] for r in results)
             ctx.add(section, name, PASS if ok else FAIL, "; ".join(r[1] for r in results))

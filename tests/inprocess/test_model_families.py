@@ -18,12 +18,20 @@ from typing import Any
 import pytest
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
+    Gemma3Config,
+    Gemma3ForCausalLM,
+    Gemma3ForConditionalGeneration,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -124,6 +132,62 @@ def _mixtral() -> tuple[MixtralConfig, type[PreTrainedModel]]:
     return MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2), MixtralForCausalLM
 
 
+def _gemma2() -> tuple[Gemma2Config, type[PreTrainedModel]]:
+    # Caps small enough to bite on these weights; the query scale differs from head_dim's.
+    return Gemma2Config(
+        **COMMON, head_dim=16, query_pre_attn_scalar=24, sliding_window=8, attn_logit_softcapping=3.0,
+        final_logit_softcapping=4.0,
+    ), Gemma2ForCausalLM  # fmt: skip
+
+
+def _gemma3() -> tuple[Gemma3TextConfig, type[PreTrainedModel]]:
+    # Sliding and full layers alternate, each with its own RoPE (the full ones linearly scaled).
+    rope = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+    }
+    config = Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=32, query_pre_attn_scalar=20, sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], rope_parameters=rope,
+        final_logit_softcapping=6.0,
+    )  # fmt: skip
+    return config, Gemma3ForCausalLM
+
+
+def _gemma3_multimodal() -> tuple[Gemma3Config, type[PreTrainedModel]]:
+    """Gemma 3 as its 4B to 27B checkpoints come: a vision tower beside the language model,
+    which is what we serve (text in, text out)."""
+    from transformers import SiglipVisionConfig
+
+    text, _ = _gemma3()
+    text.final_logit_softcapping = None  # Gemma 3's checkpoints set none (and its multimodal model ignores one)
+    vision = SiglipVisionConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14
+    )
+    # Image token ids outside the random prompts' range: the prompts are text only.
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, mm_tokens_per_image=4, image_token_index=VOCAB + 3,
+        boi_token_index=VOCAB + 1, eoi_token_index=VOCAB + 2,
+    )  # fmt: skip
+    return config, Gemma3ForConditionalGeneration
+
+
+def _phi3_longrope() -> tuple[Phi3Config, type[PreTrainedModel]]:
+    # Partial rotary (12 of 16 dimensions), LongRoPE switching to its long factors at position 16,
+    # and a window.
+    rope = {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+            "short_factor": [1.0, 1.5, 2.0, 1.2, 1.1, 3.0], "long_factor": [2.0, 4.0, 1.5, 6.0, 8.0, 3.0],
+            "original_max_position_embeddings": 16}  # fmt: skip
+    config = Phi3Config(
+        **COMMON, rope_parameters=rope, original_max_position_embeddings=16, sliding_window=12, pad_token_id=0
+    )
+    return config, Phi3ForCausalLM
+
+
+def _phi3() -> tuple[Phi3Config, type[PreTrainedModel]]:
+    return Phi3Config(**COMMON, pad_token_id=0), Phi3ForCausalLM
+
+
 FAMILIES: dict[str, Callable[[], tuple[object, type[PreTrainedModel]]]] = {
     "llama": _llama,
     "llama-tied": _llama_tied,
@@ -135,7 +199,15 @@ FAMILIES: dict[str, Callable[[], tuple[object, type[PreTrainedModel]]]] = {
     "qwen3-moe": _qwen3_moe,
     "qwen2-moe": _qwen2_moe,
     "mixtral": _mixtral,
+    "gemma2": _gemma2,
+    "gemma3": _gemma3,
+    "gemma3-multimodal": _gemma3_multimodal,
+    "phi3": _phi3,
+    "phi3-longrope": _phi3_longrope,
 }
+# Families whose Hugging Face forward picks its rotary table per call from the call's last
+# position (LongRoPE): their oracle runs one token per call, as Hugging Face's decoding does.
+PER_TOKEN_ORACLE = frozenset({"phi3-longrope"})
 
 
 @dataclass(slots=True)
@@ -162,15 +234,17 @@ def _make_family(
     torch.manual_seed(0)
     hf = model_class(config).eval()
     # Default init (std 0.02) gives near-uniform logits; bigger weights make the comparison bite.
+    # Norm scales near 1: Gemma's norms scale by (1 + w), so there w is near 0.
+    norm_center = 0.0 if config.model_type.startswith("gemma") else 1.0
     with torch.no_grad():
         for param_name, param in hf.named_parameters():
             if "norm" in param_name:
-                param.copy_(1.0 + 0.2 * torch.randn_like(param))
+                param.copy_(norm_center + 0.2 * torch.randn_like(param))
             else:
                 param.normal_(0.0, 0.15)
     tokens = [torch.randint(0, VOCAB, (n,)) for n in SEQ_LENS]
-    with torch.no_grad():
-        reference = [hf(t[None]).logits[0].float() for t in tokens]
+    oracle = _hf_logits_per_token if name in PER_TOKEN_ORACLE else _hf_logits
+    reference = [oracle(hf, t) for t in tokens]
     ours = build_model(config, dtype, "cpu", kernels=kernels, quantization=quantization)
     if saved_to is None:
         ours.load_weights(hf.state_dict())
@@ -180,6 +254,25 @@ def _make_family(
         hf.save_pretrained(saved_to)
         ours.load_weights(load_file(saved_to / "model.safetensors"))
     return Family(config=config, ours=ours, tokens=tokens, reference=reference, hf=hf)
+
+
+@torch.no_grad()
+def _hf_logits(hf: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
+    """Hugging Face's logits ``[len, vocab]`` over the whole sequence in one call."""
+    return hf(tokens[None]).logits[0].float()
+
+
+@torch.no_grad()
+def _hf_logits_per_token(hf: PreTrainedModel, tokens: torch.Tensor) -> torch.Tensor:
+    """The same, one token per call over Hugging Face's cache: each token rotated as when decoded."""
+    from transformers import DynamicCache
+
+    cache, rows = DynamicCache(config=hf.config), []
+    for i in range(len(tokens)):
+        out = hf(tokens[None, i : i + 1], cache=cache, use_cache=True)
+        cache = out.cache
+        rows.append(out.logits[0, -1].float())
+    return torch.stack(rows)
 
 
 def _block_tables(layout: str, generator: torch.Generator) -> torch.Tensor:
@@ -295,7 +388,7 @@ def test_half_precision_close_to_float32_reference(dtype: torch.dtype) -> None:
         assert (paged[r].float() - reference).abs().max() < 0.15 * reference.abs().max()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral-sliding", "qwen2-moe"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral-sliding", "qwen2-moe", "gemma2", "gemma3", "phi3"])
 def test_compiled_cpu_kernels_are_as_close_to_hf_as_the_torch_ops(cpu_kernels: None, name: str) -> None:
     """A bfloat16 model on the C++ kernels (norms, rotation, SiLU, paged attention) against the
     same model on the torch ops, both against Hugging Face's float32 logits, over prefill chunks,

@@ -145,7 +145,17 @@ SPARSE_CONFIGS = {
                       num_key_value_heads=2, num_experts=8, moe_intermediate_size=32, mlp_only_layers=[1]),
     "mixtral": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2),
+    "gemma2": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, sliding_window=16),
+    # Gemma 3 as its checkpoints write it: a global and a local RoPE base, a layer pattern.
+    "gemma3_text": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, sliding_window=16, sliding_window_pattern=3,
+                        rope_theta=1e6, rope_local_base_freq=1e4),
+    "phi3": dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                 partial_rotary_factor=0.5, sliding_window=24),
 }  # fmt: skip
+# Per family with windows other than none or Mistral's default: each layer's.
+WINDOWS = {"qwen3-windowed": [0, 0, 16, 16], "gemma2": [16, 0, 16], "gemma3_text": [16, 16, 0], "phi3": [24, 24]}
 
 
 @pytest.mark.parametrize("family", sorted(SPARSE_CONFIGS))
@@ -154,7 +164,7 @@ def test_the_cached_config_reads_as_transformers_resolves_it(tmp_path: Path, mon
     the same model shape, RoPE tables, EOS ids and context length as AutoConfig does."""
     from transformers import AutoConfig
 
-    from zerobubble.worker_svc.model import model_spec, rope_tables
+    from zerobubble.worker_svc.model import model_spec, rotary_tables
     from zerobubble.worker_svc.model_loader import _eos_token_ids, read_config
 
     monkeypatch.setenv("ZEROBUBBLE_CACHE_DIR", str(tmp_path / "cache"))
@@ -171,12 +181,13 @@ def test_the_cached_config_reads_as_transformers_resolves_it(tmp_path: Path, mon
         spec = model_spec(config)
         assert spec == model_spec(reference)
         assert (spec.moe is not None) == family.endswith(("_moe", "mixtral"))
-        tables, expected = rope_tables(config, spec.head_dim, 64), rope_tables(reference, spec.head_dim, 64)
-        assert all(torch.equal(a, b) for a, b in zip(tables, expected))
+        for layer_type in ("sliding_attention", "full_attention") if spec.local_rope else (None,):
+            tables, expected = rotary_tables(config, spec, layer_type), rotary_tables(reference, spec, layer_type)
+            assert all(torch.equal(a, b) for a, b in zip(tables, expected))
         assert _eos_token_ids(model_dir, config) == _eos_token_ids(model_dir, reference)
         assert int(config.max_position_embeddings) == int(reference.max_position_embeddings)
-    if family == "qwen3-windowed":
-        assert model_spec(second).sliding_windows == [0, 0, 16, 16]  # layers from max_window_layers on
+    if family in WINDOWS:  # Qwen3: the layers from max_window_layers on
+        assert model_spec(second).sliding_windows == WINDOWS[family]
     else:
         assert set(model_spec(second).sliding_windows) == ({4096} if family == "mistral" else {0})
     # A changed config.json is a different key: no stale read.

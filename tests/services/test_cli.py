@@ -269,6 +269,22 @@ def test_generate_needs_exactly_one_input() -> None:
     assert result.returncode == 2 and "not valid JSON" in result.stderr
 
 
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_an_unsupported_model_type_is_a_one_line_usage_error(command: str, tmp_path: Path) -> None:
+    """A model directory of a family we do not run: exit status 2 and one line naming its type
+    and the supported ones, before any port is opened (no traceback)."""
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_layer": 2}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    result = run_cli(command, "--model", str(tmp_path), "--port", "0", "--metrics-port", "-1", timeout=120)
+    assert result.returncode == 2, result.stderr
+    # serve logs that it starts its worker first
+    lines = [line for line in result.stderr.strip().splitlines() if " INFO " not in line]
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert "unsupported model_type 'gpt2'" in lines[0] and str(tmp_path) in lines[0]
+    assert all(family in lines[0] for family in ("llama", "gemma2", "gemma3_text", "phi3", "qwen3")), lines[0]
+
+
 def test_client_commands_do_not_import_torch() -> None:
     code = (
         "import sys, zerobubble.entrypoints.cli, zerobubble.client, zerobubble.bench; "

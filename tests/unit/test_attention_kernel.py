@@ -80,7 +80,13 @@ def _batch(
 
 
 def _dense_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float, window: int
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Per request: read its context position by position, then plain masked softmax in float64."""
     block_size = k_cache.shape[1]
@@ -98,6 +104,8 @@ def _dense_attention(
         if window:
             visible &= pos[None, :] > query_pos[:, None] - window
         scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), keys) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
         probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
@@ -110,6 +118,24 @@ def test_paged_attention_torch_matches_dense(block_size: int, head_dim: int, win
     scale = head_dim**-0.5
     expected = _dense_attention(q, k_cache, v_cache, meta, scale, window)
     got = paged_attention(q, k_cache, v_cache, meta, scale, impl="torch", sliding_window=window or None)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton), "cpp", "gathered"])
+@pytest.mark.parametrize("requests", [REQUESTS, LONG_PREFILLS], ids=["mixed", "long-prefills"])
+def test_soft_capped_attention_matches_dense(impl: str, requests: list[tuple[int, int]]) -> None:
+    """Gemma 2's ``softcap * tanh(s / softcap)`` on every path; the compiled CPU kernel has no
+    cap and hands such layers to the torch path (so "cpp" needs no compiled kernels here)."""
+    q, k_cache, v_cache, meta = _batch(4, 16, seed=7, requests=requests)
+    q = q * 3  # scores of several units, where the cap bites
+    expected = _dense_attention(q, k_cache, v_cache, meta, 0.25, 6, softcap=2.0)
+    assert not torch.allclose(expected, _dense_attention(q, k_cache, v_cache, meta, 0.25, 6), atol=1e-3)
+    if impl == "gathered":
+        from zerobubble.kernels.attention import _paged_attention_gathered
+
+        got = _paged_attention_gathered(q, k_cache, v_cache, meta, 0.25, 6, 2.0)
+    else:
+        got = paged_attention(q, k_cache, v_cache, meta, 0.25, impl=impl, sliding_window=6, softcap=2.0)  # type: ignore[arg-type]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

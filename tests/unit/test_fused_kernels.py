@@ -89,6 +89,16 @@ def test_silu_mul_matches_twin(impl: str, dtype: torch.dtype, inter: int) -> Non
     _close(fused.silu_mul(gate_up, impl=impl), fused.silu_mul(gate_up, impl="torch"))
 
 
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=needs_triton), "cpp"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gelu_tanh_mul_matches_twin(impl: str, dtype: torch.dtype) -> None:
+    """Gemma's GeGLU; "cpp" runs the twin itself (the compiled kernels have no GELU)."""
+    inter = 1500
+    gate_up = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(3)) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([86.0, -86.0, 0.0, -0.0])
+    _close(fused.gelu_tanh_mul(gate_up, impl=impl), fused.gelu_tanh_mul_twin(gate_up))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("impl", IMPLS, indirect=True)
 def test_kernels_accept_an_empty_batch(impl: str) -> None:
     x = torch.empty(0, 64)
@@ -147,3 +157,6 @@ def test_twins_are_hugging_face_bit_for_bit(dtype: torch.dtype) -> None:
     gate_up = torch.randn(num_tokens, 2 * hidden, generator=g).to(dtype)
     gate, up = gate_up.chunk(2, -1)
     assert torch.equal(fused.silu_mul_twin(gate_up), torch.nn.functional.silu(gate) * up)
+    from transformers.activations import ACT2FN
+
+    assert torch.equal(fused.gelu_tanh_mul_twin(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)

@@ -38,6 +38,9 @@ from zerobubble.config import (
     setting_info,
 )
 
+# argparse's exit status for a usage error; a model `--model` cannot serve is one too.
+USAGE_ERROR = 2
+
 
 @dataclass(frozen=True, slots=True)
 class EnvDefault:
@@ -386,9 +389,16 @@ def dispatch(args: argparse.Namespace) -> int | None:
         run_serve(serve_config(args))
         return None
     if args.command == "worker":
+        from zerobubble.worker_svc.model_loader import ModelLoadError
         from zerobubble.worker_svc.server import run_worker
 
-        run_worker(from_namespace(WorkerConfig, args))
+        try:
+            run_worker(from_namespace(WorkerConfig, args))
+        except ModelLoadError as exc:
+            # A model that is missing, malformed or of an unsupported family is the user's input:
+            # one line naming it and what is wrong (and, for a family, the supported ones).
+            print(f"zerobubble worker: error: {exc}", file=sys.stderr)
+            return USAGE_ERROR
         return None
     if args.command == "scheduler":
         from zerobubble.scheduler_svc.server import run_scheduler

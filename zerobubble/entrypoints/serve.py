@@ -53,7 +53,10 @@ def start_local_worker(cfg: ServeConfig) -> tuple[subprocess.Popen, int]:
         if line.startswith("ZEROBUBBLE_WORKER_PORT="):
             return proc, int(line.strip().split("=", 1)[1])
         sys.stdout.write(line)
-    raise SystemExit(f"local worker exited before listening (exit code {proc.wait()})")
+    status = proc.wait()
+    if status == 2:  # a usage error (a model it cannot serve) that the worker named on stderr
+        raise SystemExit(status)
+    raise SystemExit(f"local worker exited before listening (exit code {status})")
 
 
 def run_serve(cfg: ServeConfig) -> None:

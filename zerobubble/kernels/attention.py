@@ -5,7 +5,8 @@ query token ``j`` of ``r`` sits at position ``seq_lens[r] - q_len[r] + j`` and a
 positions ``0..that position`` of its own request (optionally only the last ``sliding_window``
 of them), read through ``block_tables[r]`` from caches shaped
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Query head ``h`` reads KV head
-``h // (num_q_heads // num_kv_heads)`` (grouped-query attention).
+``h // (num_q_heads // num_kv_heads)`` (grouped-query attention). With ``softcap`` (Gemma 2)
+each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` before the mask and softmax.
 
 Each public function has a torch implementation (CPU, and what the model uses there) and a Triton
 implementation (CUDA, or forced with ``impl="triton"``) with identical semantics. The Triton
@@ -17,6 +18,7 @@ pages first would double it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -116,6 +118,7 @@ class AttentionPlan:
     groups: list[_BatchedGroup] = field(default_factory=list)
     prefill_rows: list[_PrefillRow] = field(default_factory=list)
     masks: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (row, window) -> mask
+    batched: bool = True  # whether short rows are planned too (False: the C++ kernel takes them)
 
 
 def plan_attention(
@@ -131,7 +134,7 @@ def plan_attention(
     qsl = meta.query_start_loc.tolist()
     seq_lens = meta.seq_lens.tolist()
     num_requests = len(seq_lens)
-    plan = AttentionPlan()
+    plan = AttentionPlan(batched=batched)
     device = meta.block_tables.device
     by_len: dict[int, list[int]] = {}
     long_from = MAX_BATCHED_QUERY_LEN if batched else CPP_MAX_QUERY_LEN
@@ -173,6 +176,11 @@ def plan_attention(
             )
         )
     return plan
+
+
+def _soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
+    """``softcap * tanh(scores / softcap)`` as Hugging Face's Gemma 2 computes it; 0: no cap."""
+    return scores if softcap <= 0 else torch.tanh(scores / softcap) * softcap
 
 
 def _window_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int, dtype: torch.dtype) -> torch.Tensor:
@@ -217,11 +225,13 @@ def paged_attention(
     *,
     sliding_window: int | None = None,
     plan: AttentionPlan | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[T, Hq, D]`` over each request's paged context -> ``[T, Hq, D]``.
 
     ``plan`` (from :func:`plan_attention`) lets a model reuse the torch path's bookkeeping
-    across layers; the Triton path ignores it.
+    across layers; the Triton path ignores it. ``softcap > 0`` caps the scores (the compiled
+    CPU kernel has no cap, so ``impl="cpp"`` runs the torch path then).
     """
     window = sliding_window or 0
     if q.shape[0] == 0:
@@ -229,17 +239,19 @@ def paged_attention(
     if use_triton(q, impl, _paged_attention_kernel if HAS_TRITON else None):
         out: torch.Tensor = torch.ops.zerobubble.paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale, window,
+            meta.max_query_len, scale, window, softcap,
         )  # fmt: skip
         return out
     if q.device.type != "cpu":
         # Off the CPU the planned path's host reads would stall the host behind the device.
-        return _paged_attention_gathered(q, k_cache, v_cache, meta, scale, window)
-    if plan is None:
+        return _paged_attention_gathered(q, k_cache, v_cache, meta, scale, window, softcap)
+    if impl == "cpp" and softcap > 0:
+        impl = "torch"
+    if plan is None or plan.batched != (impl != "cpp"):
         plan = plan_attention(meta, k_cache, q.shape[1], batched=impl != "cpp")
     if impl == "cpp":
         return _paged_attention_cpp(q, k_cache, v_cache, meta, plan, scale, window)
-    return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window)
+    return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window, softcap)
 
 
 def _paged_attention_gathered(
@@ -249,6 +261,7 @@ def _paged_attention_gathered(
     meta: AttentionMetadata,
     scale: float,
     window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """The torch twin without host reads: static shapes from ``meta.max_seq_len`` and masks.
 
@@ -276,7 +289,7 @@ def _paged_attention_gathered(
     hidden = key_pos[None, :] > query_pos[:, None]
     if window > 0:
         hidden |= key_pos[None, :] <= query_pos[:, None] - window
-    scores = torch.einsum("thd,tkhd->thk", q.float(), keys) * scale
+    scores = _soft_cap(torch.einsum("thd,tkhd->thk", q.float(), keys) * scale, softcap)
     probs = scores.masked_fill(hidden[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("thk,tkhd->thd", probs, values).to(q.dtype)
 
@@ -288,6 +301,7 @@ def _batched_attention(
     group: _BatchedGroup,
     scale: float,
     window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """One group of short rows through its bags -> ``[Rb, Qb, Hq, D]``."""
     num_rows, q_len = group.token_index.shape
@@ -308,7 +322,7 @@ def _batched_attention(
         mask = _window_mask(group.query_pos, num_keys, window, torch.float32).unsqueeze(2)
         group.masks[window] = mask
     # Softmax in float32 whatever the model dtype, as SDPA does.
-    probs = torch.softmax(scores.float() + mask, dim=-1).to(q.dtype)
+    probs = torch.softmax(_soft_cap(scores.float(), softcap) + mask, dim=-1).to(q.dtype)
     return F.embedding_bag(
         group.value_bags,
         value_storage.view(-1, head_dim),
@@ -324,15 +338,17 @@ def _paged_attention_torch(
     plan: AttentionPlan,
     scale: float,
     window: int,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     key_storage, value_storage = _key_storage(k_cache), _value_storage(v_cache)
     if len(plan.groups) == 1 and plan.groups[0].covers_batch:  # all decodes of one length
-        return _batched_attention(q, key_storage, value_storage, plan.groups[0], scale, window).view(q.shape)
+        attended = _batched_attention(q, key_storage, value_storage, plan.groups[0], scale, window, softcap)
+        return attended.view(q.shape)
     out = torch.empty_like(q)
     for group in plan.groups:
-        attended = _batched_attention(q, key_storage, value_storage, group, scale, window)
+        attended = _batched_attention(q, key_storage, value_storage, group, scale, window, softcap)
         out[group.token_index.reshape(-1)] = attended.view(-1, *q.shape[1:])
-    return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out)
+    return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out, softcap)
 
 
 def _paged_attention_cpp(
@@ -362,15 +378,17 @@ def _attend_long_rows(
     scale: float,
     window: int,
     out: torch.Tensor,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Writes the attention of each of the plan's long rows (prefill chunks) into ``out``, by SDPA."""
+    """Writes the attention of each of the plan's long rows (prefill chunks) into ``out``, by SDPA
+    (by :func:`_capped_attention` with a soft cap, which SDPA has not)."""
     num_kv_heads, head_dim = key_storage.shape[1], key_storage.shape[2]
     for i, row in enumerate(plan.prefill_rows):
         num_queries = row.end - row.start
         # [nblk, Hkv, D, bs] and [nblk, Hkv, bs, D] -> [1, Hkv, L, D]; a copy is cheap next to a prefill.
         keys = key_storage[row.block_ids].permute(1, 0, 3, 2).reshape(1, num_kv_heads, -1, head_dim)
         values = value_storage[row.block_ids].transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-        fresh = row.seq_len == num_queries and (window == 0 or window >= row.seq_len)
+        fresh = row.seq_len == num_queries and (window == 0 or window >= row.seq_len) and softcap <= 0
         mask = None
         if not fresh:
             mask = plan.masks.get((i, window))
@@ -378,7 +396,8 @@ def _attend_long_rows(
                 query_pos = torch.arange(row.seq_len - num_queries, row.seq_len, device=q.device)
                 mask = _window_mask(query_pos, row.seq_len, window, q.dtype)
                 plan.masks[(i, window)] = mask
-        out[row.start : row.end] = F.scaled_dot_product_attention(
+        attend = F.scaled_dot_product_attention if softcap <= 0 else _capped_attention(softcap)
+        out[row.start : row.end] = attend(
             q[row.start : row.end].transpose(0, 1).unsqueeze(0),
             keys[:, :, : row.seq_len],
             values[:, :, : row.seq_len],
@@ -388,6 +407,29 @@ def _attend_long_rows(
             enable_gqa=q.shape[1] != num_kv_heads,
         )[0].transpose(0, 1)
     return out
+
+
+def _capped_attention(softcap: float) -> Callable[..., torch.Tensor]:
+    """SDPA's signature (as `_attend_long_rows` calls it) with soft-capped scores: Hugging Face's
+    eager Gemma 2 attention, scores and softmax in float32."""
+
+    def attend(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        attn_mask: torch.Tensor | None,
+        is_causal: bool,
+        scale: float,
+        enable_gqa: bool,
+    ) -> torch.Tensor:
+        assert attn_mask is not None and not is_causal
+        group = q.shape[1] // k.shape[1]
+        keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = _soft_cap(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale, softcap)
+        probs = torch.softmax(scores + attn_mask.float(), dim=-1).to(q.dtype)
+        return torch.matmul(probs, values)
+
+    return attend
 
 
 # The Triton launches are custom ops (with fake implementations) so that a forward runs under
@@ -427,6 +469,7 @@ def _paged_attention_triton(
     max_query_len: int,
     scale: float,
     window: int,
+    softcap: float,
 ) -> torch.Tensor:
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -451,7 +494,7 @@ def _paged_attention_triton(
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
         query_start_loc, seq_lens, block_tables,
-        scale, window if window > 0 else _NO_WINDOW,
+        scale, window if window > 0 else _NO_WINDOW, softcap,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), v_cache.stride(3),
@@ -460,7 +503,7 @@ def _paged_attention_triton(
         k_cache.shape[1], group,
         HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), 16),
         BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=16 if decode else 32,
-        DOT_F32=dot_f32,
+        DOT_F32=dot_f32, SOFTCAP=softcap > 0,
         # float32 operands get float32 products (tf32 would drift from the torch twin); the
         # setting means nothing to 16-bit operands, which keep the compiler's default.
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
@@ -480,6 +523,7 @@ def _(
     max_query_len: int,
     scale: float,
     window: int,
+    softcap: float,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
@@ -516,7 +560,7 @@ if HAS_TRITON:
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
-        scale, sliding_window,
+        scale, sliding_window, softcap,
         stride_qt, stride_qh,
         stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
         stride_vc_block, stride_vc_slot, stride_vc_head, stride_vc_dim,
@@ -525,6 +569,7 @@ if HAS_TRITON:
         block_size, num_queries_per_kv,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SOFTCAP: tl.constexpr,
     ):  # fmt: skip
         """One program per (tile of query tokens, request, KV head); online softmax.
 
@@ -578,6 +623,8 @@ if HAS_TRITON:
                     mask=kv_mask, other=0.0,
                 ).to(dot_dtype)  # fmt: skip
                 scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale  # [M, N]
+                if SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (exp(2x) + 1)
+                    scores = softcap - 2.0 * softcap / (tl.exp(2.0 * scores / softcap) + 1.0)
                 visible = (keys_pos[None, :] <= query_pos[:, None]) & (keys_pos[None, :] >= first_key[:, None])
                 scores = tl.where(visible, scores, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(scores, axis=1))

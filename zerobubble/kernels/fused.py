@@ -1,4 +1,5 @@
-"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, q/k norm + RoPE, SiLU·up.
+"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, q/k norm + RoPE, SiLU·up
+and GELU(tanh)·up (Gemma's GeGLU).
 
 Between two matmuls a decoder layer is a chain of small elementwise steps. Run one aten op at a
 time, a bfloat16 RMSNorm alone is eight kernels (cast, square, mean, add, rsqrt, multiply, cast,
@@ -77,6 +78,13 @@ def silu_mul_twin(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul_twin(gate_up: Tensor) -> Tensor:
+    """``gelu_tanh(gate) * up`` of ``gate_up [T, 2 I]``: Gemma's GeGLU (Hugging Face's
+    ``gelu_pytorch_tanh``), the activation rounded to the dtype before the product, as there."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels
 
@@ -134,15 +142,21 @@ if HAS_TRITON:
         tl.store(out_ptr + t * stride_o + heads * HEAD_DIM + dims, out.to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_g, stride_o, inter, BLOCK: tl.constexpr):
-        """Grid (tokens, column blocks): ``silu(gate)`` rounded to the dtype, then times ``up``."""
+    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_g, stride_o, inter, BLOCK: tl.constexpr, GELU: tl.constexpr):
+        """Grid (tokens, column blocks): ``silu(gate)`` (``GELU``: ``gelu_tanh(gate)``) rounded
+        to the dtype, then times ``up``."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
         dtype = out_ptr.dtype.element_ty
         gate = tl.load(gate_up_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_up_ptr + t * stride_g + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+        if GELU:
+            inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+            # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 where exp over- or underflows.
+            act = (0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))).to(dtype).to(tl.float32)
+        else:
+            act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
         tl.store(out_ptr + t * stride_o + cols, (act * up).to(dtype), mask=mask)
 
 
@@ -193,18 +207,32 @@ def _(
 _SILU_BLOCK = 1024
 
 
-@torch.library.custom_op("zerobubble::silu_mul", mutates_args=())
-def _silu_mul_op(gate_up: Tensor) -> Tensor:
+def _launch_act_mul(gate_up: Tensor, gelu: bool) -> Tensor:
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(num_tokens, inter)
     if num_tokens:
         block = min(_SILU_BLOCK, next_power_of_2(inter))
         grid = (num_tokens, triton.cdiv(inter, block))
-        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block)
+        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, GELU=gelu)
     return out
 
 
+@torch.library.custom_op("zerobubble::silu_mul", mutates_args=())
+def _silu_mul_op(gate_up: Tensor) -> Tensor:
+    return _launch_act_mul(gate_up, gelu=False)
+
+
 @_silu_mul_op.register_fake
+def _(gate_up: Tensor) -> Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+@torch.library.custom_op("zerobubble::gelu_tanh_mul", mutates_args=())
+def _gelu_tanh_mul_op(gate_up: Tensor) -> Tensor:
+    return _launch_act_mul(gate_up, gelu=True)
+
+
+@_gelu_tanh_mul_op.register_fake
 def _(gate_up: Tensor) -> Tensor:
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
@@ -258,3 +286,12 @@ def silu_mul(gate_up: Tensor, impl: KernelImpl = None) -> Tensor:
         result: Tensor = torch.ops.zerobubble.silu_mul(gate_up)
         return result
     return silu_mul_twin(gate_up)
+
+
+def gelu_tanh_mul(gate_up: Tensor, impl: KernelImpl = None) -> Tensor:
+    """``gelu_tanh(gate) * up`` of ``gate_up [T, 2 I]`` -> ``[T, I]``. The compiled CPU kernels
+    have no GELU, so ``impl="cpp"`` runs the twin."""
+    if use_triton(gate_up, impl, _silu_mul_kernel if HAS_TRITON else None):
+        result: Tensor = torch.ops.zerobubble.gelu_tanh_mul(gate_up)
+        return result
+    return gelu_tanh_mul_twin(gate_up)

@@ -1,4 +1,5 @@
-"""Our Llama-family forward (Llama/SmolLM, Mistral, Qwen2, Qwen3) over a flat batch and a paged KV cache.
+"""Our decoder forward (Llama/SmolLM, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3/Phi-4) over a flat
+batch and a paged KV cache.
 
 One forward call takes the tokens of many requests at once — prefill chunks and decodes mixed —
 as flat ``input_ids [T]`` and ``positions [T]`` plus :class:`~zerobubble.kernels.attention.AttentionMetadata`
@@ -12,6 +13,13 @@ a handful of large matmuls per layer; on CPU their weights are also laid out onc
 ``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
 The sparse layers of the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral) run routed experts
 in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`).
+
+The families differ only in data read by the one forward (`ModelSpec`, `LayerWeights`): Gemma's
+(1 + w) norms are stored as ``w + 1`` at load time, its extra norms after attention and MLP are
+optional layer weights, GeGLU is an activation name, soft-capping values and the embedding scale
+are numbers; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the usual names before
+loading (`adapt_state_dict`), and its partial rotary becomes a permutation of the q/k head
+dimensions with identity rows in the rotary table (`rotary_permutation`).
 """
 
 from __future__ import annotations
@@ -33,16 +41,16 @@ from zerobubble.kernels.attention import (
     plan_attention,
     write_kv_cache,
 )
-from zerobubble.kernels.fused import add_rms_norm, qk_norm_rope
+from zerobubble.kernels.fused import add_rms_norm, gelu_tanh_mul, qk_norm_rope, silu_mul
 from zerobubble.kernels.linear import LinearWeight, PlanChooser, linear, prepare_linear
 from zerobubble.worker_svc.moe import (
     MOE_MODEL_TYPES,
     MoeLayer,
     MoeSpec,
+    gated_mlp,
     moe_forward,
     moe_layer_weights,
     moe_spec,
-    swiglu,
 )
 
 logger = logging.getLogger(__name__)
@@ -50,9 +58,44 @@ logger = logging.getLogger(__name__)
 # Leading logits of a 16-bit model recomputed in float32 (`CausalLM.compute_logits`).
 EXACT_TOP_LOGITS = 8
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"}) | MOE_MODEL_TYPES
-SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3"})
-_SILU_NAMES = frozenset({"silu", "swish"})
+SUPPORTED_MODEL_TYPES = (
+    frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3"}) | MOE_MODEL_TYPES
+)
+SUPPORTED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "yarn", "llama3", "longrope"})
+# Hugging Face activation names -> ours; each of ours is a fused gate·up kernel (`ACTIVATIONS`).
+_ACTIVATION_NAMES = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+ActMul = Callable[[torch.Tensor, KernelImpl], torch.Tensor]  # gate·up [T, 2 I] -> [T, I]
+ACTIVATIONS: dict[str, ActMul] = {
+    "silu": silu_mul,
+    "gelu_tanh": gelu_tanh_mul,
+}
+_GEMMA_TYPES = frozenset({"gemma2", "gemma3_text"})
+# Multimodal model types served as their language model alone (text in, text out).
+TEXT_OF_MULTIMODAL = frozenset({"gemma3"})
+# Where a multimodal checkpoint keeps its language model's weights, and our names for them.
+_LANGUAGE_MODEL_PREFIXES = {
+    "language_model.model.": "model.",  # as saved (transformers 4 layout, also 5's on disk)
+    "model.language_model.": "model.",  # transformers 5 in memory
+    "language_model.lm_head.": "lm_head.",
+}
+# Layer types whose rotary table is their own where a config gives one per type (Gemma 3).
+_LOCAL_LAYER_TYPE, _GLOBAL_LAYER_TYPE = "sliding_attention", "full_attention"
+
+
+def unsupported_model_type(model_type: object) -> str:
+    """The one message refusing a model type: it names the type and the supported ones."""
+    text_only = ", ".join(f"{t} (text only)" for t in sorted(TEXT_OF_MULTIMODAL))
+    return f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))}, {text_only})"
+
+
+def language_config(hf_config: Any) -> Any:
+    """The config of the model we run: a multimodal one's language model (`TEXT_OF_MULTIMODAL`:
+    Gemma 3's 4B to 27B checkpoints), else the config itself. (Hugging Face's multimodal Gemma 3
+    leaves out the final logit soft-cap that its text model applies; Gemma 3's configs set none.)"""
+    if getattr(hf_config, "model_type", None) in TEXT_OF_MULTIMODAL:
+        return hf_config.text_config
+    return hf_config
+
 
 KVCache = list[tuple[torch.Tensor, torch.Tensor]]
 Taker = Callable[[str, tuple[int, ...]], torch.Tensor]
@@ -81,6 +124,16 @@ class ModelSpec:
     max_position_embeddings: int
     sliding_windows: list[int]  # per layer; 0 = full attention
     moe: MoeSpec | None = None  # mixture-of-experts families (zerobubble.worker_svc.moe)
+    # The families' differences, read by the one forward (defaults: Llama's).
+    attention_scale: float | None = None  # None: head_dim ** -0.5 (Gemma: query_pre_attn_scalar ** -0.5)
+    activation: str = "silu"  # a key of ACTIVATIONS
+    norm_offset: float = 0.0  # Gemma's norms scale by (offset + w); added to the stored weights at load
+    sandwich_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden), rounded to the model dtype
+    attn_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: none
+    final_softcap: float = 0.0  # Gemma 2: the same on the logits
+    rotary_dim: int = 0  # dimensions of each head rotated (Phi: partial_rotary_factor); 0: head_dim
+    local_rope: list[bool] = field(default_factory=list)  # per layer: its own rotary table (Gemma 3)
 
 
 @dataclass(slots=True)
@@ -104,30 +157,31 @@ class LayerWeights:
     hidden_norm: torch.Tensor | None = None
     norm_before_residual: bool = False
     moe: MoeLayer | None = None  # a sparse layer's router and experts, in place of the dense MLP
+    # Gemma's norms of the attention's and the MLP's outputs, before they join the residual stream.
+    attn_out_norm: torch.Tensor | None = None
+    mlp_out_norm: torch.Tensor | None = None
 
 
 def model_spec(hf_config: Any) -> ModelSpec:
     """Read and check the config of a supported family; raises ``ValueError`` otherwise."""
+    hf_config = language_config(hf_config)
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"unsupported model_type {model_type!r} (supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-        )
-    if getattr(hf_config, "hidden_act", "silu") not in _SILU_NAMES:
-        raise ValueError(f"unsupported hidden_act {hf_config.hidden_act!r} (only SwiGLU/silu models are supported)")
+        raise ValueError(unsupported_model_type(model_type))
     num_q_heads = int(hf_config.num_attention_heads)
     num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_q_heads)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_attention_heads {num_q_heads} is not a multiple of num_key_value_heads {num_kv_heads}")
     num_layers = int(hf_config.num_hidden_layers)
     attention_bias = bool(getattr(hf_config, "attention_bias", False))
+    head_dim = int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_q_heads)
     return ModelSpec(
         model_type=model_type,
         num_layers=num_layers,
         hidden_size=int(hf_config.hidden_size),
         num_q_heads=num_q_heads,
         num_kv_heads=num_kv_heads,
-        head_dim=int(getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_q_heads),
+        head_dim=head_dim,
         intermediate_size=int(hf_config.intermediate_size),
         vocab_size=int(hf_config.vocab_size),
         rms_norm_eps=float(hf_config.rms_norm_eps),
@@ -136,12 +190,44 @@ def model_spec(hf_config: Any) -> ModelSpec:
         qkv_bias=attention_bias or model_type == "qwen2" or bool(getattr(hf_config, "qkv_bias", False)),
         o_bias=attention_bias and model_type != "qwen2",
         mlp_bias=bool(getattr(hf_config, "mlp_bias", False)),
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
         max_position_embeddings=int(hf_config.max_position_embeddings),
         sliding_windows=_sliding_windows(hf_config, num_layers),
         moe=moe_spec(hf_config, num_layers),
+        **_family_traits(hf_config, model_type, head_dim),
     )
+
+
+def _family_traits(hf_config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
+    """`ModelSpec`'s fields beyond Llama's: Gemma's norms, scales and caps, partial rotary, and
+    per-layer rotary tables; raises ``ValueError`` for a variant the forward does not run."""
+    act_name = getattr(hf_config, "hidden_activation", None) or getattr(hf_config, "hidden_act", None) or "silu"
+    if act_name not in _ACTIVATION_NAMES:
+        raise ValueError(f"unsupported activation {act_name!r} (supported: {', '.join(sorted(_ACTIVATION_NAMES))})")
+    if getattr(hf_config, "use_bidirectional_attention", False):
+        raise ValueError("unsupported use_bidirectional_attention (only causal models are served)")
+    params = _rope_params(hf_config, None)
+    per_type = isinstance(params.get(_LOCAL_LAYER_TYPE), dict)
+    layer_types = list(getattr(hf_config, "layer_types", None) or [])
+    partial = float(_rope_params(hf_config, _GLOBAL_LAYER_TYPE if per_type else None).get("partial_rotary_factor", 1.0))
+    traits: dict[str, Any] = {
+        "activation": _ACTIVATION_NAMES[act_name],
+        "rotary_dim": int(head_dim * partial),
+        "local_rope": [kind == _LOCAL_LAYER_TYPE for kind in layer_types] if per_type else [],
+    }
+    if model_type in _GEMMA_TYPES:
+        # Gemma 3's attention ignores attn_logit_softcapping even where its config sets it.
+        attn_cap = getattr(hf_config, "attn_logit_softcapping", None) if model_type == "gemma2" else None
+        traits.update(
+            attention_scale=float(hf_config.query_pre_attn_scalar) ** -0.5,
+            norm_offset=1.0,
+            sandwich_norms=True,
+            embed_scale=float(hf_config.hidden_size) ** 0.5,
+            attn_softcap=float(attn_cap or 0.0),
+            final_softcap=float(getattr(hf_config, "final_logit_softcapping", None) or 0.0),
+        )
+    return traits
 
 
 def _sliding_windows(hf_config: Any, num_layers: int) -> list[int]:
@@ -154,31 +240,80 @@ def _sliding_windows(hf_config: Any, num_layers: int) -> list[int]:
     return [window if kind == "sliding_attention" else 0 for kind in layer_types]
 
 
-def rope_tables(hf_config: Any, head_dim: int, num_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` float32 ``[num_positions, head_dim // 2]``, attention scaling folded in.
-
-    ``dynamic`` scaling only changes frequencies past ``max_position_embeddings``, which is also
-    our ``max_model_len``, so within range it equals the default table, as in Hugging Face.
-    """
+def _rope_params(hf_config: Any, layer_type: str | None) -> dict[str, Any]:
+    """The config's RoPE parameters (one layer type's where it gives them per type, Gemma 3)."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     legacy_scaling = getattr(hf_config, "rope_scaling", None)
     if not params and isinstance(legacy_scaling, dict):  # transformers 4 configs
         params = {**legacy_scaling, "rope_theta": getattr(hf_config, "rope_theta", 10000.0)}
+    if layer_type is not None:
+        return dict(params.get(layer_type) or {})
+    return params
+
+
+def rope_tables(
+    hf_config: Any, head_dim: int, num_positions: int, layer_type: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` float32 ``[num_positions, rotary_dim // 2]``, attention scaling folded in;
+    ``layer_type`` picks that type's parameters where the config gives them per type.
+
+    ``dynamic`` scaling only changes frequencies past ``max_position_embeddings``, which is also
+    our ``max_model_len``, so within range it equals the default table, as in Hugging Face.
+    ``longrope`` (Phi-3) switches from its short to its long factors once the sequence passes
+    ``original_max_position_embeddings``; Hugging Face decides per forward call from the call's
+    last position, which for a decode is the token's own. Here the table switches per position:
+    a token at position ``p`` takes the long factors iff ``p >= original``. That is Hugging Face's
+    choice for every generated token and every prompt up to ``original`` tokens; a prompt longer
+    than that is rotated with the short factors up to ``original`` here, the long ones there.
+    """
+    params = _rope_params(hf_config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope_type {rope_type!r} (supported: {', '.join(sorted(SUPPORTED_ROPE_TYPES))})")
+    positions = torch.arange(num_positions, dtype=torch.int64).float()[:, None]
     if rope_type == "default":
         base = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
         attention_scaling = 1.0
     else:
         # Imported here: transformers costs seconds of start-up and the default needs none of it.
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+        init = ROPE_INIT_FUNCTIONS[rope_type]
+        by_type = {} if layer_type is None else {"layer_type": layer_type}
+        inv_freq, attention_scaling = init(hf_config, torch.device("cpu"), **by_type)
+        if rope_type == "longrope":
+            original = int(params.get("original_max_position_embeddings") or hf_config.original_max_position_embeddings)
+            long_freq, _ = init(hf_config, torch.device("cpu"), seq_len=original + 1, **by_type)
+            inv_freq = torch.where(positions < original, inv_freq.float()[None, :], long_freq.float()[None, :])
     # Same float32 products as Hugging Face's rotary embedding, so the tables match bit for bit.
-    freqs = torch.arange(num_positions, dtype=torch.int64).float()[:, None] * inv_freq.float()[None, :]
+    freqs = positions * (inv_freq.float() if inv_freq.dim() == 2 else inv_freq.float()[None, :])
     return freqs.cos() * attention_scaling, freqs.sin() * attention_scaling
+
+
+def rotary_tables(hf_config: Any, spec: ModelSpec, layer_type: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``(cos, cos)`` and ``(-sin, sin)`` ``[max_positions, head_dim]`` as
+    `zerobubble.kernels.fused.qk_norm_rope` reads them. With partial rotary the dimensions past
+    ``rotary_dim`` get cos 1 and sin 0, which leaves them as they are: `rotary_permutation` puts
+    the head dimensions Hugging Face passes through there."""
+    cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings, layer_type)
+    passed = spec.head_dim // 2 - cos.shape[1]
+    if passed:
+        cos = torch.cat((cos, torch.ones(cos.shape[0], passed)), dim=-1)
+        sin = torch.cat((sin, torch.zeros(sin.shape[0], passed)), dim=-1)
+    return torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)
+
+
+def rotary_permutation(head_dim: int, rotary_dim: int) -> torch.Tensor:
+    """Head dimensions in our order ``[head_dim]`` (entry ``n``: Hugging Face's dimension at our
+    ``n``) for partial rotary: Hugging Face rotates pairs ``(i, i + R/2)`` of the first ``R``
+    dimensions; ours pairs ``(n, n + D/2)``. The same permutation of q and k leaves every score
+    as it was, so only the q/k projection rows (and q/k norms) are permuted, at load time."""
+    rot_half = rotary_dim // 2
+    passed = torch.arange(rotary_dim, head_dim)
+    first, second = passed.chunk(2) if len(passed) else (passed, passed)
+    return torch.cat((torch.arange(rot_half), first, torch.arange(rot_half, rotary_dim), second))
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,6 +341,9 @@ class CausalLM:
     device: torch.device
     rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
     rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see zerobubble.kernels.fused.qk_norm_rope_twin
+    # The tables of the layers with `ModelSpec.local_rope` (Gemma 3's sliding layers), else None.
+    local_rope_cos: torch.Tensor | None = None
+    local_rope_sin: torch.Tensor | None = None
     linear: LinearSetup = field(default_factory=lambda: LinearSetup())
     # "cpp": the compiled CPU kernels serve the norms, rotation, SiLU, attention and the bfloat16
     # and int8 products (zerobubble.kernels.cpu); None: Triton on CUDA, the torch twins elsewhere.
@@ -225,8 +363,8 @@ class CausalLM:
 
     @property
     def scale(self) -> float:
-        """Softmax scale ``1/sqrt(head_dim)``."""
-        return self.spec.head_dim**-0.5
+        """Softmax scale: ``1/sqrt(head_dim)`` unless the family sets its own."""
+        return self.spec.attention_scale or self.spec.head_dim**-0.5
 
     def load_weights(self, state_dict: Mapping[str, torch.Tensor]) -> None:
         """Copy a Hugging Face ``*ForCausalLM`` state dict in, fusing q/k/v and gate/up.
@@ -234,7 +372,7 @@ class CausalLM:
         Raises ``KeyError`` for a missing tensor and ``ValueError`` for a wrong shape.
         """
         spec, hidden = self.spec, self.spec.hidden_size
-        take, take_optional, weight = self.weight_readers(state_dict)
+        take, take_optional, weight = self.weight_readers(adapt_state_dict(spec, state_dict))
         self.layers = [
             layer_weights(spec, take, take_optional, weight, f"model.layers.{i}.", index=i)
             for i in range(spec.num_layers)
@@ -289,7 +427,10 @@ class CausalLM:
         captured layers' inputs follow, in layer order (`compute_logits` reads the first part)."""
         assert self.embed is not None and self.final_norm is not None, "load_weights first"
         captured: list[torch.Tensor] = []
-        hidden, residual = self.run_layers(F.embedding(input_ids, self.embed), positions, meta, kv_caches, captured)
+        embeds = F.embedding(input_ids, self.embed)
+        if self.spec.embed_scale != 1.0:  # by the scale rounded to the model dtype, as Hugging Face's Gemma
+            embeds = embeds * torch.tensor(self.spec.embed_scale, dtype=self.dtype).item()
+        hidden, residual = self.run_layers(embeds, positions, meta, kv_caches, captured)
         final = add_rms_norm(hidden, residual, self.final_norm, self.spec.rms_norm_eps, self.kernels)[0]
         return torch.cat([final, *captured], dim=-1) if captured else final
 
@@ -309,11 +450,14 @@ class CausalLM:
         spec = self.spec
         num_tokens = hidden.shape[0]
         eps = spec.rms_norm_eps
-        cos, sin = self.rotary(positions)
+        rotations = self.rotaries(positions)
         plan: AttentionPlan | None = None
         # The torch path's plan reads host values: only on the CPU, where they are host memory.
         if not use_triton(hidden, None) and hidden.device.type == "cpu" and num_tokens > 0:
-            plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads, batched=self.kernels != "cpp")
+            # Soft-capped attention runs the torch path on the CPU (the compiled kernel has no cap).
+            batched = self.kernels != "cpp" or spec.attn_softcap > 0
+            plan = plan_attention(meta, kv_caches[0][0], spec.num_q_heads, batched=batched)
+        act_mul = ACTIVATIONS[spec.activation]
         # The residual stream's add is fused into the norm that follows it: `hidden` is a
         # sublayer's output not yet added, `residual` the stream before it.
         residual: torch.Tensor | None = None
@@ -323,18 +467,37 @@ class CausalLM:
             normed, residual = layer_input(layer, hidden, residual, eps, self.kernels)
             if captured is not None and i in self.capture_layers:
                 captured.append(residual.to(normed.dtype))  # the stream's sum into this layer
+            cos, sin = rotations[1 if spec.local_rope and spec.local_rope[i] else 0]
             q = self.write_kv(layer, normed, cos, sin, (k_cache, v_cache), meta.slot_mapping)
             attn = paged_attention(
-                q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan
-            )
+                q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan,
+                softcap=spec.attn_softcap,
+            )  # fmt: skip
             hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
+            hidden = self.output_norm(hidden, layer.attn_out_norm)
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps, self.kernels)
-            hidden = feed_forward(layer, normed, self.kernels)
+            hidden = feed_forward(layer, normed, act_mul, self.kernels)
+            hidden = self.output_norm(hidden, layer.mlp_out_norm)
         return hidden, residual
+
+    def output_norm(self, hidden: torch.Tensor, weight: torch.Tensor | None) -> torch.Tensor:
+        """A sublayer's output normed before it joins the residual stream (Gemma's post-norms)."""
+        if weight is None:
+            return hidden
+        return add_rms_norm(hidden, None, weight, self.spec.rms_norm_eps, self.kernels)[0]
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables' rows ``(cos, sin)`` ``[T, D]`` at ``positions``."""
         return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
+
+    def rotaries(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """`rotary`'s rows of each table: the global one, then the local layers' where they have one."""
+        rows = [self.rotary(positions)]
+        if self.local_rope_cos is not None and self.local_rope_sin is not None:
+            rows.append(
+                (self.local_rope_cos.index_select(0, positions), self.local_rope_sin.index_select(0, positions))
+            )
+        return rows
 
     def write_kv(
         self,
@@ -376,19 +539,24 @@ class CausalLM:
         if hidden.shape[-1] != size:
             hidden = hidden.narrow(-1, 0, size).contiguous()
         logits = linear(hidden, self.lm_head).float()
-        if hidden.dtype == torch.float32:
-            return logits
-        top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices
-        rows = F.embedding(top, self.head_rows).float()  # [N, top, hidden]
-        return logits.scatter_(1, top, torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1))
+        if hidden.dtype != torch.float32:
+            top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices
+            rows = F.embedding(top, self.head_rows).float()  # [N, top, hidden]
+            logits.scatter_(1, top, torch.bmm(rows, hidden.float().unsqueeze(-1)).squeeze(-1))
+        cap = self.spec.final_softcap
+        # In float32 whatever the model dtype; monotonic, so the argmax is the uncapped one's.
+        return logits if cap <= 0 else torch.tanh(logits / cap) * cap
 
 
-def feed_forward(layer: LayerWeights, normed: torch.Tensor, impl: KernelImpl = None) -> torch.Tensor:
-    """A layer's MLP over its normed input: routed experts in a sparse layer, else the dense SwiGLU."""
+def feed_forward(layer: LayerWeights, normed: torch.Tensor, act_mul: ActMul, impl: KernelImpl = None) -> torch.Tensor:
+    """A layer's MLP over its normed input: routed experts in a sparse layer, else the dense gated
+    MLP with the model's activation (`ACTIVATIONS`: SwiGLU, Gemma's GeGLU)."""
     if layer.moe is not None:
         return moe_forward(normed, layer.moe, impl)
     assert layer.gate_up_weight is not None and layer.down_weight is not None
-    return swiglu(normed, layer.gate_up_weight, layer.down_weight, impl, layer.gate_up_bias, layer.down_bias)
+    return gated_mlp(
+        normed, layer.gate_up_weight, layer.down_weight, impl, layer.gate_up_bias, layer.down_bias, act_mul
+    )
 
 
 def layer_input(
@@ -444,6 +612,9 @@ def layer_weights(
     gate_up = (
         None if sparse else torch.cat([take(prefix + f"mlp.{n}_proj.weight", (inter, hidden)) for n in ("gate", "up")])
     )
+    # Gemma: post_attention_layernorm norms the attention's output, pre_feedforward_layernorm the MLP's input.
+    sandwich = spec.sandwich_norms
+    mlp_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight", (hidden,)) if input_norm else None,
         qkv_weight=weight(qkv.contiguous()),
@@ -453,7 +624,7 @@ def layer_weights(
         qk_norm=qk_norm,
         o_weight=weight(take(prefix + "self_attn.o_proj.weight", (hidden, q_size))),
         o_bias=take_optional(prefix + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
-        post_norm=take(prefix + "post_attention_layernorm.weight", (hidden,)),
+        post_norm=take(prefix + mlp_norm + ".weight", (hidden,)),
         gate_up_weight=None if gate_up is None else weight(gate_up.contiguous()),
         gate_up_bias=fuse_optional(
             [take_optional(prefix + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias) for n in ("gate", "up")]
@@ -463,7 +634,50 @@ def layer_weights(
         hidden_norm=take(prefix + "hidden_norm.weight", (hidden,)) if eagle3 else None,
         norm_before_residual=norm_before_residual,
         moe=moe_layer_weights(spec.moe, hidden, take, weight, prefix) if spec.moe is not None and sparse else None,
+        attn_out_norm=take_optional(prefix + "post_attention_layernorm.weight", (hidden,), sandwich),
+        mlp_out_norm=take_optional(prefix + "post_feedforward_layernorm.weight", (hidden,), sandwich),
     )
+
+
+def adapt_state_dict(spec: ModelSpec, state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A Hugging Face state dict under the names and in the form `layer_weights` reads: fused
+    ``qkv_proj`` / ``gate_up_proj`` (Phi-3) split into views, norm weights with
+    `ModelSpec.norm_offset` added (in float32, before any rounding to the model dtype), and q/k
+    rows in `rotary_permutation`'s order for partial rotary; a multimodal checkpoint's language
+    model under the text model's names (its other weights are left unread)."""
+    adapted = {_language_model_name(name): tensor for name, tensor in state_dict.items()}
+    q_size, kv_size = spec.num_q_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    for name, tensor in list(adapted.items()):
+        if name.endswith("self_attn.qkv_proj.weight"):
+            del adapted[name]
+            prefix = name.removesuffix("qkv_proj.weight")
+            for part, chunk in zip("qkv", tensor.split((q_size, kv_size, kv_size))):
+                adapted[f"{prefix}{part}_proj.weight"] = chunk
+        elif name.endswith("mlp.gate_up_proj.weight"):
+            del adapted[name]
+            prefix = name.removesuffix("gate_up_proj.weight")
+            gate, up = tensor.chunk(2)
+            adapted[prefix + "gate_proj.weight"], adapted[prefix + "up_proj.weight"] = gate, up
+        elif name.endswith("norm.weight") and spec.norm_offset:
+            adapted[name] = tensor.float() + spec.norm_offset
+    if spec.rotary_dim and spec.rotary_dim < spec.head_dim:
+        order = rotary_permutation(spec.head_dim, spec.rotary_dim)
+        for name in list(adapted):
+            if any(part in name for part in ("q_proj.", "k_proj.")):
+                tensor = adapted[name]
+                heads = tensor.shape[0] // spec.head_dim
+                adapted[name] = tensor.reshape(heads, spec.head_dim, -1)[:, order].reshape(tensor.shape)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                adapted[name] = adapted[name][order]
+    return adapted
+
+
+def _language_model_name(name: str) -> str:
+    """A multimodal checkpoint's language-model weight under the text model's name; others as they are."""
+    for prefix, ours in _LANGUAGE_MODEL_PREFIXES.items():
+        if name.startswith(prefix):
+            return ours + name.removeprefix(prefix)
+    return name
 
 
 def build_model(
@@ -481,8 +695,10 @@ def build_model(
     "int4") stores them quantized, ``linear_chooser`` picks their products (see
     :mod:`zerobubble.kernels.linear`), ``kernels`` is `CausalLM.kernels`.
     """
+    hf_config = language_config(hf_config)
     spec = model_spec(hf_config)
-    cos, sin = rope_tables(hf_config, spec.head_dim, spec.max_position_embeddings)
+    cos, sin = rotary_tables(hf_config, spec, _GLOBAL_LAYER_TYPE if spec.local_rope else None)
+    local_cos, local_sin = rotary_tables(hf_config, spec, _LOCAL_LAYER_TYPE) if spec.local_rope else (None, None)
     device = torch.device(device)
     logger.debug("building %s: %d layers, %d/%d heads of %d, %s on %s", spec.model_type, spec.num_layers,
                  spec.num_q_heads, spec.num_kv_heads, spec.head_dim, dtype, device)  # fmt: skip
@@ -490,8 +706,10 @@ def build_model(
         spec=spec,
         dtype=dtype,
         device=device,
-        rope_cos=torch.cat((cos, cos), dim=-1).to(device=device, dtype=dtype),
-        rope_sin=torch.cat((-sin, sin), dim=-1).to(device=device, dtype=dtype),
+        rope_cos=cos.to(device=device, dtype=dtype),
+        rope_sin=sin.to(device=device, dtype=dtype),
+        local_rope_cos=None if local_cos is None else local_cos.to(device=device, dtype=dtype),
+        local_rope_sin=None if local_sin is None else local_sin.to(device=device, dtype=dtype),
         linear=LinearSetup(prepack, quantization, linear_chooser),
         kernels=kernels,
     )

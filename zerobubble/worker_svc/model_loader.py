@@ -34,7 +34,14 @@ import torch
 
 from zerobubble.kernels._triton import KernelImpl
 from zerobubble.kernels.linear_choice import LinearChooser, warn_if_int8_is_slower
-from zerobubble.worker_svc.model import SUPPORTED_MODEL_TYPES, CausalLM, build_model
+from zerobubble.worker_svc.model import (
+    SUPPORTED_MODEL_TYPES,
+    TEXT_OF_MULTIMODAL,
+    CausalLM,
+    build_model,
+    language_config,
+    unsupported_model_type,
+)
 from zerobubble.worker_svc.moe import gguf_moe_config
 
 logger = logging.getLogger(__name__)
@@ -177,7 +184,8 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 
 def read_config(path: Path) -> Any:
-    """The model directory's config as transformers resolves it (each family's defaults applied).
+    """The model directory's config as transformers resolves it (each family's defaults applied);
+    a multimodal model's language-model config (`language_config`: the model we run).
 
     Resolving it imports transformers, about half of a worker's start-up. So the resolved
     attributes (`PretrainedConfig.to_dict()`) are cached under ``configs/`` of the cache root,
@@ -202,11 +210,13 @@ def read_config(path: Path) -> Any:
     from transformers import AutoConfig
 
     try:
-        hf_config = AutoConfig.from_pretrained(path)
+        hf_config = language_config(AutoConfig.from_pretrained(path))
     except Exception as exc:  # transformers raises many types for a malformed config
         raise ModelLoadError(f"model directory {str(path)!r}: cannot read config.json: {exc}") from exc
     rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
-    if rope.get("rope_type", rope.get("type", "default")) == "default":
+    # Per layer type (Gemma 3) or one set for all.
+    rope_sets = [v for v in rope.values() if isinstance(v, dict)] or [rope]
+    if all(r.get("rope_type", r.get("type", "default")) == "default" for r in rope_sets):
         try:
             write_atomic(cached, json.dumps(hf_config.to_dict()))
         except (OSError, TypeError, ValueError) as exc:  # a read-only cache only costs start-up time
@@ -268,11 +278,8 @@ def _validate_hf_dir(path: Path) -> None:
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{str(config_file)!r} is not valid JSON: {exc}") from exc
     model_type = config.get("model_type") if isinstance(config, dict) else None
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"model directory {str(path)!r}: unsupported model_type {model_type!r} "
-            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-        )
+    if model_type not in SUPPORTED_MODEL_TYPES | TEXT_OF_MULTIMODAL:
+        raise ModelLoadError(f"model directory {str(path)!r}: {unsupported_model_type(model_type)}")
     if not any(path.glob("*.safetensors")):
         raise ModelLoadError(f"model directory {str(path)!r} has no *.safetensors weights")
     if not (path / "tokenizer.json").is_file():
@@ -364,11 +371,8 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     except Exception as exc:
         raise ModelLoadError(f"cannot convert GGUF file {str(gguf_path)!r}: {exc}") from exc
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ModelLoadError(
-            f"GGUF file {str(gguf_path)!r}: unsupported model_type {model_type!r} "
-            f"(supported: {', '.join(sorted(SUPPORTED_MODEL_TYPES))})"
-        )
+    if model_type not in SUPPORTED_MODEL_TYPES | TEXT_OF_MULTIMODAL:
+        raise ModelLoadError(f"GGUF file {str(gguf_path)!r}: {unsupported_model_type(model_type)}")
     # The weights are dequantized already; saving must not try to re-quantize them.
     model.hf_quantizer = None  # type: ignore[assignment]
     if hasattr(model.config, "quantization_config"):

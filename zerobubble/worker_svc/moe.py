@@ -90,16 +90,18 @@ class MoeLayer:
     shared_gate: LinearWeight | None = None  # [1, hidden]
 
 
-def swiglu(
+def gated_mlp(
     x: Tensor,
     gate_up: LinearWeight,
     down: LinearWeight,
     impl: KernelImpl = None,
     gate_up_bias: Tensor | None = None,
     down_bias: Tensor | None = None,
+    act_mul: Callable[[Tensor, KernelImpl], Tensor] = silu_mul,
 ) -> Tensor:
-    """A SwiGLU MLP ``down(silu(gate x) * up x)`` over fused gate/up rows: a dense layer's, a shared expert's."""
-    return linear(silu_mul(linear(x, gate_up, gate_up_bias), impl), down, down_bias)
+    """A gated MLP ``down(act(gate x) * up x)`` over fused gate/up rows (SwiGLU by default): a
+    dense layer's, a shared expert's."""
+    return linear(act_mul(linear(x, gate_up, gate_up_bias), impl), down, down_bias)
 
 
 def moe_forward(x: Tensor, layer: MoeLayer, impl: KernelImpl = None) -> Tensor:
@@ -108,7 +110,7 @@ def moe_forward(x: Tensor, layer: MoeLayer, impl: KernelImpl = None) -> Tensor:
     out = routed_experts(x, routing, layer.experts, impl)  # float32
     if layer.shared_gate_up is not None:
         assert layer.shared_down is not None and layer.shared_gate is not None
-        shared = swiglu(x, layer.shared_gate_up, layer.shared_down, impl)
+        shared = gated_mlp(x, layer.shared_gate_up, layer.shared_down, impl)
         out = out + torch.sigmoid(linear(x, layer.shared_gate)) * shared
     return out.to(x.dtype)
 
