@@ -510,7 +510,8 @@ def check_flags(
                 continue
             if service == "worker":
                 raw_rank = env.get(env_name("node-rank"))
-                for problem in check_worker_group(config, obj, template, container, raw_rank and raw_rank.value):
+                rank_text = raw_rank.value if raw_rank is not None else None
+                for problem in check_worker_group(config, obj, template, container, rank_text):
                     result.fail(where, f"{cname}: {problem}")
             if is_leader(obj, template):
                 parsed.setdefault(service, []).append((cname, config))
