@@ -33,6 +33,7 @@ from zerobubble.kernels.attention import (
 )
 from zerobubble.kernels.fused import add_rms_norm, qk_norm_rope, silu_mul
 from zerobubble.kernels.linear import LinearWeight, PlanChooser, linear, prepare_linear
+from zerobubble.worker_svc.parallel import TensorParallel, row_linear
 
 logger = logging.getLogger(__name__)
 
@@ -207,6 +208,9 @@ class CausalLM:
     # Layers whose input (the residual stream before them; 0: the embedding) `forward` returns
     # too, after the final hidden state: what an EAGLE-3 head drafts from.
     capture_layers: tuple[int, ...] = ()
+    # This rank's group when the layers are sharded (`zerobubble.worker_svc.parallel`; `spec`
+    # then holds this rank's head and intermediate counts).
+    tp: TensorParallel = field(default_factory=TensorParallel)
 
     @property
     def scale(self) -> float:
@@ -311,10 +315,10 @@ class CausalLM:
             attn = paged_attention(
                 q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan
             )
-            hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
+            hidden = row_linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, self.tp)
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps, self.kernels)
             gate_up = linear(normed, layer.gate_up_weight, layer.gate_up_bias)
-            hidden = linear(silu_mul(gate_up, self.kernels), layer.down_weight, layer.down_bias)
+            hidden = row_linear(silu_mul(gate_up, self.kernels), layer.down_weight, layer.down_bias, self.tp)
         return hidden, residual
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -468,23 +472,30 @@ def build_model(
     )
 
 
-def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V)."""
+def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype, num_kv_heads: int = 0) -> int:
+    """Bytes one KV block takes across all layers (K and V); ``num_kv_heads``: a tensor-parallel
+    rank's own (0: the model's)."""
     spec = model_spec(hf_config)
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element_size
+    return 2 * spec.num_layers * block_size * (num_kv_heads or spec.num_kv_heads) * spec.head_dim * element_size
 
 
 def allocate_kv_cache(
-    hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    hf_config: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    num_kv_heads: int = 0,
 ) -> KVCache:
-    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed.
+    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed;
+    ``num_kv_heads``: a tensor-parallel rank's own (0: the model's).
 
     The tensors are strided views (see :func:`zerobubble.kernels.attention.new_kv_cache`): address them by
     index or through their strides, not with ``view``.
     """
     spec = model_spec(hf_config)
     return [
-        new_kv_cache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        new_kv_cache(num_blocks, block_size, num_kv_heads or spec.num_kv_heads, spec.head_dim, dtype, device)
         for _ in range(spec.num_layers)
     ]
