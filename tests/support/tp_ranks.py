@@ -69,7 +69,7 @@ def rank_logits(
 ) -> None:
     """A spawned rank: its shard of ``model_dir`` through `schedule_logits`; rank 0 saves them."""
     torch.set_num_threads(1)
-    tp = init_tensor_parallel(rank, size, f"file://{init_file}", torch.device("cpu"))
+    tp = init_tensor_parallel(rank, size, torch.device("cpu"), init_method=f"file://{init_file}")
     try:
         loaded = load_model(model_dir, dtype, "cpu", quantization=quantization, tp=tp)
         logits = schedule_logits(loaded)
@@ -77,3 +77,28 @@ def rank_logits(
             torch.save(logits, out)
     finally:
         leave(tp)
+
+
+def rank_children(pid: int) -> list[int]:
+    """Pids of the tensor-parallel ranks a worker process ``pid`` started (`LocalRanks`)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline = (entry / "cmdline").read_bytes()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"run_rank" in cmdline:
+            out.append(int(entry.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"

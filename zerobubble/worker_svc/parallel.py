@@ -16,14 +16,17 @@ as `safetensors`' `safe_open`), never a full copy of the layers.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -57,6 +60,7 @@ class TensorParallel:
 
     rank: int = 0
     size: int = 1
+    local_rank: int = 0  # the rank's place on its machine (its GPU: cuda:local_rank)
     group: Any = None  # dist.ProcessGroup of the model's all-reduces
     cpu_group: Any = None  # dist.ProcessGroup (gloo) of host messages
     clock: CollectiveClock = field(default_factory=CollectiveClock)
@@ -68,29 +72,61 @@ class TensorParallel:
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the group in place (timed in `clock`)."""
         started = time.perf_counter()
-        dist.all_reduce(tensor, group=self.group)
+        with group_errors():
+            dist.all_reduce(tensor, group=self.group)
         self.clock.seconds += time.perf_counter() - started
         self.clock.calls += 1
         return tensor
+
+    def agree_min(self, value: int) -> int:
+        """The least of every rank's ``value`` (a KV capacity each rank measured on its own device)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        with group_errors():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(tensor.item())
+
+
+class RankLost(RuntimeError):
+    """A collective failed: a rank of the group is gone (or stuck past the timeout). Nothing
+    more can run on this group; the worker treats it as a device fault and exits."""
+
+
+@contextlib.contextmanager
+def group_errors() -> Iterator[None]:
+    """Any failure of a collective inside becomes `RankLost`."""
+    try:
+        yield
+    except Exception as exc:
+        raise RankLost(f"tensor-parallel group lost (a rank exited or stopped answering): {exc}") from exc
 
 
 SINGLE = TensorParallel()
 
 
 def init_tensor_parallel(
-    rank: int, size: int, init_method: str, device: torch.device, timeout: timedelta = COLLECTIVE_TIMEOUT
+    rank: int,
+    size: int,
+    device: torch.device,
+    init_method: str | None = None,
+    store: Any = None,
+    local_rank: int = 0,
+    timeout: timedelta = COLLECTIVE_TIMEOUT,
 ) -> TensorParallel:
-    """Join the group of ``size`` ranks at ``init_method`` (``tcp://host:port``, ``file://...``,
-    ``env://``) as ``rank``; the model's collectives run on NCCL for a CUDA ``device``, on gloo
-    otherwise, and host messages always on a gloo group."""
+    """Join the group of ``size`` ranks as ``rank``, meeting at ``init_method`` (``file://``,
+    ``tcp://``, ``env://``) or through ``store`` (a ``dist.Store``); the model's collectives
+    run on NCCL for a CUDA ``device``, on gloo otherwise, and host messages always on gloo."""
     if size == 1:
         return TensorParallel()
     backend = "nccl" if device.type == "cuda" else "gloo"
     options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=size, timeout=timeout, **options)
+    dist.init_process_group(
+        backend, init_method=init_method, store=store, rank=rank, world_size=size, timeout=timeout, **options
+    )
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    logger.info("tensor-parallel rank %d of %d joined (%s)", rank, size, backend)
-    return TensorParallel(rank, size, dist.group.WORLD, cpu_group)
+    logger.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, size, backend, device)
+    return TensorParallel(rank, size, local_rank, dist.group.WORLD, cpu_group)
 
 
 def leave(tp: TensorParallel) -> None:
@@ -106,6 +142,58 @@ def row_linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None,
         return linear(x, weight, bias)
     out = tp.all_reduce(linear(x, weight, None))
     return out if bias is None else out + bias
+
+
+# -- the leader's plans to the other ranks ----------------------------------------------------
+
+# The plan channel's messages.
+PLAN, RESET, STOP = 1, 2, 3
+_HEADER = struct.Struct("<qq")  # kind, payload bytes
+# One broadcast carries the header and a payload up to this size (a decode plan), a larger one
+# (prompt tokens) follows apart: on gloo a 4 KiB broadcast costs what a 16-byte one does, 64 KiB twice that.
+CHANNEL_BYTES = 4096
+
+
+@dataclass(slots=True, eq=False)
+class PlanChannel:
+    """The leader's messages to the other ranks, each one broadcast over the gloo group (the
+    leader sends, the others receive); `seconds` is the leader's time spent sending."""
+
+    tp: TensorParallel
+    buffer: torch.Tensor = field(default_factory=lambda: torch.zeros(CHANNEL_BYTES, dtype=torch.uint8))
+    seconds: float = 0.0
+    messages: int = 0
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        started = time.perf_counter()
+        view = self.buffer.numpy()
+        view[: _HEADER.size] = np.frombuffer(_HEADER.pack(kind, len(payload)), np.uint8)
+        inline = len(payload) <= CHANNEL_BYTES - _HEADER.size
+        if inline and payload:
+            view[_HEADER.size : _HEADER.size + len(payload)] = np.frombuffer(payload, np.uint8)
+        with group_errors():
+            dist.broadcast(self.buffer, src=0, group=self.tp.cpu_group)
+            if not inline:
+                dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.tp.cpu_group)
+        self.seconds += time.perf_counter() - started
+        self.messages += 1
+
+    def receive(self) -> tuple[int, bytes]:
+        """The next message (blocks until the leader sends one)."""
+        with group_errors():
+            dist.broadcast(self.buffer, src=0, group=self.tp.cpu_group)
+            view = self.buffer.numpy()
+            kind, size = _HEADER.unpack(view[: _HEADER.size].tobytes())
+            if size <= CHANNEL_BYTES - _HEADER.size:
+                return kind, view[_HEADER.size : _HEADER.size + size].tobytes()
+            payload = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(payload, src=0, group=self.tp.cpu_group)
+        return kind, payload.numpy().tobytes()
+
+    def take_seconds(self) -> float:
+        """The sending time gathered since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 # -- which slice of the weights a rank holds ----------------------------------------------------

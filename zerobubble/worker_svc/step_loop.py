@@ -23,6 +23,7 @@ import torch
 
 from zerobubble.api import worker_pb2
 from zerobubble.rows import plan_req_ids
+from zerobubble.worker_svc.parallel import RankLost
 from zerobubble.worker_svc.result_copy import PendingResult
 from zerobubble.worker_svc.runner import ModelRunner
 
@@ -37,6 +38,8 @@ DeviceFaultHandler = Callable[[BaseException], None]
 def is_device_fault(exc: BaseException) -> bool:
     """Whether ``exc`` is the accelerator failing (a kernel fault, after which a CUDA context
     refuses all further work), not one step's bad input or a bug in its host code."""
+    if isinstance(exc, RankLost):  # a tensor-parallel rank is gone: no step can run without it
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
