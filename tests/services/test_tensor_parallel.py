@@ -42,25 +42,32 @@ def tiny_llama(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> P
     return write_tiny_model(tmp_path_factory.mktemp("tp") / "llama", config, smollm2_dir, init_std=0.15)
 
 
-def greedy_through_services(model_dir: Path, rows: list[dict[str, Any]], **worker: Any) -> dict[str, Any]:
-    """The rows' greedy outputs from a worker with these settings under an async scheduler."""
+def greedy_through_services(model_dir: Path, rows: list[dict[str, Any]], **worker: Any) -> tuple[dict[str, Any], list]:
+    """The rows' greedy outputs from a worker with these settings under an async scheduler,
+    and the scheduler's metrics after them."""
     options = dict(model=str(model_dir), kv_cache_memory_gb=0.1, max_num_seqs=8, metrics_port=0, **worker)
     with serving(options, max_inflight_steps=2) as scheduler:
-        return run_workload(scheduler.target, bench_rows(rows, MAX_TOKENS), concurrency=len(rows))
+        report = run_workload(scheduler.target, bench_rows(rows, MAX_TOKENS), concurrency=len(rows))
+        return report, scrape(scheduler.ports["METRICS"])
 
 
 def test_two_ranks_with_ngram_drafts_match_hf(tiny_llama: Path, grounded_rows: list[dict[str, Any]]) -> None:
     rows = [grounded_rows[i] for i in ROWS[:4]]
-    report = greedy_through_services(tiny_llama, rows, tensor_parallel_size=2, spec_method="ngram")
+    report, metrics = greedy_through_services(tiny_llama, rows, tensor_parallel_size=2, spec_method="ngram")
     reference = hf_reference(tiny_llama, rows, MAX_TOKENS)
     assert_matches_reference(report, reference, tiny_llama, rows, min_identical=len(rows))
+    assert total(metrics, "zerobubble_worker_tensor_parallel_size") == 2
+    steps = total(metrics, "zerobubble_worker_step_duration_seconds_count")
+    collective_s = total(metrics, "zerobubble_worker_collective_seconds_total")
+    assert 0 < collective_s < total(metrics, "zerobubble_worker_step_duration_seconds_sum"), (collective_s, steps)
+    print(f"collectives: {1e3 * collective_s / steps:.2f} ms per step over {steps:.0f} steps")
 
 
 @pytest.mark.slow
 def test_smollm2_three_ranks_with_ngram_drafts_match_hf(smollm2_dir: Path, grounded_rows: list[dict[str, Any]]) -> None:
     """9 query heads and 3 KV heads over 3 ranks, in float32, async, with n-gram drafts."""
     rows = [grounded_rows[i] for i in ROWS]
-    report = greedy_through_services(smollm2_dir, rows, tensor_parallel_size=3, spec_method="ngram")
+    report, _ = greedy_through_services(smollm2_dir, rows, tensor_parallel_size=3, spec_method="ngram")
     reference = hf_reference(smollm2_dir, rows, MAX_TOKENS)
     assert_matches_reference(report, reference, smollm2_dir, rows, min_identical=len(rows))
 

@@ -161,8 +161,9 @@ class PlanChannel:
 
     tp: TensorParallel
     buffer: torch.Tensor = field(default_factory=lambda: torch.zeros(CHANNEL_BYTES, dtype=torch.uint8))
-    seconds: float = 0.0
+    seconds: float = 0.0  # since the last `take_seconds`
     messages: int = 0
+    total_s: float = 0.0  # since the start
 
     def send(self, kind: int, payload: bytes = b"") -> None:
         started = time.perf_counter()
@@ -175,7 +176,9 @@ class PlanChannel:
             dist.broadcast(self.buffer, src=0, group=self.tp.cpu_group)
             if not inline:
                 dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.tp.cpu_group)
-        self.seconds += time.perf_counter() - started
+        elapsed = time.perf_counter() - started
+        self.seconds += elapsed
+        self.total_s += elapsed
         self.messages += 1
 
     def receive(self) -> tuple[int, bytes]:

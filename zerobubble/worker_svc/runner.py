@@ -83,6 +83,7 @@ def worker_info(runner: ModelRunner, **fields) -> worker_pb2.WorkerInfo:
         # A draft model writes its chain past the step: the scheduler allocates those slots too.
         num_lookahead_slots=proposer.num_lookahead_slots if proposer is not None else 0,
         max_num_seqs=cfg.max_num_seqs,
+        tensor_parallel_size=runner.model.tp.size if runner.model is not None else 1,
         **fields,
     )
 
@@ -329,6 +330,14 @@ class ModelRunner:
         due, self._drafts_due = self._drafts_due, None
         if due is not None:
             propose(self.parts, due)
+
+    def collective_seconds(self) -> float:
+        """Host seconds spent in tensor-parallel collectives since the last call: the plans
+        and resets sent to the other ranks, and the model's all-reduces (0 on one device)."""
+        if self.model is None or self.model.tp.size == 1:
+            return 0.0
+        sent = self.channel.take_seconds() if self.channel is not None else 0.0
+        return sent + self.model.tp.clock.take()
 
     def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts fed to the sampled rows and how many are real (`verification.fed_drafts`)."""

@@ -435,6 +435,13 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             self._notify.remove(steps.deliver)
             self.num_streams -= 1
             logger.info("scheduler stream %d closed", generation)
+            channel = self.runner.channel
+            if channel is not None and channel.messages:
+                logger.info(
+                    "plans handed to the other tensor-parallel ranks so far: %d, %.0f us each on average",
+                    channel.messages,
+                    1e6 * channel.total_s / channel.messages,
+                )
 
 
 def bind_cpu_cores(cfg: WorkerConfig, device: ThreadPoolExecutor) -> None:
@@ -512,6 +519,7 @@ async def serve_leader(cfg: WorkerConfig, device: ThreadPoolExecutor, tp: Tensor
         servicer.worker_id = f"{socket.gethostname()}:{port}"
     if metrics is not None:
         metrics.add_worker(servicer.worker_id, runner.num_proposed)
+        metrics.set_tensor_parallel_size(servicer.worker_id, tp.size)
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], True)
     logger.info("worker %s listening on %s:%d", servicer.worker_id, cfg.host, port)

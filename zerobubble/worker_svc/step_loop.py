@@ -149,8 +149,10 @@ class StepLoop:
         """Put an answer into the stream (from any thread)."""
         self._loop.call_soon_threadsafe(self.answers_queue.put_nowait, item)
 
-    def _materialize_and_deliver(self, pending: PendingResult, idle_s: float) -> None:
-        self.deliver(materialize_result(pending, idle_s, self.runner.num_proposed, self.on_device_fault))
+    def _materialize_and_deliver(self, pending: PendingResult, idle_s: float, collective_s: float) -> None:
+        result = materialize_result(pending, idle_s, self.runner.num_proposed, self.on_device_fault)
+        result.collective_s = collective_s
+        self.deliver(result)
 
     def start_copier(self) -> None:
         self._copier.start()
@@ -177,11 +179,12 @@ class StepLoop:
                 self.copies.put((self.deliver, (pending,)))
                 continue
             self.num_steps += 1
+            collective_s = runner.collective_seconds()  # this step's (drafts run no collective)
             injected = runner.faults.copy_fault(self.num_steps)
             if injected is not None:
                 pending = dataclasses.replace(pending, ready=injected)
             # The host copy overlaps the next step: it happens on the copier thread.
-            self.copies.put((self._materialize_and_deliver, (pending, idle)))
+            self.copies.put((self._materialize_and_deliver, (pending, idle, collective_s)))
             run_proposer(runner, pending.req_ids, self.on_device_fault)
 
     async def read_plans(self, request_iterator: AsyncIterator[worker_pb2.StepPlan]) -> None:
