@@ -108,7 +108,9 @@ def test_a_killed_rank_ends_its_worker_and_the_requests_finish_elsewhere(
 
         asyncio.run(run_and_kill())
         assert report["status"] == 71, "".join(group.log[-30:])
-        assert "exited with status -9: the worker cannot step without it" in "".join(group.log)
+        # Whichever sees it first: the leader's watch of its ranks, or a collective failing.
+        log = "".join(group.log)
+        assert "exited with status -9: the worker cannot step without it" in log or "group lost" in log, log[-3000:]
         assert report["exit_s"] < 5, report["exit_s"]
         wait_until(lambda: not any(alive(pid) for pid in ranks), 10, "the ranks to be gone")
         assert "re-queueing" in "".join(scheduler.log), "the group held no request: the test proved nothing"

@@ -120,7 +120,7 @@ def init_tensor_parallel(
     if size == 1:
         return TensorParallel()
     backend = "nccl" if device.type == "cuda" else "gloo"
-    options: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+    options: dict[str, Any] = {"device_id": torch.device("cuda", local_rank)} if device.type == "cuda" else {}
     dist.init_process_group(
         backend, init_method=init_method, store=store, rank=rank, world_size=size, timeout=timeout, **options
     )

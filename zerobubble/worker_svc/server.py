@@ -59,7 +59,7 @@ def resolve_device(name: str, local_rank: int = 0) -> torch.device:
     (each tensor-parallel rank has a GPU of its own: cuda:local_rank)."""
     if name == "auto":
         name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cuda":
+    if name == "cuda" and local_rank > 0:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device(name)
@@ -379,10 +379,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         this worker's requests, with their confirmed tokens, to another worker (an error answer
         would end them with ERROR instead), and the supervisor restarts the worker.
         """
-        logger.critical("device fault, exiting (status %d): %s", EXIT_DEVICE_FAULT, exc)
+        status = EXIT_RANK_LOST if isinstance(exc, RankLost) else EXIT_DEVICE_FAULT
+        logger.critical("device fault, exiting (status %d): %s", status, exc)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_DEVICE_FAULT)
+        os._exit(status)
 
     def start_draining(self) -> None:
         """SIGTERM: refuse new streams and tell the open one (see `draining` in worker.proto)."""
@@ -478,10 +479,14 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         tp = await asyncio.wrap_future(device.submit(join_group, cfg, 0, rendezvous, resolve_device(cfg.device)))
     try:
         await serve_leader(cfg, device, tp)
-    finally:
-        if ranks is not None:
-            await asyncio.wrap_future(device.submit(stop_ranks, tp))
-            ranks.stop()
+    except BaseException:
+        if ranks is not None:  # they may be anywhere in their start-up: no message would reach them
+            ranks.stopping = True
+            ranks.kill()
+        raise
+    if ranks is not None:
+        await asyncio.wrap_future(device.submit(stop_ranks, tp))
+        ranks.stop()
 
 
 def stop_ranks(tp: TensorParallel) -> None:
