@@ -8,6 +8,7 @@ them every plan, and alone answers the scheduler (zerobubble/worker_svc/ranks.py
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -120,3 +121,24 @@ def test_a_killed_rank_ends_its_worker_and_the_requests_finish_elsewhere(
         scheduler.stop()
         other.stop()
         group.kill()
+
+
+@pytest.mark.slow
+def test_smollm2_three_ranks_with_an_eagle_head_and_json_schemas_match_one_rank(
+    smollm2_dir: Path, eagle_head_dir: Path, grounded_rows: list[dict[str, Any]]
+) -> None:
+    """EAGLE drafts (the head whole on every rank, over the all-reduced hidden states) and
+    JSON-schema constraints (each rank's own grammar masks): every rank reaches the same
+    tokens, so the group's output is one rank's, token for token."""
+    shipped = Path(__file__).resolve().parents[2] / "zerobubble" / "workloads" / "structured.jsonl"
+    structured = [json.loads(line) for line in shipped.read_text().splitlines() if line.strip()]
+    rows = [*structured[:3], *(grounded_rows[i] for i in ROWS[:3])]
+    outputs = [
+        greedy_through_services(
+            smollm2_dir, rows, tensor_parallel_size=size, spec_method="eagle", draft_model=str(eagle_head_dir)
+        )[0]
+        for size in (1, 3)
+    ]
+    single, group = ([r["token_ids"] for r in report["requests"]] for report in outputs)
+    assert all(r["finish_reason"] in ("eos", "max_tokens") for r in outputs[1]["requests"]), outputs[1]["requests"]
+    assert group == single
