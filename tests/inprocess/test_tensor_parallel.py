@@ -8,6 +8,7 @@ heads than ranks replicates them. The oracle is the size-1 model over the same s
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,10 @@ def test_heads_and_rows_per_rank() -> None:
 def test_sizes_that_do_not_divide_are_refused(size: int, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         head_shard(model_spec(tiny_config("qwen3", 256)), TensorParallel(0, size))
+
+
+def test_the_leaders_messages_reach_every_rank_whole(tmp_path: Path) -> None:
+    """Short plans inline in one broadcast, a long one (prompt tokens) in a second."""
+    out = tmp_path / "received.pt"
+    mp.spawn(tp_ranks.channel_echo, args=(3, tmp_path / "rendezvous", out), nprocs=3, join=True)
+    assert pickle.loads(out.read_bytes()) == tp_ranks.CHANNEL_MESSAGES

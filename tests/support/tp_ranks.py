@@ -8,6 +8,7 @@ rows and decodes; rank 0 saves the logits for the test process to compare with s
 
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -16,7 +17,7 @@ from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.slot_mapping import compute_slot_mapping
 from zerobubble.worker_svc.model import allocate_kv_cache
 from zerobubble.worker_svc.model_loader import LoadedModel, load_model
-from zerobubble.worker_svc.parallel import init_tensor_parallel, leave
+from zerobubble.worker_svc.parallel import PLAN, RESET, STOP, PlanChannel, init_tensor_parallel, leave
 
 BLOCK_SIZE = 4
 # Request lengths, and per step the number of tokens each request runs (0 = idle this step).
@@ -102,3 +103,25 @@ def alive(pid: int) -> bool:
     except (OSError, IndexError):
         return False
     return state != "Z"
+
+
+# Messages of the plan channel test: a decode plan's size, one past the inline buffer, none.
+CHANNEL_MESSAGES = [(PLAN, b"p" * 100), (PLAN, bytes(range(256)) * 400), (RESET, b""), (STOP, b"")]
+
+
+def channel_echo(rank: int, size: int, init_file: Path, out: Path) -> None:
+    """Rank 0 sends `CHANNEL_MESSAGES`; the others receive until STOP, the last saving what came."""
+    tp = init_tensor_parallel(rank, size, torch.device("cpu"), init_method=f"file://{init_file}")
+    try:
+        channel = PlanChannel(tp)
+        if rank == 0:
+            for kind, payload in CHANNEL_MESSAGES:
+                channel.send(kind, payload)
+            return
+        received = [channel.receive()]
+        while received[-1][0] != STOP:
+            received.append(channel.receive())
+        if rank == size - 1:
+            out.write_bytes(pickle.dumps(received))
+    finally:
+        leave(tp)

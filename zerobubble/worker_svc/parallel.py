@@ -35,7 +35,7 @@ from zerobubble.kernels.linear import LinearWeight, linear
 logger = logging.getLogger(__name__)
 
 # A collective that waits longer than this means a rank is gone or stuck: it raises, and the
-# worker exits (a leader also watches its children and exits sooner, `ranks.watch_children`).
+# worker exits (a leader also watches its children and exits sooner, `ranks.LocalRanks.watch`).
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
 
 

@@ -16,6 +16,7 @@ rendezvous port.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import json
@@ -153,8 +154,9 @@ class LocalRanks:
                 proc.kill()
                 proc.wait()
         if self.rendezvous.file:
-            Path(self.rendezvous.file).unlink(missing_ok=True)
-            Path(self.rendezvous.file).parent.rmdir()
+            with contextlib.suppress(OSError):
+                Path(self.rendezvous.file).unlink(missing_ok=True)
+                Path(self.rendezvous.file).parent.rmdir()
 
 
 # Linux prctl: the signal a process gets when its parent thread exits.
