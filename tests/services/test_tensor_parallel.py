@@ -142,3 +142,24 @@ def test_smollm2_three_ranks_with_an_eagle_head_and_json_schemas_match_one_rank(
     single, group = ([r["token_ids"] for r in report["requests"]] for report in outputs)
     assert all(r["finish_reason"] in ("eos", "max_tokens") for r in outputs[1]["requests"]), outputs[1]["requests"]
     assert group == single
+
+
+@pytest.mark.slow
+def test_ranks_never_outlive_a_killed_leader(tiny_llama: Path) -> None:
+    """SIGKILL leaves the leader no chance to stop its ranks: they die with it (PR_SET_PDEATHSIG)."""
+    group = start_worker(model=str(tiny_llama), kv_cache_memory_gb=0.05, tensor_parallel_size=2)
+    try:
+        ranks = rank_children(group.proc.pid)
+        assert len(ranks) == 1, ranks
+    finally:
+        group.kill()
+    wait_until(lambda: not any(alive(pid) for pid in ranks), 10, "the ranks to die with their leader")
+
+
+def test_a_stopped_worker_stops_its_ranks(tiny_llama: Path) -> None:
+    """SIGTERM: the leader drains, tells its ranks to stop, and exits 0 after them."""
+    group = start_worker(model=str(tiny_llama), kv_cache_memory_gb=0.05, tensor_parallel_size=2, drain_timeout=0)
+    ranks = rank_children(group.proc.pid)
+    assert len(ranks) == 1, ranks
+    assert group.stop() == 0, "".join(group.log[-30:])
+    assert not any(alive(pid) for pid in ranks)

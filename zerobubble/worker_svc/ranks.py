@@ -127,7 +127,8 @@ class LocalRanks:
         while not self.stopping:
             for local_rank, proc in enumerate(self.procs, start=1):
                 status = proc.poll()
-                if status is not None and not self.stopping:
+                # Status 0 is a rank that left after the leader's STOP, never a loss.
+                if status not in (None, 0) and not self.stopping:
                     logger.critical(
                         "tensor-parallel rank %d (pid %d) exited with status %d: the worker cannot step "
                         "without it; exiting (status %d)", local_rank, proc.pid, status, EXIT_RANK_LOST,

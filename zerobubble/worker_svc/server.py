@@ -485,6 +485,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
             ranks.kill()
         raise
     if ranks is not None:
+        ranks.stopping = True  # before STOP goes out: their exits that follow are no loss
         await asyncio.wrap_future(device.submit(stop_ranks, tp))
         ranks.stop()
 
