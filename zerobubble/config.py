@@ -233,20 +233,6 @@ class WorkerConfig(ServiceConfig):
         choices=("none", "int8", "int4"),
     )
     device: str = setting("auto", "where the model runs (auto = cuda when available)", choices=("auto", "cpu", "cuda"))
-    tensor_parallel_size: int = setting(
-        1,
-        "devices (ranks) one worker's model is split over, Megatron-style (each rank holds its share of the "
-        "attention heads and MLP columns; two all-reduces per layer, NCCL on CUDA, gloo on the CPU); the "
-        "leader, rank 0, serves gRPC and starts the other ranks of its machine",
-    )
-    nnodes: int = setting(
-        1, "machines a tensor-parallel worker spans; each runs --tensor-parallel-size / --nnodes ranks"
-    )
-    node_rank: int = setting(0, "this machine's index among --nnodes (0 = the leader's, which serves gRPC)")
-    master_addr: str = setting(
-        "127.0.0.1", "address of the leader's rendezvous that the ranks join (one machine: loopback only)"
-    )
-    master_port: int = setting(0, "port of the leader's rendezvous (0 = a free port; one machine only)")
     block_size: int = setting(16, "tokens per KV cache block")
     kv_cache_memory_gb: float = setting(2.0, "KV cache budget on CPU, in GiB")
     gpu_memory_utilization: float = setting(
@@ -346,6 +332,30 @@ class WorkerConfig(ServiceConfig):
         "on other devices",
     )
 
+    tensor_parallel_size: int = setting(
+        1,
+        "devices (ranks) one worker's model is split over, Megatron-style (attention heads and MLP "
+        "rows per rank, two all-reduces per layer): rank 0 serves gRPC and starts the others on "
+        "this machine (one GPU each, cuda:LOCAL_RANK; on a CPU one torch thread each unless "
+        "--num-threads); must divide the model's attention heads",
+    )
+    nnodes: int = setting(
+        1, "machines the --tensor-parallel-size ranks span (each starts --tensor-parallel-size / --nnodes of them)"
+    )
+    node_rank: int = setting(
+        0, "this machine's place among --nnodes (0: the leader, which serves gRPC; others only join its group)"
+    )
+    master_addr: str = setting(
+        "127.0.0.1",
+        "with --nnodes > 1: the address of node 0, whose rendezvous port the other nodes join (the "
+        "collective and rendezvous ports carry no authentication: admit only the group's machines)",
+    )
+    master_port: int = setting(
+        0,
+        "with --nnodes > 1: node 0's rendezvous port; with --nnodes 1 the ranks meet through a "
+        "private file instead and collectives stay on loopback (0 = that case)",
+    )
+
     @property
     def simulated(self) -> bool:
         """Whether this worker runs on a simulated device instead of a model."""
@@ -373,6 +383,7 @@ class WorkerConfig(ServiceConfig):
         if self.cpu_cores:
             cores_within(self.cpu_cores, "--cpu-cores", self.cpu_affinity)
         _require(self.drain_timeout >= 0, "--drain-timeout must be >= 0")
+        self.validate_tensor_parallel()
         for flag, value in (("--quantization", self.quantization), ("--draft-quantization", self.draft_quantization)):
             _require(
                 value == "none" or self.device != "cuda", f"{flag} {value} runs on the CPU only (--device cpu or auto)"
@@ -406,6 +417,21 @@ class WorkerConfig(ServiceConfig):
             raise ConfigError(
                 f"--draft-model is set but --spec-method is {self.spec_method!r}; use --spec-method draft or eagle"
             )
+
+    def validate_tensor_parallel(self) -> None:
+        size, nnodes = self.tensor_parallel_size, self.nnodes
+        _require(size >= 1, "--tensor-parallel-size must be >= 1")
+        _require(nnodes >= 1, "--nnodes must be >= 1")
+        _require(
+            size % nnodes == 0,
+            f"--tensor-parallel-size {size} must be a multiple of --nnodes {nnodes} (the same ranks on every node)",
+        )
+        _require(0 <= self.node_rank < nnodes, f"--node-rank {self.node_rank} must be in [0, --nnodes {nnodes})")
+        _require(
+            nnodes == 1 or 0 < self.master_port <= 65535,
+            "--nnodes > 1 needs --master-port (node 0's rendezvous port)",
+        )
+        _require(size == 1 or not self.simulated, "--simulate-device-ms runs without a model: --tensor-parallel-size 1")
 
 
 @dataclass(slots=True)
@@ -672,8 +698,10 @@ class SchedulerConfig:
 # Settings of a worker that `serve` does not expose: the local worker's own listener, its auth
 # token (serve makes a fresh one per run; `--auth-token` on serve is the clients' token) and its
 # process's cores (`--cpu-affinity` on serve binds the scheduler; the local worker runs on any).
+# Nor does it span machines: its tensor-parallel ranks all run beside it.
 SERVE_WORKER_HIDDEN = frozenset(
     {"host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "auth_token", "cpu_affinity"}
+    | {"nnodes", "node_rank", "master_addr", "master_port"}
 )
 
 

@@ -258,6 +258,18 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec("zerobubble_inflight_steps", "gauge", WORKER_LABELS, "Plans sent to a worker and not answered yet."),
     MetricSpec(
+        "zerobubble_worker_collective_seconds_total",
+        "counter",
+        WORKER_LABELS,
+        "Host time a tensor-parallel worker's steps spent in collectives (handing plans to its ranks, all-reduces).",
+    ),
+    MetricSpec(
+        "zerobubble_worker_tensor_parallel_size",
+        "gauge",
+        WORKER_LABELS,
+        "Ranks (devices) a worker's model is split over (1: one device).",
+    ),
+    MetricSpec(
         "zerobubble_placeholder_tokens_rolled_back_total",
         "counter",
         MODEL_LABELS,
@@ -312,6 +324,7 @@ class StepResultLike(Protocol):
     forward_s: float
     idle_s: float
     grammar_s: float
+    collective_s: float
     accepted_per_pos: Sequence[int]
 
     @property
@@ -397,6 +410,8 @@ class ServiceMetrics:
         "grammar_time",
         "inflight_steps",
         "placeholders_rolled_back",
+        "worker_collectives",
+        "tensor_parallel_size",
         "front_cpu",
         "front_calls_running",
         "_fronts",
@@ -454,6 +469,8 @@ class ServiceMetrics:
         self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
         self.grammar_time = counter("zerobubble_grammar_seconds_total")
         self.inflight_steps = gauge("zerobubble_inflight_steps")
+        self.worker_collectives = counter("zerobubble_worker_collective_seconds_total")
+        self.tensor_parallel_size = gauge("zerobubble_worker_tensor_parallel_size")
         self.placeholders_rolled_back = counter("zerobubble_placeholder_tokens_rolled_back_total")
         self.front_cpu = counter("zerobubble_front_cpu_seconds_total")
         self.front_calls_running = gauge("zerobubble_front_calls_running")
@@ -496,6 +513,8 @@ class ServiceMetrics:
             self.worker_idle,
             self.grammar_time,
             self.inflight_steps,
+            self.worker_collectives,
+            self.tensor_parallel_size,
         )
 
     def _init_request_series(self) -> None:
@@ -553,6 +572,11 @@ class ServiceMetrics:
         self.model = model
         self._init_request_series()
 
+    def set_tensor_parallel_size(self, worker: str, size: int) -> None:
+        """Publish how many ranks ``worker``'s model is split over (`WorkerInfo`)."""
+        self.add_worker(worker)
+        self._child(self.tensor_parallel_size, self.model, worker).set(max(size, 1))
+
     def add_worker(self, worker: str, num_spec_tokens: int = 0) -> None:
         """Export every series of ``worker`` at zero, draft positions ``0..num_spec_tokens-1`` too.
 
@@ -586,6 +610,7 @@ class ServiceMetrics:
         grammar_s: float = 0.0,
         num_prediction_draft_tokens: int = 0,
         num_prediction_accepted: int = 0,
+        collective_s: float = 0.0,
     ) -> None:
         """Account one step of ``worker``: its timings and speculation volume.
 
@@ -609,6 +634,8 @@ class ServiceMetrics:
         self._child(self.worker_step_duration, model, worker).observe(forward_s)
         self._child(self.worker_idle, model, worker).inc(idle_s)
         self._child(self.grammar_time, model, worker).inc(grammar_s)
+        if collective_s:
+            self._child(self.worker_collectives, model, worker).inc(collective_s)
         self._child(self.spec_num_drafts, model, worker).inc(num_drafts)
         self._child(self.spec_num_draft_tokens, model, worker).inc(num_draft_tokens)
         self._child(self.spec_num_accepted_tokens, model, worker).inc(num_accepted)
@@ -640,6 +667,7 @@ class ServiceMetrics:
             num_accepted=counts.num_accepted,
             accepted_per_pos=[int(n) for n in result.accepted_per_pos],
             grammar_s=float(result.grammar_s),
+            collective_s=float(result.collective_s),
             num_prediction_draft_tokens=counts.num_prediction_draft_tokens,
             num_prediction_accepted=counts.num_prediction_accepted,
         )

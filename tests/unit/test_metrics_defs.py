@@ -43,6 +43,8 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
     "zerobubble_spec_decode_prediction_accepted_tokens_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_worker_step_duration_seconds": ("histogram", frozenset({"model", "worker"})),
     "zerobubble_worker_idle_seconds_total": ("counter", frozenset({"model", "worker"})),
+    "zerobubble_worker_collective_seconds_total": ("counter", frozenset({"model", "worker"})),
+    "zerobubble_worker_tensor_parallel_size": ("gauge", frozenset({"model", "worker"})),
     "zerobubble_grammar_seconds_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_inflight_steps": ("gauge", frozenset({"model", "worker"})),
     "zerobubble_placeholder_tokens_rolled_back_total": ("counter", frozenset({"model"})),

@@ -106,7 +106,7 @@ class RowColumns(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., prediction_drafts: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "results", "rows", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining", "grammar_s")
+    __slots__ = ("step_id", "results", "rows", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining", "grammar_s", "collective_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class StepResult(_message.Message):
     ERROR_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     GRAMMAR_S_FIELD_NUMBER: _ClassVar[int]
+    COLLECTIVE_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     results: _containers.RepeatedCompositeFieldContainer[RequestResult]
     rows: RowColumns
@@ -127,14 +128,15 @@ class StepResult(_message.Message):
     error: str
     draining: bool
     grammar_s: float
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., rows: _Optional[_Union[RowColumns, _Mapping]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ..., grammar_s: _Optional[float] = ...) -> None: ...
+    collective_s: float
+    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., rows: _Optional[_Union[RowColumns, _Mapping]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ..., grammar_s: _Optional[float] = ..., collective_s: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "max_model_len", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "spec_method", "num_spec_tokens", "device", "dtype", "max_num_seqs", "num_lookahead_slots", "num_prediction_tokens")
+    __slots__ = ("worker_id", "model", "max_model_len", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "spec_method", "num_spec_tokens", "device", "dtype", "max_num_seqs", "num_lookahead_slots", "num_prediction_tokens", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -153,6 +155,7 @@ class WorkerInfo(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _ClassVar[int]
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     max_model_len: int
@@ -171,4 +174,5 @@ class WorkerInfo(_message.Message):
     max_num_seqs: int
     num_lookahead_slots: int
     num_prediction_tokens: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ..., num_prediction_tokens: _Optional[int] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ..., num_prediction_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...

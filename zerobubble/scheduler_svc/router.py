@@ -283,6 +283,7 @@ class Router:
             accepted_per_pos=per_pos,
             num_prediction_draft_tokens=now[7] - last[7],
             num_prediction_accepted=now[8] - last[8],
+            collective_s=float(result.collective_s),
         )
         self.metrics.set_inflight(link.worker_id, link.inflight)
         self.metrics.add_rolled_back(now[0] - last[0])
@@ -312,6 +313,7 @@ class Router:
         if self.metrics is not None and link.info is not None:
             self.metrics.set_model(link.info.model)
             self.metrics.add_worker(link.worker_id, link.info.num_spec_tokens)
+            self.metrics.set_tensor_parallel_size(link.worker_id, link.info.tensor_parallel_size)
         self._update_readiness()
 
     def _export_gauges(self) -> None:

@@ -52,6 +52,7 @@ from zerobubble.worker_svc.moe import (
     moe_layer_weights,
     moe_spec,
 )
+from zerobubble.worker_svc.parallel import TensorParallel, row_linear
 
 logger = logging.getLogger(__name__)
 
@@ -360,6 +361,9 @@ class CausalLM:
     # Layers whose input (the residual stream before them; 0: the embedding) `forward` returns
     # too, after the final hidden state: what an EAGLE-3 head drafts from.
     capture_layers: tuple[int, ...] = ()
+    # This rank's group when the layers are sharded (`zerobubble.worker_svc.parallel`; `spec`
+    # then holds this rank's head and intermediate counts).
+    tp: TensorParallel = field(default_factory=TensorParallel)
 
     @property
     def scale(self) -> float:
@@ -473,10 +477,10 @@ class CausalLM:
                 q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan,
                 softcap=spec.attn_softcap,
             )  # fmt: skip
-            hidden = linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias)
+            hidden = row_linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, self.tp)
             hidden = self.output_norm(hidden, layer.attn_out_norm)
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps, self.kernels)
-            hidden = feed_forward(layer, normed, act_mul, self.kernels)
+            hidden = feed_forward(layer, normed, act_mul, self.tp, self.kernels)
             hidden = self.output_norm(hidden, layer.mlp_out_norm)
         return hidden, residual
 
@@ -548,14 +552,17 @@ class CausalLM:
         return logits if cap <= 0 else torch.tanh(logits / cap) * cap
 
 
-def feed_forward(layer: LayerWeights, normed: torch.Tensor, act_mul: ActMul, impl: KernelImpl = None) -> torch.Tensor:
-    """A layer's MLP over its normed input: routed experts in a sparse layer, else the dense gated
-    MLP with the model's activation (`ACTIVATIONS`: SwiGLU, Gemma's GeGLU)."""
+def feed_forward(
+    layer: LayerWeights, normed: torch.Tensor, act_mul: ActMul, tp: TensorParallel, impl: KernelImpl = None
+) -> torch.Tensor:
+    """A layer's MLP over its normed input: routed experts in a sparse layer (whole on every
+    tensor-parallel rank), else the dense gated MLP with the model's activation (`ACTIVATIONS`:
+    SwiGLU, Gemma's GeGLU), its down projection row-parallel."""
     if layer.moe is not None:
         return moe_forward(normed, layer.moe, impl)
     assert layer.gate_up_weight is not None and layer.down_weight is not None
     return gated_mlp(
-        normed, layer.gate_up_weight, layer.down_weight, impl, layer.gate_up_bias, layer.down_bias, act_mul
+        normed, layer.gate_up_weight, layer.down_weight, impl, layer.gate_up_bias, layer.down_bias, act_mul, tp
     )
 
 
@@ -715,23 +722,30 @@ def build_model(
     )
 
 
-def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes one KV block takes across all layers (K and V)."""
+def kv_cache_bytes_per_block(hf_config: Any, block_size: int, dtype: torch.dtype, num_kv_heads: int = 0) -> int:
+    """Bytes one KV block takes across all layers (K and V); ``num_kv_heads``: a tensor-parallel
+    rank's own (0: the model's)."""
     spec = model_spec(hf_config)
     element_size = torch.empty((), dtype=dtype).element_size()
-    return 2 * spec.num_layers * block_size * spec.num_kv_heads * spec.head_dim * element_size
+    return 2 * spec.num_layers * block_size * (num_kv_heads or spec.num_kv_heads) * spec.head_dim * element_size
 
 
 def allocate_kv_cache(
-    hf_config: Any, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    hf_config: Any,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    num_kv_heads: int = 0,
 ) -> KVCache:
-    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed.
+    """Per layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``, zeroed;
+    ``num_kv_heads``: a tensor-parallel rank's own (0: the model's).
 
     The tensors are strided views (see :func:`zerobubble.kernels.attention.new_kv_cache`): address them by
     index or through their strides, not with ``view``.
     """
     spec = model_spec(hf_config)
     return [
-        new_kv_cache(num_blocks, block_size, spec.num_kv_heads, spec.head_dim, dtype, device)
+        new_kv_cache(num_blocks, block_size, num_kv_heads or spec.num_kv_heads, spec.head_dim, dtype, device)
         for _ in range(spec.num_layers)
     ]

@@ -38,11 +38,13 @@ from zerobubble.worker_svc.model import (
     SUPPORTED_MODEL_TYPES,
     TEXT_OF_MULTIMODAL,
     CausalLM,
+    ModelSpec,
     build_model,
     language_config,
     unsupported_model_type,
 )
 from zerobubble.worker_svc.moe import gguf_moe_config
+from zerobubble.worker_svc.parallel import ShardedStateDict, TensorParallel, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +124,7 @@ def load_model(
     quantization: str = "none",
     cpu_kernels: bool = True,
     cpu_linear: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """Resolve ``spec`` and load its weights into our Llama-family forward.
 
@@ -131,6 +134,7 @@ def load_model(
     ``cpu_kernels``: a 16-bit model on the CPU runs the compiled kernels (:mod:`zerobubble.kernels.cpu`).
     ``cpu_linear``: how each linear weight's product is picked on the CPU
     (:mod:`zerobubble.kernels.linear_choice`: ``"auto"`` times them here).
+    ``tp``: load this tensor-parallel rank's shard of the layers (:mod:`zerobubble.worker_svc.parallel`).
 
     Raises:
         ModelLoadError: the model is missing, malformed or of an unsupported family.
@@ -155,10 +159,11 @@ def load_model(
         kernels: KernelImpl = "cpp" if cpu_kernels and uses_cpu_kernels(torch_dtype, torch.device(device)) else None
         chooser = LinearChooser(cpu_linear, kernels) if torch.device(device).type == "cpu" else None
         model = build_model(hf_config, torch_dtype, torch.device(device), prepack, quantization, kernels, chooser)
+        full = shard_model(model, tp) if tp is not None and tp.size > 1 else None
     except ValueError as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: {exc}") from exc
     try:
-        model.load_weights(_read_safetensors(path))
+        model.load_weights(_read_safetensors(path) if full is None else _read_shard(path, full, model.tp))
     except (KeyError, ValueError, RuntimeError) as exc:
         raise ModelLoadError(f"model directory {str(path)!r}: weights do not match config.json: {exc}") from exc
     if chooser is not None:
@@ -181,6 +186,41 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         except Exception as exc:
             raise ModelLoadError(f"weights file {str(weights_file)!r} is unreadable or corrupt: {exc}") from exc
     return state_dict
+
+
+def _read_shard(path: Path, spec: ModelSpec, tp: TensorParallel) -> ShardedStateDict:
+    """A tensor-parallel rank's state dict: the model directory's tensors read from their
+    files on demand, the sharded ones only in the rank's slice (`safe_open`'s slices)."""
+    from safetensors import safe_open
+
+    files: dict[str, Any] = {}
+    for weights_file in sorted(path.glob("*.safetensors")):
+        try:
+            opened = safe_open(str(weights_file), framework="pt", device="cpu")
+        except Exception as exc:
+            raise ModelLoadError(f"weights file {str(weights_file)!r} is unreadable or corrupt: {exc}") from exc
+        files.update(dict.fromkeys(opened.keys(), opened))
+
+    def read(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        if stop < 0:
+            return files[name].get_tensor(name)
+        part = files[name].get_slice(name)
+        return part[start:stop] if dim == 0 else part[:, start:stop]
+
+    unsharded = [n for n in files if n.startswith(_UNSHARDED_PREFIXES) or n.endswith(_UNSHARDED_SUFFIXES)]
+    if unsharded:
+        raise ValueError(
+            f"tensor parallelism shards q/k/v, gate/up, o_proj and down_proj under their separate names; "
+            f"this checkpoint keeps them fused or under a multimodal model's names ({unsharded[0]!r}): "
+            "serve it with --tensor-parallel-size 1"
+        )
+    return ShardedStateDict(list(files), read, spec, tp)
+
+
+# Checkpoint names `ShardedStateDict` cannot cut: Phi-3's fused projections, a multimodal
+# model's language model (both renamed only after reading, by `adapt_state_dict`).
+_UNSHARDED_SUFFIXES = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")
+_UNSHARDED_PREFIXES = ("language_model.", "model.language_model.")
 
 
 def read_config(path: Path) -> Any:

@@ -21,6 +21,7 @@ from zerobubble.kernels._triton import KernelImpl
 from zerobubble.kernels.fused import silu_mul
 from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
 from zerobubble.kernels.moe import ExpertWeights, expert_weights, route, routed_experts
+from zerobubble.worker_svc.parallel import SINGLE, TensorParallel, row_linear
 
 MOE_MODEL_TYPES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral"})
 
@@ -98,10 +99,12 @@ def gated_mlp(
     gate_up_bias: Tensor | None = None,
     down_bias: Tensor | None = None,
     act_mul: Callable[[Tensor, KernelImpl], Tensor] = silu_mul,
+    tp: TensorParallel = SINGLE,
 ) -> Tensor:
     """A gated MLP ``down(act(gate x) * up x)`` over fused gate/up rows (SwiGLU by default): a
-    dense layer's, a shared expert's."""
-    return linear(act_mul(linear(x, gate_up, gate_up_bias), impl), down, down_bias)
+    dense layer's, a shared expert's; ``down`` row-parallel over ``tp`` (a rank's gate/up rows
+    and down columns: the sum over ranks is the whole MLP's output)."""
+    return row_linear(act_mul(linear(x, gate_up, gate_up_bias), impl), down, down_bias, tp)
 
 
 def moe_forward(x: Tensor, layer: MoeLayer, impl: KernelImpl = None) -> Tensor:

@@ -30,6 +30,7 @@ from zerobubble.worker_svc.finish_notices import FinishNotices
 from zerobubble.worker_svc.grammar import GrammarCompiler
 from zerobubble.worker_svc.model import CausalLM, allocate_kv_cache
 from zerobubble.worker_svc.model_loader import LoadedModel
+from zerobubble.worker_svc.parallel import PLAN, RESET, PlanChannel
 from zerobubble.worker_svc.proposers import Proposer
 from zerobubble.worker_svc.proposers.prediction import PredictionDrafts
 from zerobubble.worker_svc.result_copy import PendingResult, ResultCopier
@@ -82,6 +83,7 @@ def worker_info(runner: ModelRunner, **fields) -> worker_pb2.WorkerInfo:
         # A draft model writes its chain past the step: the scheduler allocates those slots too.
         num_lookahead_slots=proposer.num_lookahead_slots if proposer is not None else 0,
         max_num_seqs=cfg.max_num_seqs,
+        tensor_parallel_size=runner.model.tp.size if runner.model is not None else 1,
         **fields,
     )
 
@@ -113,11 +115,14 @@ class ModelRunner:
         proposer: Proposer | None = None,
         simulator: SimulatedDevice | None = None,
         faults: FaultInjector = NO_FAULTS,
+        channel: PlanChannel | None = None,
     ) -> None:
         """``simulator``: run on a simulated device instead of the model (``loaded.model`` may
         then be None; no KV cache is allocated). ``faults``: what a test injects (nothing by
-        default)."""
+        default). ``channel``: a tensor-parallel leader's, on which every plan and reset goes
+        to the other ranks first (`zerobubble.worker_svc.ranks`)."""
         self.loaded = loaded
+        self.channel = channel
         self.config = config
         self.faults = faults
         num_proposed = config.num_spec_tokens if proposer is not None else 0
@@ -175,8 +180,14 @@ class ModelRunner:
         widths = draft_widths(num_proposed)
         num_scratch = num_scratch_blocks(max(widths), config.block_size) if config.cuda_graphs else 0
         device = loaded.model.device
+        num_kv_heads = loaded.model.spec.num_kv_heads  # a tensor-parallel rank's own
         caches = allocate_kv_cache(
-            loaded.hf_config, config.num_blocks + num_scratch, config.block_size, loaded.model.dtype, device
+            loaded.hf_config,
+            config.num_blocks + num_scratch,
+            config.block_size,
+            loaded.model.dtype,
+            device,
+            num_kv_heads,
         )
         return device, caches
 
@@ -261,6 +272,8 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every request (a new scheduler stream starts from scratch)."""
+        if self.channel is not None:
+            self.channel.send(RESET)
         self._drafts_due = None
         self.table.reset()
         self.parts.device.reset()
@@ -268,8 +281,12 @@ class ModelRunner:
 
     def note_finished(self, plan: worker_pb2.StepPlan) -> None:
         """Record a just-received plan's finish notices, before the plans ahead of it run (see
-        `zerobubble.worker_svc.finish_notices`): a step all of whose rows a later plan finished is cut."""
-        self.notices.note(plan)
+        `zerobubble.worker_svc.finish_notices`): a step all of whose rows a later plan finished is cut.
+
+        Not on a tensor-parallel group: the other ranks would not know when the leader cut a
+        step, and the leader would wait for them in an all-reduce they never reach."""
+        if self.model is None or self.model.tp.size == 1:
+            self.notices.note(plan)
 
     def fail_requests(self, req_ids: list[str], error: str) -> None:
         """Drop the state of requests whose step failed; later rows for them get `error`."""
@@ -296,6 +313,8 @@ class ModelRunner:
         in the result; the others run as if those rows had never been planned.
         """
         start = time.perf_counter()
+        if self.channel is not None:
+            self.channel.send(PLAN, plan.SerializeToString())
         self.propose_next()  # the previous step's drafts, if the caller has not made them
         result, self._drafts_due = execute(self.parts, plan, start)
         return result
@@ -311,6 +330,14 @@ class ModelRunner:
         due, self._drafts_due = self._drafts_due, None
         if due is not None:
             propose(self.parts, due)
+
+    def collective_seconds(self) -> float:
+        """Host seconds spent in tensor-parallel collectives since the last call: the plans
+        and resets sent to the other ranks, and the model's all-reduces (0 on one device)."""
+        if self.model is None or self.model.tp.size == 1:
+            return 0.0
+        sent = self.channel.take_seconds() if self.channel is not None else 0.0
+        return sent + self.model.tp.clock.take()
 
     def fed_drafts(self, batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafts fed to the sampled rows and how many are real (`verification.fed_drafts`)."""

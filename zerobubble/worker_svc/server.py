@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -31,7 +32,18 @@ from zerobubble.kernels._triton import HAS_TRITON
 from zerobubble.worker_svc.faults import NO_FAULTS, FaultInjector, faults_from_env
 from zerobubble.worker_svc.model import kv_cache_bytes_per_block
 from zerobubble.worker_svc.model_loader import LoadedModel, load_model
+from zerobubble.worker_svc.parallel import SINGLE, STOP, PlanChannel, RankLost, TensorParallel, leave
 from zerobubble.worker_svc.proposers import build_proposer
+from zerobubble.worker_svc.ranks import (
+    EXIT_RANK_LOST,
+    LocalRanks,
+    Rendezvous,
+    die_with_parent,
+    follow,
+    join_group,
+    rank_spec,
+    rendezvous_for,
+)
 from zerobubble.worker_svc.runner import ModelRunner, RunnerConfig, worker_info
 from zerobubble.worker_svc.sampler import PEAK_BYTES_PER_LOGIT
 from zerobubble.worker_svc.simulated import LagNgramProposer, SimulatedDevice
@@ -42,9 +54,14 @@ logger = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
-def resolve_device(name: str) -> torch.device:
+def resolve_device(name: str, local_rank: int = 0) -> torch.device:
+    """The device ``--device name`` means for a worker's rank ``local_rank`` on its machine
+    (each tensor-parallel rank has a GPU of its own: cuda:local_rank)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and local_rank > 0:
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
     return torch.device(name)
 
 
@@ -94,14 +111,22 @@ def step_reserve_bytes(cfg: WorkerConfig, loaded: LoadedModel) -> int:
 
 
 def kv_capacity_blocks(
-    cfg: WorkerConfig, loaded: LoadedModel, device: torch.device, dtype: torch.dtype, draft: Any = None
+    cfg: WorkerConfig,
+    loaded: LoadedModel,
+    device: torch.device,
+    dtype: torch.dtype,
+    draft: Any = None,
+    num_kv_heads: int = 0,
 ) -> int:
     """KV blocks that fit: a memory budget on CPU; on CUDA, `--gpu-memory-utilization` of the
     device less what is in use (the weights) and a full step's logits and sampler
     (`step_reserve_bytes`). A draft model keeps a cache of its own shape block for block beside
-    the target's, as does an EAGLE head (one layer); ``draft``: either, anything with an ``hf_config``."""
-    models = (loaded,) if draft is None else (loaded, draft)
-    per_block = sum(kv_cache_bytes_per_block(m.hf_config, cfg.block_size, dtype) for m in models)
+    the target's, as does an EAGLE head (one layer); ``draft``: either, anything with an ``hf_config``.
+    ``num_kv_heads``: the target's KV heads on this tensor-parallel rank (0: all of them); the
+    draft stays whole on every rank."""
+    per_block = kv_cache_bytes_per_block(loaded.hf_config, cfg.block_size, dtype, num_kv_heads)
+    if draft is not None:
+        per_block += kv_cache_bytes_per_block(draft.hf_config, cfg.block_size, dtype)
     reserve = 0
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
@@ -126,15 +151,21 @@ def kv_capacity_blocks(
     return num_blocks
 
 
-def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[ModelRunner, LoadedModel]:
-    """Load the model (and draft model) and size the KV cache; ``faults``: what a test injects."""
+def build_runner(
+    cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS, tp: TensorParallel = SINGLE
+) -> tuple[ModelRunner, LoadedModel]:
+    """Load the model (and draft model) and size the KV cache; ``faults``: what a test injects;
+    ``tp``: this process's tensor-parallel rank (its shard of the layers; the leader's runner
+    sends each plan to the other ranks)."""
     if cfg.simulated:
         # The host path runs small ops only; a parallel team would just spin on shared cores.
         torch.set_num_threads(cfg.num_threads if cfg.num_threads > 0 else 1)
         return build_simulated_runner(cfg, faults)
+    device = resolve_device(cfg.device, tp.local_rank)
     if cfg.num_threads > 0:
         torch.set_num_threads(cfg.num_threads)
-    device = resolve_device(cfg.device)
+    elif tp.size > 1 and device.type == "cpu":
+        torch.set_num_threads(1)  # the ranks share the machine's cores: one thread each
     if device.type == "cuda" and not HAS_TRITON:
         # The attention's torch twin for accelerators gathers every token's whole context:
         # fine for the tests' fake device, out of memory at once at real lengths on a GPU.
@@ -148,12 +179,15 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
         quantization=cfg.quantization,
         cpu_kernels=cfg.cpu_kernels,
         cpu_linear=cfg.cpu_linear,
+        tp=tp,
     )
     draft = _load_drafter(cfg, loaded, dtype, device)
     proposer = build_proposer(
         cfg.spec_method, cfg.num_spec_tokens, cfg.ngram_min, cfg.ngram_max, draft, cfg.draft_acceptance
     )
-    num_blocks = kv_capacity_blocks(cfg, loaded, device, dtype, draft)
+    assert loaded.model is not None
+    # Every rank the same capacity: the scheduler plans one set of block ids for all of them.
+    num_blocks = tp.agree_min(kv_capacity_blocks(cfg, loaded, device, dtype, draft, loaded.model.spec.num_kv_heads))
     runner = ModelRunner(
         loaded,
         runner_config(
@@ -165,11 +199,15 @@ def build_runner(cfg: WorkerConfig, faults: FaultInjector = NO_FAULTS) -> tuple[
         ),
         proposer,
         faults=faults,
+        channel=PlanChannel(tp) if tp.size > 1 and tp.is_leader else None,
     )
     logger.info(
-        "worker ready: model=%s device=%s dtype=%s quantization=%s blocks=%d x %d spec=%s k=%d prediction k=%d",
+        "worker ready: model=%s device=%s (tensor-parallel rank %d of %d) dtype=%s quantization=%s "
+        "blocks=%d x %d spec=%s k=%d prediction k=%d",
         loaded.name,
         device,
+        tp.rank,
+        tp.size,
         dtype,
         cfg.quantization,
         num_blocks,
@@ -312,6 +350,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         self.num_streams = 0
         self._notify: list = []  # puts an item into the open stream's result queue
 
+    async def on_device(self, function: Any, *args: Any) -> Any:
+        """``function(*args)`` on the device thread, where a tensor-parallel leader's messages
+        to its ranks go out in step order."""
+        return await asyncio.wrap_future(self.device.submit(function, *args))
+
     async def Describe(self, request, context) -> worker_pb2.WorkerInfo:
         if self.draining:  # a scheduler must not (re)connect to a worker that is leaving
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down")
@@ -336,10 +379,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         this worker's requests, with their confirmed tokens, to another worker (an error answer
         would end them with ERROR instead), and the supervisor restarts the worker.
         """
-        logger.critical("device fault, exiting (status %d): %s", EXIT_DEVICE_FAULT, exc)
+        status = EXIT_RANK_LOST if isinstance(exc, RankLost) else EXIT_DEVICE_FAULT
+        logger.critical("device fault, exiting (status %d): %s", status, exc)
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_DEVICE_FAULT)
+        os._exit(status)
 
     def start_draining(self) -> None:
         """SIGTERM: refuse new streams and tell the open one (see `draining` in worker.proto)."""
@@ -366,7 +410,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         """One stream's plans through a `StepLoop`; its answers, with the worker's metrics."""
         steps = StepLoop(self.runner, self.device_fault, lambda: generation == self._generation)
         steps.start_copier()
-        self.runner.reset()
+        await self.on_device(self.runner.reset)
         logger.info("scheduler stream %d opened", generation)
         self._notify.append(steps.deliver)
         self.num_streams += 1
@@ -388,10 +432,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             steps.plans.put(END)
             await stepping
             steps.stop_copier()
-            self.runner.reset()
+            await self.on_device(self.runner.reset)
             self._notify.remove(steps.deliver)
             self.num_streams -= 1
             logger.info("scheduler stream %d closed", generation)
+            channel = self.runner.channel
+            if channel is not None and channel.messages:
+                logger.info(
+                    "plans handed to the other tensor-parallel ranks so far: %d, %.0f us each on average",
+                    channel.messages,
+                    1e6 * channel.total_s / channel.messages,
+                )
 
 
 def bind_cpu_cores(cfg: WorkerConfig, device: ThreadPoolExecutor) -> None:
@@ -415,12 +466,43 @@ def bind_cpu_cores(cfg: WorkerConfig, device: ThreadPoolExecutor) -> None:
 
 
 async def serve_worker(cfg: WorkerConfig) -> None:
-    """Run the worker service until SIGTERM or SIGINT."""
+    """Run the worker service until SIGTERM or SIGINT; with `--tensor-parallel-size`, as the
+    group's leader, its other ranks on this machine started first and stopped last."""
     device = device_thread()
     if cfg.cpu_cores:
         bind_cpu_cores(cfg, device)
+    ranks = None
+    tp = SINGLE
+    if cfg.tensor_parallel_size > 1:
+        rendezvous = rendezvous_for(cfg)
+        ranks = LocalRanks.start(cfg, rendezvous)
+        tp = await asyncio.wrap_future(device.submit(join_group, cfg, 0, rendezvous, resolve_device(cfg.device)))
+    try:
+        await serve_leader(cfg, device, tp)
+    except BaseException:
+        if ranks is not None:  # they may be anywhere in their start-up: no message would reach them
+            ranks.stopping = True
+            ranks.kill()
+        raise
+    if ranks is not None:
+        ranks.stopping = True  # before STOP goes out: their exits that follow are no loss
+        await asyncio.wrap_future(device.submit(stop_ranks, tp))
+        ranks.stop()
+
+
+def stop_ranks(tp: TensorParallel) -> None:
+    """The leader's last message: the other ranks leave their loop and exit."""
+    try:
+        PlanChannel(tp).send(STOP)
+        leave(tp)
+    except RankLost as exc:
+        logger.warning("stopping the tensor-parallel ranks: %s", exc)
+
+
+async def serve_leader(cfg: WorkerConfig, device: ThreadPoolExecutor, tp: TensorParallel) -> None:
+    """The gRPC service of a worker (of a tensor-parallel group, its leader)."""
     faults = faults_from_env(os.environ)
-    runner, loaded = await asyncio.get_running_loop().run_in_executor(device, build_runner, cfg, faults)
+    runner, loaded = await asyncio.get_running_loop().run_in_executor(device, build_runner, cfg, faults, tp)
     metrics = None
     if cfg.metrics_port >= 0:
         from zerobubble.metrics import ServiceMetrics, start_metrics_server
@@ -443,6 +525,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         servicer.worker_id = f"{socket.gethostname()}:{port}"
     if metrics is not None:
         metrics.add_worker(servicer.worker_id, runner.num_proposed)
+        metrics.set_tensor_parallel_size(servicer.worker_id, tp.size)
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], True)
     logger.info("worker %s listening on %s:%d", servicer.worker_id, cfg.host, port)
@@ -463,6 +546,51 @@ async def serve_worker(cfg: WorkerConfig) -> None:
 
 
 def run_worker(cfg: WorkerConfig) -> None:
-    """Entry point of `zerobubble worker`."""
+    """Entry point of `zerobubble worker` (on node k > 0 of a tensor-parallel group: that
+    node's ranks, serving nothing)."""
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if cfg.node_rank > 0:
+        rendezvous = rendezvous_for(cfg)
+        ranks = LocalRanks.start(cfg, rendezvous)
+        try:
+            run_follower(cfg, 0, rendezvous)
+        finally:
+            ranks.stop()
+        return
     rpc.run_service(serve_worker(cfg), cfg.event_loop, cfg.cpu_affinity)
+
+
+def run_follower(cfg: WorkerConfig, local_rank: int, rendezvous: Rendezvous) -> None:
+    """A tensor-parallel rank other than the leader: join, load its shard, run the leader's
+    plans until it stops. A lost group or a device fault exits the process."""
+    tp = join_group(cfg, local_rank, rendezvous, resolve_device(cfg.device, local_rank))
+    try:
+        runner, _ = build_runner(cfg, faults_from_env(os.environ), tp)
+        follow(runner, PlanChannel(tp), _exit_on_fault)
+    except RankLost as exc:
+        _exit_on_fault(exc)
+    leave(tp)
+
+
+def _exit_on_fault(exc: BaseException) -> None:
+    status = EXIT_RANK_LOST if isinstance(exc, RankLost) else EXIT_DEVICE_FAULT
+    logger.critical("tensor-parallel rank exiting (status %d): %s", status, exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
+def run_rank() -> None:
+    """Entry point of a rank the leader started on its machine (`ranks.LocalRanks.start`)."""
+    cfg, local_rank, parent_pid, rendezvous = rank_spec(sys.argv)
+    die_with_parent(parent_pid)
+    # The leader decides when its ranks end (its STOP, or their death with it); a terminal's
+    # Ctrl-C or a signal to the process group is the leader's to handle.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    rank = cfg.node_rank * (cfg.tensor_parallel_size // cfg.nnodes) + local_rank
+    logging.basicConfig(
+        level=cfg.log_level.upper(), format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
+    )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    run_follower(cfg, local_rank, rendezvous)

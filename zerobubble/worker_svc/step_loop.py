@@ -23,6 +23,7 @@ import torch
 
 from zerobubble.api import worker_pb2
 from zerobubble.rows import plan_req_ids
+from zerobubble.worker_svc.parallel import RankLost
 from zerobubble.worker_svc.result_copy import PendingResult
 from zerobubble.worker_svc.runner import ModelRunner
 
@@ -37,6 +38,8 @@ DeviceFaultHandler = Callable[[BaseException], None]
 def is_device_fault(exc: BaseException) -> bool:
     """Whether ``exc`` is the accelerator failing (a kernel fault, after which a CUDA context
     refuses all further work), not one step's bad input or a bug in its host code."""
+    if isinstance(exc, RankLost):  # a tensor-parallel rank is gone: no step can run without it
+        return True
     accelerator_error = getattr(torch, "AcceleratorError", None)
     if accelerator_error is not None and isinstance(exc, accelerator_error):
         return True
@@ -146,8 +149,10 @@ class StepLoop:
         """Put an answer into the stream (from any thread)."""
         self._loop.call_soon_threadsafe(self.answers_queue.put_nowait, item)
 
-    def _materialize_and_deliver(self, pending: PendingResult, idle_s: float) -> None:
-        self.deliver(materialize_result(pending, idle_s, self.runner.num_proposed, self.on_device_fault))
+    def _materialize_and_deliver(self, pending: PendingResult, idle_s: float, collective_s: float) -> None:
+        result = materialize_result(pending, idle_s, self.runner.num_proposed, self.on_device_fault)
+        result.collective_s = collective_s
+        self.deliver(result)
 
     def start_copier(self) -> None:
         self._copier.start()
@@ -174,11 +179,12 @@ class StepLoop:
                 self.copies.put((self.deliver, (pending,)))
                 continue
             self.num_steps += 1
+            collective_s = runner.collective_seconds()  # this step's (drafts run no collective)
             injected = runner.faults.copy_fault(self.num_steps)
             if injected is not None:
                 pending = dataclasses.replace(pending, ready=injected)
             # The host copy overlaps the next step: it happens on the copier thread.
-            self.copies.put((self._materialize_and_deliver, (pending, idle)))
+            self.copies.put((self._materialize_and_deliver, (pending, idle, collective_s)))
             run_proposer(runner, pending.req_ids, self.on_device_fault)
 
     async def read_plans(self, request_iterator: AsyncIterator[worker_pb2.StepPlan]) -> None:

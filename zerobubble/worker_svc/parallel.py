@@ -1,0 +1,348 @@
+"""Tensor parallelism: one model spread over the ranks of a torch.distributed process group.
+
+Megatron-style: each rank holds its slice of the query heads and of the KV heads (a
+column-parallel fused q/k/v), its slice of the MLP's intermediate rows (a column-parallel fused
+gate/up), and the matching columns of o_proj and down_proj (row-parallel), whose partial
+products one ``all_reduce`` each sums; their biases are added once, after the sum. A model with
+fewer KV heads than ranks gives each rank one KV head, shared by the ranks whose query heads it
+serves (vLLM's replication). Embedding, norms and lm_head stay whole on every rank (replicated:
+the vocabulary split would add an all-gather of the logits per step and a vocabulary-parallel
+embedding's all-reduce, for a table a fraction of the layers' bytes), so every rank ends a
+forward with the same hidden states and bit-identical logits, and samples the same tokens.
+
+A rank reads only its slice of each sharded weight (`shard_state_dict` over a lazy reader such
+as `safetensors`' `safe_open`), never a full copy of the layers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import struct
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from zerobubble.kernels.linear import LinearWeight, linear
+
+logger = logging.getLogger(__name__)
+
+# A collective that waits longer than this means a rank is gone or stuck: it raises, and the
+# worker exits (a leader also watches its children and exits sooner, `ranks.LocalRanks.watch`).
+COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+
+
+@dataclass(slots=True)
+class CollectiveClock:
+    """Seconds spent in the model's collectives (host time of the call: on CUDA the launch)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def take(self) -> float:
+        """The seconds gathered since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+@dataclass(slots=True, eq=False)
+class TensorParallel:
+    """This process's place in a tensor-parallel group: its rank, the group's size, the group
+    the model's collectives run on (NCCL on CUDA, gloo on the CPU) and a gloo group on the CPU
+    for the leader's plans (`zerobubble.worker_svc.ranks`); None groups at size 1."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0  # the rank's place on its machine (its GPU: cuda:local_rank)
+    group: Any = None  # dist.ProcessGroup of the model's all-reduces
+    cpu_group: Any = None  # dist.ProcessGroup (gloo) of host messages
+    clock: CollectiveClock = field(default_factory=CollectiveClock)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place (timed in `clock`)."""
+        started = time.perf_counter()
+        with group_errors():
+            dist.all_reduce(tensor, group=self.group)
+        self.clock.seconds += time.perf_counter() - started
+        self.clock.calls += 1
+        return tensor
+
+    def agree_min(self, value: int) -> int:
+        """The least of every rank's ``value`` (a KV capacity each rank measured on its own device)."""
+        if self.size == 1:
+            return value
+        tensor = torch.tensor([value], dtype=torch.int64)
+        with group_errors():
+            dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.cpu_group)
+        return int(tensor.item())
+
+
+class RankLost(RuntimeError):
+    """A collective failed: a rank of the group is gone (or stuck past the timeout). Nothing
+    more can run on this group; the worker treats it as a device fault and exits."""
+
+
+@contextlib.contextmanager
+def group_errors() -> Iterator[None]:
+    """Any failure of a collective inside becomes `RankLost`."""
+    try:
+        yield
+    except Exception as exc:
+        raise RankLost(f"tensor-parallel group lost (a rank exited or stopped answering): {exc}") from exc
+
+
+SINGLE = TensorParallel()
+
+
+def init_tensor_parallel(
+    rank: int,
+    size: int,
+    device: torch.device,
+    init_method: str | None = None,
+    store: Any = None,
+    local_rank: int = 0,
+    timeout: timedelta = COLLECTIVE_TIMEOUT,
+) -> TensorParallel:
+    """Join the group of ``size`` ranks as ``rank``, meeting at ``init_method`` (``file://``,
+    ``tcp://``, ``env://``) or through ``store`` (a ``dist.Store``); the model's collectives
+    run on NCCL for a CUDA ``device``, on gloo otherwise, and host messages always on gloo."""
+    if size == 1:
+        return TensorParallel()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    options: dict[str, Any] = {"device_id": torch.device("cuda", local_rank)} if device.type == "cuda" else {}
+    dist.init_process_group(
+        backend, init_method=init_method, store=store, rank=rank, world_size=size, timeout=timeout, **options
+    )
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
+    logger.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, size, backend, device)
+    return TensorParallel(rank, size, local_rank, dist.group.WORLD, cpu_group)
+
+
+def leave(tp: TensorParallel) -> None:
+    """Leave the group (at a clean exit; a dead peer's group is left by the exit itself)."""
+    if tp.size > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def row_linear(x: torch.Tensor, weight: LinearWeight, bias: torch.Tensor | None, tp: TensorParallel) -> torch.Tensor:
+    """A row-parallel product: this rank's partial ``x @ weight.T`` summed over the group, the
+    bias added once after the sum (size 1: the plain product, bias fused)."""
+    if tp.size == 1:
+        return linear(x, weight, bias)
+    out = tp.all_reduce(linear(x, weight, None))
+    return out if bias is None else out + bias
+
+
+# -- the leader's plans to the other ranks ----------------------------------------------------
+
+# The plan channel's messages.
+PLAN, RESET, STOP = 1, 2, 3
+_HEADER = struct.Struct("<qq")  # kind, payload bytes
+# One broadcast carries the header and a payload up to this size (a decode plan), a larger one
+# (prompt tokens) follows apart: on gloo a 4 KiB broadcast costs what a 16-byte one does, 64 KiB twice that.
+CHANNEL_BYTES = 4096
+
+
+@dataclass(slots=True, eq=False)
+class PlanChannel:
+    """The leader's messages to the other ranks, each one broadcast over the gloo group (the
+    leader sends, the others receive); `seconds` is the leader's time spent sending."""
+
+    tp: TensorParallel
+    buffer: torch.Tensor = field(default_factory=lambda: torch.zeros(CHANNEL_BYTES, dtype=torch.uint8))
+    seconds: float = 0.0  # since the last `take_seconds`
+    messages: int = 0
+    total_s: float = 0.0  # since the start
+
+    def send(self, kind: int, payload: bytes = b"") -> None:
+        started = time.perf_counter()
+        view = self.buffer.numpy()
+        view[: _HEADER.size] = np.frombuffer(_HEADER.pack(kind, len(payload)), np.uint8)
+        inline = len(payload) <= CHANNEL_BYTES - _HEADER.size
+        if inline and payload:
+            view[_HEADER.size : _HEADER.size + len(payload)] = np.frombuffer(payload, np.uint8)
+        with group_errors():
+            dist.broadcast(self.buffer, src=0, group=self.tp.cpu_group)
+            if not inline:
+                dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.tp.cpu_group)
+        elapsed = time.perf_counter() - started
+        self.seconds += elapsed
+        self.total_s += elapsed
+        self.messages += 1
+
+    def receive(self) -> tuple[int, bytes]:
+        """The next message (blocks until the leader sends one)."""
+        with group_errors():
+            dist.broadcast(self.buffer, src=0, group=self.tp.cpu_group)
+            view = self.buffer.numpy()
+            kind, size = _HEADER.unpack(view[: _HEADER.size].tobytes())
+            if size <= CHANNEL_BYTES - _HEADER.size:
+                return kind, view[_HEADER.size : _HEADER.size + size].tobytes()
+            payload = torch.empty(size, dtype=torch.uint8)
+            dist.broadcast(payload, src=0, group=self.tp.cpu_group)
+        return kind, payload.numpy().tobytes()
+
+    def take_seconds(self) -> float:
+        """The sending time gathered since the last take."""
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+# -- which slice of the weights a rank holds ----------------------------------------------------
+
+
+class ModelSpec(Protocol):
+    """What sharding reads of `zerobubble.worker_svc.model.ModelSpec` (a dataclass), which
+    imports this module."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+
+
+Spec = TypeVar("Spec", bound=ModelSpec)
+
+
+class ShardableModel(Protocol[Spec]):
+    """What `shard_model` sets on a `zerobubble.worker_svc.model.CausalLM`."""
+
+    spec: Spec
+    tp: TensorParallel
+
+
+@dataclass(frozen=True, slots=True)
+class HeadShard:
+    """A rank's heads and MLP rows: ``[start, start + count)`` of each."""
+
+    q_start: int
+    q_count: int
+    kv_start: int
+    kv_count: int
+    inter_start: int
+    inter_count: int
+
+
+def head_shard(spec: ModelSpec, tp: TensorParallel) -> HeadShard:
+    """The slice of ``spec``'s heads and intermediate rows that ``tp.rank`` holds;
+    ``ValueError`` naming the numbers when they do not divide over ``tp.size`` ranks."""
+    size, rank = tp.size, tp.rank
+    q, kv, inter = spec.num_q_heads, spec.num_kv_heads, spec.intermediate_size
+    if q % size:
+        raise ValueError(f"tensor-parallel size {size} does not divide the model's {q} attention heads")
+    if kv % size and size % kv:
+        raise ValueError(
+            f"tensor-parallel size {size} and the model's {kv} KV heads: one must divide the other "
+            "(more ranks than KV heads replicate each over size / KV heads ranks)"
+        )
+    if inter % size:
+        raise ValueError(f"tensor-parallel size {size} does not divide the model's intermediate size {inter}")
+    kv_count = max(kv // size, 1)
+    # With fewer KV heads than ranks, size / kv consecutive ranks share one KV head: the one
+    # their query heads (consecutive, q / size each) read.
+    kv_start = rank * kv_count if kv >= size else rank // (size // kv)
+    q_count, inter_count = q // size, inter // size
+    return HeadShard(rank * q_count, q_count, kv_start, kv_count, rank * inter_count, inter_count)
+
+
+def shard_spec(spec: Spec, tp: TensorParallel) -> Spec:
+    """``spec`` as one rank's layers see it: its own head and intermediate counts."""
+    if tp.size == 1:
+        return spec
+    shard = head_shard(spec, tp)
+    return dataclasses.replace(  # type: ignore[type-var]
+        spec, num_q_heads=shard.q_count, num_kv_heads=shard.kv_count, intermediate_size=shard.inter_count
+    )
+
+
+def shard_model(model: ShardableModel[Spec], tp: TensorParallel) -> Spec:
+    """Make a built, not yet loaded ``model`` ``tp.rank``'s: its spec cut to the rank's heads
+    and rows, its collectives on ``tp``. Returns the whole model's spec, which the state dict
+    is cut by (`shard_state_dict`, `ShardedStateDict`)."""
+    full = model.spec
+    model.spec, model.tp = shard_spec(full, tp), tp
+    return full
+
+
+# Per weight name suffix: (dimension cut, which range of `HeadShard`): rows of column-parallel
+# weights (and their biases), columns of row-parallel ones.
+_CUTS: dict[str, tuple[int, str]] = {
+    "self_attn.q_proj.weight": (0, "q"),
+    "self_attn.q_proj.bias": (0, "q"),
+    "self_attn.k_proj.weight": (0, "kv"),
+    "self_attn.k_proj.bias": (0, "kv"),
+    "self_attn.v_proj.weight": (0, "kv"),
+    "self_attn.v_proj.bias": (0, "kv"),
+    "self_attn.o_proj.weight": (1, "q"),
+    "mlp.gate_proj.weight": (0, "inter"),
+    "mlp.gate_proj.bias": (0, "inter"),
+    "mlp.up_proj.weight": (0, "inter"),
+    "mlp.up_proj.bias": (0, "inter"),
+    "mlp.down_proj.weight": (1, "inter"),
+}
+
+# Reads ``name`` cut to ``[start, stop)`` along ``dim`` (None: whole); a lazy file reader reads only that.
+SliceReader = Callable[[str, int, int, int], torch.Tensor]
+
+
+class ShardedStateDict(Mapping[str, torch.Tensor]):
+    """A Hugging Face state dict as one rank loads it: the sharded weights cut to its slice
+    (read through ``read`` so a file reader reads only that slice), the rest whole."""
+
+    def __init__(self, names: list[str], read: SliceReader, spec: ModelSpec, tp: TensorParallel) -> None:
+        self.names, self.read, self.head_dim = names, read, spec.head_dim
+        self.known = frozenset(names)
+        self.shard = head_shard(spec, tp)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.known  # without reading the tensor, as Mapping's would
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.known:
+            raise KeyError(name)
+        cut = next(
+            (c for suffix, c in _CUTS.items() if name.startswith("model.layers.") and name.endswith(suffix)), None
+        )
+        if cut is None:
+            return self.read(name, 0, 0, -1)
+        dim, what = cut
+        s, d = self.shard, self.head_dim
+        ranges = {
+            "q": (s.q_start * d, s.q_count * d),
+            "kv": (s.kv_start * d, s.kv_count * d),
+            "inter": (s.inter_start, s.inter_count),
+        }
+        start, count = ranges[what]
+        return self.read(name, dim, start, start + count)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+
+def shard_state_dict(
+    state_dict: Mapping[str, torch.Tensor], spec: ModelSpec, tp: TensorParallel
+) -> Mapping[str, torch.Tensor]:
+    """One rank's view of a whole in-memory state dict (tests; `ShardedStateDict` over files
+    reads less)."""
+    if tp.size == 1:
+        return state_dict
+
+    def read(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
+        tensor = state_dict[name]
+        return tensor if stop < 0 else tensor.narrow(dim, start, stop - start).contiguous()
+
+    return ShardedStateDict(list(state_dict), read, spec, tp)
