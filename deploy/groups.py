@@ -9,8 +9,9 @@ authentication, so nothing but the network may admit anyone else to them. This m
 - ``--tensor-parallel-size`` = ``--nnodes`` x each pod's ``nvidia.com/gpu`` limit;
 - ``--nnodes`` equals the LeaderWorkerSet's group size, and ``--node-rank`` and
   ``--master-addr`` come from the variables the controller sets per pod;
-- ranks of one pod meet on loopback; a group of pods has a NetworkPolicy that admits only the
-  set's own pods to every port but gRPC and metrics.
+- a group of pods has a NetworkPolicy that admits only the set's own pods to every port but gRPC
+  and metrics (the ranks of one pod meet through a private file and talk over loopback or shared
+  memory, so nothing of theirs is reachable from outside the pod).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ LWS_KIND = "LeaderWorkerSet"
 # Set on every pod by the LeaderWorkerSet controller (and by our templates, so the checks see it).
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 GPU_RESOURCE = "nvidia.com/gpu"
-LOOPBACK = frozenset({"127.0.0.1", "localhost", "::1"})
 # Ports of a worker that anyone may reach: gRPC checks the worker token, metrics are public.
 OPEN_PORT_NAMES = frozenset({"grpc", "metrics"})
 _VARIABLE = re.compile(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)")
@@ -84,11 +84,6 @@ def check_worker_group(config: Any, obj: Obj, template: Obj, container: Obj, raw
         problems.append(
             f"ZEROBUBBLE_NNODES={nnodes} but the {kind} runs groups of {group_size(obj)} pod(s)"
             + ("; use $(LWS_GROUP_SIZE)" if kind == LWS_KIND else "; a group of pods needs a LeaderWorkerSet")
-        )
-    if nnodes == 1 and config.master_addr not in LOOPBACK:
-        problems.append(
-            f"ZEROBUBBLE_MASTER_ADDR={config.master_addr}: the ranks of one pod meet on loopback; any other "
-            "address exposes their unauthenticated rendezvous"
         )
     if nnodes > 1:
         if "$(LWS_WORKER_INDEX)" not in (raw_node_rank or ""):

@@ -299,14 +299,6 @@ BROKEN = [
         id="ranks-without-gpus",
     ),
     pytest.param(
-        "k8s/overlays/gpu-tp/worker.env",
-        "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=4",
-        "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=4\nZEROBUBBLE_MASTER_ADDR=0.0.0.0",
-        "gpu-tp",
-        "ZEROBUBBLE_MASTER_ADDR=0.0.0.0: the ranks of one pod meet on loopback",
-        id="one-pod-rendezvous-off-loopback",
-    ),
-    pytest.param(
         "k8s/overlays/gpu-multinode/worker.env",
         "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=16",
         "ZEROBUBBLE_TENSOR_PARALLEL_SIZE=8",

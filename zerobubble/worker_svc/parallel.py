@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from zerobubble.kernels.linear import LinearWeight, linear
+from zerobubble.worker_svc.shm_allreduce import SharedMemoryAllReduce
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,9 @@ class TensorParallel:
     group: Any = None  # dist.ProcessGroup of the model's all-reduces
     cpu_group: Any = None  # dist.ProcessGroup (gloo) of host messages
     clock: CollectiveClock = field(default_factory=CollectiveClock)
+    # CPU ranks all on one machine: the model's all-reduces go through shared memory instead of
+    # gloo's loopback TCP (zerobubble.worker_svc.shm_allreduce).
+    shared: SharedMemoryAllReduce | None = None
 
     @property
     def is_leader(self) -> bool:
@@ -73,7 +77,10 @@ class TensorParallel:
         """Sum ``tensor`` over the group in place (timed in `clock`)."""
         started = time.perf_counter()
         with group_errors():
-            dist.all_reduce(tensor, group=self.group)
+            if self.shared is not None:
+                self.shared.all_reduce(tensor)
+            else:
+                dist.all_reduce(tensor, group=self.group)
         self.clock.seconds += time.perf_counter() - started
         self.clock.calls += 1
         return tensor
@@ -113,10 +120,12 @@ def init_tensor_parallel(
     store: Any = None,
     local_rank: int = 0,
     timeout: timedelta = COLLECTIVE_TIMEOUT,
+    one_machine: bool = False,
 ) -> TensorParallel:
     """Join the group of ``size`` ranks as ``rank``, meeting at ``init_method`` (``file://``,
     ``tcp://``, ``env://``) or through ``store`` (a ``dist.Store``); the model's collectives
-    run on NCCL for a CUDA ``device``, on gloo otherwise, and host messages always on gloo."""
+    run on NCCL for a CUDA ``device``, on gloo otherwise (through shared memory when every rank
+    is on ``one_machine``), and host messages always on gloo."""
     if size == 1:
         return TensorParallel()
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -125,13 +134,20 @@ def init_tensor_parallel(
         backend, init_method=init_method, store=store, rank=rank, world_size=size, timeout=timeout, **options
     )
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
-    logger.info("tensor-parallel rank %d of %d joined (%s on %s)", rank, size, backend, device)
-    return TensorParallel(rank, size, local_rank, dist.group.WORLD, cpu_group)
+    shared = None
+    if backend == "gloo" and one_machine:
+        shared = SharedMemoryAllReduce(dist.group.WORLD, timeout_s=timeout.total_seconds())
+    via = "shared memory" if shared is not None else backend
+    logger.info("tensor-parallel rank %d of %d joined (all-reduce over %s, on %s)", rank, size, via, device)
+    return TensorParallel(rank, size, local_rank, dist.group.WORLD, cpu_group, shared=shared)
 
 
 def leave(tp: TensorParallel) -> None:
     """Leave the group (at a clean exit; a dead peer's group is left by the exit itself)."""
     if tp.size > 1 and dist.is_initialized():
+        if tp.shared is not None:
+            tp.shared.close()
+            tp.shared = None
         dist.destroy_process_group()
 
 
