@@ -20,7 +20,7 @@ import pytest
 
 from zerobubble.api import generate_pb2_grpc
 from zerobubble.client import request_from_args
-from zerobubble.config import WorkerConfig, env_name, parse_bool, serve_config
+from zerobubble.config import SERVE_WORKER_HIDDEN, WorkerConfig, env_name, parse_bool, serve_config
 from zerobubble.entrypoints.cli import build_parser
 from zerobubble.entrypoints.serve import worker_command
 
@@ -136,8 +136,8 @@ def test_serve_passes_its_worker_flags_to_the_local_worker(prepack: str) -> None
     worker = parse(argv[argv.index("worker") :])
     for f in dataclasses.fields(WorkerConfig):
         # The local worker listens on loopback without TLS whatever serve itself does; serve's
-        # --auth-token is the clients' token, not the worker's.
-        if f.name not in ("host", "port", "metrics_port", "tls_cert", "tls_key", "tls_client_ca", "auth_token"):
+        # --auth-token is the clients' token, not the worker's; its ranks all run beside it.
+        if f.name not in SERVE_WORKER_HIDDEN:
             assert getattr(worker, f.name) == getattr(serve, f.name), f.name
     assert worker.prepack_weights is (prepack == "--prepack-weights")
 

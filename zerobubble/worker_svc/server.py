@@ -526,13 +526,14 @@ async def serve_leader(cfg: WorkerConfig, device: ThreadPoolExecutor, tp: Tensor
     if metrics is not None:
         metrics.add_worker(servicer.worker_id, runner.num_proposed)
         metrics.set_tensor_parallel_size(servicer.worker_id, tp.size)
+    # Before the port is announced: whoever reads it may signal the process at once.
+    stop = asyncio.Event()
+    rpc.install_stop_signals(stop)
     await server.start()
     await rpc.set_serving(health, [SERVICE_NAME], True)
     logger.info("worker %s listening on %s:%d", servicer.worker_id, cfg.host, port)
     # The port line is parsed by `zerobubble serve` when it starts a local worker.
     rpc.announce_port("WORKER", port)
-    stop = asyncio.Event()
-    rpc.install_stop_signals(stop)
     await stop.wait()
     # Probes and the scheduler see it first; the scheduler lets its requests here finish and
     # then closes the stream, or the drain timeout ends it (the scheduler moves the rest).
