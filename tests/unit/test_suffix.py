@@ -1,0 +1,128 @@
+"""Suffix decoding's host index (`scheduler_svc/suffix.py`) against its brute-force definition,
+its bounded memory, and the drafter's decisions on when to send a continuation."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from zerobubble.request_options import SamplingOptions, StoppingOptions
+from zerobubble.scheduler_svc.request import Request
+from zerobubble.scheduler_svc.suffix import (
+    SharedOutputs,
+    SuffixDrafter,
+    SuffixIndex,
+    SuffixParams,
+    reference_continuation,
+)
+
+
+def random_text(rng: random.Random, n: int, vocab: int) -> list[int]:
+    """Tokens from a small vocabulary with repeated phrases (so that long matches exist)."""
+    phrases = [[rng.randrange(vocab) for _ in range(rng.randint(2, 9))] for _ in range(6)]
+    out: list[int] = []
+    while len(out) < n:
+        out.extend(rng.choice(phrases) if rng.random() < 0.7 else [rng.randrange(vocab)])
+    return out[:n]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_index_computes_the_reference_continuation(seed):
+    rng = random.Random(seed)
+    params = SuffixParams(
+        max_match=rng.choice([4, 8, 32]),
+        min_prob=rng.choice([0.0, 0.1, 0.4]),
+        spec_factor=rng.choice([0.5, 1.0, 4.0]),
+        max_candidates=rng.choice([3, 16, 1000]),
+    )
+    index = SuffixIndex()
+    vocab = rng.choice([3, 6, 20])
+    for _ in range(rng.randint(1, 5)):
+        seq = index.add(random_text(rng, rng.randint(0, 30), vocab))
+        index.extend(seq, random_text(rng, rng.randint(0, 40), vocab))  # appended later, as outputs are
+    if rng.random() < 0.5 and len(index.seqs) > 1:
+        index.remove(next(iter(index.seqs)))
+    for _ in range(20):
+        pattern = random_text(rng, rng.randint(0, 12), vocab)
+        limit = rng.choice([1, 5, 32])
+        got = index.continuation(pattern, params, limit)
+        want = reference_continuation(index.seqs, pattern, params, limit)
+        assert (got.token_ids, got.match_len) == (want.token_ids, want.match_len if want.token_ids else got.match_len)
+        assert got.score == pytest.approx(want.score)
+
+
+def test_a_quote_continues_with_what_followed_it():
+    index = SuffixIndex()
+    index.add([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3])
+    got = index.continuation([9, 1, 2, 3], SuffixParams(spec_factor=2.0), 32)
+    assert got.token_ids == [4, 5, 6, 7, 8, 1]  # a match of 3 earns 6 tokens
+    assert got.match_len == 3
+
+
+def test_the_most_frequent_continuation_wins_and_rare_ones_are_cut():
+    index = SuffixIndex()
+    for tail in ([7, 8], [7, 8], [7, 9], [5, 5]):
+        index.add([1, 2, *tail])
+    # 7 in 3 of 4 places (0.75); then 8 in 2 of those 3 (0.75 * 2/3 = 0.5), then nothing.
+    got = index.continuation([1, 2], SuffixParams(min_prob=0.3, spec_factor=4.0), 8)
+    assert got.token_ids == [7, 8] and got.score == pytest.approx(1.25)
+    assert index.continuation([1, 2], SuffixParams(min_prob=0.6, spec_factor=4.0), 8).token_ids == [7]
+    assert index.continuation([1, 2], SuffixParams(min_prob=0.3, spec_factor=0.5), 8).token_ids == [7]
+
+
+def test_removing_a_list_forgets_its_bigrams():
+    index = SuffixIndex()
+    a = index.add([1, 2, 3, 1, 2, 4])
+    index.add([5, 6])
+    index.remove(a)
+    assert set(index.ends) == {(5, 6)}
+    assert index.num_tokens == 2
+
+
+def test_the_shared_index_evicts_the_oldest_outputs():
+    shared = SharedOutputs(SuffixParams(shared_max_tokens=100))
+    seqs = [shared.start([0, 1]) for _ in range(3)]
+    for seq in seqs:
+        shared.extend(seq, [7, 8] * 20)
+    assert shared.index.num_tokens == 84
+    assert list(shared.index.seqs) == seqs[1:]
+    shared.extend(seqs[0], [1, 2])  # an evicted output's later tokens go nowhere
+    assert shared.index.num_tokens == 84
+    shared.extend(seqs[2], [7, 8] * 200)  # one output longer than the whole index goes too
+    assert shared.index.num_tokens == 0
+
+
+def make_request(prompt: list[int]) -> Request:
+    return Request(
+        req_id="r",
+        prompt_token_ids=prompt,
+        sampling=SamplingOptions(),
+        stopping=StoppingOptions(),
+        max_tokens=1000,
+        eos_token_ids=frozenset(),
+        detokenizer=None,
+        arrival_time=0.0,
+        admission_id=1,
+    )
+
+
+def test_the_drafter_sends_a_continuation_only_when_the_old_one_stops_serving():
+    drafter = SuffixDrafter(budget=4, params=SuffixParams(spec_factor=8.0))
+    text = list(range(10, 30))
+    req = make_request([*text, 1, *text[:3]])
+    first = drafter.plan(req, 2)
+    assert first.send == [*text[3:], 1, *text[:3]][:24] and first.anchor == req.num_tokens and first.num_draft_slots == 4
+    drafter.commit(req, first)
+    req.output_token_ids.extend(text[3:6])  # the output follows it: nothing new to send
+    drafter.new_plan()
+    assert drafter.plan(req, 2).send is None
+    req.output_token_ids.append(99)  # it leaves it: the continuation is cleared
+    drafter.new_plan()
+    cleared = drafter.plan(req, 2)
+    assert cleared.send == [] and cleared.num_draft_slots == 2
+    drafter.commit(req, cleared)
+    assert drafter.sent_lengths[len(first.send)] == 1 and drafter.sent_lengths[0] == 1
+    drafter.finish(req)
+    assert req.suffix is None
+    assert drafter.shared.index.num_tokens == drafter.params.shared_context + req.num_output_tokens

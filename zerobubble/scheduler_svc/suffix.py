@@ -1,0 +1,388 @@
+"""Suffix decoding's host half: continuations of a request's text, made by the scheduler.
+
+SuffixDecoding (Oliaro et al., Snowflake; arctic-inference in vLLM) drafts the most frequent
+continuation of the longest suffix of a request's text that occurred before, in the request
+itself (its prompt and output) or in recent outputs of all requests, of variable length: it
+stops where the continuation's estimated probability falls below a minimum.
+
+Here each token list is indexed by where each of its bigrams ends (`SuffixIndex`), not by a
+suffix tree: appending a token costs one dict append, the cost moves to the queries, and the
+scheduler queries a request only when the continuation it sent last stopped matching or ran
+short (`SuffixDrafter.plan`). A query takes the latest ``max_candidates`` places where the
+text's last two tokens occurred (each with a token after it), extends each match backwards
+(up to ``max_match`` tokens), keeps the longest, and walks forward through their
+continuations, taking the most frequent next token each time (ties: the latest place's) with
+probability ``count(token) / count(places still agreeing)``, multiplied along the way, until
+it drops below ``min_prob`` or the continuation reaches ``spec_factor`` times the match's
+length (a two-token match earns two tokens, a long quote many). `reference_continuation` is
+the same definition, computed by brute force over the same token lists (the tests' oracle).
+
+The worker gets a continuation with the sequence length it follows (its *anchor*) and drafts
+from it on the device as it drafts from a client's predicted output
+(`worker_svc/proposers/prediction.py`), keeping the part the tokens produced since still
+follow: the host never waits for the device, and the device never for the host.
+
+Memory: a request's own index goes with the request; the outputs of all requests share one
+index (`SharedOutputs`) of at most ``max_tokens`` tokens, the oldest outputs evicted first.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zerobubble.scheduler_svc.request import Request
+
+Key = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixParams:
+    """How continuations are found and cut (arctic-inference's defaults where it has them)."""
+
+    max_match: int = 32  # the longest suffix compared (tokens)
+    max_tokens: int = 32  # the longest continuation
+    min_prob: float = 0.1  # a continuation stops before a token whose probability falls below this
+    spec_factor: float = 1.0  # a continuation is at most this many times its match's length
+    max_candidates: int = 64  # the latest occurrences of the last two tokens looked at
+    max_queries_per_plan: int = 64  # queries one plan may make (the rest wait for the next)
+    shared_context: int = 8  # prompt tokens before each output in the shared index (answer starts)
+    shared_max_tokens: int = 1 << 17  # the shared index's size; the oldest outputs go first
+
+
+@dataclass(frozen=True, slots=True)
+class Continuation:
+    """A continuation found: its tokens, the sum of their probabilities (the expected number
+    accepted) and the length of the suffix it continues."""
+
+    token_ids: list[int]
+    score: float
+    match_len: int
+
+
+NO_CONTINUATION = Continuation([], 0.0, 0)
+
+
+class SuffixIndex:
+    """Token lists, each with where every bigram of it ends (``ends[key][seq]``, ascending)."""
+
+    def __init__(self) -> None:
+        self.seqs: dict[int, list[int]] = {}
+        self.ends: dict[Key, dict[int, list[int]]] = {}
+        self.num_tokens = 0
+        self._next_seq = 0
+
+    def add(self, token_ids: Sequence[int] = ()) -> int:
+        """A new token list (its id)."""
+        seq = self._next_seq
+        self._next_seq += 1
+        self.seqs[seq] = []
+        self.extend(seq, token_ids)
+        return seq
+
+    def extend(self, seq: int, token_ids: Sequence[int]) -> None:
+        """Append tokens to list ``seq`` (nothing if it was removed)."""
+        tokens = self.seqs.get(seq)
+        if tokens is None:
+            return
+        ends = self.ends
+        for token in token_ids:
+            if tokens:
+                key = (tokens[-1], token)
+                by_seq = ends.get(key)
+                if by_seq is None:
+                    ends[key] = {seq: [len(tokens)]}
+                elif seq in by_seq:
+                    by_seq[seq].append(len(tokens))
+                else:
+                    by_seq[seq] = [len(tokens)]
+            tokens.append(token)
+        self.num_tokens += len(token_ids)
+
+    def remove(self, seq: int) -> None:
+        """Forget token list ``seq`` and its bigrams."""
+        tokens = self.seqs.pop(seq, None)
+        if tokens is None:
+            return
+        self.num_tokens -= len(tokens)
+        for key in set(zip(tokens, tokens[1:])):
+            by_seq = self.ends[key]
+            del by_seq[seq]
+            if not by_seq:
+                del self.ends[key]
+
+    def continuation(self, pattern: Sequence[int], params: SuffixParams, limit: int) -> Continuation:
+        """The most frequent continuation (at most ``limit`` tokens) of the longest suffix of
+        ``pattern`` that occurs here with a token after it (see the module's docstring)."""
+        if len(pattern) < 2 or limit <= 0:
+            return NO_CONTINUATION
+        by_seq = self.ends.get((pattern[-2], pattern[-1]))
+        if not by_seq:
+            return NO_CONTINUATION
+        match_len, places = self._longest_matches(by_seq, pattern, params)
+        if not places:
+            return NO_CONTINUATION
+        tokens, score = _walk(places, min(limit, int(match_len * params.spec_factor)), params.min_prob)
+        return Continuation(tokens, score, match_len)
+
+    def _longest_matches(
+        self, by_seq: dict[int, list[int]], pattern: Sequence[int], params: SuffixParams
+    ) -> tuple[int, list[tuple[list[int], int]]]:
+        """The longest match among the latest candidates, and its places (latest first)."""
+        n = len(pattern)
+        best, places, seen = 0, [], 0
+        for seq in sorted(by_seq, reverse=True):
+            tokens = self.seqs[seq]
+            last = len(tokens) - 1
+            for end in reversed(by_seq[seq]):
+                if end >= last:
+                    continue  # nothing follows it
+                most = min(n, end + 1, params.max_match)
+                m = 2
+                while m < most and tokens[end - m] == pattern[n - 1 - m]:
+                    m += 1
+                if m > best:
+                    best, places = m, [(tokens, end)]
+                elif m == best:
+                    places.append((tokens, end))
+                seen += 1
+                if seen >= params.max_candidates:
+                    return best, places
+        return best, places
+
+
+def _walk(places: list[tuple[list[int], int]], limit: int, min_prob: float) -> tuple[list[int], float]:
+    """The most frequent path forward from ``places`` (token list, end index), cut where its
+    probability drops below ``min_prob``; returns the tokens and their summed probabilities."""
+    out: list[int] = []
+    prob, score = 1.0, 0.0
+    while len(out) < limit:
+        if len(places) == 1:
+            # One place left: every further token has the same probability.
+            tokens, end = places[0]
+            more = tokens[end + 1 + len(out) : end + 1 + limit]
+            return out + more, score + prob * len(more)
+        d = len(out) + 1
+        counts: dict[int, int] = {}
+        for tokens, end in places:
+            if end + d < len(tokens):
+                token = tokens[end + d]
+                counts[token] = counts.get(token, 0) + 1
+        if not counts:
+            break
+        token = max(counts, key=counts.__getitem__)  # ties: the first seen, the latest place's
+        prob *= counts[token] / len(places)
+        if prob < min_prob:
+            break
+        out.append(token)
+        score += prob
+        places = [(tokens, end) for tokens, end in places if end + d < len(tokens) and tokens[end + d] == token]
+    return out, score
+
+
+def reference_continuation(
+    seqs: dict[int, list[int]], pattern: Sequence[int], params: SuffixParams, limit: int
+) -> Continuation:
+    """`SuffixIndex.continuation` by brute force over every position of every list: the
+    definition the index must compute (tests compare them)."""
+    if len(pattern) < 2 or limit <= 0:
+        return NO_CONTINUATION
+    candidates = [
+        (seqs[seq], end)
+        for seq in sorted(seqs, reverse=True)
+        for end in range(len(seqs[seq]) - 2, 0, -1)
+        if list(seqs[seq][end - 1 : end + 1]) == list(pattern[-2:])
+    ][: params.max_candidates]
+
+    def match_len(tokens: list[int], end: int) -> int:
+        most = min(len(pattern), end + 1, params.max_match)
+        return max(m for m in range(2, most + 1) if tokens[end - m + 1 : end + 1] == list(pattern[len(pattern) - m :]))
+
+    if not candidates:
+        return NO_CONTINUATION
+    best = max(match_len(t, e) for t, e in candidates)
+    places = [(t, e) for t, e in candidates if match_len(t, e) == best]
+    draft: list[int] = []
+    prob, score = 1.0, 0.0
+    while len(draft) < min(limit, int(best * params.spec_factor)):
+        agreeing = [(t, e) for t, e in places if t[e + 1 : e + 1 + len(draft)] == draft]
+        following = Counter(t[e + 1 + len(draft)] for t, e in agreeing if e + 1 + len(draft) < len(t))
+        if not following:
+            break
+        token, count = following.most_common(1)[0]
+        prob *= count / len(agreeing)
+        if prob < params.min_prob:
+            break
+        draft.append(token)
+        score += prob
+    return Continuation(draft, score, best)
+
+
+class SharedOutputs:
+    """The outputs of every request of a scheduler (or of all, when shared), each after the
+    last few tokens of its prompt, in one index of bounded size: the oldest outputs (finished
+    or not) are evicted first, and a request's later tokens then go nowhere."""
+
+    def __init__(self, params: SuffixParams = SuffixParams()) -> None:
+        self.params = params
+        self.index = SuffixIndex()
+
+    def start(self, prompt_tail: Sequence[int]) -> int:
+        """A new output, after ``prompt_tail``; its id."""
+        seq = self.index.add(prompt_tail)
+        self._evict()
+        return seq
+
+    def extend(self, seq: int, token_ids: Sequence[int]) -> None:
+        self.index.extend(seq, token_ids)
+        self._evict()
+
+    def _evict(self) -> None:
+        index = self.index
+        while index.num_tokens > self.params.shared_max_tokens and index.seqs:
+            index.remove(next(iter(index.seqs)))
+
+
+@dataclass(slots=True)
+class SuffixState:
+    """One request's suffix-decoding state (kept on its `Request`, so it moves with it).
+
+    ``own`` indexes its prompt and confirmed outputs (list 0); ``sent`` is the continuation
+    the worker holds for the current admission, anchored after the first ``anchor`` tokens."""
+
+    own: SuffixIndex = field(default_factory=SuffixIndex)
+    shared: SharedOutputs | None = None  # the shared index ``shared_seq`` is in
+    shared_seq: int = -1
+    num_indexed: int = 0  # tokens (prompt + outputs) in ``own``
+    num_shared: int = 0  # outputs in the shared index
+    sent: list[int] = field(default_factory=list)
+    anchor: int = 0
+    admission_id: int = 0  # the admission ``sent`` belongs to (0: none sent)
+    queried_at: tuple[int, int] = (0, -1)  # (admission, known tokens) at the last query
+
+
+@dataclass(frozen=True, slots=True)
+class SuffixPlan:
+    """What a decode row gets: its draft slots, and a continuation to send (None: keep the
+    worker's) anchored after ``anchor`` tokens."""
+
+    num_draft_slots: int
+    send: list[int] | None = None
+    anchor: int = 0
+
+
+class SuffixDrafter:
+    """A scheduler's suffix decoding: each decode row's draft slots, and when the worker needs
+    a new continuation for it.
+
+    A request's continuation is replaced only when the confirmed output stopped following it
+    or too little of it is left for the next step (what the steps in flight will consume
+    counted as accepted); at most ``max_queries_per_plan`` queries per plan, and none for a
+    request whose known tokens have not changed since its last query.
+    """
+
+    def __init__(self, budget: int, shared: SharedOutputs | None = None, params: SuffixParams | None = None) -> None:
+        """``budget``: the most draft slots a row may carry (the worker's `num_prediction_tokens`)."""
+        self.params = params or (shared.params if shared is not None else SuffixParams())
+        self.shared = shared if shared is not None else SharedOutputs(self.params)
+        self.budget = budget
+        self.queries_left = self.params.max_queries_per_plan
+        self.num_queries = 0
+        # Continuations sent, by length (index = tokens; 0: a continuation cleared).
+        self.sent_lengths: list[int] = []
+
+    def new_plan(self) -> None:
+        """A plan starts: its query budget is whole again."""
+        self.queries_left = self.params.max_queries_per_plan
+
+    def plan(self, req: Request, num_spec_tokens: int) -> SuffixPlan:
+        """The draft slots of ``req``'s next decode (at least ``num_spec_tokens``, for the
+        worker's prompt lookup where no continuation applies) and the continuation to send,
+        if any. Nothing changes until `commit`."""
+        state = self._state(req)
+        known = req.num_tokens
+        position = known + req.num_placeholders  # where the device will be if all in flight is accepted
+        rest = self._rest(req, state)
+        if rest is not None and len(rest) - (position - known) >= self.budget:
+            return SuffixPlan(self.budget)
+        if state.queried_at == (req.admission_id, known) or self.queries_left <= 0:
+            return SuffixPlan(self._slots(rest or [], position - known, num_spec_tokens))
+        self.queries_left -= 1
+        self.num_queries += 1
+        state.queried_at = (req.admission_id, known)
+        new = self._query(req).token_ids
+        if rest is not None and rest[: len(new)] == new:
+            return SuffixPlan(self._slots(rest, position - known, num_spec_tokens))  # nothing better
+        if not new and (state.admission_id != req.admission_id or not state.sent):
+            return SuffixPlan(self._slots([], 0, num_spec_tokens))  # the worker holds none already
+        return SuffixPlan(self._slots(new, position - known, num_spec_tokens), new, known)
+
+    def commit(self, req: Request, plan: SuffixPlan) -> None:
+        """``plan``'s continuation went out in a plan for ``req``."""
+        if plan.send is None or req.suffix is None:
+            return
+        state = req.suffix
+        state.sent, state.anchor, state.admission_id = plan.send, plan.anchor, req.admission_id
+        n = len(plan.send)
+        if n >= len(self.sent_lengths):
+            self.sent_lengths.extend([0] * (n + 1 - len(self.sent_lengths)))
+        self.sent_lengths[n] += 1
+
+    def finish(self, req: Request) -> None:
+        """``req`` is done: its whole output goes to the shared index, its own index is freed."""
+        if req.suffix is not None:
+            self._catch_up(req, req.suffix)
+            req.suffix = None
+
+    def _slots(self, continuation: list[int], in_flight: int, num_spec_tokens: int) -> int:
+        return min(self.budget, max(num_spec_tokens, len(continuation) - in_flight))
+
+    def _rest(self, req: Request, state: SuffixState) -> list[int] | None:
+        """What the worker's continuation holds after the known tokens, if the confirmed
+        output follows it (None: it holds none for this admission, or the output left it)."""
+        if state.admission_id != req.admission_id or not state.sent:
+            return None
+        done = req.num_tokens - state.anchor
+        if done > len(state.sent) or req.token_ids_between(state.anchor, req.num_tokens) != state.sent[:done]:
+            return None
+        return state.sent[done:]
+
+    def _query(self, req: Request) -> Continuation:
+        """The better continuation (higher score; ties: the request's own) of the request's
+        own text and of all outputs."""
+        known = req.num_tokens
+        params = self.params
+        pattern = req.token_ids_between(max(0, known - params.max_match), known)
+        assert req.suffix is not None
+        own = req.suffix.own.continuation(pattern, params, params.max_tokens)
+        shared = self.shared.index.continuation(pattern, params, params.max_tokens)
+        return shared if shared.score > own.score else own
+
+    def _state(self, req: Request) -> SuffixState:
+        """``req``'s state, made on its first decode, with every known token indexed."""
+        state = req.suffix
+        if state is None:
+            state = req.suffix = SuffixState()
+            state.own.add(req.prompt_token_ids)
+            state.num_indexed = req.num_prompt_tokens
+        self._catch_up(req, state)
+        return state
+
+    def _catch_up(self, req: Request, state: SuffixState) -> None:
+        """Index the tokens confirmed since the last call, in the request's own index and in
+        the shared one (where a request moved from another scheduler starts a new output)."""
+        known = req.num_tokens
+        if state.num_indexed < known:
+            state.own.extend(0, req.token_ids_between(state.num_indexed, known))
+            state.num_indexed = known
+        if state.shared is not self.shared:
+            state.shared = self.shared
+            state.shared_seq = self.shared.start(req.prompt_token_ids[-self.params.shared_context :])
+            state.num_shared = 0
+        outputs = req.output_token_ids
+        if state.num_shared < len(outputs):
+            self.shared.extend(state.shared_seq, outputs[state.num_shared :])
+            state.num_shared = len(outputs)
