@@ -31,10 +31,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from zerobubble.scheduler_svc.request import Request
+from typing import Protocol
 
 Key = tuple[int, int]
 
@@ -262,6 +259,24 @@ class SuffixState:
     anchor: int = 0
     admission_id: int = 0  # the admission ``sent`` belongs to (0: none sent)
     queried_at: tuple[int, int] = (0, -1)  # (admission, known tokens) at the last query
+
+
+class Request(Protocol):
+    """What the drafter reads of a request (`scheduler_svc.request.Request`, which imports us)."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    admission_id: int
+    num_placeholders: int
+    suffix: SuffixState | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_prompt_tokens(self) -> int: ...
+
+    def token_ids_between(self, start: int, stop: int) -> list[int]: ...
 
 
 @dataclass(frozen=True, slots=True)
