@@ -299,15 +299,22 @@ class SuffixDrafter:
     request whose known tokens have not changed since its last query.
     """
 
-    def __init__(self, budget: int, shared: SharedOutputs | None = None, params: SuffixParams | None = None) -> None:
-        """``budget``: the most draft slots a row may carry (the worker's `num_prediction_tokens`)."""
+    def __init__(
+        self,
+        budget: int,
+        shared: SharedOutputs | None = None,
+        params: SuffixParams | None = None,
+        sent_lengths: list[int] | None = None,
+    ) -> None:
+        """``budget``: the most draft slots a row may carry (the worker's `num_prediction_tokens`);
+        ``sent_lengths``: where to count the continuations sent, by length (index = tokens; 0:
+        a continuation cleared)."""
         self.params = params or (shared.params if shared is not None else SuffixParams())
         self.shared = shared if shared is not None else SharedOutputs(self.params)
         self.budget = budget
         self.queries_left = self.params.max_queries_per_plan
         self.num_queries = 0
-        # Continuations sent, by length (index = tokens; 0: a continuation cleared).
-        self.sent_lengths: list[int] = []
+        self.sent_lengths: list[int] = sent_lengths if sent_lengths is not None else []
 
     def new_plan(self) -> None:
         """A plan starts: its query budget is whole again."""
