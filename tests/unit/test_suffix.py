@@ -14,6 +14,7 @@ from zerobubble.scheduler_svc.suffix import (
     SuffixDrafter,
     SuffixIndex,
     SuffixParams,
+    bigram,
     reference_continuation,
 )
 
@@ -75,9 +76,10 @@ def test_removing_a_list_forgets_its_bigrams():
     index = SuffixIndex()
     a = index.add([1, 2, 3, 1, 2, 4])
     index.add([5, 6])
-    index.remove(a)
-    assert set(index.ends) == {(5, 6)}
+    index.remove(a)  # its 5 places outnumber the 2 live tokens: compacted at once
+    assert set(index.ends) == {bigram(5, 6)}
     assert index.num_tokens == 2
+    assert index.continuation([1, 2], SuffixParams(), 4).token_ids == []
 
 
 def test_the_shared_index_evicts_the_oldest_outputs():

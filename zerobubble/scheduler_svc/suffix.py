@@ -9,7 +9,8 @@ Here each token list is indexed by where each of its bigrams ends (`SuffixIndex`
 suffix tree: appending a token costs one dict append, the cost moves to the queries, and the
 scheduler queries a request only when the continuation it sent last stopped matching or ran
 short (`SuffixDrafter.plan`). A query takes the latest ``max_candidates`` places where the
-text's last two tokens occurred (each with a token after it), extends each match backwards
+text's last two tokens occurred (each with a token after it; "latest" by list, then position,
+among the last 256 places indexed), extends each match backwards
 (up to ``max_match`` tokens), keeps the longest, and walks forward through their
 continuations, taking the most frequent next token each time (ties: the latest place's) with
 probability ``count(token) / count(places still agreeing)``, multiplied along the way, until
@@ -28,12 +29,18 @@ index (`SharedOutputs`) of at most ``max_tokens`` tokens, the oldest outputs evi
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-Key = tuple[int, int]
+# A bigram as one int (token ids are below 2**31): hashed faster than a tuple, and not allocated.
+Key = int
+
+
+def bigram(a: int, b: int) -> Key:
+    return (a << 32) | b
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +51,8 @@ class SuffixParams:
     max_tokens: int = 32  # the longest continuation
     min_prob: float = 0.1  # a continuation stops before a token whose probability falls below this
     spec_factor: float = 1.0  # a continuation is at most this many times its match's length
-    max_candidates: int = 64  # the latest occurrences of the last two tokens looked at
-    max_queries_per_plan: int = 64  # queries one plan may make (the rest wait for the next)
+    max_candidates: int = 32  # the latest occurrences of the last two tokens looked at
+    max_queries_per_plan: int = 32  # queries one plan may make (the rest wait for the next)
     shared_context: int = 8  # prompt tokens before each output in the shared index (answer starts)
     shared_max_tokens: int = 1 << 17  # the shared index's size; the oldest outputs go first
 
@@ -64,19 +71,27 @@ NO_CONTINUATION = Continuation([], 0.0, 0)
 
 
 class SuffixIndex:
-    """Token lists, each with where every bigram of it ends (``ends[key][seq]``, ascending)."""
+    """Token lists, and where every bigram of them ends.
+
+    ``ends[key]`` holds ``seq << 32 | end`` for each place (in the order indexed), so that the
+    whole index is a few dicts of ``array`` objects, which the garbage collector does not
+    traverse (a dict and a list per bigram made its full collections take 100 ms and more at
+    a hundred thousand tokens). A removed list's places stay until they outnumber the live
+    ones, then every array is compacted; queries skip them meanwhile.
+    """
 
     def __init__(self) -> None:
-        self.seqs: dict[int, list[int]] = {}
-        self.ends: dict[Key, dict[int, list[int]]] = {}
+        self.seqs: dict[int, array[int]] = {}
+        self.ends: dict[Key, array[int]] = {}
         self.num_tokens = 0
+        self._num_stale = 0  # places of removed lists still in ``ends``
         self._next_seq = 0
 
     def add(self, token_ids: Sequence[int] = ()) -> int:
         """A new token list (its id)."""
         seq = self._next_seq
         self._next_seq += 1
-        self.seqs[seq] = []
+        self.seqs[seq] = array("l")
         self.extend(seq, token_ids)
         return seq
 
@@ -86,72 +101,90 @@ class SuffixIndex:
         if tokens is None:
             return
         ends = self.ends
+        # Runs for every token of every request: locals, no calls.
+        prev = tokens[-1] if tokens else -1
+        place = (seq << 32) | len(tokens)
         for token in token_ids:
-            if tokens:
-                key = (tokens[-1], token)
-                by_seq = ends.get(key)
-                if by_seq is None:
-                    ends[key] = {seq: [len(tokens)]}
-                elif seq in by_seq:
-                    by_seq[seq].append(len(tokens))
+            if prev >= 0:
+                key = (prev << 32) | token
+                places = ends.get(key)
+                if places is None:
+                    ends[key] = array("q", (place,))
                 else:
-                    by_seq[seq] = [len(tokens)]
-            tokens.append(token)
+                    places.append(place)
+            prev = token
+            place += 1
+        tokens.extend(token_ids)
         self.num_tokens += len(token_ids)
 
     def remove(self, seq: int) -> None:
-        """Forget token list ``seq`` and its bigrams."""
+        """Forget token list ``seq`` (its places go at the next compaction)."""
         tokens = self.seqs.pop(seq, None)
         if tokens is None:
             return
         self.num_tokens -= len(tokens)
-        for key in set(zip(tokens, tokens[1:])):
-            by_seq = self.ends[key]
-            del by_seq[seq]
-            if not by_seq:
+        self._num_stale += max(len(tokens) - 1, 0)
+        if self._num_stale > self.num_tokens:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the places of removed lists (and the bigrams left without any)."""
+        live = self.seqs
+        for key in list(self.ends):
+            kept = array("q", (p for p in self.ends[key] if (p >> 32) in live))
+            if kept:
+                self.ends[key] = kept
+            else:
                 del self.ends[key]
+        self._num_stale = 0
 
     def continuation(self, pattern: Sequence[int], params: SuffixParams, limit: int) -> Continuation:
         """The most frequent continuation (at most ``limit`` tokens) of the longest suffix of
         ``pattern`` that occurs here with a token after it (see the module's docstring)."""
         if len(pattern) < 2 or limit <= 0:
             return NO_CONTINUATION
-        by_seq = self.ends.get((pattern[-2], pattern[-1]))
-        if not by_seq:
-            return NO_CONTINUATION
-        match_len, places = self._longest_matches(by_seq, pattern, params)
+        places = self.ends.get(bigram(pattern[-2], pattern[-1]))
         if not places:
             return NO_CONTINUATION
-        tokens, score = _walk(places, min(limit, int(match_len * params.spec_factor)), params.min_prob)
+        match_len, found = self._longest_matches(places, pattern, params)
+        if not found:
+            return NO_CONTINUATION
+        tokens, score = _walk(found, min(limit, int(match_len * params.spec_factor)), params.min_prob)
         return Continuation(tokens, score, match_len)
 
+    @staticmethod
+    def _latest(places: array[int], window: int) -> list[int]:
+        """The last ``window`` places indexed, latest (highest list id, then position) first:
+        a bigram as common as a comma is not sorted whole for every query."""
+        return sorted(places[-window:] if len(places) > window else places, reverse=True)
+
     def _longest_matches(
-        self, by_seq: dict[int, list[int]], pattern: Sequence[int], params: SuffixParams
-    ) -> tuple[int, list[tuple[list[int], int]]]:
+        self, places: array[int], pattern: Sequence[int], params: SuffixParams
+    ) -> tuple[int, list[tuple[array[int], int]]]:
         """The longest match among the latest candidates, and its places (latest first)."""
         n = len(pattern)
-        best, places, seen = 0, [], 0
-        for seq in sorted(by_seq, reverse=True):
-            tokens = self.seqs[seq]
-            last = len(tokens) - 1
-            for end in reversed(by_seq[seq]):
-                if end >= last:
-                    continue  # nothing follows it
-                most = min(n, end + 1, params.max_match)
-                m = 2
-                while m < most and tokens[end - m] == pattern[n - 1 - m]:
-                    m += 1
-                if m > best:
-                    best, places = m, [(tokens, end)]
-                elif m == best:
-                    places.append((tokens, end))
-                seen += 1
-                if seen >= params.max_candidates:
-                    return best, places
-        return best, places
+        best, found, seen = 0, [], 0
+        seqs = self.seqs
+        for place in self._latest(places, max(256, 8 * params.max_candidates)):
+            tokens = seqs.get(place >> 32)
+            end = place & 0xFFFFFFFF
+            if tokens is None or end >= len(tokens) - 1:
+                continue  # a removed list, or nothing follows it
+            most = min(n, end + 1, params.max_match)
+            m = 2
+            while m < most and tokens[end - m] == pattern[n - 1 - m]:
+                m += 1
+            if m > best:
+                best, found = m, [(tokens, end)]
+            elif m == best:
+                found.append((tokens, end))
+            seen += 1
+            if seen >= params.max_candidates:
+                break
+        return best, found
 
 
-def _walk(places: list[tuple[list[int], int]], limit: int, min_prob: float) -> tuple[list[int], float]:
+def _walk(places: list[tuple[array[int], int]], limit: int, min_prob: float) -> tuple[list[int], float]:
     """The most frequent path forward from ``places`` (token list, end index), cut where its
     probability drops below ``min_prob``; returns the tokens and their summed probabilities."""
     out: list[int] = []
@@ -160,7 +193,7 @@ def _walk(places: list[tuple[list[int], int]], limit: int, min_prob: float) -> t
         if len(places) == 1:
             # One place left: every further token has the same probability.
             tokens, end = places[0]
-            more = tokens[end + 1 + len(out) : end + 1 + limit]
+            more = tokens[end + 1 + len(out) : end + 1 + limit].tolist()
             return out + more, score + prob * len(more)
         d = len(out) + 1
         counts: dict[int, int] = {}
@@ -176,17 +209,19 @@ def _walk(places: list[tuple[list[int], int]], limit: int, min_prob: float) -> t
             break
         out.append(token)
         score += prob
-        places = [(tokens, end) for tokens, end in places if end + d < len(tokens) and tokens[end + d] == token]
+        if counts[token] < len(places):  # else every place agrees and goes on
+            places = [(tokens, end) for tokens, end in places if end + d < len(tokens) and tokens[end + d] == token]
     return out, score
 
 
 def reference_continuation(
-    seqs: dict[int, list[int]], pattern: Sequence[int], params: SuffixParams, limit: int
+    seqs: Mapping[int, Sequence[int]], pattern: Sequence[int], params: SuffixParams, limit: int
 ) -> Continuation:
     """`SuffixIndex.continuation` by brute force over every position of every list: the
     definition the index must compute (tests compare them)."""
     if len(pattern) < 2 or limit <= 0:
         return NO_CONTINUATION
+    seqs = {seq: list(tokens) for seq, tokens in seqs.items()}
     candidates = [
         (seqs[seq], end)
         for seq in sorted(seqs, reverse=True)
@@ -258,7 +293,8 @@ class SuffixState:
     sent: list[int] = field(default_factory=list)
     anchor: int = 0
     admission_id: int = 0  # the admission ``sent`` belongs to (0: none sent)
-    queried_at: tuple[int, int] = (0, -1)  # (admission, known tokens) at the last query
+    query_after: int = 0  # known tokens from which the next query may run
+    backoff: int = 1  # tokens to wait after a query that found nothing (doubles, up to 16)
 
 
 class Request(Protocol):
@@ -325,22 +361,24 @@ class SuffixDrafter:
         worker's prompt lookup where no continuation applies) and the continuation to send,
         if any. Nothing changes until `commit`."""
         state = self._state(req)
-        known = req.num_tokens
-        position = known + req.num_placeholders  # where the device will be if all in flight is accepted
+        known, in_flight = req.num_tokens, req.num_placeholders
         rest = self._rest(req, state)
-        if rest is not None and len(rest) - (position - known) >= self.budget:
-            return SuffixPlan(self.budget)
-        if state.queried_at == (req.admission_id, known) or self.queries_left <= 0:
-            return SuffixPlan(self._slots(rest or [], position - known, num_spec_tokens))
+        # Enough left for the next step, counting what the steps in flight consume if accepted.
+        if rest is not None and len(rest) - in_flight >= max(num_spec_tokens, 1):
+            return SuffixPlan(self._slots(rest, in_flight, num_spec_tokens))
+        if known < state.query_after or self.queries_left <= 0:
+            return SuffixPlan(self._slots(rest or [], in_flight, num_spec_tokens))
         self.queries_left -= 1
         self.num_queries += 1
-        state.queried_at = (req.admission_id, known)
         new = self._query(req).token_ids
+        # Nothing found: the text must grow before a match can appear, so wait longer each time.
+        state.backoff = 1 if new else min(2 * state.backoff, 16)
+        state.query_after = known + state.backoff
         if rest is not None and rest[: len(new)] == new:
-            return SuffixPlan(self._slots(rest, position - known, num_spec_tokens))  # nothing better
-        if not new and (state.admission_id != req.admission_id or not state.sent):
+            return SuffixPlan(self._slots(rest, in_flight, num_spec_tokens))  # nothing better
+        if not new and rest is None and (state.admission_id != req.admission_id or not state.sent):
             return SuffixPlan(self._slots([], 0, num_spec_tokens))  # the worker holds none already
-        return SuffixPlan(self._slots(new, position - known, num_spec_tokens), new, known)
+        return SuffixPlan(self._slots(new, in_flight, num_spec_tokens), new, known)
 
     def commit(self, req: Request, plan: SuffixPlan) -> None:
         """``plan``'s continuation went out in a plan for ``req``."""
