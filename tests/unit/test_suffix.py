@@ -114,7 +114,9 @@ def test_the_drafter_sends_a_continuation_only_when_the_old_one_stops_serving():
     text = list(range(10, 30))
     req = make_request([*text, 1, *text[:3]])
     first = drafter.plan(req, 2)
-    assert first.send == [*text[3:], 1, *text[:3]][:24] and first.anchor == req.num_tokens and first.num_draft_slots == 4
+    assert (
+        first.send == [*text[3:], 1, *text[:3]][:24] and first.anchor == req.num_tokens and first.num_draft_slots == 4
+    )
     drafter.commit(req, first)
     req.output_token_ids.extend(text[3:6])  # the output follows it: nothing new to send
     drafter.new_plan()

@@ -19,6 +19,7 @@ import grpc
 
 from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.scheduler_svc.scheduler import RequestEvent, SchedulerConfig, fail_unplaced
+from zerobubble.scheduler_svc.suffix import SharedOutputs
 from zerobubble.scheduler_svc.worker_link import DEFAULT_LOOKAHEAD_MARGIN_S, WorkerLink
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ class Router:
         self._refresh_task: asyncio.Task | None = None
         self._serving = False
         self._exported: dict[str, tuple] = {}
+        # Suffix decoding: the outputs of every worker's requests, drafted from by all of them.
+        self.suffix_outputs = SharedOutputs()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -137,6 +140,7 @@ class Router:
                     lookahead_margin_s=settings.lookahead_margin_s,
                 )
                 link.callbacks.on_draining = self._on_link_draining
+                link.suffix_outputs = self.suffix_outputs
                 self.links.append(link)
                 link.start()
                 logger.info("added worker %s", address)

@@ -103,7 +103,11 @@ class PredictionDrafts:
             self.tokens = grown
 
     def replace(
-        self, slots: Sequence[int], token_ids: Sequence[Sequence[int]], anchors: Sequence[int], state: DeviceState,
+        self,
+        slots: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        anchors: Sequence[int],
+        state: DeviceState,
         block_size: int,
     ) -> None:
         """New continuations for ``slots`` (suffix decoding): slot i's tokens after its first
