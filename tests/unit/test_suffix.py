@@ -7,8 +7,13 @@ import random
 
 import pytest
 
+from tests.support.options import split_options
+from tests.support.sim_worker import make_toy_tokenizer_json
+from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions, StoppingOptions
+from zerobubble.rows import ContinuationRow, add_continuations, continuation_rows, plan_rows
 from zerobubble.scheduler_svc.request import Request
+from zerobubble.scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from zerobubble.scheduler_svc.suffix import (
     SharedOutputs,
     SuffixDrafter,
@@ -17,6 +22,7 @@ from zerobubble.scheduler_svc.suffix import (
     bigram,
     reference_continuation,
 )
+from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 
 def random_text(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -130,3 +136,75 @@ def test_the_drafter_sends_a_continuation_only_when_the_old_one_stops_serving():
     drafter.finish(req)
     assert req.suffix is None
     assert drafter.shared.index.num_tokens == drafter.params.shared_context + req.num_output_tokens
+
+
+def test_continuations_ride_in_the_plan_and_read_back() -> None:
+    plan = worker_pb2.StepPlan()
+    add_continuations(plan, ["a", "b"], [7, 3], [[1, 2, 3], []])
+    assert continuation_rows(plan) == [ContinuationRow("a", 7, [1, 2, 3]), ContinuationRow("b", 3, [])]
+    plan.continuations.num_tokens.append(1)  # a column that does not line up
+    with pytest.raises(ValueError, match="line up"):
+        continuation_rows(plan)
+
+
+def suffix_scheduler(num_blocks: int = 64) -> Scheduler:
+    config = SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_model_len=200,
+        num_spec_tokens=2,
+        num_prediction_tokens=8,
+        vocab_size=64,
+        spec_method="suffix",
+    )
+    return Scheduler(config, Tokenizer(make_toy_tokenizer_json()))
+
+
+def run_plan(scheduler: Scheduler, tokens: dict[str, list[int]]) -> worker_pb2.StepPlan:
+    """Plan a step and answer it (sync): each row gets ``tokens[req_id]`` (its drafts all
+    accepted but the last token's)."""
+    plan = scheduler.schedule()
+    assert plan is not None
+    result = worker_pb2.StepResult(step_id=plan.step_id)
+    for row in plan_rows(plan):
+        emitted = tokens.get(row.req_id, [5])[: row.num_draft_slots + 1] if row.sample else []
+        result.results.add(
+            req_id=row.req_id, token_ids=emitted, num_draft_tokens=row.num_draft_slots, num_accepted=len(emitted) - 1
+        )
+    scheduler.on_step_result(result)
+    return plan
+
+
+def test_the_scheduler_sends_a_request_its_continuation_and_plans_slots_for_it() -> None:
+    """A prompt quoting itself: the first decode carries the continuation of its last tokens
+    (anchored after the known tokens) and as many draft slots as the budget allows; a request
+    with a client's prediction gets none; a finished request's index is freed."""
+    scheduler = suffix_scheduler()
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    scheduler.add_request("s", [*text, 3, *text[:4]], *split_options({"max_tokens": 30, "ignore_eos": True}))
+    options = {"max_tokens": 30, "ignore_eos": True, "prediction_token_ids": text}
+    scheduler.add_request("p", [*text, 3, *text[:4]], *split_options(options))
+    run_plan(scheduler, {"s": [14], "p": [14]})  # prefills
+    plan = run_plan(scheduler, {"s": text[5:10], "p": text[5:7]})
+    rows = continuation_rows(plan)
+    assert [r.req_id for r in rows] == ["s"]
+    assert rows[0].anchor == 16 and list(rows[0].token_ids[:5]) == text[5:10]
+    assert dict(zip(plan.decodes.req_ids, plan.decodes.num_draft_slots))["s"] == 5
+    request = scheduler.get_request("s")
+    assert request is not None and request.suffix is not None
+    scheduler.abort_request("s")
+    assert request.suffix is None and scheduler.get_request("s") is None
+
+
+def test_a_preempted_request_gets_its_continuation_again() -> None:
+    scheduler = suffix_scheduler()
+    text = [10, 11, 12, 13, 14, 15, 16, 17, 18, 19]
+    scheduler.add_request("s", [*text, 3, *text[:4]], *split_options({"max_tokens": 30, "ignore_eos": True}))
+    run_plan(scheduler, {"s": [14]})
+    assert continuation_rows(run_plan(scheduler, {"s": [15]}))  # sent
+    moved = scheduler.take_unfinished()  # as when its worker is lost
+    other = suffix_scheduler()
+    other.adopt(moved[0])
+    run_plan(other, {"s": [16]})  # the resumed prefill
+    rows = continuation_rows(run_plan(other, {"s": [17]}))
+    assert [(r.req_id, r.anchor) for r in rows] == [("s", 18)]

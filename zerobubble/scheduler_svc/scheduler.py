@@ -675,6 +675,8 @@ class Scheduler:
         req.num_computed = num_cached_tokens
         req.num_placeholders = 0
         req.num_prefill_tokens = len(token_ids)
+        if self._suffix is not None:
+            self._suffix.admitted(req)
         self._running.append(req)
         chunk = token_ids[num_cached_tokens : num_cached_tokens + num_tokens]
         self._add_prefill(req, chunk, plan, records, is_new=True, num_cached_tokens=num_cached_tokens)

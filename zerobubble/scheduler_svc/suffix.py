@@ -283,7 +283,8 @@ class SuffixState:
     """One request's suffix-decoding state (kept on its `Request`, so it moves with it).
 
     ``own`` indexes its prompt and confirmed outputs (list 0); ``sent`` is the continuation
-    the worker holds for the current admission, anchored after the first ``anchor`` tokens."""
+    the worker holds, anchored after the first ``anchor`` tokens (emptied at every admission:
+    the worker's slot starts without one)."""
 
     own: SuffixIndex = field(default_factory=SuffixIndex)
     shared: SharedOutputs | None = None  # the shared index ``shared_seq`` is in
@@ -292,7 +293,6 @@ class SuffixState:
     num_shared: int = 0  # outputs in the shared index
     sent: list[int] = field(default_factory=list)
     anchor: int = 0
-    admission_id: int = 0  # the admission ``sent`` belongs to (0: none sent)
     query_after: int = 0  # known tokens from which the next query may run
     backoff: int = 1  # tokens to wait after a query that found nothing (doubles, up to 16)
 
@@ -302,7 +302,6 @@ class Request(Protocol):
 
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    admission_id: int
     num_placeholders: int
     suffix: SuffixState | None
 
@@ -376,7 +375,7 @@ class SuffixDrafter:
         state.query_after = known + state.backoff
         if rest is not None and rest[: len(new)] == new:
             return SuffixPlan(self._slots(rest, in_flight, num_spec_tokens))  # nothing better
-        if not new and rest is None and (state.admission_id != req.admission_id or not state.sent):
+        if not new and rest is None and not state.sent:
             return SuffixPlan(self._slots([], 0, num_spec_tokens))  # the worker holds none already
         return SuffixPlan(self._slots(new, in_flight, num_spec_tokens), new, known)
 
@@ -385,11 +384,17 @@ class SuffixDrafter:
         if plan.send is None or req.suffix is None:
             return
         state = req.suffix
-        state.sent, state.anchor, state.admission_id = plan.send, plan.anchor, req.admission_id
+        state.sent, state.anchor = plan.send, plan.anchor
         n = len(plan.send)
         if n >= len(self.sent_lengths):
             self.sent_lengths.extend([0] * (n + 1 - len(self.sent_lengths)))
         self.sent_lengths[n] += 1
+
+    @staticmethod
+    def admitted(req: Request) -> None:
+        """``req`` was (re)admitted: its new slot on the worker holds no continuation."""
+        if req.suffix is not None:
+            req.suffix.sent = []
 
     def finish(self, req: Request) -> None:
         """``req`` is done: its whole output goes to the shared index, its own index is freed."""
@@ -402,8 +407,8 @@ class SuffixDrafter:
 
     def _rest(self, req: Request, state: SuffixState) -> list[int] | None:
         """What the worker's continuation holds after the known tokens, if the confirmed
-        output follows it (None: it holds none for this admission, or the output left it)."""
-        if state.admission_id != req.admission_id or not state.sent:
+        output follows it (None: it holds none, or the output left it)."""
+        if not state.sent:
             return None
         done = req.num_tokens - state.anchor
         if done > len(state.sent) or req.token_ids_between(state.anchor, req.num_tokens) != state.sent[:done]:
