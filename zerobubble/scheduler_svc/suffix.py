@@ -24,7 +24,7 @@ from it on the device as it drafts from a client's predicted output
 follow: the host never waits for the device, and the device never for the host.
 
 Memory: a request's own index goes with the request; the outputs of all requests share one
-index (`SharedOutputs`) of at most ``max_tokens`` tokens, the oldest outputs evicted first.
+index (`SharedOutputs`) of at most ``shared_max_tokens`` tokens, the oldest outputs evicted first.
 """
 
 from __future__ import annotations
@@ -330,8 +330,10 @@ class SuffixDrafter:
 
     A request's continuation is replaced only when the confirmed output stopped following it
     or too little of it is left for the next step (what the steps in flight will consume
-    counted as accepted); at most ``max_queries_per_plan`` queries per plan, and none for a
-    request whose known tokens have not changed since its last query.
+    counted as accepted); at most ``max_queries_per_plan`` queries per plan (rows are planned
+    in running order, so the first ones go first), and none for a request whose text has not
+    grown since its last query, or by fewer tokens than its back-off after queries that found
+    nothing.
     """
 
     def __init__(
