@@ -208,3 +208,21 @@ def test_a_preempted_request_gets_its_continuation_again() -> None:
     run_plan(other, {"s": [16]})  # the resumed prefill
     rows = continuation_rows(run_plan(other, {"s": [17]}))
     assert [(r.req_id, r.anchor) for r in rows] == [("s", 18)]
+
+
+def test_a_request_refused_a_query_goes_first_in_the_next_plan() -> None:
+    """One query a plan, three requests wanting one every plan: each is served in turn, not
+    the first in running order every time."""
+    drafter = SuffixDrafter(budget=4, params=SuffixParams(max_queries_per_plan=1))
+    requests = [make_request([1, 2, 3, 1, 2]) for _ in range(3)]
+    served = []
+    for step in range(6):
+        drafter.new_plan()
+        before = drafter.num_queries
+        for i, req in enumerate(requests):
+            drafter.plan(req, 2)
+            if drafter.num_queries > before:
+                served.append(i)
+                before = drafter.num_queries
+            req.output_token_ids.append(7 + step)  # the text grows: every request wants a query
+    assert sorted(served[:3]) == [0, 1, 2] and len(served) == 6

@@ -330,10 +330,11 @@ class SuffixDrafter:
 
     A request's continuation is replaced only when the confirmed output stopped following it
     or too little of it is left for the next step (what the steps in flight will consume
-    counted as accepted); at most ``max_queries_per_plan`` queries per plan (rows are planned
-    in running order, so the first ones go first), and none for a request whose text has not
-    grown since its last query, or by fewer tokens than its back-off after queries that found
-    nothing.
+    counted as accepted); at most ``max_queries_per_plan`` queries per plan, the requests
+    refused one in the previous plan served first (rows are planned in running order, which
+    would otherwise let the first ones take the budget every time), and none for a request
+    whose text has not grown since its last query, or by fewer tokens than its back-off after
+    queries that found nothing.
     """
 
     def __init__(
@@ -352,10 +353,31 @@ class SuffixDrafter:
         self.queries_left = self.params.max_queries_per_plan
         self.num_queries = 0
         self.sent_lengths: list[int] = sent_lengths if sent_lengths is not None else []
+        # Requests refused a query for want of budget, in the order refused (by their state's
+        # id), and those of them whose turn this plan is (their queries are kept for them).
+        self._waiting: dict[int, None] = {}
+        self._turns: set[int] = set()
 
     def new_plan(self) -> None:
-        """A plan starts: its query budget is whole again."""
+        """A plan starts: its query budget is whole again, kept first for the requests refused
+        one longest ago (a turn not taken, by a request done or no longer asking, is lost)."""
+        for key in self._turns:
+            self._waiting.pop(key, None)
         self.queries_left = self.params.max_queries_per_plan
+        self._turns = set(list(self._waiting)[: self.queries_left])
+
+    def _may_query(self, state: SuffixState) -> bool:
+        """Whether the plan's query budget has room for ``state``'s request (counted if so)."""
+        key = id(state)
+        if key in self._turns:
+            self._turns.discard(key)
+            self._waiting.pop(key, None)
+        elif self.queries_left <= len(self._turns):
+            self._waiting.setdefault(key, None)
+            return False
+        self.queries_left -= 1
+        self.num_queries += 1
+        return True
 
     def plan(self, req: Request, num_spec_tokens: int) -> SuffixPlan:
         """The draft slots of ``req``'s next decode (at least ``num_spec_tokens``, for the
@@ -367,10 +389,8 @@ class SuffixDrafter:
         # Enough left for the next step, counting what the steps in flight consume if accepted.
         if rest is not None and len(rest) - in_flight >= max(num_spec_tokens, 1):
             return SuffixPlan(self._slots(rest, in_flight, num_spec_tokens))
-        if known < state.query_after or self.queries_left <= 0:
+        if known < state.query_after or not self._may_query(state):
             return SuffixPlan(self._slots(rest or [], in_flight, num_spec_tokens))
-        self.queries_left -= 1
-        self.num_queries += 1
         new = self._query(req).token_ids
         # Nothing found: the text must grow before a match can appear, so wait longer each time.
         state.backoff = 1 if new else min(2 * state.backoff, 16)
