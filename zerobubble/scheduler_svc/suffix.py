@@ -186,31 +186,34 @@ class SuffixIndex:
 
 def _walk(places: list[tuple[array[int], int]], limit: int, min_prob: float) -> tuple[list[int], float]:
     """The most frequent path forward from ``places`` (token list, end index), cut where its
-    probability drops below ``min_prob``; returns the tokens and their summed probabilities."""
+    probability drops below ``min_prob``; returns the tokens and their summed probabilities.
+
+    Places whose next ``limit`` tokens are the same walk as one weighted path (text repeated
+    across requests makes many), in the order of their latest place, which breaks ties."""
+    paths = list(Counter(tuple(tokens[end + 1 : end + 1 + limit]) for tokens, end in places).items())
+    agreeing = len(places)
     out: list[int] = []
     prob, score = 1.0, 0.0
     while len(out) < limit:
-        if len(places) == 1:
-            # One place left: every further token has the same probability.
-            tokens, end = places[0]
-            more = tokens[end + 1 + len(out) : end + 1 + limit].tolist()
+        d = len(out)
+        if len(paths) == 1:
+            # One path left: every further token has the same probability.
+            more = list(paths[0][0][d:])
             return out + more, score + prob * len(more)
-        d = len(out) + 1
         counts: dict[int, int] = {}
-        for tokens, end in places:
-            if end + d < len(tokens):
-                token = tokens[end + d]
-                counts[token] = counts.get(token, 0) + 1
+        for path, n in paths:
+            if d < len(path):
+                counts[path[d]] = counts.get(path[d], 0) + n
         if not counts:
             break
         token = max(counts, key=counts.__getitem__)  # ties: the first seen, the latest place's
-        prob *= counts[token] / len(places)
+        prob *= counts[token] / agreeing
         if prob < min_prob:
             break
         out.append(token)
         score += prob
-        if counts[token] < len(places):  # else every place agrees and goes on
-            places = [(tokens, end) for tokens, end in places if end + d < len(tokens) and tokens[end + d] == token]
+        agreeing = counts[token]
+        paths = [(path, n) for path, n in paths if d < len(path) and path[d] == token]
     return out, score
 
 
