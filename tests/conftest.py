@@ -111,6 +111,11 @@ def ngram_runner(smollm2_dir):
 
 
 @pytest.fixture(scope="module")
+def suffix_runner(smollm2_dir):
+    return _runner("suffix")
+
+
+@pytest.fixture(scope="module")
 def draft_runner(smollm2_dir):
     # SmolLM2 drafting for itself, as in test_async_spec_e2e: greedy drafts are then always right,
     # so a rejected draft can only mean that the runner fed or verified the wrong thing.

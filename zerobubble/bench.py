@@ -14,9 +14,11 @@ the request's predicted output; not sent under ``--no-prediction``, so one workl
 both). Rows are greedy unless they say otherwise.
 ``--dataset`` takes a path or the bare name of a workload shipped in ``zerobubble/workloads/``:
 ``grounded`` (48 chat rows of code edits, grounded questions and open chat), ``structured`` (the
-same rows, each with a JSON schema) and ``edits`` (36 code edits and document revisions whose
+same rows, each with a JSON schema), ``edits`` (36 code edits and document revisions whose
 replies repeat most of the text being edited, each with that text as its prediction; written by
-``scripts/make_edits_workload.py``).
+``scripts/make_edits_workload.py``) and ``agentic`` (24 tool-calling loops of a coding agent,
+the embedded model's own turns included, whose last request asks for a file or turns already
+in the conversation; written by ``scripts/make_agentic_workload.py``).
 
 Throughput and latencies are measured here, on the client. Each reply's accepted and rejected
 prediction tokens are the server's counts (gRPC: the final message; OpenAI:

@@ -241,15 +241,19 @@ class WorkerConfig(ServiceConfig):
     max_model_len: int = setting(0, "longest sequence in tokens (0 = from the model config, capped at 8192)")
     spec_method: str = setting(
         "none",
-        "speculative decoding proposer: ngram (prompt lookup), draft (a smaller model) or eagle (an "
-        "EAGLE-1, EAGLE-3 or speculators-format head over the target's hidden states)",
-        choices=("none", "ngram", "draft", "eagle"),
+        "speculative decoding proposer: ngram (prompt lookup), suffix (suffix decoding: the scheduler "
+        "finds each request's likeliest continuation in its own text and in recent outputs of all "
+        "requests, up to --num-prediction-tokens drafts a step, prompt lookup meanwhile), draft (a "
+        "smaller model) or eagle (an EAGLE-1, EAGLE-3 or speculators-format head over the target's "
+        "hidden states)",
+        choices=("none", "ngram", "suffix", "draft", "eagle"),
     )
     num_spec_tokens: int = setting(3, "draft tokens per decode step")
     num_prediction_tokens: int = setting(
         16,
         "most draft tokens per decode step taken from a request's predicted output (OpenAI's "
-        "`prediction`), with any --spec-method; 0 ignores predictions",
+        "`prediction`), with any --spec-method, and from a suffix continuation (--spec-method suffix, "
+        "at least --num-spec-tokens); 0 ignores predictions",
     )
     ngram_min: int = setting(2, "shortest n-gram the proposer matches")
     ngram_max: int = setting(4, "longest n-gram the proposer matches")
@@ -637,6 +641,8 @@ class SchedulerConfig:
     num_spec_tokens: int = 0  # k draft slots per decode; 0 = no speculation
     # Draft slots a decode of a request with a predicted output may carry; 0 = predictions unused.
     num_prediction_tokens: int = 0
+    # The worker's `--spec-method` ("suffix": the scheduler sends continuations, `scheduler_svc/suffix.py`).
+    spec_method: str = "none"
     # Running requests from which decodes are planned without drafts; 0 = never.
     spec_disable_batch_size: int = default_of(SchedulerServiceConfig, "spec_disable_batch_size")
     # Prompt tokens of a step that carries decodes; 0 = the whole token budget.
@@ -673,6 +679,7 @@ class SchedulerConfig:
             max_num_seqs=max_num_seqs,
             num_spec_tokens=info.num_spec_tokens,
             num_prediction_tokens=info.num_prediction_tokens,
+            spec_method=info.spec_method or "none",
             num_lookahead_slots=info.num_lookahead_slots,
             eos_token_ids=tuple(info.eos_token_ids),
             vocab_size=info.vocab_size,

@@ -86,6 +86,8 @@ INTER_TOKEN_BUCKETS: tuple[float, ...] = (
     2.5,
     5.0,
 )
+# Suffix continuations: up to `SuffixParams.max_tokens` (32) tokens; 0 is one cleared.
+CONTINUATION_BUCKETS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 24, 32, 64)
 STEP_BUCKETS: tuple[float, ...] = (
     0.0005,
     0.001,
@@ -236,6 +238,13 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         "counter",
         WORKER_LABELS,
         "Draft tokens taken from requests' predicted outputs and accepted.",
+    ),
+    MetricSpec(
+        "zerobubble_spec_decode_suffix_continuation_tokens",
+        "histogram",
+        WORKER_LABELS,
+        "Suffix decoding: tokens of each continuation the scheduler sent a worker (0: one cleared).",
+        CONTINUATION_BUCKETS,
     ),
     MetricSpec(
         "zerobubble_worker_step_duration_seconds",
@@ -405,6 +414,7 @@ class ServiceMetrics:
         "spec_accepted_per_pos",
         "spec_prediction_draft_tokens",
         "spec_prediction_accepted_tokens",
+        "suffix_continuation_tokens",
         "worker_step_duration",
         "worker_idle",
         "grammar_time",
@@ -465,6 +475,7 @@ class ServiceMetrics:
         self.spec_accepted_per_pos = counter("zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
         self.spec_prediction_draft_tokens = counter("zerobubble_spec_decode_prediction_draft_tokens_total")
         self.spec_prediction_accepted_tokens = counter("zerobubble_spec_decode_prediction_accepted_tokens_total")
+        self.suffix_continuation_tokens = histogram("zerobubble_spec_decode_suffix_continuation_tokens")
         self.worker_step_duration = histogram("zerobubble_worker_step_duration_seconds")
         self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
         self.grammar_time = counter("zerobubble_grammar_seconds_total")
@@ -509,6 +520,7 @@ class ServiceMetrics:
             self.spec_num_accepted_tokens,
             self.spec_prediction_draft_tokens,
             self.spec_prediction_accepted_tokens,
+            self.suffix_continuation_tokens,
             self.worker_step_duration,
             self.worker_idle,
             self.grammar_time,
@@ -740,6 +752,13 @@ class ServiceMetrics:
         """Publish how many plans were sent to ``worker`` and not answered yet."""
         self.add_worker(worker)
         self._child(self.inflight_steps, self.model, worker).set(n)
+
+    def add_suffix_continuations(self, worker: str, counts: Sequence[int]) -> None:
+        """Account the suffix continuations sent to ``worker``: ``counts[n]`` of ``n`` tokens."""
+        child = self._child(self.suffix_continuation_tokens, self.model, worker)
+        for length, count in enumerate(counts):
+            for _ in range(count):
+                child.observe(length)
 
     def add_rolled_back(self, n: int) -> None:
         """Account ``n`` optimistic draft slots undone by reconciliation."""

@@ -129,6 +129,47 @@ def add_decode_columns(
     _extend_columns(plan.decodes, per_row, num_new_blocks, "new_block_ids", new_block_ids)
 
 
+@dataclass(frozen=True, slots=True)
+class ContinuationRow:
+    """One row of a plan's ``Continuations``: ``req_id`` continues, after its first ``anchor``
+    tokens, with ``token_ids`` (empty: it has no continuation any more)."""
+
+    req_id: str
+    anchor: int
+    token_ids: Sequence[int]
+
+
+def add_continuations(
+    plan: Any, req_ids: Sequence[str], anchors: Sequence[int], token_ids: Sequence[Sequence[int]]
+) -> None:
+    """Append suffix-decoding continuations to a ``StepPlan`` (see `Continuations`)."""
+    num_tokens = [len(t) for t in token_ids]
+    flat = [token for tokens in token_ids for token in tokens]
+    per_row = {"req_ids": req_ids, "anchors": anchors}
+    _extend_columns(plan.continuations, {**per_row, "num_tokens": num_tokens}, num_tokens, "token_ids", flat)
+
+
+def continuation_rows(plan: Any) -> list[ContinuationRow]:
+    """A plan's continuations, one row each.
+
+    Raises:
+        ValueError: the columns do not line up, or an anchor or count is negative.
+    """
+    cols = plan.continuations
+    req_ids, anchors, counts = list(cols.req_ids), list(cols.anchors), list(cols.num_tokens)
+    token_ids = list(cols.token_ids)
+    if len(anchors) != len(req_ids) or len(counts) != len(req_ids) or sum(counts) != len(token_ids):
+        raise ValueError(f"continuation columns do not line up: {len(req_ids)} request ids")
+    if req_ids and min(*anchors, *counts) < 0:
+        raise ValueError("continuations: a negative anchor or token count")
+    rows = []
+    start = 0
+    for req_id, anchor, n in zip(req_ids, anchors, counts):
+        rows.append(ContinuationRow(req_id, anchor, token_ids[start : start + n]))
+        start += n
+    return rows
+
+
 @dataclass(slots=True)
 class RowResult:
     """One request's row of a step result, read once into plain Python values.

@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.support.hand_plans import Plans
 from zerobubble.api import worker_pb2
+from zerobubble.rows import add_continuations
 from zerobubble.worker_svc.model import build_model
 from zerobubble.worker_svc.model_loader import LoadedModel
 from zerobubble.worker_svc.proposers import build_proposer
@@ -140,13 +141,14 @@ def _tiny_model(seed: int, cfg: LlamaConfig, shapes: dict[str, torch.Size]) -> L
     )
 
 
-def _schedule(k: int, predicted: bool = False) -> list[worker_pb2.StepPlan]:
-    """``predicted``: a and c carry predicted outputs, and their decodes every draft slot."""
+def _schedule(k: int, predicted: bool = False, suffix: bool = False) -> list[worker_pb2.StepPlan]:
+    """``predicted``: a and c carry predicted outputs, and their decodes every draft slot;
+    ``suffix``: suffix continuations arrive for a and b, later for c and d (a's cleared)."""
     p = Plans(k)
     prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
-    wide = k if predicted else K
+    wide = k if predicted or suffix else K
     a_pred, c_pred = ([7, 8, 5, 6, 7, 8, 1, 2, 3], [4, 4, 2, 9, 9]) if predicted else (None, None)
-    return [
+    plans = [
         # A non-sampling first chunk beside a one-chunk prompt that samples (greedy, logprobs).
         p.plan(
             p.new("a", prompt[:6], sample=False, prediction=a_pred),
@@ -165,6 +167,11 @@ def _schedule(k: int, predicted: bool = False) -> list[worker_pb2.StepPlan]:
         p.plan(p.decode("a", 0), p.decode("c", wide), p.decode("d")),
         p.plan(p.decode("a", wide), p.decode("c"), p.decode("d")),
     ]
+    if suffix:
+        add_continuations(plans[2], ["a", "b"], [11, 6], [[7, 8, 5, 6, 7, 8, 5], [3, 1, 2]])
+        add_continuations(plans[4], ["a", "c"], [13, 5], [[], [9, 9, 4, 9, 9, 9, 4, 1, 2]])
+        add_continuations(plans[7], ["d", "gone"], [4, 9], [[3, 3], [1, 2, 3]])
+    return plans
 
 
 def _tiny_eagle_head(target: LoadedModel, shapes: dict[str, torch.Size]) -> object:
@@ -201,6 +208,8 @@ def _eagle3_weights(target_config: LlamaConfig) -> tuple[dict, dict[str, torch.T
         "eagle",
         "eagle-rejection",
         "eagle3",
+        # Suffix decoding: continuations from the plans, into the prediction buffers.
+        "suffix",
         # With predicted outputs: alone, beside a proposer, verified by rejection sampling.
         "none+prediction",
         "ngram+prediction",
@@ -231,17 +240,25 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
                 max_num_seqs=4,
                 max_model_len=32,
                 num_spec_tokens=K if proposer is not None else 0,
-                num_prediction_tokens=6 if with_predictions else 0,
+                num_prediction_tokens=6 if with_predictions or method == "suffix" else 0,
             ),
             proposer,
         )
         assert runner.copier.accelerator and not runner.builder.trim_empty_drafts
+        replaced: list[list[int]] = []
+        if method == "suffix":
+            predictions = runner.predictions
+            assert predictions is not None and predictions.dynamic
+            replace = predictions.replace
+            predictions.replace = lambda slots, *rest: (replaced.append(list(slots)), replace(slots, *rest))[1]
         audit = TransferAudit()
         pendings = []
         with audit:
-            for plan in _schedule(runner.num_spec_tokens, bool(with_predictions)):
+            for plan in _schedule(runner.num_spec_tokens, bool(with_predictions), method == "suffix"):
                 # Raises DataDependentOutputException / DynamicOutputShapeException on any read.
                 pendings.append(runner.execute(plan))
+    if method == "suffix":  # every continuation of a request held (not "gone") went in
+        assert replaced == [[0, 1], [0, 2], [1]], replaced  # d took b's slot
     uploads = [c for c in audit.copies if c.direction == "h2d"]
     downloads = [c for c in audit.copies if c.direction == "d2h"]
     assert uploads and all(c.non_blocking and c.pinned for c in uploads), uploads

@@ -1,13 +1,13 @@
 """Async scheduling + speculative decoding end to end: scheduler and worker processes over gRPC.
 
-The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,draft,eagle}` (draft:
+The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,suffix,draft,eagle}` (draft:
 SmolLM2 drafting for itself; eagle: a head fitted to SmolLM2, tests/support/drafting.py; k=3). One
 worker process per spec method serves every scheduler of that method; a worker takes one
 scheduler stream at a time, so each test starts its own scheduler and stops it before the next
 one connects. Hugging Face greedy `generate` is the oracle for greedy
 outputs; seeded sampling is checked by identity across configurations.
 
-Runtime: the default suite runs three of the six combinations (a cover: each spec method, each
+Runtime: the default suite runs five of the ten combinations (a cover: each spec method, each
 window) on 16 rows (concurrency 16 is really reached) capped at 16 new tokens, and seeded sampling
 on half of its design; the other combinations, the full seeded design and the full 48-row
 workload at `TEST_MAX_TOKENS` take over ten minutes on two CPU cores, so they are
@@ -43,7 +43,7 @@ from zerobubble.client import build_request, complete
 
 pytestmark = pytest.mark.timeout(1800)
 
-SPECS = ("none", "ngram", "draft", "eagle")
+SPECS = ("none", "ngram", "suffix", "draft", "eagle")
 K = 3
 # 8 code edits (n-gram friendly), 4 grounded QA and 4 open chat rows, the ones with the shorter
 # prompts (prefill dominates on CPU), whose Hugging Face runs go past SUBSET_MAX_TOKENS but one.
@@ -130,10 +130,10 @@ def check_greedy(
 
 COMBINATIONS = [pytest.param(spec, inflight, id=f"{spec}-inflight{inflight}") for spec in SPECS for inflight in (1, 2)]
 # The default suite runs a cover of the matrix (each spec method, each window, async with both
-# proposers); the other three combinations run in the slow suite. In-process, every one of the
-# six is checked against Hugging Face by tests/inprocess/test_sampling_controls.py and
-# tests/inprocess/test_spec_runner.py.
-DEFAULT_COMBINATIONS = {"none-inflight1", "ngram-inflight2", "draft-inflight2", "eagle-inflight2"}
+# proposers); the other five combinations run in the slow suite. In-process, the others are
+# checked against Hugging Face by tests/inprocess/test_sampling_controls.py,
+# tests/inprocess/test_spec_runner.py and (suffix, both windows) tests/inprocess/test_suffix_decoding.py.
+DEFAULT_COMBINATIONS = {"none-inflight1", "ngram-inflight2", "suffix-inflight2", "draft-inflight2", "eagle-inflight2"}
 SUBSET_COMBINATIONS = [
     p if p.id in DEFAULT_COMBINATIONS else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
     for p in COMBINATIONS
@@ -173,7 +173,9 @@ def test_greedy_matches_hf_on_the_whole_workload(pool, smollm2_dir, grounded_row
 # 2 x 2 x 2 design in which every level of each factor meets every level of each other one
 # across the runs (with the baseline none/1/1 among them); the slow suite runs all eight.
 SEEDED_HALF = [("none", 1, 1), ("none", 2, 16), ("ngram", 1, 16), ("ngram", 2, 1), ("eagle", 2, 16)]
-SEEDED_FULL = [(spec, inflight, c) for spec in ("none", "ngram", "eagle") for inflight in (1, 2) for c in (1, 16)]
+SEEDED_FULL = [
+    (spec, inflight, c) for spec in ("none", "ngram", "suffix", "eagle") for inflight in (1, 2) for c in (1, 16)
+]
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
     "zerobubble_spec_decode_num_accepted_tokens_per_pos_total": ("counter", frozenset({"model", "worker", "position"})),
     "zerobubble_spec_decode_prediction_draft_tokens_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_spec_decode_prediction_accepted_tokens_total": ("counter", frozenset({"model", "worker"})),
+    "zerobubble_spec_decode_suffix_continuation_tokens": ("histogram", frozenset({"model", "worker"})),
     "zerobubble_worker_step_duration_seconds": ("histogram", frozenset({"model", "worker"})),
     "zerobubble_worker_idle_seconds_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_worker_collective_seconds_total": ("counter", frozenset({"model", "worker"})),
@@ -70,6 +71,7 @@ def _record_everything(m: ServiceMetrics, worker: str = "w0") -> None:
     m.add_rolled_back(3)
     m.add_preemptions(1)
     m.add_prefix_cache(queries=16, hits=8)
+    m.add_suffix_continuations(worker, [1, 0, 2])
 
 
 def _scrape(m: ServiceMetrics) -> dict[str, list[tuple[str, dict[str, str], float]]]:
@@ -158,6 +160,8 @@ def test_recorded_values_land_in_the_right_series() -> None:
     assert _value(s, "zerobubble_num_preemptions_total") == 1
     assert _value(s, "zerobubble_time_to_first_token_seconds_sum") == pytest.approx(0.05)
     assert _value(s, "zerobubble_inter_token_latency_seconds_count") == 1
+    assert _value(s, "zerobubble_spec_decode_suffix_continuation_tokens_count", worker="w0") == 3
+    assert _value(s, "zerobubble_spec_decode_suffix_continuation_tokens_sum", worker="w0") == 4
 
 
 def test_series_exist_at_zero_before_anything_happens() -> None:

@@ -155,3 +155,26 @@ def test_a_longer_prediction_grows_the_buffer_and_a_new_request_clears_the_slot(
     assert drafts.tokens[1, :3].tolist() == [7, 8, -1] and int(drafts.length[1]) == 2
     drafts.admit(1, [], 5)
     assert int(drafts.length[1]) == 0
+
+
+def test_a_suffix_continuation_keeps_what_the_tokens_since_its_anchor_follow() -> None:
+    """Suffix decoding (`replace`): a continuation anchored where the sequence is drafts from its
+    start; one anchored a step behind drafts from after the tokens that step produced when they
+    follow it, and by prompt lookup when they do not; its drafts are not the client's."""
+    state = _state()
+    drafts = PredictionDrafts(NUM_SLOTS, K, torch.device("cpu"), MATCH_LEN, MIN_MATCH, NEAR, dynamic=True)
+    seq = [1, 2, 3, 4, 1, 2, 3, 9]
+    continuation = [20, 21, 22, 23, 24, 25, 26, 27]
+    cases = {
+        0: (seq, len(seq), continuation[:K]),  # anchored at the current length
+        1: (seq + [20, 21], len(seq), continuation[2 : 2 + K]),  # two tokens since, following it
+        2: (seq + [1, 2, 3], len(seq), lookup(seq + [1, 2, 3])),  # left it: prompt lookup
+    }
+    for slot, (tokens, _, _) in cases.items():
+        drafts.admit(slot, [], num_prompt_tokens=4)
+        _store(state, slot, tokens)
+    slots = list(cases)
+    drafts.replace(slots, [continuation] * len(slots), [a for _, a, _ in cases.values()], state, BLOCK_SIZE)
+    for slot, (_, _, want) in cases.items():
+        assert state.drafts[slot, : int(state.num_drafts[slot])].tolist() == want, slot
+    assert not drafts.drafted(torch.tensor(slots, dtype=torch.int32)).any()

@@ -51,17 +51,31 @@ class DecodeColumns(_message.Message):
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_draft_slots: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class Continuations(_message.Message):
+    __slots__ = ("req_ids", "anchors", "num_tokens", "token_ids")
+    REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANCHORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    req_ids: _containers.RepeatedScalarFieldContainer[str]
+    anchors: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., anchors: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "requests", "decodes", "finished_req_ids")
+    __slots__ = ("step_id", "requests", "decodes", "finished_req_ids", "continuations")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     DECODES_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     requests: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
     decodes: DecodeColumns
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., decodes: _Optional[_Union[DecodeColumns, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    continuations: Continuations
+    def __init__(self, step_id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., decodes: _Optional[_Union[DecodeColumns, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., continuations: _Optional[_Union[Continuations, _Mapping]] = ...) -> None: ...
 
 class RequestResult(_message.Message):
     __slots__ = ("req_id", "token_ids", "num_draft_tokens", "num_accepted", "logprobs", "top_logprobs", "prediction_drafts", "error")

@@ -34,6 +34,7 @@ from zerobubble.scheduler_svc.detokenizer import Detokenizer
 
 if TYPE_CHECKING:
     from zerobubble.api.worker_pb2 import WorkerInfo
+    from zerobubble.scheduler_svc.suffix import SuffixState
     from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 
@@ -190,6 +191,7 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     prediction: PredictionProgress | None = None  # with a predicted output the worker drafts from
+    suffix: SuffixState | None = None  # suffix decoding (`scheduler_svc/suffix.py`), from its first decode
     finish_time: float | None = None
 
     @property

@@ -19,6 +19,7 @@ import grpc
 
 from zerobubble.request_options import SamplingOptions, StoppingOptions
 from zerobubble.scheduler_svc.scheduler import RequestEvent, SchedulerConfig, fail_unplaced
+from zerobubble.scheduler_svc.suffix import SharedOutputs
 from zerobubble.scheduler_svc.worker_link import DEFAULT_LOOKAHEAD_MARGIN_S, WorkerLink
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,8 @@ class Router:
         self._refresh_task: asyncio.Task | None = None
         self._serving = False
         self._exported: dict[str, tuple] = {}
+        # Suffix decoding: the outputs of every worker's requests, drafted from by all of them.
+        self.suffix_outputs = SharedOutputs()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -137,6 +140,7 @@ class Router:
                     lookahead_margin_s=settings.lookahead_margin_s,
                 )
                 link.callbacks.on_draining = self._on_link_draining
+                link.suffix_outputs = self.suffix_outputs
                 self.links.append(link)
                 link.start()
                 logger.info("added worker %s", address)
@@ -264,10 +268,11 @@ class Router:
             s.num_prediction_draft_tokens,
             s.num_prediction_accepted_tokens,
             tuple(s.accepted_per_pos),
+            tuple(s.suffix_continuations),
         )
         # Keyed by link and checked by identity: a reconnect builds a new scheduler whose
         # counters start from zero (an id() could be reused and give negative increments).
-        zero = (0, 0, 0, 0, 0, 0, 0, 0, 0, ())
+        zero = (0, 0, 0, 0, 0, 0, 0, 0, 0, (), ())
         seen_sched, last = self._exported.get(link.address, (None, zero))
         if seen_sched is not sched:
             last = zero
@@ -285,6 +290,9 @@ class Router:
             num_prediction_accepted=now[8] - last[8],
             collective_s=float(result.collective_s),
         )
+        if now[10] != last[10]:
+            sent = [n - (last[10][i] if i < len(last[10]) else 0) for i, n in enumerate(now[10])]
+            self.metrics.add_suffix_continuations(link.worker_id, sent)
         self.metrics.set_inflight(link.worker_id, link.inflight)
         self.metrics.add_rolled_back(now[0] - last[0])
         self.metrics.add_preemptions(now[1] - last[1])

@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 from zerobubble.api import generate_pb2, worker_pb2
 from zerobubble.config import SchedulerConfig
 from zerobubble.request_options import SamplingOptions, StoppingOptions, to_worker_sampling, validate_options
-from zerobubble.rows import RowResult, add_decode_columns, result_rows
+from zerobubble.rows import RowResult, add_continuations, add_decode_columns, result_rows
 from zerobubble.scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
 from zerobubble.scheduler_svc.request import PredictionProgress, Request, RequestStatus
+from zerobubble.scheduler_svc.suffix import SharedOutputs, SuffixDrafter
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,6 +89,8 @@ class SchedulerStats:
     # Drafts from requests' predicted outputs (apart from the proposer's above), and accepted.
     num_prediction_draft_tokens: int = 0
     num_prediction_accepted_tokens: int = 0
+    # Suffix decoding: continuations sent, by length (index = tokens; 0 = one cleared).
+    suffix_continuations: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -110,6 +113,8 @@ class _Decodes:
     num_draft_slots: list[int] = field(default_factory=list)
     num_new_blocks: list[int] = field(default_factory=list)
     new_block_ids: list[int] = field(default_factory=list)
+    # Suffix decoding's new continuations (`Continuations`): request, anchor, tokens.
+    continuations: list[tuple[str, int, list[int]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -234,8 +239,11 @@ class Scheduler:
         *,
         clock: Callable[[], float] = time.monotonic,
         rng: random.Random | None = None,
+        suffix_outputs: SharedOutputs | None = None,
     ) -> None:
-        """`rng` draws seeds for requests without one (pass a seeded one in tests)."""
+        """`rng` draws seeds for requests without one (pass a seeded one in tests);
+        `suffix_outputs`: the outputs index suffix decoding shares with other schedulers
+        (None: one of its own)."""
         config.validate()
         self.config = config
         self.stats = SchedulerStats()
@@ -258,6 +266,11 @@ class Scheduler:
         # prompt blocks are in the prefix cache, so they share them instead of recomputing.
         self._deferred: dict[str, list[Request]] = {}
         self._ids = _Ids()
+        self._suffix: SuffixDrafter | None = None
+        if config.spec_method == "suffix" and config.num_prediction_tokens > 0:
+            self._suffix = SuffixDrafter(
+                config.num_prediction_tokens, suffix_outputs, sent_lengths=self.stats.suffix_continuations
+            )
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -469,6 +482,8 @@ class Scheduler:
         records: dict[str, _Scheduled] = {}
         num_preemptions_before = self.stats.num_preemptions
         max_drafts = self._draft_limit()
+        if self._suffix is not None:
+            self._suffix.new_plan()
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
@@ -490,6 +505,9 @@ class Scheduler:
             add_decode_columns(
                 plan, decodes.req_ids, decodes.num_draft_slots, decodes.num_new_blocks, decodes.new_block_ids
             )
+            if decodes.continuations:
+                req_ids, anchors, token_ids = zip(*decodes.continuations)
+                add_continuations(plan, req_ids, anchors, token_ids)
         elif not plan.requests:
             return None
         return self._issue(plan, records)
@@ -573,10 +591,14 @@ class Scheduler:
             token_ids = req.token_ids_between(start, start + num_tokens)
             self._add_prefill(req, token_ids, plan, records, is_new=False, num_cached_tokens=0)
             return num_tokens
+        suffix = None
         if req.prediction is not None:
             # Its own budget, even where drafting is off for the batch: drafts the output keeps
             # accepting pay for their slots at any batch size.
             max_drafts = max(max_drafts, req.prediction.max_drafts)
+        elif self._suffix is not None and max_drafts > 0:
+            suffix = self._suffix.plan(req, max_drafts)
+            max_drafts = suffix.num_draft_slots
         # Tokens confirmed or in flight; slots beyond the limit could never be verified.
         num_draft_slots = min(
             max_drafts,
@@ -605,6 +627,10 @@ class Scheduler:
         decodes.num_new_blocks.append(len(new_block_ids))
         if new_block_ids:
             decodes.new_block_ids.extend(new_block_ids)
+        if suffix is not None and suffix.send is not None:
+            assert self._suffix is not None
+            self._suffix.commit(req, suffix)
+            decodes.continuations.append((req.req_id, suffix.anchor, suffix.send))
         records[req.req_id] = _Scheduled(
             request=req,
             admission_id=req.admission_id,
@@ -649,6 +675,8 @@ class Scheduler:
         req.num_computed = num_cached_tokens
         req.num_placeholders = 0
         req.num_prefill_tokens = len(token_ids)
+        if self._suffix is not None:
+            self._suffix.admitted(req)
         self._running.append(req)
         chunk = token_ids[num_cached_tokens : num_cached_tokens + num_tokens]
         self._add_prefill(req, chunk, plan, records, is_new=True, num_cached_tokens=num_cached_tokens)
@@ -895,6 +923,8 @@ class Scheduler:
                 self._waiting.remove(req)
         self._release_siblings(req)
         self._pool.free(req.block_ids)
+        if self._suffix is not None:
+            self._suffix.finish(req)
         req.block_ids = []
         req.admission_id = 0
         req.status = RequestStatus.FINISHED

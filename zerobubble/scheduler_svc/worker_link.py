@@ -20,6 +20,7 @@ import grpc
 from zerobubble import rpc
 from zerobubble.api import worker_pb2, worker_pb2_grpc
 from zerobubble.scheduler_svc.scheduler import RequestEvent, Scheduler, SchedulerConfig
+from zerobubble.scheduler_svc.suffix import SharedOutputs
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -299,6 +300,9 @@ class WorkerLink:
         self.info: worker_pb2.WorkerInfo | None = None
         self.scheduler: Scheduler | None = None
         self.tokenizer: Tokenizer | None = None
+        # Suffix decoding's index of all outputs, shared by the router's links (None: the
+        # scheduler keeps its own).
+        self.suffix_outputs: SharedOutputs | None = None
         self.ready = False
         self.draining = False  # the worker is shutting down: no new requests for it
         self.stats = LinkStats()
@@ -428,7 +432,7 @@ class WorkerLink:
             # built now, not inside the first request's admission, which would stall every
             # stream on the loop and add them to that request's time to first token.
             self.tokenizer.byte_pieces()
-        self.scheduler = Scheduler(cfg, self.tokenizer)
+        self.scheduler = Scheduler(cfg, self.tokenizer, suffix_outputs=self.suffix_outputs)
 
     def step_deadline(self, num_tokens: int = 1) -> float:
         """Seconds the oldest plan in flight (of `num_tokens`) may wait for its result."""

@@ -270,7 +270,7 @@ class BatchBuilder:
                     predicted = entry.sampling.prediction_token_ids if entry.sampling is not None else ()
                     num_prompt = entry.sampling.num_prompt_tokens if entry.sampling is not None else 0
                     self.predictions.admit(info.slot, predicted, num_prompt)
-                    info.predicted = len(predicted) > 0
+                    info.predicted = len(predicted) > 0 or self.predictions.dynamic
                 if self.grammars is not None and entry.sampling is not None and entry.sampling.grammar:
                     table.constrain(info, self.grammars.start(entry.sampling, entry.num_cached_tokens))
             else:

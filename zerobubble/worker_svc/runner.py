@@ -126,8 +126,12 @@ class ModelRunner:
         self.config = config
         self.faults = faults
         num_proposed = config.num_spec_tokens if proposer is not None else 0
+        # Suffix decoding drafts every row from its prediction buffer (`proposers/suffix.py`).
+        suffix = proposer is not None and proposer.method == "suffix"
         # A simulated device's token function knows nothing of predictions.
         num_predicted = config.num_prediction_tokens if simulator is None else 0
+        if suffix:
+            num_predicted = max(num_predicted, num_proposed)
         # K: the most draft slots any decode carries (wider for a request with a predicted output).
         num_spec_tokens = max(num_proposed, num_predicted)
         self.device, self.kv_caches = self._allocate_kv_cache(num_proposed, simulator is not None)
@@ -143,7 +147,11 @@ class ModelRunner:
             vocab_size=getattr(getattr(loaded, "hf_config", None), "vocab_size", 0),
         )
         table = SlotTable(limits, state)
-        predictions = PredictionDrafts(config.max_num_seqs, num_predicted, self.device) if num_predicted > 0 else None
+        predictions = (
+            PredictionDrafts(config.max_num_seqs, num_predicted, self.device, dynamic=suffix)
+            if num_predicted > 0
+            else None
+        )
         # A simulated device samples no logits: it cannot constrain them.
         grammars = grammar_compiler(loaded, limits.vocab_size) if simulator is None else None
         # A simulated device stands for an accelerator too: the host never reads device state.

@@ -27,7 +27,7 @@ import torch
 
 from zerobubble.api import worker_pb2
 from zerobubble.kernels.seq_lens import update_state
-from zerobubble.rows import PlanRow
+from zerobubble.rows import PlanRow, continuation_rows
 from zerobubble.worker_svc.batch import BatchBuilder, StepBatch
 from zerobubble.worker_svc.finish_notices import FinishNotices
 from zerobubble.worker_svc.grammar import GrammarCompiler, GrammarInputs, StepMasks, copy_inputs, fill_masks
@@ -152,10 +152,26 @@ def prepare(parts: StepParts, plan: worker_pb2.StepPlan, start: float) -> StepIn
     rows = parts.check_rows(plan)
     entries, errors = _refuse_bad_grammars(parts, rows)
     parts.notices.forget_before(plan.step_id)
+    if plan.continuations.req_ids:
+        _take_continuations(parts, plan)
     batch = parts.builder.prepare(plan.step_id, rows.decodes, entries)
     if batch is None:
         return PendingResult.empty(plan.step_id, errors=errors)
     return StepInputs(batch, _grammar_inputs(parts, batch), errors, start)
+
+
+def _take_continuations(parts: StepParts, plan: worker_pb2.StepPlan) -> None:
+    """Suffix decoding: the plan's new continuations into their slots' prediction buffers,
+    and those rows' drafts made again from them before the step's inputs are built (a
+    request no longer held here, failed or finished, is skipped)."""
+    predictions = parts.predictions
+    if predictions is None or not predictions.dynamic:
+        return
+    held = [(parts.table.slots.get(c.req_id), c) for c in continuation_rows(plan)]
+    taken = [(info.slot, c) for info, c in held if info is not None and info.has_sample]
+    if taken:
+        slots, rows = zip(*taken)
+        predictions.replace(slots, [c.token_ids for c in rows], [c.anchor for c in rows], parts.state, parts.block_size)
 
 
 def _refuse_bad_grammars(parts: StepParts, rows: RunnableRows) -> tuple[list[PlanRow], dict[str, str]]:

@@ -14,7 +14,7 @@ class Proposer(Protocol):
     # True when proposals come with a draft distribution (rejection sampling verifies them);
     # False for proposals verified by keyed sample-and-compare (n-gram; draft models by default).
     has_draft_probs: bool
-    # `--spec-method` it implements ("ngram", "draft" or "eagle"), reported in `WorkerInfo.spec_method`.
+    # `--spec-method` it implements ("ngram", "suffix", "draft" or "eagle"), reported in `WorkerInfo.spec_method`.
     method: str
     # KV slots the proposer writes past a step's tokens; the scheduler must allocate them
     # (reported to it in `WorkerInfo.num_lookahead_slots`).
@@ -52,6 +52,10 @@ def build_proposer(
         from zerobubble.worker_svc.proposers.ngram import NgramProposer
 
         return NgramProposer(num_spec_tokens, ngram_min, ngram_max)
+    if method == "suffix":
+        from zerobubble.worker_svc.proposers.suffix import SuffixProposer
+
+        return SuffixProposer(num_spec_tokens)
     if method == "draft":
         from zerobubble.worker_svc.proposers.draft import DraftModelProposer
 
@@ -64,4 +68,4 @@ def build_proposer(
         if draft_model is None:
             raise ValueError("--spec-method eagle needs --draft-model (an EAGLE head)")
         return EagleProposer(draft_model, num_spec_tokens, draft_acceptance)  # type: ignore[arg-type]
-    raise ValueError(f"unknown --spec-method {method!r} (expected none, ngram, draft or eagle)")
+    raise ValueError(f"unknown --spec-method {method!r} (expected none, ngram, suffix, draft or eagle)")

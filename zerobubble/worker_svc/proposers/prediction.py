@@ -16,6 +16,12 @@ of a file costs a few steps, not the rest of the file. The drafts are the predic
 after the aligned position; a row not aligned drafts by prompt lookup over its own sequence
 (an edit request quotes what it edits), with the same budget.
 
+With suffix decoding (``dynamic``) every slot has a prediction: the client's, or else the
+continuations the scheduler sends in plans (`replace`), each anchored at the sequence length it
+was computed from, one step or more behind the device; the same alignment keeps the part of it
+the tokens produced since still follow. Only the client's count as prediction drafts in
+results (`drafted`); a continuation's are the proposer's.
+
 Everything runs as whole-batch tensor operations with static shapes and no host read, so it
 fits an accelerator step as the n-gram proposer does (`kernels/ngram.py`).
 """
@@ -24,6 +30,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from zerobubble.kernels.ngram import ngram_propose
@@ -45,12 +52,15 @@ class PredictionDrafts:
         match_len: int = 8,
         min_match: int = 2,
         near: int = 16,
+        dynamic: bool = False,
     ) -> None:
         """``max_drafts``: the most drafts a row gets (the scheduler plans at most that many
         slots); ``match_len``: the longest run of tokens compared when re-synchronising;
         ``min_match``: the shortest run that re-synchronises, except within ``near`` tokens
-        after the previous alignment, where one token does."""
+        after the previous alignment, where one token does; ``dynamic``: every slot drafts from
+        its buffer, which the scheduler's continuations fill where the client gave none."""
         self.max_drafts = max_drafts
+        self.dynamic = dynamic
         self.match_len = match_len
         self.min_match = min_match
         self.near = near
@@ -62,6 +72,8 @@ class PredictionDrafts:
         self.anchor_total = torch.zeros(num_slots, dtype=i64, device=device)
         # The slot's current drafts came from its prediction (what a result reports per row).
         self.active = torch.zeros(num_slots, dtype=torch.bool, device=device)
+        # The slot's buffer holds the client's prediction (not a suffix continuation).
+        self.client = torch.zeros(num_slots, dtype=torch.bool, device=device)
 
     def admit(self, slot: int, token_ids: Sequence[int], num_prompt_tokens: int) -> None:
         """A request (new or resumed) takes ``slot``, with its prediction (empty: none).
@@ -70,11 +82,7 @@ class PredictionDrafts:
         prompt's length. A resumed request keeps that guess, checked by the continuation test.
         """
         n = len(token_ids)
-        if n > self.tokens.shape[1]:
-            width = max(_MIN_WIDTH, 1 << (n - 1).bit_length())
-            grown = torch.full((self.tokens.shape[0], width), -1, dtype=torch.int32, device=self.device)
-            grown[:, : self.tokens.shape[1]] = self.tokens
-            self.tokens = grown
+        self._fit(n)
         row = self.tokens[slot]
         row.fill_(-1)
         if n:
@@ -84,10 +92,48 @@ class PredictionDrafts:
         self.anchor[slot].fill_(-1)
         self.anchor_total[slot].fill_(num_prompt_tokens)
         self.active[slot].fill_(False)
+        self.client[slot].fill_(n > 0)
+
+    def _fit(self, n: int) -> None:
+        """Widen the buffer (to a power of two) if it holds fewer than ``n`` tokens a slot."""
+        if n > self.tokens.shape[1]:
+            width = max(_MIN_WIDTH, 1 << (n - 1).bit_length())
+            grown = torch.full((self.tokens.shape[0], width), -1, dtype=torch.int32, device=self.device)
+            grown[:, : self.tokens.shape[1]] = self.tokens
+            self.tokens = grown
+
+    def replace(
+        self,
+        slots: Sequence[int],
+        token_ids: Sequence[Sequence[int]],
+        anchors: Sequence[int],
+        state: DeviceState,
+        block_size: int,
+    ) -> None:
+        """New continuations for ``slots`` (suffix decoding): slot i's tokens after its first
+        ``anchors[i]`` are expected to be ``token_ids[i]``. Their drafts are made again at once,
+        aligned with where each sequence is now, so the step about to run feeds them. Staged
+        uploads only: nothing is read back."""
+        width = max(len(t) for t in token_ids)
+        self._fit(width)
+        rows = np.full((len(slots), self.tokens.shape[1]), -1, dtype=np.int32)
+        for i, tokens in enumerate(token_ids):
+            rows[i, : len(tokens)] = tokens
+        dev = self.device
+        idx = staging.to_device(list(slots), torch.long, dev)
+        self.tokens[idx] = staging.to_device(rows.reshape(-1), torch.int32, dev).view(rows.shape)
+        self.length[idx] = staging.to_device([len(t) for t in token_ids], torch.int64, dev)
+        # Index -1 at the anchor: the token after the anchor is expected at index 0. (A scalar
+        # goes into the kernel: `t[idx] = number` would copy it from pageable host memory.)
+        self.anchor.index_fill_(0, idx, -1)
+        self.anchor_total[idx] = staging.to_device(list(anchors), torch.int64, dev)
+        self.active.index_fill_(0, idx, False)
+        self.propose(idx.to(torch.int32), state, block_size)
 
     def drafted(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[S]`` bool: whether each slot's current drafts came from its prediction (a copy)."""
-        return self.active[slots.long()]
+        """``[S]`` bool: whether each slot's current drafts came from its client's prediction (a copy)."""
+        idx = slots.long()
+        return self.active[idx] & self.client[idx]
 
     def propose(self, slots: torch.Tensor, state: DeviceState, block_size: int) -> None:
         """Drafts for ``slots`` (rows that just sampled and have a prediction): the
@@ -127,10 +173,11 @@ class PredictionDrafts:
         total = state.seq_len[idx].long() + 1  # the sequence: its history and its last token
         suffix = _suffix_lengths(pred, _sequence_tail(state, idx, total, self.match_len, block_size))
         ends = torch.arange(width, device=pred.device)[None, :]
-        # A continuation: the output's last token is the prediction's at the expected index.
+        # A continuation: the output's last token is the prediction's at the expected index
+        # (-1: the sequence has not grown since a suffix continuation was anchored at it).
         expected = anchor + (total - self.anchor_total[idx])
         at_expected = suffix.gather(1, expected.clamp(0, width - 1)[:, None])[:, 0]
-        follows = (expected >= 0) & (expected < length - 1) & (at_expected >= 1)
+        follows = ((expected >= 0) & (expected < length - 1) & (at_expected >= 1)) | (expected == -1)
         # Re-synchronising: one token in common is enough just after the anchor, where the
         # output resumes after a short edit; elsewhere `min_match`. The longest run wins, then
         # the first place after the anchor, then the first place.
