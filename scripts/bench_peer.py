@@ -41,13 +41,15 @@ OURS = {
     "ours --quantization int4": {"quantization": "int4"},
     "ours --quantization int4 --spec-method ngram": {"quantization": "int4", "spec_method": "ngram"},
     "ours --spec-method ngram": {"spec_method": "ngram"},
+    "ours --spec-method suffix": {"spec_method": "suffix"},
     "ours --dtype float32": {"dtype": "float32"},
     # One worker over two ranks of one thread each, against the default's one rank of two threads
     # on the same cores: what the collectives cost (docs/benchmarks/tensor-parallel.md).
     "ours --tensor-parallel-size 2": {"tensor_parallel_size": 2, "num_threads": 1},
     "ours --tensor-parallel-size 2 --dtype float32": {"tensor_parallel_size": 2, "num_threads": 1, "dtype": "float32"},
 }
-PEER = "llama-server (Q4_1)"
+# llama-server on --gguf (the embedded model's Q4_1 GGUF by default; the header names the file).
+PEER = "llama-server"
 BASELINE = "baseline "
 
 
@@ -163,7 +165,7 @@ def main() -> None:
     gguf = args.gguf or embedded_gguf()
     model_flags = {"model": args.model} if args.model else {}
     machine = describe_cpu()
-    print(f"CPU: {machine}", flush=True)
+    print(f"CPU: {machine}; llama-server's weights: {gguf.name}", flush=True)
     results: dict[int, dict[str, Measured]] = {c: {s: Measured() for s in args.systems} for c in args.concurrency}
     for round_index in range(args.rounds):
         for concurrency in args.concurrency:
