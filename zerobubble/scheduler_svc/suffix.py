@@ -224,12 +224,12 @@ def reference_continuation(
     definition the index must compute (tests compare them)."""
     if len(pattern) < 2 or limit <= 0:
         return NO_CONTINUATION
-    seqs = {seq: list(tokens) for seq, tokens in seqs.items()}
+    lists: dict[int, list[int]] = {seq: list(tokens) for seq, tokens in seqs.items()}
     candidates = [
-        (seqs[seq], end)
-        for seq in sorted(seqs, reverse=True)
-        for end in range(len(seqs[seq]) - 2, 0, -1)
-        if list(seqs[seq][end - 1 : end + 1]) == list(pattern[-2:])
+        (lists[seq], end)
+        for seq in sorted(lists, reverse=True)
+        for end in range(len(lists[seq]) - 2, 0, -1)
+        if lists[seq][end - 1 : end + 1] == list(pattern[-2:])
     ][: params.max_candidates]
 
     def match_len(tokens: list[int], end: int) -> int:
