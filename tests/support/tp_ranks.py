@@ -15,9 +15,11 @@ import torch
 
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.slot_mapping import compute_slot_mapping
+from zerobubble.tools.launch import child_processes
 from zerobubble.worker_svc.model import allocate_kv_cache
 from zerobubble.worker_svc.model_loader import LoadedModel, load_model
 from zerobubble.worker_svc.parallel import PLAN, RESET, STOP, PlanChannel, init_tensor_parallel, leave
+from zerobubble.worker_svc.ranks import RANK_CODE
 
 BLOCK_SIZE = 4
 # Request lengths, and per step the number of tokens each request runs (0 = idle this step).
@@ -82,18 +84,7 @@ def rank_logits(
 
 def rank_children(pid: int) -> list[int]:
     """Pids of the tensor-parallel ranks a worker process ``pid`` started (`LocalRanks`)."""
-    out = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            cmdline = (entry / "cmdline").read_bytes()
-        except (OSError, IndexError, ValueError):
-            continue
-        if ppid == pid and b"run_rank" in cmdline:
-            out.append(int(entry.name))
-    return out
+    return child_processes(pid, RANK_CODE.encode())
 
 
 def alive(pid: int) -> bool:

@@ -140,8 +140,8 @@ def start_front(scheduler: Service | str, **options) -> Service:
     return start("front", ("FRONT",), scheduler=target, **options)
 
 
-def front_children(pid: int) -> list[int]:
-    """Pids of the `zerobubble front` processes whose parent is `pid`."""
+def child_processes(pid: int, arg: bytes) -> list[int]:
+    """Pids of the processes whose parent is `pid` and that have `arg` among their arguments."""
     out = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -151,9 +151,14 @@ def front_children(pid: int) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue
-        if ppid == pid and b"front" in cmdline:
+        if ppid == pid and arg in cmdline:
             out.append(int(entry.name))
     return out
+
+
+def front_children(pid: int) -> list[int]:
+    """Pids of the `zerobubble front` processes whose parent is `pid`."""
+    return child_processes(pid, b"front")
 
 
 def wait_serving(target: str, timeout: float = 120.0) -> None:

@@ -57,6 +57,10 @@ EXIT_RANK_LOST = 71
 # -- one machine's ranks ------------------------------------------------------------------------
 
 
+# What a local rank runs (`python -c`): the worker's settings follow as one JSON argument.
+RANK_CODE = "from zerobubble.worker_svc.server import run_rank; run_rank()"
+
+
 @dataclass(frozen=True, slots=True)
 class Rendezvous:
     """Where a group's ranks meet: a private file (one machine) or node 0's port."""
@@ -117,7 +121,7 @@ class LocalRanks:
         for local_rank in range(1, per_node):
             where = dataclasses.asdict(rendezvous)
             spec = {"config": settings, "local_rank": local_rank, "parent_pid": os.getpid(), "rendezvous": where}
-            command = [sys.executable, "-c", "from zerobubble.worker_svc.server import run_rank; run_rank()"]
+            command = [sys.executable, "-c", RANK_CODE]
             procs.append(subprocess.Popen([*command, json.dumps(spec)]))
         logger.info("started tensor-parallel ranks %s (pids %s)", list(range(1, per_node)), [p.pid for p in procs])
         ranks = cls(procs, rendezvous)
