@@ -51,7 +51,7 @@ def _sums(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_every_rank_ends_with_the_rank_ordered_sum(tmp_path: Path, world: int) -> None:
     before = set(os.listdir("/dev/shm"))
     mp.spawn(_sums, args=(world, _free_port(), str(tmp_path)), nprocs=world)

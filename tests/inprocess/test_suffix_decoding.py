@@ -34,7 +34,9 @@ def check_greedy(runner, grounded, window: int, rows: tuple[int, ...], max_token
     assert stats.num_prediction_draft_tokens == 0  # a continuation's drafts are the proposer's
 
 
-@pytest.mark.parametrize("window", [1, 2])
+# Sync in the slow suite: async (window 2) is the default run's, here and through the services
+# (tests/services/test_async_spec_e2e.py, suffix-inflight2).
+@pytest.mark.parametrize("window", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_greedy_output_is_hugging_face_s(suffix_runner, grounded, window):
     check_greedy(suffix_runner, grounded, window, ROWS, MAX_TOKENS)
 
@@ -52,6 +54,7 @@ def test_seeded_output_is_the_unspeculated_one(plain_runner, suffix_runner, grou
     assert run_job(suffix_runner, requests, window=2) == run_job(plain_runner, requests, window=1)
 
 
+@pytest.mark.slow
 def test_an_earlier_output_is_drafted_from(plain_runner, suffix_runner, grounded):
     """The same prompt twice, one after the other: the second request's output repeats the
     first's, which the shared index holds, so most of its tokens come from accepted drafts."""
