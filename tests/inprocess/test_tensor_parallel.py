@@ -8,7 +8,9 @@ heads than ranks replicates them. The oracle is the size-1 model over the same s
 
 from __future__ import annotations
 
+import os
 import pickle
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,8 @@ from tests.support import tp_ranks
 from tests.support.tiny_models import tokenizer_vocab_size, write_tiny_model
 from zerobubble.worker_svc.model import model_spec
 from zerobubble.worker_svc.model_loader import load_model
-from zerobubble.worker_svc.parallel import TensorParallel, head_shard
+from zerobubble.worker_svc.parallel import PLAN, STOP, PlanChannel, RankLost, TensorParallel, head_shard
+from zerobubble.worker_svc.ranks import plan_pipe
 
 # Sums split over ranks add in another order than one product: float32 rounding apart.
 TOLERANCE = dict(atol=2e-4, rtol=1e-5)
@@ -30,11 +33,14 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 def tiny_config(family: str, vocab_size: int):
     from transformers import LlamaConfig, Qwen3Config
 
+    if family == "llama":  # an odd vocabulary: the ranks' lm_head shares differ, the last one padded to gather
+        return LlamaConfig(**SHAPE, vocab_size=vocab_size + 1)
+
     if family == "llama-bias":  # biases on every product: column- and row-parallel ones
         return LlamaConfig(**SHAPE, vocab_size=vocab_size, attention_bias=True, mlp_bias=True)
     if family == "qwen3":  # q/k norms; head_dim unlike hidden / heads
         return Qwen3Config(**SHAPE, vocab_size=vocab_size, head_dim=32, tie_word_embeddings=False)
-    return LlamaConfig(**SHAPE, vocab_size=vocab_size)
+    raise ValueError(family)
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +132,37 @@ def test_the_leaders_messages_reach_every_rank_whole(tmp_path: Path) -> None:
     out = tmp_path / "received.pt"
     mp.spawn(tp_ranks.channel_echo, args=(3, tmp_path / "rendezvous", out), nprocs=3, join=True)
     assert pickle.loads(out.read_bytes()) == tp_ranks.CHANNEL_MESSAGES
+
+
+def test_the_leaders_messages_reach_a_rank_through_its_pipe_whole() -> None:
+    """The channel of ranks on one machine: each message whole and in order, one larger than the
+    pipe's buffer included (the reader drains it while the leader writes)."""
+    read_fd, write_fd = plan_pipe()
+    messages = [*tp_ranks.CHANNEL_MESSAGES[:2], (PLAN, bytes(range(256)) * 8000), *tp_ranks.CHANNEL_MESSAGES[2:]]
+    received: list[tuple[int, bytes]] = []
+
+    def follow() -> None:
+        channel = PlanChannel(TensorParallel(1, 2, plan_fds=(read_fd,)))
+        while not received or received[-1][0] != STOP:
+            received.append(channel.receive())
+
+    follower = threading.Thread(target=follow)
+    follower.start()
+    leader = PlanChannel(TensorParallel(0, 2, plan_fds=(write_fd,)))
+    for kind, payload in messages:
+        leader.send(kind, payload)
+    follower.join(timeout=30)
+    assert received == messages
+    assert leader.messages == len(messages)
+    os.close(read_fd)
+    with pytest.raises(RankLost, match="rank exited"):  # the rank's end is gone
+        leader.send(PLAN, b"p")
+    os.close(write_fd)
+
+
+def test_a_rank_whose_leader_is_gone_gets_rank_lost() -> None:
+    read_fd, write_fd = plan_pipe()
+    os.close(write_fd)
+    with pytest.raises(RankLost, match="plan channel closed"):
+        PlanChannel(TensorParallel(1, 2, plan_fds=(read_fd,))).receive()
+    os.close(read_fd)

@@ -52,7 +52,7 @@ from zerobubble.worker_svc.moe import (
     moe_layer_weights,
     moe_spec,
 )
-from zerobubble.worker_svc.parallel import TensorParallel, row_linear
+from zerobubble.worker_svc.parallel import TensorParallel, row_linear, vocab_shard
 
 logger = logging.getLogger(__name__)
 
@@ -385,7 +385,8 @@ class CausalLM:
         self.final_norm = take("model.norm.weight", (hidden,))
         tied = spec.tie_word_embeddings
         head = self.embed if tied else take("lm_head.weight", (spec.vocab_size, hidden))
-        self.lm_head = self.logits_weight(head)
+        start, count = vocab_shard(spec.vocab_size, self.tp)
+        self.lm_head = self.logits_weight(head if self.tp.size == 1 else head.narrow(0, start, count).contiguous())
         self.head_rows = head
 
     def logits_weight(self, rows: torch.Tensor) -> LinearWeight:
@@ -542,7 +543,10 @@ class CausalLM:
         size = self.spec.hidden_size
         if hidden.shape[-1] != size:
             hidden = hidden.narrow(-1, 0, size).contiguous()
-        logits = linear(hidden, self.lm_head).float()
+        logits = linear(hidden, self.lm_head)
+        if self.tp.size > 1:  # this rank's share of the vocabulary (`parallel.vocab_shard`)
+            logits = self.tp.gather_columns(logits, self.spec.vocab_size)
+        logits = logits.float()
         if hidden.dtype != torch.float32:
             top = logits.topk(min(EXACT_TOP_LOGITS, logits.shape[-1]), dim=-1).indices
             rows = F.embedding(top, self.head_rows).float()  # [N, top, hidden]

@@ -5,10 +5,12 @@ column-parallel fused q/k/v), its slice of the MLP's intermediate rows (a column
 gate/up), and the matching columns of o_proj and down_proj (row-parallel), whose partial
 products one ``all_reduce`` each sums; their biases are added once, after the sum. A model with
 fewer KV heads than ranks gives each rank one KV head, shared by the ranks whose query heads it
-serves (vLLM's replication). Embedding, norms and lm_head stay whole on every rank (replicated:
-the vocabulary split would add an all-gather of the logits per step and a vocabulary-parallel
-embedding's all-reduce, for a table a fraction of the layers' bytes), so every rank ends a
-forward with the same hidden states and bit-identical logits, and samples the same tokens.
+serves (vLLM's replication). The lm_head is split over the vocabulary: each rank computes the
+logits of its ``ceil(vocab / size)`` entries and one all-gather lays them side by side (on two
+CPU ranks of one thread a replicated head read all of its bytes on each rank: a fifth of a
+SmolLM2-sized model's step). Embedding and norms stay whole on every rank (a lookup reads only
+the rows of the step's tokens), so every rank ends a forward with the same hidden states and
+bit-identical logits, and samples the same tokens.
 
 A rank reads only its slice of each sharded weight (`shard_state_dict` over a lazy reader such
 as `safetensors`' `safe_open`), never a full copy of the layers.
@@ -19,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -29,9 +32,10 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from zerobubble.kernels.linear import LinearWeight, linear
-from zerobubble.worker_svc.shm_allreduce import SharedMemoryAllReduce
+from zerobubble.worker_svc.shm_collectives import SharedMemoryCollectives
 
 logger = logging.getLogger(__name__)
 
@@ -65,9 +69,12 @@ class TensorParallel:
     group: Any = None  # dist.ProcessGroup of the model's all-reduces
     cpu_group: Any = None  # dist.ProcessGroup (gloo) of host messages
     clock: CollectiveClock = field(default_factory=CollectiveClock)
-    # CPU ranks all on one machine: the model's all-reduces go through shared memory instead of
-    # gloo's loopback TCP (zerobubble.worker_svc.shm_allreduce).
-    shared: SharedMemoryAllReduce | None = None
+    # CPU ranks all on one machine: the model's collectives go through shared memory instead of
+    # gloo's loopback TCP (zerobubble.worker_svc.shm_collectives).
+    shared: SharedMemoryCollectives | None = None
+    # Ranks all on one machine, children of the leader: the plan channel's pipes (the leader's
+    # write ends, one per other rank; another rank's read end). Empty: plans go over `cpu_group`.
+    plan_fds: tuple[int, ...] = ()
 
     @property
     def is_leader(self) -> bool:
@@ -84,6 +91,26 @@ class TensorParallel:
         self.clock.seconds += time.perf_counter() - started
         self.clock.calls += 1
         return tensor
+
+    def gather_columns(self, part: torch.Tensor, num_columns: int) -> torch.Tensor:
+        """``[rows, num_columns]``: every rank's ``part`` ``[rows, c]`` side by side in rank order,
+        cut to ``num_columns`` (each rank holds ``c = ceil(num_columns / size)`` columns, the last
+        rank's padded to ``c``; see `vocab_shard`)."""
+        per_rank = -(-num_columns // self.size)
+        if part.shape[1] < per_rank:
+            part = F.pad(part, (0, per_rank - part.shape[1]))
+        started = time.perf_counter()
+        with group_errors():
+            if self.shared is not None:
+                stacked = self.shared.all_gather(part)
+            else:
+                stacked = part.new_empty((self.size * part.shape[0], *part.shape[1:]))
+                dist.all_gather_into_tensor(stacked, part.contiguous(), group=self.group)
+        self.clock.seconds += time.perf_counter() - started
+        self.clock.calls += 1
+        rows = part.shape[0]
+        stacked = stacked.view(self.size, rows, -1)
+        return stacked.permute(1, 0, 2).reshape(rows, -1)[:, :num_columns].contiguous()
 
     def agree_min(self, value: int) -> int:
         """The least of every rank's ``value`` (a KV capacity each rank measured on its own device)."""
@@ -136,7 +163,7 @@ def init_tensor_parallel(
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     shared = None
     if backend == "gloo" and one_machine:
-        shared = SharedMemoryAllReduce(dist.group.WORLD, timeout_s=timeout.total_seconds())
+        shared = SharedMemoryCollectives(dist.group.WORLD, timeout_s=timeout.total_seconds())
     via = "shared memory" if shared is not None else backend
     logger.info("tensor-parallel rank %d of %d joined (all-reduce over %s, on %s)", rank, size, via, device)
     return TensorParallel(rank, size, local_rank, dist.group.WORLD, cpu_group, shared=shared)
@@ -172,8 +199,10 @@ CHANNEL_BYTES = 4096
 
 @dataclass(slots=True, eq=False)
 class PlanChannel:
-    """The leader's messages to the other ranks, each one broadcast over the gloo group (the
-    leader sends, the others receive); `seconds` is the leader's time spent sending."""
+    """The leader's messages to the other ranks: over pipes when the ranks are the leader's
+    children (`TensorParallel.plan_fds`: a write costs microseconds and a waiting rank sleeps in
+    the kernel, where a gloo broadcast cost 1.5 ms a plan on the CPU), else broadcast over the
+    gloo group (ranks on other machines). `seconds` is the leader's time spent sending."""
 
     tp: TensorParallel
     buffer: torch.Tensor = field(default_factory=lambda: torch.zeros(CHANNEL_BYTES, dtype=torch.uint8))
@@ -183,23 +212,35 @@ class PlanChannel:
 
     def send(self, kind: int, payload: bytes = b"") -> None:
         started = time.perf_counter()
-        view = self.buffer.numpy()
-        view[: _HEADER.size] = np.frombuffer(_HEADER.pack(kind, len(payload)), np.uint8)
-        inline = len(payload) <= CHANNEL_BYTES - _HEADER.size
-        if inline and payload:
-            view[_HEADER.size : _HEADER.size + len(payload)] = np.frombuffer(payload, np.uint8)
         with group_errors():
-            dist.broadcast(self.buffer, src=0, group=self.tp.cpu_group)
-            if not inline:
-                dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.tp.cpu_group)
+            if self.tp.plan_fds:
+                message = _HEADER.pack(kind, len(payload)) + payload
+                for fd in self.tp.plan_fds:
+                    _write_all(fd, message)
+            else:
+                self._broadcast(kind, payload)
         elapsed = time.perf_counter() - started
         self.seconds += elapsed
         self.total_s += elapsed
         self.messages += 1
 
+    def _broadcast(self, kind: int, payload: bytes) -> None:
+        view = self.buffer.numpy()
+        view[: _HEADER.size] = np.frombuffer(_HEADER.pack(kind, len(payload)), np.uint8)
+        inline = len(payload) <= CHANNEL_BYTES - _HEADER.size
+        if inline and payload:
+            view[_HEADER.size : _HEADER.size + len(payload)] = np.frombuffer(payload, np.uint8)
+        dist.broadcast(self.buffer, src=0, group=self.tp.cpu_group)
+        if not inline:
+            dist.broadcast(torch.frombuffer(bytearray(payload), dtype=torch.uint8), src=0, group=self.tp.cpu_group)
+
     def receive(self) -> tuple[int, bytes]:
         """The next message (blocks until the leader sends one)."""
         with group_errors():
+            if self.tp.plan_fds:
+                fd = self.tp.plan_fds[0]
+                kind, size = _HEADER.unpack(_read_exact(fd, _HEADER.size))
+                return kind, _read_exact(fd, size)
             dist.broadcast(self.buffer, src=0, group=self.tp.cpu_group)
             view = self.buffer.numpy()
             kind, size = _HEADER.unpack(view[: _HEADER.size].tobytes())
@@ -213,6 +254,23 @@ class PlanChannel:
         """The sending time gathered since the last take."""
         seconds, self.seconds = self.seconds, 0.0
         return seconds
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _read_exact(fd: int, size: int) -> bytes:
+    """``size`` bytes from ``fd``; EOFError when the writer is gone first."""
+    data = bytearray()
+    while len(data) < size:
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            raise EOFError("the leader's plan channel closed")
+        data += chunk
+    return bytes(data)
 
 
 # -- which slice of the weights a rank holds ----------------------------------------------------
@@ -270,6 +328,15 @@ def head_shard(spec: ModelSpec, tp: TensorParallel) -> HeadShard:
     kv_start = rank * kv_count if kv >= size else rank // (size // kv)
     q_count, inter_count = q // size, inter // size
     return HeadShard(rank * q_count, q_count, kv_start, kv_count, rank * inter_count, inter_count)
+
+
+def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
+    """``(start, count)``: the lm_head rows (vocabulary entries) ``tp.rank`` computes logits for,
+    ``ceil(vocab_size / size)`` per rank and the rest on the last (`TensorParallel.gather_columns`
+    pads it back)."""
+    per_rank = -(-vocab_size // tp.size)
+    start = min(tp.rank * per_rank, vocab_size)
+    return start, min(per_rank, vocab_size - start)
 
 
 def shard_spec(spec: Spec, tp: TensorParallel) -> Spec:

@@ -1,7 +1,8 @@
 """A tensor-parallel worker's ranks: started beside the leader, fed its plans, watched.
 
 The leader (rank 0) serves gRPC as a worker of size 1 does; every step it first hands the plan
-to the other ranks (`PlanChannel`: the serialized `StepPlan` broadcast over the gloo group),
+to the other ranks (`PlanChannel`: the serialized `StepPlan`, over a pipe to each rank on its
+machine, broadcast over the gloo group to ranks on other machines),
 then all ranks run the same step, and only the leader answers. Since the all-reduced hidden
 states, and so the logits, are the same on every rank and sampling is keyed, every rank draws
 the same tokens, accepts the same drafts and keeps the same state.
@@ -19,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -107,24 +109,34 @@ class LocalRanks:
 
     procs: list[subprocess.Popen]
     rendezvous: Rendezvous
+    # The write ends of the ranks' plan pipes (`parallel.PlanChannel`) when this machine's first
+    # rank is the group's leader (one machine); empty when the plans come from node 0.
+    plan_fds: tuple[int, ...] = ()
     stopping: bool = False
 
     @classmethod
     def start(cls, cfg: WorkerConfig, rendezvous: Rendezvous) -> LocalRanks:
         """Start local ranks 1..per node - 1; each runs ``server.run_rank`` with the worker's
-        settings (secrets left out: ranks serve nothing) on the command line."""
+        settings (secrets left out: ranks serve nothing) on the command line, and the read end
+        of its plan pipe when this process is the leader."""
         keep_collectives_on_loopback(cfg)
         per_node = cfg.tensor_parallel_size // cfg.nnodes
         secrets = secret_settings()
         settings = {f.name: "" if f.name in secrets else getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
-        procs = []
+        procs, plan_fds = [], []
         for local_rank in range(1, per_node):
+            read_fd = -1
+            if cfg.nnodes == 1:
+                read_fd, write_fd = plan_pipe()
+                plan_fds.append(write_fd)
             where = dataclasses.asdict(rendezvous)
             spec = {"config": settings, "local_rank": local_rank, "parent_pid": os.getpid(), "rendezvous": where}
-            command = [sys.executable, "-c", RANK_CODE]
-            procs.append(subprocess.Popen([*command, json.dumps(spec)]))
+            command = [sys.executable, "-c", RANK_CODE, json.dumps({**spec, "plan_fd": read_fd})]
+            procs.append(subprocess.Popen(command, pass_fds=(read_fd,) if read_fd >= 0 else ()))
+            if read_fd >= 0:
+                os.close(read_fd)  # the child's now: its exit breaks the pipe for the leader
         logger.info("started tensor-parallel ranks %s (pids %s)", list(range(1, per_node)), [p.pid for p in procs])
-        ranks = cls(procs, rendezvous)
+        ranks = cls(procs, rendezvous, tuple(plan_fds))
         threading.Thread(target=ranks.watch, name="tp-watch", daemon=True).start()
         return ranks
 
@@ -189,10 +201,37 @@ def die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def rank_spec(argv: list[str]) -> tuple[WorkerConfig, int, int, Rendezvous]:
-    """What `LocalRanks.start` passed a rank: its settings, local rank, parent pid, rendezvous."""
+# A plan pipe's buffer: a long prefill plan fits whole, so the leader never waits on a rank
+# still finishing its previous step (Linux caps it at /proc/sys/fs/pipe-max-size, 1 MiB by default).
+PLAN_PIPE_BYTES = 1 << 20
+
+
+def plan_pipe() -> tuple[int, int]:
+    """A pipe for one rank's plans, ``(read, write)``, both closed on exec (the read end is
+    passed to its rank alone), its buffer enlarged where the system allows."""
+    read_fd, write_fd = os.pipe()
+    with contextlib.suppress(OSError, AttributeError):
+        fcntl.fcntl(write_fd, fcntl.F_SETPIPE_SZ, PLAN_PIPE_BYTES)
+    return read_fd, write_fd
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What `LocalRanks.start` passes a rank on its command line."""
+
+    config: WorkerConfig
+    local_rank: int
+    parent_pid: int
+    rendezvous: Rendezvous
+    plan_fd: int  # the read end of its plan pipe; -1: plans over the gloo group
+
+
+def rank_spec(argv: list[str]) -> RankSpec:
     spec = json.loads(argv[1])
-    return WorkerConfig(**spec["config"]), spec["local_rank"], spec["parent_pid"], Rendezvous(**spec["rendezvous"])
+    return RankSpec(
+        WorkerConfig(**spec["config"]), spec["local_rank"], spec["parent_pid"], Rendezvous(**spec["rendezvous"]),
+        spec["plan_fd"],
+    )  # fmt: skip
 
 
 def follow(runner: ModelRunner, channel: PlanChannel, on_device_fault: DeviceFaultHandler) -> None:

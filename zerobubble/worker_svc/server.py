@@ -477,6 +477,7 @@ async def serve_worker(cfg: WorkerConfig) -> None:
         rendezvous = rendezvous_for(cfg)
         ranks = LocalRanks.start(cfg, rendezvous)
         tp = await asyncio.wrap_future(device.submit(join_group, cfg, 0, rendezvous, resolve_device(cfg.device)))
+        tp.plan_fds = ranks.plan_fds
     try:
         await serve_leader(cfg, device, tp)
     except BaseException:
@@ -561,10 +562,13 @@ def run_worker(cfg: WorkerConfig) -> None:
     rpc.run_service(serve_worker(cfg), cfg.event_loop, cfg.cpu_affinity)
 
 
-def run_follower(cfg: WorkerConfig, local_rank: int, rendezvous: Rendezvous) -> None:
+def run_follower(cfg: WorkerConfig, local_rank: int, rendezvous: Rendezvous, plan_fd: int = -1) -> None:
     """A tensor-parallel rank other than the leader: join, load its shard, run the leader's
-    plans until it stops. A lost group or a device fault exits the process."""
+    plans (from ``plan_fd``, else over the group) until it stops. A lost group or a device
+    fault exits the process."""
     tp = join_group(cfg, local_rank, rendezvous, resolve_device(cfg.device, local_rank))
+    if plan_fd >= 0:
+        tp.plan_fds = (plan_fd,)
     try:
         runner, _ = build_runner(cfg, faults_from_env(os.environ), tp)
         follow(runner, PlanChannel(tp), _exit_on_fault)
@@ -583,15 +587,16 @@ def _exit_on_fault(exc: BaseException) -> None:
 
 def run_rank() -> None:
     """Entry point of a rank the leader started on its machine (`ranks.LocalRanks.start`)."""
-    cfg, local_rank, parent_pid, rendezvous = rank_spec(sys.argv)
-    die_with_parent(parent_pid)
+    spec = rank_spec(sys.argv)
+    cfg = spec.config
+    die_with_parent(spec.parent_pid)
     # The leader decides when its ranks end (its STOP, or their death with it); a terminal's
     # Ctrl-C or a signal to the process group is the leader's to handle.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    rank = cfg.node_rank * (cfg.tensor_parallel_size // cfg.nnodes) + local_rank
+    rank = cfg.node_rank * (cfg.tensor_parallel_size // cfg.nnodes) + spec.local_rank
     logging.basicConfig(
         level=cfg.log_level.upper(), format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s"
     )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    run_follower(cfg, local_rank, rendezvous)
+    run_follower(cfg, spec.local_rank, spec.rendezvous, spec.plan_fd)

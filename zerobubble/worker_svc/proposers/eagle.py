@@ -278,19 +278,10 @@ def _limit_vocab(head: ServingHead, ids: torch.Tensor, what: str, own_rows: bool
     if own_rows:
         head.draft_ids = ids.to(device)
         return
-    rows = _lm_head_rows(head.target)
-    if rows is None:
-        logger.warning("the target's lm_head is kept packed only: the head drafts over the whole vocabulary")
-        return
+    rows = head.target.head_rows  # the whole vocabulary's rows, also on a tensor-parallel rank
+    assert rows is not None, "load the target's weights first"
     head.draft_ids = ids.to(device)
     head.lm_head = head.layer_model.logits_weight(rows.index_select(0, head.draft_ids).contiguous())
-
-
-def _lm_head_rows(model: CausalLM) -> torch.Tensor | None:
-    """The target's plain ``[vocab, hidden]`` lm_head (the embedding when tied), when kept."""
-    if model.spec.tie_word_embeddings:
-        return model.embed
-    return model.lm_head.dense if model.lm_head is not None else None
 
 
 class EagleProposer:

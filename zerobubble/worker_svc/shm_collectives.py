@@ -1,18 +1,20 @@
-"""All-reduce over shared memory for the CPU ranks of one machine.
+"""All-reduce and all-gather over shared memory for the CPU ranks of one machine.
 
-gloo's all-reduce goes through loopback TCP: tens of microseconds to a millisecond per call
-(docs/benchmarks/tensor-parallel.md), and a tensor-parallel forward makes two per layer, so a
-small model would spend more time in collectives than in its products. Ranks on one machine can
-instead meet in a shared-memory segment, as vLLM's and SGLang's CPU backends do: each rank
-copies its partial sum into its own slot, publishes a sequence number, waits until every rank
-has published the same one, and adds the slots up in rank order — the same additions in the
-same order on every rank, so every rank ends with bit-identical sums (what keeps the ranks'
-sampled tokens identical).
+gloo's collectives go through loopback TCP: tens of microseconds to a millisecond per call
+(docs/benchmarks/tensor-parallel.md), and a tensor-parallel forward makes two all-reduces per
+layer and gathers the vocabulary's logits once, so a small model would spend more time in
+collectives than in its products. Ranks on one machine can instead meet in a shared-memory
+segment, as vLLM's and SGLang's CPU backends do: each rank copies its part into its own slot,
+publishes a sequence number, waits until every rank has published the same one, and reads
+every slot — a sum adds them up in rank order, the same additions in the same order on every
+rank, so every rank ends with bit-identical sums (what keeps the ranks' sampled tokens
+identical); a gather lays them side by side.
 
-Two sets of slots alternate between calls: a rank writes call ``n``'s partial only after it
-has seen every rank publish call ``n - 1``, i.e. after every rank has finished reading call
-``n - 2``'s slots, the set it is about to overwrite. torch.distributed still forms the group
-(rendezvous, the segment's name, barriers); tensors larger than a slot go through it too.
+Two sets of slots alternate between exchanges: a rank writes exchange ``n``'s part only after
+it has seen every rank publish exchange ``n - 1``, i.e. after every rank has finished reading
+exchange ``n - 2``'s slots, the set it is about to overwrite. A tensor larger than a slot goes
+through in slot-sized pieces. torch.distributed still forms the group (rendezvous, the
+segment's name, barriers).
 
 The segment lives in ``/dev/shm`` only until every rank has mapped it (the creator unlinks it
 then), so a killed group leaves nothing behind. Stores are ordered as written on x86 (TSO),
@@ -40,13 +42,13 @@ _SHM_DIR = "/dev/shm"
 _SPINS_PER_YIELD = 32
 
 
-class SharedMemoryAllReduce:
-    """In-place sum of a tensor over the ranks of ``group``, all on this machine."""
+class SharedMemoryCollectives:
+    """Sums and gathers of tensors over the ranks of ``group``, all on this machine."""
 
     def __init__(self, group: Any, max_bytes: int = 1 << 22, timeout_s: float = 60.0) -> None:
         """``group``: a torch.distributed group whose ranks share this machine; ``max_bytes``:
-        the largest tensor summed through shared memory (larger ones use the group);
-        ``timeout_s``: how long a call waits for a rank before it raises."""
+        one rank's slot (larger tensors go through in pieces); ``timeout_s``: how long an
+        exchange waits for a rank before it raises."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -61,22 +63,47 @@ class SharedMemoryAllReduce:
         self._slots = data.view(2, self.world_size, max_bytes)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` (contiguous) over the ranks, in place; every rank must call it with a
-        tensor of the same shape and dtype, in the same order."""
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes > self.max_bytes or not tensor.is_contiguous():
+        """Sum ``tensor`` over the ranks, in place; every rank must call it with a tensor of the
+        same shape and dtype, in the same order."""
+        if not tensor.is_contiguous():
             dist.all_reduce(tensor, group=self.group)
             return tensor
-        self.seq += 1
-        slots = self._slots[self.seq & 1, :, :nbytes].view(tensor.dtype)  # [world, numel]
         flat = tensor.view(-1)
+        piece = self.max_bytes // tensor.element_size()
+        for start in range(0, flat.numel(), piece):
+            part = flat[start : start + piece]
+            slots = self._exchange(part)
+            torch.add(slots[0], slots[1], out=part)
+            for r in range(2, self.world_size):
+                part.add_(slots[r])
+        return tensor
+
+    def all_gather(self, part: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``part`` ``[rows, ...]`` (the same shape and dtype on every rank), stacked
+        in rank order: ``[world, rows, ...]``."""
+        part = part.contiguous()
+        out = part.new_empty((self.world_size, *part.shape))
+        row_bytes = part[:1].numel() * part.element_size()
+        if part.dim() == 0 or row_bytes > self.max_bytes:
+            dist.all_gather_into_tensor(out.view(-1, *part.shape[1:]), part, group=self.group)
+            return out
+        rows = self.max_bytes // row_bytes
+        for start in range(0, part.shape[0], rows):
+            piece = part[start : start + rows]
+            slots = self._exchange(piece.view(-1))
+            out[:, start : start + rows].copy_(slots.view(self.world_size, *piece.shape))
+        return out
+
+    def _exchange(self, flat: torch.Tensor) -> torch.Tensor:
+        """Publish this rank's ``flat`` (at most a slot) and wait for every rank's: the slots
+        ``[world, numel]``, readable until the exchange after next."""
+        self.seq += 1
+        nbytes = flat.numel() * flat.element_size()
+        slots = self._slots[self.seq & 1, :, :nbytes].view(flat.dtype)
         slots[self.rank].copy_(flat)
         self._counters[self.rank] = self.seq
         self._wait(self.seq)
-        torch.add(slots[0], slots[1], out=flat)
-        for r in range(2, self.world_size):
-            flat.add_(slots[r])
-        return tensor
+        return slots
 
     def _wait(self, seq: int) -> None:
         """Until every rank has published ``seq``; raises after ``timeout_s``."""
@@ -92,7 +119,7 @@ class SharedMemoryAllReduce:
                 elif now > deadline:
                     late = [r for r in range(self.world_size) if self._counters[r] < seq]
                     raise RuntimeError(
-                        f"tensor-parallel all-reduce {seq}: rank(s) {late} did not arrive within "
+                        f"tensor-parallel exchange {seq}: rank(s) {late} did not arrive within "
                         f"{self.timeout_s:.0f} s (a rank died or hangs)"
                     )
 
@@ -106,7 +133,7 @@ class SharedMemoryAllReduce:
 def _map_segment(group: Any, rank: int, size: int) -> mmap.mmap:
     """The group's shared segment of ``size`` bytes, zeroed: created by the group's first rank,
     mapped by all, then unlinked, so it disappears with the last process that maps it."""
-    names: list[str | None] = [f"zerobubble-allreduce-{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
+    names: list[str | None] = [f"zerobubble-collectives-{os.getpid()}-{secrets.token_hex(6)}" if rank == 0 else None]
     dist.broadcast_object_list(names, src=dist.get_global_rank(group, 0), group=group)
     path = os.path.join(_SHM_DIR, str(names[0]))
     if rank == 0:

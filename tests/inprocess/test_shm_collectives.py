@@ -1,4 +1,5 @@
-"""The shared-memory all-reduce against the sum it must equal, over real gloo process groups."""
+"""The shared-memory all-reduce and all-gather against the sums and stacks they must equal, over
+real gloo process groups."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zerobubble.worker_svc.shm_allreduce import SharedMemoryAllReduce
+from zerobubble.worker_svc.shm_collectives import SharedMemoryCollectives
 
-SHAPES = [(1, 576), (7, 64), (3, 5), (128, 576)]  # the last one is past max_bytes: gloo's path
+# The last one is past max_bytes: it goes through a slot in pieces.
+SHAPES = [(1, 576), (7, 64), (3, 5), (128, 576)]
 MAX_BYTES = 64 * 1024
 
 
@@ -39,45 +41,45 @@ def _expected(world: int, call: int, shape: tuple[int, ...], dtype: torch.dtype)
 def _sums(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    reducer = SharedMemoryAllReduce(dist.group.WORLD, max_bytes=MAX_BYTES)
-    results = []
+    shared = SharedMemoryCollectives(dist.group.WORLD, max_bytes=MAX_BYTES)
+    sums, stacks = [], []
     for call in range(40):  # many calls: both slot sets are reused many times over
         shape = SHAPES[call % len(SHAPES)]
         dtype = torch.float32 if call % 2 else torch.bfloat16
-        tensor = _partial(rank, call, shape, dtype)
-        results.append(reducer.all_reduce(tensor).clone())
-    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    reducer.close()
+        sums.append(shared.all_reduce(_partial(rank, call, shape, dtype)).clone())
+        stacks.append(shared.all_gather(_partial(rank, call, shape, dtype)))
+    torch.save((sums, stacks), Path(out_dir) / f"rank{rank}.pt")
+    shared.close()
     dist.destroy_process_group()
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
-def test_every_rank_ends_with_the_rank_ordered_sum(tmp_path: Path, world: int) -> None:
+def test_every_rank_ends_with_the_rank_ordered_sum_and_the_stack(tmp_path: Path, world: int) -> None:
     before = set(os.listdir("/dev/shm"))
     mp.spawn(_sums, args=(world, _free_port(), str(tmp_path)), nprocs=world)
     per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
-    for call, got in enumerate(per_rank[0]):
+    sums, stacks = per_rank[0]
+    for call, (got, stack) in enumerate(zip(sums, stacks, strict=True)):
         shape = SHAPES[call % len(SHAPES)]
         dtype = torch.float32 if call % 2 else torch.bfloat16
-        if shape != SHAPES[-1]:  # gloo's own order of additions may differ; ours is fixed
-            assert torch.equal(got, _expected(world, call, shape, dtype)), call
-        else:
-            torch.testing.assert_close(got, _expected(world, call, shape, dtype), rtol=2e-2, atol=2e-2)
-        for other in per_rank[1:]:
-            assert torch.equal(other[call], got), f"ranks disagree at call {call}"
-    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("zerobubble-allreduce")]
+        assert torch.equal(got, _expected(world, call, shape, dtype)), call
+        assert torch.equal(stack, torch.stack([_partial(r, call, shape, dtype) for r in range(world)])), call
+        for other_sums, other_stacks in per_rank[1:]:
+            assert torch.equal(other_sums[call], got), f"ranks disagree at call {call}"
+            assert torch.equal(other_stacks[call], stack), f"ranks disagree at call {call}"
+    assert not [n for n in set(os.listdir("/dev/shm")) - before if n.startswith("zerobubble-collectives")]
 
 
 def _one_rank_missing(rank: int, world: int, port: int, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    reducer = SharedMemoryAllReduce(dist.group.WORLD, max_bytes=MAX_BYTES, timeout_s=0.5)
+    shared = SharedMemoryCollectives(dist.group.WORLD, max_bytes=MAX_BYTES, timeout_s=0.5)
     if rank == 0:
         try:
-            reducer.all_reduce(torch.ones(4))
+            shared.all_reduce(torch.ones(4))
         except RuntimeError as exc:
             (Path(out_dir) / "error.txt").write_text(str(exc))
     dist.barrier()
-    reducer.close()
+    shared.close()
     dist.destroy_process_group()
 
 
