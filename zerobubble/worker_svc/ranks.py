@@ -130,8 +130,9 @@ class LocalRanks:
                 read_fd, write_fd = plan_pipe()
                 plan_fds.append(write_fd)
             where = dataclasses.asdict(rendezvous)
-            spec = {"config": settings, "local_rank": local_rank, "parent_pid": os.getpid(), "rendezvous": where}
-            command = [sys.executable, "-c", RANK_CODE, json.dumps({**spec, "plan_fd": read_fd})]
+            spec = {"config": settings, "local_rank": local_rank, "parent_pid": os.getpid(), "rendezvous": where,
+                    "plan_fd": read_fd}  # fmt: skip
+            command = [sys.executable, "-c", RANK_CODE, json.dumps(spec)]
             procs.append(subprocess.Popen(command, pass_fds=(read_fd,) if read_fd >= 0 else ()))
             if read_fd >= 0:
                 os.close(read_fd)  # the child's now: its exit breaks the pipe for the leader
