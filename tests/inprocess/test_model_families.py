@@ -24,6 +24,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -132,6 +134,20 @@ def _mixtral() -> tuple[MixtralConfig, type[PreTrainedModel]]:
     return MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2), MixtralForCausalLM
 
 
+def _gpt_oss() -> tuple[GptOssConfig, type[PreTrainedModel]]:
+    # Attention sinks and biases, a biased router, experts stored interleaved with the clamped
+    # SwiGLU (a limit these weights reach), sliding and full layers alternating with a window the
+    # schedule passes, and YaRN as gpt-oss's configs set it (factor 32 over 8 original positions).
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 8}  # fmt: skip
+    config = GptOssConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=rope, swiglu_limit=1.5,
+    )  # fmt: skip
+    return config, GptOssForCausalLM
+
+
 def _gemma2() -> tuple[Gemma2Config, type[PreTrainedModel]]:
     # Caps small enough to bite on these weights; the query scale differs from head_dim's.
     return Gemma2Config(
@@ -199,6 +215,7 @@ FAMILIES: dict[str, Callable[[], tuple[object, type[PreTrainedModel]]]] = {
     "qwen3-moe": _qwen3_moe,
     "qwen2-moe": _qwen2_moe,
     "mixtral": _mixtral,
+    "gpt-oss": _gpt_oss,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3-multimodal": _gemma3_multimodal,
