@@ -348,7 +348,7 @@ def test_mixed_batch_matches_hf(name: str) -> None:
         torch.testing.assert_close(paged[r], contiguous[r], atol=1e-5, rtol=1e-5, msg=f"request {r} layout")
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral", "gpt-oss"])
 def test_moe_checkpoint_names_load(name: str, tmp_path: Path) -> None:
     """A saved checkpoint keeps each expert's projections apart (Mixtral under ``block_sparse_moe``
     with w1/w3/w2), as the Hub's do; our copy loaded from it gives Hugging Face's logits too."""
@@ -367,25 +367,31 @@ def _dequantized(weight: torch.Tensor, quantization: str) -> torch.Tensor:
 
 def _dequantized_hf(hf: PreTrainedModel, quantization: str) -> PreTrainedModel:
     """Hugging Face's model over the weights our quantized copy stands for: every projection
-    dequantized, each expert's alone; embeddings, norms and routers exact, and the lm_head
-    under int4 (`CausalLM.logits_weight`)."""
+    dequantized, each expert's alone; embeddings, norms, routers and biases exact, and the lm_head
+    under int4 (`CausalLM.logits_weight`). gpt-oss stores its experts ``[E, in, out]``: their
+    rows are its columns."""
     hf = copy.deepcopy(hf)
+    transposed = hf.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            exact = "embed" in name or "norm" in name or name.endswith("mlp.gate.weight")
-            if exact or param.dim() == 1 or (name.startswith("lm_head") and quantization == "int4"):
+            exact = "embed" in name or "norm" in name or name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+            if exact or param.dim() == 1 or name.endswith("_bias") or "sinks" in name:
                 continue
-            rows = param.reshape(-1, param.shape[-1])  # an expert stack [E, out, in]: E x out rows
-            param.copy_(_dequantized(rows, quantization).reshape(param.shape))
+            if name.startswith("lm_head") and quantization == "int4":
+                continue
+            stack = param.transpose(1, 2) if transposed and param.dim() == 3 else param
+            rows = stack.reshape(-1, stack.shape[-1])  # an expert stack [E, out, in]: E x out rows
+            stack.copy_(_dequantized(rows, quantization).reshape(stack.shape))
     return hf
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_experts_are_the_dequantized_model(quantization: str) -> None:
+def test_quantized_experts_are_the_dequantized_model(quantization: str, name: str) -> None:
     """Weight-only int8 and int4 cover the experts too (each expert its own quantized product,
-    the router exact): our quantized Qwen3-MoE gives the logits of Hugging Face's over the
-    dequantized weights."""
-    family = _make_family("qwen3-moe", quantization=quantization)
+    the router exact): our quantized Qwen3-MoE and gpt-oss give the logits of Hugging Face's
+    over the dequantized weights."""
+    family = _make_family(name, quantization=quantization)
     layer = family.ours.layers[0].moe
     assert layer is not None and layer.experts.gate_up_each is not None
     assert getattr(layer.experts.gate_up_each[0], quantization) is not None and layer.router.dense is not None
@@ -418,6 +424,15 @@ def test_compiled_cpu_kernels_are_as_close_to_hf_as_the_torch_ops(cpu_kernels: N
         scale = reference.abs().max()
         ops_error, compiled_error = ((x.float() - reference).abs().max() / scale for x in (ops[r], compiled[r]))
         assert compiled_error <= 1.2 * ops_error + 0.005, (r, float(compiled_error), float(ops_error))
+
+
+def test_compiled_cpu_kernels_give_gpt_oss_hf_logits_in_float32(cpu_kernels: None) -> None:
+    """gpt-oss on the C++ kernels, its sinks in the compiled attention, in float32: Hugging Face's
+    logits. (In bfloat16 this tiny model's expert choices turn on roundings, which moves its
+    logits by tenths either way: the comparison above would measure that.)"""
+    family = _make_family("gpt-oss", kernels="cpp")
+    for r, logits in enumerate(_run_schedule(family, "paged")):
+        torch.testing.assert_close(logits, family.reference[r], atol=2e-4, rtol=1e-4, msg=f"request {r}")
 
 
 @pytest.mark.parametrize("name", ["llama", "llama-tied"])
