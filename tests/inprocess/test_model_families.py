@@ -10,6 +10,7 @@ contiguous block layout alike.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,7 @@ from zerobubble.worker_svc.model import (
     allocate_kv_cache,
     build_model,
     kv_cache_bytes_per_block,
+    rope_tables,
 )
 from zerobubble.worker_svc.model_loader import load_model
 
@@ -454,6 +456,19 @@ def test_leading_logits_of_a_16_bit_model_are_float32_products(name: str) -> Non
     rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, top, False)
     assert not torch.equal(logits[rest], exact[rest])  # the tail is still the rounded product
     torch.testing.assert_close(logits[rest], rounded[rest], atol=0.05, rtol=2**-7)
+
+
+def test_gpt_oss_yarn_tables_are_hugging_faces() -> None:
+    """gpt-oss's YaRN (factor 32, ``truncate`` off) through transformers' own RoPE functions:
+    its rotary embedding's cos and sin, attention scaling folded in, bit for bit."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    config, _ = _gpt_oss()
+    positions = torch.arange(config.max_position_embeddings)
+    want_cos, want_sin = GptOssRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
+    cos, sin = rope_tables(config, config.head_dim, config.max_position_embeddings)
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    assert float(cos[0, 0]) == pytest.approx(0.1 * math.log(32.0) + 1.0)  # YaRN's attention scaling, at angle 0
 
 
 def test_kv_cache_sizing() -> None:
