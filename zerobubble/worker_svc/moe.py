@@ -188,15 +188,15 @@ def _interleaved_experts(
     interleaved) becomes ``[E, 2 I, H]`` with the gate rows first, ``down_proj [E, I, H]`` becomes
     ``[E, H, I]``, and the biases follow."""
     num, inter = spec.num_experts, spec.intermediate_size
-    gate_up = take(block + "experts.gate_up_proj", (num, hidden, 2 * inter)).transpose(1, 2)
-    gate_up_bias = take(block + "experts.gate_up_proj_bias", (num, 2 * inter))
-    down = take(block + "experts.down_proj", (num, inter, hidden)).transpose(1, 2).contiguous()
-    down_bias = take(block + "experts.down_proj_bias", (num, hidden))
-
-    def halves(t: Tensor) -> Tensor:  # interleaved (gate, up) pairs along dim 1 -> gate half, up half
-        return torch.cat((t[:, 0::2], t[:, 1::2]), dim=1).contiguous()
-
-    return halves(gate_up), down, (halves(gate_up_bias), down_bias)
+    # Copies by reshape and torch.clone: `Tensor.contiguous` and indexing take a device guard,
+    # which a CUDA-less build cannot give even to fake CUDA tensors (tests/inprocess/test_kernel_count.py).
+    gate_up = take(block + "experts.gate_up_proj", (num, hidden, 2 * inter)).unflatten(2, (inter, 2))
+    gate_up = gate_up.permute(0, 3, 2, 1).reshape(num, 2 * inter, hidden)  # [E, (gate, up), I, H]
+    gate_up_bias = take(block + "experts.gate_up_proj_bias", (num, 2 * inter)).unflatten(1, (inter, 2))
+    gate_up_bias = gate_up_bias.transpose(1, 2).reshape(num, 2 * inter)
+    down = take(block + "experts.down_proj", (num, inter, hidden)).transpose(1, 2)
+    down = torch.clone(down, memory_format=torch.contiguous_format)
+    return gate_up, down, (gate_up_bias, take(block + "experts.down_proj_bias", (num, hidden)))
 
 
 def _take_any(take: Taker, names: list[str], shape: tuple[int, ...]) -> Tensor:
