@@ -90,13 +90,12 @@ inline void block_scores(const T* kb, int64_t bs, int64_t dim, const float* qs, 
 // One query token's heads that share KV head `kv_head` (`num_heads` <= G of them, consecutive):
 // scores over the visible context, their softmax in float32, the weighted sums of values. With
 // `sinks` (the heads' own, or null) each head's sink logit joins the softmax's denominator
-// (gpt-oss): one more key, with no value. Each
-// key and value row is read and widened once for all of them, and the G heads' sums are
-// independent chains held in registers (G is fixed at compile time; heads past `num_heads` have
-// zero queries and are not stored). Keys are stored [blocks, kv_heads, head_dim, block_size] and
-// values [blocks, kv_heads, block_size, head_dim] (zerobubble.kernels.attention.new_kv_cache). BS
-// and D, when not 0, fix the block size and head dim at compile time, so that the inner loops are
-// whole vector operations.
+// (gpt-oss): one more key, with no value. Each key and value row is read and widened once for
+// all of them, and the G heads' sums are independent chains held in registers (G is fixed at
+// compile time; heads past `num_heads` have zero queries and are not stored). Keys are stored
+// [blocks, kv_heads, head_dim, block_size] and values [blocks, kv_heads, block_size, head_dim]
+// (zerobubble.kernels.attention.new_kv_cache). BS and D, when not 0, fix the block size and head
+// dim at compile time, so that the inner loops are whole vector operations.
 template <typename T, int BS, int D, int G>
 void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values, const int32_t* table,
                   int64_t query_pos, int64_t kv_head, const float* sinks, const AttentionShape& s,
@@ -272,11 +271,11 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor&
   const int64_t grain = work < (1 << 16) ? std::max<int64_t>(num_items, 1) : 1;
   // float, bfloat16 and half (not double): each variant of the attention loop costs build time.
   const AttentionItems items{token, row, pos, group, chunks, num_items, grain};
-  const auto& [k, v, t] = std::tie(key_storage, value_storage, block_tables);
+  const Tensor &keys = key_storage, &values = value_storage, &tables = block_tables;
   switch (q.scalar_type()) {
-    case at::kFloat: attend_items<float>(q, k, v, t, sink_ptr, s, items, out); break;
-    case at::kBFloat16: attend_items<c10::BFloat16>(q, k, v, t, sink_ptr, s, items, out); break;
-    case at::kHalf: attend_items<c10::Half>(q, k, v, t, sink_ptr, s, items, out); break;
+    case at::kFloat: attend_items<float>(q, keys, values, tables, sink_ptr, s, items, out); break;
+    case at::kBFloat16: attend_items<c10::BFloat16>(q, keys, values, tables, sink_ptr, s, items, out); break;
+    case at::kHalf: attend_items<c10::Half>(q, keys, values, tables, sink_ptr, s, items, out); break;
     default: TORCH_CHECK(false, "paged_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
   }
   return out;
