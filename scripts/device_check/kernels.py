@@ -16,7 +16,7 @@ from device_check.common import FAIL, PASS, SKIP, Compare, Context, near_tie_dra
 
 def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch.Generator, small: bool) -> None:
     """The decoder layer's fused kernels (kernels/fused.py) against their twins, float32."""
-    from zerobubble.kernels.fused import add_rms_norm, gelu_tanh_mul, qk_norm_rope, silu_mul
+    from zerobubble.kernels.fused import add_rms_norm, clamped_swiglu_mul, gelu_tanh_mul, qk_norm_rope, silu_mul
 
     num_tokens, hidden, heads, head_dim, inter = (5, 96, 6, 16, 160) if small else (64, 2048, 24, 128, 6144)
     x, residual = (torch.randn(num_tokens, hidden, generator=gen).to(dev) for _ in range(2))
@@ -31,6 +31,8 @@ def check_fused_kernels(case: Callable[..., None], dev: torch.device, gen: torch
     gate_up = torch.randn(num_tokens, 2 * inter, generator=gen).to(dev)
     case("silu_mul", lambda impl: silu_mul(gate_up, impl=impl))
     case("gelu_tanh_mul", lambda impl: gelu_tanh_mul(gate_up, impl=impl))
+    # gpt-oss's limit lowered to 1.5 so that it clamps unit-scale inputs.
+    case("clamped_swiglu_mul", lambda impl: clamped_swiglu_mul(gate_up, impl, alpha=1.702, limit=1.5))
     check_token_mask(case, dev, gen, small)
     check_moe_kernels(case, dev, gen, small)
 
@@ -261,10 +263,17 @@ def _check_sampling_kernels(case: Callable[..., None], b: _KernelBatch, cuda: bo
 
 
 def _attention_outputs(
-    impl: str, b: _KernelBatch, cfg: Any, dtype: torch.dtype, lens: torch.Tensor, batch: tuple, softcap: float = 0.0
+    impl: str,
+    b: _KernelBatch,
+    cfg: Any,
+    dtype: torch.dtype,
+    lens: torch.Tensor,
+    batch: tuple,
+    softcap: float = 0.0,
+    sinks: bool = False,
 ) -> tuple:
     """``write_kv_cache`` then ``paged_attention`` over random caches (seeded: the same for each
-    impl): the attention output and both caches."""
+    impl): the attention output and both caches; ``sinks``: gpt-oss's, spread over the scores' range."""
     from zerobubble.kernels.attention import AttentionMetadata, paged_attention, write_kv_cache
     from zerobubble.kernels.slot_mapping import compute_slot_mapping
     from zerobubble.worker_svc.model import allocate_kv_cache
@@ -291,13 +300,14 @@ def _attention_outputs(
         max_seq_len=b.shape.max_blocks * b.shape.block_size,
         slot_mapping=slots,
     )
-    out = paged_attention(q_in, k_cache, v_cache, meta, head_dim**-0.5, impl=impl, softcap=softcap)
+    sink_logits = torch.linspace(-2.0, 3.0, heads).to(dev) if sinks else None
+    out = paged_attention(q_in, k_cache, v_cache, meta, head_dim**-0.5, impl=impl, softcap=softcap, sinks=sink_logits)
     return out, k_cache, v_cache
 
 
 def _check_attention_kernels(ctx: Context, section: str, b: _KernelBatch, small: bool) -> None:
     """``write_kv_cache`` + ``paged_attention`` on a mixed batch and on decodes alone, float32 and
-    bfloat16, and on the mixed batch with Gemma 2's soft-capped scores."""
+    bfloat16, and on the mixed batch with Gemma 2's soft-capped scores and with gpt-oss's sinks."""
     from transformers import LlamaConfig
 
     heads, kv_heads, head_dim = (4, 2, 16) if small else (16, 8, 128)
@@ -310,16 +320,20 @@ def _check_attention_kernels(ctx: Context, section: str, b: _KernelBatch, small:
         intermediate_size=64,
     )
     # The mixed batch runs the attention kernel's prefill tiles; decode rows alone, its small ones.
-    batches = {"": (b.q_lens, 0.0), " decodes": (torch.full_like(b.q_lens, 1 + b.shape.k), 0.0)}
-    batches[" soft-capped"] = (b.q_lens, 2.0)  # a cap that bites on unit-scale scores
-    for (batch_name, (lens, softcap)), dtype in itertools.product(batches.items(), (torch.float32, torch.bfloat16)):
+    decodes = torch.full_like(b.q_lens, 1 + b.shape.k)
+    batches = {"": (b.q_lens, 0.0, False), " decodes": (decodes, 0.0, False)}
+    batches[" soft-capped"] = (b.q_lens, 2.0, False)  # a cap that bites on unit-scale scores
+    batches[" sinks"], batches[" decodes sinks"] = (b.q_lens, 0.0, True), (decodes, 0.0, True)
+    for (batch_name, (lens, softcap, sinks)), dtype in itertools.product(
+        batches.items(), (torch.float32, torch.bfloat16)
+    ):
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
         batch = b.flat_batch(lens)
         name = f"write_kv_cache + paged_attention {str(dtype)[6:]}{batch_name}"
         started = time.perf_counter()
         try:
-            ref = _attention_outputs("torch", b, cfg, dtype, lens, batch, softcap)
-            out = _attention_outputs("triton", b, cfg, dtype, lens, batch, softcap)
+            ref = _attention_outputs("torch", b, cfg, dtype, lens, batch, softcap, sinks)
+            out = _attention_outputs("triton", b, cfg, dtype, lens, batch, softcap, sinks)
             results = [tensors_close(x, y, atol=tol, rtol=tol) for x, y in zip(ref, out)]
             ok = all(r[0] for r in results)
             ctx.add(section, name, PASS if ok else FAIL, "; ".join(r[1] for r in results))

@@ -85,6 +85,14 @@ def _qwen3_30b_a3b(num_layers: int = 4):  # type: ignore[no-untyped-def]
     )  # fmt: skip
 
 
+def _gpt_oss_20b(num_layers: int = 4):  # type: ignore[no-untyped-def]
+    """gpt-oss-20b's shape (32 experts, 4 per token, sinks, a 128-token window on alternate
+    layers, YaRN by default), fewer layers."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(num_hidden_layers=num_layers, num_local_experts=32, max_position_embeddings=4096)
+
+
 def _weight_shapes(hf_config) -> dict[str, torch.Size]:  # type: ignore[no-untyped-def]
     from transformers import AutoModelForCausalLM
 
@@ -191,3 +199,15 @@ def test_an_moe_decode_step_runs_grouped_products_without_reading_the_device() -
     worst = max(layers, key=lambda c: sum(c.values()))
     assert worst["zerobubble.grouped_linear"] == 2, dict(worst)
     assert sum(worst.values()) <= MAX_PER_MOE_LAYER, dict(worst)
+
+
+def test_a_gpt_oss_decode_step_takes_its_sinks_biases_and_clamped_swiglu_in_the_fused_kernels() -> None:
+    """gpt-oss's differences add no kernels but its biases: the sinks ride in the attention
+    kernel, the clamped SwiGLU is one kernel, each expert bias one gather-and-add."""
+    counter = _count_step([0.0] * 16, [0] * 16, _gpt_oss_20b())
+    first, *layers, last_layer, after = counter.segments
+    assert len(layers) == 3
+    worst = max(layers, key=lambda c: sum(c.values()))
+    assert worst["zerobubble.grouped_linear"] == 2 and worst["zerobubble.clamped_swiglu_mul"] == 1, dict(worst)
+    assert worst["zerobubble.paged_attention"] == 1, dict(worst)
+    assert sum(worst.values()) <= MAX_PER_MOE_LAYER + 4, dict(worst)  # two bias rows gathered and added

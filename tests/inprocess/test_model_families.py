@@ -10,6 +10,7 @@ contiguous block layout alike.
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,8 @@ from transformers import (
     Gemma3ForCausalLM,
     Gemma3ForConditionalGeneration,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -54,6 +57,7 @@ from zerobubble.worker_svc.model import (
     allocate_kv_cache,
     build_model,
     kv_cache_bytes_per_block,
+    rope_tables,
 )
 from zerobubble.worker_svc.model_loader import load_model
 
@@ -132,6 +136,20 @@ def _mixtral() -> tuple[MixtralConfig, type[PreTrainedModel]]:
     return MixtralConfig(**COMMON, num_local_experts=8, num_experts_per_tok=2), MixtralForCausalLM
 
 
+def _gpt_oss() -> tuple[GptOssConfig, type[PreTrainedModel]]:
+    # Attention sinks and biases, a biased router, experts stored interleaved with the clamped
+    # SwiGLU (a limit these weights reach), sliding and full layers alternating with a window the
+    # schedule passes, and YaRN as gpt-oss's configs set it (factor 32 over 8 original positions).
+    rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 8}  # fmt: skip
+    config = GptOssConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=8, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=rope, swiglu_limit=1.5,
+    )  # fmt: skip
+    return config, GptOssForCausalLM
+
+
 def _gemma2() -> tuple[Gemma2Config, type[PreTrainedModel]]:
     # Caps small enough to bite on these weights; the query scale differs from head_dim's.
     return Gemma2Config(
@@ -199,6 +217,7 @@ FAMILIES: dict[str, Callable[[], tuple[object, type[PreTrainedModel]]]] = {
     "qwen3-moe": _qwen3_moe,
     "qwen2-moe": _qwen2_moe,
     "mixtral": _mixtral,
+    "gpt-oss": _gpt_oss,
     "gemma2": _gemma2,
     "gemma3": _gemma3,
     "gemma3-multimodal": _gemma3_multimodal,
@@ -331,7 +350,7 @@ def test_mixed_batch_matches_hf(name: str) -> None:
         torch.testing.assert_close(paged[r], contiguous[r], atol=1e-5, rtol=1e-5, msg=f"request {r} layout")
 
 
-@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-moe", "qwen2-moe", "mixtral", "gpt-oss"])
 def test_moe_checkpoint_names_load(name: str, tmp_path: Path) -> None:
     """A saved checkpoint keeps each expert's projections apart (Mixtral under ``block_sparse_moe``
     with w1/w3/w2), as the Hub's do; our copy loaded from it gives Hugging Face's logits too."""
@@ -350,25 +369,31 @@ def _dequantized(weight: torch.Tensor, quantization: str) -> torch.Tensor:
 
 def _dequantized_hf(hf: PreTrainedModel, quantization: str) -> PreTrainedModel:
     """Hugging Face's model over the weights our quantized copy stands for: every projection
-    dequantized, each expert's alone; embeddings, norms and routers exact, and the lm_head
-    under int4 (`CausalLM.logits_weight`)."""
+    dequantized, each expert's alone; embeddings, norms, routers and biases exact, and the lm_head
+    under int4 (`CausalLM.logits_weight`). gpt-oss stores its experts ``[E, in, out]``: their
+    rows are its columns."""
     hf = copy.deepcopy(hf)
+    transposed = hf.config.model_type == "gpt_oss"
     with torch.no_grad():
         for name, param in hf.named_parameters():
-            exact = "embed" in name or "norm" in name or name.endswith("mlp.gate.weight")
-            if exact or param.dim() == 1 or (name.startswith("lm_head") and quantization == "int4"):
+            exact = "embed" in name or "norm" in name or name.endswith(("mlp.gate.weight", "mlp.router.weight"))
+            if exact or param.dim() == 1 or name.endswith("_bias") or "sinks" in name:
                 continue
-            rows = param.reshape(-1, param.shape[-1])  # an expert stack [E, out, in]: E x out rows
-            param.copy_(_dequantized(rows, quantization).reshape(param.shape))
+            if name.startswith("lm_head") and quantization == "int4":
+                continue
+            stack = param.transpose(1, 2) if transposed and param.dim() == 3 else param
+            rows = stack.reshape(-1, stack.shape[-1])  # an expert stack [E, out, in]: E x out rows
+            stack.copy_(_dequantized(rows, quantization).reshape(stack.shape))
     return hf
 
 
+@pytest.mark.parametrize("name", ["qwen3-moe", "gpt-oss"])
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
-def test_quantized_experts_are_the_dequantized_model(quantization: str) -> None:
+def test_quantized_experts_are_the_dequantized_model(quantization: str, name: str) -> None:
     """Weight-only int8 and int4 cover the experts too (each expert its own quantized product,
-    the router exact): our quantized Qwen3-MoE gives the logits of Hugging Face's over the
-    dequantized weights."""
-    family = _make_family("qwen3-moe", quantization=quantization)
+    the router exact): our quantized Qwen3-MoE and gpt-oss give the logits of Hugging Face's
+    over the dequantized weights."""
+    family = _make_family(name, quantization=quantization)
     layer = family.ours.layers[0].moe
     assert layer is not None and layer.experts.gate_up_each is not None
     assert getattr(layer.experts.gate_up_each[0], quantization) is not None and layer.router.dense is not None
@@ -403,6 +428,15 @@ def test_compiled_cpu_kernels_are_as_close_to_hf_as_the_torch_ops(cpu_kernels: N
         assert compiled_error <= 1.2 * ops_error + 0.005, (r, float(compiled_error), float(ops_error))
 
 
+def test_compiled_cpu_kernels_give_gpt_oss_hf_logits_in_float32(cpu_kernels: None) -> None:
+    """gpt-oss on the C++ kernels, its sinks in the compiled attention, in float32: Hugging Face's
+    logits. (In bfloat16 this tiny model's expert choices turn on roundings, which moves its
+    logits by tenths either way: the comparison above would measure that.)"""
+    family = _make_family("gpt-oss", kernels="cpp")
+    for r, logits in enumerate(_run_schedule(family, "paged")):
+        torch.testing.assert_close(logits, family.reference[r], atol=2e-4, rtol=1e-4, msg=f"request {r}")
+
+
 @pytest.mark.parametrize("name", ["llama", "llama-tied"])
 def test_leading_logits_of_a_16_bit_model_are_float32_products(name: str) -> None:
     """The 16-bit lm_head rounds every logit to 8 significant bits; the leading ones are
@@ -422,6 +456,19 @@ def test_leading_logits_of_a_16_bit_model_are_float32_products(name: str) -> Non
     rest = torch.ones_like(logits, dtype=torch.bool).scatter_(1, top, False)
     assert not torch.equal(logits[rest], exact[rest])  # the tail is still the rounded product
     torch.testing.assert_close(logits[rest], rounded[rest], atol=0.05, rtol=2**-7)
+
+
+def test_gpt_oss_yarn_tables_are_hugging_faces() -> None:
+    """gpt-oss's YaRN (factor 32, ``truncate`` off) through transformers' own RoPE functions:
+    its rotary embedding's cos and sin, attention scaling folded in, bit for bit."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRotaryEmbedding
+
+    config, _ = _gpt_oss()
+    positions = torch.arange(config.max_position_embeddings)
+    want_cos, want_sin = GptOssRotaryEmbedding(config)(torch.zeros(1, dtype=torch.float32), positions[None])
+    cos, sin = rope_tables(config, config.head_dim, config.max_position_embeddings)
+    assert torch.equal(cos, want_cos[0]) and torch.equal(sin, want_sin[0])
+    assert float(cos[0, 0]) == pytest.approx(0.1 * math.log(32.0) + 1.0)  # YaRN's attention scaling, at angle 0
 
 
 def test_kv_cache_sizing() -> None:

@@ -53,6 +53,27 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
+def test_an_mxfp4_checkpoint_is_refused_naming_its_quantization(tmp_path: Path, smollm2_dir: Path) -> None:
+    """gpt-oss as released: its experts in MXFP4 (``*_blocks`` / ``*_scales`` tensors), which we
+    do not read; refused in one line before any weight is read."""
+    from safetensors.torch import save_file
+    from transformers import GptOssConfig
+
+    config = GptOssConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
+                          max_position_embeddings=64).to_dict()  # fmt: skip
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    save_file({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 64, 1, 16, dtype=torch.uint8)},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    with pytest.raises(
+        ModelLoadError, match=r"unsupported quantized checkpoint \(quantization_config.quant_method 'mxfp4'\)"
+    ) as raised:
+        load_model(str(tmp_path))
+    assert "\n" not in str(raised.value)
+
+
 def test_malformed_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(ModelLoadError, match=r"config\.json.*not valid JSON"):

@@ -31,7 +31,7 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 
 
 def tiny_config(family: str, vocab_size: int):
-    from transformers import LlamaConfig, Qwen3Config
+    from transformers import GptOssConfig, LlamaConfig, Qwen3Config
 
     if family == "llama":  # an odd vocabulary: the ranks' lm_head shares differ, the last one padded to gather
         return LlamaConfig(**SHAPE, vocab_size=vocab_size + 1)
@@ -40,6 +40,10 @@ def tiny_config(family: str, vocab_size: int):
         return LlamaConfig(**SHAPE, vocab_size=vocab_size, attention_bias=True, mlp_bias=True)
     if family == "qwen3":  # q/k norms; head_dim unlike hidden / heads
         return Qwen3Config(**SHAPE, vocab_size=vocab_size, head_dim=32, tie_word_embeddings=False)
+    if family == "gpt-oss":  # attention sinks cut with their query heads; the experts whole on every rank
+        rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 8}
+        return GptOssConfig(**SHAPE, vocab_size=vocab_size, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=8, rope_parameters=rope)  # fmt: skip
     raise ValueError(family)
 
 
@@ -49,7 +53,7 @@ def tiny_dirs(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     vocab = tokenizer_vocab_size(smollm2_dir)
     return {
         family: write_tiny_model(root / family, tiny_config(family, vocab), smollm2_dir, init_std=0.15)
-        for family in ("llama", "llama-bias", "qwen3")
+        for family in ("llama", "llama-bias", "qwen3", "gpt-oss")
     }
 
 
@@ -81,6 +85,11 @@ def test_two_ranks_match_one(tiny_dirs: dict[str, Path], tmp_path: Path, family:
 def test_sharded_families_match_one(tiny_dirs: dict[str, Path], tmp_path: Path, family: str, size: int) -> None:
     """At size 4 the 2 KV heads are replicated, each on the two ranks of its query heads."""
     assert_sharded_matches_whole(tiny_dirs[family], size, tmp_path)
+
+
+@pytest.mark.slow
+def test_gpt_oss_two_ranks_match_one(tiny_dirs: dict[str, Path], tmp_path: Path) -> None:
+    assert_sharded_matches_whole(tiny_dirs["gpt-oss"], 2, tmp_path)
 
 
 @pytest.mark.slow

@@ -1,7 +1,8 @@
 """Mixtures of experts through the real services: a random-weight directory of each family (built
 from its own Hugging Face config, tests/support/tiny_models.py) served by a worker and a scheduler
 process, greedy output identical to Hugging Face's ``generate`` in float32. The default run:
-Qwen3-MoE async (two plans in flight) with n-gram drafts; the slow suite adds sync, Qwen2-MoE
+Qwen3-MoE and gpt-oss (attention sinks, a 16-token window on alternate layers, YaRN, the clamped
+SwiGLU) async (two plans in flight) with n-gram drafts; the slow suite adds sync, Qwen2-MoE
 (shared expert, a dense layer) and Mixtral."""
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ MOE_CONFIGS = {
     "qwen2_moe": dict(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
                       shared_expert_intermediate_size=80, mlp_only_layers=[1]),
     "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    # Sliding and full layers alternating, a window the prompts pass; YaRN's factor 32 as gpt-oss's
+    # (over 64 original positions here); a SwiGLU limit these weights reach.
+    "gpt_oss": dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=16, swiglu_limit=1.5,
+                    rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                                     "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 64}),
 }  # fmt: skip
 
 
@@ -52,10 +58,11 @@ def moe_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Call
     return write
 
 
-# (family, plans in flight, spec method): the default run serves Qwen3-MoE async with n-gram
-# drafts; sync, the other families and speculation off run in the slow suite.
+# (family, plans in flight, spec method): the default run serves Qwen3-MoE and gpt-oss async with
+# n-gram drafts; sync, the other families and speculation off run in the slow suite.
 CASES = [
     pytest.param("qwen3_moe", 2, "ngram", id="qwen3_moe-async-ngram"),
+    pytest.param("gpt_oss", 2, "ngram", id="gpt_oss-async-ngram"),
     pytest.param("qwen3_moe", 1, "none", id="qwen3_moe-sync", marks=pytest.mark.slow),
     pytest.param("qwen2_moe", 2, "ngram", id="qwen2_moe-async-ngram", marks=pytest.mark.slow),
     pytest.param("mixtral", 2, "ngram", id="mixtral-async-ngram", marks=pytest.mark.slow),

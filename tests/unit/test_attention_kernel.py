@@ -87,8 +87,10 @@ def _dense_attention(
     scale: float,
     window: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per request: read its context position by position, then plain masked softmax in float64."""
+    """Per request: read its context position by position, then plain masked softmax in float64;
+    ``sinks [Hq]``: each head's logit joins the denominator (one more key, with no value)."""
     block_size = k_cache.shape[1]
     out = torch.empty_like(q)
     group = q.shape[1] // k_cache.shape[2]
@@ -106,7 +108,13 @@ def _dense_attention(
         scores = torch.einsum("qhd,khd->hqk", q[start:end].double(), keys) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sinks is not None:
+            exp = (scores - scores.amax(-1, keepdim=True)).exp()
+            sink = (sinks.double()[:, None, None] - scores.amax(-1, keepdim=True)).exp()
+            probs = exp / (exp.sum(-1, keepdim=True) + sink)
+        else:
+            probs = scores.softmax(-1)
         out[start:end] = torch.einsum("hqk,khd->qhd", probs, values).to(q.dtype)
     return out
 
@@ -137,6 +145,42 @@ def test_soft_capped_attention_matches_dense(impl: str, requests: list[tuple[int
     else:
         got = paged_attention(q, k_cache, v_cache, meta, 0.25, impl=impl, sliding_window=6, softcap=2.0)  # type: ignore[arg-type]
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 6])
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton), "cpp", "gathered"])
+@pytest.mark.parametrize("requests", [REQUESTS, DECODES, LONG_PREFILLS], ids=["mixed", "decodes", "long-prefills"])
+def test_attention_sinks_match_dense(
+    request: pytest.FixtureRequest, impl: str, requests: list[tuple[int, int]], window: int
+) -> None:
+    """gpt-oss's sinks on every path: each head's logit joins the softmax's denominator. The
+    sinks span the scores' range, so some heads give most of their mass to the sink."""
+    if impl == "cpp":
+        request.getfixturevalue("cpu_kernels")
+    q, k_cache, v_cache, meta = _batch(4, 16, seed=5, requests=requests)
+    sinks = torch.tensor([-2.0, 0.5, 3.0, 8.0])
+    expected = _dense_attention(q, k_cache, v_cache, meta, 0.25, window, sinks=sinks)
+    assert not torch.allclose(expected, _dense_attention(q, k_cache, v_cache, meta, 0.25, window), atol=1e-3)
+    if impl == "gathered":
+        from zerobubble.kernels.attention import _paged_attention_gathered
+
+        got = _paged_attention_gathered(q, k_cache, v_cache, meta, 0.25, window, sinks=sinks)
+    else:
+        got = paged_attention(q, k_cache, v_cache, meta, 0.25, impl=impl, sliding_window=window or None, sinks=sinks)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    twin = paged_attention(q, k_cache, v_cache, meta, 0.25, impl="torch", sliding_window=window or None, sinks=sinks)
+    torch.testing.assert_close(got, twin, atol=1e-5, rtol=1e-5)
+
+
+def test_attention_sinks_cpp_in_bfloat16_matches_dense(cpu_kernels: None) -> None:
+    """The C++ kernel's compiled geometry (block size 16, head dim 64) with sinks."""
+    _, k_cache, v_cache, meta = _batch(16, 64, 1, requests=REQUESTS)
+    q = torch.randn(int(meta.query_start_loc[-1]), NUM_Q_HEADS, 64, generator=torch.Generator().manual_seed(4))
+    q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+    sinks = torch.tensor([-1.0, 0.0, 1.0, 2.0])
+    got = paged_attention(q, k_cache, v_cache, meta, 0.125, impl="cpp", sliding_window=6, sinks=sinks)
+    expected = _dense_attention(q.float(), k_cache.float(), v_cache.float(), meta, 0.125, 6, sinks=sinks)
+    torch.testing.assert_close(got.float(), expected, atol=1e-2, rtol=2**-7)
 
 
 @needs_triton

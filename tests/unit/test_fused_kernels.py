@@ -99,6 +99,17 @@ def test_gelu_tanh_mul_matches_twin(impl: str, dtype: torch.dtype) -> None:
     _close(fused.gelu_tanh_mul(gate_up, impl=impl), fused.gelu_tanh_mul_twin(gate_up))  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("impl", [pytest.param("triton", marks=needs_triton), "cpp"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_clamped_swiglu_mul_matches_twin(impl: str, dtype: torch.dtype) -> None:
+    """gpt-oss's clamped SwiGLU, gates and ups on both sides of the limit; "cpp" runs the twin."""
+    inter = 1500
+    gate_up = (torch.randn(5, 2 * inter, generator=torch.Generator().manual_seed(4)) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([86.0, -86.0, 0.0, -0.0])
+    got = fused.clamped_swiglu_mul(gate_up, impl, alpha=1.702, limit=7.0)  # type: ignore[arg-type]
+    _close(got, fused.clamped_swiglu_mul_twin(gate_up, 1.702, 7.0))
+
+
 @pytest.mark.parametrize("impl", IMPLS, indirect=True)
 def test_kernels_accept_an_empty_batch(impl: str) -> None:
     x = torch.empty(0, 64)
@@ -160,3 +171,12 @@ def test_twins_are_hugging_face_bit_for_bit(dtype: torch.dtype) -> None:
     from transformers.activations import ACT2FN
 
     assert torch.equal(fused.gelu_tanh_mul_twin(gate_up), ACT2FN["gelu_pytorch_tanh"](gate) * up)
+    # gpt-oss's experts interleave gate and up columns; ours are halves (converted at load).
+    from types import SimpleNamespace
+
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    interleaved = torch.stack((gate, up), dim=-1).flatten(-2) * 8  # past the limit both ways
+    experts = SimpleNamespace(alpha=1.702, limit=7.0)
+    want = GptOssExperts._apply_gate(experts, interleaved)  # type: ignore[arg-type]
+    assert torch.equal(fused.clamped_swiglu_mul_twin(gate_up * 8, 1.702, 7.0), want)

@@ -14,7 +14,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from zerobubble.kernels import moe  # noqa: E402
+from zerobubble.kernels import fused, moe  # noqa: E402
 from zerobubble.kernels._triton import HAS_TRITON, KernelImpl  # noqa: E402
 from zerobubble.kernels.linear import dequantize_int4, prepare_linear, quantize_int4, quantize_int8  # noqa: E402
 
@@ -143,4 +143,23 @@ def test_routed_experts_is_the_weighted_sum_of_each_tokens_experts() -> None:
     for token, expert, weight in zip(routing.tokens.tolist(), experts.tolist(), routing.weights.tolist()):
         gate, up = (gate_up[expert] @ x[token]).chunk(2)
         want[token] += weight * (down[expert] @ (F.silu(gate) * up))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["per-expert", "torch", pytest.param("triton", marks=needs_triton)])
+def test_biased_experts_with_the_clamped_swiglu(impl: str) -> None:
+    """gpt-oss's experts (biases on both projections, the clamped SwiGLU) on each path against
+    the oracle written out as Hugging Face's ``x @ W + b``."""
+    gate_up, down = (w * 5 for w in _stacked(torch.float32, 4))  # gate·up values past the limit
+    g = torch.Generator().manual_seed(5)
+    biases = (torch.randn(NUM_EXPERTS, 2 * INTER, generator=g), torch.randn(NUM_EXPERTS, HIDDEN, generator=g))
+    act = partial(fused.clamped_swiglu_mul, alpha=1.702, limit=2.0)
+    x, routing = _routing(9, 4)
+    make, kernels = (prepare_linear, None) if impl == "per-expert" else (None, impl)
+    got = moe.routed_experts(x, routing, moe.expert_weights(gate_up, down, make, biases, act), kernels)  # type: ignore[arg-type]
+    want = torch.zeros_like(x)
+    for token, expert, weight in zip(routing.tokens.tolist(), routing.experts.tolist(), routing.weights.tolist()):
+        gate, up = (gate_up[expert] @ x[token] + biases[0][expert]).chunk(2)
+        gate, up = gate.clamp(max=2.0), up.clamp(-2.0, 2.0)
+        want[token] += weight * (down[expert] @ ((up + 1) * gate * torch.sigmoid(1.702 * gate)) + biases[1][expert])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

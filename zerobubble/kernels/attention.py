@@ -6,7 +6,10 @@ positions ``0..that position`` of its own request (optionally only the last ``sl
 of them), read through ``block_tables[r]`` from caches shaped
 ``[num_blocks, block_size, num_kv_heads, head_dim]``. Query head ``h`` reads KV head
 ``h // (num_q_heads // num_kv_heads)`` (grouped-query attention). With ``softcap`` (Gemma 2)
-each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` before the mask and softmax.
+each scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` before the mask and softmax. With
+``sinks`` (gpt-oss) each query head has a learned logit that joins the softmax's denominator as
+one more key with no value: it takes a share of the probability mass, which then attends to
+nothing. Without them every path runs as before.
 
 Each public function has a torch implementation (CPU, and what the model uses there) and a Triton
 implementation (CUDA, or forced with ``impl="triton"``) with identical semantics. The Triton
@@ -183,6 +186,16 @@ def _soft_cap(scores: torch.Tensor, softcap: float) -> torch.Tensor:
     return scores if softcap <= 0 else torch.tanh(scores / softcap) * softcap
 
 
+def _softmax_with_sinks(scores: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of float32 ``scores``; with ``sinks`` (broadcastable to
+    ``scores[..., :1]``: one logit per query head) each head's sink joins the denominator, as
+    Hugging Face's gpt-oss computes it: the sink a last column, dropped after the softmax."""
+    if sinks is None:
+        return torch.softmax(scores, dim=-1)
+    column = sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat((scores, column), dim=-1), dim=-1)[..., :-1]
+
+
 def _window_mask(query_pos: torch.Tensor, num_keys: int, sliding_window: int, dtype: torch.dtype) -> torch.Tensor:
     """Additive mask ``[..., num_keys]``: key ``j`` visible to a query at ``p`` iff ``p - W < j <= p``."""
     keys = torch.arange(num_keys, device=query_pos.device)
@@ -226,12 +239,14 @@ def paged_attention(
     sliding_window: int | None = None,
     plan: AttentionPlan | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of ``q`` ``[T, Hq, D]`` over each request's paged context -> ``[T, Hq, D]``.
 
     ``plan`` (from :func:`plan_attention`) lets a model reuse the torch path's bookkeeping
     across layers; the Triton path ignores it. ``softcap > 0`` caps the scores (the compiled
-    CPU kernel has no cap, so ``impl="cpp"`` runs the torch path then).
+    CPU kernel has no cap, so ``impl="cpp"`` runs the torch path then). ``sinks``: float32
+    ``[Hq]``, each query head's sink logit (gpt-oss).
     """
     window = sliding_window or 0
     if q.shape[0] == 0:
@@ -239,19 +254,19 @@ def paged_attention(
     if use_triton(q, impl, _paged_attention_kernel if HAS_TRITON else None):
         out: torch.Tensor = torch.ops.zerobubble.paged_attention(
             q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-            meta.max_query_len, scale, window, softcap,
+            meta.max_query_len, scale, window, softcap, sinks,
         )  # fmt: skip
         return out
     if q.device.type != "cpu":
         # Off the CPU the planned path's host reads would stall the host behind the device.
-        return _paged_attention_gathered(q, k_cache, v_cache, meta, scale, window, softcap)
+        return _paged_attention_gathered(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
     if impl == "cpp" and softcap > 0:
         impl = "torch"
     if plan is None or plan.batched != (impl != "cpp"):
         plan = plan_attention(meta, k_cache, q.shape[1], batched=impl != "cpp")
     if impl == "cpp":
-        return _paged_attention_cpp(q, k_cache, v_cache, meta, plan, scale, window)
-    return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window, softcap)
+        return _paged_attention_cpp(q, k_cache, v_cache, meta, plan, scale, window, sinks)
+    return _paged_attention_torch(q, k_cache, v_cache, plan, scale, window, softcap, sinks)
 
 
 def _paged_attention_gathered(
@@ -262,6 +277,7 @@ def _paged_attention_gathered(
     scale: float,
     window: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The torch twin without host reads: static shapes from ``meta.max_seq_len`` and masks.
 
@@ -290,7 +306,7 @@ def _paged_attention_gathered(
     if window > 0:
         hidden |= key_pos[None, :] <= query_pos[:, None] - window
     scores = _soft_cap(torch.einsum("thd,tkhd->thk", q.float(), keys) * scale, softcap)
-    probs = scores.masked_fill(hidden[:, None, :], float("-inf")).softmax(dim=-1)
+    probs = _softmax_with_sinks(scores.masked_fill(hidden[:, None, :], float("-inf")), _per_head(sinks, 1))
     return torch.einsum("thk,tkhd->thd", probs, values).to(q.dtype)
 
 
@@ -302,6 +318,7 @@ def _batched_attention(
     scale: float,
     window: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One group of short rows through its bags -> ``[Rb, Qb, Hq, D]``."""
     num_rows, q_len = group.token_index.shape
@@ -322,7 +339,7 @@ def _batched_attention(
         mask = _window_mask(group.query_pos, num_keys, window, torch.float32).unsqueeze(2)
         group.masks[window] = mask
     # Softmax in float32 whatever the model dtype, as SDPA does.
-    probs = torch.softmax(_soft_cap(scores.float(), softcap) + mask, dim=-1).to(q.dtype)
+    probs = _softmax_with_sinks(_soft_cap(scores.float(), softcap) + mask, _per_head(sinks, 1)).to(q.dtype)
     return F.embedding_bag(
         group.value_bags,
         value_storage.view(-1, head_dim),
@@ -339,16 +356,17 @@ def _paged_attention_torch(
     scale: float,
     window: int,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     key_storage, value_storage = _key_storage(k_cache), _value_storage(v_cache)
     if len(plan.groups) == 1 and plan.groups[0].covers_batch:  # all decodes of one length
-        attended = _batched_attention(q, key_storage, value_storage, plan.groups[0], scale, window, softcap)
+        attended = _batched_attention(q, key_storage, value_storage, plan.groups[0], scale, window, softcap, sinks)
         return attended.view(q.shape)
     out = torch.empty_like(q)
     for group in plan.groups:
-        attended = _batched_attention(q, key_storage, value_storage, group, scale, window, softcap)
+        attended = _batched_attention(q, key_storage, value_storage, group, scale, window, softcap, sinks)
         out[group.token_index.reshape(-1)] = attended.view(-1, *q.shape[1:])
-    return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out, softcap)
+    return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out, softcap, sinks)
 
 
 def _paged_attention_cpp(
@@ -359,15 +377,16 @@ def _paged_attention_cpp(
     plan: AttentionPlan,
     scale: float,
     window: int,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rows of up to ``CPP_MAX_QUERY_LEN`` queries through the C++ kernel (zerobubble.kernels.cpu),
     longer ones through SDPA."""
     key_storage, value_storage = _key_storage(k_cache), _value_storage(v_cache)
     out: torch.Tensor = torch.ops.zerobubble_cpu.paged_attention(
         q, key_storage, value_storage, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-        CPP_MAX_QUERY_LEN, scale, window,
+        CPP_MAX_QUERY_LEN, scale, window, sinks,
     )  # fmt: skip
-    return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out)
+    return _attend_long_rows(q, key_storage, value_storage, plan, scale, window, out, sinks=sinks)
 
 
 def _attend_long_rows(
@@ -379,16 +398,18 @@ def _attend_long_rows(
     window: int,
     out: torch.Tensor,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Writes the attention of each of the plan's long rows (prefill chunks) into ``out``, by SDPA
-    (by :func:`_capped_attention` with a soft cap, which SDPA has not)."""
+    (by :func:`_eager_attention` with a soft cap or sinks, which SDPA has not)."""
     num_kv_heads, head_dim = key_storage.shape[1], key_storage.shape[2]
     for i, row in enumerate(plan.prefill_rows):
         num_queries = row.end - row.start
         # [nblk, Hkv, D, bs] and [nblk, Hkv, bs, D] -> [1, Hkv, L, D]; a copy is cheap next to a prefill.
         keys = key_storage[row.block_ids].permute(1, 0, 3, 2).reshape(1, num_kv_heads, -1, head_dim)
         values = value_storage[row.block_ids].transpose(0, 1).reshape(1, num_kv_heads, -1, head_dim)
-        fresh = row.seq_len == num_queries and (window == 0 or window >= row.seq_len) and softcap <= 0
+        eager = softcap > 0 or sinks is not None
+        fresh = row.seq_len == num_queries and (window == 0 or window >= row.seq_len) and not eager
         mask = None
         if not fresh:
             mask = plan.masks.get((i, window))
@@ -396,7 +417,7 @@ def _attend_long_rows(
                 query_pos = torch.arange(row.seq_len - num_queries, row.seq_len, device=q.device)
                 mask = _window_mask(query_pos, row.seq_len, window, q.dtype)
                 plan.masks[(i, window)] = mask
-        attend = F.scaled_dot_product_attention if softcap <= 0 else _capped_attention(softcap)
+        attend = _eager_attention(softcap, sinks) if eager else F.scaled_dot_product_attention
         out[row.start : row.end] = attend(
             q[row.start : row.end].transpose(0, 1).unsqueeze(0),
             keys[:, :, : row.seq_len],
@@ -409,9 +430,15 @@ def _attend_long_rows(
     return out
 
 
-def _capped_attention(softcap: float) -> Callable[..., torch.Tensor]:
-    """SDPA's signature (as `_attend_long_rows` calls it) with soft-capped scores: Hugging Face's
-    eager Gemma 2 attention, scores and softmax in float32."""
+def _per_head(sinks: torch.Tensor | None, trailing: int) -> torch.Tensor | None:
+    """``sinks [Hq]`` viewed to broadcast over a scores tensor whose head dimension is followed
+    by ``trailing`` more (the keys', the queries')."""
+    return None if sinks is None else sinks.view(-1, *(1,) * trailing)
+
+
+def _eager_attention(softcap: float, sinks: torch.Tensor | None) -> Callable[..., torch.Tensor]:
+    """SDPA's signature (as `_attend_long_rows` calls it) with soft-capped scores and sinks:
+    Hugging Face's eager Gemma 2 and gpt-oss attention, scores and softmax in float32."""
 
     def attend(
         q: torch.Tensor,
@@ -426,7 +453,7 @@ def _capped_attention(softcap: float) -> Callable[..., torch.Tensor]:
         group = q.shape[1] // k.shape[1]
         keys, values = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         scores = _soft_cap(torch.matmul(q.float(), keys.float().transpose(-1, -2)) * scale, softcap)
-        probs = torch.softmax(scores + attn_mask.float(), dim=-1).to(q.dtype)
+        probs = _softmax_with_sinks(scores + attn_mask.float(), _per_head(sinks, 2)).to(q.dtype)
         return torch.matmul(probs, values)
 
     return attend
@@ -470,6 +497,7 @@ def _paged_attention_triton(
     scale: float,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads = k_cache.shape[2]
@@ -493,7 +521,7 @@ def _paged_attention_triton(
     dot_f32 = q.dtype == torch.float32 or is_interpreted(_paged_attention_kernel)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, sinks if sinks is not None else q,
         scale, window if window > 0 else _NO_WINDOW, softcap,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.stride(3),
@@ -503,7 +531,7 @@ def _paged_attention_triton(
         k_cache.shape[1], group,
         HEAD_DIM=head_dim, BLOCK_D=max(next_power_of_2(head_dim), 16),
         BLOCK_G=block_g, BLOCK_M=block_m, BLOCK_N=16 if decode else 32,
-        DOT_F32=dot_f32, SOFTCAP=softcap > 0,
+        DOT_F32=dot_f32, SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
         # float32 operands get float32 products (tf32 would drift from the torch twin); the
         # setting means nothing to 16-bit operands, which keep the compiler's default.
         DOT_PRECISION="ieee" if dot_f32 else "tf32",
@@ -524,6 +552,7 @@ def _(
     scale: float,
     window: int,
     softcap: float,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     return torch.empty_like(q)
 
@@ -559,7 +588,7 @@ if HAS_TRITON:
     @triton.jit
     def _paged_attention_kernel(
         q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr,
+        query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, sinks_ptr,
         scale, sliding_window, softcap,
         stride_qt, stride_qh,
         stride_kc_block, stride_kc_slot, stride_kc_head, stride_kc_dim,
@@ -569,7 +598,7 @@ if HAS_TRITON:
         block_size, num_queries_per_kv,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        SOFTCAP: tl.constexpr,
+        SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr,
     ):  # fmt: skip
         """One program per (tile of query tokens, request, KV head); online softmax.
 
@@ -607,8 +636,14 @@ if HAS_TRITON:
             # Keys any row of the tile sees: from its first token's window to its last token.
             lo = tl.maximum(seq_len - q_len + first_i - sliding_window + 1, 0)
             hi = seq_len - q_len + tl.minimum(first_i + tokens_per_tile, q_len) - 1
-            m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-            l_i = tl.zeros((BLOCK_M,), tl.float32)
+            if HAS_SINKS:
+                # The sink is a key seen first: its logit the running maximum, exp(0) = 1 the
+                # running sum, and no value in the accumulator.
+                m_i = tl.load(sinks_ptr + heads, mask=row_valid, other=float("-inf")).to(tl.float32)
+                l_i = tl.where(row_valid, 1.0, 0.0)
+            else:
+                m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+                l_i = tl.zeros((BLOCK_M,), tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
             for tile_start in range((lo // BLOCK_N) * BLOCK_N, hi + 1, BLOCK_N):
                 keys_pos = tile_start + tl.arange(0, BLOCK_N)

@@ -1,5 +1,5 @@
-"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, q/k norm + RoPE, SiLU·up
-and GELU(tanh)·up (Gemma's GeGLU).
+"""Fused elementwise kernels of the decoder layer: residual add + RMSNorm, q/k norm + RoPE, SiLU·up,
+GELU(tanh)·up (Gemma's GeGLU) and gpt-oss's clamped SwiGLU.
 
 Between two matmuls a decoder layer is a chain of small elementwise steps. Run one aten op at a
 time, a bfloat16 RMSNorm alone is eight kernels (cast, square, mean, add, rsqrt, multiply, cast,
@@ -85,6 +85,20 @@ def gelu_tanh_mul_twin(gate_up: Tensor) -> Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+def clamped_swiglu_mul_twin(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's ``(clamp(up) + 1) * gate * sigmoid(alpha * gate)`` of ``gate_up [T, 2 I]``
+    (gate first), the gate clamped above at ``limit`` and up to ``[-limit, limit]``: Hugging
+    Face's ``GptOssExperts._apply_gate``, op for op."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(min=None, max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+# The activations of `_silu_mul_kernel` (its ACT).
+_SILU, _GELU_TANH, _CLAMPED_SWIGLU = 0, 1, 2
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton kernels
 
@@ -142,16 +156,23 @@ if HAS_TRITON:
         tl.store(out_ptr + t * stride_o + heads * HEAD_DIM + dims, out.to(dtype), mask=mask)
 
     @triton.jit
-    def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_g, stride_o, inter, BLOCK: tl.constexpr, GELU: tl.constexpr):
-        """Grid (tokens, column blocks): ``silu(gate)`` (``GELU``: ``gelu_tanh(gate)``) rounded
-        to the dtype, then times ``up``."""
+    def _silu_mul_kernel(
+        gate_up_ptr, out_ptr, stride_g, stride_o, inter, alpha, limit, BLOCK: tl.constexpr, ACT: tl.constexpr
+    ):
+        """Grid (tokens, column blocks): ``silu(gate)`` (ACT ``_GELU_TANH``: ``gelu_tanh(gate)``;
+        ``_CLAMPED_SWIGLU``: gpt-oss's ``gate * sigmoid(alpha gate)`` and ``up + 1``, both clamped
+        by ``limit``) rounded to the dtype, then times ``up``."""
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
         dtype = out_ptr.dtype.element_ty
         gate = tl.load(gate_up_ptr + t * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
         up = tl.load(gate_up_ptr + t * stride_g + inter + cols, mask=mask, other=0.0).to(tl.float32)
-        if GELU:
+        if ACT == 2:  # _CLAMPED_SWIGLU
+            gate = tl.minimum(gate, limit)
+            up = (tl.minimum(tl.maximum(up, -limit), limit) + 1.0).to(dtype).to(tl.float32)
+            act = (gate / (1.0 + tl.exp(-alpha * gate))).to(dtype).to(tl.float32)
+        elif ACT == 1:  # _GELU_TANH
             inner = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
             # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates to +-1 where exp over- or underflows.
             act = (0.5 * gate * (2.0 - 2.0 / (tl.exp(2.0 * inner) + 1.0))).to(dtype).to(tl.float32)
@@ -207,19 +228,21 @@ def _(
 _SILU_BLOCK = 1024
 
 
-def _launch_act_mul(gate_up: Tensor, gelu: bool) -> Tensor:
+def _launch_act_mul(gate_up: Tensor, act: int, alpha: float = 1.0, limit: float = 0.0) -> Tensor:
     num_tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = gate_up.new_empty(num_tokens, inter)
     if num_tokens:
         block = min(_SILU_BLOCK, next_power_of_2(inter))
         grid = (num_tokens, triton.cdiv(inter, block))
-        _silu_mul_kernel[grid](gate_up, out, gate_up.stride(0), out.stride(0), inter, BLOCK=block, GELU=gelu)
+        _silu_mul_kernel[grid](
+            gate_up, out, gate_up.stride(0), out.stride(0), inter, alpha, limit, BLOCK=block, ACT=act
+        )  # fmt: skip
     return out
 
 
 @torch.library.custom_op("zerobubble::silu_mul", mutates_args=())
 def _silu_mul_op(gate_up: Tensor) -> Tensor:
-    return _launch_act_mul(gate_up, gelu=False)
+    return _launch_act_mul(gate_up, _SILU)
 
 
 @_silu_mul_op.register_fake
@@ -229,11 +252,21 @@ def _(gate_up: Tensor) -> Tensor:
 
 @torch.library.custom_op("zerobubble::gelu_tanh_mul", mutates_args=())
 def _gelu_tanh_mul_op(gate_up: Tensor) -> Tensor:
-    return _launch_act_mul(gate_up, gelu=True)
+    return _launch_act_mul(gate_up, _GELU_TANH)
 
 
 @_gelu_tanh_mul_op.register_fake
 def _(gate_up: Tensor) -> Tensor:
+    return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
+
+
+@torch.library.custom_op("zerobubble::clamped_swiglu_mul", mutates_args=())
+def _clamped_swiglu_mul_op(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
+    return _launch_act_mul(gate_up, _CLAMPED_SWIGLU, alpha, limit)
+
+
+@_clamped_swiglu_mul_op.register_fake
+def _(gate_up: Tensor, alpha: float, limit: float) -> Tensor:
     return gate_up.new_empty(gate_up.shape[0], gate_up.shape[1] // 2)
 
 
@@ -295,3 +328,12 @@ def gelu_tanh_mul(gate_up: Tensor, impl: KernelImpl = None) -> Tensor:
         result: Tensor = torch.ops.zerobubble.gelu_tanh_mul(gate_up)
         return result
     return gelu_tanh_mul_twin(gate_up)
+
+
+def clamped_swiglu_mul(gate_up: Tensor, impl: KernelImpl = None, *, alpha: float, limit: float) -> Tensor:
+    """gpt-oss's clamped SwiGLU of ``gate_up [T, 2 I]`` -> ``[T, I]`` (`clamped_swiglu_mul_twin`).
+    The compiled CPU kernels have none, so ``impl="cpp"`` runs the twin."""
+    if use_triton(gate_up, impl, _silu_mul_kernel if HAS_TRITON else None):
+        result: Tensor = torch.ops.zerobubble.clamped_swiglu_mul(gate_up, alpha, limit)
+        return result
+    return clamped_swiglu_mul_twin(gate_up, alpha, limit)

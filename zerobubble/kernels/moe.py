@@ -1,8 +1,9 @@
 """Routed experts of a mixture-of-experts layer: top-k routing, tokens grouped by expert, one
 grouped product per projection.
 
-One forward serves every family (Qwen2-MoE, Qwen3-MoE, Mixtral); what differs between them is
-data (`route`'s ``renormalize``; the shared expert is the caller's). A token's ``k`` choices
+One forward serves every family (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss); what differs between
+them is data (`route`'s ``renormalize``, the experts' biases and activation: gpt-oss's clamped
+SwiGLU; the shared expert is the caller's). A token's ``k`` choices
 become ``k`` rows, sorted by expert id (`Routing`): each expert's rows are contiguous, so a
 projection of all experts is one grouped product over ``[E, out, in]`` weights:
 
@@ -22,7 +23,7 @@ one rounding less in 16-bit dtypes).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,40 +40,59 @@ class Routing:
 
     ``tokens[j]`` is the token row of sorted pair ``j`` and ``weights[j]`` its routing weight
     (float32); expert ``e``'s pairs are ``offsets[e]:offsets[e + 1]`` (``[E + 1]``, int64, on the
-    tokens' device).
+    tokens' device), and ``experts[j]`` is pair ``j``'s expert (what picks its biases).
     """
 
     tokens: Tensor
     weights: Tensor
     offsets: Tensor
+    experts: Tensor
+
+
+ActMul = Callable[[Tensor, KernelImpl], Tensor]  # gate·up [N, 2 I] -> [N, I]
 
 
 @dataclass(slots=True, eq=False)
 class ExpertWeights:
-    """Every expert's SwiGLU projections, in one of two forms: stacked (``gate_up [E, 2 I, H]``,
+    """Every expert's gated-MLP projections, in one of two forms: stacked (``gate_up [E, 2 I, H]``,
     gate rows first, and ``down [E, H, I]``) for the grouped kernel and its twin, or one
-    `LinearWeight` per expert (``gate_up_each``, ``down_each``) for the CPU products."""
+    `LinearWeight` per expert (``gate_up_each``, ``down_each``) for the CPU products; optional
+    biases ``[E, 2 I]`` and ``[E, H]`` (gpt-oss), never quantized; the activation (SwiGLU unless
+    the family says otherwise)."""
 
     num_experts: int
     gate_up: Tensor | None = None
     down: Tensor | None = None
     gate_up_each: list[LinearWeight] | None = None
     down_each: list[LinearWeight] | None = None
+    gate_up_bias: Tensor | None = None
+    down_bias: Tensor | None = None
+    act_mul: ActMul = field(default=silu_mul)
 
 
 def expert_weights(
-    gate_up: Tensor, down: Tensor, make: Callable[[Tensor], LinearWeight] | None = None
+    gate_up: Tensor,
+    down: Tensor,
+    make: Callable[[Tensor], LinearWeight] | None = None,
+    biases: tuple[Tensor, Tensor] | None = None,
+    act_mul: ActMul = silu_mul,
 ) -> ExpertWeights:
     """Experts from stacked ``gate_up [E, 2 I, H]`` and ``down [E, H, I]``: kept stacked, or with
-    ``make`` (e.g. `zerobubble.kernels.linear.prepare_linear`) one `LinearWeight` per expert."""
+    ``make`` (e.g. `zerobubble.kernels.linear.prepare_linear`) one `LinearWeight` per expert;
+    ``biases``: ``(gate_up [E, 2 I], down [E, H])``."""
     num_experts = gate_up.shape[0]
     if make is None:
-        return ExpertWeights(num_experts, gate_up=gate_up.contiguous(), down=down.contiguous())
-    return ExpertWeights(
-        num_experts,
-        gate_up_each=[make(gate_up[e].contiguous()) for e in range(num_experts)],
-        down_each=[make(down[e].contiguous()) for e in range(num_experts)],
-    )
+        experts = ExpertWeights(num_experts, gate_up=gate_up.contiguous(), down=down.contiguous())
+    else:
+        experts = ExpertWeights(
+            num_experts,
+            gate_up_each=[make(gate_up[e].contiguous()) for e in range(num_experts)],
+            down_each=[make(down[e].contiguous()) for e in range(num_experts)],
+        )
+    if biases is not None:
+        experts.gate_up_bias, experts.down_bias = biases
+    experts.act_mul = act_mul
+    return experts
 
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> Routing:
@@ -88,25 +108,43 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool) -> Routing:
     sorted_experts, order = top_experts.flatten().sort(stable=True)
     bounds = torch.arange(num_experts + 1, device=router_logits.device, dtype=sorted_experts.dtype)
     offsets = torch.searchsorted(sorted_experts, bounds)
-    return Routing(tokens=order // top_k, weights=top_weights.flatten().index_select(0, order), offsets=offsets)
+    return Routing(
+        tokens=order // top_k,
+        weights=top_weights.flatten().index_select(0, order),
+        offsets=offsets,
+        experts=sorted_experts,
+    )
 
 
 def routed_experts(x: Tensor, routing: Routing, experts: ExpertWeights, impl: KernelImpl = None) -> Tensor:
     """``sum_k weight_k * expert_k(x)`` per token of ``x [T, H]``: float32 ``[T, H]``."""
     rows = x.index_select(0, routing.tokens)
-    out = expert_mlps(rows, routing.offsets, experts, impl)
+    out = expert_mlps(rows, routing.offsets, experts, impl, routing.experts)
     weighted = out.float() * routing.weights.unsqueeze(-1)
     summed = torch.zeros(x.shape[0], out.shape[1], dtype=torch.float32, device=x.device)
     return summed.index_add_(0, routing.tokens, weighted)
 
 
-def expert_mlps(rows: Tensor, offsets: Tensor, experts: ExpertWeights, impl: KernelImpl = None) -> Tensor:
-    """Each expert's SwiGLU MLP over its rows ``offsets[e]:offsets[e + 1]`` of ``rows [N, H]``."""
+def expert_mlps(
+    rows: Tensor, offsets: Tensor, experts: ExpertWeights, impl: KernelImpl = None, expert_ids: Tensor | None = None
+) -> Tensor:
+    """Each expert's gated MLP over its rows ``offsets[e]:offsets[e + 1]`` of ``rows [N, H]``;
+    ``expert_ids [N]``: each row's expert (`Routing.experts`), needed with biases."""
     if experts.gate_up_each is not None:
         return _per_expert_mlps(rows, offsets, experts, impl)
     assert experts.gate_up is not None and experts.down is not None
-    gate_up = grouped_linear(rows, experts.gate_up, offsets, impl)
-    return grouped_linear(silu_mul(gate_up, impl), experts.down, offsets, impl)
+    gate_up = _add_bias(grouped_linear(rows, experts.gate_up, offsets, impl), experts.gate_up_bias, expert_ids)
+    out = grouped_linear(experts.act_mul(gate_up, impl), experts.down, offsets, impl)
+    return _add_bias(out, experts.down_bias, expert_ids)
+
+
+def _add_bias(out: Tensor, bias: Tensor | None, index: Tensor | int | None) -> Tensor:
+    """``out`` plus the bias row of each row's expert (``index``: the rows' experts, or one
+    expert for all): a separate add after the product, as Hugging Face's ``x @ W + b``."""
+    if bias is None:
+        return out
+    assert index is not None, "biased experts need the rows' expert ids"
+    return out + (bias[index] if isinstance(index, int) else bias.index_select(0, index))
 
 
 def _per_expert_mlps(rows: Tensor, offsets: Tensor, experts: ExpertWeights, impl: KernelImpl) -> Tensor:
@@ -117,8 +155,9 @@ def _per_expert_mlps(rows: Tensor, offsets: Tensor, experts: ExpertWeights, impl
     for e in range(experts.num_experts):
         start, end = bounds[e], bounds[e + 1]
         if end > start:
-            gate_up = linear(rows[start:end], experts.gate_up_each[e])
-            out[start:end] = linear(silu_mul(gate_up, impl), experts.down_each[e])
+            gate_up = _add_bias(linear(rows[start:end], experts.gate_up_each[e]), experts.gate_up_bias, e)
+            down = linear(experts.act_mul(gate_up, impl), experts.down_each[e])
+            out[start:end] = _add_bias(down, experts.down_bias, e)
     return out
 
 

@@ -1,5 +1,5 @@
-"""Our decoder forward (Llama/SmolLM, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3/Phi-4) over a flat
-batch and a paged KV cache.
+"""Our decoder forward (Llama/SmolLM, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Phi-3/Phi-4 and the
+mixtures of experts Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) over a flat batch and a paged KV cache.
 
 One forward call takes the tokens of many requests at once — prefill chunks and decodes mixed —
 as flat ``input_ids [T]`` and ``positions [T]`` plus :class:`~zerobubble.kernels.attention.AttentionMetadata`
@@ -11,15 +11,16 @@ projections are fused into single matrices and the RoPE cos/sin table is precomp
 a handful of large matmuls per layer; on CPU their weights are also laid out once for oneDNN
 (:mod:`zerobubble.kernels.linear`). RoPE inverse frequencies and attention scaling come from
 ``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
-The sparse layers of the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral) run routed experts
-in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`).
+The sparse layers of the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) run routed
+experts in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`).
 
 The families differ only in data read by the one forward (`ModelSpec`, `LayerWeights`): Gemma's
 (1 + w) norms are stored as ``w + 1`` at load time, its extra norms after attention and MLP are
 optional layer weights, GeGLU is an activation name, soft-capping values and the embedding scale
 are numbers; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the usual names before
 loading (`adapt_state_dict`), and its partial rotary becomes a permutation of the q/k head
-dimensions with identity rows in the rotary table (`rotary_permutation`).
+dimensions with identity rows in the rotary table (`rotary_permutation`); gpt-oss's attention
+sinks are a per-layer weight every attention path takes (`LayerWeights.sinks`).
 """
 
 from __future__ import annotations
@@ -134,6 +135,7 @@ class ModelSpec:
     attn_softcap: float = 0.0  # Gemma 2: scores -> cap * tanh(scores / cap); 0: none
     final_softcap: float = 0.0  # Gemma 2: the same on the logits
     rotary_dim: int = 0  # dimensions of each head rotated (Phi: partial_rotary_factor); 0: head_dim
+    attention_sinks: bool = False  # gpt-oss: a learned logit per query head joins each softmax
     local_rope: list[bool] = field(default_factory=list)  # per layer: its own rotary table (Gemma 3)
 
 
@@ -161,6 +163,7 @@ class LayerWeights:
     # Gemma's norms of the attention's and the MLP's outputs, before they join the residual stream.
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
+    sinks: torch.Tensor | None = None  # [Hq] float32: gpt-oss's attention sinks
 
 
 def model_spec(hf_config: Any) -> ModelSpec:
@@ -169,6 +172,7 @@ def model_spec(hf_config: Any) -> ModelSpec:
     model_type = getattr(hf_config, "model_type", None)
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(unsupported_model_type(model_type))
+    _refuse_quantized(hf_config)
     num_q_heads = int(hf_config.num_attention_heads)
     num_kv_heads = int(getattr(hf_config, "num_key_value_heads", None) or num_q_heads)
     if num_q_heads % num_kv_heads:
@@ -200,6 +204,19 @@ def model_spec(hf_config: Any) -> ModelSpec:
     )
 
 
+def _refuse_quantized(hf_config: Any) -> None:
+    """A checkpoint stored quantized (gpt-oss's MXFP4 experts, GPTQ, AWQ...) has weights our
+    loader cannot read: refused by name, before any weight is read."""
+    quantization = getattr(hf_config, "quantization_config", None)
+    if not quantization:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    raise ValueError(
+        f"unsupported quantized checkpoint (quantization_config.quant_method {str(method)!r}): serve its "
+        "unquantized (bfloat16) weights; weight-only int8/int4 is --quantization"
+    )
+
+
 def _family_traits(hf_config: Any, model_type: str, head_dim: int) -> dict[str, Any]:
     """`ModelSpec`'s fields beyond Llama's: Gemma's norms, scales and caps, partial rotary, and
     per-layer rotary tables; raises ``ValueError`` for a variant the forward does not run."""
@@ -216,6 +233,7 @@ def _family_traits(hf_config: Any, model_type: str, head_dim: int) -> dict[str, 
         "activation": _ACTIVATION_NAMES[act_name],
         "rotary_dim": int(head_dim * partial),
         "local_rope": [kind == _LOCAL_LAYER_TYPE for kind in layer_types] if per_type else [],
+        "attention_sinks": model_type == "gpt_oss",
     }
     if model_type in _GEMMA_TYPES:
         # Gemma 3's attention ignores attn_logit_softcapping even where its config sets it.
@@ -476,7 +494,7 @@ class CausalLM:
             q = self.write_kv(layer, normed, cos, sin, (k_cache, v_cache), meta.slot_mapping)
             attn = paged_attention(
                 q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan,
-                softcap=spec.attn_softcap,
+                softcap=spec.attn_softcap, sinks=layer.sinks,
             )  # fmt: skip
             hidden = row_linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, self.tp)
             hidden = self.output_norm(hidden, layer.attn_out_norm)
@@ -626,6 +644,7 @@ def layer_weights(
     # Gemma: post_attention_layernorm norms the attention's output, pre_feedforward_layernorm the MLP's input.
     sandwich = spec.sandwich_norms
     mlp_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+    sinks = take_optional(prefix + "self_attn.sinks", (spec.num_q_heads,), spec.attention_sinks)
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight", (hidden,)) if input_norm else None,
         qkv_weight=weight(qkv.contiguous()),
@@ -647,6 +666,7 @@ def layer_weights(
         moe=moe_layer_weights(spec.moe, hidden, take, weight, prefix) if spec.moe is not None and sparse else None,
         attn_out_norm=take_optional(prefix + "post_attention_layernorm.weight", (hidden,), sandwich),
         mlp_out_norm=take_optional(prefix + "post_feedforward_layernorm.weight", (hidden,), sandwich),
+        sinks=None if sinks is None else sinks.float(),
     )
 
 

@@ -1,15 +1,18 @@
-"""Mixture-of-experts layers of Qwen2-MoE, Qwen3-MoE and Mixtral: what a config says about them,
-their weights under the names checkpoints use, and their forward.
+"""Mixture-of-experts layers of Qwen2-MoE, Qwen3-MoE, Mixtral and gpt-oss: what a config says
+about them, their weights under the names checkpoints use, and their forward.
 
 The families differ only in data (`MoeSpec`): whether the top-k weights are renormalized
-(Qwen's ``norm_topk_prob``; Mixtral's softmax over its top-k logits is the same thing), whether
-a shared expert with a sigmoid gate runs beside the routed ones (Qwen2-MoE), and which layers
-are sparse (Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``). The routed experts run
-through :mod:`zerobubble.kernels.moe`.
+(Qwen's ``norm_topk_prob``; Mixtral's and gpt-oss's softmax over the top-k logits is the same
+thing), whether a shared expert with a sigmoid gate runs beside the routed ones (Qwen2-MoE),
+which layers are sparse (Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``), and gpt-oss's
+biases (router and experts), clamped SwiGLU and expert layout (``gate_up_proj [E, H, 2 I]`` with
+gate and up columns interleaved, converted once at load). The routed experts run through
+:mod:`zerobubble.kernels.moe`.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,12 +21,12 @@ import torch
 from torch import Tensor
 
 from zerobubble.kernels._triton import KernelImpl
-from zerobubble.kernels.fused import silu_mul
+from zerobubble.kernels.fused import clamped_swiglu_mul, silu_mul
 from zerobubble.kernels.linear import LinearWeight, linear, prepare_linear
-from zerobubble.kernels.moe import ExpertWeights, expert_weights, route, routed_experts
+from zerobubble.kernels.moe import ActMul, ExpertWeights, expert_weights, route, routed_experts
 from zerobubble.worker_svc.parallel import SINGLE, TensorParallel, row_linear
 
-MOE_MODEL_TYPES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral"})
+MOE_MODEL_TYPES = frozenset({"qwen2_moe", "qwen3_moe", "mixtral", "gpt_oss"})
 
 Taker = Callable[[str, tuple[int, ...]], Tensor]
 WeightMaker = Callable[[Tensor], LinearWeight]
@@ -42,6 +45,13 @@ class MoeSpec:
     # Where checkpoints keep a sparse layer's weights: the block, and each expert's (gate, up, down).
     block: str = "mlp."
     expert_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    router: str = "gate"  # the router's name in the block
+    # gpt-oss: biases on the router and the experts, whose fused projections are stored [E, in, out]
+    # with gate and up columns interleaved, and the clamped SwiGLU (limit 0: plain SwiGLU).
+    biases: bool = False
+    interleaved: bool = False
+    swiglu_alpha: float = 1.0
+    swiglu_limit: float = 0.0
 
 
 def moe_spec(hf_config: Any, num_layers: int) -> MoeSpec | None:
@@ -60,6 +70,20 @@ def moe_spec(hf_config: Any, num_layers: int) -> MoeSpec | None:
             sparse_layers=(True,) * num_layers,
             block="block_sparse_moe.",
             expert_names=("w1", "w3", "w2"),
+        )
+    if model_type == "gpt_oss":
+        return MoeSpec(
+            num_experts=num_experts,
+            top_k=int(hf_config.num_experts_per_tok),
+            intermediate_size=int(hf_config.intermediate_size),
+            renormalize=True,
+            shared_intermediate_size=0,
+            sparse_layers=(True,) * num_layers,
+            router="router",
+            biases=True,
+            interleaved=True,
+            swiglu_alpha=float(hf_config.swiglu_alpha),
+            swiglu_limit=float(hf_config.swiglu_limit),
         )
     if model_type not in ("qwen2_moe", "qwen3_moe"):
         return None
@@ -86,6 +110,7 @@ class MoeLayer:
     experts: ExpertWeights
     top_k: int
     renormalize: bool
+    router_bias: Tensor | None = None  # [E] (gpt-oss)
     shared_gate_up: LinearWeight | None = None  # [2 I_shared, hidden]
     shared_down: LinearWeight | None = None  # [hidden, I_shared]
     shared_gate: LinearWeight | None = None  # [1, hidden]
@@ -109,7 +134,7 @@ def gated_mlp(
 
 def moe_forward(x: Tensor, layer: MoeLayer, impl: KernelImpl = None) -> Tensor:
     """A sparse layer's feed-forward output for its normed input ``x [T, hidden]``, in ``x.dtype``."""
-    routing = route(linear(x, layer.router), layer.top_k, layer.renormalize)
+    routing = route(linear(x, layer.router, layer.router_bias), layer.top_k, layer.renormalize)
     out = routed_experts(x, routing, layer.experts, impl)  # float32
     if layer.shared_gate_up is not None:
         assert layer.shared_down is not None and layer.shared_gate is not None
@@ -121,19 +146,24 @@ def moe_forward(x: Tensor, layer: MoeLayer, impl: KernelImpl = None) -> Tensor:
 def moe_layer_weights(spec: MoeSpec, hidden: int, take: Taker, weight: WeightMaker, prefix: str) -> MoeLayer:
     """A sparse layer's weights under ``prefix``: transformers 5's names (``mlp.experts.gate_up_proj``
     ``[E, 2 I, H]``, ``mlp.experts.down_proj``, ``mlp.gate.weight``) or the checkpoints' per-expert
-    ones (``mlp.experts.{e}.gate_proj.weight`` ..., Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``).
-    On the CPU each expert becomes its own linear weight (quantized as the model's), elsewhere
-    they stay stacked for the grouped kernel; the router is never quantized (a routing choice
-    moved by rounding changes the whole output)."""
-    router = _take_any(
-        take, [prefix + block + "gate.weight" for block in ("mlp.", spec.block)], (spec.num_experts, hidden)
-    )
-    gate_up, down = _stacked_experts(spec, hidden, take, prefix)
+    ones (``mlp.experts.{e}.gate_proj.weight`` ..., Mixtral's ``block_sparse_moe.experts.{e}.w1.weight``),
+    or gpt-oss's (`_interleaved_experts`). On the CPU each expert becomes its own linear weight
+    (quantized as the model's), elsewhere they stay stacked for the grouped kernel; the router
+    and the biases are never quantized (a routing choice moved by rounding changes the whole
+    output)."""
+    names = [f"{prefix}{block}{spec.router}.weight" for block in ("mlp.", spec.block)]
+    router = _take_any(take, names, (spec.num_experts, hidden))
+    if spec.interleaved:
+        gate_up, down, biases = _interleaved_experts(spec, hidden, take, prefix + spec.block)
+    else:
+        (gate_up, down), biases = _stacked_experts(spec, hidden, take, prefix), None
+    make = weight if gate_up.device.type == "cpu" else None
     layer = MoeLayer(
         router=prepare_linear(router, prepack=False),
-        experts=expert_weights(gate_up, down, weight if gate_up.device.type == "cpu" else None),
+        experts=expert_weights(gate_up, down, make, biases, expert_activation(spec)),
         top_k=spec.top_k,
         renormalize=spec.renormalize,
+        router_bias=take(f"{prefix}{spec.block}{spec.router}.bias", (spec.num_experts,)) if spec.biases else None,
     )
     if spec.shared_intermediate_size:
         shared, size = prefix + "mlp.shared_expert.", spec.shared_intermediate_size
@@ -142,6 +172,31 @@ def moe_layer_weights(spec: MoeSpec, hidden: int, take: Taker, weight: WeightMak
         layer.shared_down = weight(take(shared + "down_proj.weight", (hidden, size)))
         layer.shared_gate = prepare_linear(take(prefix + "mlp.shared_expert_gate.weight", (1, hidden)), prepack=False)
     return layer
+
+
+def expert_activation(spec: MoeSpec) -> ActMul:
+    """The experts' gate·up activation: SwiGLU, or gpt-oss's clamped one."""
+    if spec.swiglu_limit > 0:
+        return functools.partial(clamped_swiglu_mul, alpha=spec.swiglu_alpha, limit=spec.swiglu_limit)
+    return silu_mul
+
+
+def _interleaved_experts(
+    spec: MoeSpec, hidden: int, take: Taker, block: str
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+    """gpt-oss's experts in our stacked layout: ``gate_up_proj [E, H, 2 I]`` (gate and up columns
+    interleaved) becomes ``[E, 2 I, H]`` with the gate rows first, ``down_proj [E, I, H]`` becomes
+    ``[E, H, I]``, and the biases follow."""
+    num, inter = spec.num_experts, spec.intermediate_size
+    # Copies by reshape and torch.clone: `Tensor.contiguous` and indexing take a device guard,
+    # which a CUDA-less build cannot give even to fake CUDA tensors (tests/inprocess/test_kernel_count.py).
+    gate_up = take(block + "experts.gate_up_proj", (num, hidden, 2 * inter)).unflatten(2, (inter, 2))
+    gate_up = gate_up.permute(0, 3, 2, 1).reshape(num, 2 * inter, hidden)  # [E, (gate, up), I, H]
+    gate_up_bias = take(block + "experts.gate_up_proj_bias", (num, 2 * inter)).unflatten(1, (inter, 2))
+    gate_up_bias = gate_up_bias.transpose(1, 2).reshape(num, 2 * inter)
+    down = take(block + "experts.down_proj", (num, inter, hidden)).transpose(1, 2)
+    down = torch.clone(down, memory_format=torch.contiguous_format)
+    return gate_up, down, (gate_up_bias, take(block + "experts.down_proj_bias", (num, hidden)))
 
 
 def _take_any(take: Taker, names: list[str], shape: tuple[int, ...]) -> Tensor:

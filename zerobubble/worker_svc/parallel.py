@@ -368,6 +368,7 @@ _CUTS: dict[str, tuple[int, str]] = {
     "self_attn.v_proj.weight": (0, "kv"),
     "self_attn.v_proj.bias": (0, "kv"),
     "self_attn.o_proj.weight": (1, "q"),
+    "self_attn.sinks": (0, "q_heads"),  # gpt-oss: one per query head
     "mlp.gate_proj.weight": (0, "inter"),
     "mlp.gate_proj.bias": (0, "inter"),
     "mlp.up_proj.weight": (0, "inter"),
@@ -403,6 +404,7 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
         s, d = self.shard, self.head_dim
         ranges = {
             "q": (s.q_start * d, s.q_count * d),
+            "q_heads": (s.q_start, s.q_count),
             "kv": (s.kv_start * d, s.kv_count * d),
             "inter": (s.inter_start, s.inter_count),
         }

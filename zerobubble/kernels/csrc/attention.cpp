@@ -88,16 +88,18 @@ inline void block_scores(const T* kb, int64_t bs, int64_t dim, const float* qs, 
 }
 
 // One query token's heads that share KV head `kv_head` (`num_heads` <= G of them, consecutive):
-// scores over the visible context, their softmax in float32, the weighted sums of values. Each
-// key and value row is read and widened once for all of them, and the G heads' sums are
-// independent chains held in registers (G is fixed at compile time; heads past `num_heads` have
-// zero queries and are not stored). Keys are stored [blocks, kv_heads, head_dim, block_size] and
-// values [blocks, kv_heads, block_size, head_dim] (zerobubble.kernels.attention.new_kv_cache). BS
-// and D, when not 0, fix the block size and head dim at compile time, so that the inner loops are
-// whole vector operations.
+// scores over the visible context, their softmax in float32, the weighted sums of values. With
+// `sinks` (the heads' own, or null) each head's sink logit joins the softmax's denominator
+// (gpt-oss): one more key, with no value. Each key and value row is read and widened once for
+// all of them, and the G heads' sums are independent chains held in registers (G is fixed at
+// compile time; heads past `num_heads` have zero queries and are not stored). Keys are stored
+// [blocks, kv_heads, head_dim, block_size] and values [blocks, kv_heads, block_size, head_dim]
+// (zerobubble.kernels.attention.new_kv_cache). BS and D, when not 0, fix the block size and head
+// dim at compile time, so that the inner loops are whole vector operations.
 template <typename T, int BS, int D, int G>
 void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values, const int32_t* table,
-                  int64_t query_pos, int64_t kv_head, const AttentionShape& s, std::vector<float>& scores, T* out) {
+                  int64_t query_pos, int64_t kv_head, const float* sinks, const AttentionShape& s,
+                  std::vector<float>& scores, T* out) {
   const int64_t bs = BS ? BS : s.block_size, dim = D ? D : s.head_dim;
   const int64_t first = s.window > 0 ? std::max<int64_t>(0, query_pos - s.window + 1) : 0;
   const int64_t num_keys = query_pos + 1, num_blocks = (num_keys + bs - 1) / bs, span = num_blocks * bs;
@@ -127,7 +129,8 @@ void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values,
       for (int l = 0; l < 16; ++l) maxima[l] = std::max(maxima[l], sc[j + l]);
     }
     for (; j < num_keys; ++j) maxima[0] = std::max(maxima[0], sc[j]);
-    const float max_score = *std::max_element(maxima, maxima + 16);
+    float max_score = *std::max_element(maxima, maxima + 16);
+    if (sinks != nullptr) max_score = std::max(max_score, sinks[h]);
     for (j = first; j + 16 <= num_keys; j += 16) {
       for (int l = 0; l < 16; ++l) {
         sc[j + l] = fast_exp(sc[j + l] - max_score);
@@ -138,7 +141,8 @@ void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values,
       sc[j] = fast_exp(sc[j] - max_score);
       sums[0] += sc[j];
     }
-    totals[h] = std::accumulate(sums, sums + 16, 0.0f);
+    const float sink_share = sinks != nullptr ? std::exp(sinks[h] - max_score) : 0.0f;
+    totals[h] = std::accumulate(sums, sums + 16, 0.0f) + sink_share;
   }
   float acc[G][D ? D : 1024] = {};
   for (int64_t b = first / bs; b < num_blocks; ++b) {
@@ -163,8 +167,8 @@ void attend_heads(const T* q, int64_t num_heads, const T* keys, const T* values,
 // and head dims, and for groups of 1, 2, 3, 4 and 8 heads (5-7 run as 8).
 template <typename T, int BS, int D>
 auto attend_for_group(int64_t group) {
-  using Fn = void (*)(const T*, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t, const AttentionShape&,
-                      std::vector<float>&, T*);
+  using Fn = void (*)(const T*, int64_t, const T*, const T*, const int32_t*, int64_t, int64_t, const float*,
+                      const AttentionShape&, std::vector<float>&, T*);
   if (group <= 1) return static_cast<Fn>(&attend_heads<T, BS, D, 1>);
   if (group == 2) return static_cast<Fn>(&attend_heads<T, BS, D, 2>);
   if (group == 3) return static_cast<Fn>(&attend_heads<T, BS, D, 3>);
@@ -196,7 +200,7 @@ struct AttentionItems {
 // Every item (one token's query heads of one KV head, at most kMaxGroup of them), across threads.
 template <typename T>
 void attend_items(const Tensor& q, const Tensor& key_storage, const Tensor& value_storage, const Tensor& block_tables,
-                  const AttentionShape& s, const AttentionItems& items, Tensor& out) {
+                  const float* sinks, const AttentionShape& s, const AttentionItems& items, Tensor& out) {
   const T* qp = q.data_ptr<T>();
   const T* keys = key_storage.data_ptr<T>();
   const T* values = value_storage.data_ptr<T>();
@@ -211,7 +215,8 @@ void attend_items(const Tensor& q, const Tensor& key_storage, const Tensor& valu
       const int64_t first_head = kv_head * group + item % chunks * kMaxGroup, t = items.token[i];
       const int64_t num_heads = std::min(kMaxGroup, (kv_head + 1) * group - first_head);
       attend(qp + t * s.q_token_stride + first_head * s.q_head_stride, num_heads, keys, values,
-             tables + items.row[i] * s.table_stride, items.pos[i], kv_head, s, scores,
+             tables + items.row[i] * s.table_stride, items.pos[i], kv_head,
+             sinks != nullptr ? sinks + first_head : nullptr, s, scores,
              op + (t * s.num_q_heads + first_head) * s.head_dim);
     }
   });
@@ -219,7 +224,7 @@ void attend_items(const Tensor& q, const Tensor& key_storage, const Tensor& valu
 
 Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor& value_storage,
                        const Tensor& query_start_loc, const Tensor& seq_lens, const Tensor& block_tables,
-                       int64_t max_query_len, double scale, int64_t window) {
+                       int64_t max_query_len, double scale, int64_t window, const std::optional<Tensor>& sinks) {
   check_cpu(q, "q");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, heads, head_dim] with unit stride along head_dim");
   TORCH_CHECK(key_storage.is_contiguous() && value_storage.is_contiguous() && key_storage.dim() == 4 &&
@@ -238,6 +243,10 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor&
   TORCH_CHECK(s.num_q_heads % s.num_kv_heads == 0 && key_storage.size(2) == s.head_dim,
               "q's heads must be a multiple of the caches' and head_dim must match");
   TORCH_CHECK(s.head_dim <= 1024 && s.block_size <= 1024, "head_dim and block_size must be at most 1024");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                     sinks->numel() == s.num_q_heads),
+              "sinks must be float32 [num_q_heads], contiguous");
+  const float* sink_ptr = sinks.has_value() ? sinks->data_ptr<float>() : nullptr;
   Tensor out = at::empty({num_tokens, s.num_q_heads, s.head_dim}, q.options());
   // (token, its row, its position) for the tokens of rows no longer than max_query_len.
   const int32_t* qsl = query_start_loc.data_ptr<int32_t>();
@@ -262,10 +271,11 @@ Tensor paged_attention(const Tensor& q, const Tensor& key_storage, const Tensor&
   const int64_t grain = work < (1 << 16) ? std::max<int64_t>(num_items, 1) : 1;
   // float, bfloat16 and half (not double): each variant of the attention loop costs build time.
   const AttentionItems items{token, row, pos, group, chunks, num_items, grain};
+  const Tensor &keys = key_storage, &values = value_storage, &tables = block_tables;
   switch (q.scalar_type()) {
-    case at::kFloat: attend_items<float>(q, key_storage, value_storage, block_tables, s, items, out); break;
-    case at::kBFloat16: attend_items<c10::BFloat16>(q, key_storage, value_storage, block_tables, s, items, out); break;
-    case at::kHalf: attend_items<c10::Half>(q, key_storage, value_storage, block_tables, s, items, out); break;
+    case at::kFloat: attend_items<float>(q, keys, values, tables, sink_ptr, s, items, out); break;
+    case at::kBFloat16: attend_items<c10::BFloat16>(q, keys, values, tables, sink_ptr, s, items, out); break;
+    case at::kHalf: attend_items<c10::Half>(q, keys, values, tables, sink_ptr, s, items, out); break;
     default: TORCH_CHECK(false, "paged_attention supports float32, bfloat16 and float16, not ", q.scalar_type());
   }
   return out;

@@ -12,7 +12,7 @@ TORCH_LIBRARY(zerobubble_cpu, m) {
   m.def("write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def(
       "paged_attention(Tensor q, Tensor key_storage, Tensor value_storage, Tensor query_start_loc, "
-      "Tensor seq_lens, Tensor block_tables, int max_query_len, float scale, int window) -> Tensor");
+      "Tensor seq_lens, Tensor block_tables, int max_query_len, float scale, int window, Tensor? sinks) -> Tensor");
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("block_linear(Tensor x, Tensor blocks, int out_features, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("block_linear_is_native() -> bool");
