@@ -1,0 +1,243 @@
+"""Adaptive draft length: how many draft slots each decode row of a plan gets
+(`--spec-draft-length adaptive`).
+
+Two estimates feed the choice, both from what the scheduler already receives:
+
+- per request and draft position j, ``p_j`` = P(draft j accepted | drafts before it accepted),
+  from the request's own recent results (decayed per result, so recent steps weigh more) on a
+  Beta prior whose mean is the worker-wide estimate for that position (itself decayed, on a
+  prior of ``prior_acceptance`` at position 0 and the previous position's estimate beyond);
+- the step's cost, time ≈ a + b·tokens, an online least-squares fit of the results'
+  ``forward_s`` against the tokens fed (decayed), shrunk towards a prior in which a step's fixed
+  cost equals ``prior_fixed_tokens`` tokens until the tokens vary enough to tell.
+
+With k drafts a row expects ``sum_{j<k} prod_{i<=j} p_i`` accepted tokens, so its slot j adds
+``prod_{i<=j} p_i``, which never grows with j. Every row starts at 0 slots; the slot that adds
+the most is taken while it raises the plan's expected tokens per second ((E+Δ)/(t+b) > E/t,
+i.e. Δ·t > E·b) and adds at least ``min_gain``. Since each row's gains only fall, taking the
+largest first and stopping at the first that does not pay is the best set for that ratio.
+
+A slot scheduled but left without a draft (the proposer found none) counts as a rejected draft:
+on an accelerator the plan's slots are computed either way. A request that stopped getting
+slots receives no results to learn from, so its counts also decay (more slowly) on each plan it
+decodes without drafts: its estimate drifts back to the worker's and it is probed again now and
+then. Only the number of slots is chosen here; verification is untouched, so outputs never
+depend on the choice.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+ADAPTIVE = "adaptive"
+FIXED = "fixed"
+CHOICES = (ADAPTIVE, FIXED)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftLengthParams:
+    """The chooser's constants (defaults tuned for n-gram and suffix drafts on the shipped workloads)."""
+
+    # Beta prior strength, in results, of the worker-wide estimate behind each request's.
+    prior_strength: float = 2.0
+    # The worker-wide estimate's own prior (position 0) and its strength.
+    prior_acceptance: float = 0.5
+    worker_prior_strength: float = 2.0
+    request_decay: float = 0.85  # per result of the request: about the last 7 weigh
+    worker_decay: float = 0.995  # per result of any request
+    idle_decay: float = 0.97  # per plan a request decodes without drafts: probes again after ~30
+    # Expected tokens a slot must add: what the linear cost model does not see (the proposer's
+    # work, the rollback, the scheduler's) makes hopeless drafts a loss even on a free slot.
+    min_gain: float = 0.05
+    cost_decay: float = 0.98  # per step result: about the last 50 steps weigh
+    prior_fixed_tokens: float = 32.0  # the cost prior: a step's fixed cost = this many tokens
+
+
+@dataclass(slots=True)
+class PositionCounts:
+    """Decayed tries and acceptances of drafts by position (position j is tried when the
+    drafts before it were accepted and a slot j was scheduled)."""
+
+    num_tries: list[float] = field(default_factory=list)
+    num_accepted: list[float] = field(default_factory=list)
+
+    def decay(self, factor: float) -> None:
+        self.num_tries = [n * factor for n in self.num_tries]
+        self.num_accepted = [n * factor for n in self.num_accepted]
+
+    def add(self, num_slots: int, num_accepted: int) -> None:
+        """One result: ``num_slots`` slots scheduled, the first ``num_accepted`` accepted."""
+        num_tried = min(num_slots, num_accepted + 1)
+        if len(self.num_tries) < num_tried:
+            grow = num_tried - len(self.num_tries)
+            self.num_tries.extend([0.0] * grow)
+            self.num_accepted.extend([0.0] * grow)
+        for j in range(num_tried):
+            self.num_tries[j] += 1.0
+            if j < num_accepted:
+                self.num_accepted[j] += 1.0
+
+    def rate(self, j: int, prior: float, strength: float) -> float:
+        """The Beta-posterior mean at position ``j`` for a prior mean ``prior``."""
+        tries = self.num_tries[j] if j < len(self.num_tries) else 0.0
+        accepted = self.num_accepted[j] if j < len(self.num_accepted) else 0.0
+        return (accepted + strength * prior) / (tries + strength)
+
+
+@dataclass(slots=True)
+class StepCostModel:
+    """time ≈ a + b·tokens of one worker's steps: a decayed least-squares fit whose slope is
+    shrunk towards ``mean time / (mean tokens + prior_fixed_tokens)``."""
+
+    decay: float
+    prior_fixed_tokens: float
+    weight: float = 0.0
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_xy: float = 0.0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        """One step's result (steps that fed nothing or were not timed are skipped)."""
+        if num_tokens <= 0 or not seconds > 0 or not math.isfinite(seconds):
+            return
+        d, x = self.decay, float(num_tokens)
+        self.weight = self.weight * d + 1.0
+        self.sum_x = self.sum_x * d + x
+        self.sum_y = self.sum_y * d + seconds
+        self.sum_xx = self.sum_xx * d + x * x
+        self.sum_xy = self.sum_xy * d + x * seconds
+
+    def fit(self) -> tuple[float, float]:
+        """(a, b): fixed seconds per step and seconds per token (relative units before any step)."""
+        if self.weight <= 0:
+            return self.prior_fixed_tokens, 1.0
+        mean_x, mean_y = self.sum_x / self.weight, self.sum_y / self.weight
+        var_x = max(self.sum_xx - self.weight * mean_x * mean_x, 0.0)
+        cov_xy = self.sum_xy - self.weight * mean_x * mean_y
+        prior_b = mean_y / (mean_x + self.prior_fixed_tokens)
+        # The prior weighs as one step whose tokens differ from the mean by the mean itself:
+        # it yields once the batch has varied about that much.
+        shrink = (1.0 + mean_x) ** 2
+        b = max((cov_xy + shrink * prior_b) / (var_x + shrink), 0.0)
+        # A fixed cost below a tenth of the mean step would be a fit artefact (noise, few points).
+        a = max(mean_y - b * mean_x, 0.1 * mean_y)
+        return a, b
+
+
+@dataclass(slots=True)
+class DraftRow:
+    """A decode row the chooser may give drafts: its request's counts and its slot limit."""
+
+    key: str
+    counts: PositionCounts
+    limit: int
+
+
+class DraftLengthChooser:
+    """One worker's adaptive draft lengths: the worker-wide acceptance by position, its step
+    cost fit, and the greedy choice of each plan's slots (see the module docstring)."""
+
+    def __init__(self, params: DraftLengthParams | None = None) -> None:
+        self.params = params or DraftLengthParams()
+        self.worker = PositionCounts()
+        self.cost = StepCostModel(self.params.cost_decay, self.params.prior_fixed_tokens)
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step result's tokens fed and device seconds."""
+        self.cost.observe(num_tokens, seconds)
+
+    def observe_row(self, counts: PositionCounts, num_slots: int, num_accepted: int) -> None:
+        """A row's result: ``num_slots`` draft slots scheduled, ``num_accepted`` drafts accepted."""
+        if num_slots <= 0:
+            return
+        num_accepted = min(max(num_accepted, 0), num_slots)
+        counts.decay(self.params.request_decay)
+        counts.add(num_slots, num_accepted)
+        self.worker.decay(self.params.worker_decay)
+        self.worker.add(num_slots, num_accepted)
+
+    def acceptance(self, counts: PositionCounts, num_positions: int) -> list[float]:
+        """A request's ``p_j`` for j < ``num_positions``."""
+        params = self.params
+        rates: list[float] = []
+        worker_prior = params.prior_acceptance
+        for j in range(num_positions):
+            worker_prior = self.worker.rate(j, worker_prior, params.worker_prior_strength)
+            rates.append(counts.rate(j, worker_prior, params.prior_strength))
+        return rates
+
+    def choose(self, rows: Sequence[DraftRow], num_base_tokens: int, num_base_outputs: int) -> dict[str, int]:
+        """Draft slots per row key for a plan that also feeds ``num_base_tokens`` tokens (one per
+        decode row, the prefill chunks) and samples ``num_base_outputs`` tokens without drafts."""
+        a, b = self.cost.fit()
+        seconds = a + b * max(num_base_tokens, 0)
+        expected = float(max(num_base_outputs, 1))
+        chosen = {row.key: 0 for row in rows}
+        rates = [self.acceptance(row.counts, row.limit) for row in rows]
+        # Max-heap of each row's next slot's gain: (-gain, row index, slot index).
+        heap = [(-r[0], i, 0) for i, r in enumerate(rates) if r]
+        heapq.heapify(heap)
+        while heap:
+            neg_gain, i, j = heapq.heappop(heap)
+            gain = -neg_gain
+            if gain < self.params.min_gain or gain * seconds <= expected * b:
+                break
+            chosen[rows[i].key] = j + 1
+            expected += gain
+            seconds += b
+            if j + 1 < rows[i].limit:
+                heapq.heappush(heap, (-(gain * rates[i][j + 1]), i, j + 1))
+        for row in rows:
+            if row.limit > 0 and chosen[row.key] == 0:
+                row.counts.decay(self.params.idle_decay)
+        return chosen
+
+
+class Running(Protocol):
+    """What the choice reads of a running request (`scheduler_svc/request.py`'s `Request`)."""
+
+    req_id: str
+    max_tokens: int
+    num_computed: int
+    num_prefill_tokens: int
+    draft_counts: PositionCounts
+
+    @property
+    def prediction(self) -> object | None: ...
+
+    @property
+    def is_prefilling(self) -> bool: ...
+
+    @property
+    def num_pending_outputs(self) -> int: ...
+
+
+def plan_drafts(
+    chooser: DraftLengthChooser, running: Sequence[Running], max_drafts: int, budget: int
+) -> dict[str, int]:
+    """The draft slots of the next plan's decode rows by request id, for the requests running as
+    it starts (those with a predicted output keep their own budget and are left out).
+
+    ``max_drafts``: the plan's cap (0 while `--spec-disable-batch-size` holds: no drafts);
+    ``budget``: the plan's tokens. Each row is limited further by what its `max_tokens` can
+    still verify; block capacity and the token budget are the plan's to apply as it is built.
+    """
+    if max_drafts <= 0:
+        return {}
+    limit = max_drafts
+    rows: list[DraftRow] = []
+    num_base_tokens = 0
+    for req in running:
+        if req.is_prefilling:
+            num_base_tokens += req.num_prefill_tokens - req.num_computed
+            continue
+        num_base_tokens += 1
+        if req.prediction is None:
+            room = req.max_tokens - req.num_pending_outputs - 1
+            rows.append(DraftRow(req.req_id, req.draft_counts, max(min(limit, room), 0)))
+    return chooser.choose(rows, min(num_base_tokens, budget), len(running))
