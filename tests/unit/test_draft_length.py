@@ -65,22 +65,24 @@ def test_a_request_whose_drafts_are_never_accepted_gets_none_after_a_few_steps()
     chooser = DraftLengthChooser()
     _low_cost(chooser)
     counts = PositionCounts()
-    lengths = [_step(chooser, counts, 0) for _ in range(8)]
+    lengths = [_step(chooser, counts, 0) for _ in range(40)]
     assert lengths[0] == K  # the prior: worth trying at a low cost per token
-    assert lengths[-1] == 0
+    assert 0 in lengths[:8]
+    # Then no drafts but a one-slot probe now and then (cheap at this cost per token).
+    assert max(lengths[8:]) == 1 and lengths[8:].count(0) >= 2 * lengths[8:].count(1)
 
 
 def test_a_request_without_drafts_is_probed_again_later() -> None:
     chooser = DraftLengthChooser()
     _low_cost(chooser)
     counts = PositionCounts()
-    for _ in range(10):
-        _step(chooser, counts, 0)
-    assert _step(chooser, counts, 0) == 0
-    lengths = [_step(chooser, counts, None) for _ in range(200)]
+    lengths = [_step(chooser, counts, 0) for _ in range(12)]
+    while lengths[-1] != 0:
+        lengths.append(_step(chooser, counts, 0))
     # The idle plans decay its record until a draft is tried; accepted ones bring the rest back.
-    assert lengths[-1] == K
-    assert lengths.index(1) > 5
+    recovered = [_step(chooser, counts, None) for _ in range(20)]
+    assert recovered[0] <= 1
+    assert recovered[-1] == K and recovered.index(K) < 10
 
 
 def test_a_request_whose_drafts_are_always_accepted_gets_the_full_k_at_low_cost() -> None:

@@ -5,8 +5,8 @@ Two estimates feed the choice, both from what the scheduler already receives:
 
 - per request and draft position j, ``p_j`` = P(draft j accepted | drafts before it accepted),
   from the request's own recent results (decayed per result, so recent steps weigh more) on a
-  Beta prior whose mean is the worker-wide estimate for that position (itself decayed, on a
-  prior of ``prior_acceptance`` at position 0 and the previous position's estimate beyond);
+  Beta prior whose mean is the worker-wide estimate for that position (itself decayed per plan,
+  on a prior of ``prior_acceptance`` at position 0 and the previous position's estimate beyond);
 - the step's cost, time ≈ a + b·tokens, an online least-squares fit of the results'
   ``forward_s`` against the tokens fed (decayed), shrunk towards a prior in which a step's fixed
   cost equals ``prior_fixed_tokens`` tokens until the tokens vary enough to tell.
@@ -48,8 +48,10 @@ class DraftLengthParams:
     prior_acceptance: float = 0.5
     worker_prior_strength: float = 2.0
     request_decay: float = 0.85  # per result of the request: about the last 7 weigh
-    worker_decay: float = 0.995  # per result of any request
-    idle_decay: float = 0.97  # per plan a request decodes without drafts: probes again after ~30
+    # Per plan, whatever it drafts: about the last 50 plans weigh, and a worker whose drafts all
+    # failed a while (so none are planned) drifts back to its prior and probes again.
+    worker_decay: float = 0.98
+    idle_decay: float = 0.8  # per plan a request decodes without drafts: probes again after ~5
     # Expected tokens a slot must add: what the linear cost model does not see (the proposer's
     # work, the rollback, the scheduler's) makes hopeless drafts a loss even on a free slot.
     min_gain: float = 0.05
@@ -158,7 +160,6 @@ class DraftLengthChooser:
         num_accepted = min(max(num_accepted, 0), num_slots)
         counts.decay(self.params.request_decay)
         counts.add(num_slots, num_accepted)
-        self.worker.decay(self.params.worker_decay)
         self.worker.add(num_slots, num_accepted)
 
     def acceptance(self, counts: PositionCounts, num_positions: int) -> list[float]:
@@ -174,6 +175,7 @@ class DraftLengthChooser:
     def choose(self, rows: Sequence[DraftRow], num_base_tokens: int, num_base_outputs: int) -> dict[str, int]:
         """Draft slots per row key for a plan that also feeds ``num_base_tokens`` tokens (one per
         decode row, the prefill chunks) and samples ``num_base_outputs`` tokens without drafts."""
+        self.worker.decay(self.params.worker_decay)
         a, b = self.cost.fit()
         seconds = a + b * max(num_base_tokens, 0)
         expected = float(max(num_base_outputs, 1))
