@@ -686,6 +686,9 @@ class SchedulerConfig:
     max_prefill_tokens_with_decodes: int = default_of(SchedulerServiceConfig, "max_prefill_tokens_with_decodes")
     # Extra slots allocated past each step (a draft model writes its k-token chain there).
     num_lookahead_slots: int = 0
+    # One adaptive draft length for all rows of a plan: a CUDA worker replays its captured
+    # graphs only for decode steps whose rows are all of one width.
+    uniform_draft_length: bool = False
     enable_prefix_caching: bool = default_of(SchedulerServiceConfig, "enable_prefix_caching")
     max_waiting: int = default_of(SchedulerServiceConfig, "max_waiting")
     eos_token_ids: tuple[int, ...] = ()
@@ -719,6 +722,7 @@ class SchedulerConfig:
             num_prediction_tokens=info.num_prediction_tokens,
             spec_method=info.spec_method or "none",
             num_lookahead_slots=info.num_lookahead_slots,
+            uniform_draft_length=info.device.startswith("cuda"),
             eos_token_ids=tuple(info.eos_token_ids),
             vocab_size=info.vocab_size,
         )

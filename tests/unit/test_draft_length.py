@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tests.support.sim_worker import make_case
+from zerobubble.api import worker_pb2
+from zerobubble.config import SchedulerConfig
 from zerobubble.request_options import StoppingOptions
 from zerobubble.scheduler_svc.draft_length import (
     DraftLengthChooser,
@@ -165,3 +167,31 @@ def test_plan_drafts_leaves_predictions_out_and_keeps_max_tokens_and_the_cap() -
     for req in running:
         assert chosen[req.req_id] <= max(req.max_tokens - req.num_pending_outputs - 1, 0)
     assert plan_drafts(chooser, running, 0, 512) == {}
+
+
+def test_a_cuda_worker_gets_one_length_for_every_row() -> None:
+    """CUDA graphs replay only decode steps whose rows are all of one width: the uniform choice
+    gives every row the same length (bar a row's own limit), from the rows' gains together."""
+    chooser = DraftLengthChooser()
+    _low_cost(chooser)
+    good = _batch(chooser, 6, [K] * 10)
+    bad = _batch(chooser, 2, [0] * 10)
+    for i, row in enumerate(bad):
+        row.key = f"bad{i}"
+    limited = DraftRow("limited", PositionCounts(), 1)
+    chosen = chooser.choose([*good, *bad, limited], 9, 9, uniform=True)
+    assert {chosen[row.key] for row in (*good, *bad)} == {K}
+    assert chosen["limited"] == 1
+    # Per row, the rows that never accept get nothing.
+    per_row = chooser.choose([*good, *bad], 8, 8)
+    assert [per_row[row.key] for row in bad] == [0, 0] and all(per_row[row.key] == K for row in good)
+    dear = DraftLengthChooser()
+    _high_cost(dear)
+    assert set(dear.choose(_batch(dear, 64, [0, 1, 0, 2, 1, 0, 1, 3]), 64, 64, uniform=True).values()) == {0}
+
+
+def test_the_scheduler_plans_one_length_for_a_cuda_worker() -> None:
+    info = worker_pb2.WorkerInfo(num_blocks=8, block_size=4, max_model_len=64, device="cuda:0")
+    assert SchedulerConfig().with_worker(info).uniform_draft_length
+    info.device = "cpu"
+    assert not SchedulerConfig().with_worker(info).uniform_draft_length

@@ -172,15 +172,34 @@ class DraftLengthChooser:
             rates.append(counts.rate(j, worker_prior, params.prior_strength))
         return rates
 
-    def choose(self, rows: Sequence[DraftRow], num_base_tokens: int, num_base_outputs: int) -> dict[str, int]:
+    def choose(
+        self, rows: Sequence[DraftRow], num_base_tokens: int, num_base_outputs: int, uniform: bool = False
+    ) -> dict[str, int]:
         """Draft slots per row key for a plan that also feeds ``num_base_tokens`` tokens (one per
-        decode row, the prefill chunks) and samples ``num_base_outputs`` tokens without drafts."""
+        decode row, the prefill chunks) and samples ``num_base_outputs`` tokens without drafts.
+
+        ``uniform``: one length for every row (up to its limit), for a device that replays
+        captured graphs only for decode steps whose rows are all of one width (CUDA).
+        """
         self.worker.decay(self.params.worker_decay)
         a, b = self.cost.fit()
         seconds = a + b * max(num_base_tokens, 0)
         expected = float(max(num_base_outputs, 1))
-        chosen = {row.key: 0 for row in rows}
         rates = [self.acceptance(row.counts, row.limit) for row in rows]
+        if uniform:
+            chosen = self._choose_uniform(rows, rates, seconds, expected, b)
+        else:
+            chosen = self._choose_per_row(rows, rates, seconds, expected, b)
+        for row in rows:
+            if row.limit > 0 and chosen[row.key] == 0:
+                row.counts.decay(self.params.idle_decay)
+        return chosen
+
+    def _choose_per_row(
+        self, rows: Sequence[DraftRow], rates: list[list[float]], seconds: float, expected: float, b: float
+    ) -> dict[str, int]:
+        """The greedy choice of the module docstring, each row on its own."""
+        chosen = {row.key: 0 for row in rows}
         # Max-heap of each row's next slot's gain: (-gain, row index, slot index).
         heap = [(-r[0], i, 0) for i, r in enumerate(rates) if r]
         heapq.heapify(heap)
@@ -194,10 +213,25 @@ class DraftLengthChooser:
             seconds += b
             if j + 1 < rows[i].limit:
                 heapq.heappush(heap, (-(gain * rates[i][j + 1]), i, j + 1))
-        for row in rows:
-            if row.limit > 0 and chosen[row.key] == 0:
-                row.counts.decay(self.params.idle_decay)
         return chosen
+
+    def _choose_uniform(
+        self, rows: Sequence[DraftRow], rates: list[list[float]], seconds: float, expected: float, b: float
+    ) -> dict[str, int]:
+        """One length for all rows: each level adds a slot to every row that may take it, and
+        is taken while the level's gains pay for its slots as one slot does in the per-row choice."""
+        gains = [1.0] * len(rows)
+        length = 0
+        for j in range(max((row.limit for row in rows), default=0)):
+            takers = [i for i, row in enumerate(rows) if row.limit > j]
+            for i in takers:
+                gains[i] *= rates[i][j]
+            gain = sum(gains[i] for i in takers)
+            cost = b * len(takers)
+            if gain < self.params.min_gain * len(takers) or gain * seconds <= expected * cost:
+                break
+            length, expected, seconds = j + 1, expected + gain, seconds + cost
+        return {row.key: min(length, row.limit) for row in rows}
 
 
 class Running(Protocol):
@@ -220,7 +254,7 @@ class Running(Protocol):
 
 
 def plan_drafts(
-    chooser: DraftLengthChooser, running: Sequence[Running], max_drafts: int, budget: int
+    chooser: DraftLengthChooser, running: Sequence[Running], max_drafts: int, budget: int, uniform: bool = False
 ) -> dict[str, int]:
     """The draft slots of the next plan's decode rows by request id, for the requests running as
     it starts (those with a predicted output keep their own budget and are left out).
@@ -228,6 +262,7 @@ def plan_drafts(
     ``max_drafts``: the plan's cap (0 while `--spec-disable-batch-size` holds: no drafts);
     ``budget``: the plan's tokens. Each row is limited further by what its `max_tokens` can
     still verify; block capacity and the token budget are the plan's to apply as it is built.
+    ``uniform``: one length for every row (see `DraftLengthChooser.choose`).
     """
     if max_drafts <= 0:
         return {}
@@ -242,4 +277,4 @@ def plan_drafts(
         if req.prediction is None:
             room = req.max_tokens - req.num_pending_outputs - 1
             rows.append(DraftRow(req.req_id, req.draft_counts, max(min(limit, room), 0)))
-    return chooser.choose(rows, min(num_base_tokens, budget), len(running))
+    return chooser.choose(rows, min(num_base_tokens, budget), len(running), uniform)

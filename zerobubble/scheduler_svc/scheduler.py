@@ -592,7 +592,7 @@ class Scheduler:
         most ``max_drafts``; empty with fixed lengths."""
         if self._drafts is None:
             return {}
-        return plan_drafts(self._drafts, self._running, max_drafts, budget)
+        return plan_drafts(self._drafts, self._running, max_drafts, budget, self.config.uniform_draft_length)
 
     def _schedule_running(
         self,
