@@ -162,15 +162,24 @@ class DraftLengthChooser:
         counts.add(num_slots, num_accepted)
         self.worker.add(num_slots, num_accepted)
 
-    def acceptance(self, counts: PositionCounts, num_positions: int) -> list[float]:
-        """A request's ``p_j`` for j < ``num_positions``."""
+    def worker_rates(self, num_positions: int) -> list[float]:
+        """The worker-wide ``p_j`` for j < ``num_positions`` (the requests' prior means)."""
         params = self.params
         rates: list[float] = []
-        worker_prior = params.prior_acceptance
+        prior = params.prior_acceptance
         for j in range(num_positions):
-            worker_prior = self.worker.rate(j, worker_prior, params.worker_prior_strength)
-            rates.append(counts.rate(j, worker_prior, params.prior_strength))
+            prior = self.worker.rate(j, prior, params.worker_prior_strength)
+            rates.append(prior)
         return rates
+
+    def acceptance(
+        self, counts: PositionCounts, num_positions: int, worker_rates: list[float] | None = None
+    ) -> list[float]:
+        """A request's ``p_j`` for j < ``num_positions`` (``worker_rates``: `worker_rates`'
+        answer, computed once per plan)."""
+        priors = worker_rates if worker_rates is not None else self.worker_rates(num_positions)
+        strength = self.params.prior_strength
+        return [counts.rate(j, priors[j], strength) for j in range(num_positions)]
 
     def choose(
         self, rows: Sequence[DraftRow], num_base_tokens: int, num_base_outputs: int, uniform: bool = False
@@ -185,7 +194,8 @@ class DraftLengthChooser:
         a, b = self.cost.fit()
         seconds = a + b * max(num_base_tokens, 0)
         expected = float(max(num_base_outputs, 1))
-        rates = [self.acceptance(row.counts, row.limit) for row in rows]
+        priors = self.worker_rates(max((row.limit for row in rows), default=0))
+        rates = [self.acceptance(row.counts, row.limit, priors) for row in rows]
         if uniform:
             chosen = self._choose_uniform(rows, rates, seconds, expected, b)
         else:
