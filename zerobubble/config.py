@@ -742,6 +742,10 @@ class SchedulerConfig:
             self.num_spec_tokens >= 0 and self.vocab_size >= 0 and self.spec_disable_batch_size >= 0,
             "SchedulerConfig.num_spec_tokens, vocab_size and spec_disable_batch_size must be >= 0",
         )
+        _require(
+            self.spec_draft_length in DRAFT_LENGTHS,
+            f"SchedulerConfig.spec_draft_length must be one of {', '.join(DRAFT_LENGTHS)}",
+        )
 
 
 # Settings of a worker that `serve` does not expose: the local worker's own listener, its auth

@@ -7,7 +7,7 @@ import pytest
 
 from tests.support.sim_worker import make_case
 from zerobubble.api import worker_pb2
-from zerobubble.config import SchedulerConfig
+from zerobubble.config import ConfigError, SchedulerConfig
 from zerobubble.request_options import StoppingOptions
 from zerobubble.scheduler_svc.draft_length import (
     DraftLengthChooser,
@@ -195,3 +195,8 @@ def test_the_scheduler_plans_one_length_for_a_cuda_worker() -> None:
     assert SchedulerConfig().with_worker(info).uniform_draft_length
     info.device = "cpu"
     assert not SchedulerConfig().with_worker(info).uniform_draft_length
+
+
+def test_an_unknown_draft_length_mode_is_refused() -> None:
+    with pytest.raises(ConfigError, match="spec_draft_length"):
+        SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64, spec_draft_length="eager").validate()
