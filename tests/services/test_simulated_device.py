@@ -228,26 +228,24 @@ def _mean_slots(stats: SchedulerStats) -> float:
 
 
 def test_adaptive_draft_lengths_follow_each_requests_acceptance(grounded_rows):
-    """`--spec-draft-length adaptive` on the simulated device: drafts that are never accepted
-    soon get no slots (a probe now and then), drafts nearly always accepted keep all K, and the
-    tokens are those of fixed lengths either way (verification decides them, not the length)."""
-    rows = grounded_rows[:8]
-    mean = {}
-    for rate in (0.0, 0.97):
+    """`--spec-draft-length adaptive` on the simulated device: drafts nearly always accepted
+    keep all K slots, drafts accepted 60 % of the time (and so rejected at the deeper positions
+    more often than not) get fewer at about the same number of steps, and the tokens are those
+    of fixed lengths either way (verification decides them, not the length)."""
+    rows = grounded_rows[:4]
+    for rate in (0.6, 0.97):
         fixed, fixed_stats = _simulated(rate, rows, "fixed")
         adaptive, stats = _simulated(rate, rows, "adaptive")
         assert adaptive == fixed, rate
         assert fixed_stats.draft_lengths[K] > 0.9 * sum(fixed_stats.draft_lengths)
-        mean[rate] = _mean_slots(stats)
-        print(rate, stats.draft_lengths, stats.num_steps_completed, fixed_stats.num_steps_completed)
-        if rate == 0.0:
-            assert stats.num_accepted_tokens == 0
-            assert stats.draft_lengths[0] > 0.8 * sum(stats.draft_lengths)
-            # Slots no draft fills cost a device that keeps a plan's shape as much as rejected ones.
-            assert _mean_slots(stats) < _mean_slots(fixed_stats) / 10
+        assert stats.num_steps_completed <= fixed_stats.num_steps_completed * 1.1, rate
+        if rate == 0.97:
+            assert stats.draft_lengths[K] > 0.9 * sum(stats.draft_lengths)
         else:
-            assert stats.num_steps_completed <= fixed_stats.num_steps_completed * 1.1
-    assert mean[0.0] < 0.5 < K - 0.5 < mean[0.97]
+            assert _mean_slots(stats) < _mean_slots(fixed_stats) - 0.3
+            assert stats.num_accepted_tokens / stats.num_draft_tokens > (
+                fixed_stats.num_accepted_tokens / fixed_stats.num_draft_tokens
+            )
 
 
 def test_kv_usage_counts_each_held_block_once_as_requests_come_and_go():

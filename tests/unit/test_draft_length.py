@@ -200,3 +200,16 @@ def test_the_scheduler_plans_one_length_for_a_cuda_worker() -> None:
 def test_an_unknown_draft_length_mode_is_refused() -> None:
     with pytest.raises(ConfigError, match="spec_draft_length"):
         SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64, spec_draft_length="eager").validate()
+
+
+def test_slots_left_without_a_draft_say_nothing_about_acceptance() -> None:
+    """A worker drafts for a row only after a step that gave it slots, and n-gram finds no match
+    at times: empty slots are neither accepted nor rejected drafts."""
+    chooser = DraftLengthChooser()
+    counts = PositionCounts()
+    chooser.observe_row(counts, K, 0, num_offered=0)
+    assert counts.num_tries == []
+    chooser.observe_row(counts, K, 1, num_offered=1)  # its one draft accepted, the rest empty
+    assert counts.num_tries == [1.0] and counts.num_accepted == [1.0]
+    chooser.observe_row(counts, K, 1, num_offered=3)  # the second of three drafts rejected
+    assert counts.num_tries[1] == 1.0 and counts.num_accepted[1] == 0.0

@@ -17,11 +17,11 @@ the most is taken while it raises the plan's expected tokens per second ((E+Δ)/
 i.e. Δ·t > E·b) and adds at least ``min_gain``. Since each row's gains only fall, taking the
 largest first and stopping at the first that does not pay is the best set for that ratio.
 
-A slot scheduled but left without a draft (the proposer found none) counts as a rejected draft:
-on an accelerator the plan's slots are computed either way. A request that stopped getting
-slots receives no results to learn from, so its counts also decay (more slowly) on each plan it
-decodes without drafts: its estimate drifts back to the worker's and it is probed again now and
-then. Only the number of slots is chosen here; verification is untouched, so outputs never
+A slot the proposer left without a draft (no n-gram match; or no draft yet, as a worker drafts
+for a row only after a step that gave it slots) says nothing about acceptance and is not counted.
+A request that stopped getting slots receives no results to learn from, so its counts also
+decay on each plan it decodes without drafts: its estimate drifts back to the worker's and it is
+probed again now and then. Only the number of slots is chosen here; verification is untouched, so outputs never
 depend on the choice.
 """
 
@@ -71,9 +71,12 @@ class PositionCounts:
         self.num_tries = [n * factor for n in self.num_tries]
         self.num_accepted = [n * factor for n in self.num_accepted]
 
-    def add(self, num_slots: int, num_accepted: int) -> None:
-        """One result: ``num_slots`` slots scheduled, the first ``num_accepted`` accepted."""
-        num_tried = min(num_slots, num_accepted + 1)
+    def add(self, num_slots: int, num_accepted: int, num_offered: int | None = None) -> None:
+        """One result: ``num_slots`` slots scheduled, ``num_offered`` of them with a draft (None:
+        all), the first ``num_accepted`` accepted. A position the proposer left empty after
+        accepted drafts says nothing about acceptance."""
+        offered = num_slots if num_offered is None else min(num_offered, num_slots)
+        num_tried = min(offered, num_accepted + 1)
         if len(self.num_tries) < num_tried:
             grow = num_tried - len(self.num_tries)
             self.num_tries.extend([0.0] * grow)
@@ -153,14 +156,20 @@ class DraftLengthChooser:
         """A step result's tokens fed and device seconds."""
         self.cost.observe(num_tokens, seconds)
 
-    def observe_row(self, counts: PositionCounts, num_slots: int, num_accepted: int) -> None:
-        """A row's result: ``num_slots`` draft slots scheduled, ``num_accepted`` drafts accepted."""
-        if num_slots <= 0:
+    def observe_row(
+        self, counts: PositionCounts, num_slots: int, num_accepted: int, num_offered: int | None = None
+    ) -> None:
+        """A row's result: ``num_slots`` draft slots scheduled, ``num_offered`` drafts verified
+        (None: one per slot), ``num_accepted`` of them accepted. A row verifying none says
+        nothing: the proposer found no match, or had not drafted for it (a worker drafts for a
+        row after a step that gave it slots, so the first step back from 0 slots has none)."""
+        offered = num_slots if num_offered is None else min(num_offered, num_slots)
+        if offered <= 0:
             return
-        num_accepted = min(max(num_accepted, 0), num_slots)
+        num_accepted = min(max(num_accepted, 0), offered)
         counts.decay(self.params.request_decay)
-        counts.add(num_slots, num_accepted)
-        self.worker.add(num_slots, num_accepted)
+        counts.add(num_slots, num_accepted, offered)
+        self.worker.add(num_slots, num_accepted, offered)
 
     def worker_rates(self, num_positions: int) -> list[float]:
         """The worker-wide ``p_j`` for j < ``num_positions`` (the requests' prior means)."""

@@ -853,7 +853,9 @@ class Scheduler:
             if not res.prediction_drafts:
                 self._count_speculation(res)
                 if self._drafts is not None and req.prediction is None:
-                    self._drafts.observe_row(req.draft_counts, rec.num_draft_slots, num_returned - 1)
+                    self._drafts.observe_row(
+                        req.draft_counts, rec.num_draft_slots, num_returned - 1, res.num_draft_tokens
+                    )
             try:
                 events.append(self._reconcile(req, rec, res))
             except Exception as exc:
