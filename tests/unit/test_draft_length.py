@@ -7,9 +7,10 @@ import pytest
 
 from tests.support.sim_worker import make_case
 from zerobubble.api import worker_pb2
-from zerobubble.config import ConfigError, SchedulerConfig
+from zerobubble.config import DRAFT_LENGTHS, ConfigError, SchedulerConfig
 from zerobubble.request_options import StoppingOptions
 from zerobubble.scheduler_svc.draft_length import (
+    CHOICES,
     DraftLengthChooser,
     DraftRow,
     PositionCounts,
@@ -213,3 +214,7 @@ def test_slots_left_without_a_draft_say_nothing_about_acceptance() -> None:
     assert counts.num_tries == [1.0] and counts.num_accepted == [1.0]
     chooser.observe_row(counts, K, 1, num_offered=3)  # the second of three drafts rejected
     assert counts.num_tries[1] == 1.0 and counts.num_accepted[1] == 0.0
+
+
+def test_the_flags_choices_are_the_choosers() -> None:
+    assert DRAFT_LENGTHS == CHOICES

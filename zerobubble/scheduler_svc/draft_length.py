@@ -21,8 +21,8 @@ A slot the proposer left without a draft (no n-gram match; or no draft yet, as a
 for a row only after a step that gave it slots) says nothing about acceptance and is not counted.
 A request that stopped getting slots receives no results to learn from, so its counts also
 decay on each plan it decodes without drafts: its estimate drifts back to the worker's and it is
-probed again now and then. Only the number of slots is chosen here; verification is untouched, so outputs never
-depend on the choice.
+probed again now and then. Only the number of slots is chosen here; verification is untouched,
+so outputs never depend on the choice.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ CHOICES = (ADAPTIVE, FIXED)
 
 @dataclass(frozen=True, slots=True)
 class DraftLengthParams:
-    """The chooser's constants (defaults tuned for n-gram and suffix drafts on the shipped workloads)."""
+    """The chooser's constants (defaults set by hand, checked by tests/unit/test_draft_length.py
+    and on the simulated device; not yet benchmarked on a model)."""
 
     # Beta prior strength, in results, of the worker-wide estimate behind each request's.
     prior_strength: float = 2.0
