@@ -204,8 +204,8 @@ def test_an_unknown_draft_length_mode_is_refused() -> None:
 
 
 def test_slots_left_without_a_draft_say_nothing_about_acceptance() -> None:
-    """A worker drafts for a row only after a step that gave it slots, and n-gram finds no match
-    at times: empty slots are neither accepted nor rejected drafts."""
+    """A worker skips its proposer after a plan that gave no decode row a slot, and n-gram finds
+    no match at times: empty slots are neither accepted nor rejected drafts."""
     chooser = DraftLengthChooser()
     counts = PositionCounts()
     chooser.observe_row(counts, K, 0, num_offered=0)

@@ -17,8 +17,9 @@ the most is taken while it raises the plan's expected tokens per second ((E+Δ)/
 i.e. Δ·t > E·b) and adds at least ``min_gain``. Since each row's gains only fall, taking the
 largest first and stopping at the first that does not pay is the best set for that ratio.
 
-A slot the proposer left without a draft (no n-gram match; or no draft yet, as a worker drafts
-for a row only after a step that gave it slots) says nothing about acceptance and is not counted.
+A slot the proposer left without a draft (no n-gram match; or none made, as a worker skips its
+proposer after a plan that gave no decode row a slot) says nothing about acceptance and is not
+counted.
 A request that stopped getting slots receives no results to learn from, so its counts also
 decay on each plan it decodes without drafts: its estimate drifts back to the worker's and it is
 probed again now and then. Only the number of slots is chosen here; verification is untouched,
@@ -162,8 +163,8 @@ class DraftLengthChooser:
     ) -> None:
         """A row's result: ``num_slots`` draft slots scheduled, ``num_offered`` drafts verified
         (None: one per slot), ``num_accepted`` of them accepted. A row verifying none says
-        nothing: the proposer found no match, or had not drafted for it (a worker drafts for a
-        row after a step that gave it slots, so the first step back from 0 slots has none)."""
+        nothing: the proposer found no match, or made none (a worker skips it after a plan that
+        gave no decode row a slot, so the first plan back from that has no drafts)."""
         offered = num_slots if num_offered is None else min(num_offered, num_slots)
         if offered <= 0:
             return
