@@ -78,7 +78,7 @@ def rate(runs: list[dict]) -> float:
 def suite_async(args) -> dict:
     out = {}
     for spec in args.spec_methods:
-        flags = {"spec_method": spec, "num_spec_tokens": 3} if spec != "none" else {}
+        flags = {"spec_method": spec, "num_spec_tokens": 3} if spec != "none" else {"spec_method": "none"}
         worker = start_worker(kv_cache_memory_gb=args.kv_gb, max_num_seqs=64, num_threads=args.num_threads, **flags)
         try:
             for concurrency in args.concurrency:
@@ -115,7 +115,7 @@ def suite_async(args) -> dict:
 
 def suite_spec(args) -> dict:
     out = {}
-    workers = {"none": start_worker(kv_cache_memory_gb=args.kv_gb)}
+    workers = {"none": start_worker(kv_cache_memory_gb=args.kv_gb, spec_method="none")}
     for n_min in args.ngram_min:
         name = "ngram" if len(args.ngram_min) == 1 else f"ngram-min{n_min}"
         workers[name] = start_worker(
@@ -144,7 +144,7 @@ def suite_hf(args) -> dict:
     rows = load_dataset(args.dataset, limit=args.limit_c16, max_tokens_cap=args.max_tokens_cap)
     ours: dict[str, dict] = {}
     for spec in args.spec_methods:
-        flags = {"spec_method": spec, "num_spec_tokens": 3} if spec != "none" else {}
+        flags = {"spec_method": spec, "num_spec_tokens": 3} if spec != "none" else {"spec_method": "none"}
         worker = start_worker(kv_cache_memory_gb=args.kv_gb, dtype=args.dtype, **flags)
         try:
             ours[spec] = with_scheduler(worker, rows, 16)

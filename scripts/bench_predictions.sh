@@ -36,7 +36,7 @@ bench() {  # $1: the run's label; the rest: bench flags
   $PY -m zerobubble bench --target localhost:50151 --no-progress --json "$OUT/$label.json" "$@" > "$OUT/$label.txt" 2>&1
   echo "$label: $(grep -E '^throughput' "$OUT/$label.txt") $(grep -E '^prediction' "$OUT/$label.txt")"
 }
-serve default
+serve default --spec-method none
 for round in 1 2; do
   bench "c1-prediction-r$round" --dataset edits --kind code-edit --concurrency 1
   bench "c1-none-r$round" --dataset edits --kind code-edit --concurrency 1 --no-prediction

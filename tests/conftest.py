@@ -91,7 +91,9 @@ def plain_runner(smollm2_dir):
     """SmolLM2 in float32 without a proposer."""
     from zerobubble.worker_svc.server import WorkerConfig, build_runner
 
-    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.25, max_num_seqs=16))
+    runner, _ = build_runner(
+        WorkerConfig(dtype="float32", kv_cache_memory_gb=0.25, max_num_seqs=16, spec_method="none")
+    )
     return runner
 
 

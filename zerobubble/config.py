@@ -24,6 +24,8 @@ if TYPE_CHECKING:
     from zerobubble.api import worker_pb2
 
 ENV_PREFIX = "ZEROBUBBLE_"
+# --spec-draft-length (zerobubble.scheduler_svc.draft_length.CHOICES; config stays import-free).
+DRAFT_LENGTHS = ("adaptive", "fixed")
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 EVENT_LOOPS = ("auto", "uvloop", "asyncio")
 # --cpu-linear: zerobubble.kernels.linear_choice.CHOICES (that module imports torch; a test keeps them equal).
@@ -71,6 +73,14 @@ def check_event_loop(event_loop: str) -> None:
         "--event-loop uvloop: the uvloop package is not installed (pip install uvloop; or --event-loop asyncio)",
     )
 
+
+# `--spec-method`; "auto" resolves to one of the others when the config is made (`resolve_spec_method`).
+SPEC_METHODS = ("auto", "none", "ngram", "suffix", "draft", "eagle")
+# What `--spec-method auto` is without a draft model. n-gram over suffix decoding: suffix gained
+# 1.05x over it at concurrency 1 on the agentic workload, for a scheduler-side index whose
+# upkeep is on the planning loop's critical path at high concurrency, and it needs no scheduler
+# support (a simulated device, an older scheduler).
+AUTO_SPEC_METHOD = "ngram"
 
 _Config = TypeVar("_Config")
 
@@ -240,13 +250,14 @@ class WorkerConfig(ServiceConfig):
     )
     max_model_len: int = setting(0, "longest sequence in tokens (0 = from the model config, capped at 8192)")
     spec_method: str = setting(
-        "none",
-        "speculative decoding proposer: ngram (prompt lookup), suffix (suffix decoding: the scheduler "
-        "finds each request's likeliest continuation in its own text and in recent outputs of all "
-        "requests, up to --num-prediction-tokens drafts a step, prompt lookup meanwhile), draft (a "
-        "smaller model) or eagle (an EAGLE-1, EAGLE-3 or speculators-format head over the target's "
-        "hidden states)",
-        choices=("none", "ngram", "suffix", "draft", "eagle"),
+        "auto",
+        "speculative decoding proposer: auto (ngram, its draft length adaptive unless the scheduler's "
+        "--spec-draft-length is fixed; not with --draft-model), none, ngram (prompt lookup), suffix "
+        "(suffix decoding: the scheduler finds each request's likeliest continuation in its own text "
+        "and in recent outputs of all requests, up to --num-prediction-tokens drafts a step, prompt "
+        "lookup meanwhile), draft (a smaller model) or eagle (an EAGLE-1, EAGLE-3 or "
+        "speculators-format head over the target's hidden states)",
+        choices=SPEC_METHODS,
     )
     num_spec_tokens: int = setting(3, "draft tokens per decode step")
     num_prediction_tokens: int = setting(
@@ -360,6 +371,9 @@ class WorkerConfig(ServiceConfig):
         "private file instead and collectives stay on loopback (0 = that case)",
     )
 
+    def __post_init__(self) -> None:
+        self.spec_method = resolve_spec_method(self.spec_method, self.draft_model)
+
     @property
     def simulated(self) -> bool:
         """Whether this worker runs on a simulated device instead of a model."""
@@ -438,6 +452,19 @@ class WorkerConfig(ServiceConfig):
         _require(size == 1 or not self.simulated, "--simulate-device-ms runs without a model: --tensor-parallel-size 1")
 
 
+def resolve_spec_method(spec_method: str, draft_model: str) -> str:
+    """The concrete `--spec-method` for ``spec_method`` (the one place "auto" is resolved: a
+    `WorkerConfig` holds the result, and the scheduler learns it from `WorkerInfo`).
+
+    Raises:
+        ConfigError: "auto" with a --draft-model, which may be a draft model or an EAGLE head.
+    """
+    if spec_method != "auto":
+        return spec_method
+    _require(not draft_model, "--spec-method auto with --draft-model: name its kind, --spec-method draft or eagle")
+    return AUTO_SPEC_METHOD
+
+
 @dataclass(slots=True)
 class SchedulerServiceConfig(ServiceConfig):
     """Everything `zerobubble scheduler` is configured with."""
@@ -498,7 +525,15 @@ class SchedulerServiceConfig(ServiceConfig):
         0,
         "plan no draft tokens while this many requests or more are running (vLLM's "
         "speculative_disable_by_batch_size): on a compute-bound device verifying drafts costs more "
-        "than it saves in large batches (0 = never disable)",
+        "than it saves in large batches; an explicit cap, which --spec-draft-length adaptive makes "
+        "unneeded (0 = never disable)",
+    )
+    spec_draft_length: str = setting(
+        "adaptive",
+        "draft slots of each decode row when the worker speculates: adaptive (from the request's recent "
+        "acceptance by draft position and the step's fitted cost per token, 0 where drafting does not pay; "
+        "at most --num-spec-tokens, or suffix decoding's budget) or fixed (always --num-spec-tokens)",
+        choices=DRAFT_LENGTHS,
     )
     max_prefill_tokens_with_decodes: int = setting(
         0,
@@ -645,10 +680,15 @@ class SchedulerConfig:
     spec_method: str = "none"
     # Running requests from which decodes are planned without drafts; 0 = never.
     spec_disable_batch_size: int = default_of(SchedulerServiceConfig, "spec_disable_batch_size")
+    # "adaptive": draft slots per row from acceptance and step cost (`scheduler_svc/draft_length.py`).
+    spec_draft_length: str = default_of(SchedulerServiceConfig, "spec_draft_length")
     # Prompt tokens of a step that carries decodes; 0 = the whole token budget.
     max_prefill_tokens_with_decodes: int = default_of(SchedulerServiceConfig, "max_prefill_tokens_with_decodes")
     # Extra slots allocated past each step (a draft model writes its k-token chain there).
     num_lookahead_slots: int = 0
+    # One adaptive draft length for all rows of a plan: a CUDA worker replays its captured
+    # graphs only for decode steps whose rows are all of one width.
+    uniform_draft_length: bool = False
     enable_prefix_caching: bool = default_of(SchedulerServiceConfig, "enable_prefix_caching")
     max_waiting: int = default_of(SchedulerServiceConfig, "max_waiting")
     eos_token_ids: tuple[int, ...] = ()
@@ -663,6 +703,7 @@ class SchedulerConfig:
             enable_prefix_caching=cfg.enable_prefix_caching,
             max_waiting=cfg.max_waiting,
             spec_disable_batch_size=cfg.spec_disable_batch_size,
+            spec_draft_length=cfg.spec_draft_length,
             max_prefill_tokens_with_decodes=cfg.max_prefill_tokens_with_decodes,
         )
 
@@ -681,6 +722,7 @@ class SchedulerConfig:
             num_prediction_tokens=info.num_prediction_tokens,
             spec_method=info.spec_method or "none",
             num_lookahead_slots=info.num_lookahead_slots,
+            uniform_draft_length=info.device.startswith("cuda"),
             eos_token_ids=tuple(info.eos_token_ids),
             vocab_size=info.vocab_size,
         )
@@ -699,6 +741,10 @@ class SchedulerConfig:
         _require(
             self.num_spec_tokens >= 0 and self.vocab_size >= 0 and self.spec_disable_batch_size >= 0,
             "SchedulerConfig.num_spec_tokens, vocab_size and spec_disable_batch_size must be >= 0",
+        )
+        _require(
+            self.spec_draft_length in DRAFT_LENGTHS,
+            f"SchedulerConfig.spec_draft_length must be one of {', '.join(DRAFT_LENGTHS)}",
         )
 
 

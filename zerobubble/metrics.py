@@ -88,6 +88,8 @@ INTER_TOKEN_BUCKETS: tuple[float, ...] = (
 )
 # Suffix continuations: up to `SuffixParams.max_tokens` (32) tokens; 0 is one cleared.
 CONTINUATION_BUCKETS: tuple[float, ...] = (0, 1, 2, 4, 8, 16, 24, 32, 64)
+# Draft slots of a decode row: up to --num-spec-tokens, or --num-prediction-tokens (at most 64).
+DRAFT_SLOT_BUCKETS: tuple[float, ...] = (0, 1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 STEP_BUCKETS: tuple[float, ...] = (
     0.0005,
     0.001,
@@ -245,6 +247,14 @@ METRIC_SPECS: tuple[MetricSpec, ...] = (
         WORKER_LABELS,
         "Suffix decoding: tokens of each continuation the scheduler sent a worker (0: one cleared).",
         CONTINUATION_BUCKETS,
+    ),
+    MetricSpec(
+        "zerobubble_spec_decode_draft_slots",
+        "histogram",
+        WORKER_LABELS,
+        "Draft slots the scheduler planned for each decode row while the worker speculates (0: none; "
+        "with --spec-draft-length adaptive, the chosen draft length).",
+        DRAFT_SLOT_BUCKETS,
     ),
     MetricSpec(
         "zerobubble_worker_step_duration_seconds",
@@ -415,6 +425,7 @@ class ServiceMetrics:
         "spec_prediction_draft_tokens",
         "spec_prediction_accepted_tokens",
         "suffix_continuation_tokens",
+        "draft_slots",
         "worker_step_duration",
         "worker_idle",
         "grammar_time",
@@ -476,6 +487,7 @@ class ServiceMetrics:
         self.spec_prediction_draft_tokens = counter("zerobubble_spec_decode_prediction_draft_tokens_total")
         self.spec_prediction_accepted_tokens = counter("zerobubble_spec_decode_prediction_accepted_tokens_total")
         self.suffix_continuation_tokens = histogram("zerobubble_spec_decode_suffix_continuation_tokens")
+        self.draft_slots = histogram("zerobubble_spec_decode_draft_slots")
         self.worker_step_duration = histogram("zerobubble_worker_step_duration_seconds")
         self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
         self.grammar_time = counter("zerobubble_grammar_seconds_total")
@@ -521,6 +533,7 @@ class ServiceMetrics:
             self.spec_prediction_draft_tokens,
             self.spec_prediction_accepted_tokens,
             self.suffix_continuation_tokens,
+            self.draft_slots,
             self.worker_step_duration,
             self.worker_idle,
             self.grammar_time,
@@ -756,6 +769,13 @@ class ServiceMetrics:
     def add_suffix_continuations(self, worker: str, counts: Sequence[int]) -> None:
         """Account the suffix continuations sent to ``worker``: ``counts[n]`` of ``n`` tokens."""
         child = self._child(self.suffix_continuation_tokens, self.model, worker)
+        for length, count in enumerate(counts):
+            for _ in range(count):
+                child.observe(length)
+
+    def add_draft_slots(self, worker: str, counts: Sequence[int]) -> None:
+        """Account the decode rows planned for ``worker``: ``counts[n]`` with ``n`` draft slots."""
+        child = self._child(self.draft_slots, self.model, worker)
         for length, count in enumerate(counts):
             for _ in range(count):
                 child.observe(length)

@@ -45,6 +45,6 @@ def test_a_worker_generates_what_transformers_generates(smollm2_dir) -> None:
         for m in MESSAGES
     ]
     # float32: the precision Hugging Face's greedy reference is computed in (auto may pick bfloat16).
-    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.25, max_num_seqs=4))
+    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.25, max_num_seqs=4, spec_method="none"))
     outputs = run_job(runner, [(str(i), p, dict(max_tokens=MAX_TOKENS)) for i, p in enumerate(prompts)])
     assert [outputs[str(i)] for i in range(len(prompts))] == hf_greedy(smollm2_dir, prompts, MAX_TOKENS)

@@ -80,7 +80,9 @@ def test_columns_that_do_not_line_up_are_refused() -> None:
 
 
 def test_a_plan_with_broken_columns_fails_that_step_and_the_worker_goes_on() -> None:
-    runner, _ = build_runner(WorkerConfig(simulate_device_ms=0.0, max_num_seqs=4, kv_cache_memory_gb=0.05))
+    runner, _ = build_runner(
+        WorkerConfig(simulate_device_ms=0.0, max_num_seqs=4, kv_cache_memory_gb=0.05, spec_method="none")
+    )
     prefill = worker_pb2.ScheduledRequest(req_id="a", token_ids=[5, 6, 7], new_block_ids=[0], is_new=True, sample=True)
     prefill.sampling.spec.sampling.seed = 1
     first = run_step(runner, worker_pb2.StepPlan(step_id=1, requests=[prefill]))

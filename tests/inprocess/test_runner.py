@@ -23,7 +23,7 @@ RUNNER_MAX_TOKENS = 32
 
 @pytest.fixture(scope="module")
 def runner(smollm2_dir):
-    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.5, max_num_seqs=64))
+    runner, _ = build_runner(WorkerConfig(dtype="float32", kv_cache_memory_gb=0.5, max_num_seqs=64, spec_method="none"))
     return runner
 
 

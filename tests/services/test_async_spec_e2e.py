@@ -1,7 +1,9 @@
 """Async scheduling + speculative decoding end to end: scheduler and worker processes over gRPC.
 
-The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,suffix,draft,eagle}` (draft:
-SmolLM2 drafting for itself; eagle: a head fitted to SmolLM2, tests/support/drafting.py; k=3). One
+The matrix: `--max-inflight-steps {1,2}` x `--spec-method {none,ngram,suffix,draft,eagle,auto}` (draft:
+SmolLM2 drafting for itself; eagle: a head fitted to SmolLM2, tests/support/drafting.py; auto: the
+default, n-gram; k=3). Draft lengths are the scheduler's default, adaptive, except for ngram, which
+keeps `--spec-draft-length fixed` covered. One
 worker process per spec method serves every scheduler of that method; a worker takes one
 scheduler stream at a time, so each test starts its own scheduler and stops it before the next
 one connects. Hugging Face greedy `generate` is the oracle for greedy
@@ -43,7 +45,7 @@ from zerobubble.client import build_request, complete
 
 pytestmark = pytest.mark.timeout(1800)
 
-SPECS = ("none", "ngram", "suffix", "draft", "eagle")
+SPECS = ("none", "ngram", "suffix", "draft", "eagle", "auto")
 K = 3
 # 8 code edits (n-gram friendly), 4 grounded QA and 4 open chat rows, the ones with the shorter
 # prompts (prefill dominates on CPU), whose Hugging Face runs go past SUBSET_MAX_TOKENS but one.
@@ -108,7 +110,10 @@ def check_greedy(
     model_dir: Path,
     fronts: int = 0,
 ) -> dict:
-    with scheduler_on(pool.get(spec), max_inflight_steps=inflight, fronts=fronts) as scheduler:
+    draft_length = "fixed" if spec == "ngram" else "adaptive"
+    with scheduler_on(
+        pool.get(spec), max_inflight_steps=inflight, fronts=fronts, spec_draft_length=draft_length
+    ) as scheduler:
         report = run_workload(scheduler.target, bench_rows(rows, max_tokens=max_tokens), concurrency=16)
     identical = assert_matches_reference(
         report, [r[:max_tokens] for r in ref], model_dir, rows, min_identical=min_identical
@@ -122,6 +127,8 @@ def check_greedy(
         assert stats["num_draft_tokens"] == 0
     else:
         assert stats["num_draft_tokens"] > 0 and stats["num_accepted_tokens"] > 0, stats
+    if spec == "auto":
+        assert report["spec_method"] == "ngram"  # resolved by the worker at start-up
     if spec == "draft":
         # SmolLM2 drafting for itself under greedy agrees with the target, barring float ties.
         assert stats["num_accepted_tokens"] >= 0.95 * stats["num_draft_tokens"], stats
@@ -133,7 +140,14 @@ COMBINATIONS = [pytest.param(spec, inflight, id=f"{spec}-inflight{inflight}") fo
 # proposers); the other five combinations run in the slow suite. In-process, the others are
 # checked against Hugging Face by tests/inprocess/test_sampling_controls.py,
 # tests/inprocess/test_spec_runner.py and (suffix, both windows) tests/inprocess/test_suffix_decoding.py.
-DEFAULT_COMBINATIONS = {"none-inflight1", "ngram-inflight2", "suffix-inflight2", "draft-inflight2", "eagle-inflight2"}
+DEFAULT_COMBINATIONS = {
+    "none-inflight1",
+    "ngram-inflight2",
+    "suffix-inflight2",
+    "draft-inflight2",
+    "eagle-inflight2",
+    "auto-inflight2",
+}
 SUBSET_COMBINATIONS = [
     p if p.id in DEFAULT_COMBINATIONS else pytest.param(*p.values, id=p.id, marks=pytest.mark.slow)
     for p in COMBINATIONS

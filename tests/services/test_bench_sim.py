@@ -97,7 +97,7 @@ def test_host_suite_measures_full_steps_after_every_request_settled(tmp_path: Pa
         else:
             assert received > 0 and figures["clients_ms_per_step"] > 0, figures
         # Full steps carry 4 x (1 + accepted drafts per row) tokens: at most 4 x 4.
-        assert 4 <= figures["generated_tokens_per_step"] <= 16
+        assert 4 <= figures["generated_tokens_per_step"] <= 16, (via, figures)
         assert 0 < figures["acceptance_rate"] <= 1
         assert set(figures["cpu_ms_per_step"]) >= {"scheduler", "worker", "client"}
     # Fronts with a port each: both measured; what the clients received arrived (two fronts on a

@@ -119,7 +119,8 @@ def test_flags_live_in_the_right_subcommands(command: str, present: set[str], ab
 def test_defaults_follow_the_contract() -> None:
     serve = parse(["serve"])
     assert (serve.port, serve.metrics_port, serve.worker_port) == (50051, 9090, 0)
-    assert serve.model == "smollm2-135m" and serve.spec_method == "none" and serve.max_inflight_steps == 2
+    assert serve.model == "smollm2-135m" and serve.spec_method == "auto" and serve.max_inflight_steps == 2
+    assert serve.spec_draft_length == "adaptive"
     assert serve.enable_prefix_caching is True and serve.workers == ""
     worker = parse(["worker"])
     assert (worker.port, worker.metrics_port, worker.block_size, worker.num_spec_tokens) == (50061, 9091, 16, 3)

@@ -296,6 +296,12 @@ def test_speculation_counters_are_consistent(observed):
         assert all(a >= b for a, b in zip(ordered, ordered[1:])), (which, ordered)
         assert sum(ordered) == accepted, (which, ordered, accepted)
         assert ordered[0] <= drafts
+    # The draft slots of every decode row planned (--spec-draft-length adaptive, the default):
+    # at most k each, and at least the drafts verified, which some of them carried.
+    sched = observed["sched"]
+    rows = total(sched, "zerobubble_spec_decode_draft_slots_count")
+    slots = total(sched, "zerobubble_spec_decode_draft_slots_sum")
+    assert total(sched, "zerobubble_spec_decode_num_draft_tokens_total") <= slots <= NUM_SPEC_TOKENS * rows
     # Rolled-back placeholders: every scheduled draft slot that was not accepted. There were
     # rejections (free text), so it moved; it cannot be fewer than the rejected real drafts.
     sched = observed["sched"]

@@ -181,7 +181,9 @@ def test_stream_interval_gathers_tokens_without_changing_them(sim_workers):
         assert len(gathered) <= 2 + MAX_TOKENS // 5 < len(every)
 
 
-def _acceptance(rate: float, rows) -> float:
+def _simulated(rate: float, rows, spec_draft_length: str) -> tuple[dict[str, list[int]], SchedulerStats]:
+    """The outputs and the scheduler's figures of ``rows`` (160 tokens each) on a simulated
+    device whose drafts are accepted at ``rate``."""
     runner, loaded = build_runner(
         WorkerConfig(
             simulate_device_ms=0.0,
@@ -198,7 +200,13 @@ def _acceptance(rate: float, rows) -> float:
         (f"r{i}", tokenizer.apply_chat_template(row["messages"]), dict(max_tokens=160)) for i, row in enumerate(rows)
     ]
     stats = SchedulerStats()
-    run_job(runner, requests, window=2, stats=stats)
+    outputs = run_job(runner, requests, window=2, stats=stats, spec_draft_length=spec_draft_length)
+    return outputs, stats
+
+
+def _acceptance(rate: float, rows) -> float:
+    # Fixed lengths: adaptive ones would draft less where drafts fail, and skew the measure.
+    _, stats = _simulated(rate, rows, "fixed")
     return stats.num_accepted_tokens / stats.num_draft_tokens
 
 
@@ -211,6 +219,33 @@ def test_acceptance_follows_the_configured_rate(grounded_rows, rate: float):
     assert COPY_LAG > K + 1
     # About 8 x 160 tokens: the binomial spread is a few percent; 0.08 is several sigma.
     assert abs(measured - expected) < 0.08, (rate, measured, expected)
+
+
+def _mean_slots(stats: SchedulerStats) -> float:
+    """Mean draft slots of the decode rows (`draft_lengths` counts them by slots)."""
+    counts = stats.draft_lengths
+    return sum(n * c for n, c in enumerate(counts)) / max(sum(counts), 1)
+
+
+def test_adaptive_draft_lengths_follow_each_requests_acceptance(grounded_rows):
+    """`--spec-draft-length adaptive` on the simulated device: drafts nearly always accepted
+    keep all K slots, drafts accepted 60 % of the time (and so rejected at the deeper positions
+    more often than not) get fewer at about the same number of steps, and the tokens are those
+    of fixed lengths either way (verification decides them, not the length)."""
+    rows = grounded_rows[:4]
+    for rate in (0.6, 0.97):
+        fixed, fixed_stats = _simulated(rate, rows, "fixed")
+        adaptive, stats = _simulated(rate, rows, "adaptive")
+        assert adaptive == fixed, rate
+        assert fixed_stats.draft_lengths[K] > 0.9 * sum(fixed_stats.draft_lengths)
+        assert stats.num_steps_completed <= fixed_stats.num_steps_completed * 1.1, rate
+        if rate == 0.97:
+            assert stats.draft_lengths[K] > 0.9 * sum(stats.draft_lengths)
+        else:
+            assert _mean_slots(stats) < _mean_slots(fixed_stats) - 0.3
+            assert stats.num_accepted_tokens / stats.num_draft_tokens > (
+                fixed_stats.num_accepted_tokens / fixed_stats.num_draft_tokens
+            )
 
 
 def test_kv_usage_counts_each_held_block_once_as_requests_come_and_go():

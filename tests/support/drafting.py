@@ -84,7 +84,9 @@ def tiny_hf(seed: int, max_positions: int = 256, num_layers: int = 2) -> LlamaFo
 def runner_and_scheduler(
     target: LlamaForCausalLM | LoadedModel, proposer: Proposer | None, spec_disable_batch_size: int = 0
 ) -> tuple[ModelRunner, Scheduler]:
-    """A runner over ``target`` (a Hugging Face model, loaded in float32, or a loaded model) and its scheduler."""
+    """A runner over ``target`` (a Hugging Face model, loaded in float32, or a loaded model) and its
+    scheduler, with fixed draft lengths: these tests check the proposers' drafts, which random
+    weights rarely get accepted, and adaptive lengths would plan few."""
     k = K if proposer is not None else 0
     runner = ModelRunner(
         target if isinstance(target, LoadedModel) else loaded_model(target),
@@ -101,6 +103,7 @@ def runner_and_scheduler(
             num_spec_tokens=k,
             num_lookahead_slots=k,
             spec_disable_batch_size=spec_disable_batch_size,
+            spec_draft_length="fixed",
             enable_prefix_caching=True,
             vocab_size=VOCAB,
         ),

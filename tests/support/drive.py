@@ -18,15 +18,20 @@ def run_job(
     max_num_seqs: int = 64,
     stats: SchedulerStats | None = None,
     num_blocks: int = 0,
+    spec_draft_length: str = "adaptive",
 ) -> dict[str, list[int]]:
     """Run requests to completion through Scheduler + runner; returns req_id -> output ids.
 
     ``stats``: filled with the scheduler's figures at the end (steps, drafts, acceptances).
     ``num_blocks``: the KV blocks the scheduler may hand out (0: the runner's), fewer to force
-    preemptions.
+    preemptions. ``spec_draft_length``: the scheduler's `--spec-draft-length`.
     """
     scheduler = make_scheduler(
-        runner, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs
+        runner,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_num_seqs=max_num_seqs,
+        spec_draft_length=spec_draft_length,
     )
     runner.reset()
     for req_id, ids, params in requests:

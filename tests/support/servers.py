@@ -6,9 +6,18 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-from zerobubble.tools.launch import Service, start, start_scheduler, start_worker, wait_serving
+from zerobubble.tools import launch
+from zerobubble.tools.launch import Service, start, start_scheduler, wait_serving
 
 __all__ = ["Service", "serving", "start", "start_scheduler", "start_worker", "wait_serving"]
+
+
+def start_worker(**options: Any) -> Service:
+    """`launch.start_worker`, without speculation unless the test names a --spec-method: the
+    worker's default (`auto`, n-gram drafts) changes step counts and draft figures that tests
+    of other things count on; tests/services/test_async_spec_e2e.py runs `auto` itself."""
+    options.setdefault("spec_method", "none")
+    return launch.start_worker(**options)
 
 
 @contextlib.contextmanager

@@ -65,6 +65,7 @@ def test_inner_configs_take_their_defaults_from_the_settings() -> None:
         "enable_prefix_caching",
         "max_waiting",
         "spec_disable_batch_size",
+        "spec_draft_length",
     ):
         assert getattr(inner, name) == getattr(service, name), name
     assert SchedulerConfig.from_service(SchedulerServiceConfig(max_num_seqs=5)).max_num_seqs == 5
@@ -255,3 +256,20 @@ def test_grpc_runtime_defaults_yield_to_the_environment() -> None:
         env = {"GRPC_EXPERIMENTS": chosen}
         apply_grpc_defaults(env)
         assert env == {"GRPC_EXPERIMENTS": chosen}
+
+
+def test_spec_method_auto_resolves_once_when_the_config_is_made() -> None:
+    assert WorkerConfig().spec_method == "ngram"  # the default is auto
+    assert WorkerConfig(spec_method="auto").speculative
+    assert WorkerConfig(spec_method="none").spec_method == "none"
+    assert WorkerConfig(spec_method="suffix").spec_method == "suffix"
+    assert from_env(WorkerConfig, {"ZEROBUBBLE_SPEC_METHOD": "auto"}).spec_method == "ngram"
+    # A simulated device takes n-gram drafts: auto works there too.
+    WorkerConfig(simulate_device_ms=1.0).validate()
+    with pytest.raises(ConfigError, match="--spec-method draft or eagle"):
+        WorkerConfig(draft_model="/m")
+
+
+def test_spec_method_auto_with_a_draft_model_is_a_usage_error(capsys) -> None:
+    err = _usage_error(["worker", "--draft-model", "/m"], capsys)
+    assert "--spec-method auto" in err and "--draft-model" in err

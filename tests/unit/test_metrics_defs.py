@@ -42,6 +42,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
     "zerobubble_spec_decode_prediction_draft_tokens_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_spec_decode_prediction_accepted_tokens_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_spec_decode_suffix_continuation_tokens": ("histogram", frozenset({"model", "worker"})),
+    "zerobubble_spec_decode_draft_slots": ("histogram", frozenset({"model", "worker"})),
     "zerobubble_worker_step_duration_seconds": ("histogram", frozenset({"model", "worker"})),
     "zerobubble_worker_idle_seconds_total": ("counter", frozenset({"model", "worker"})),
     "zerobubble_worker_collective_seconds_total": ("counter", frozenset({"model", "worker"})),
@@ -72,6 +73,7 @@ def _record_everything(m: ServiceMetrics, worker: str = "w0") -> None:
     m.add_preemptions(1)
     m.add_prefix_cache(queries=16, hits=8)
     m.add_suffix_continuations(worker, [1, 0, 2])
+    m.add_draft_slots(worker, [2, 0, 1, 3])
 
 
 def _scrape(m: ServiceMetrics) -> dict[str, list[tuple[str, dict[str, str], float]]]:
@@ -162,6 +164,8 @@ def test_recorded_values_land_in_the_right_series() -> None:
     assert _value(s, "zerobubble_inter_token_latency_seconds_count") == 1
     assert _value(s, "zerobubble_spec_decode_suffix_continuation_tokens_count", worker="w0") == 3
     assert _value(s, "zerobubble_spec_decode_suffix_continuation_tokens_sum", worker="w0") == 4
+    assert _value(s, "zerobubble_spec_decode_draft_slots_count", worker="w0") == 6
+    assert _value(s, "zerobubble_spec_decode_draft_slots_sum", worker="w0") == 11
 
 
 def test_series_exist_at_zero_before_anything_happens() -> None:

@@ -31,6 +31,7 @@ from zerobubble.request_options import (
 )
 from zerobubble.scheduler_svc.block_pool import BlockHash
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
+from zerobubble.scheduler_svc.draft_length import PositionCounts
 
 if TYPE_CHECKING:
     from zerobubble.api.worker_pb2 import WorkerInfo
@@ -192,6 +193,8 @@ class Request:
     first_token_time: float | None = None
     prediction: PredictionProgress | None = None  # with a predicted output the worker drafts from
     suffix: SuffixState | None = None  # suffix decoding (`scheduler_svc/suffix.py`), from its first decode
+    # Its drafts' recent acceptance by position (`scheduler_svc/draft_length.py`).
+    draft_counts: PositionCounts = field(default_factory=PositionCounts)
     finish_time: float | None = None
 
     @property

@@ -269,10 +269,11 @@ class Router:
             s.num_prediction_accepted_tokens,
             tuple(s.accepted_per_pos),
             tuple(s.suffix_continuations),
+            tuple(s.draft_lengths),
         )
         # Keyed by link and checked by identity: a reconnect builds a new scheduler whose
         # counters start from zero (an id() could be reused and give negative increments).
-        zero = (0, 0, 0, 0, 0, 0, 0, 0, 0, (), ())
+        zero = (0, 0, 0, 0, 0, 0, 0, 0, 0, (), (), ())
         seen_sched, last = self._exported.get(link.address, (None, zero))
         if seen_sched is not sched:
             last = zero
@@ -293,6 +294,9 @@ class Router:
         if now[10] != last[10]:
             sent = [n - (last[10][i] if i < len(last[10]) else 0) for i, n in enumerate(now[10])]
             self.metrics.add_suffix_continuations(link.worker_id, sent)
+        if now[11] != last[11]:
+            planned = [n - (last[11][i] if i < len(last[11]) else 0) for i, n in enumerate(now[11])]
+            self.metrics.add_draft_slots(link.worker_id, planned)
         self.metrics.set_inflight(link.worker_id, link.inflight)
         self.metrics.add_rolled_back(now[0] - last[0])
         self.metrics.add_preemptions(now[1] - last[1])

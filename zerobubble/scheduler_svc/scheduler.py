@@ -33,6 +33,7 @@ from zerobubble.request_options import SamplingOptions, StoppingOptions, to_work
 from zerobubble.rows import RowResult, add_continuations, add_decode_columns, result_rows
 from zerobubble.scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
+from zerobubble.scheduler_svc.draft_length import ADAPTIVE, DraftLengthChooser, plan_drafts
 from zerobubble.scheduler_svc.request import PredictionProgress, Request, RequestStatus
 from zerobubble.scheduler_svc.suffix import SharedOutputs, SuffixDrafter
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
@@ -91,6 +92,8 @@ class SchedulerStats:
     num_prediction_accepted_tokens: int = 0
     # Suffix decoding: continuations sent, by length (index = tokens; 0 = one cleared).
     suffix_continuations: list[int] = field(default_factory=list)
+    # Decode rows by draft slots planned (index = slots), while the worker speculates.
+    draft_lengths: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -140,6 +143,13 @@ class _Ids:
     def take_admission_id(self) -> int:
         self.next_admission_id += 1
         return self.next_admission_id - 1
+
+
+def _count_length(counts: list[int], length: int) -> None:
+    """One more of ``length`` in a histogram kept as counts by value."""
+    if length >= len(counts):
+        counts.extend([0] * (length + 1 - len(counts)))
+    counts[length] += 1
 
 
 def fail_unplaced(req: Request, error: str, clock: Callable[[], float] = time.monotonic) -> RequestEvent:
@@ -271,6 +281,10 @@ class Scheduler:
             self._suffix = SuffixDrafter(
                 config.num_prediction_tokens, suffix_outputs, sent_lengths=self.stats.suffix_continuations
             )
+        self._drafts: DraftLengthChooser | None = None
+        if config.spec_draft_length == ADAPTIVE and config.num_spec_tokens > 0:
+            self._drafts = DraftLengthChooser()
+        self._chosen_drafts: dict[str, int] = {}  # this plan's adaptive draft slots by request
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -482,6 +496,7 @@ class Scheduler:
         records: dict[str, _Scheduled] = {}
         num_preemptions_before = self.stats.num_preemptions
         max_drafts = self._draft_limit()
+        self._chosen_drafts = self._choose_drafts(max_drafts, budget)
         if self._suffix is not None:
             self._suffix.new_plan()
         i = 0
@@ -572,6 +587,13 @@ class Scheduler:
             return 0
         return self.config.num_spec_tokens
 
+    def _choose_drafts(self, max_drafts: int, budget: int) -> dict[str, int]:
+        """`--spec-draft-length adaptive`: each decode row's draft slots in the next plan, at
+        most ``max_drafts``; empty with fixed lengths."""
+        if self._drafts is None:
+            return {}
+        return plan_drafts(self._drafts, self._running, max_drafts, budget, self.config.uniform_draft_length)
+
     def _schedule_running(
         self,
         req: Request,
@@ -596,9 +618,13 @@ class Scheduler:
             # Its own budget, even where drafting is off for the batch: drafts the output keeps
             # accepting pay for their slots at any batch size.
             max_drafts = max(max_drafts, req.prediction.max_drafts)
-        elif self._suffix is not None and max_drafts > 0:
-            suffix = self._suffix.plan(req, max_drafts)
-            max_drafts = suffix.num_draft_slots
+        else:
+            max_drafts = self._chosen_drafts.get(req.req_id, max_drafts)
+            if self._suffix is not None and max_drafts > 0:
+                # A continuation is sized by its own match statistics: an adaptive length says
+                # whether the row drafts at all and how far prompt lookup goes without one.
+                suffix = self._suffix.plan(req, max_drafts)
+                max_drafts = suffix.num_draft_slots
         # Tokens confirmed or in flight; slots beyond the limit could never be verified.
         num_draft_slots = min(
             max_drafts,
@@ -622,6 +648,8 @@ class Scheduler:
             new_block_ids = self._grow(req, num_tokens)
         req.num_computed += num_tokens
         req.num_placeholders += num_tokens
+        if config.num_spec_tokens > 0:
+            _count_length(self.stats.draft_lengths, num_draft_slots)
         decodes.req_ids.append(req.req_id)
         decodes.num_draft_slots.append(num_draft_slots)
         decodes.num_new_blocks.append(len(new_block_ids))
@@ -788,6 +816,8 @@ class Scheduler:
             logger.warning("result for unknown step %d ignored", result.step_id)
             return []
         self.stats.num_steps_completed += 1
+        if self._drafts is not None and not result.error:
+            self._drafts.observe_step(result.num_tokens, result.forward_s)
         if result.error:
             self.stats.num_failed_steps += 1
             logger.error("step %d failed on the worker: %s", result.step_id, result.error)
@@ -822,6 +852,10 @@ class Scheduler:
                 self._count_prediction(req, rec, res)
             if not res.prediction_drafts:
                 self._count_speculation(res)
+                if self._drafts is not None and req.prediction is None:
+                    self._drafts.observe_row(
+                        req.draft_counts, rec.num_draft_slots, num_returned - 1, res.num_draft_tokens
+                    )
             try:
                 events.append(self._reconcile(req, rec, res))
             except Exception as exc:
