@@ -475,13 +475,12 @@ class SpeculationCounts:
     num_prediction_accepted: int = 0
 
 
-def speculation_counts(result: worker_pb2.StepResult) -> SpeculationCounts:
+def speculation_counts(cols: worker_pb2.ResultRows) -> SpeculationCounts:
     """The drafts a result's rows verified and accepted.
 
     Read straight from the columns: this runs for every step on the worker, over every row. A
     row's accepted drafts are its tokens but the last.
     """
-    cols = result.rows
     flags = _prediction_flags(cols) or itertools.repeat(False)
     counts = SpeculationCounts()
     for n, num_tokens, predicted in zip(cols.num_draft_tokens, cols.num_tokens, flags):

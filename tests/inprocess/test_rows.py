@@ -189,7 +189,7 @@ def test_speculation_counts_split_prediction_drafts_from_the_proposers() -> None
     builder.add_error("e", "refused")
     result = worker_pb2.StepResult()
     builder.write(result)
-    counts = speculation_counts(result)
+    counts = speculation_counts(result.rows)
     assert (counts.num_drafts, counts.num_draft_tokens, counts.num_accepted) == (2, 5, 2)
     assert (counts.num_prediction_draft_tokens, counts.num_prediction_accepted) == (5, 3)
 
