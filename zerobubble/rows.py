@@ -107,7 +107,8 @@ class PlanColumns:
 
     def num_leading_decodes(self) -> int:
         """How many rows from the first are plain decodes: no token ids, not new, sampling."""
-        end = next((i for i, n in enumerate(self.num_tokens) if n), len(self.num_tokens))
+        # The first row with tokens, found without a Python step per row.
+        end = next(itertools.compress(itertools.count(), self.num_tokens), len(self.num_tokens))
         for marked in (self.new_rows, self.unsampled_rows):
             if marked:  # ascending: the first is the lowest
                 end = min(end, marked[0])
@@ -210,12 +211,20 @@ class PlanBuilder:
     where the worker takes them as whole columns, then the other rows (`add`) in the order
     they were added."""
 
-    decodes: PlanColumns = field(default_factory=PlanColumns)
+    decodes: DecodeColumnLists = field(default_factory=lambda: DecodeColumnLists([], [], [], []))
     others: PlanColumns = field(default_factory=PlanColumns)
 
     def add_decode(self, req_id: str, num_draft_slots: int, new_block_ids: Sequence[int] = ()) -> None:
-        """A decode row: 1 + ``num_draft_slots`` tokens from the worker's own state."""
-        self.decodes.add(req_id, num_draft_slots=num_draft_slots, new_block_ids=new_block_ids)
+        """A decode row: 1 + ``num_draft_slots`` tokens from the worker's own state.
+
+        Most rows of most plans: four appends, not a general row's dozen checks.
+        """
+        decodes = self.decodes
+        decodes.req_ids.append(req_id)
+        decodes.num_draft_slots.append(num_draft_slots)
+        decodes.num_new_blocks.append(len(new_block_ids))
+        if new_block_ids:
+            decodes.new_block_ids.extend(new_block_ids)
 
     def add(
         self,
@@ -236,9 +245,14 @@ class PlanBuilder:
         return len(self.decodes.req_ids) + len(self.others.req_ids)
 
     def write(self, plan: worker_pb2.StepPlan) -> None:
-        """Append the rows to ``plan.rows``."""
-        self.decodes.write(plan.rows)
-        self.others.write(plan.rows)
+        """Append the rows to ``plan.rows`` (which holds none yet)."""
+        rows, decodes = plan.rows, self.decodes
+        rows.req_ids.extend(decodes.req_ids)
+        rows.num_tokens.extend([0] * len(decodes.req_ids))
+        rows.num_draft_slots.extend(decodes.num_draft_slots)
+        rows.num_new_blocks.extend(decodes.num_new_blocks)
+        rows.new_block_ids.extend(decodes.new_block_ids)
+        self.others.write(rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -417,23 +431,35 @@ class ResultBuilder:
         Raises:
             ValueError: logprobs or candidates not one per token.
         """
-        n = len(token_ids)
-        if (logprobs is not None and len(logprobs) != n) or (top_logprobs is not None and len(top_logprobs) != n):
-            raise ValueError(f"request {req_id}: logprobs or top logprobs not one per token ({n} tokens)")
-        i = len(self.req_ids)
+        if logprobs is not None or top_logprobs is not None:
+            self._add_logprobs(req_id, len(token_ids), logprobs, top_logprobs)
         self.req_ids.append(req_id)
-        self.num_tokens.append(n)
+        self.num_tokens.append(len(token_ids))
         self.token_ids.extend(token_ids)
         self.num_draft_tokens.append(num_draft_tokens)
         self.prediction_drafts.append(prediction_drafts)
+
+    def _add_logprobs(
+        self,
+        req_id: str,
+        num_tokens: int,
+        logprobs: Sequence[float] | None,
+        top_logprobs: Sequence[tuple[Sequence[int], Sequence[float]]] | None,
+    ) -> None:
+        """The logprobs of the row `add` is adding, checked before anything is appended."""
+        if (logprobs is not None and len(logprobs) != num_tokens) or (
+            top_logprobs is not None and len(top_logprobs) != num_tokens
+        ):
+            raise ValueError(f"request {req_id}: logprobs or top logprobs not one per token ({num_tokens} tokens)")
+        if top_logprobs is not None and any(len(ids) != len(values) for ids, values in top_logprobs):
+            raise ValueError(f"request {req_id}: candidate ids and logprobs of unequal lengths")
+        i = len(self.req_ids)
         if logprobs is not None:
             self.logprob_rows.append(i)
             self.logprobs.extend(logprobs)
         if top_logprobs is not None:
             self.top_logprob_rows.append(i)
             for ids, values in top_logprobs:
-                if len(ids) != len(values):
-                    raise ValueError(f"request {req_id}: {len(ids)} candidate ids, {len(values)} logprobs")
                 self.num_top_logprobs.append(len(ids))
                 self.top_token_ids.extend(ids)
                 self.top_logprobs.extend(values)

@@ -200,7 +200,7 @@ def test_logprobs_not_one_per_token_are_refused() -> None:
         builder.add("a", [1, 2], logprobs=[-0.5])
     with pytest.raises(ValueError, match="one per token"):
         builder.add("a", [1, 2], top_logprobs=[([1], [-0.5])])
-    with pytest.raises(ValueError, match="candidate ids"):
+    with pytest.raises(ValueError, match="unequal lengths"):
         builder.add("a", [1], top_logprobs=[([1, 2], [-0.5])])
 
 
