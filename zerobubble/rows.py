@@ -117,11 +117,15 @@ class PlanColumns:
     def leading_decodes(self) -> DecodeColumnLists:
         """The plan's leading decode rows (`num_leading_decodes`) as columns."""
         n = self.num_leading_decodes()
+        if n == len(self.req_ids):  # a plan of decodes only, most plans: no copies
+            return DecodeColumnLists(self.req_ids, self.num_draft_slots, self.num_new_blocks, self.new_block_ids)
         counts = self.num_new_blocks[:n]
         return DecodeColumnLists(self.req_ids[:n], self.num_draft_slots[:n], counts, self.new_block_ids[: sum(counts)])
 
     def rows(self, start: int = 0) -> list[PlanRow]:
         """The rows from ``start`` on, one `PlanRow` each."""
+        if start >= len(self.req_ids):
+            return []
         new = {row: j for j, row in enumerate(self.new_rows)}
         unsampled = set(self.unsampled_rows)
         token_start, block_start = sum(self.num_tokens[:start]), sum(self.num_new_blocks[:start])
