@@ -163,9 +163,9 @@ class PendingResult:
         # Rows flag prediction drafts only in steps where some row had a prediction.
         flags = out.prediction_drafts
         for row, req_id in enumerate(rows.req_ids):
-            i = by_row.get(row)
             if req_id in self.errors:
                 continue
+            i = by_row.get(row)
             if i is None:
                 built.add(req_id)
                 continue
