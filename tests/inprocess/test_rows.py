@@ -20,6 +20,7 @@ from zerobubble.rows import (
     result_rows,
     speculation_counts,
 )
+from zerobubble.scheduler_svc.worker_link import plan_tokens
 from zerobubble.worker_svc.server import WorkerConfig, build_runner
 from zerobubble.worker_svc.step_loop import run_step
 
@@ -99,6 +100,18 @@ def test_a_new_row_carries_its_sampling() -> None:
     assert (row.sampling.temperature, row.sampling.top_k, row.sampling.seed) == (0.5, 5, 11)
     assert (row.sampling.logprobs, row.sampling.top_logprobs, row.sampling.grammar) == (True, 2, "{}")
     assert row.sampling.num_prompt_tokens == 3
+
+
+def test_a_plan_feeds_its_chunks_and_one_plus_the_drafts_of_each_decode() -> None:
+    builder = PlanBuilder()
+    builder.add_decode("a", 3)
+    builder.add_decode("b", 0, [7])
+    builder.add("c", [1, 2, 3, 4, 5], new=NewRow())
+    builder.add("d", [6, 7], sample=False)
+    builder.add("e", num_draft_slots=2)  # a decode after the chunks
+    plan = worker_pb2.StepPlan()
+    builder.write(plan)
+    assert plan_tokens(plan) == (1 + 3) + 1 + 5 + 2 + (1 + 2)
 
 
 def _broken_plans() -> dict[str, worker_pb2.StepPlan]:
