@@ -64,7 +64,7 @@ def test_plan_rows_are_the_rows_written_decodes_first(decodes, others) -> None:
         expected.append((f"o{i}", tokens, drafts, blocks, new is not None, cached, sample, seed))
     for j, (k, decode_blocks) in pending:
         builder.add_decode(f"d{j}", k, decode_blocks)
-    decode_rows = [(f"d{j}", [], k, blocks, False, 0, True, None) for j, (k, blocks) in enumerate(decodes)]
+    decode_rows: list[tuple] = [(f"d{j}", [], k, blocks, False, 0, True, None) for j, (k, blocks) in enumerate(decodes)]
     plan = worker_pb2.StepPlan(step_id=3)
     builder.write(plan)
     assert len(builder) == len(decodes) + len(others)
@@ -161,7 +161,7 @@ _result_row = st.tuples(
 @given(rows=st.lists(_result_row, max_size=12))
 def test_result_rows_are_the_rows_written(rows) -> None:
     builder = ResultBuilder()
-    expected = {}
+    expected: dict[str, tuple] = {}
     for i, (tokens, drafts, predicted, want_logprobs, num_top, error) in enumerate(rows):
         req_id = f"r{i}"
         if error:
