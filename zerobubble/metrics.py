@@ -347,10 +347,7 @@ class StepResultLike(Protocol):
     accepted_per_pos: Sequence[int]
 
     @property
-    def results(self) -> Sequence[Any]: ...
-
-    @property
-    def rows(self) -> Any: ...
+    def rows(self) -> Any: ...  # a ``ResultRows``
 
 
 @dataclass(slots=True)
@@ -682,7 +679,7 @@ class ServiceMetrics:
         A draft counts once per request that had drafts verified in the step, as vLLM counts
         ``num_drafts``.
         """
-        counts = speculation_counts(result)
+        counts = speculation_counts(result.rows)
         self.record_step(
             worker,
             float(result.forward_s),

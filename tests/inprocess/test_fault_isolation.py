@@ -20,7 +20,7 @@ from tests.support.drive import make_scheduler
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig
 from zerobubble.request_options import StoppingOptions
-from zerobubble.rows import plan_rows
+from zerobubble.rows import plan_rows, read_plan, result_rows
 from zerobubble.scheduler_svc.scheduler import FINISH_ERROR
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 from zerobubble.worker_svc.faults import CopyDone
@@ -150,9 +150,10 @@ def test_failed_rows_end_only_their_requests(runner):
 
     def malformed(plan):
         # r2's first prefill chunk carries an id outside the vocabulary (a malformed entry).
-        for entry in plan.requests:
-            if entry.req_id == "r2" and entry.is_new:
-                entry.token_ids[0] = 10**6
+        rows = plan.rows
+        for i in rows.new_rows:
+            if rows.req_ids[i] == "r2":
+                rows.token_ids[sum(rows.num_tokens[:i])] = 10**6
 
     FAULTS.rows = reject_r1
     try:
@@ -220,7 +221,7 @@ def test_the_copier_logs_a_failing_job_and_runs_the_next(caplog) -> None:
 
 def _decoding_runners(num_requests: int = 4):
     """Two simulated runners (no weights) in the same state, and the scheduler's next plan for
-    them: every request a decode row in the columns, some gaining a block."""
+    them: every request a decode row, some gaining a block."""
     config = WorkerConfig(
         dtype="float32",
         simulate_device_ms=0.0,
@@ -239,7 +240,8 @@ def _decoding_runners(num_requests: int = 4):
     for _ in range(200):
         plan = scheduler.schedule()
         assert plan is not None
-        if len(plan.decodes.req_ids) == num_requests and any(plan.decodes.num_new_blocks):
+        decodes = read_plan(plan).leading_decodes()
+        if len(decodes.req_ids) == num_requests and any(decodes.num_new_blocks):
             return runners, plan
         results = [materialize_result(run_step(r, plan), 0.0, r.num_spec_tokens) for r in runners]
         assert results[0].SerializeToString() == results[1].SerializeToString()
@@ -256,8 +258,8 @@ def _outcome(runner, plan) -> tuple[dict[str, str], worker_pb2.StepResult]:
 
 
 def _break_row(plan: worker_pb2.StepPlan, how: str, num_blocks: int) -> str:
-    """Make decode column row 1 or 2 of `plan` unrunnable; returns the request id that errs."""
-    dec = plan.decodes
+    """Make decode row 1 or 2 of the all-decode `plan` unrunnable; returns the request id that errs."""
+    dec = plan.rows
     if how == "unknown":
         dec.req_ids[1] = "ghost"
     elif how == "twice":
@@ -272,7 +274,7 @@ def _break_row(plan: worker_pb2.StepPlan, how: str, num_blocks: int) -> str:
 
 @pytest.mark.parametrize("how", ["none", "unknown", "twice", "drafts", "block"])
 def test_decode_columns_checked_at_once_run_as_row_by_row(how: str) -> None:
-    """The decode rows a plan carries in columns are checked a column at a time. That must
+    """A plan's leading decode rows are checked a column at a time. That must
     change nothing: a clean plan gives the same result as row-by-row checking, and a row that
     cannot run still gets its own error while the other rows run."""
     runners, plan = _decoding_runners()
@@ -289,9 +291,9 @@ def test_decode_columns_checked_at_once_run_as_row_by_row(how: str) -> None:
     assert state.table.block_refs == twin.table.block_refs
     assert torch.equal(state.state.block_table, twin.state.block_table)
     assert torch.equal(state.state.seq_len, twin.state.seq_len)
-    ran = set(result.rows.req_ids) | {r.req_id for r in result.results if not r.error}
+    ran = {req_id for req_id, r in result_rows(result).items() if not r.error}
     # Every row that ran holds the blocks the plan gave it, on the host and in the device table.
-    dec, start = plan.decodes, 0
+    dec, start = plan.rows, 0
     for req_id, n in zip(dec.req_ids, dec.num_new_blocks):
         new_blocks, start = list(dec.new_block_ids[start : start + n]), start + n
         if req_id in ran and req_id not in errors:
@@ -299,7 +301,7 @@ def test_decode_columns_checked_at_once_run_as_row_by_row(how: str) -> None:
             assert info.block_ids[len(info.block_ids) - n :] == new_blocks, req_id
             assert state.state.block_table[info.slot, : len(info.block_ids)].tolist() == info.block_ids
     if bad_id is None:
-        assert not errors and ran == set(plan.decodes.req_ids)
+        assert not errors and ran == set(plan.rows.req_ids)
         return
     expected = {
         "unknown": "unknown to this worker",
@@ -308,6 +310,6 @@ def test_decode_columns_checked_at_once_run_as_row_by_row(how: str) -> None:
         "block": "block id out of range",
     }[how]
     assert list(errors) == [bad_id] and expected in errors[bad_id], errors
-    others = set(plan.decodes.req_ids) - {bad_id}
+    others = set(plan.rows.req_ids) - {bad_id}
     assert others <= ran
     assert not result.error

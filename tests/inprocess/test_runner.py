@@ -11,9 +11,9 @@ import pytest
 
 from tests.support.drive import run_job
 from tests.support.e2e import hf_reference, prompt_ids
+from tests.support.hand_plans import make_plan
 from tests.support.hf_oracle import report_divergence
-from zerobubble.api import worker_pb2
-from zerobubble.rows import result_rows
+from zerobubble.rows import PlanRow, result_rows
 from zerobubble.worker_svc.server import WorkerConfig, build_runner
 
 pytestmark = pytest.mark.timeout(900)
@@ -61,21 +61,17 @@ def test_a_bad_row_leaves_no_half_admitted_slot(runner, bad: str):
     """Every row is checked before any admission: a bad row is answered with its own error and
     admits nothing, and the plan's valid rows still run."""
     runner.reset()
-    good = worker_pb2.ScheduledRequest(req_id="good", token_ids=[1, 2, 3], new_block_ids=[0], is_new=True, sample=True)
+    good = PlanRow("good", [1, 2, 3], new_block_ids=[0], is_new=True)
     bad_row = {
-        "block_out_of_range": worker_pb2.ScheduledRequest(
-            req_id="bad", token_ids=[1], new_block_ids=[runner.config.num_blocks], is_new=True
-        ),
-        "unknown": worker_pb2.ScheduledRequest(req_id="bad", token_ids=[1]),
-        "decode_first": worker_pb2.ScheduledRequest(req_id="bad", is_new=True, new_block_ids=[1]),
-        "too_many_drafts": worker_pb2.ScheduledRequest(
-            req_id="bad", is_new=True, new_block_ids=[1], num_draft_slots=runner.num_spec_tokens + 1
-        ),
+        "block_out_of_range": PlanRow("bad", [1], new_block_ids=[runner.config.num_blocks], is_new=True),
+        "unknown": PlanRow("bad", [1]),
+        "decode_first": PlanRow("bad", is_new=True, new_block_ids=[1]),
+        "too_many_drafts": PlanRow("bad", is_new=True, new_block_ids=[1], num_draft_slots=runner.num_spec_tokens + 1),
         "twice": good,
     }[bad]
     free_before = list(runner.table.free_slots)
     # The bad row is left out with an error of its own (fault isolation); the good row runs.
-    result = runner.execute(worker_pb2.StepPlan(step_id=1, requests=[good, bad_row])).materialize(0.0, 0)
+    result = runner.execute(make_plan(1, [good, bad_row])).materialize(0.0, 0)
     rows = result_rows(result)
     errors = [req_id for req_id, r in rows.items() if r.error]
     assert errors and all(req_id in ("bad", "good") for req_id in errors), result

@@ -35,7 +35,7 @@ from tests.support.servers import start_scheduler, start_worker, wait_serving
 from zerobubble import rpc
 from zerobubble.api import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from zerobubble.client import build_request, complete
-from zerobubble.rows import result_rows
+from zerobubble.rows import NewRow, PlanBuilder, result_rows
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -389,18 +389,22 @@ def test_injected_step_failures(smollm2_dir, reference):
 
 
 def random_plan(rng: random.Random, step_id: int) -> worker_pb2.StepPlan:
-    plan = worker_pb2.StepPlan(step_id=step_id)
+    """Rows of every kind with values a scheduler never sends; one plan in ten with columns
+    that do not line up (the whole step fails)."""
+    builder = PlanBuilder()
     for _ in range(rng.randint(0, 4)):
-        entry = plan.requests.add(req_id=rng.choice(["a", "b", "c", "", "x" * 300]))
-        kind = rng.random()
-        if kind < 0.5:
-            entry.is_new = rng.random() < 0.7
-            entry.token_ids.extend(rng.randint(-5, 60000) for _ in range(rng.randint(0, 20)))
-            entry.sample = rng.random() < 0.5
+        req_id = rng.choice(["a", "b", "c", "", "x" * 300])
+        blocks = [rng.randint(-3, 5000) for _ in range(rng.randint(0, 4))]
+        if rng.random() < 0.5:
+            tokens = [rng.randint(-5, 60000) for _ in range(rng.randint(0, 20))]
+            new = NewRow(rng.choice([0, 0, 16, 7])) if rng.random() < 0.7 else None
+            builder.add(req_id, tokens, new_block_ids=blocks, sample=rng.random() < 0.5, new=new)
         else:
-            entry.num_draft_slots = rng.randint(-2, 9)
-        entry.new_block_ids.extend(rng.randint(-3, 5000) for _ in range(rng.randint(0, 4)))
-        entry.num_cached_tokens = rng.choice([0, 0, 16, 7, -16])
+            builder.add_decode(req_id, rng.randint(-2, 9), blocks)
+    plan = worker_pb2.StepPlan(step_id=step_id)
+    builder.write(plan)
+    if rng.random() < 0.1:
+        plan.rows.num_tokens.append(rng.randint(-3, 3))
     plan.finished_req_ids.extend(rng.sample(["a", "b", "c", "zz"], rng.randint(0, 2)))
     return plan
 

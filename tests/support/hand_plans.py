@@ -1,12 +1,42 @@
-"""Hand-built `StepPlan`s for runner tests that decide exactly what each step carries."""
+"""Hand-built `StepPlan`s for runner tests that decide exactly what each step carries: rows
+written as `PlanRow`s, in the order given."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions, to_worker_sampling
+from zerobubble.rows import NewRow, PlanBuilder, PlanRow
 
 K = 3  # draft slots of a full decode unless a test says otherwise
 BLOCKS_PER_REQUEST = 8
+
+
+def add_rows(plan: worker_pb2.StepPlan, rows: Iterable[PlanRow]) -> None:
+    """Append ``rows`` to ``plan`` in order; a new row without sampling gets the defaults."""
+    builder = PlanBuilder()
+    for row in rows:
+        new = None
+        if row.is_new:
+            sampling = row.sampling if row.sampling is not None else SamplingOptions()
+            new = NewRow(row.num_cached_tokens, to_worker_sampling(sampling, sampling.num_prompt_tokens))
+        builder.add(
+            row.req_id,
+            row.token_ids,
+            num_draft_slots=row.num_draft_slots,
+            new_block_ids=row.new_block_ids,
+            sample=row.sample,
+            new=new,
+        )
+    builder.write(plan)
+
+
+def make_plan(step_id: int, rows: Iterable[PlanRow], finished: Sequence[str] = ()) -> worker_pb2.StepPlan:
+    """A plan of ``rows`` in order, with finish notices for ``finished``."""
+    plan = worker_pb2.StepPlan(step_id=step_id, finished_req_ids=finished)
+    add_rows(plan, rows)
+    return plan
 
 
 class Plans:
@@ -26,7 +56,7 @@ class Plans:
         temperature: float = 0.0,
         logprobs: bool = False,
         prediction: list[int] | None = None,
-    ) -> worker_pb2.ScheduledRequest:
+    ) -> PlanRow:
         blocks = list(range(self.next_block, self.next_block + BLOCKS_PER_REQUEST))
         self.next_block += BLOCKS_PER_REQUEST
         # A random row also carries every logits control: penalties, min-p, logit bias, top-N.
@@ -43,19 +73,17 @@ class Plans:
             logit_bias={3: 2.0, 7: -1.0} if temperature else {},
             top_logprobs=2 if logprobs else 0,
             prediction_token_ids=prediction or [],
+            num_prompt_tokens=len(tokens),
         )
-        sampling = to_worker_sampling(options, len(tokens))
-        return worker_pb2.ScheduledRequest(
-            req_id=req_id, token_ids=tokens, new_block_ids=blocks, is_new=True, sample=sample, sampling=sampling
-        )
+        return PlanRow(req_id, tokens, new_block_ids=blocks, is_new=True, sample=sample, sampling=options)
 
     @staticmethod
-    def chunk(req_id: str, tokens: list[int]) -> worker_pb2.ScheduledRequest:
-        return worker_pb2.ScheduledRequest(req_id=req_id, token_ids=tokens, sample=True)
+    def chunk(req_id: str, tokens: list[int]) -> PlanRow:
+        return PlanRow(req_id, tokens)
 
-    def decode(self, req_id: str, num_draft_slots: int = K) -> worker_pb2.ScheduledRequest:
-        return worker_pb2.ScheduledRequest(req_id=req_id, num_draft_slots=min(num_draft_slots, self.k))
+    def decode(self, req_id: str, num_draft_slots: int = K) -> PlanRow:
+        return PlanRow(req_id, num_draft_slots=min(num_draft_slots, self.k))
 
-    def plan(self, *entries: worker_pb2.ScheduledRequest, finished: tuple[str, ...] = ()) -> worker_pb2.StepPlan:
+    def plan(self, *rows: PlanRow, finished: tuple[str, ...] = ()) -> worker_pb2.StepPlan:
         self.step_id += 1
-        return worker_pb2.StepPlan(step_id=self.step_id, requests=list(entries), finished_req_ids=list(finished))
+        return make_plan(self.step_id, rows, finished)

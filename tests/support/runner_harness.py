@@ -14,8 +14,10 @@ from dataclasses import dataclass, field
 import torch
 
 from tests.support.drive import make_scheduler  # noqa: F401  (re-exported for the harness users)
+from tests.support.hand_plans import make_plan
 from zerobubble.api import worker_pb2
-from zerobubble.rows import plan_rows, result_rows
+from zerobubble.request_options import SamplingOptions
+from zerobubble.rows import PlanRow, plan_rows, result_rows
 from zerobubble.scheduler_svc.scheduler import (
     RequestEvent,
     Scheduler,
@@ -153,9 +155,7 @@ class HandPlanner:
         bs = self.runner.config.block_size
         return [self.free.pop() for _ in range(-(-num_tokens // bs))]
 
-    def new(
-        self, req_id: str, prompt: list[int] | None = None, *, chunk: int | None = None
-    ) -> worker_pb2.ScheduledRequest:
+    def new(self, req_id: str, prompt: list[int] | None = None, *, chunk: int | None = None) -> PlanRow:
         """Admit (or re-admit after `finish`) with the known tokens as prefill.
 
         Blocks kept by `finish` are re-used as a prefix-cache hit. `chunk` limits the first
@@ -174,30 +174,29 @@ class HandPlanner:
         req.drafts = []
         req.sampled = False
         tokens = known[cached:] if chunk is None else known[cached : cached + chunk]
-        entry = worker_pb2.ScheduledRequest(
-            req_id=req_id,
-            token_ids=tokens,
+        return PlanRow(
+            req_id,
+            tokens,
             new_block_ids=req.blocks,
             is_new=True,
             num_cached_tokens=cached,
             sample=cached + len(tokens) == len(known),
+            sampling=SamplingOptions(seed=7),
         )
-        entry.sampling.spec.sampling.seed = 7
-        return entry
 
-    def prefill(self, req_id: str, num_tokens: int | None = None) -> worker_pb2.ScheduledRequest:
+    def prefill(self, req_id: str, num_tokens: int | None = None) -> PlanRow:
         req = self.reqs[req_id]
         known = req.seq
         end = len(known) if num_tokens is None else req.written + num_tokens
-        return worker_pb2.ScheduledRequest(req_id=req_id, token_ids=known[req.written : end], sample=end == len(known))
+        return PlanRow(req_id, known[req.written : end], sample=end == len(known))
 
-    def decode(self, req_id: str, k: int = K) -> worker_pb2.ScheduledRequest:
+    def decode(self, req_id: str, k: int = K) -> PlanRow:
         req = self.reqs[req_id]
         bs = self.runner.config.block_size
         need = -(-(req.written + 1 + k) // bs) - len(req.blocks)
         new = self._blocks(need * bs) if need > 0 else []
         req.blocks += new
-        return worker_pb2.ScheduledRequest(req_id=req_id, num_draft_slots=k, sample=True, new_block_ids=new)
+        return PlanRow(req_id, num_draft_slots=k, new_block_ids=new)
 
     def finish(self, req_id: str, keep_blocks: int = 0) -> str:
         """Free the request's blocks except `keep_blocks` leading full ones (kept for a resume
@@ -208,10 +207,10 @@ class HandPlanner:
         req.blocks = req.blocks[:keep_blocks]
         return req_id
 
-    def step(self, *entries: worker_pb2.ScheduledRequest, finished: tuple[str, ...] = ()) -> worker_pb2.StepResult:
+    def step(self, *entries: PlanRow, finished: tuple[str, ...] = ()) -> worker_pb2.StepResult:
         """Execute one plan, check what the model saw and apply the result to the bookkeeping."""
         self.step_id += 1
-        plan = worker_pb2.StepPlan(step_id=self.step_id, requests=entries, finished_req_ids=finished)
+        plan = make_plan(self.step_id, entries, finished)
         num_calls = len(self.rec.target.calls)
         result = self.runner.execute(plan).materialize(0.0, self.runner.num_proposed)
         self.runner.propose_next()  # as the worker's step loop does once the result is handed on

@@ -32,7 +32,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions, StoppingOptions
-from zerobubble.rows import PlanRow, plan_rows
+from zerobubble.rows import PlanRow, ResultBuilder, RowResult, plan_rows
 from zerobubble.scheduler_svc.scheduler import (
     FINISH_EOS,
     FINISH_MAX_TOKENS,
@@ -240,6 +240,7 @@ class SimWorker:
             return worker_pb2.StepResult(step_id=plan.step_id, error="injected failure")
         self.stats.num_skipped += sum(1 for r in self._reqs if r not in scheduled)
         result = worker_pb2.StepResult(step_id=plan.step_id)
+        built = ResultBuilder()
         accepted_per_pos: list[int] = []
         for entry in rows:
             if entry.is_new:
@@ -247,20 +248,23 @@ class SimWorker:
             if (plan.step_id, entry.req_id) in self.fail_rows:
                 self._broken.add(entry.req_id)
                 self._reqs.pop(entry.req_id, None)
-                result.results.add(req_id=entry.req_id, error="injected row failure")
+                built.add_error(entry.req_id, "injected row failure")
                 continue
             if entry.req_id in self._broken:
-                result.results.add(req_id=entry.req_id, error="an earlier step failed for it")
+                built.add_error(entry.req_id, "an earlier step failed for it")
                 continue
             req = self._prepare(plan.step_id, entry)
             if entry.token_ids:
                 res = self._prefill(plan.step_id, entry, req)
             else:
                 res = self._decode(plan.step_id, entry, req, accepted_per_pos)
-            result.results.append(res)
+            built.add(
+                entry.req_id, res.token_ids, res.num_draft_tokens, logprobs=res.logprobs if req.logprobs else None
+            )
             req.last_step_id = plan.step_id
             req.num_steps += 1
             result.num_tokens += len(entry.token_ids) or 1 + entry.num_draft_slots
+        built.write(result)
         result.accepted_per_pos.extend(accepted_per_pos)
         return result
 
@@ -382,7 +386,7 @@ class SimWorker:
         req.drafts = toy_propose(req.seed, req.tokens, k, self.eos_per_mille) if k else []
         req.drafts_for_len = len(req.tokens)
 
-    def _prefill(self, step_id: int, entry: PlanRow, req: _SimRequest) -> worker_pb2.RequestResult:
+    def _prefill(self, step_id: int, entry: PlanRow, req: _SimRequest) -> RowResult:
         assert not req.sampled, f"{entry.req_id}: prefill chunk after sampling started"
         assert req.seq_len == len(req.tokens)
         assert entry.num_draft_slots == 0
@@ -390,7 +394,7 @@ class SimWorker:
         for token in entry.token_ids:
             self._append_true(req, token)
         req.seq_len += len(entry.token_ids)
-        res = worker_pb2.RequestResult(req_id=entry.req_id)
+        res = RowResult([])
         if entry.sample:
             self._check_limits(entry.req_id, req, 1)
             token, logprobs = self._sample(req)
@@ -416,7 +420,7 @@ class SimWorker:
         entry: PlanRow,
         req: _SimRequest,
         accepted_per_pos: list[int],
-    ) -> worker_pb2.RequestResult:
+    ) -> RowResult:
         assert req.sampled, f"{entry.req_id}: decode without a sampled token (placeholder input)"
         assert req.seq_len == len(req.tokens) - 1
         assert entry.sample, "a decode always samples"
@@ -451,12 +455,7 @@ class SimWorker:
         for token in out:
             self._append_true(req, token)
         req.seq_len += 1 + len(accepted)
-        res = worker_pb2.RequestResult(
-            req_id=entry.req_id,
-            token_ids=out,
-            num_draft_tokens=len(proposed),
-            num_accepted=len(accepted),
-        )
+        res = RowResult(out, len(proposed))
         if req.logprobs:
             res.logprobs.extend(toy_logprob(base_len + i) for i in range(len(out)))
         if proposed:

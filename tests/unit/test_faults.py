@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from zerobubble.api import worker_pb2
-from zerobubble.rows import add_decode_columns
+from zerobubble.rows import PlanBuilder
 from zerobubble.worker_svc.faults import (
     DEVICE_FAULT_AT_STEP_ENV,
     FAIL_EVERY_NTH_DECODE_ROW_ENV,
@@ -19,12 +19,16 @@ from zerobubble.worker_svc.faults import (
 
 
 def _plan(step_id: int, decodes: list[str], prefills: list[str]) -> worker_pb2.StepPlan:
-    """A plan with ``decodes`` in the columns and a decode and prefill row as messages each."""
-    plan = worker_pb2.StepPlan(step_id=step_id)
-    add_decode_columns(plan, decodes, [0] * len(decodes), [0] * len(decodes), [])
+    """A plan with the leading decode rows ``decodes``, then a prefill chunk per ``prefills``
+    and a decode row after them."""
+    builder = PlanBuilder()
+    for req_id in decodes:
+        builder.add_decode(req_id, 0)
     for req_id in prefills:
-        plan.requests.add(req_id=req_id, token_ids=[1, 2, 3])
-    plan.requests.add(req_id=f"m{step_id}")  # a decode row sent as a message
+        builder.add(req_id, [1, 2, 3])
+    builder.add(f"m{step_id}")  # a decode row after the chunks
+    plan = worker_pb2.StepPlan(step_id=step_id)
+    builder.write(plan)
     return plan
 
 
@@ -33,11 +37,11 @@ def test_no_variable_injects_nothing() -> None:
     assert faults is NO_FAULTS
     plan = _plan(1, ["a", "b"], ["p"])
     assert faults.step_fault(plan) is None
-    assert faults.row_faults(plan) is None  # the decode columns stay checked at once
+    assert faults.row_faults(plan) is None  # the leading decode rows stay checked at once
     assert all(faults.copy_fault(n) is None for n in range(1, 10))
 
 
-def test_every_nth_decode_row_fails_across_steps_and_wire_forms() -> None:
+def test_every_nth_decode_row_fails_across_steps_wherever_the_row_is() -> None:
     faults = faults_from_env({FAIL_EVERY_NTH_DECODE_ROW_ENV: "2"})
     # Decode rows in order: a, b, m1 | c, m2 (prefill chunks never count).
     first = faults.row_faults(_plan(1, ["a", "b"], ["p"]))

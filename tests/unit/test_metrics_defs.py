@@ -17,7 +17,7 @@ from zerobubble.metrics import (
     metric_spec,
     start_metrics_server,
 )
-from zerobubble.rows import add_row_columns
+from zerobubble.rows import ResultBuilder
 
 # Copied from DESIGN.md on purpose rather than derived from zerobubble.metrics: the names are a
 # public contract, and a rename in the code must break this test.
@@ -318,11 +318,16 @@ def _step_result() -> worker_pb2.StepResult:
     result = worker_pb2.StepResult(
         step_id=7, forward_s=0.003, idle_s=0.001, accepted_per_pos=[2, 1, 0], grammar_s=0.0002
     )
-    result.results.add(req_id="a", token_ids=[1, 2, 3], num_draft_tokens=3, num_accepted=2)
-    result.results.add(req_id="b", token_ids=[4, 5], num_draft_tokens=3, num_accepted=1)
-    result.results.add(req_id="c", token_ids=[6])  # a prefill or a request without drafts
-    # Rows in columns count the same: d has 3 drafts, 2 accepted; e none; f is a silent chunk.
-    add_row_columns(result, ["d", "e", "f"], [3, 1, 0], [7, 8, 9, 10], [3, 0, 0])
+    rows = ResultBuilder()
+    rows.add("a", [1, 2, 3], 3)  # 3 drafts, 2 accepted
+    rows.add("b", [4, 5], 3)  # 3 drafts, 1 accepted
+    rows.add("c", [6])  # a prefill or a request without drafts
+    # Rows with logprobs count the same: d has 3 drafts, 2 accepted; e none; f is a silent chunk.
+    rows.add("d", [7, 8, 9], 3, logprobs=[-0.1, -0.2, -0.3])
+    rows.add("e", [10], 0)
+    rows.add("f")
+    rows.add_error("g", "refused")  # a failed row verified nothing
+    rows.write(result)
     return result
 
 
@@ -342,15 +347,15 @@ def test_step_result_is_accounted_from_the_proto() -> None:
 
 
 def test_prediction_drafts_are_counted_apart_from_the_proposers() -> None:
-    """Rows whose drafts were their prediction's, in columns and as messages, count in the
-    prediction families only."""
+    """Rows whose drafts were their prediction's count in the prediction families only."""
     result = worker_pb2.StepResult(step_id=7, forward_s=0.003)
-    result.results.add(req_id="a", token_ids=[1, 2, 3], num_draft_tokens=3, num_accepted=2)
-    result.results.add(
-        req_id="g", token_ids=[1, 2, 3, 4, 5], num_draft_tokens=6, num_accepted=4, prediction_drafts=True
-    )
-    # A worker flags every column row once one row is flagged.
-    add_row_columns(result, ["d", "h", "i"], [3, 7, 1], list(range(11)), [3, 8, 3], [False, True, False])
+    rows = ResultBuilder()
+    rows.add("a", [1, 2, 3], 3)
+    rows.add("g", [1, 2, 3, 4, 5], 6, prediction_drafts=True)
+    rows.add("d", [0, 1, 2], 3)
+    rows.add("h", [3, 4, 5, 6, 7, 8, 9], 8, prediction_drafts=True, logprobs=[-1.0] * 7)
+    rows.add("i", [10], 3)
+    rows.write(result)
     m = ServiceMetrics(model="m")
     m.record_step_result("w0", result)
     s = _scrape(m)

@@ -33,7 +33,7 @@ from tests.support.sim_worker import (
 )
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions, StoppingOptions
-from zerobubble.rows import plan_rows, result_rows
+from zerobubble.rows import ResultBuilder, plan_rows, result_rows
 from zerobubble.scheduler_svc.request import Request
 from zerobubble.scheduler_svc.scheduler import (
     FINISH_CANCELLED,
@@ -848,7 +848,9 @@ def test_malformed_result_is_an_error_not_a_crash() -> None:
     plan = scheduler.schedule()
     assert plan is not None
     result = worker_pb2.StepResult(step_id=plan.step_id)
-    result.results.add(req_id="a", token_ids=[5, 6])  # two tokens for a prefill sample
+    rows = ResultBuilder()
+    rows.add("a", [5, 6])  # two tokens for a prefill sample
+    rows.write(result)
     [event] = scheduler.on_step_result(result)
     assert event.finish_reason == FINISH_ERROR
     assert scheduler.on_step_result(result) == []  # unknown (already answered) step
@@ -941,14 +943,10 @@ def test_a_predicted_output_gets_its_own_draft_budget() -> None:
         assert plan is not None
         slots = {row.req_id: row.num_draft_slots for row in plan_rows(plan) if not row.token_ids}
         result = worker_pb2.StepResult(step_id=plan.step_id)
-        result.results.add(
-            req_id="p",
-            token_ids=tokens,
-            num_draft_tokens=drafts,
-            num_accepted=len(tokens) - 1,
-            prediction_drafts=predicted,
-        )
-        result.results.add(req_id="q", token_ids=[5])
+        rows = ResultBuilder()
+        rows.add("p", tokens, drafts, prediction_drafts=predicted)
+        rows.add("q", [5])
+        rows.write(result)
         return slots, {ev.req_id: ev for ev in scheduler.on_step_result(result)}
 
     answer([5])  # the prefills

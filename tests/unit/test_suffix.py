@@ -11,7 +11,7 @@ from tests.support.options import split_options
 from tests.support.sim_worker import make_toy_tokenizer_json
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions, StoppingOptions
-from zerobubble.rows import ContinuationRow, add_continuations, continuation_rows, plan_rows
+from zerobubble.rows import ContinuationRow, ResultBuilder, add_continuations, continuation_rows, plan_rows
 from zerobubble.scheduler_svc.request import Request
 from zerobubble.scheduler_svc.scheduler import Scheduler, SchedulerConfig
 from zerobubble.scheduler_svc.suffix import (
@@ -166,11 +166,11 @@ def run_plan(scheduler: Scheduler, tokens: dict[str, list[int]]) -> worker_pb2.S
     plan = scheduler.schedule()
     assert plan is not None
     result = worker_pb2.StepResult(step_id=plan.step_id)
+    rows = ResultBuilder()
     for row in plan_rows(plan):
         emitted = tokens.get(row.req_id, [5])[: row.num_draft_slots + 1] if row.sample else []
-        result.results.add(
-            req_id=row.req_id, token_ids=emitted, num_draft_tokens=row.num_draft_slots, num_accepted=len(emitted) - 1
-        )
+        rows.add(row.req_id, emitted, row.num_draft_slots)
+    rows.write(result)
     scheduler.on_step_result(result)
     return plan
 
@@ -189,7 +189,7 @@ def test_the_scheduler_sends_a_request_its_continuation_and_plans_slots_for_it()
     rows = continuation_rows(plan)
     assert [r.req_id for r in rows] == ["s"]
     assert rows[0].anchor == 16 and list(rows[0].token_ids[:5]) == text[5:10]
-    assert dict(zip(plan.decodes.req_ids, plan.decodes.num_draft_slots))["s"] == 5
+    assert {row.req_id: row.num_draft_slots for row in plan_rows(plan)}["s"] == 5
     request = scheduler.get_request("s")
     assert request is not None and request.suffix is not None
     scheduler.abort_request("s")

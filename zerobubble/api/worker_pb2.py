@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from zerobubble.api import generate_pb2 as zerobubble_dot_api_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bzerobubble/api/worker.proto\x12\x14zerobubble.worker.v1\x1a\x1dzerobubble/api/generate.proto\"\x84\x01\n\x0eSamplingParams\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x1a.zerobubble.v1.RequestSpec\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x0f\n\x07grammar\x18\x03 \x01(\t\x12\x1c\n\x14prediction_token_ids\x18\x04 \x03(\x05\"\xd8\x01\n\x10ScheduledRequest\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x17\n\x0fnum_draft_slots\x18\x03 \x01(\x05\x12\x15\n\rnew_block_ids\x18\x04 \x03(\x05\x12\x0e\n\x06is_new\x18\x05 \x01(\x08\x12\x19\n\x11num_cached_tokens\x18\x06 \x01(\x05\x12\x0e\n\x06sample\x18\x07 \x01(\x08\x12\x36\n\x08sampling\x18\x08 \x01(\x0b\x32$.zerobubble.worker.v1.SamplingParams\"h\n\rDecodeColumns\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x17\n\x0fnum_draft_slots\x18\x02 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x03 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x04 \x03(\x05\"X\n\rContinuations\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x0f\n\x07\x61nchors\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"\xe1\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x38\n\x08requests\x18\x02 \x03(\x0b\x32&.zerobubble.worker.v1.ScheduledRequest\x12\x34\n\x07\x64\x65\x63odes\x18\x04 \x01(\x0b\x32#.zerobubble.worker.v1.DecodeColumns\x12\x18\n\x10\x66inished_req_ids\x18\x03 \x03(\t\x12:\n\rcontinuations\x18\x05 \x01(\x0b\x32#.zerobubble.worker.v1.Continuations\"\xd7\x01\n\rRequestResult\x12\x0e\n\x06req_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\x05\x12\x14\n\x0cnum_accepted\x18\x04 \x01(\x05\x12\x10\n\x08logprobs\x18\x05 \x03(\x02\x12\x37\n\x0ctop_logprobs\x18\x06 \x03(\x0b\x32!.zerobubble.worker.v1.TopLogprobs\x12\x19\n\x11prediction_drafts\x18\x07 \x01(\x08\x12\r\n\x05\x65rror\x18\x32 \x01(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\"y\n\nRowColumns\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x03(\x05\x12\x19\n\x11prediction_drafts\x18\x05 \x03(\x08\"\x9e\x02\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x34\n\x07results\x18\x02 \x03(\x0b\x32#.zerobubble.worker.v1.RequestResult\x12.\n\x04rows\x18\x08 \x01(\x0b\x32 .zerobubble.worker.v1.RowColumns\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\x0e\n\x06idle_s\x18\x04 \x01(\x01\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x05 \x03(\x03\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x10\n\x08\x64raining\x18\x33 \x01(\x08\x12\x11\n\tgrammar_s\x18\x34 \x01(\x01\x12\x14\n\x0c\x63ollective_s\x18\x35 \x01(\x01\"\x11\n\x0f\x44\x65scribeRequest\"\xaa\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\t\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x11\n\tbos_token\x18\n \x01(\t\x12\x11\n\teos_token\x18\x0b \x01(\t\x12\x13\n\x0bspec_method\x18\x0c \x01(\t\x12\x17\n\x0fnum_spec_tokens\x18\r \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x10 \x01(\x05\x12\x1b\n\x13num_lookahead_slots\x18\x11 \x01(\x05\x12\x1d\n\x15num_prediction_tokens\x18\x12 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x13 \x01(\x05\x32\xae\x01\n\x06Worker\x12O\n\x07\x45xecute\x12\x1e.zerobubble.worker.v1.StepPlan\x1a .zerobubble.worker.v1.StepResult(\x01\x30\x01\x12S\n\x08\x44\x65scribe\x12%.zerobubble.worker.v1.DescribeRequest\x1a .zerobubble.worker.v1.WorkerInfoB0Z.zerobubble/gen/go/zerobubble/workerv1;workerv1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bzerobubble/api/worker.proto\x12\x14zerobubble.worker.v1\x1a\x1dzerobubble/api/generate.proto\"\x84\x01\n\x0eSamplingParams\x12(\n\x04spec\x18\x01 \x01(\x0b\x32\x1a.zerobubble.v1.RequestSpec\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\x05\x12\x0f\n\x07grammar\x18\x03 \x01(\t\x12\x1c\n\x14prediction_token_ids\x18\x04 \x03(\x05\"\x87\x02\n\x08PlanRows\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x17\n\x0fnum_draft_slots\x18\x04 \x03(\x05\x12\x16\n\x0enum_new_blocks\x18\x05 \x03(\x05\x12\x15\n\rnew_block_ids\x18\x06 \x03(\x05\x12\x16\n\x0eunsampled_rows\x18\x07 \x03(\x05\x12\x10\n\x08new_rows\x18\x08 \x03(\x05\x12\x19\n\x11num_cached_tokens\x18\t \x03(\x05\x12\x36\n\x08sampling\x18\n \x03(\x0b\x32$.zerobubble.worker.v1.SamplingParams\"X\n\rContinuations\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x0f\n\x07\x61nchors\x18\x02 \x03(\x05\x12\x12\n\nnum_tokens\x18\x03 \x03(\x05\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\"\xa5\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x04rows\x18\x02 \x01(\x0b\x32\x1e.zerobubble.worker.v1.PlanRows\x12\x18\n\x10\x66inished_req_ids\x18\x03 \x03(\t\x12:\n\rcontinuations\x18\x05 \x01(\x0b\x32#.zerobubble.worker.v1.ContinuationsJ\x04\x08\x04\x10\x05\"\xa6\x02\n\nResultRows\x12\x0f\n\x07req_ids\x18\x01 \x03(\t\x12\x12\n\nnum_tokens\x18\x02 \x03(\x05\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x18\n\x10num_draft_tokens\x18\x04 \x03(\x05\x12\x19\n\x11prediction_drafts\x18\x05 \x03(\x08\x12\x14\n\x0clogprob_rows\x18\x06 \x03(\x05\x12\x10\n\x08logprobs\x18\x07 \x03(\x02\x12\x18\n\x10top_logprob_rows\x18\x08 \x03(\x05\x12\x18\n\x10num_top_logprobs\x18\t \x03(\x05\x12\x15\n\rtop_token_ids\x18\n \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x0b \x03(\x02\x12\x12\n\nerror_rows\x18\x0c \x03(\x05\x12\x0e\n\x06\x65rrors\x18\r \x03(\t\"\xee\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\x04rows\x18\x02 \x01(\x0b\x32 .zerobubble.worker.v1.ResultRows\x12\x11\n\tforward_s\x18\x03 \x01(\x01\x12\x0e\n\x06idle_s\x18\x04 \x01(\x01\x12\x18\n\x10\x61\x63\x63\x65pted_per_pos\x18\x05 \x03(\x03\x12\x12\n\nnum_tokens\x18\x06 \x01(\x05\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x10\n\x08\x64raining\x18\x33 \x01(\x08\x12\x11\n\tgrammar_s\x18\x34 \x01(\x01\x12\x14\n\x0c\x63ollective_s\x18\x35 \x01(\x01J\x04\x08\x08\x10\t\"\x11\n\x0f\x44\x65scribeRequest\"\xaa\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\x05\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x12\n\nnum_blocks\x18\x05 \x01(\x05\x12\x12\n\nvocab_size\x18\x06 \x01(\x05\x12\x15\n\reos_token_ids\x18\x07 \x03(\x05\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\t\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x11\n\tbos_token\x18\n \x01(\t\x12\x11\n\teos_token\x18\x0b \x01(\t\x12\x13\n\x0bspec_method\x18\x0c \x01(\t\x12\x17\n\x0fnum_spec_tokens\x18\r \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x0e \x01(\t\x12\r\n\x05\x64type\x18\x0f \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x10 \x01(\x05\x12\x1b\n\x13num_lookahead_slots\x18\x11 \x01(\x05\x12\x1d\n\x15num_prediction_tokens\x18\x12 \x01(\x05\x12\x1c\n\x14tensor_parallel_size\x18\x13 \x01(\x05\x32\xae\x01\n\x06Worker\x12O\n\x07\x45xecute\x12\x1e.zerobubble.worker.v1.StepPlan\x1a .zerobubble.worker.v1.StepResult(\x01\x30\x01\x12S\n\x08\x44\x65scribe\x12%.zerobubble.worker.v1.DescribeRequest\x1a .zerobubble.worker.v1.WorkerInfoB0Z.zerobubble/gen/go/zerobubble/workerv1;workerv1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,26 +35,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._serialized_options = b'Z.zerobubble/gen/go/zerobubble/workerv1;workerv1'
   _globals['_SAMPLINGPARAMS']._serialized_start=85
   _globals['_SAMPLINGPARAMS']._serialized_end=217
-  _globals['_SCHEDULEDREQUEST']._serialized_start=220
-  _globals['_SCHEDULEDREQUEST']._serialized_end=436
-  _globals['_DECODECOLUMNS']._serialized_start=438
-  _globals['_DECODECOLUMNS']._serialized_end=542
-  _globals['_CONTINUATIONS']._serialized_start=544
-  _globals['_CONTINUATIONS']._serialized_end=632
-  _globals['_STEPPLAN']._serialized_start=635
-  _globals['_STEPPLAN']._serialized_end=860
-  _globals['_REQUESTRESULT']._serialized_start=863
-  _globals['_REQUESTRESULT']._serialized_end=1078
-  _globals['_TOPLOGPROBS']._serialized_start=1080
-  _globals['_TOPLOGPROBS']._serialized_end=1130
-  _globals['_ROWCOLUMNS']._serialized_start=1132
-  _globals['_ROWCOLUMNS']._serialized_end=1253
-  _globals['_STEPRESULT']._serialized_start=1256
-  _globals['_STEPRESULT']._serialized_end=1542
-  _globals['_DESCRIBEREQUEST']._serialized_start=1544
-  _globals['_DESCRIBEREQUEST']._serialized_end=1561
-  _globals['_WORKERINFO']._serialized_start=1564
-  _globals['_WORKERINFO']._serialized_end=1990
-  _globals['_WORKER']._serialized_start=1993
-  _globals['_WORKER']._serialized_end=2167
+  _globals['_PLANROWS']._serialized_start=220
+  _globals['_PLANROWS']._serialized_end=483
+  _globals['_CONTINUATIONS']._serialized_start=485
+  _globals['_CONTINUATIONS']._serialized_end=573
+  _globals['_STEPPLAN']._serialized_start=576
+  _globals['_STEPPLAN']._serialized_end=741
+  _globals['_RESULTROWS']._serialized_start=744
+  _globals['_RESULTROWS']._serialized_end=1038
+  _globals['_STEPRESULT']._serialized_start=1041
+  _globals['_STEPRESULT']._serialized_end=1279
+  _globals['_DESCRIBEREQUEST']._serialized_start=1281
+  _globals['_DESCRIBEREQUEST']._serialized_end=1298
+  _globals['_WORKERINFO']._serialized_start=1301
+  _globals['_WORKERINFO']._serialized_end=1727
+  _globals['_WORKER']._serialized_start=1730
+  _globals['_WORKER']._serialized_end=1904
 # @@protoc_insertion_point(module_scope)

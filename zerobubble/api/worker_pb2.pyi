@@ -19,37 +19,29 @@ class SamplingParams(_message.Message):
     prediction_token_ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, spec: _Optional[_Union[_generate_pb2.RequestSpec, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., grammar: _Optional[str] = ..., prediction_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
-class ScheduledRequest(_message.Message):
-    __slots__ = ("req_id", "token_ids", "num_draft_slots", "new_block_ids", "is_new", "num_cached_tokens", "sample", "sampling")
-    REQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
-    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    IS_NEW_FIELD_NUMBER: _ClassVar[int]
-    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLE_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    req_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_draft_slots: int
-    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    is_new: bool
-    num_cached_tokens: int
-    sample: bool
-    sampling: SamplingParams
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., is_new: bool = ..., num_cached_tokens: _Optional[int] = ..., sample: bool = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
-
-class DecodeColumns(_message.Message):
-    __slots__ = ("req_ids", "num_draft_slots", "num_new_blocks", "new_block_ids")
+class PlanRows(_message.Message):
+    __slots__ = ("req_ids", "num_tokens", "token_ids", "num_draft_slots", "num_new_blocks", "new_block_ids", "unsampled_rows", "new_rows", "num_cached_tokens", "sampling")
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    UNSAMPLED_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NEW_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_tokens: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_slots: _containers.RepeatedScalarFieldContainer[int]
     num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_draft_slots: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    unsampled_rows: _containers.RepeatedScalarFieldContainer[int]
+    new_rows: _containers.RepeatedScalarFieldContainer[int]
+    num_cached_tokens: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _containers.RepeatedCompositeFieldContainer[SamplingParams]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_slots: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., unsampled_rows: _Optional[_Iterable[int]] = ..., new_rows: _Optional[_Iterable[int]] = ..., num_cached_tokens: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Iterable[_Union[SamplingParams, _Mapping]]] = ...) -> None: ...
 
 class Continuations(_message.Message):
     __slots__ = ("req_ids", "anchors", "num_tokens", "token_ids")
@@ -64,65 +56,50 @@ class Continuations(_message.Message):
     def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., anchors: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "requests", "decodes", "finished_req_ids", "continuations")
+    __slots__ = ("step_id", "rows", "finished_req_ids", "continuations")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    REQUESTS_FIELD_NUMBER: _ClassVar[int]
-    DECODES_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     CONTINUATIONS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    requests: _containers.RepeatedCompositeFieldContainer[ScheduledRequest]
-    decodes: DecodeColumns
+    rows: PlanRows
     finished_req_ids: _containers.RepeatedScalarFieldContainer[str]
     continuations: Continuations
-    def __init__(self, step_id: _Optional[int] = ..., requests: _Optional[_Iterable[_Union[ScheduledRequest, _Mapping]]] = ..., decodes: _Optional[_Union[DecodeColumns, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., continuations: _Optional[_Union[Continuations, _Mapping]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Union[PlanRows, _Mapping]] = ..., finished_req_ids: _Optional[_Iterable[str]] = ..., continuations: _Optional[_Union[Continuations, _Mapping]] = ...) -> None: ...
 
-class RequestResult(_message.Message):
-    __slots__ = ("req_id", "token_ids", "num_draft_tokens", "num_accepted", "logprobs", "top_logprobs", "prediction_drafts", "error")
-    REQ_ID_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    PREDICTION_DRAFTS_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    req_id: str
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_draft_tokens: int
-    num_accepted: int
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
-    top_logprobs: _containers.RepeatedCompositeFieldContainer[TopLogprobs]
-    prediction_drafts: bool
-    error: str
-    def __init__(self, req_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted: _Optional[int] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[TopLogprobs, _Mapping]]] = ..., prediction_drafts: bool = ..., error: _Optional[str] = ...) -> None: ...
-
-class TopLogprobs(_message.Message):
-    __slots__ = ("token_ids", "logprobs")
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    logprobs: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
-
-class RowColumns(_message.Message):
-    __slots__ = ("req_ids", "num_tokens", "token_ids", "num_draft_tokens", "prediction_drafts")
+class ResultRows(_message.Message):
+    __slots__ = ("req_ids", "num_tokens", "token_ids", "num_draft_tokens", "prediction_drafts", "logprob_rows", "logprobs", "top_logprob_rows", "num_top_logprobs", "top_token_ids", "top_logprobs", "error_rows", "errors")
     REQ_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREDICTION_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROB_ROWS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
     req_ids: _containers.RepeatedScalarFieldContainer[str]
     num_tokens: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     prediction_drafts: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., prediction_drafts: _Optional[_Iterable[bool]] = ...) -> None: ...
+    logprob_rows: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprob_rows: _containers.RepeatedScalarFieldContainer[int]
+    num_top_logprobs: _containers.RepeatedScalarFieldContainer[int]
+    top_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    error_rows: _containers.RepeatedScalarFieldContainer[int]
+    errors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, req_ids: _Optional[_Iterable[str]] = ..., num_tokens: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., prediction_drafts: _Optional[_Iterable[bool]] = ..., logprob_rows: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprob_rows: _Optional[_Iterable[int]] = ..., num_top_logprobs: _Optional[_Iterable[int]] = ..., top_token_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ..., error_rows: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "results", "rows", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining", "grammar_s", "collective_s")
+    __slots__ = ("step_id", "rows", "forward_s", "idle_s", "accepted_per_pos", "num_tokens", "error", "draining", "grammar_s", "collective_s")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     IDLE_S_FIELD_NUMBER: _ClassVar[int]
@@ -133,8 +110,7 @@ class StepResult(_message.Message):
     GRAMMAR_S_FIELD_NUMBER: _ClassVar[int]
     COLLECTIVE_S_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    results: _containers.RepeatedCompositeFieldContainer[RequestResult]
-    rows: RowColumns
+    rows: ResultRows
     forward_s: float
     idle_s: float
     accepted_per_pos: _containers.RepeatedScalarFieldContainer[int]
@@ -143,7 +119,7 @@ class StepResult(_message.Message):
     draining: bool
     grammar_s: float
     collective_s: float
-    def __init__(self, step_id: _Optional[int] = ..., results: _Optional[_Iterable[_Union[RequestResult, _Mapping]]] = ..., rows: _Optional[_Union[RowColumns, _Mapping]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ..., grammar_s: _Optional[float] = ..., collective_s: _Optional[float] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., rows: _Optional[_Union[ResultRows, _Mapping]] = ..., forward_s: _Optional[float] = ..., idle_s: _Optional[float] = ..., accepted_per_pos: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., error: _Optional[str] = ..., draining: bool = ..., grammar_s: _Optional[float] = ..., collective_s: _Optional[float] = ...) -> None: ...
 
 class DescribeRequest(_message.Message):
     __slots__ = ()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from zerobubble.api import generate_pb2, worker_pb2
 from zerobubble.config import SchedulerConfig
 from zerobubble.request_options import SamplingOptions, StoppingOptions, to_worker_sampling, validate_options
-from zerobubble.rows import RowResult, add_continuations, add_decode_columns, result_rows
+from zerobubble.rows import NewRow, PlanBuilder, RowResult, add_continuations, result_rows
 from zerobubble.scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
 from zerobubble.scheduler_svc.draft_length import ADAPTIVE, DraftLengthChooser, plan_drafts
@@ -109,14 +109,11 @@ class _Scheduled:
 
 
 @dataclass(slots=True)
-class _Decodes:
-    """A plan's decode rows while it is built, column by column (`DecodeColumns`)."""
+class _NextPlan:
+    """A plan while it is built: its rows, and suffix decoding's new continuations
+    (`Continuations`: request, anchor, tokens)."""
 
-    req_ids: list[str] = field(default_factory=list)
-    num_draft_slots: list[int] = field(default_factory=list)
-    num_new_blocks: list[int] = field(default_factory=list)
-    new_block_ids: list[int] = field(default_factory=list)
-    # Suffix decoding's new continuations (`Continuations`): request, anchor, tokens.
+    rows: PlanBuilder = field(default_factory=PlanBuilder)
     continuations: list[tuple[str, int, list[int]]] = field(default_factory=list)
 
 
@@ -191,10 +188,10 @@ def _confirm_tokens(req: Request, res: RowResult) -> _Confirmed:
     """Append a result's tokens to `req`'s output in order, applying the stop rules to each;
     tokens after a stop are dropped."""
     token_ids = res.token_ids
-    logprobs = list(res.logprobs) if req.sampling.logprobs else []
+    logprobs = res.logprobs if req.sampling.logprobs else []
     if len(logprobs) != len(token_ids):
         logprobs = []
-    tops = list(res.top_logprobs) if req.sampling.top_logprobs else []
+    tops = res.top_logprobs if req.sampling.top_logprobs else []
     if len(tops) != len(token_ids):
         tops = []
     new_ids: list[int] = []
@@ -216,7 +213,7 @@ def _confirm_tokens(req: Request, res: RowResult) -> _Confirmed:
             req.output_logprobs.append(logprobs[i])
             new_logprobs.append(logprobs[i])
         if tops:
-            new_tops.append((list(tops[i].token_ids), list(tops[i].logprobs)))
+            new_tops.append(tops[i])
         num_outputs = len(outputs)
         if num_outputs >= stopping.min_tokens:
             if token_id in eos_ids:
@@ -491,8 +488,7 @@ class Scheduler:
         """
         budget = self.config.max_num_batched_tokens
         prefill_budget = self._prefill_budget(budget)
-        plan = worker_pb2.StepPlan()
-        decodes = _Decodes()
+        next_plan = _NextPlan()
         records: dict[str, _Scheduled] = {}
         num_preemptions_before = self.stats.num_preemptions
         max_drafts = self._draft_limit()
@@ -505,26 +501,24 @@ class Scheduler:
             prefilling = req.is_prefilling
             limit = min(budget, prefill_budget) if prefilling else budget
             if limit > 0:
-                num_tokens = self._schedule_running(req, limit, max_drafts, plan, decodes, records)
+                num_tokens = self._schedule_running(req, limit, max_drafts, next_plan, records)
                 budget -= num_tokens
                 prefill_budget -= num_tokens if prefilling else 0
             i += 1
         # Admitting right after a preemption would only hand the freed blocks back and forth.
         if self.stats.num_preemptions == num_preemptions_before:
             while self._waiting and min(budget, prefill_budget) > 0 and len(self._running) < self.config.max_num_seqs:
-                num_tokens = self._admit(self._waiting[0], min(budget, prefill_budget), plan, records)
+                num_tokens = self._admit(self._waiting[0], min(budget, prefill_budget), next_plan.rows, records)
                 if num_tokens == 0:
                     break
                 budget, prefill_budget = budget - num_tokens, prefill_budget - num_tokens
-        if decodes.req_ids:
-            add_decode_columns(
-                plan, decodes.req_ids, decodes.num_draft_slots, decodes.num_new_blocks, decodes.new_block_ids
-            )
-            if decodes.continuations:
-                req_ids, anchors, token_ids = zip(*decodes.continuations)
-                add_continuations(plan, req_ids, anchors, token_ids)
-        elif not plan.requests:
+        if not next_plan.rows:
             return None
+        plan = worker_pb2.StepPlan()
+        next_plan.rows.write(plan)
+        if next_plan.continuations:
+            req_ids, anchors, token_ids = zip(*next_plan.continuations)
+            add_continuations(plan, req_ids, anchors, token_ids)
         return self._issue(plan, records)
 
     def _prefill_budget(self, budget: int) -> int:
@@ -599,19 +593,18 @@ class Scheduler:
         req: Request,
         budget: int,
         max_drafts: int,
-        plan: worker_pb2.StepPlan,
-        decodes: _Decodes,
+        next_plan: _NextPlan,
         records: dict[str, _Scheduled],
     ) -> int:
-        """Add a running request's next prefill chunk (to ``plan``) or decode (to ``decodes``,
-        with at most ``max_drafts`` draft slots); returns the tokens used."""
+        """Add a running request's next prefill chunk or decode (with at most ``max_drafts``
+        draft slots) to ``next_plan``; returns the tokens used."""
         if req.is_prefilling:
             if not self._make_room(req):
                 return 0
             num_tokens = min(req.num_prefill_tokens - req.num_computed, budget, self._capacity(req))
             start = req.num_computed
             token_ids = req.token_ids_between(start, start + num_tokens)
-            self._add_prefill(req, token_ids, plan, records, is_new=False, num_cached_tokens=0)
+            self._add_prefill(req, token_ids, next_plan.rows, records, is_new=False, num_cached_tokens=0)
             return num_tokens
         suffix = None
         if req.prediction is not None:
@@ -650,15 +643,11 @@ class Scheduler:
         req.num_placeholders += num_tokens
         if config.num_spec_tokens > 0:
             _count_length(self.stats.draft_lengths, num_draft_slots)
-        decodes.req_ids.append(req.req_id)
-        decodes.num_draft_slots.append(num_draft_slots)
-        decodes.num_new_blocks.append(len(new_block_ids))
-        if new_block_ids:
-            decodes.new_block_ids.extend(new_block_ids)
+        next_plan.rows.add_decode(req.req_id, num_draft_slots, new_block_ids)
         if suffix is not None and suffix.send is not None:
             assert self._suffix is not None
             self._suffix.commit(req, suffix)
-            decodes.continuations.append((req.req_id, suffix.anchor, suffix.send))
+            next_plan.continuations.append((req.req_id, suffix.anchor, suffix.send))
         records[req.req_id] = _Scheduled(
             request=req,
             admission_id=req.admission_id,
@@ -673,7 +662,7 @@ class Scheduler:
         self,
         req: Request,
         budget: int,
-        plan: worker_pb2.StepPlan,
+        rows: PlanBuilder,
         records: dict[str, _Scheduled],
     ) -> int:
         """Admit the head of the waiting queue with its first chunk; returns tokens used (0: no)."""
@@ -707,14 +696,14 @@ class Scheduler:
             self._suffix.admitted(req)
         self._running.append(req)
         chunk = token_ids[num_cached_tokens : num_cached_tokens + num_tokens]
-        self._add_prefill(req, chunk, plan, records, is_new=True, num_cached_tokens=num_cached_tokens)
+        self._add_prefill(req, chunk, rows, records, is_new=True, num_cached_tokens=num_cached_tokens)
         return num_tokens
 
     def _add_prefill(
         self,
         req: Request,
         token_ids: list[int],
-        plan: worker_pb2.StepPlan,
+        rows: PlanBuilder,
         records: dict[str, _Scheduled],
         *,
         is_new: bool,
@@ -726,17 +715,10 @@ class Scheduler:
         sample = req.num_computed == req.num_prefill_tokens
         if sample:
             req.num_placeholders += 1
-        entry = worker_pb2.ScheduledRequest(
-            req_id=req.req_id,
-            token_ids=token_ids,
-            new_block_ids=req.block_ids if is_new else new_block_ids,
-            is_new=is_new,
-            num_cached_tokens=num_cached_tokens,
-            sample=sample,
+        new = NewRow(num_cached_tokens, to_worker_sampling(req.sampling, req.num_prompt_tokens)) if is_new else None
+        rows.add(
+            req.req_id, token_ids, new_block_ids=req.block_ids if is_new else new_block_ids, sample=sample, new=new
         )
-        if is_new:
-            entry.sampling.CopyFrom(to_worker_sampling(req.sampling, req.num_prompt_tokens))
-        plan.requests.append(entry)
         records[req.req_id] = _Scheduled(
             request=req,
             admission_id=req.admission_id,

@@ -118,12 +118,8 @@ def plan_ahead_due(start_s: float, num_inflight: int, step_s: float, margin_s: f
 
 def plan_tokens(plan: worker_pb2.StepPlan) -> int:
     """Tokens a plan feeds the model (prefill chunks, 1 + drafts per decode)."""
-    decodes = plan.decodes
-    return (
-        len(decodes.req_ids)
-        + sum(decodes.num_draft_slots)
-        + sum(len(e.token_ids) or 1 + e.num_draft_slots for e in plan.requests)
-    )
+    rows = plan.rows
+    return sum(n or 1 + k for n, k in zip(rows.num_tokens, rows.num_draft_slots))
 
 
 @dataclass(slots=True)

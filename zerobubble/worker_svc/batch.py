@@ -169,7 +169,7 @@ class BatchBuilder:
         self.trim_empty_drafts = trim_empty_drafts
 
     def prepare(self, step_id: int, decodes: DecodeRows, entries: list[PlanRow]) -> StepBatch | None:
-        """Admit the rows to run (the column decode rows ``decodes``, then ``entries``) and
+        """Admit the rows to run (the leading decode rows ``decodes``, then ``entries``) and
         build the step's device inputs: input ids (decode rows from the device state),
         positions, slot mapping, attention metadata and sampling tensors. None when the step
         runs nothing.
@@ -243,7 +243,7 @@ class BatchBuilder:
         """Admissions and new KV blocks of the rows to run, and what each row feeds."""
         table = self.table
         writes = BlockTableWrites()
-        # The column decode rows, a column at a time.
+        # The leading decode rows, a column at a time.
         rows: list[SlotInfo] = list(decodes.infos)
         start = 0
         for info, n in zip(rows, decodes.num_new_blocks):
@@ -260,7 +260,7 @@ class BatchBuilder:
             do_sample=[True] * len(rows),
             writes=writes,
         )
-        # The message rows (prefill chunks, new requests, decodes sent as messages), one by one.
+        # The other rows (prefill chunks, new requests, decodes after a chunk), one by one.
         for entry in entries:
             if entry.is_new:
                 info = table.admit(entry)

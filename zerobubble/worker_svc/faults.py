@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from zerobubble.api import worker_pb2
-from zerobubble.rows import column_rows, decode_columns, message_rows
+from zerobubble.rows import plan_rows
 from zerobubble.worker_svc.result_copy import CopyDone
 from zerobubble.worker_svc.slot_table import RunnableRows
 
@@ -85,7 +85,7 @@ class EnvFaults:
         if every <= 0:
             return None
         faults: dict[str, str] = {}
-        for row in column_rows(decode_columns(plan)) + message_rows(plan):
+        for row in plan_rows(plan):
             if row.token_ids:
                 continue
             self.num_decode_rows += 1

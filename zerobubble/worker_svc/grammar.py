@@ -157,9 +157,9 @@ class GrammarCompiler:
 
     def prefetch(self, plan: worker_pb2.StepPlan) -> None:
         """Start compiling the grammars a just-received plan brings (its new rows')."""
-        for row in plan.requests:
-            if row.is_new and row.sampling.grammar:
-                self._future(row.sampling.grammar)
+        for sampling in plan.rows.sampling:  # one per new row
+            if sampling.grammar:
+                self._future(sampling.grammar)
 
     def _future(self, grammar: str) -> Future:
         # The plan reader (event loop) and the step thread both ask.

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import torch
 
 from zerobubble.api import worker_pb2
-from zerobubble.rows import add_row_columns
+from zerobubble.rows import ResultBuilder
 from zerobubble.worker_svc import staging
 from zerobubble.worker_svc.verification import StepOutputs
 
@@ -35,17 +35,6 @@ class HostOutputs:
     top_ids: list[list[list[int]]]
     top_logprobs: list[list[list[float]]]
     prediction_drafts: list[bool]  # empty: no row had a prediction
-
-
-@dataclass(slots=True)
-class RowColumns:
-    """The rows of a result that go into its columns (no logprobs, no error)."""
-
-    req_ids: list[str] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)
-    num_drafts: list[int] = field(default_factory=list)
-    prediction_drafts: list[bool] = field(default_factory=list)
 
 
 def _as_list(t: torch.Tensor | None) -> list:
@@ -142,12 +131,10 @@ class PendingResult:
                 accepted_per_pos.extend([0] * (num_acc - len(accepted_per_pos)))
             for pos in range(num_acc):
                 accepted_per_pos[pos] += 1
-        cols = self._add_rows(result, out)
-        add_row_columns(
-            result, cols.req_ids, cols.num_tokens, cols.tokens, cols.num_drafts, cols.prediction_drafts or None
-        )
+        rows = self._rows(out)
         for req_id, error in self.errors.items():
-            result.results.add(req_id=req_id, error=error)
+            rows.add_error(req_id, error)
+        rows.write(result)
         result.accepted_per_pos.extend(accepted_per_pos)
         return result
 
@@ -167,48 +154,38 @@ class PendingResult:
             idle_s = max(prev_end.elapsed_time(begin) / 1000, 0.0) if prev_end is not None else 0.0
         return forward_s, idle_s
 
-    def _add_rows(self, result: worker_pb2.StepResult, out: HostOutputs) -> RowColumns:
-        """Every runnable row once, a non-sampling chunk with no tokens: rows without logprobs
-        (most rows, most steps) are returned as columns, the others get a message each."""
-        cols = RowColumns()
+    def _rows(self, out: HostOutputs) -> ResultBuilder:
+        """Every row that ran once, a non-sampling chunk with no tokens; a row that failed
+        after it ran (its grammar) is left to its error."""
+        built = ResultBuilder()
         rows = self.rows
         by_row: dict[int, int] = {row: i for i, row in enumerate(rows.sampled)}
         # Rows flag prediction drafts only in steps where some row had a prediction.
         flags = out.prediction_drafts
         for row, req_id in enumerate(rows.req_ids):
+            if req_id in self.errors:
+                continue
             i = by_row.get(row)
             if i is None:
-                cols.req_ids.append(req_id)
-                cols.num_tokens.append(0)
-                cols.num_drafts.append(0)
-                if flags:
-                    cols.prediction_drafts.append(False)
+                built.add(req_id)
                 continue
             num_emitted = out.accepted[i] + 1
-            wants_top = bool(out.top_ids) and rows.num_top[i] > 0
-            if not rows.want_logprobs[row] and not wants_top:
-                cols.req_ids.append(req_id)
-                cols.num_tokens.append(num_emitted)
-                cols.tokens.extend(out.tokens[i][:num_emitted])
-                cols.num_drafts.append(out.drafted[i])
-                if flags:
-                    cols.prediction_drafts.append(flags[i])
-                continue
-            entry = result.results.add(
-                req_id=req_id,
-                token_ids=out.tokens[i][:num_emitted],
-                num_draft_tokens=out.drafted[i],
-                num_accepted=out.accepted[i],
-                prediction_drafts=bool(flags) and flags[i],
-            )
-            if rows.want_logprobs[row]:
-                entry.logprobs.extend(out.logprobs[i][:num_emitted])
-            if wants_top:
+            tokens = out.tokens[i][:num_emitted]
+            logprobs = out.logprobs[i][:num_emitted] if rows.want_logprobs[row] else None
+            top = None
+            if out.top_ids and rows.num_top[i] > 0:
                 # Column c holds the distribution the token at column c was drawn from.
                 n = rows.num_top[i]
-                for col in range(num_emitted):
-                    entry.top_logprobs.add(token_ids=out.top_ids[i][col][:n], logprobs=out.top_logprobs[i][col][:n])
-        return cols
+                top = [(out.top_ids[i][c][:n], out.top_logprobs[i][c][:n]) for c in range(num_emitted)]
+            built.add(
+                req_id,
+                tokens,
+                out.drafted[i],
+                prediction_drafts=bool(flags) and flags[i],
+                logprobs=logprobs,
+                top_logprobs=top,
+            )
+        return built
 
 
 @dataclass(frozen=True, slots=True)

@@ -307,7 +307,7 @@ class ModelRunner:
     def prefetch_grammars(self, plan: worker_pb2.StepPlan) -> None:
         """Start compiling the grammars a just-received plan brings, off the step thread."""
         grammars = self.parts.grammars
-        if grammars is not None and plan.requests:
+        if grammars is not None and plan.rows.sampling:
             grammars.prefetch(plan)
 
     # -- one step ------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Every request the worker serves holds one state slot (a row of `DeviceState`) an
 blocks; prefix-shared blocks are held by several requests, so blocks are reference-counted.
 Requests whose row or step failed are remembered until the scheduler re-admits or finishes them,
 so rows for them in plans already sent get the error that ended them. Every row of a plan is
-checked here before anything changes (`SlotTable.runnable`), whichever wire form carries it.
+checked here before anything changes (`SlotTable.runnable`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 from zerobubble.api import worker_pb2
 from zerobubble.request_options import SamplingOptions
-from zerobubble.rows import DecodeColumnLists, PlanRow, column_rows, decode_columns, message_rows
+from zerobubble.rows import DecodeColumnLists, PlanRow, read_plan
 from zerobubble.worker_svc.grammar import RequestGrammar
 from zerobubble.worker_svc.sampler import SlotSampling
 
@@ -71,8 +71,8 @@ class SlotInfo:
 
 @dataclass(slots=True)
 class DecodeRows:
-    """The decode rows a plan carries in columns that a step runs, with their slots; row i
-    gains the next ``num_new_blocks[i]`` of ``new_block_ids``.
+    """The leading decode rows of a plan that a step runs, with their slots; row i gains the
+    next ``num_new_blocks[i]`` of ``new_block_ids``.
 
     They are checked and prepared as columns: at GPU batch sizes nearly every row of a step is
     one of them, and a Python object and a dozen checks per row were a third of the worker's
@@ -115,7 +115,7 @@ class SlotLimits:
 
 @dataclass(slots=True)
 class RunnableRows:
-    """A plan's rows split by `SlotTable.runnable`: the decode columns and the message rows
+    """A plan's rows split by `SlotTable.runnable`: the leading decode rows and the other rows
     that run, and per-request errors for the rows left out."""
 
     decodes: DecodeRows
@@ -215,22 +215,26 @@ class SlotTable:
     # -- which rows may run ----------------------------------------------------------------------
 
     def runnable(self, plan: worker_pb2.StepPlan, rejected: Mapping[str, str] | None = None) -> RunnableRows:
-        """Split a plan's rows into the ones to run (the column decode rows, then the message
-        rows) and per-request errors for the rest; ``rejected`` rows fail with the given error.
+        """Split a plan's rows into the ones to run (the leading decode rows, then the others)
+        and per-request errors for the rest; ``rejected`` rows fail with the given error.
 
-        The decode columns are checked in bulk; only when that finds a row that cannot run (or
-        rows are rejected from outside) are they checked one by one by `row_error`, in plan
-        order, as the message rows always are, so each bad row gets its own error. A failed row
-        drops the request's state (`fail_requests`), so its later rows fail too until the
-        scheduler re-admits or finishes it; the other rows are untouched.
+        The leading decode rows are checked in bulk, as columns; only when that finds a row
+        that cannot run (or rows are rejected from outside) are they checked one by one by
+        `row_error`, in plan order, as the later rows always are, so each bad row gets its own
+        error. A failed row drops the request's state (`fail_requests`), so its later rows fail
+        too until the scheduler re-admits or finishes it; the other rows are untouched.
+
+        Raises:
+            ValueError: the plan's columns do not line up (`read_plan`).
         """
-        cols = decode_columns(plan)
-        decodes = self._decodes_if_all_run(cols) if rejected is None else None
+        cols = read_plan(plan)
+        leading = cols.leading_decodes()
+        decodes = self._decodes_if_all_run(leading) if rejected is None else None
         if decodes is None:
-            decodes, rows, num_column_rows = DecodeRows(), column_rows(cols) + message_rows(plan), len(cols.req_ids)
+            decodes, rows, num_leading = DecodeRows(), cols.rows(), len(leading.req_ids)
             seen: set[str] = set()
         else:
-            rows, num_column_rows = message_rows(plan), 0
+            rows, num_leading = cols.rows(len(leading.req_ids)), 0
             seen = set(decodes.req_ids)
         out = RunnableRows(decodes, [], {})
         num_free = len(self.free_slots)
@@ -244,7 +248,7 @@ class SlotTable:
             if entry.is_new:
                 # Re-admitting a live request (a folded finish notice) frees its slot first.
                 num_free += (entry.req_id in self.slots) - 1
-            if i < num_column_rows:
+            if i < num_leading:
                 decodes.add(entry, self.slots[entry.req_id])
             else:
                 out.entries.append(entry)
@@ -257,7 +261,7 @@ class SlotTable:
         return out
 
     def row_error(self, entry: PlanRow, seen: set[str], num_free_slots: int, rejected: Mapping[str, str]) -> str | None:
-        """Why a row of either wire form cannot run (None: it can), checked before anything is
+        """Why a row cannot run (None: it can), checked before anything is
         changed, so a bad row is left out whole instead of half admitted."""
         # Every row of a step checked one by one passes here: each field is read once.
         req_id = entry.req_id
@@ -309,7 +313,7 @@ class SlotTable:
         return None
 
     def _decodes_if_all_run(self, cols: DecodeColumnLists) -> DecodeRows | None:
-        """The column decode rows if `row_error` would find nothing for any of them (the same
+        """The leading decode rows if `row_error` would find nothing for any of them (the same
         rules, checked over whole columns); None if any row breaks one."""
         req_ids = cols.req_ids
         if not req_ids:

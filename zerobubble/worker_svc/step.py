@@ -175,8 +175,9 @@ def _take_continuations(parts: StepParts, plan: worker_pb2.StepPlan) -> None:
 
 
 def _refuse_bad_grammars(parts: StepParts, rows: RunnableRows) -> tuple[list[PlanRow], dict[str, str]]:
-    """The message rows to run and every row's error: new rows whose grammar does not compile
-    here are left out (the scheduler checked it; this keeps a bad one from failing the step)."""
+    """The rows after the leading decodes that run, and every row's error: new rows whose
+    grammar does not compile here are left out (the scheduler checked it; this keeps a bad one
+    from failing the step)."""
     errors = dict(rows.errors)
     if parts.grammars is None:
         return rows.entries, errors
