@@ -89,7 +89,8 @@ def without_predictions(requests: list[tuple[str, list[int], dict]]) -> list[tup
     return [(r, ids, {k: v for k, v in o.items() if k != "prediction_token_ids"}) for r, ids, o in requests]
 
 
-@pytest.mark.parametrize("name", ["greedy", "seeded"])
+# Seeded in the slow suite (make test's time): the greedy run covers the same modes.
+@pytest.mark.parametrize("name", ["greedy", pytest.param("seeded", marks=pytest.mark.slow)])
 def test_output_with_a_prediction_is_the_output_without_it(
     plain_runner, ngram_runner, eagle_runner, keyed_draft_runner, tokenizer, name
 ):

@@ -80,7 +80,8 @@ MIXED = [
 MODES = [("plain", 2), ("ngram", 1), ("ngram", 2), ("draft", 1), ("draft", 2)]
 
 
-@pytest.mark.parametrize("name", ["greedy", "seeded"])
+# Seeded in the slow suite (make test's time): the greedy run covers the same modes.
+@pytest.mark.parametrize("name", ["greedy", pytest.param("seeded", marks=pytest.mark.slow)])
 def test_constrained_output_is_the_same_in_every_mode(plain_runner, ngram_runner, keyed_draft_runner, tokenizer, name):
     """The same tokens sync and async, without speculation, with n-gram and with draft-model
     drafts (drafts the grammar forbids are cut before verification), sixteen requests together

@@ -25,6 +25,7 @@ def bench_sim(tmp_path: Path, *args: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_churn_suite_reports_consistent_figures(tmp_path: Path) -> None:
     report = bench_sim(
         tmp_path,
