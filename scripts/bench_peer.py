@@ -37,6 +37,7 @@ from zerobubble.tools.launch import free_port, start_scheduler, start_worker  # 
 # Our configurations: name -> worker flags. The default is what `zerobubble serve` runs.
 OURS = {
     "ours default (bfloat16)": {},
+    "ours --spec-method none": {"spec_method": "none"},
     "ours --quantization int8": {"quantization": "int8"},
     "ours --quantization int4": {"quantization": "int4"},
     "ours --quantization int4 --spec-method ngram": {"quantization": "int4", "spec_method": "ngram"},
