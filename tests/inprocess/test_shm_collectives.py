@@ -101,3 +101,18 @@ def test_a_rank_that_never_arrives_is_named(tmp_path: Path, impl: str) -> None:
     mp.spawn(_one_rank_missing, args=(2, _free_port(), str(tmp_path), impl), nprocs=2)
     error = (tmp_path / "error.txt").read_text()
     assert "rank(s) [1] did not arrive within 0 s" in error
+
+
+def test_the_compiled_exchange_checks_before_it_publishes(cpu_kernels: None) -> None:
+    """A part it cannot sum or that overflows a slot raises with the counters untouched (the other
+    ranks wait on, and time out naming this one, rather than reading a half-written exchange)."""
+    slots = torch.zeros(2, 1, 64, dtype=torch.uint8)
+    counters = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(RuntimeError, match="sums float32, bfloat16 and float16"):
+        torch.ops.zerobubble_cpu.shm_all_reduce(torch.ones(4, dtype=torch.float64), slots, counters, 0, 1, 1.0)
+    with pytest.raises(RuntimeError, match="larger than a slot"):
+        torch.ops.zerobubble_cpu.shm_all_reduce(torch.ones(17), slots, counters, 0, 1, 1.0)
+    assert int(counters[0]) == 0
+    one = torch.arange(16, dtype=torch.float32)  # a group of one: its own part back
+    assert torch.ops.zerobubble_cpu.shm_all_reduce(one, slots, counters, 0, 1, 1.0)
+    assert torch.equal(one, torch.arange(16, dtype=torch.float32)) and int(counters[0]) == 1
