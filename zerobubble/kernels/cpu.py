@@ -4,7 +4,8 @@ On a CPU the decode step of a small model is as much dispatch as arithmetic: bet
 a layer runs some thirty aten ops on a few rows each, every one paying a few microseconds. The
 C++ kernels do each fused step of `zerobubble.kernels.fused` and the paged KV write and
 short-row attention of `zerobubble.kernels.attention` in one pass, and the bfloat16 and int8
-products of `zerobubble.kernels.linear` at the memory's speed, and register as torch
+products of `zerobubble.kernels.linear` at the memory's speed, and the exchange of the
+shared-memory collectives (`zerobubble.worker_svc.shm_collectives`), and register as torch
 operators (``torch.ops.zerobubble_cpu.*``). The public functions of those modules run them for
 ``impl="cpp"``; a model asks for that when it loaded them (`zerobubble.worker_svc.model.CausalLM.kernels`).
 
@@ -32,8 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# One translation unit per concept (fused steps, attention, products, the operator schemas) and
-# their shared header: the builder compiles the units in parallel.
+# One translation unit per concept (fused steps, attention, products, collectives, the operator
+# schemas) and their shared header: the builder compiles the units in parallel.
 SOURCE_FILES = sorted(
     path for path in (Path(__file__).resolve().parent / "csrc").iterdir() if path.suffix in (".cpp", ".h")
 )

@@ -16,9 +16,18 @@ exchange ``n - 2``'s slots, the set it is about to overwrite. A tensor larger th
 through in slot-sized pieces. torch.distributed still forms the group (rendezvous, the
 segment's name, barriers).
 
+The exchange itself (copy in, publish, wait, sum or copy out) runs in the compiled CPU kernels
+(``torch.ops.zerobubble_cpu.shm_all_reduce`` / ``shm_all_gather``, `zerobubble.kernels.cpu`)
+where they load: a few microseconds, against some fifty for the same steps as torch ops from
+Python, which stay as their twin and serve where the kernels do not (``impl="torch"``). The
+compiled exchange publishes with a release store and reads the others' numbers with acquire
+loads; it sums 16-bit parts through float32, rounding after each rank's addition, as torch's
+adds do, so both paths give the same bits.
+
 The segment lives in ``/dev/shm`` only until every rank has mapped it (the creator unlinks it
-then), so a killed group leaves nothing behind. Stores are ordered as written on x86 (TSO),
-which the publish-then-read protocol relies on; the compiled CPU kernels are x86-only too.
+then), so a killed group leaves nothing behind. The Python path's plain stores are ordered as
+written on x86 (TSO), which its publish-then-read protocol relies on; the compiled CPU kernels
+are x86-only too.
 """
 
 from __future__ import annotations
@@ -27,7 +36,8 @@ import mmap
 import os
 import secrets
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -40,15 +50,19 @@ _SHM_DIR = "/dev/shm"
 # Spins between yields while waiting: ranks on cores of their own answer within a few spins;
 # more ranks than cores need the yield to let the awaited rank run at all.
 _SPINS_PER_YIELD = 32
+# The dtypes the compiled all-reduce sums (others take the Python path).
+_SUMMABLE = frozenset((torch.float32, torch.bfloat16, torch.float16))
 
 
 class SharedMemoryCollectives:
     """Sums and gathers of tensors over the ranks of ``group``, all on this machine."""
 
-    def __init__(self, group: Any, max_bytes: int = 1 << 22, timeout_s: float = 60.0) -> None:
+    def __init__(self, group: Any, max_bytes: int = 1 << 22, timeout_s: float = 60.0, impl: str = "auto") -> None:
         """``group``: a torch.distributed group whose ranks share this machine; ``max_bytes``:
         one rank's slot (larger tensors go through in pieces); ``timeout_s``: how long an
-        exchange waits for a rank before it raises."""
+        exchange waits for a rank before it raises; ``impl``: ``"cpp"`` exchanges in the compiled
+        CPU kernels (`zerobubble.kernels.cpu`), ``"torch"`` in Python, ``"auto"`` the compiled
+        ones where they load. The two share the protocol and the roundings: ranks may differ."""
         self.group = group
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -59,8 +73,10 @@ class SharedMemoryCollectives:
         self._mapping = _map_segment(group, self.rank, header + 2 * self.world_size * max_bytes)
         counters = np.frombuffer(self._mapping, dtype=np.int64, count=header // 8)
         self._counters = counters[:: _LINE // 8]
+        self._counter_view = torch.frombuffer(self._mapping, dtype=torch.int64, count=header // 8)[:: _LINE // 8]
         data = torch.frombuffer(self._mapping, dtype=torch.uint8, offset=header)
         self._slots = data.view(2, self.world_size, max_bytes)
+        self._reduce_op, self._gather_op = _compiled_ops(impl)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; every rank must call it with a tensor of the
@@ -68,14 +84,13 @@ class SharedMemoryCollectives:
         if not tensor.is_contiguous():
             dist.all_reduce(tensor, group=self.group)
             return tensor
+        if tensor.nbytes <= self.max_bytes:
+            self._reduce(tensor)
+            return tensor
         flat = tensor.view(-1)
         piece = self.max_bytes // tensor.element_size()
         for start in range(0, flat.numel(), piece):
-            part = flat[start : start + piece]
-            slots = self._exchange(part)
-            torch.add(slots[0], slots[1], out=part)
-            for r in range(2, self.world_size):
-                part.add_(slots[r])
+            self._reduce(flat[start : start + piece])
         return tensor
 
     def all_gather(self, part: torch.Tensor) -> torch.Tensor:
@@ -83,26 +98,49 @@ class SharedMemoryCollectives:
         in rank order: ``[world, rows, ...]``."""
         part = part.contiguous()
         out = part.new_empty((self.world_size, *part.shape))
-        row_bytes = part[:1].numel() * part.element_size()
+        row_bytes = part[:1].nbytes
         if part.dim() == 0 or row_bytes > self.max_bytes:
             dist.all_gather_into_tensor(out.view(-1, *part.shape[1:]), part, group=self.group)
             return out
+        if part.nbytes <= self.max_bytes:
+            self._gather(part, out)
+            return out
         rows = self.max_bytes // row_bytes
         for start in range(0, part.shape[0], rows):
-            piece = part[start : start + rows]
-            slots = self._exchange(piece.view(-1))
-            out[:, start : start + rows].copy_(slots.view(self.world_size, *piece.shape))
+            self._gather(part[start : start + rows], out[:, start : start + rows])
         return out
 
-    def _exchange(self, flat: torch.Tensor) -> torch.Tensor:
-        """Publish this rank's ``flat`` (at most a slot) and wait for every rank's: the slots
-        ``[world, numel]``, readable until the exchange after next."""
+    def _reduce(self, part: torch.Tensor) -> None:
+        """Sum ``part`` (contiguous, at most a slot) over the ranks in place, in rank order."""
         self.seq += 1
-        nbytes = flat.numel() * flat.element_size()
-        slots = self._slots[self.seq & 1, :, :nbytes].view(flat.dtype)
+        if self._reduce_op is not None and part.dtype in _SUMMABLE:
+            if not self._reduce_op(part, self._slots, self._counter_view, self.rank, self.seq, self.timeout_s):
+                self._raise_late(self.seq)
+            return
+        flat = part.view(-1)
+        slots = self._exchange(flat, self.seq)
+        torch.add(slots[0], slots[1], out=flat)
+        for r in range(2, self.world_size):
+            flat.add_(slots[r])
+
+    def _gather(self, part: torch.Tensor, out: torch.Tensor) -> None:
+        """Every rank's ``part`` (contiguous, at most a slot) into ``out[r]`` (each contiguous)."""
+        self.seq += 1
+        if self._gather_op is not None:
+            if not self._gather_op(part, self._slots, self._counter_view, out, self.rank, self.seq, self.timeout_s):
+                self._raise_late(self.seq)
+            return
+        slots = self._exchange(part.view(-1), self.seq)
+        out.copy_(slots.view(self.world_size, *part.shape))
+
+    def _exchange(self, flat: torch.Tensor, seq: int) -> torch.Tensor:
+        """Publish this rank's ``flat`` (at most a slot) as exchange ``seq`` and wait for every
+        rank's: the slots ``[world, numel]``, readable until the exchange after next. The compiled
+        ops' torch twin."""
+        slots = self._slots[seq & 1, :, : flat.nbytes].view(flat.dtype)
         slots[self.rank].copy_(flat)
-        self._counters[self.rank] = self.seq
-        self._wait(self.seq)
+        self._counters[self.rank] = seq
+        self._wait(seq)
         return slots
 
     def _wait(self, seq: int) -> None:
@@ -117,17 +155,39 @@ class SharedMemoryCollectives:
                 if deadline == 0.0:
                     deadline = now + self.timeout_s
                 elif now > deadline:
-                    late = [r for r in range(self.world_size) if self._counters[r] < seq]
-                    raise RuntimeError(
-                        f"tensor-parallel exchange {seq}: rank(s) {late} did not arrive within "
-                        f"{self.timeout_s:.0f} s (a rank died or hangs)"
-                    )
+                    self._raise_late(seq)
+
+    def _raise_late(self, seq: int) -> NoReturn:
+        """The error of exchange ``seq`` timing out, naming the ranks that did not publish it."""
+        late = [r for r in range(self.world_size) if self._counters[r] < seq]
+        raise RuntimeError(
+            f"tensor-parallel exchange {seq}: rank(s) {late} did not arrive within "
+            f"{self.timeout_s:.0f} s (a rank died or hangs)"
+        )
 
     def close(self) -> None:
         """Unmap the segment (every view of it must be gone first)."""
         self._counters = None  # type: ignore[assignment]
+        self._counter_view = None  # type: ignore[assignment]
         self._slots = None  # type: ignore[assignment]
         self._mapping.close()
+
+
+def _compiled_ops(impl: str) -> tuple[Callable[..., bool] | None, Callable[..., bool] | None]:
+    """The compiled exchange's all-reduce and all-gather ops for ``impl`` (None, None: Python)."""
+    if impl not in ("auto", "cpp", "torch"):
+        raise ValueError(f"impl must be 'auto', 'cpp' or 'torch', not {impl!r}")
+    if impl == "torch":
+        return None, None
+    from zerobubble.kernels import cpu
+
+    if not cpu.load():
+        if impl == "cpp":
+            raise RuntimeError("impl='cpp': the compiled CPU kernels did not build or load")
+        return None, None
+    # The overloads themselves: calling one skips the packet's overload lookup on every call.
+    ops = torch.ops.zerobubble_cpu
+    return ops.shm_all_reduce.default, ops.shm_all_gather.default
 
 
 def _map_segment(group: Any, rank: int, size: int) -> mmap.mmap:

@@ -16,4 +16,9 @@ TORCH_LIBRARY(zerobubble_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("block_linear(Tensor x, Tensor blocks, int out_features, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("block_linear_is_native() -> bool");
+  m.def(
+      "shm_all_reduce(Tensor(a!) x, Tensor slots, Tensor counters, int rank, int seq, float timeout_s) -> bool");
+  m.def(
+      "shm_all_gather(Tensor x, Tensor slots, Tensor counters, Tensor(a!) out, int rank, int seq, "
+      "float timeout_s) -> bool");
 }
