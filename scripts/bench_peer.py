@@ -47,10 +47,15 @@ OURS = {
     # One worker over two ranks of one thread each, against the default's one rank of two threads
     # on the same cores: what the collectives cost (docs/benchmarks/tensor-parallel.md).
     "ours --tensor-parallel-size 2 --spec-method none": {
-        "tensor_parallel_size": 2, "num_threads": 1, "spec_method": "none"
+        "tensor_parallel_size": 2,
+        "num_threads": 1,
+        "spec_method": "none",
     },
     "ours --tensor-parallel-size 2 --dtype float32 --spec-method none": {
-        "tensor_parallel_size": 2, "num_threads": 1, "dtype": "float32", "spec_method": "none"
+        "tensor_parallel_size": 2,
+        "num_threads": 1,
+        "dtype": "float32",
+        "spec_method": "none",
     },
 }
 # llama-server on --gguf (the embedded model's Q4_1 GGUF by default; the header names the file).
