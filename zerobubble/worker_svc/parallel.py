@@ -7,10 +7,10 @@ products one ``all_reduce`` each sums; their biases are added once, after the su
 fewer KV heads than ranks gives each rank one KV head, shared by the ranks whose query heads it
 serves (vLLM's replication). The lm_head is split over the vocabulary: each rank computes the
 logits of its ``ceil(vocab / size)`` entries and one all-gather lays them side by side (on two
-CPU ranks of one thread a replicated head read all of its bytes on each rank: a fifth of a
-SmolLM2-sized model's step). Embedding and norms stay whole on every rank (a lookup reads only
-the rows of the step's tokens), so every rank ends a forward with the same hidden states and
-bit-identical logits, and samples the same tokens.
+CPU ranks of one thread a replicated head read all of its bytes on each rank: a fifth of the
+weight bytes of a SmolLM2-sized model's step). Embedding and norms stay whole on every rank (a
+lookup reads only the rows of the step's tokens), so every rank ends a forward with the same
+hidden states and bit-identical logits, and samples the same tokens.
 
 A rank reads only its slice of each sharded weight (`shard_state_dict` over a lazy reader such
 as `safetensors`' `safe_open`), never a full copy of the layers.
