@@ -54,6 +54,9 @@ def test_every_kernel_compiles_for_ampere_and_hopper(tmp_path: Path) -> None:
         assert [r["stack_bytes"] for r in half] == [0] * len(half), half
 
 
+# Every section end to end on the CPU: about two minutes, in the slow suite (make test's time);
+# the kernels' compile check below stays in the default run.
+@pytest.mark.slow
 def test_device_check_dry_run(tmp_path: Path) -> None:
     # No carried wheels: a checkout may hold the GPU machine's (another Python's) in .device-wheels.
     env = dict(os.environ, TRITON_INTERPRET="1", DEVICE_WHEELS=str(tmp_path / "no-wheels"))
