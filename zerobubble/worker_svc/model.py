@@ -607,6 +607,19 @@ def layer_input(
     return add_rms_norm(hidden, residual, layer.input_norm, eps, impl)
 
 
+def _qk_norm(spec: ModelSpec, take: Taker, prefix: str) -> torch.Tensor:
+    """Qwen3's per-head q and k norm weights, one row per fused q/k head ``[q + kv heads, D]``."""
+    q_norm = take(prefix + "self_attn.q_norm.weight", (spec.head_dim,))
+    k_norm = take(prefix + "self_attn.k_norm.weight", (spec.head_dim,))
+    return torch.cat((q_norm.expand(spec.num_q_heads, -1), k_norm.expand(spec.num_kv_heads, -1))).contiguous()
+
+
+def _fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """The parts concatenated when every one is present (fused biases), else None."""
+    present = [p for p in parts if p is not None]
+    return torch.cat(present).contiguous() if len(present) == len(parts) else None
+
+
 def layer_weights(
     spec: ModelSpec,
     take: Taker,
@@ -626,16 +639,6 @@ def layer_weights(
     qkv_in = 2 * hidden if eagle3 else hidden
     q_size, kv_size = spec.num_q_heads * head_dim, spec.num_kv_heads * head_dim
     qkv_shapes = (("q", q_size), ("k", kv_size), ("v", kv_size))
-    qk_norm = None
-    if spec.qk_norm:
-        q_norm = take(prefix + "self_attn.q_norm.weight", (head_dim,))
-        k_norm = take(prefix + "self_attn.k_norm.weight", (head_dim,))
-        qk_norm = torch.cat((q_norm.expand(spec.num_q_heads, -1), k_norm.expand(spec.num_kv_heads, -1))).contiguous()
-
-    def fuse_optional(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
-        present = [p for p in parts if p is not None]
-        return torch.cat(present).contiguous() if len(present) == len(parts) else None
-
     qkv = torch.cat([take(prefix + f"self_attn.{n}_proj.weight", (size, qkv_in)) for n, size in qkv_shapes])
     sparse = spec.moe is not None and spec.moe.sparse_layers[index]
     gate_up = (
@@ -648,15 +651,15 @@ def layer_weights(
     return LayerWeights(
         input_norm=take(prefix + "input_layernorm.weight", (hidden,)) if input_norm else None,
         qkv_weight=weight(qkv.contiguous()),
-        qkv_bias=fuse_optional(
+        qkv_bias=_fuse_optional(
             [take_optional(prefix + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias) for n, size in qkv_shapes]
         ),
-        qk_norm=qk_norm,
+        qk_norm=_qk_norm(spec, take, prefix) if spec.qk_norm else None,
         o_weight=weight(take(prefix + "self_attn.o_proj.weight", (hidden, q_size))),
         o_bias=take_optional(prefix + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
         post_norm=take(prefix + mlp_norm + ".weight", (hidden,)),
         gate_up_weight=None if gate_up is None else weight(gate_up.contiguous()),
-        gate_up_bias=fuse_optional(
+        gate_up_bias=_fuse_optional(
             [take_optional(prefix + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias) for n in ("gate", "up")]
         ),
         down_weight=None if sparse else weight(take(prefix + "mlp.down_proj.weight", (hidden, inter))),
