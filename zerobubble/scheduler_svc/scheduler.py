@@ -35,7 +35,7 @@ from zerobubble.scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, 
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
 from zerobubble.scheduler_svc.draft_length import ADAPTIVE, DraftLengthChooser, plan_drafts
 from zerobubble.scheduler_svc.request import PredictionProgress, Request, RequestStatus
-from zerobubble.scheduler_svc.suffix import SharedOutputs, SuffixDrafter
+from zerobubble.scheduler_svc.suffix import SharedOutputs, SuffixDrafter, SuffixPlan
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -606,18 +606,7 @@ class Scheduler:
             token_ids = req.token_ids_between(start, start + num_tokens)
             self._add_prefill(req, token_ids, next_plan.rows, records, is_new=False, num_cached_tokens=0)
             return num_tokens
-        suffix = None
-        if req.prediction is not None:
-            # Its own budget, even where drafting is off for the batch: drafts the output keeps
-            # accepting pay for their slots at any batch size.
-            max_drafts = max(max_drafts, req.prediction.max_drafts)
-        else:
-            max_drafts = self._chosen_drafts.get(req.req_id, max_drafts)
-            if self._suffix is not None and max_drafts > 0:
-                # A continuation is sized by its own match statistics: an adaptive length says
-                # whether the row drafts at all and how far prompt lookup goes without one.
-                suffix = self._suffix.plan(req, max_drafts)
-                max_drafts = suffix.num_draft_slots
+        max_drafts, suffix = self._decode_drafts(req, max_drafts)
         # Tokens confirmed or in flight; slots beyond the limit could never be verified.
         num_draft_slots = min(
             max_drafts,
@@ -657,6 +646,20 @@ class Scheduler:
             num_computed_after=req.num_computed,
         )
         return num_tokens
+
+    def _decode_drafts(self, req: Request, max_drafts: int) -> tuple[int, SuffixPlan | None]:
+        """The most draft slots ``req``'s next decode may carry, and its suffix continuation."""
+        if req.prediction is not None:
+            # Its own budget, even where drafting is off for the batch: drafts the output keeps
+            # accepting pay for their slots at any batch size.
+            return max(max_drafts, req.prediction.max_drafts), None
+        max_drafts = self._chosen_drafts.get(req.req_id, max_drafts)
+        if self._suffix is None or max_drafts <= 0:
+            return max_drafts, None
+        # A continuation is sized by its own match statistics: an adaptive length says whether
+        # the row drafts at all and how far prompt lookup goes without one.
+        suffix = self._suffix.plan(req, max_drafts)
+        return suffix.num_draft_slots, suffix
 
     def _admit(
         self,

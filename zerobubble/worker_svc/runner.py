@@ -101,6 +101,18 @@ def grammar_compiler(loaded: LoadedModel, vocab_size: int) -> GrammarCompiler | 
     return GrammarCompiler(loaded.tokenizer_file, loaded.eos_token_ids, vocab_size)
 
 
+def draft_slots(config: RunnerConfig, proposer: Proposer | None, simulated: bool) -> tuple[int, int, bool]:
+    """``(drafts the proposer makes, prediction drafts a row may carry, suffix decoding)``."""
+    num_proposed = config.num_spec_tokens if proposer is not None else 0
+    # Suffix decoding drafts every row from its prediction buffer (`proposers/suffix.py`).
+    suffix = proposer is not None and proposer.method == "suffix"
+    # A simulated device's token function knows nothing of predictions.
+    num_predicted = config.num_prediction_tokens if not simulated else 0
+    if suffix:
+        num_predicted = max(num_predicted, num_proposed)
+    return num_proposed, num_predicted, suffix
+
+
 class ModelRunner:
     """The model, its paged KV cache and the persistent batch state, composed into one step.
 
@@ -125,13 +137,7 @@ class ModelRunner:
         self.channel = channel
         self.config = config
         self.faults = faults
-        num_proposed = config.num_spec_tokens if proposer is not None else 0
-        # Suffix decoding drafts every row from its prediction buffer (`proposers/suffix.py`).
-        suffix = proposer is not None and proposer.method == "suffix"
-        # A simulated device's token function knows nothing of predictions.
-        num_predicted = config.num_prediction_tokens if simulator is None else 0
-        if suffix:
-            num_predicted = max(num_predicted, num_proposed)
+        num_proposed, num_predicted, suffix = draft_slots(config, proposer, simulator is not None)
         # K: the most draft slots any decode carries (wider for a request with a predicted output).
         num_spec_tokens = max(num_proposed, num_predicted)
         self.device, self.kv_caches = self._allocate_kv_cache(num_proposed, simulator is not None)
@@ -139,13 +145,8 @@ class ModelRunner:
         state = DeviceState.allocate(
             config.max_num_seqs, max_blocks, num_spec_tokens, config.num_blocks, config.block_size, self.device
         )
-        limits = SlotLimits(
-            num_blocks=config.num_blocks,
-            max_num_seqs=config.max_num_seqs,
-            max_blocks_per_seq=max_blocks,
-            num_spec_tokens=num_spec_tokens,
-            vocab_size=getattr(getattr(loaded, "hf_config", None), "vocab_size", 0),
-        )
+        vocab_size = getattr(getattr(loaded, "hf_config", None), "vocab_size", 0)
+        limits = SlotLimits(config.num_blocks, config.max_num_seqs, max_blocks, num_spec_tokens, vocab_size)
         table = SlotTable(limits, state)
         predictions = (
             PredictionDrafts(config.max_num_seqs, num_predicted, self.device, dynamic=suffix)

@@ -203,19 +203,9 @@ def build_runner(
     )
     logger.info(
         "worker ready: model=%s device=%s (tensor-parallel rank %d of %d) dtype=%s quantization=%s "
-        "blocks=%d x %d spec=%s k=%d prediction k=%d",
-        loaded.name,
-        device,
-        tp.rank,
-        tp.size,
-        dtype,
-        cfg.quantization,
-        num_blocks,
-        cfg.block_size,
-        cfg.spec_method,
-        runner.num_proposed,
-        cfg.num_prediction_tokens,
-    )
+        "blocks=%d x %d spec=%s k=%d prediction k=%d", loaded.name, device, tp.rank, tp.size, dtype,
+        cfg.quantization, num_blocks, cfg.block_size, cfg.spec_method, runner.num_proposed, cfg.num_prediction_tokens,
+    )  # fmt: skip
     return runner, loaded
 
 
