@@ -142,6 +142,21 @@ def measure(server: Callable[[], object], rows: list[BenchRow], concurrency: int
     return Measured(int(report["output_tokens"]), float(report["wall_s"]))
 
 
+def print_table(
+    results: dict[int, dict[str, Measured]], systems: list[str], concurrencies: list[int], reference: str
+) -> None:
+    """Each system's tok/s per concurrency and its ratio to ``reference``'s, as a Markdown table."""
+    print("| system | " + " | ".join(f"concurrency {c}: tok/s (x {reference})" for c in concurrencies) + " |")
+    print("|---|" + "---|" * len(concurrencies))
+    for system in systems:
+        cells = []
+        for c in concurrencies:
+            peer = results[c].get(reference)
+            ratio = f" ({results[c][system].rate / peer.rate:.2f}x)" if peer and peer.rate else ""
+            cells.append(f"{results[c][system].rate:.1f}{ratio}")
+        print(f"| {system} | " + " | ".join(cells) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--llama-server", type=Path, default=None, help="needed when the systems include it")
@@ -196,15 +211,7 @@ def main() -> None:
                 print(f"round {round_index + 1} c={concurrency} {system}: {got.rate:.1f} tok/s", flush=True)
     print(f"\nCPU: {machine}")
     print(f"{len(rows)} rows of {args.dataset}, max_tokens capped at {args.max_tokens_cap}, {args.rounds} rounds")
-    print("| system | " + " | ".join(f"concurrency {c}: tok/s (x {args.reference})" for c in args.concurrency) + " |")
-    print("|---|" + "---|" * len(args.concurrency))
-    for system in args.systems:
-        cells = []
-        for c in args.concurrency:
-            peer = results[c].get(args.reference)
-            ratio = f" ({results[c][system].rate / peer.rate:.2f}x)" if peer and peer.rate else ""
-            cells.append(f"{results[c][system].rate:.1f}{ratio}")
-        print(f"| {system} | " + " | ".join(cells) + " |")
+    print_table(results, args.systems, args.concurrency, args.reference)
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         out = {c: {s: {"tokens": m.tokens, "wall_s": m.wall_s} for s, m in r.items()} for c, r in results.items()}
