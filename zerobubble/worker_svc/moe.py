@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -55,30 +55,25 @@ class MoeSpec:
 
 
 def moe_spec(hf_config: Any, num_layers: int) -> MoeSpec | None:
-    """The mixture-of-experts facts of a Qwen2-MoE, Qwen3-MoE or Mixtral config; None for others."""
+    """The mixture-of-experts facts of a Qwen2-MoE, Qwen3-MoE, Mixtral or gpt-oss config; None for others."""
     model_type = getattr(hf_config, "model_type", None)
     # Qwen3-MoE's and Mixtral's configs store `num_experts` as `num_local_experts` (an attribute
     # map), which is all a cached config's plain attributes have (model_loader.read_config).
     num_experts = int(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", 0) or 0)
-    if model_type == "mixtral":
-        return MoeSpec(
+    if model_type in ("mixtral", "gpt_oss"):
+        # Every layer sparse, no shared expert, the chosen experts' weights renormalized.
+        every_layer = MoeSpec(
             num_experts=num_experts,
             top_k=int(hf_config.num_experts_per_tok),
             intermediate_size=int(hf_config.intermediate_size),
             renormalize=True,
             shared_intermediate_size=0,
             sparse_layers=(True,) * num_layers,
-            block="block_sparse_moe.",
-            expert_names=("w1", "w3", "w2"),
         )
-    if model_type == "gpt_oss":
-        return MoeSpec(
-            num_experts=num_experts,
-            top_k=int(hf_config.num_experts_per_tok),
-            intermediate_size=int(hf_config.intermediate_size),
-            renormalize=True,
-            shared_intermediate_size=0,
-            sparse_layers=(True,) * num_layers,
+        if model_type == "mixtral":
+            return replace(every_layer, block="block_sparse_moe.", expert_names=("w1", "w3", "w2"))
+        return replace(
+            every_layer,
             router="router",
             biases=True,
             interleaved=True,
