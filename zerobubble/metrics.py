@@ -387,6 +387,24 @@ class GapHistogram(Histogram):
                 self._buckets[i].inc(count)
 
 
+_SPECS_BY_NAME = {spec.name: spec for spec in METRIC_SPECS}
+
+
+def _gauge(registry: CollectorRegistry, name: str) -> Gauge:
+    s = _SPECS_BY_NAME[name]
+    return Gauge(s.name, s.help, s.labels, registry=registry)
+
+
+def _counter(registry: CollectorRegistry, name: str) -> Counter:
+    s = _SPECS_BY_NAME[name]
+    return Counter(_counter_name(s.name), s.help, s.labels, registry=registry)
+
+
+def _histogram(registry: CollectorRegistry, name: str, kind: type[Histogram] = Histogram) -> Histogram:
+    s = _SPECS_BY_NAME[name]
+    return kind(s.name, s.help, s.labels, buckets=s.buckets, registry=registry)
+
+
 class ServiceMetrics:
     """Every metric family of one service, in a registry of its own.
 
@@ -450,50 +468,37 @@ class ServiceMetrics:
         # The default registry has them, a private one must add them itself.
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        specs = {spec.name: spec for spec in METRIC_SPECS}
-
-        def gauge(name: str) -> Gauge:
-            s = specs[name]
-            return Gauge(s.name, s.help, s.labels, registry=self.registry)
-
-        def counter(name: str) -> Counter:
-            s = specs[name]
-            return Counter(_counter_name(s.name), s.help, s.labels, registry=self.registry)
-
-        def histogram(name: str, kind: type[Histogram] = Histogram) -> Histogram:
-            s = specs[name]
-            return kind(s.name, s.help, s.labels, buckets=s.buckets, registry=self.registry)
-
-        self.num_requests_running = gauge("zerobubble_num_requests_running")
-        self.num_requests_waiting = gauge("zerobubble_num_requests_waiting")
-        self.kv_cache_usage_ratio = gauge("zerobubble_kv_cache_usage_ratio")
-        self.prompt_tokens = counter("zerobubble_prompt_tokens_total")
-        self.generation_tokens = counter("zerobubble_generation_tokens_total")
-        self.prefix_cache_queries = counter("zerobubble_prefix_cache_queries_total")
-        self.prefix_cache_hits = counter("zerobubble_prefix_cache_hits_total")
-        self.request_success = counter("zerobubble_request_success_total")
-        self.num_preemptions = counter("zerobubble_num_preemptions_total")
-        self.time_to_first_token = histogram("zerobubble_time_to_first_token_seconds")
-        self.inter_token_latency = histogram("zerobubble_inter_token_latency_seconds", GapHistogram)
-        self.e2e_request_latency = histogram("zerobubble_e2e_request_latency_seconds")
-        self.request_queue_time = histogram("zerobubble_request_queue_time_seconds")
-        self.spec_num_drafts = counter("zerobubble_spec_decode_num_drafts_total")
-        self.spec_num_draft_tokens = counter("zerobubble_spec_decode_num_draft_tokens_total")
-        self.spec_num_accepted_tokens = counter("zerobubble_spec_decode_num_accepted_tokens_total")
-        self.spec_accepted_per_pos = counter("zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
-        self.spec_prediction_draft_tokens = counter("zerobubble_spec_decode_prediction_draft_tokens_total")
-        self.spec_prediction_accepted_tokens = counter("zerobubble_spec_decode_prediction_accepted_tokens_total")
-        self.suffix_continuation_tokens = histogram("zerobubble_spec_decode_suffix_continuation_tokens")
-        self.draft_slots = histogram("zerobubble_spec_decode_draft_slots")
-        self.worker_step_duration = histogram("zerobubble_worker_step_duration_seconds")
-        self.worker_idle = counter("zerobubble_worker_idle_seconds_total")
-        self.grammar_time = counter("zerobubble_grammar_seconds_total")
-        self.inflight_steps = gauge("zerobubble_inflight_steps")
-        self.worker_collectives = counter("zerobubble_worker_collective_seconds_total")
-        self.tensor_parallel_size = gauge("zerobubble_worker_tensor_parallel_size")
-        self.placeholders_rolled_back = counter("zerobubble_placeholder_tokens_rolled_back_total")
-        self.front_cpu = counter("zerobubble_front_cpu_seconds_total")
-        self.front_calls_running = gauge("zerobubble_front_calls_running")
+        r = self.registry
+        self.num_requests_running = _gauge(r, "zerobubble_num_requests_running")
+        self.num_requests_waiting = _gauge(r, "zerobubble_num_requests_waiting")
+        self.kv_cache_usage_ratio = _gauge(r, "zerobubble_kv_cache_usage_ratio")
+        self.prompt_tokens = _counter(r, "zerobubble_prompt_tokens_total")
+        self.generation_tokens = _counter(r, "zerobubble_generation_tokens_total")
+        self.prefix_cache_queries = _counter(r, "zerobubble_prefix_cache_queries_total")
+        self.prefix_cache_hits = _counter(r, "zerobubble_prefix_cache_hits_total")
+        self.request_success = _counter(r, "zerobubble_request_success_total")
+        self.num_preemptions = _counter(r, "zerobubble_num_preemptions_total")
+        self.time_to_first_token = _histogram(r, "zerobubble_time_to_first_token_seconds")
+        self.inter_token_latency = _histogram(r, "zerobubble_inter_token_latency_seconds", GapHistogram)
+        self.e2e_request_latency = _histogram(r, "zerobubble_e2e_request_latency_seconds")
+        self.request_queue_time = _histogram(r, "zerobubble_request_queue_time_seconds")
+        self.spec_num_drafts = _counter(r, "zerobubble_spec_decode_num_drafts_total")
+        self.spec_num_draft_tokens = _counter(r, "zerobubble_spec_decode_num_draft_tokens_total")
+        self.spec_num_accepted_tokens = _counter(r, "zerobubble_spec_decode_num_accepted_tokens_total")
+        self.spec_accepted_per_pos = _counter(r, "zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
+        self.spec_prediction_draft_tokens = _counter(r, "zerobubble_spec_decode_prediction_draft_tokens_total")
+        self.spec_prediction_accepted_tokens = _counter(r, "zerobubble_spec_decode_prediction_accepted_tokens_total")
+        self.suffix_continuation_tokens = _histogram(r, "zerobubble_spec_decode_suffix_continuation_tokens")
+        self.draft_slots = _histogram(r, "zerobubble_spec_decode_draft_slots")
+        self.worker_step_duration = _histogram(r, "zerobubble_worker_step_duration_seconds")
+        self.worker_idle = _counter(r, "zerobubble_worker_idle_seconds_total")
+        self.grammar_time = _counter(r, "zerobubble_grammar_seconds_total")
+        self.inflight_steps = _gauge(r, "zerobubble_inflight_steps")
+        self.worker_collectives = _counter(r, "zerobubble_worker_collective_seconds_total")
+        self.tensor_parallel_size = _gauge(r, "zerobubble_worker_tensor_parallel_size")
+        self.placeholders_rolled_back = _counter(r, "zerobubble_placeholder_tokens_rolled_back_total")
+        self.front_cpu = _counter(r, "zerobubble_front_cpu_seconds_total")
+        self.front_calls_running = _gauge(r, "zerobubble_front_calls_running")
         # Each attached front's CPU seconds as last reported: the counter grows by the difference.
         self._fronts: dict[str, float] = {}
         # Each series' child by (family, label values), see `_child`.

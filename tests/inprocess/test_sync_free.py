@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -259,6 +260,11 @@ def test_steps_read_nothing_from_the_device(spec: str) -> None:
                 pendings.append(runner.execute(plan))
     if method == "suffix":  # every continuation of a request held (not "gone") went in
         assert replaced == [[0, 1], [0, 2], [1]], replaced  # d took b's slot
+    _assert_only_pinned_async_copies(audit, pendings)
+
+
+def _assert_only_pinned_async_copies(audit: TransferAudit, pendings: list[Any]) -> None:
+    """Every copy was non-blocking through pinned memory, and the downloads are the results alone."""
     uploads = [c for c in audit.copies if c.direction == "h2d"]
     downloads = [c for c in audit.copies if c.direction == "d2h"]
     assert uploads and all(c.non_blocking and c.pinned for c in uploads), uploads
