@@ -8,13 +8,14 @@ environment (`faults_from_env`); in-process tests pass their own `FaultInjector`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from zerobubble.api import worker_pb2
 from zerobubble.rows import plan_rows
-from zerobubble.worker_svc.result_copy import CopyDone
+from zerobubble.worker_svc.result_copy import CopyDone, PendingResult
 from zerobubble.worker_svc.slot_table import RunnableRows
 
 logger = logging.getLogger(__name__)
@@ -111,6 +112,26 @@ def checked_rows(runnable: Callable[..., RunnableRows], faults: FaultInjector) -
         return runnable(plan, faults.row_faults(plan))
 
     return check
+
+
+CopyJob = Callable[[PendingResult, float, float], None]
+
+
+def with_copy_faults(copy_job: CopyJob, faults: FaultInjector) -> CopyJob:
+    """A stream's copy job (run on its copier thread, once per step in order) with a test's copy
+    faults wrapped around it: the N-th step's copy event replaced by `FaultInjector.copy_fault`'s;
+    the job itself for `NO_FAULTS`, so a production step runs no fault code."""
+    if faults is NO_FAULTS:
+        return copy_job
+    num_steps = 0
+
+    def job(pending: PendingResult, idle_s: float, collective_s: float) -> None:
+        nonlocal num_steps
+        num_steps += 1
+        injected = faults.copy_fault(num_steps)
+        copy_job(pending if injected is None else dataclasses.replace(pending, ready=injected), idle_s, collective_s)
+
+    return job
 
 
 def faults_from_env(env: Mapping[str, str]) -> FaultInjector:

@@ -11,7 +11,6 @@ plan while requests are live is the bubble; it is reported with every result.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
@@ -23,6 +22,7 @@ import torch
 
 from zerobubble.api import worker_pb2
 from zerobubble.rows import plan_req_ids
+from zerobubble.worker_svc.faults import with_copy_faults
 from zerobubble.worker_svc.parallel import RankLost
 from zerobubble.worker_svc.result_copy import PendingResult
 from zerobubble.worker_svc.runner import ModelRunner
@@ -142,7 +142,8 @@ class StepLoop:
         # thread's critical path (docs/benchmarks/host.md, "What a message costs").
         self.copies: queue.SimpleQueue = queue.SimpleQueue()  # (function, args); None ends the thread
         self._copier = threading.Thread(target=run_jobs, args=(self.copies,), name="d2h", daemon=True)
-        self.num_steps = 0  # steps run on this stream (a fault may be injected at one)
+        # What the copier runs for each step (a test's copy faults wrapped around it).
+        self._copy_job = with_copy_faults(self._materialize_and_deliver, runner.faults)
         self.num_inflight = 0  # plans received and not yet answered
 
     def deliver(self, item: Any) -> None:
@@ -178,13 +179,9 @@ class StepLoop:
             if isinstance(pending, worker_pb2.StepResult):
                 self.copies.put((self.deliver, (pending,)))
                 continue
-            self.num_steps += 1
             collective_s = runner.collective_seconds()  # this step's (drafts run no collective)
-            injected = runner.faults.copy_fault(self.num_steps)
-            if injected is not None:
-                pending = dataclasses.replace(pending, ready=injected)
             # The host copy overlaps the next step: it happens on the copier thread.
-            self.copies.put((self._materialize_and_deliver, (pending, idle, collective_s)))
+            self.copies.put((self._copy_job, (pending, idle, collective_s)))
             run_proposer(runner, pending.req_ids, self.on_device_fault)
 
     async def read_plans(self, request_iterator: AsyncIterator[worker_pb2.StepPlan]) -> None:
