@@ -116,3 +116,24 @@ def test_the_compiled_exchange_checks_before_it_publishes(cpu_kernels: None) -> 
     one = torch.arange(16, dtype=torch.float32)  # a group of one: its own part back
     assert torch.ops.zerobubble_cpu.shm_all_reduce(one, slots, counters, 0, 1, 1.0)
     assert torch.equal(one, torch.arange(16, dtype=torch.float32)) and int(counters[0]) == 1
+
+
+def _joined(rank: int, world: int, port: int, out_dir: str, cpu_kernels: bool) -> None:
+    from zerobubble.worker_svc.parallel import init_tensor_parallel, leave
+
+    tp = init_tensor_parallel(
+        rank, world, torch.device("cpu"), f"tcp://127.0.0.1:{port}", one_machine=True, cpu_kernels=cpu_kernels
+    )
+    assert tp.shared is not None
+    compiled = tp.shared._reduce_op is not None
+    summed = tp.all_reduce(torch.full((3,), float(rank + 1)))
+    (Path(out_dir) / f"rank{rank}.txt").write_text(f"{compiled} {summed.tolist()}")
+    leave(tp)
+
+
+def test_no_cpu_kernels_reaches_the_collectives(tmp_path: Path, cpu_kernels: None) -> None:
+    """`--no-cpu-kernels` keeps a worker's ranks off the compiled exchange too (its Python twin
+    sums), though the kernels are built."""
+    mp.spawn(_joined, args=(2, _free_port(), str(tmp_path), False), nprocs=2)
+    for r in range(2):
+        assert (tmp_path / f"rank{r}.txt").read_text() == "False [3.0, 3.0, 3.0]"

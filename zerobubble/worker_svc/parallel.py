@@ -159,11 +159,13 @@ def init_tensor_parallel(
     local_rank: int = 0,
     timeout: timedelta = COLLECTIVE_TIMEOUT,
     one_machine: bool = False,
+    cpu_kernels: bool = True,
 ) -> TensorParallel:
     """Join the group of ``size`` ranks as ``rank``, meeting at ``init_method`` (``file://``,
     ``tcp://``, ``env://``) or through ``store`` (a ``dist.Store``); the model's collectives
     run on NCCL for a CUDA ``device``, on gloo otherwise (through shared memory when every rank
-    is on ``one_machine``), and host messages always on gloo."""
+    is on ``one_machine``, exchanged by the compiled CPU kernels unless ``cpu_kernels`` is off),
+    and host messages always on gloo."""
     if size == 1:
         return TensorParallel()
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -174,7 +176,8 @@ def init_tensor_parallel(
     cpu_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
     shared = None
     if backend == "gloo" and one_machine:
-        shared = SharedMemoryCollectives(dist.group.WORLD, timeout_s=timeout.total_seconds())
+        impl = "auto" if cpu_kernels else "torch"
+        shared = SharedMemoryCollectives(dist.group.WORLD, timeout_s=timeout.total_seconds(), impl=impl)
     via = "shared memory" if shared is not None else backend
     logger.info("tensor-parallel rank %d of %d joined (all-reduce over %s, on %s)", rank, size, via, device)
     return TensorParallel(rank, size, local_rank, dist.group.WORLD, cpu_group, shared=shared)

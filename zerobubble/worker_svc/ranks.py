@@ -99,7 +99,13 @@ def join_group(cfg: WorkerConfig, local_rank: int, rendezvous: Rendezvous, devic
     rank = cfg.node_rank * per_node + local_rank
     store = rendezvous.store(rank, cfg.tensor_parallel_size)
     return init_tensor_parallel(
-        rank, cfg.tensor_parallel_size, device, store=store, local_rank=local_rank, one_machine=cfg.nnodes == 1
+        rank,
+        cfg.tensor_parallel_size,
+        device,
+        store=store,
+        local_rank=local_rank,
+        one_machine=cfg.nnodes == 1,
+        cpu_kernels=cfg.cpu_kernels,
     )
 
 
