@@ -39,7 +39,6 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -71,9 +70,10 @@ class SharedMemoryCollectives:
         self.seq = 0
         header = self.world_size * _LINE
         self._mapping = _map_segment(group, self.rank, header + 2 * self.world_size * max_bytes)
-        counters = np.frombuffer(self._mapping, dtype=np.int64, count=header // 8)
-        self._counters = counters[:: _LINE // 8]
+        # Each rank's sequence number, a cache line apart: the compiled ops take the tensor, the
+        # Python twin reads and writes the same memory through numpy (cheaper per element).
         self._counter_view = torch.frombuffer(self._mapping, dtype=torch.int64, count=header // 8)[:: _LINE // 8]
+        self._counters = self._counter_view.numpy()
         data = torch.frombuffer(self._mapping, dtype=torch.uint8, offset=header)
         self._slots = data.view(2, self.world_size, max_bytes)
         self._reduce_op, self._gather_op = _compiled_ops(impl)
