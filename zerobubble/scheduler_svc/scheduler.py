@@ -142,10 +142,15 @@ class _Ids:
         return self.next_admission_id - 1
 
 
+def _grow(counts: list[int], size: int) -> None:
+    """Zero counts appended to ``counts`` until it holds ``size``."""
+    if len(counts) < size:
+        counts.extend([0] * (size - len(counts)))
+
+
 def _count_length(counts: list[int], length: int) -> None:
     """One more of ``length`` in a histogram kept as counts by value."""
-    if length >= len(counts):
-        counts.extend([0] * (length + 1 - len(counts)))
+    _grow(counts, length + 1)
     counts[length] += 1
 
 
@@ -871,8 +876,7 @@ class Scheduler:
         stats.num_draft_tokens += res.num_draft_tokens
         stats.num_accepted_tokens += num_accepted
         per_pos = stats.accepted_per_pos
-        if len(per_pos) < num_accepted:
-            per_pos.extend([0] * (num_accepted - len(per_pos)))
+        _grow(per_pos, num_accepted)
         for pos in range(num_accepted):
             per_pos[pos] += 1
 
