@@ -42,6 +42,7 @@ OURS = {
     "ours --quantization int4": {"quantization": "int4"},
     "ours --quantization int4 --spec-method ngram": {"quantization": "int4", "spec_method": "ngram"},
     "ours --spec-method ngram": {"spec_method": "ngram"},
+    "ours --spec-method ngram --spec-draft-length fixed": {"spec_method": "ngram"},
     "ours --spec-method suffix": {"spec_method": "suffix"},
     "ours --dtype float32": {"dtype": "float32"},
     # One worker over two ranks of one thread each, against the default's one rank of two threads
@@ -58,6 +59,8 @@ OURS = {
         "spec_method": "none",
     },
 }
+# The scheduler flags of the configurations that set any (`--spec-draft-length` is the scheduler's).
+SCHEDULER_FLAGS = {"ours --spec-method ngram --spec-draft-length fixed": {"spec_draft_length": "fixed"}}
 # llama-server on --gguf (the embedded model's Q4_1 GGUF by default; the header names the file).
 PEER = "llama-server"
 BASELINE = "baseline "
@@ -199,12 +202,11 @@ def main() -> None:
             for system in order:
                 if system == PEER:
                     server = lambda c=concurrency: llama_server(args.llama_server, gguf, args.threads, c)  # noqa: E731
-                elif system.startswith(BASELINE):
-                    flags = {**model_flags, **OURS[system.removeprefix(BASELINE)]}
-                    server = lambda f=flags, c=concurrency: ours(f, c, args.baseline.resolve())  # noqa: E731
                 else:
-                    flags = {**model_flags, **OURS[system]}
-                    server = lambda f=flags, c=concurrency: ours(f, c)  # noqa: E731
+                    name = system.removeprefix(BASELINE)
+                    root = args.baseline.resolve() if system.startswith(BASELINE) else ROOT
+                    flags = {**model_flags, **OURS[name]}
+                    server = lambda f=flags, c=concurrency, r=root, n=name: ours(f, c, r, SCHEDULER_FLAGS.get(n))  # noqa: E731
                 got = measure(server, rows, concurrency)
                 total = results[concurrency][system]
                 total.tokens, total.wall_s = total.tokens + got.tokens, total.wall_s + got.wall_s
