@@ -1,9 +1,10 @@
 """Chaos suite (`make chaos`, marked slow): real processes on loopback, the real SmolLM2.
 
-Two workers (n-gram speculation, async window 2) behind one scheduler with a worker token. Each
-case injects one fault class while greedy streams run and compares every stream with a
-fault-free reference run of the same requests. Each case adds a row to a table printed at the
-end (and written to $ZEROBUBBLE_CHAOS_TABLE, default /tmp/zerobubble-chaos.md):
+Two workers (n-gram speculation unless $ZEROBUBBLE_CHAOS_SPEC_METHOD names another proposer,
+async window 2) behind one scheduler with a worker token. Each case injects one fault class
+while greedy streams run and compares every stream with a fault-free reference run of the same
+requests. Each case adds a row to a table printed at the end (and written to
+$ZEROBUBBLE_CHAOS_TABLE, default /tmp/zerobubble-chaos.md):
 
   fault class | requests | lost | repeated | changed | time to recover
 
@@ -51,7 +52,9 @@ QUESTIONS = [
     "Explain what a hash table is.",
     "Why is the sky blue?",
 ]
-WORKER_OPTS = dict(kv_cache_memory_gb=0.3, max_num_seqs=32, spec_method="ngram", num_spec_tokens=3)
+# The proposer the workers draft with ($ZEROBUBBLE_CHAOS_SPEC_METHOD: n-gram unless set, e.g. suffix).
+SPEC_METHOD = os.environ.get("ZEROBUBBLE_CHAOS_SPEC_METHOD", "ngram")
+WORKER_OPTS = dict(kv_cache_memory_gb=0.3, max_num_seqs=32, spec_method=SPEC_METHOD, num_spec_tokens=3)
 # Streams per faulted run and in the flood; smaller values for a quick run on a shared machine.
 NUM_STREAMS = int(os.environ.get("ZEROBUBBLE_CHAOS_STREAMS", "16"))
 NUM_FLOOD = int(os.environ.get("ZEROBUBBLE_CHAOS_FLOOD", "1000"))
