@@ -8,7 +8,8 @@ Each round starts every system in turn for every concurrency, warms it with two 
 runs the rows; only one server is up at any time, so none competes with another for the cores.
 The report is each system's output tokens per second summed over rounds, and its ratio to
 llama-server's in the same rounds. Both servers generate exactly each row's ``max_tokens``
-(``ignore_eos``), greedy.
+(``ignore_eos``), greedy. ``--systems "hf generate"`` adds Hugging Face's ``generate`` on the
+same ``--model`` in this process (static batches of the concurrency, left-padded, bfloat16).
 """
 
 from __future__ import annotations
@@ -63,6 +64,9 @@ OURS = {
 SCHEDULER_FLAGS = {"ours --spec-method ngram --spec-draft-length fixed": {"spec_draft_length": "fixed"}}
 # llama-server on --gguf (the embedded model's Q4_1 GGUF by default; the header names the file).
 PEER = "llama-server"
+# Hugging Face transformers' `generate` on our --model, in this process: rows in static batches
+# of the concurrency (left-padded), greedy; no server.
+HF = "hf generate"
 BASELINE = "baseline "
 
 
@@ -145,6 +149,52 @@ def measure(server: Callable[[], object], rows: list[BenchRow], concurrency: int
     return Measured(int(report["output_tokens"]), float(report["wall_s"]))
 
 
+def hf_generate(model: str, rows: list[BenchRow], concurrency: int) -> Measured:
+    """Hugging Face's `generate` over ``rows`` in batches of ``concurrency``, bfloat16, greedy;
+    each row counts its tokens up to its ``max_tokens`` (and its EOS unless it ignores EOS)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from zerobubble.worker_svc.model_loader import resolve_model
+
+    path = resolve_model(model or "smollm2-135m")
+    tokenizer = AutoTokenizer.from_pretrained(path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+
+    def texts(batch: list[BenchRow]) -> list[str]:
+        return [
+            r.prompt
+            if r.messages is None
+            else tokenizer.apply_chat_template(r.messages, tokenize=False, add_generation_prompt=True)
+            for r in batch
+        ]
+
+    def run(batch: list[BenchRow]) -> int:
+        inputs = tokenizer(texts(batch), return_tensors="pt", padding=True, add_special_tokens=False)
+        longest = max(r.max_tokens for r in batch)
+        floor = longest if all(r.ignore_eos for r in batch) else 0
+        with torch.inference_mode():
+            out = lm.generate(**inputs, max_new_tokens=longest, min_new_tokens=floor, do_sample=False)
+        new = out[:, inputs["input_ids"].shape[1] :].tolist()
+        return sum(_row_tokens(ids, r, tokenizer.eos_token_id) for ids, r in zip(new, batch, strict=True))
+
+    run(rows[:1])  # warm-up
+    started, tokens = time.perf_counter(), 0
+    for i in range(0, len(rows), concurrency):
+        tokens += run(rows[i : i + concurrency])
+    return Measured(tokens, time.perf_counter() - started)
+
+
+def _row_tokens(ids: list[int], row: BenchRow, eos: int | None) -> int:
+    """A row's generated tokens as a server would return them: to its EOS unless it ignores EOS."""
+    ids = ids[: row.max_tokens]
+    if not row.ignore_eos and eos in ids:
+        return ids.index(eos) + 1
+    return len(ids)
+
+
 def print_table(
     results: dict[int, dict[str, Measured]], systems: list[str], concurrencies: list[int], reference: str
 ) -> None:
@@ -158,6 +208,19 @@ def print_table(
             ratio = f" ({results[c][system].rate / peer.rate:.2f}x)" if peer and peer.rate else ""
             cells.append(f"{results[c][system].rate:.1f}{ratio}")
         print(f"| {system} | " + " | ".join(cells) + " |")
+
+
+def run_system(system: str, args: argparse.Namespace, rows: list[BenchRow], concurrency: int) -> Measured:
+    """One system's run of ``rows`` at ``concurrency``: its server started, warmed and stopped."""
+    if system == HF:
+        return hf_generate(args.model, rows, concurrency)
+    if system == PEER:
+        gguf = args.gguf or embedded_gguf()
+        return measure(lambda: llama_server(args.llama_server, gguf, args.threads, concurrency), rows, concurrency)
+    name = system.removeprefix(BASELINE)
+    root = args.baseline.resolve() if system.startswith(BASELINE) else ROOT
+    flags = {**({"model": args.model} if args.model else {}), **OURS[name]}
+    return measure(lambda: ours(flags, concurrency, root, SCHEDULER_FLAGS.get(name)), rows, concurrency)
 
 
 def main() -> None:
@@ -180,7 +243,7 @@ def main() -> None:
         help="another commit's checkout: our systems (or --baseline-systems) run from it too, as 'baseline <system>'",
     )  # fmt: skip
     parser.add_argument("--baseline-systems", nargs="+", default=None, choices=list(OURS))
-    parser.add_argument("--systems", nargs="+", default=[*OURS, PEER], choices=[*OURS, PEER])
+    parser.add_argument("--systems", nargs="+", default=[*OURS, PEER], choices=[*OURS, PEER, HF])
     parser.add_argument("--reference", default=PEER, help="the system the ratios are taken to (default llama-server)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
@@ -191,7 +254,6 @@ def main() -> None:
         args.systems += [BASELINE + system for system in again]
     rows = load_dataset(args.dataset, limit=args.limit, max_tokens_cap=args.max_tokens_cap)
     gguf = args.gguf or embedded_gguf()
-    model_flags = {"model": args.model} if args.model else {}
     machine = describe_cpu()
     print(f"CPU: {machine}; llama-server's weights: {gguf.name}", flush=True)
     results: dict[int, dict[str, Measured]] = {c: {s: Measured() for s in args.systems} for c in args.concurrency}
@@ -200,14 +262,7 @@ def main() -> None:
             # Alternate the order each round so neither side always runs first.
             order = args.systems if round_index % 2 == 0 else list(reversed(args.systems))
             for system in order:
-                if system == PEER:
-                    server = lambda c=concurrency: llama_server(args.llama_server, gguf, args.threads, c)  # noqa: E731
-                else:
-                    name = system.removeprefix(BASELINE)
-                    root = args.baseline.resolve() if system.startswith(BASELINE) else ROOT
-                    flags = {**model_flags, **OURS[name]}
-                    server = lambda f=flags, c=concurrency, r=root, n=name: ours(f, c, r, SCHEDULER_FLAGS.get(n))  # noqa: E731
-                got = measure(server, rows, concurrency)
+                got = run_system(system, args, rows, concurrency)
                 total = results[concurrency][system]
                 total.tokens, total.wall_s = total.tokens + got.tokens, total.wall_s + got.wall_s
                 print(f"round {round_index + 1} c={concurrency} {system}: {got.rate:.1f} tok/s", flush=True)
