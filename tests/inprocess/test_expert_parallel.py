@@ -8,6 +8,7 @@ their parts from the model directory. The oracle is the size-1 model over the sa
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,9 @@ import torch
 from tests.support.tiny_models import tokenizer_vocab_size, write_tiny_model
 from tests.support.tp_ranks import sharded_logits, whole_logits
 from zerobubble.config import ConfigError, WorkerConfig
-from zerobubble.worker_svc.model import build_model, model_spec
+from zerobubble.kernels.linear import linear
+from zerobubble.kernels.moe import route
+from zerobubble.worker_svc.model import CausalLM, build_model, model_spec
 from zerobubble.worker_svc.model_loader import load_model
 from zerobubble.worker_svc.parallel import ShardedStateDict, TensorParallel, shard_model, shard_spec
 
@@ -38,6 +41,7 @@ MOE = {
     "gpt_oss": dict(head_dim=16, num_local_experts=8, num_experts_per_tok=2, sliding_window=8, swiglu_limit=1.5),
 }  # fmt: skip
 FAMILIES = list(MOE)
+MOE_SIZES = {"qwen2_moe": 32, "gpt_oss": 96}  # each expert's intermediate size
 
 
 def moe_config(family: str, vocab_size: int, **overrides: Any) -> Any:
@@ -82,9 +86,7 @@ def assert_ranks_match_one(model_dir: Path, size: int, tmp_path: Path, expert_pa
 
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-experts", "expert-parallel"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_two_ranks_match_one(
-    moe_dirs: dict[str, Path], tmp_path: Path, family: str, expert_parallel: bool
-) -> None:
+def test_two_ranks_match_one(moe_dirs: dict[str, Path], tmp_path: Path, family: str, expert_parallel: bool) -> None:
     assert_ranks_match_one(moe_dirs[family], 2, tmp_path, expert_parallel)
 
 
@@ -115,47 +117,91 @@ def test_tokens_all_routed_to_one_ranks_experts(moe_dirs: dict[str, Path], tmp_p
     model_dir = routed_to_one_rank(moe_dirs["gpt_oss"], tmp_path / "routed", rank)
     loaded = load_model(str(model_dir), "float32", "cpu")
     assert loaded.model is not None
-    layer = loaded.model.layers[0].moe
-    assert layer is not None and layer.router_bias is not None
-    assert layer.router_bias[4 * rank : 4 * rank + 4].min() > layer.router_bias.max() - 100
+    normed = torch.randn(1000, SHAPE["hidden_size"]) * 3  # thrice the scale of a layer's normed input
+    for layer in loaded.model.layers:
+        assert layer.moe is not None
+        routing = route(linear(normed, layer.moe.router, layer.moe.router_bias), 2, True)
+        assert set(routing.experts.tolist()) == set(range(4 * rank, 4 * rank + 4))
     assert_ranks_match_one(model_dir, 2, tmp_path, expert_parallel=True)
 
 
-def loaded_shard(config: Any, tp: TensorParallel, state_dict: dict[str, torch.Tensor], quantization: str) -> Any:
-    """``tp.rank``'s model of ``config`` loaded from ``state_dict`` (no group needed to load), and
-    every ``(name, dim, start, stop)`` it read."""
-    reads: list[tuple[str, int, int, int]] = []
+def loaded_shard(model_dir: Path, tp: TensorParallel, quantization: str = "none") -> tuple[CausalLM, list[Read]]:
+    """``tp.rank``'s model of ``model_dir`` (loading needs no group), and every read it made."""
+    from safetensors.torch import load_file
+
+    state_dict = load_file(model_dir / "model.safetensors")
+    reads: list[Read] = []
 
     def read(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         reads.append((name, dim, start, stop))
         tensor = state_dict[name]
-        return tensor if stop < 0 else tensor.narrow(dim, start, stop - start).contiguous()
+        return tensor if stop < 0 else tensor.narrow(dim, start, stop - start)
 
-    model = build_model(config, torch.float32, "cpu", quantization=quantization)
+    hf_config = load_model(str(model_dir), weights=False).hf_config
+    model = build_model(hf_config, torch.float32, "cpu", quantization=quantization)
     full = shard_model(model, tp)
     model.load_weights(ShardedStateDict(list(state_dict), read, full, tp))
     return model, reads
 
 
-@pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_a_rank_reads_and_holds_only_its_experts(moe_dirs: dict[str, Path], quantization: str) -> None:
-    """Expert parallel: rank 1 of two reads experts 4-7 only and holds them whole (quantized as
-    the model's); tensor parallel: every expert's second half of rows, the down bias (gpt-oss) on
-    rank 0 only."""
-    from safetensors.torch import load_file
+Read = tuple[str, int, int, int]  # name, dimension cut, start, stop (-1: whole)
+STACKED = ("experts.gate_up_proj", "experts.down_proj")
+EXPERT_ID = re.compile(r"experts\.(\d+)\.")
 
-    for family in ("qwen2_moe", "gpt_oss"):
-        config = moe_config(family, 1)
-        config.vocab_size = load_file(moe_dirs[family] / "model.safetensors")["model.embed_tokens.weight"].shape[0]
-        state_dict = load_file(moe_dirs[family] / "model.safetensors")
-        model, reads = loaded_shard(config, TensorParallel(1, 2, expert_parallel=True), state_dict, quantization)
-        experts = model.layers[0].moe.experts
-        assert experts.first == 4 and experts.num_experts == 4
-        assert len(experts.gate_up_each) == 4 and experts.gate_up_each[0].num_outputs == 2 * model.spec.moe.intermediate_size
-        assert (experts.gate_up_each[0].int8 is not None) == (quantization == "int8")
-        per_expert = {int(n.split("experts.")[1].split(".")[0]) for n, *_ in reads if ".experts." in n and n.split("experts.")[1][0].isdigit()}
-        stacked = {(dim, start, stop) for n, dim, start, stop in reads if n.endswith(("experts.gate_up_proj", "experts.down_proj"))}
-        assert per_expert <= {4, 5, 6, 7} and (stacked <= {(0, 4, 8)}) and (per_expert or stacked)
-        model, _ = loaded_shard(config, TensorParallel(1, 2), state_dict, quantization)
-        experts = model.layers[0].moe.experts
-        assert experts.num_experts == 8 and experts.down_bias is None
+
+def expert_reads(reads: list[Read]) -> tuple[set[int], set[tuple[int, int, int]]]:
+    """The experts read under per-expert names, and the cuts of the stacked ones."""
+    ids = {int(m.group(1)) for name, *_ in reads if (m := EXPERT_ID.search(name))}
+    stacked = {(dim, start, stop) for name, dim, start, stop in reads if name.endswith(STACKED)}
+    return ids, stacked
+
+
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "gpt_oss"])
+def test_an_expert_parallel_rank_reads_and_holds_only_its_experts(
+    moe_dirs: dict[str, Path], family: str, quantization: str
+) -> None:
+    """Rank 1 of two reads experts 4-7 alone (per-expert names, or a cut of the stacked ones)
+    and holds them whole, quantized as the model's; the shared expert split by rows."""
+    model, reads = loaded_shard(moe_dirs[family], TensorParallel(1, 2, expert_parallel=True), quantization)
+    layer, moe = model.layers[0].moe, model.spec.moe
+    assert layer is not None and moe is not None and layer.experts.gate_up_each is not None
+    assert (layer.experts.first, layer.experts.num_experts, moe.intermediate_size) == (4, 4, MOE_SIZES[family])
+    assert [w.num_outputs for w in layer.experts.gate_up_each] == [2 * MOE_SIZES[family]] * 4
+    assert all((w.int8 is not None) == (quantization == "int8") for w in layer.experts.gate_up_each)
+    ids, stacked = expert_reads(reads)
+    assert (ids, stacked) == (({4, 5, 6, 7}, set()) if family == "qwen2_moe" else (set(), {(0, 4, 8)}))
+    if family == "qwen2_moe":
+        assert layer.shared_gate_up is not None and layer.shared_gate_up.num_outputs == 2 * 40
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_holds_every_expert_s_share_of_rows(moe_dirs: dict[str, Path], rank: int) -> None:
+    """gpt-oss, interleaved gate/up columns: rank ``r`` of two reads columns ``[96 r, 96 r + 96)``
+    of ``gate_up_proj [E, H, 192]`` (intermediate rows 48 r to 48 r + 47, gate and up), and only
+    rank 0 adds the experts' down bias (the sum over ranks adds it once)."""
+    model, reads = loaded_shard(moe_dirs["gpt_oss"], TensorParallel(rank, 2))
+    layer = model.layers[0].moe
+    assert layer is not None and layer.experts.gate_up_each is not None
+    assert layer.experts.num_experts == 8 and layer.experts.gate_up_each[0].num_outputs == 96
+    assert expert_reads(reads)[1] == {(2, 96 * rank, 96 * rank + 96), (1, 48 * rank, 48 * rank + 48)}
+    assert (layer.experts.down_bias is not None) == (rank == 0) and layer.experts.gate_up_bias is not None
+
+
+def test_expert_parallel_needs_tensor_parallel() -> None:
+    with pytest.raises(ConfigError, match="--enable-expert-parallel .* needs --tensor-parallel-size > 1 \\(got 1\\)"):
+        WorkerConfig(enable_expert_parallel=True).validate()
+    WorkerConfig(enable_expert_parallel=True, tensor_parallel_size=2).validate()
+
+
+@pytest.mark.parametrize(
+    ("expert_parallel", "message"),
+    [
+        (True, "--enable-expert-parallel: tensor-parallel size 4 does not divide the model's 6 experts"),
+        (False, "tensor-parallel size 4 does not divide the model's expert intermediate size 42"),
+    ],
+)
+def test_experts_that_do_not_divide_are_refused(expert_parallel: bool, message: str) -> None:
+    spec = model_spec(moe_config("qwen3_moe", 256, num_experts=6, moe_intermediate_size=42))
+    with pytest.raises(ValueError, match=message):
+        shard_spec(spec, TensorParallel(0, 4, expert_parallel=expert_parallel))

@@ -18,10 +18,9 @@ import torch
 import torch.multiprocessing as mp
 
 from tests.support import tp_ranks
-from tests.support.tp_ranks import sharded_logits, whole_logits
 from tests.support.tiny_models import tokenizer_vocab_size, write_tiny_model
+from tests.support.tp_ranks import sharded_logits, whole_logits
 from zerobubble.worker_svc.model import model_spec
-from zerobubble.worker_svc.model_loader import load_model
 from zerobubble.worker_svc.parallel import PLAN, STOP, PlanChannel, RankLost, TensorParallel, head_shard
 from zerobubble.worker_svc.ranks import plan_pipe
 

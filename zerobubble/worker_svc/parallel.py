@@ -470,6 +470,7 @@ _CUTS: dict[str, tuple[int, str]] = {
 # expert and reads per-expert names only for the rank's own experts.
 _EXPERT_ROWS = re.compile(r"experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$")
 _EXPERT_COLUMNS = re.compile(r"experts\.\d+\.(down_proj|w2)\.weight$")
+_EXPERT_ID = re.compile(r"experts\.(\d+)\.")
 _STACKED = re.compile(r"experts\.(gate_up_proj|down_proj)(_bias)?$")
 _STACKED_CUTS: dict[tuple[bool, str], tuple[int, str]] = {  # (interleaved, name) -> cut
     (False, "experts.gate_up_proj"): (1, "gate_up_halves"),
@@ -488,8 +489,7 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
     (read through ``read`` so a file reader reads only that slice), the rest whole."""
 
     def __init__(self, names: list[str], read: SliceReader, spec: ModelSpec, tp: TensorParallel) -> None:
-        self.names, self.read = names, read
-        self.known = frozenset(names)
+        self.read = read
         s, d = head_shard(spec, tp), spec.head_dim
         self.ranges = {
             "q": (s.q_start * d, s.q_count * d),
@@ -506,6 +506,17 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
                 expert_pairs=(2 * e.inter_start, 2 * e.inter_count),
                 shared=(e.shared_start, e.shared_count),
             )
+        # Expert parallel: other ranks' experts are not this state dict's (loading iterates it).
+        self.names = [name for name in names if self.holds(name)]
+        self.known = frozenset(self.names)
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is this rank's: all but other ranks' experts under per-expert names."""
+        found = _EXPERT_ID.search(name) if self.expert_parallel else None
+        if found is None:
+            return True
+        start, count = self.ranges["experts"]
+        return start <= int(found.group(1)) < start + count
 
     def __contains__(self, name: object) -> bool:
         return name in self.known  # without reading the tensor, as Mapping's would
