@@ -357,9 +357,9 @@ class WorkerConfig(ServiceConfig):
     enable_expert_parallel: bool = setting(
         False,
         "with --tensor-parallel-size N: each rank holds N-th of a mixture of experts' experts whole and "
-        "computes the tokens routed to them (the router and the shared expert on every rank, one "
-        "all-reduce per layer); off: every expert split over the ranks like the dense MLP; "
-        "N must divide the model's experts",
+        "computes the tokens routed to them (N must divide the experts); off: every expert's rows split "
+        "over the ranks like the dense MLP's. Either way every rank routes every token with the whole "
+        "router, the shared expert is split by rows, and a sparse layer ends in one all-reduce",
     )
     nnodes: int = setting(
         1, "machines the --tensor-parallel-size ranks span (each starts --tensor-parallel-size / --nnodes of them)"

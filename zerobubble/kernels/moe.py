@@ -15,6 +15,9 @@ projection of all experts is one grouped product over ``[E, out, in]`` weights:
   experts' weights and never the others', in bfloat16 blocks or weight-only int8/int4 alike;
 - elsewhere the torch twin (`grouped_linear_twin`), the reference of both.
 
+Under expert parallelism a rank holds some of the router's experts (`ExpertWeights.first`): it
+computes the pairs of those alone (`local_routing`), every other pair contributing zero.
+
 The routing weights stay float32 and the ``k`` weighted outputs of a token are summed in float32
 (Hugging Face rounds Qwen's weights to the model dtype first and sums in it: the same in float32,
 one rounding less in 16-bit dtypes).

@@ -7,7 +7,8 @@ thing), whether a shared expert with a sigmoid gate runs beside the routed ones 
 which layers are sparse (Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``), and gpt-oss's
 biases (router and experts), clamped SwiGLU and expert layout (``gate_up_proj [E, H, 2 I]`` with
 gate and up columns interleaved, converted once at load). The routed experts run through
-:mod:`zerobubble.kernels.moe`.
+:mod:`zerobubble.kernels.moe`. Over tensor-parallel ranks a layer holds the rank's part of the
+experts (`MoeSpec.held_experts`, its intermediate size; `zerobubble.worker_svc.parallel.expert_shard`).
 """
 
 from __future__ import annotations

@@ -12,6 +12,12 @@ weight bytes of a SmolLM2-sized model's step). Embedding and norms stay whole on
 lookup reads only the rows of the step's tokens), so every rank ends a forward with the same
 hidden states and bit-identical logits, and samples the same tokens.
 
+A mixture of experts' sparse layers split over the same ranks (`expert_shard`): by default every
+expert's gate/up rows and down columns as the dense MLP's; with ``expert_parallel``
+(--enable-expert-parallel) whole experts, size-th of them per rank. Either way the router is
+replicated (every rank routes every token alike), the shared expert is split by rows, and the
+layer ends in one all-reduce (`zerobubble.worker_svc.moe.moe_forward`); no tokens move between ranks.
+
 A rank reads only its slice of each sharded weight (`shard_state_dict` over a lazy reader such
 as `safetensors`' `safe_open`), never a full copy of the layers.
 """
