@@ -3,7 +3,9 @@ default), or whole experts per rank (``--enable-expert-parallel``), against the 
 
 Each size runs as that many spawned processes on gloo (`tests/support/tp_ranks.py`), loading
 their parts from the model directory. The oracle is the size-1 model over the same schedule
-(itself Hugging Face's logits, tests/inprocess/test_model_families.py).
+(itself Hugging Face's logits, tests/inprocess/test_model_families.py). The default run covers
+Qwen2-MoE, Mixtral and gpt-oss over two ranks in both placements; the slow suite adds Qwen3-MoE,
+four ranks, and every token routed to the leader's experts.
 """
 
 from __future__ import annotations
@@ -84,8 +86,11 @@ def assert_ranks_match_one(model_dir: Path, size: int, tmp_path: Path, expert_pa
         torch.testing.assert_close(got, expected, **TOLERANCE, msg=f"request {r}")
 
 
+# Qwen3-MoE loads as Qwen2-MoE does, less the shared expert: in the slow suite.
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-experts", "expert-parallel"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "family", [pytest.param(f, marks=pytest.mark.slow) if f == "qwen3_moe" else f for f in FAMILIES]
+)
 def test_two_ranks_match_one(moe_dirs: dict[str, Path], tmp_path: Path, family: str, expert_parallel: bool) -> None:
     assert_ranks_match_one(moe_dirs[family], 2, tmp_path, expert_parallel)
 
@@ -112,7 +117,9 @@ def routed_to_one_rank(model_dir: Path, out_dir: Path, rank: int) -> Path:
     return changed_weights(out_dir, biased)
 
 
-@pytest.mark.parametrize("rank", [0, 1], ids=["all-on-the-leader", "all-on-the-other"])
+@pytest.mark.parametrize(
+    "rank", [pytest.param(0, id="all-on-the-leader", marks=pytest.mark.slow), pytest.param(1, id="all-on-the-other")]
+)
 def test_tokens_all_routed_to_one_ranks_experts(moe_dirs: dict[str, Path], tmp_path: Path, rank: int) -> None:
     model_dir = routed_to_one_rank(moe_dirs["gpt_oss"], tmp_path / "routed", rank)
     loaded = load_model(str(model_dir), "float32", "cpu")
