@@ -182,15 +182,20 @@ def test_an_expert_parallel_rank_reads_and_holds_only_its_experts(
         assert layer.shared_gate_up is not None and layer.shared_gate_up.num_outputs == 2 * 40
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8"])
 @pytest.mark.parametrize("rank", [0, 1])
-def test_a_tensor_parallel_rank_holds_every_expert_s_share_of_rows(moe_dirs: dict[str, Path], rank: int) -> None:
+def test_a_tensor_parallel_rank_holds_every_expert_s_share_of_rows(
+    moe_dirs: dict[str, Path], rank: int, quantization: str
+) -> None:
     """gpt-oss, interleaved gate/up columns: rank ``r`` of two reads columns ``[96 r, 96 r + 96)``
-    of ``gate_up_proj [E, H, 192]`` (intermediate rows 48 r to 48 r + 47, gate and up), and only
-    rank 0 adds the experts' down bias (the sum over ranks adds it once)."""
-    model, reads = loaded_shard(moe_dirs["gpt_oss"], TensorParallel(rank, 2))
+    of ``gate_up_proj [E, H, 192]`` (intermediate rows 48 r to 48 r + 47, gate and up), each
+    expert's slice quantized as the model's, and only rank 0 adds the experts' down bias (the sum
+    over ranks adds it once)."""
+    model, reads = loaded_shard(moe_dirs["gpt_oss"], TensorParallel(rank, 2), quantization)
     layer = model.layers[0].moe
-    assert layer is not None and layer.experts.gate_up_each is not None
+    assert layer is not None and layer.experts.gate_up_each is not None and layer.experts.down_each is not None
     assert layer.experts.num_experts == 8 and layer.experts.gate_up_each[0].num_outputs == 96
+    assert all((w.int8 is not None) == (quantization == "int8") for w in layer.experts.down_each)
     assert expert_reads(reads)[1] == {(2, 96 * rank, 96 * rank + 96), (1, 48 * rank, 48 * rank + 48)}
     assert (layer.experts.down_bias is not None) == (rank == 0) and layer.experts.gate_up_bias is not None
 
