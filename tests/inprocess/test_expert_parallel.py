@@ -132,6 +132,11 @@ def test_tokens_all_routed_to_one_ranks_experts(moe_dirs: dict[str, Path], tmp_p
     assert_ranks_match_one(model_dir, 2, tmp_path, expert_parallel=True)
 
 
+Read = tuple[str, int, int, int]  # name, dimension cut, start, stop (-1: whole)
+STACKED = ("experts.gate_up_proj", "experts.down_proj")
+EXPERT_ID = re.compile(r"experts\.(\d+)\.")
+
+
 def loaded_shard(model_dir: Path, tp: TensorParallel, quantization: str = "none") -> tuple[CausalLM, list[Read]]:
     """``tp.rank``'s model of ``model_dir`` (loading needs no group), and every read it made."""
     from safetensors.torch import load_file
@@ -149,11 +154,6 @@ def loaded_shard(model_dir: Path, tp: TensorParallel, quantization: str = "none"
     full = shard_model(model, tp)
     model.load_weights(ShardedStateDict(list(state_dict), read, full, tp))
     return model, reads
-
-
-Read = tuple[str, int, int, int]  # name, dimension cut, start, stop (-1: whole)
-STACKED = ("experts.gate_up_proj", "experts.down_proj")
-EXPERT_ID = re.compile(r"experts\.(\d+)\.")
 
 
 def expert_reads(reads: list[Read]) -> tuple[set[int], set[tuple[int, int, int]]]:
