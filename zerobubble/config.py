@@ -354,6 +354,13 @@ class WorkerConfig(ServiceConfig):
         "this machine (one GPU each, cuda:LOCAL_RANK; on a CPU one torch thread each unless "
         "--num-threads); must divide the model's attention heads",
     )
+    enable_expert_parallel: bool = setting(
+        False,
+        "with --tensor-parallel-size N: each rank holds N-th of a mixture of experts' experts whole and "
+        "computes the tokens routed to them (N must divide the experts); off: every expert's rows split "
+        "over the ranks like the dense MLP's. Either way every rank routes every token with the whole "
+        "router, the shared expert is split by rows, and a sparse layer ends in one all-reduce",
+    )
     nnodes: int = setting(
         1, "machines the --tensor-parallel-size ranks span (each starts --tensor-parallel-size / --nnodes of them)"
     )
@@ -450,6 +457,11 @@ class WorkerConfig(ServiceConfig):
             "--nnodes > 1 needs --master-port (node 0's rendezvous port)",
         )
         _require(size == 1 or not self.simulated, "--simulate-device-ms runs without a model: --tensor-parallel-size 1")
+        _require(
+            size > 1 or not self.enable_expert_parallel,
+            "--enable-expert-parallel places experts over tensor-parallel ranks: it needs --tensor-parallel-size > 1 "
+            f"(got {size})",
+        )
 
 
 def resolve_spec_method(spec_method: str, draft_model: str) -> str:

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 
 from tests.support import tp_ranks
 from tests.support.tiny_models import tokenizer_vocab_size, write_tiny_model
+from tests.support.tp_ranks import sharded_logits, whole_logits
 from zerobubble.worker_svc.model import model_spec
-from zerobubble.worker_svc.model_loader import load_model
 from zerobubble.worker_svc.parallel import PLAN, STOP, PlanChannel, RankLost, TensorParallel, head_shard
 from zerobubble.worker_svc.ranks import plan_pipe
 
@@ -40,7 +40,7 @@ def tiny_config(family: str, vocab_size: int):
         return LlamaConfig(**SHAPE, vocab_size=vocab_size, attention_bias=True, mlp_bias=True)
     if family == "qwen3":  # q/k norms; head_dim unlike hidden / heads
         return Qwen3Config(**SHAPE, vocab_size=vocab_size, head_dim=32, tie_word_embeddings=False)
-    if family == "gpt-oss":  # attention sinks cut with their query heads; the experts whole on every rank
+    if family == "gpt-oss":  # attention sinks cut with their query heads; each expert's rows over the ranks
         rope = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "original_max_position_embeddings": 8}
         return GptOssConfig(**SHAPE, vocab_size=vocab_size, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
                             sliding_window=8, rope_parameters=rope)  # fmt: skip
@@ -57,20 +57,9 @@ def tiny_dirs(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     }
 
 
-def sharded_logits(model_dir: Path, size: int, tmp_path: Path, quantization: str = "none") -> list[torch.Tensor]:
-    """`tp_ranks.schedule_logits` of ``model_dir`` in float32 over ``size`` spawned ranks."""
-    out = tmp_path / "logits.pt"
-    args = (size, tmp_path / "rendezvous", str(model_dir), "float32", quantization, out)
-    mp.spawn(tp_ranks.rank_logits, args=args, nprocs=size, join=True)
-    return torch.load(out)
-
-
-def whole_logits(model_dir: Path, quantization: str = "none") -> list[torch.Tensor]:
-    return tp_ranks.schedule_logits(load_model(str(model_dir), "float32", "cpu", quantization=quantization))
-
-
-def assert_sharded_matches_whole(model_dir: Path, size: int, tmp_path: Path) -> None:
-    for r, (got, expected) in enumerate(zip(sharded_logits(model_dir, size, tmp_path), whole_logits(model_dir))):
+def assert_sharded_matches_whole(model_dir: Path, size: int, tmp_path: Path, expert_parallel: bool = False) -> None:
+    sharded = sharded_logits(model_dir, size, tmp_path, expert_parallel=expert_parallel)
+    for r, (got, expected) in enumerate(zip(sharded, whole_logits(model_dir))):
         assert got.dtype == torch.float32
         torch.testing.assert_close(got, expected, **TOLERANCE, msg=f"request {r}")
 

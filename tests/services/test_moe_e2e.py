@@ -3,7 +3,7 @@ from its own Hugging Face config, tests/support/tiny_models.py) served by a work
 process, greedy output identical to Hugging Face's ``generate`` in float32. The default run:
 Qwen3-MoE and gpt-oss (attention sinks, a 16-token window on alternate layers, YaRN, the clamped
 SwiGLU) async (two plans in flight) with n-gram drafts; the slow suite adds sync, Qwen2-MoE
-(shared expert, a dense layer) and Mixtral."""
+(shared expert, a dense layer), Mixtral, and Qwen3-MoE over two expert-parallel ranks."""
 
 from __future__ import annotations
 
@@ -87,3 +87,17 @@ def test_moe_greedy_matches_hf(
     stats = report["server_stats"]
     if spec == "none" or family == "qwen3_moe":
         assert (stats["num_draft_tokens"] > 0) == (spec != "none"), stats
+
+
+@pytest.mark.slow
+def test_expert_parallel_two_ranks_greedy_matches_hf(moe_dir: Callable[[str], Path], grounded_rows: list) -> None:
+    """Qwen3-MoE over two ranks with --enable-expert-parallel (four of the eight experts on each),
+    async: every token identical to Hugging Face's."""
+    model_dir = moe_dir("qwen3_moe")
+    rows = [grounded_rows[i] for i in ROWS]
+    worker = dict(model=str(model_dir), kv_cache_memory_gb=0.25, tensor_parallel_size=2, enable_expert_parallel=True)
+    with serving(worker, max_inflight_steps=2) as scheduler:
+        report = run_workload(scheduler.target, bench_rows(rows, max_tokens=MAX_TOKENS), concurrency=len(rows))
+    reference = hf_reference(model_dir, rows, MAX_TOKENS)
+    assert_matches_reference(report, reference, model_dir, rows, min_identical=len(rows))
+    assert all(len(r["token_ids"]) == MAX_TOKENS for r in report["requests"]), report["requests"]

@@ -12,6 +12,7 @@ import pickle
 from pathlib import Path
 
 import torch
+import torch.multiprocessing as mp
 
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.slot_mapping import compute_slot_mapping
@@ -68,11 +69,20 @@ def schedule_logits(loaded: LoadedModel, seed: int = 3) -> list[torch.Tensor]:
 
 
 def rank_logits(
-    rank: int, size: int, init_file: Path, model_dir: str, dtype: str, quantization: str, out: Path
+    rank: int,
+    size: int,
+    init_file: Path,
+    model_dir: str,
+    dtype: str,
+    quantization: str,
+    out: Path,
+    expert_parallel: bool = False,
 ) -> None:
-    """A spawned rank: its shard of ``model_dir`` through `schedule_logits`; rank 0 saves them."""
+    """A spawned rank: its shard of ``model_dir`` (a mixture of experts' experts placed whole
+    with ``expert_parallel``) through `schedule_logits`; rank 0 saves them."""
     torch.set_num_threads(1)
     tp = init_tensor_parallel(rank, size, torch.device("cpu"), init_method=f"file://{init_file}")
+    tp.expert_parallel = expert_parallel
     try:
         loaded = load_model(model_dir, dtype, "cpu", quantization=quantization, tp=tp)
         logits = schedule_logits(loaded)
@@ -80,6 +90,22 @@ def rank_logits(
             torch.save(logits, out)
     finally:
         leave(tp)
+
+
+def sharded_logits(
+    model_dir: Path, size: int, tmp_path: Path, quantization: str = "none", expert_parallel: bool = False
+) -> list[torch.Tensor]:
+    """`schedule_logits` of ``model_dir`` in float32 over ``size`` spawned ranks (`rank_logits`)."""
+    out = tmp_path / "logits.pt"
+    args = (size, tmp_path / "rendezvous", str(model_dir), "float32", quantization, out, expert_parallel)
+    mp.spawn(rank_logits, args=args, nprocs=size, join=True)
+    logits: list[torch.Tensor] = torch.load(out)
+    return logits
+
+
+def whole_logits(model_dir: Path, quantization: str = "none") -> list[torch.Tensor]:
+    """`schedule_logits` of ``model_dir`` in float32 on one rank: the sharded ones' oracle."""
+    return schedule_logits(load_model(str(model_dir), "float32", "cpu", quantization=quantization))
 
 
 def rank_children(pid: int) -> list[int]:

@@ -163,3 +163,31 @@ def test_biased_experts_with_the_clamped_swiglu(impl: str) -> None:
         gate, up = gate.clamp(max=2.0), up.clamp(-2.0, 2.0)
         want[token] += weight * (down[expert] @ ((up + 1) * gate * torch.sigmoid(1.702 * gate)) + biases[1][expert])
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["per-expert", "torch", pytest.param("triton", marks=needs_triton)])
+@pytest.mark.parametrize("num_tokens", [1, 12])
+def test_each_ranks_experts_sum_to_all_of_them(impl: str, num_tokens: int) -> None:
+    """Expert parallel: the experts split over four ranks, each rank's output from the pairs
+    routed to its two experts (the others' contribute zero, whatever their rows hold), summed,
+    is the output of all eight; a rank none of the tokens chose gives zeros (one token: at
+    least two of the four)."""
+    gate_up, down = _stacked(torch.float32, 6)
+    g = torch.Generator().manual_seed(6)
+    biases = (torch.randn(NUM_EXPERTS, 2 * INTER, generator=g), torch.randn(NUM_EXPERTS, HIDDEN, generator=g))
+    x, routing = _routing(num_tokens, 6)
+    make = prepare_linear if impl == "per-expert" else None
+    kernels: KernelImpl = None if impl == "per-expert" else impl
+
+    def experts(first: int, count: int) -> moe.ExpertWeights:
+        held = slice(first, first + count)
+        part = (biases[0][held], biases[1][held])
+        return moe.expert_weights(gate_up[held], down[held], make, part, first=first)
+
+    firsts = range(0, NUM_EXPERTS, 2)
+    parts = [moe.routed_experts(x, routing, experts(first, 2), kernels) for first in firsts]
+    whole = moe.routed_experts(x, routing, experts(0, NUM_EXPERTS), kernels)
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
+    chosen = set(routing.experts.tolist())
+    for first, part in zip(firsts, parts):
+        assert part.isfinite().all() and (part.abs().sum() == 0) == (not chosen & {first, first + 1})

@@ -1,5 +1,6 @@
-"""`--tensor-parallel-size` and the multi-node flags: combinations that cannot work are refused
-with the flags named, before a model loads; `serve` has the size but not the multi-node flags."""
+"""`--tensor-parallel-size`, `--enable-expert-parallel` and the multi-node flags: combinations that
+cannot work are refused with the flags named, before a model loads; `serve` has the size and the
+expert placement but not the multi-node flags."""
 
 from __future__ import annotations
 
@@ -37,3 +38,24 @@ def test_serve_splits_its_local_worker_but_spans_no_machines() -> None:
     names = {f.name for _, f in service_settings("serve")}
     assert "tensor_parallel_size" in names
     assert not names & {"nnodes", "node_rank", "master_addr", "master_port"}
+
+
+@pytest.mark.parametrize("command", ["worker", "serve"])
+def test_expert_parallel_is_a_flag_of_worker_and_serve_with_its_variable(command: str) -> None:
+    from zerobubble.config import from_namespace
+    from zerobubble.entrypoints.cli import build_parser
+
+    flag = build_parser(env={}).parse_args([command, "--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    variable = build_parser(env={"ZEROBUBBLE_ENABLE_EXPERT_PARALLEL": "true"}).parse_args([command])
+    default = build_parser(env={}).parse_args([command])
+    settings = [from_namespace(WorkerConfig, args).enable_expert_parallel for args in (flag, variable, default)]
+    assert settings == [True, True, False]
+
+
+def test_expert_parallel_without_tensor_parallel_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from zerobubble.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["worker", "--enable-expert-parallel"])
+    assert exited.value.code == 2
+    assert "--enable-expert-parallel places experts over tensor-parallel ranks" in capsys.readouterr().err

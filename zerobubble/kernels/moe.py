@@ -15,6 +15,9 @@ projection of all experts is one grouped product over ``[E, out, in]`` weights:
   experts' weights and never the others', in bfloat16 blocks or weight-only int8/int4 alike;
 - elsewhere the torch twin (`grouped_linear_twin`), the reference of both.
 
+Under expert parallelism a rank holds some of the router's experts (`ExpertWeights.first`): it
+computes the pairs of those alone (`local_routing`), every other pair contributing zero.
+
 The routing weights stay float32 and the ``k`` weighted outputs of a token are summed in float32
 (Hugging Face rounds Qwen's weights to the model dtype first and sums in it: the same in float32,
 one rounding less in 16-bit dtypes).
@@ -58,7 +61,8 @@ class ExpertWeights:
     gate rows first, and ``down [E, H, I]``) for the grouped kernel and its twin, or one
     `LinearWeight` per expert (``gate_up_each``, ``down_each``) for the CPU products; optional
     biases ``[E, 2 I]`` and ``[E, H]`` (gpt-oss), never quantized; the activation (SwiGLU unless
-    the family says otherwise)."""
+    the family says otherwise). Under expert parallelism they are the experts
+    ``[first, first + num_experts)`` of the router's."""
 
     num_experts: int
     gate_up: Tensor | None = None
@@ -68,18 +72,21 @@ class ExpertWeights:
     gate_up_bias: Tensor | None = None
     down_bias: Tensor | None = None
     act_mul: ActMul = field(default=silu_mul)
+    first: int = 0
 
 
 def expert_weights(
     gate_up: Tensor,
     down: Tensor,
     make: Callable[[Tensor], LinearWeight] | None = None,
-    biases: tuple[Tensor, Tensor] | None = None,
+    biases: tuple[Tensor, Tensor | None] | None = None,
     act_mul: ActMul = silu_mul,
+    first: int = 0,
 ) -> ExpertWeights:
     """Experts from stacked ``gate_up [E, 2 I, H]`` and ``down [E, H, I]``: kept stacked, or with
     ``make`` (e.g. `zerobubble.kernels.linear.prepare_linear`) one `LinearWeight` per expert;
-    ``biases``: ``(gate_up [E, 2 I], down [E, H])``."""
+    ``biases``: ``(gate_up [E, 2 I], down [E, H] or None)``; ``first``: the router's id of the
+    first of them (expert parallel: a rank's share)."""
     num_experts = gate_up.shape[0]
     if make is None:
         experts = ExpertWeights(num_experts, gate_up=gate_up.contiguous(), down=down.contiguous())
@@ -91,7 +98,7 @@ def expert_weights(
         )
     if biases is not None:
         experts.gate_up_bias, experts.down_bias = biases
-    experts.act_mul = act_mul
+    experts.act_mul, experts.first = act_mul, first
     return experts
 
 
@@ -117,12 +124,29 @@ def route(router_logits: Tensor, top_k: int, renormalize: bool) -> Routing:
 
 
 def routed_experts(x: Tensor, routing: Routing, experts: ExpertWeights, impl: KernelImpl = None) -> Tensor:
-    """``sum_k weight_k * expert_k(x)`` per token of ``x [T, H]``: float32 ``[T, H]``."""
+    """``sum_k weight_k * expert_k(x)`` per token of ``x [T, H]``: float32 ``[T, H]``; with some of
+    the router's experts (expert parallel), the sum over the pairs of those only."""
+    local = None
+    if experts.num_experts < routing.offsets.shape[0] - 1:
+        routing, local = local_routing(routing, experts.first, experts.num_experts)
     rows = x.index_select(0, routing.tokens)
-    out = expert_mlps(rows, routing.offsets, experts, impl, routing.experts)
-    weighted = out.float() * routing.weights.unsqueeze(-1)
+    out = expert_mlps(rows, routing.offsets, experts, impl, routing.experts).float()
+    if local is not None:  # the other experts' rows: never written
+        out = torch.where(local.unsqueeze(-1), out, 0.0)
+    weighted = out * routing.weights.unsqueeze(-1)
     summed = torch.zeros(x.shape[0], out.shape[1], dtype=torch.float32, device=x.device)
     return summed.index_add_(0, routing.tokens, weighted)
+
+
+def local_routing(routing: Routing, first: int, count: int) -> tuple[Routing, Tensor]:
+    """``routing`` over experts ``[first, first + count)`` only, and which pairs are theirs
+    (``[T k]`` bool). The pairs stay where they are (their number is the device's to know: a
+    step never reads it back): the offsets are the slice of those experts, absolute, so products
+    write their rows only, and the expert ids are local, clamped, for their biases."""
+    experts = routing.experts - first
+    local = (experts >= 0) & (experts < count)
+    offsets = routing.offsets.narrow(0, first, count + 1)
+    return Routing(routing.tokens, routing.weights, offsets, experts.clamp(0, count - 1)), local
 
 
 def expert_mlps(

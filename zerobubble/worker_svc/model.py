@@ -577,11 +577,12 @@ class CausalLM:
 def feed_forward(
     layer: LayerWeights, normed: torch.Tensor, act_mul: ActMul, tp: TensorParallel, impl: KernelImpl = None
 ) -> torch.Tensor:
-    """A layer's MLP over its normed input: routed experts in a sparse layer (whole on every
-    tensor-parallel rank), else the dense gated MLP with the model's activation (`ACTIVATIONS`:
-    SwiGLU, Gemma's GeGLU), its down projection row-parallel."""
+    """A layer's MLP over its normed input: routed experts in a sparse layer (each
+    tensor-parallel rank its share of them, `moe_forward`), else the dense gated MLP with the
+    model's activation (`ACTIVATIONS`: SwiGLU, Gemma's GeGLU), its down projection row-parallel;
+    either ends in one all-reduce over ``tp``."""
     if layer.moe is not None:
-        return moe_forward(normed, layer.moe, impl)
+        return moe_forward(normed, layer.moe, impl, tp)
     assert layer.gate_up_weight is not None and layer.down_weight is not None
     return gated_mlp(
         normed, layer.gate_up_weight, layer.down_weight, impl, layer.gate_up_bias, layer.down_bias, act_mul, tp

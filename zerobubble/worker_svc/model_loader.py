@@ -204,8 +204,7 @@ def _read_shard(path: Path, spec: ModelSpec, tp: TensorParallel) -> ShardedState
     def read(name: str, dim: int, start: int, stop: int) -> torch.Tensor:
         if stop < 0:
             return files[name].get_tensor(name)
-        part = files[name].get_slice(name)
-        return part[start:stop] if dim == 0 else part[:, start:stop]
+        return files[name].get_slice(name)[(slice(None),) * dim + (slice(start, stop),)]
 
     unsharded = [n for n in files if n.startswith(_UNSHARDED_PREFIXES) or n.endswith(_UNSHARDED_SUFFIXES)]
     if unsharded:

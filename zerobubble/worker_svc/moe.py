@@ -7,7 +7,8 @@ thing), whether a shared expert with a sigmoid gate runs beside the routed ones 
 which layers are sparse (Qwen's ``decoder_sparse_step`` and ``mlp_only_layers``), and gpt-oss's
 biases (router and experts), clamped SwiGLU and expert layout (``gate_up_proj [E, H, 2 I]`` with
 gate and up columns interleaved, converted once at load). The routed experts run through
-:mod:`zerobubble.kernels.moe`.
+:mod:`zerobubble.kernels.moe`. Over tensor-parallel ranks a layer holds the rank's part of the
+experts (`MoeSpec.held_experts`, its intermediate size; `zerobubble.worker_svc.parallel.expert_shard`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,17 @@ class MoeSpec:
     interleaved: bool = False
     swiglu_alpha: float = 1.0
     swiglu_limit: float = 0.0
+    # A tensor-parallel rank's part (`zerobubble.worker_svc.parallel.shard_spec`): its experts
+    # ``[first_expert, + num_local_experts)`` (0: all; expert parallel), and whether it adds the
+    # experts' down biases (tensor parallel: the first rank only, the sum over ranks adding them once).
+    first_expert: int = 0
+    num_local_experts: int = 0
+    adds_down_bias: bool = True
+
+    @property
+    def held_experts(self) -> range:
+        """The global ids of the experts whose weights this rank holds."""
+        return range(self.first_expert, self.first_expert + (self.num_local_experts or self.num_experts))
 
 
 def moe_spec(hf_config: Any, num_layers: int) -> MoeSpec | None:
@@ -127,15 +139,21 @@ def gated_mlp(
     return row_linear(act_mul(linear(x, gate_up, gate_up_bias), impl), down, down_bias, tp)
 
 
-def moe_forward(x: Tensor, layer: MoeLayer, impl: KernelImpl = None) -> Tensor:
-    """A sparse layer's feed-forward output for its normed input ``x [T, hidden]``, in ``x.dtype``."""
+def moe_forward(x: Tensor, layer: MoeLayer, impl: KernelImpl = None, tp: TensorParallel = SINGLE) -> Tensor:
+    """A sparse layer's feed-forward output for its normed input ``x [T, hidden]``, in ``x.dtype``.
+
+    Over ``tp`` every rank routes every token with the whole router and computes its part: its
+    experts' pairs (expert parallel) or every pair over its share of the rows (tensor parallel),
+    and its rows of the shared expert, whose gate scales a sum as well as its terms; the
+    routed and shared parts add up locally, and one all-reduce sums the ranks' (the dense MLP's one)."""
     routing = route(linear(x, layer.router, layer.router_bias), layer.top_k, layer.renormalize)
     out = routed_experts(x, routing, layer.experts, impl)  # float32
     if layer.shared_gate_up is not None:
         assert layer.shared_down is not None and layer.shared_gate is not None
         shared = gated_mlp(x, layer.shared_gate_up, layer.shared_down, impl)
         out = out + torch.sigmoid(linear(x, layer.shared_gate)) * shared
-    return out.to(x.dtype)
+    out = out.to(x.dtype)
+    return out if tp.size == 1 else tp.all_reduce(out)
 
 
 def moe_layer_weights(spec: MoeSpec, hidden: int, take: Taker, weight: WeightMaker, prefix: str) -> MoeLayer:
@@ -155,7 +173,7 @@ def moe_layer_weights(spec: MoeSpec, hidden: int, take: Taker, weight: WeightMak
     make = weight if gate_up.device.type == "cpu" else None
     layer = MoeLayer(
         router=prepare_linear(router, prepack=False),
-        experts=expert_weights(gate_up, down, make, biases, expert_activation(spec)),
+        experts=expert_weights(gate_up, down, make, biases, expert_activation(spec), spec.first_expert),
         top_k=spec.top_k,
         renormalize=spec.renormalize,
         router_bias=take(f"{prefix}{spec.block}{spec.router}.bias", (spec.num_experts,)) if spec.biases else None,
@@ -178,11 +196,11 @@ def expert_activation(spec: MoeSpec) -> ActMul:
 
 def _interleaved_experts(
     spec: MoeSpec, hidden: int, take: Taker, block: str
-) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor]]:
+) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor | None]]:
     """gpt-oss's experts in our stacked layout: ``gate_up_proj [E, H, 2 I]`` (gate and up columns
     interleaved) becomes ``[E, 2 I, H]`` with the gate rows first, ``down_proj [E, I, H]`` becomes
-    ``[E, H, I]``, and the biases follow."""
-    num, inter = spec.num_experts, spec.intermediate_size
+    ``[E, H, I]``, and the biases follow (E and I: this rank's)."""
+    num, inter = len(spec.held_experts), spec.intermediate_size
     # Copies by reshape and torch.clone: `Tensor.contiguous` and indexing take a device guard,
     # which a CUDA-less build cannot give even to fake CUDA tensors (tests/inprocess/test_kernel_count.py).
     gate_up = take(block + "experts.gate_up_proj", (num, hidden, 2 * inter)).unflatten(2, (inter, 2))
@@ -191,7 +209,8 @@ def _interleaved_experts(
     gate_up_bias = gate_up_bias.transpose(1, 2).reshape(num, 2 * inter)
     down = take(block + "experts.down_proj", (num, inter, hidden)).transpose(1, 2)
     down = torch.clone(down, memory_format=torch.contiguous_format)
-    return gate_up, down, (gate_up_bias, take(block + "experts.down_proj_bias", (num, hidden)))
+    down_bias = take(block + "experts.down_proj_bias", (num, hidden)) if spec.adds_down_bias else None
+    return gate_up, down, (gate_up_bias, down_bias)
 
 
 def _take_any(take: Taker, names: list[str], shape: tuple[int, ...]) -> Tensor:
@@ -205,18 +224,20 @@ def _take_any(take: Taker, names: list[str], shape: tuple[int, ...]) -> Tensor:
 
 
 def _stacked_experts(spec: MoeSpec, hidden: int, take: Taker, prefix: str) -> tuple[Tensor, Tensor]:
-    """``gate_up [E, 2 I, H]`` and ``down [E, H, I]`` from the fused names or the per-expert ones."""
-    num, inter = spec.num_experts, spec.intermediate_size
+    """``gate_up [E, 2 I, H]`` and ``down [E, H, I]`` of this rank's experts and rows from the
+    fused names or the per-expert ones (only its own experts' read)."""
+    num, inter = len(spec.held_experts), spec.intermediate_size
     try:
         fused = prefix + "mlp.experts."
         return take(fused + "gate_up_proj", (num, 2 * inter, hidden)), take(fused + "down_proj", (num, hidden, inter))
     except KeyError:
         pass
     gate, up, down = (f"{prefix}{spec.block}experts.{{}}.{name}.weight" for name in spec.expert_names)
+    held = spec.held_experts
     gate_up = torch.stack(
-        [torch.cat((take(gate.format(e), (inter, hidden)), take(up.format(e), (inter, hidden)))) for e in range(num)]
+        [torch.cat((take(gate.format(e), (inter, hidden)), take(up.format(e), (inter, hidden)))) for e in held]
     )
-    return gate_up, torch.stack([take(down.format(e), (hidden, inter)) for e in range(num)])
+    return gate_up, torch.stack([take(down.format(e), (hidden, inter)) for e in held])
 
 
 # What a GGUF file's metadata says of a mixture of experts that transformers' GGUF config reader

@@ -12,6 +12,12 @@ weight bytes of a SmolLM2-sized model's step). Embedding and norms stay whole on
 lookup reads only the rows of the step's tokens), so every rank ends a forward with the same
 hidden states and bit-identical logits, and samples the same tokens.
 
+A mixture of experts' sparse layers split over the same ranks (`expert_shard`): by default every
+expert's gate/up rows and down columns as the dense MLP's; with ``expert_parallel``
+(--enable-expert-parallel) whole experts, size-th of them per rank. Either way the router is
+replicated (every rank routes every token alike), the shared expert is split by rows, and the
+layer ends in one all-reduce (`zerobubble.worker_svc.moe.moe_forward`); no tokens move between ranks.
+
 A rank reads only its slice of each sharded weight (`shard_state_dict` over a lazy reader such
 as `safetensors`' `safe_open`), never a full copy of the layers.
 """
@@ -22,6 +28,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import struct
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -75,6 +82,9 @@ class TensorParallel:
     # Ranks all on one machine, children of the leader: the plan channel's pipes (the leader's
     # write ends, one per other rank; another rank's read end). Empty: plans go over `cpu_group`.
     plan_fds: tuple[int, ...] = ()
+    # Mixtures of experts: each rank holds whole experts, size-th of them (--enable-expert-parallel),
+    # rather than every expert's share of intermediate rows (`expert_shard`).
+    expert_parallel: bool = False
 
     @property
     def is_leader(self) -> bool:
@@ -290,6 +300,20 @@ def _read_exact(fd: int, size: int) -> bytes:
 # -- which slice of the weights a rank holds ----------------------------------------------------
 
 
+class MoeShape(Protocol):
+    """What sharding reads of `zerobubble.worker_svc.moe.MoeSpec` (a dataclass), which imports
+    this module."""
+
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def intermediate_size(self) -> int: ...
+    @property
+    def shared_intermediate_size(self) -> int: ...
+    @property
+    def interleaved(self) -> bool: ...
+
+
 class ModelSpec(Protocol):
     """What sharding reads of `zerobubble.worker_svc.model.ModelSpec` (a dataclass), which
     imports this module."""
@@ -298,6 +322,9 @@ class ModelSpec(Protocol):
     num_kv_heads: int
     head_dim: int
     intermediate_size: int
+
+    @property
+    def moe(self) -> MoeShape | None: ...
 
 
 Spec = TypeVar("Spec", bound=ModelSpec)
@@ -344,6 +371,45 @@ def head_shard(spec: ModelSpec, tp: TensorParallel) -> HeadShard:
     return HeadShard(rank * q_count, q_count, kv_start, kv_count, rank * inter_count, inter_count)
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertShard:
+    """A rank's part of each sparse layer: of experts ``[expert_start, + expert_count)`` the
+    intermediate rows ``[inter_start, + inter_count)`` (tensor parallel: every expert, a slice of
+    its rows; expert parallel: whole experts, size-th of them), and the shared expert's rows
+    ``[shared_start, + shared_count)`` (tensor parallel in both)."""
+
+    expert_start: int
+    expert_count: int
+    inter_start: int
+    inter_count: int
+    shared_start: int
+    shared_count: int
+
+
+def expert_shard(moe: MoeShape, tp: TensorParallel) -> ExpertShard:
+    """The experts and rows of ``moe`` that ``tp.rank`` holds (`TensorParallel.expert_parallel`
+    picks the placement); ``ValueError`` naming the numbers when they do not divide."""
+    size, rank = tp.size, tp.rank
+    experts, inter, shared = moe.num_experts, moe.intermediate_size, moe.shared_intermediate_size
+    if shared % size:
+        raise ValueError(f"tensor-parallel size {size} does not divide the model's shared expert size {shared}")
+    shared_count = shared // size
+    if tp.expert_parallel:
+        if experts % size:
+            raise ValueError(
+                f"--enable-expert-parallel: tensor-parallel size {size} does not divide the model's {experts} experts"
+            )
+        count = experts // size
+        return ExpertShard(rank * count, count, 0, inter, rank * shared_count, shared_count)
+    if inter % size:
+        raise ValueError(
+            f"tensor-parallel size {size} does not divide the model's expert intermediate size {inter} "
+            "(--enable-expert-parallel places whole experts instead)"
+        )
+    count = inter // size
+    return ExpertShard(0, experts, rank * count, count, rank * shared_count, shared_count)
+
+
 def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
     """``(start, count)``: the lm_head rows (vocabulary entries) ``tp.rank`` computes logits for,
     ``ceil(vocab_size / size)`` per rank and the rest on the last (`TensorParallel.gather_columns`
@@ -358,8 +424,20 @@ def shard_spec(spec: Spec, tp: TensorParallel) -> Spec:
     if tp.size == 1:
         return spec
     shard = head_shard(spec, tp)
+    moe = spec.moe
+    if moe is not None:
+        experts = expert_shard(moe, tp)
+        moe = dataclasses.replace(  # type: ignore[type-var]
+            moe,
+            intermediate_size=experts.inter_count,
+            shared_intermediate_size=experts.shared_count,
+            first_expert=experts.expert_start,
+            num_local_experts=experts.expert_count,
+            # Each rank's partial products are summed: an expert's down bias is added on one.
+            adds_down_bias=tp.rank == 0 or tp.expert_parallel,
+        )
     return dataclasses.replace(  # type: ignore[type-var]
-        spec, num_q_heads=shard.q_count, num_kv_heads=shard.kv_count, intermediate_size=shard.inter_count
+        spec, num_q_heads=shard.q_count, num_kv_heads=shard.kv_count, intermediate_size=shard.inter_count, moe=moe
     )
 
 
@@ -388,6 +466,27 @@ _CUTS: dict[str, tuple[int, str]] = {
     "mlp.up_proj.weight": (0, "inter"),
     "mlp.up_proj.bias": (0, "inter"),
     "mlp.down_proj.weight": (1, "inter"),
+    "mlp.shared_expert.gate_proj.weight": (0, "shared"),  # Qwen2-MoE
+    "mlp.shared_expert.up_proj.weight": (0, "shared"),
+    "mlp.shared_expert.down_proj.weight": (1, "shared"),
+}
+# The routed experts of a sparse layer, tensor parallel: each expert's rows cut as the dense
+# MLP's, under the checkpoints' per-expert names (Qwen's gate/up/down_proj, Mixtral's w1/w3/w2)
+# or stacked ones: transformers 5's ``gate_up_proj [E, 2 I, H]`` (gate rows, then up rows: two
+# ranges) and ``down_proj [E, H, I]``, gpt-oss's ``gate_up_proj [E, H, 2 I]`` (gate and up columns
+# interleaved: one range of pairs), its bias ``[E, 2 I]`` and ``down_proj [E, I, H]``. The down
+# bias stays whole (`shard_spec`: added on one rank). Expert parallel cuts the stacked ones by
+# expert and reads per-expert names only for the rank's own experts.
+_EXPERT_ROWS = re.compile(r"experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$")
+_EXPERT_COLUMNS = re.compile(r"experts\.\d+\.(down_proj|w2)\.weight$")
+_EXPERT_ID = re.compile(r"experts\.(\d+)\.")
+_STACKED = re.compile(r"experts\.(gate_up_proj|down_proj)(_bias)?$")
+_STACKED_CUTS: dict[tuple[bool, str], tuple[int, str]] = {  # (interleaved, name) -> cut
+    (False, "experts.gate_up_proj"): (1, "gate_up_halves"),
+    (False, "experts.down_proj"): (2, "expert_inter"),
+    (True, "experts.gate_up_proj"): (2, "expert_pairs"),
+    (True, "experts.gate_up_proj_bias"): (1, "expert_pairs"),
+    (True, "experts.down_proj"): (1, "expert_inter"),
 }
 
 # Reads ``name`` cut to ``[start, stop)`` along ``dim`` (None: whole); a lazy file reader reads only that.
@@ -399,9 +498,34 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
     (read through ``read`` so a file reader reads only that slice), the rest whole."""
 
     def __init__(self, names: list[str], read: SliceReader, spec: ModelSpec, tp: TensorParallel) -> None:
-        self.names, self.read, self.head_dim = names, read, spec.head_dim
-        self.known = frozenset(names)
-        self.shard = head_shard(spec, tp)
+        self.read = read
+        s, d = head_shard(spec, tp), spec.head_dim
+        self.ranges = {
+            "q": (s.q_start * d, s.q_count * d),
+            "q_heads": (s.q_start, s.q_count),
+            "kv": (s.kv_start * d, s.kv_count * d),
+            "inter": (s.inter_start, s.inter_count),
+        }
+        self.moe, self.expert_parallel = spec.moe, tp.expert_parallel
+        if self.moe is not None:
+            e = expert_shard(self.moe, tp)
+            self.ranges.update(
+                experts=(e.expert_start, e.expert_count),
+                expert_inter=(e.inter_start, e.inter_count),
+                expert_pairs=(2 * e.inter_start, 2 * e.inter_count),
+                shared=(e.shared_start, e.shared_count),
+            )
+        # Expert parallel: other ranks' experts are not this state dict's (loading iterates it).
+        self.names = [name for name in names if self.holds(name)]
+        self.known = frozenset(self.names)
+
+    def holds(self, name: str) -> bool:
+        """Whether ``name`` is this rank's: all but other ranks' experts under per-expert names."""
+        found = _EXPERT_ID.search(name) if self.expert_parallel else None
+        if found is None:
+            return True
+        start, count = self.ranges["experts"]
+        return start <= int(found.group(1)) < start + count
 
     def __contains__(self, name: object) -> bool:
         return name in self.known  # without reading the tensor, as Mapping's would
@@ -409,21 +533,33 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.known:
             raise KeyError(name)
-        cut = next(
-            (c for suffix, c in _CUTS.items() if name.startswith("model.layers.") and name.endswith(suffix)), None
-        )
+        cut = self.cut(name)
         if cut is None:
             return self.read(name, 0, 0, -1)
         dim, what = cut
-        s, d = self.shard, self.head_dim
-        ranges = {
-            "q": (s.q_start * d, s.q_count * d),
-            "q_heads": (s.q_start, s.q_count),
-            "kv": (s.kv_start * d, s.kv_count * d),
-            "inter": (s.inter_start, s.inter_count),
-        }
-        start, count = ranges[what]
+        if what == "gate_up_halves":  # the gate rows' range, then the same range of the up rows
+            assert self.moe is not None
+            start, count = self.ranges["expert_inter"]
+            starts = (start, self.moe.intermediate_size + start)
+            return torch.cat([self.read(name, dim, at, at + count) for at in starts], dim=dim)
+        start, count = self.ranges[what]
         return self.read(name, dim, start, start + count)
+
+    def cut(self, name: str) -> tuple[int, str] | None:
+        """``(dimension, range name)`` of ``name``'s cut; None: read whole."""
+        if not name.startswith("model.layers."):
+            return None
+        found = next((c for suffix, c in _CUTS.items() if name.endswith(suffix)), None)
+        if found is not None or self.moe is None:
+            return found
+        stacked = _STACKED.search(name)
+        if self.expert_parallel:
+            return (0, "experts") if stacked else None
+        if stacked:
+            return _STACKED_CUTS.get((self.moe.interleaved, stacked.group(0)))
+        if _EXPERT_ROWS.search(name):
+            return 0, "expert_inter"
+        return (1, "expert_inter") if _EXPERT_COLUMNS.search(name) else None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)

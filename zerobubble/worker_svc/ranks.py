@@ -98,7 +98,7 @@ def join_group(cfg: WorkerConfig, local_rank: int, rendezvous: Rendezvous, devic
     per_node = cfg.tensor_parallel_size // cfg.nnodes
     rank = cfg.node_rank * per_node + local_rank
     store = rendezvous.store(rank, cfg.tensor_parallel_size)
-    return init_tensor_parallel(
+    tp = init_tensor_parallel(
         rank,
         cfg.tensor_parallel_size,
         device,
@@ -107,6 +107,8 @@ def join_group(cfg: WorkerConfig, local_rank: int, rendezvous: Rendezvous, devic
         one_machine=cfg.nnodes == 1,
         cpu_kernels=cfg.cpu_kernels,
     )
+    tp.expert_parallel = cfg.enable_expert_parallel
+    return tp
 
 
 @dataclass(slots=True)
