@@ -631,13 +631,7 @@ class Scheduler:
         draft slots) to ``next_plan``; returns the tokens used."""
         self._free_behind_window(req)
         if req.is_prefilling:
-            if not self._make_room(req):
-                return 0
-            num_tokens = min(req.num_prefill_tokens - req.num_computed, budget, self._capacity(req))
-            start = req.num_computed
-            token_ids = req.token_ids_between(start, start + num_tokens)
-            self._add_prefill(req, token_ids, next_plan.rows, records, is_new=False, num_cached_tokens=0)
-            return num_tokens
+            return self._schedule_chunk(req, budget, next_plan.rows, records)
         max_drafts, suffix = self._decode_drafts(req, max_drafts)
         # Tokens confirmed or in flight; slots beyond the limit could never be verified.
         num_draft_slots = min(
@@ -678,6 +672,17 @@ class Scheduler:
             is_prefill=False,
             num_computed_after=req.num_computed,
         )
+        return num_tokens
+
+    def _schedule_chunk(self, req: Request, budget: int, rows: PlanBuilder, records: dict[str, _Scheduled]) -> int:
+        """Add a running request's next prefill chunk (at most ``budget`` tokens); returns the
+        tokens used (0: it was preempted)."""
+        if not self._make_room(req):
+            return 0
+        num_tokens = min(req.num_prefill_tokens - req.num_computed, budget, self._capacity(req))
+        start = req.num_computed
+        token_ids = req.token_ids_between(start, start + num_tokens)
+        self._add_prefill(req, token_ids, rows, records, is_new=False, num_cached_tokens=0)
         return num_tokens
 
     def _decode_drafts(self, req: Request, max_drafts: int) -> tuple[int, SuffixPlan | None]:
