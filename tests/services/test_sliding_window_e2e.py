@@ -73,30 +73,40 @@ def _gib(num_blocks: int) -> float:
 
 
 def _serve_and_check(
-    model_dir: Path, rows: list[dict[str, Any]], worker: dict[str, Any], max_tokens: int, **scheduler: Any
-) -> tuple[dict[str, Any], float]:
-    """Every row's greedy output equals Hugging Face's and runs several windows past its
-    prompt; the server's stats and the peak KV usage ratio seen."""
+    model_dir: Path,
+    rows: list[dict[str, Any]],
+    worker: dict[str, Any],
+    max_tokens: int,
+    rounds: int = 1,
+    **scheduler: Any,
+) -> tuple[dict[str, Any], float, float]:
+    """Every row's greedy output, in each of ``rounds`` rounds of the batch, equals Hugging
+    Face's and runs several windows past its prompt; the server's stats (of the last round), the
+    peak KV usage ratio seen and the prompt tokens served from the prefix cache."""
     reference = hf_reference(model_dir, rows, max_tokens)
     worker = dict(model=str(model_dir), dtype="float32", block_size=BLOCK_SIZE, **worker)
     with serving(worker, **scheduler) as service:
         with peak_kv_usage(service.ports["METRICS"]) as seen:
-            report = run_workload(service.target, bench_rows(rows, max_tokens=max_tokens), concurrency=len(rows))
-    assert_matches_reference(report, reference, model_dir, rows, min_identical=len(rows))
-    assert all(len(r["token_ids"]) > 3 * WINDOW for r in report["requests"])
-    return report["server_stats"], max(seen, default=0.0)
+            for _ in range(rounds):
+                report = run_workload(service.target, bench_rows(rows, max_tokens=max_tokens), len(rows))
+                assert_matches_reference(report, reference, model_dir, rows, min_identical=len(rows))
+                assert all(len(r["token_ids"]) > 3 * WINDOW for r in report["requests"])
+        hits = metric(service.ports["METRICS"], "zerobubble_prefix_cache_hits_total")
+    return report["server_stats"], max(seen, default=0.0), hits
 
 
 def test_windowed_mistral_matches_hf_async_with_ngram_drafts(
     mistral_dir: Path, grounded_rows: list[dict[str, Any]]
 ) -> None:
     """The short version: two requests, two plans in flight, n-gram drafts, each request
-    generating well past its window in a cache of 12 blocks per request."""
+    generating well past its window; the same batch again hits the prompt blocks that were freed
+    behind the window into the prefix cache, and its outputs are the same."""
     rows = [grounded_rows[i] for i in ROWS[:2]]
-    worker = dict(kv_cache_memory_gb=_gib(24), max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
-    stats, peak = _serve_and_check(mistral_dir, rows, worker, 3 * WINDOW + 8, max_inflight_steps=2)
+    worker = dict(kv_cache_memory_gb=_gib(64), max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
+    stats, peak, hits = _serve_and_check(mistral_dir, rows, worker, 3 * WINDOW + 8, rounds=2, max_inflight_steps=2)
     assert stats["num_draft_tokens"] > 0 and stats["num_preemptions"] == 0, stats
     assert peak > 0
+    assert hits >= sum(len(p) for p in prompt_ids(mistral_dir, rows)) // 2, hits
 
 
 @pytest.mark.slow
@@ -109,7 +119,7 @@ def test_windowed_mistral_matches_hf_with_ngram_drafts_in_bounded_memory(
     rows = [grounded_rows[i] for i in ROWS]
     num_blocks = 400
     worker = dict(kv_cache_memory_gb=_gib(num_blocks), max_num_seqs=8, spec_method="ngram", num_spec_tokens=3)
-    stats, peak = _serve_and_check(
+    stats, peak, _ = _serve_and_check(
         mistral_dir, rows, worker, MAX_TOKENS, max_inflight_steps=max_inflight_steps, max_num_batched_tokens=CHUNK
     )
     assert stats["num_draft_tokens"] > 0, stats
@@ -135,6 +145,8 @@ def test_windowed_mistral_matches_hf_preempted_in_a_cache_smaller_than_one_reque
     rows = [grounded_rows[i] for i in ROWS]
     num_blocks, max_tokens = 16, 128
     worker = dict(kv_cache_memory_gb=_gib(num_blocks), max_num_seqs=8, max_model_len=512)
-    stats, _ = _serve_and_check(mistral_dir, rows, worker, max_tokens, max_inflight_steps=1, max_num_batched_tokens=32)
+    stats, _, _ = _serve_and_check(
+        mistral_dir, rows, worker, max_tokens, max_inflight_steps=1, max_num_batched_tokens=32
+    )
     assert stats["num_preemptions"] > 0, stats
     assert num_blocks * BLOCK_SIZE < min(len(p) for p in prompt_ids(mistral_dir, rows)) + max_tokens
