@@ -7,6 +7,8 @@ that no block is handed to or written by a request while another one may still r
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from tests.support.sim_worker import Case, assert_matches_reference, drive, make_case
@@ -175,3 +177,43 @@ def test_the_worker_given_window_reaches_the_config() -> None:
     info = worker_pb2.WorkerInfo(num_blocks=8, block_size=4, max_model_len=32, sliding_window=16)
     assert SchedulerConfig().with_worker(info).sliding_window == 16
     assert SchedulerConfig().with_worker(worker_pb2.WorkerInfo(num_blocks=8)).sliding_window == 0
+
+
+@pytest.mark.parametrize(
+    ("window", "block_size", "num_blocks", "num_spec_tokens", "in_flight", "prefix_caching"),
+    [
+        (4, 4, 12, 0, 1, True),  # a window of one block
+        (5, 4, 12, 4, 3, False),  # a window across block boundaries, blocks freed before results
+        (13, 5, 16, 2, 2, True),
+        (13, 5, 16, 3, 3, False),
+        (30, 4, 40, 4, 2, True),  # a window wider than most prompts
+        (7, 1, 30, 3, 3, False),  # blocks of one token
+    ],
+)
+def test_windows_block_sizes_and_tight_caches_keep_outputs_and_every_read_intact(
+    window: int, block_size: int, num_blocks: int, num_spec_tokens: int, in_flight: int, prefix_caching: bool
+) -> None:
+    """Across geometries, with caches tight enough to preempt and prompts sharing a prefix: the
+    worker (which checks every key a query reads, every block handover and every prefix hit's
+    content) and the outputs agree with the toy model."""
+    rng = random.Random(window)
+    shared = [rng.choice(b"abc xyz") for _ in range(24)]
+    prompts = {f"r{i}": shared[: rng.randint(8, 24)] + [rng.choice(b"abc") for _ in range(i)] for i in range(8)}
+    case = make_case(
+        prompts=prompts,
+        stopping=StoppingOptions(max_tokens=70),
+        block_size=block_size,
+        max_model_len=160,
+        num_blocks=num_blocks,
+        num_spec_tokens=num_spec_tokens,
+        max_num_batched_tokens=24,
+        enable_prefix_caching=prefix_caching,
+        eos_per_mille=5,
+        sliding_window=window,
+    )
+    got = drive(case.scheduler, case.worker, in_flight)
+    assert_matches_reference(case, got)
+    assert case.scheduler.block_pool.num_used == 0
+    case.scheduler.block_pool.check_invariants()
+    assert case.scheduler.stats.num_preemptions > 0
+    assert (case.worker.stats.num_cached_tokens > 0) == prefix_caching
