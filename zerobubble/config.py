@@ -698,6 +698,9 @@ class SchedulerConfig:
     max_prefill_tokens_with_decodes: int = default_of(SchedulerServiceConfig, "max_prefill_tokens_with_decodes")
     # Extra slots allocated past each step (a draft model writes its k-token chain there).
     num_lookahead_slots: int = 0
+    # Tokens each query attends back when every layer is windowed (0: full attention); blocks
+    # wholly behind the window of a running request's next step are freed (scheduler_svc/window.py).
+    sliding_window: int = 0
     # One adaptive draft length for all rows of a plan: a CUDA worker replays its captured
     # graphs only for decode steps whose rows are all of one width.
     uniform_draft_length: bool = False
@@ -734,6 +737,7 @@ class SchedulerConfig:
             num_prediction_tokens=info.num_prediction_tokens,
             spec_method=info.spec_method or "none",
             num_lookahead_slots=info.num_lookahead_slots,
+            sliding_window=info.sliding_window,
             uniform_draft_length=info.device.startswith("cuda"),
             eos_token_ids=tuple(info.eos_token_ids),
             vocab_size=info.vocab_size,
@@ -751,8 +755,8 @@ class SchedulerConfig:
         ):
             _require(getattr(self, name) >= 1, f"SchedulerConfig.{name} must be positive")
         _require(
-            self.num_spec_tokens >= 0 and self.vocab_size >= 0 and self.spec_disable_batch_size >= 0,
-            "SchedulerConfig.num_spec_tokens, vocab_size and spec_disable_batch_size must be >= 0",
+            min(self.num_spec_tokens, self.vocab_size, self.spec_disable_batch_size, self.sliding_window) >= 0,
+            "SchedulerConfig.num_spec_tokens, vocab_size, spec_disable_batch_size and sliding_window must be >= 0",
         )
         _require(
             self.spec_draft_length in DRAFT_LENGTHS,

@@ -270,6 +270,19 @@ class SamplingOptions:
             require_in(value, -100.0, 100.0, f"sampling.logit_bias[{token_id}]")
 
 
+def has_penalty(p: SamplingOptions) -> bool:
+    """Whether a request uses any of the repetition, frequency or presence penalties."""
+    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (0.0, 1.0))
+
+
+def reads_whole_context(p: SamplingOptions) -> bool:
+    """Whether the worker reads a request's tokens from the start of its context while it runs:
+    penalties count every token, and a resumed constrained request replays its outputs into its
+    grammar. Both read the token pages that follow the KV blocks, so a sliding-window model's
+    scheduler keeps such a request's blocks instead of freeing those behind the window."""
+    return has_penalty(p) or bool(p.grammar)
+
+
 @dataclass(slots=True)
 class StoppingOptions:
     """When generation ends: the Python mirror of a `RequestSpec`'s `stopping` message.

@@ -40,6 +40,7 @@ from zerobubble.scheduler_svc.scheduler import (
     RequestEvent,
     Scheduler,
     SchedulerConfig,
+    max_request_len,
 )
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
 
@@ -196,8 +197,13 @@ class SimWorker:
         vocab_size: int = 258,
         eos_per_mille: int = 15,
         check_kv: bool = True,
+        window: int = 0,
     ) -> None:
-        """`check_kv` verifies each request's whole context before every step (O(len))."""
+        """`check_kv` verifies each request's whole context before every step (O(len)).
+        `window`: a sliding-window model's (0: full attention); a query at ``p`` reads keys
+        ``p - window + 1 .. p`` only, so blocks wholly before its request's next window are
+        dead: another request may take them, and they are neither checked nor guarded."""
+        self.window = window
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -305,17 +311,32 @@ class SimWorker:
             req = self._reqs[entry.req_id]
             req.table.extend(entry.new_block_ids)
             fresh = list(entry.new_block_ids)
-        assert len(set(req.table)) == len(req.table), "a block twice in one table"
+        live = self.live_blocks(req)
+        assert len(set(live)) == len(live), "a block twice in one table"
         assert all(0 <= b < self.num_blocks for b in req.table)
         for block_id in fresh:
             for other_id, other in self._reqs.items():
                 if other_id != entry.req_id:
-                    assert block_id not in other.table, (
+                    assert block_id not in self.live_blocks(other), (
                         f"step {step_id}: block {block_id} handed to {entry.req_id} while {other_id} still holds it"
                     )
         if self.check_kv:
             self._check_context(entry.req_id, req)
         return req
+
+    def written_length(self, req_id: str) -> int | None:
+        """Positions whose K/V the worker has written for a live request (its true length
+        before the next plan runs); None when it holds no such request."""
+        req = self._reqs.get(req_id)
+        return req.seq_len if req is not None else None
+
+    def first_visible(self, req: _SimRequest) -> int:
+        """The first position the request's next query (at its true length) may attend."""
+        return max(0, req.seq_len - self.window + 1) if self.window else 0
+
+    def live_blocks(self, req: _SimRequest) -> list[int]:
+        """The blocks of ``req``'s table that a query of its next step may still read."""
+        return req.table[self.first_visible(req) // self.block_size :]
 
     def _read_cached_prefix(self, req: _SimRequest) -> None:
         """Rebuild the cached prefix from the KV content (the worker gets no token values)."""
@@ -332,7 +353,7 @@ class SimWorker:
             prev = prefix_hash
 
     def _check_context(self, req_id: str, req: _SimRequest) -> None:
-        for p in range(req.seq_len):
+        for p in range(self.first_visible(req), req.seq_len):
             slot = self._kv[req.table[p // self.block_size]][p % self.block_size]
             assert slot == (p, req.prefix_hashes[p], req.tokens[p]), (
                 f"{req_id}: KV at position {p} is not its own (got {slot})"
@@ -352,7 +373,7 @@ class SimWorker:
             block_id = req.table[index]
             for other_id, other in self._reqs.items():
                 if other_id != req_id:
-                    assert block_id not in other.table, (
+                    assert block_id not in self.live_blocks(other), (
                         f"step {step_id}: {req_id} writes block {block_id} held by {other_id}"
                     )
             prev = _chain(prev, token)
@@ -634,6 +655,7 @@ def make_case(
     tokenizer: Tokenizer | None = None,
     prompt_seed: int = 5,
     detokenize: bool = True,
+    sliding_window: int = 0,
 ) -> Case:
     config = SchedulerConfig(
         num_blocks=num_blocks,
@@ -646,9 +668,10 @@ def make_case(
         max_prefill_tokens_with_decodes=max_prefill_tokens_with_decodes,
         enable_prefix_caching=enable_prefix_caching,
         eos_token_ids=(EOS_ID,),
+        sliding_window=sliding_window,
     )
     scheduler = Scheduler(config, tokenizer or make_toy_tokenizer(), rng=random.Random(0))
-    worker = SimWorker(num_blocks, block_size, max_model_len, eos_per_mille=eos_per_mille)
+    worker = SimWorker(num_blocks, block_size, max_model_len, eos_per_mille=eos_per_mille, window=sliding_window)
     if prompts is None:
         rng = random.Random(prompt_seed)
         prompts = {
@@ -657,7 +680,7 @@ def make_case(
     stopping = stopping or StoppingOptions(max_tokens=40)
     per_req = stopping if isinstance(stopping, dict) else {r: stopping for r in prompts}
     seeds = add_requests(scheduler, worker, prompts, per_req, logprobs=logprobs, detokenize=detokenize)
-    max_len = min(max_model_len, num_blocks * block_size)
+    max_len = max_request_len(config)
     return Case(scheduler, worker, prompts, seeds, per_req, max_len, eos_per_mille)
 
 

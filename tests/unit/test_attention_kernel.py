@@ -339,3 +339,38 @@ def test_empty_batch() -> None:
         compute_slot_mapping(empty.query_start_loc, torch.zeros(0, dtype=torch.long), empty.block_tables, 4).numel()
         == 0
     )
+
+
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton), "cpp", "gathered"])
+@pytest.mark.parametrize("requests", [REQUESTS, DECODES, LONG_PREFILLS], ids=["mixed", "decodes", "long-prefills"])
+def test_blocks_behind_the_window_get_no_weight_whatever_they_hold(
+    request: pytest.FixtureRequest, impl: str, requests: list[tuple[int, int]]
+) -> None:
+    """A sliding-window model's scheduler frees a running request's blocks behind its window
+    and hands them to others, while the worker keeps their ids in the request's table
+    (scheduler_svc/window.py). Every path must give those keys no weight: here each such table
+    entry is pointed at another request's block or at a block of huge values, and the output
+    is the one attention over the request's own window gives."""
+    if impl == "cpp":
+        request.getfixturevalue("cpu_kernels")
+    block_size, window = 4, 6
+    q, k_cache, v_cache, meta = _batch(block_size, 16, seed=11, requests=requests)
+    expected = _dense_attention(q, k_cache, v_cache, meta, 0.25, window)
+    tables = meta.block_tables
+    poison = sorted(set(range(k_cache.shape[0])) - set(tables.flatten().tolist()))[0]
+    k_cache[poison].fill_(1e4)
+    v_cache[poison].fill_(-1e4)
+    num_aliased = 0
+    for r, (num_cached, _) in enumerate(requests):
+        other = tables[(r + 1) % len(requests), 0].item()
+        for i in range(max(0, num_cached - window + 1) // block_size):  # blocks before the first query's window
+            tables[r, i] = poison if i % 2 == 0 else other
+            num_aliased += 1
+    assert num_aliased > 0
+    if impl == "gathered":
+        from zerobubble.kernels.attention import _paged_attention_gathered
+
+        got = _paged_attention_gathered(q, k_cache, v_cache, meta, 0.25, window)
+    else:
+        got = paged_attention(q, k_cache, v_cache, meta, 0.25, impl=impl, sliding_window=window)  # type: ignore[arg-type]
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -126,7 +126,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "model", "max_model_len", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "spec_method", "num_spec_tokens", "device", "dtype", "max_num_seqs", "num_lookahead_slots", "num_prediction_tokens", "tensor_parallel_size")
+    __slots__ = ("worker_id", "model", "max_model_len", "block_size", "num_blocks", "vocab_size", "eos_token_ids", "tokenizer_json", "chat_template", "bos_token", "eos_token", "spec_method", "num_spec_tokens", "device", "dtype", "max_num_seqs", "num_lookahead_slots", "num_prediction_tokens", "tensor_parallel_size", "sliding_window")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
@@ -146,6 +146,7 @@ class WorkerInfo(_message.Message):
     NUM_LOOKAHEAD_SLOTS_FIELD_NUMBER: _ClassVar[int]
     NUM_PREDICTION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model: str
     max_model_len: int
@@ -165,4 +166,5 @@ class WorkerInfo(_message.Message):
     num_lookahead_slots: int
     num_prediction_tokens: int
     tensor_parallel_size: int
-    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ..., num_prediction_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    sliding_window: int
+    def __init__(self, worker_id: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., spec_method: _Optional[str] = ..., num_spec_tokens: _Optional[int] = ..., device: _Optional[str] = ..., dtype: _Optional[str] = ..., max_num_seqs: _Optional[int] = ..., num_lookahead_slots: _Optional[int] = ..., num_prediction_tokens: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., sliding_window: _Optional[int] = ...) -> None: ...

@@ -176,6 +176,13 @@ class Request:
     # Known tokens (prompt + confirmed outputs) at the latest admission: what the prefill covers.
     num_prefill_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Leading entries of `block_ids` given back because no later query can attend them (a
+    # sliding-window model, `scheduler_svc/window.py`). Their ids stay in the list, so entry i
+    # is still the block of positions [i * block_size, (i + 1) * block_size), as on the worker.
+    num_freed_blocks: int = 0
+    # Draft slots of this admission's decodes still in flight: how far their rejection may yet
+    # move the real position back from the optimistic `num_computed`.
+    num_inflight_drafts: int = 0
     # Hash chain of the confirmed full blocks (content only, so it survives preemption).
     block_hashes: list[BlockHash] = field(default_factory=list)
     # Leading entries of `block_ids` already offered to the prefix cache in this admission.

@@ -16,6 +16,9 @@ Rules that keep this safe (DESIGN.md, "The async + speculative contract"):
 - Blocks freed after plan N-1 was sent may go to anyone in plan N or later: plans execute in
   order, so nothing in flight can write them after their new owner starts.
 - Only full blocks of confirmed tokens whose K/V are certainly written enter the prefix cache.
+- With a sliding-window model, the blocks no query of a running request's next step can attend
+  are freed before it is planned (`scheduler_svc/window.py`), so its footprint follows the
+  window, not its length.
 """
 
 from __future__ import annotations
@@ -29,7 +32,13 @@ from dataclasses import dataclass, field
 
 from zerobubble.api import generate_pb2, worker_pb2
 from zerobubble.config import SchedulerConfig
-from zerobubble.request_options import SamplingOptions, StoppingOptions, to_worker_sampling, validate_options
+from zerobubble.request_options import (
+    SamplingOptions,
+    StoppingOptions,
+    reads_whole_context,
+    to_worker_sampling,
+    validate_options,
+)
 from zerobubble.rows import NewRow, PlanBuilder, RowResult, add_continuations, result_rows
 from zerobubble.scheduler_svc.block_pool import BlockPool, PrefixCacheCounters, extend_hash_chain
 from zerobubble.scheduler_svc.detokenizer import Detokenizer
@@ -37,6 +46,7 @@ from zerobubble.scheduler_svc.draft_length import ADAPTIVE, DraftLengthChooser, 
 from zerobubble.scheduler_svc.request import PredictionProgress, Request, RequestStatus
 from zerobubble.scheduler_svc.suffix import SharedOutputs, SuffixDrafter, SuffixPlan
 from zerobubble.scheduler_svc.tokenizer import Tokenizer
+from zerobubble.scheduler_svc.window import num_blocks_behind
 
 logger = logging.getLogger(__name__)
 
@@ -124,6 +134,9 @@ class _Limits:
     eos_token_ids: frozenset[int]
     vocab_size: int
     max_len: int  # tokens a request may hold: prompt and output
+    # The same for a request that keeps all its blocks (no sliding window, or it reads its
+    # whole context): a request longer than the whole cache could never be resumed.
+    max_len_whole: int
 
 
 @dataclass(slots=True)
@@ -241,6 +254,19 @@ def _confirm_tokens(req: Request, res: RowResult) -> _Confirmed:
     return _Confirmed(new_ids, new_logprobs, new_tops, "".join(text_parts), finish_reason)
 
 
+def max_request_len(config: SchedulerConfig) -> int:
+    """Tokens a request may hold, prompt and output.
+
+    With all its blocks held, a request longer than the whole cache could never be resumed
+    after preemption. Behind a sliding window a request holds its window's blocks only: a
+    cache with room for the window, the block being written and one more serves any length.
+    """
+    window_blocks = -(-config.sliding_window // config.block_size)
+    if config.sliding_window > 0 and config.num_blocks >= window_blocks + 2:
+        return config.max_model_len
+    return min(config.max_model_len, config.num_blocks * config.block_size)
+
+
 class Scheduler:
     """Owns requests, KV block accounting and plan building for one worker."""
 
@@ -266,8 +292,8 @@ class Scheduler:
         self._limits = _Limits(
             eos_token_ids=frozenset(config.eos_token_ids),
             vocab_size=config.vocab_size or tokenizer.vocab_size,
-            # A request longer than the whole cache could never be resumed after preemption.
-            max_len=min(config.max_model_len, config.num_blocks * config.block_size),
+            max_len=max_request_len(config),
+            max_len_whole=min(config.max_model_len, config.num_blocks * config.block_size),
         )
         self._requests: dict[str, Request] = {}
         self._waiting: deque[Request] = deque()
@@ -333,11 +359,12 @@ class Scheduler:
     ) -> Request:
         """A validated, keyed `Request`, not queued yet."""
         stopping = stopping or StoppingOptions()
-        validate_options(prompt, sampling, stopping, vocab_size=self._limits.vocab_size, max_len=self._limits.max_len)
+        max_len = self._max_len_of(sampling)
+        validate_options(prompt, sampling, stopping, vocab_size=self._limits.vocab_size, max_len=max_len)
         if sampling.seed is None:
             # Every request is keyed, so its randomness never depends on batching.
             sampling.seed = self._rng.getrandbits(64)
-        room = self._limits.max_len - len(prompt)
+        room = max_len - len(prompt)
         limit = self.config.num_prediction_tokens
         return Request(
             req_id=req_id,
@@ -350,6 +377,10 @@ class Scheduler:
             arrival_time=self._clock(),
             prediction=PredictionProgress(limit, limit) if limit and sampling.prediction_token_ids else None,
         )
+
+    def _max_len_of(self, sampling: SamplingOptions) -> int:
+        """Tokens a request with ``sampling`` may hold, prompt and output."""
+        return self._limits.max_len_whole if reads_whole_context(sampling) else self._limits.max_len
 
     def _can_share_prompt(self, leader: Request, req: Request) -> bool:
         """Whether ``req`` may wait for ``leader``'s prompt blocks instead of computing its own."""
@@ -418,7 +449,7 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         if req.status is not RequestStatus.WAITING or req.block_ids:
             raise ValueError(f"request {req.req_id!r} is still held by another scheduler")
-        room = self._limits.max_len - req.num_prompt_tokens
+        room = self._max_len_of(req.sampling) - req.num_prompt_tokens
         if req.num_output_tokens >= room:
             raise ValueError(f"request {req.req_id!r} does not fit this worker's model length")
         if req.stopping.max_tokens is None:
@@ -603,14 +634,9 @@ class Scheduler:
     ) -> int:
         """Add a running request's next prefill chunk or decode (with at most ``max_drafts``
         draft slots) to ``next_plan``; returns the tokens used."""
+        self._free_behind_window(req)
         if req.is_prefilling:
-            if not self._make_room(req):
-                return 0
-            num_tokens = min(req.num_prefill_tokens - req.num_computed, budget, self._capacity(req))
-            start = req.num_computed
-            token_ids = req.token_ids_between(start, start + num_tokens)
-            self._add_prefill(req, token_ids, next_plan.rows, records, is_new=False, num_cached_tokens=0)
-            return num_tokens
+            return self._schedule_chunk(req, budget, next_plan.rows, records)
         max_drafts, suffix = self._decode_drafts(req, max_drafts)
         # Tokens confirmed or in flight; slots beyond the limit could never be verified.
         num_draft_slots = min(
@@ -635,6 +661,7 @@ class Scheduler:
             new_block_ids = self._grow(req, num_tokens)
         req.num_computed += num_tokens
         req.num_placeholders += num_tokens
+        req.num_inflight_drafts += num_draft_slots
         if config.num_spec_tokens > 0:
             _count_length(self.stats.draft_lengths, num_draft_slots)
         next_plan.rows.add_decode(req.req_id, num_draft_slots, new_block_ids)
@@ -650,6 +677,17 @@ class Scheduler:
             is_prefill=False,
             num_computed_after=req.num_computed,
         )
+        return num_tokens
+
+    def _schedule_chunk(self, req: Request, budget: int, rows: PlanBuilder, records: dict[str, _Scheduled]) -> int:
+        """Add a running request's next prefill chunk (at most ``budget`` tokens); returns the
+        tokens used (0: it was preempted)."""
+        if not self._make_room(req):
+            return 0
+        num_tokens = min(req.num_prefill_tokens - req.num_computed, budget, self._capacity(req))
+        start = req.num_computed
+        token_ids = req.token_ids_between(start, start + num_tokens)
+        self._add_prefill(req, token_ids, rows, records, is_new=False, num_cached_tokens=0)
         return num_tokens
 
     def _decode_drafts(self, req: Request, max_drafts: int) -> tuple[int, SuffixPlan | None]:
@@ -703,6 +741,8 @@ class Scheduler:
         if self._suffix is not None:
             self._suffix.admitted(req)
         self._running.append(req)
+        # A prefix hit longer than the window: its leading blocks are needed for their ids only.
+        self._free_behind_window(req)
         chunk = token_ids[num_cached_tokens : num_cached_tokens + num_tokens]
         self._add_prefill(req, chunk, rows, records, is_new=True, num_cached_tokens=num_cached_tokens)
         return num_tokens
@@ -740,6 +780,23 @@ class Scheduler:
         """Token slots the request could still get: its spare slots plus every free block."""
         num_slots = (len(req.block_ids) + self._pool.num_free) * self.config.block_size
         return num_slots - req.num_computed
+
+    def _free_behind_window(self, req: Request) -> None:
+        """Give back the leading blocks no query of ``req``'s next step can attend (a
+        sliding-window model; `scheduler_svc/window.py` says why this position is certain)."""
+        window = self.config.sliding_window
+        if window <= 0 or reads_whole_context(req.sampling):
+            return
+        first_query_pos = req.num_computed - req.num_inflight_drafts
+        num_behind = min(num_blocks_behind(first_query_pos, window, self.config.block_size), len(req.block_ids))
+        if self.config.enable_prefix_caching:
+            # Only blocks already offered to the prefix cache: one freed before its step's
+            # result could not be offered later (someone else may have it by then), and a
+            # long prompt's leading blocks would never be cached.
+            num_behind = min(num_behind, req.num_registered_blocks)
+        if num_behind > req.num_freed_blocks:
+            self._pool.free(req.block_ids[req.num_freed_blocks : num_behind])
+            req.num_freed_blocks = num_behind
 
     def _make_room(self, req: Request) -> bool:
         """Preempt the newest running requests until `req` can get one more slot.
@@ -788,8 +845,10 @@ class Scheduler:
 
     def _reset_admission(self, req: Request) -> None:
         """Undo an admission: free its blocks and forget what is in flight for it."""
-        self._pool.free(req.block_ids)
+        self._pool.free(req.block_ids[req.num_freed_blocks :])
         req.block_ids = []
+        req.num_freed_blocks = 0
+        req.num_inflight_drafts = 0
         req.num_registered_blocks = 0
         req.num_computed = 0
         req.num_placeholders = 0
@@ -896,6 +955,7 @@ class Scheduler:
         """Replace placeholders with real tokens, roll back rejected slots, check stops."""
         token_ids = res.token_ids
         num_rejected = rec.num_draft_slots + 1 - len(token_ids)
+        req.num_inflight_drafts -= rec.num_draft_slots
         req.num_computed -= num_rejected
         req.num_placeholders -= num_rejected + len(token_ids)
         if req.num_placeholders < 0:
@@ -945,10 +1005,11 @@ class Scheduler:
             else:
                 self._waiting.remove(req)
         self._release_siblings(req)
-        self._pool.free(req.block_ids)
+        self._pool.free(req.block_ids[req.num_freed_blocks :])
         if self._suffix is not None:
             self._suffix.finish(req)
         req.block_ids = []
+        req.num_freed_blocks = 0
         req.admission_id = 0
         req.status = RequestStatus.FINISHED
         req.finish_reason = finish_reason

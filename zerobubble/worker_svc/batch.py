@@ -14,12 +14,13 @@ import torch
 
 from zerobubble.kernels.attention import AttentionMetadata
 from zerobubble.kernels.inputs import assemble_inputs
+from zerobubble.request_options import has_penalty
 from zerobubble.rows import PlanRow
 from zerobubble.worker_svc import staging
 from zerobubble.worker_svc.grammar import GrammarCompiler
 from zerobubble.worker_svc.proposers import Proposer
 from zerobubble.worker_svc.proposers.prediction import PredictionDrafts
-from zerobubble.worker_svc.sampler import LogitBias, Penalties, SamplingTensors, context_token_counts, has_penalty
+from zerobubble.worker_svc.sampler import LogitBias, Penalties, SamplingTensors, context_token_counts
 from zerobubble.worker_svc.slot_table import BlockTableWrites, DecodeRows, DeviceState, SlotInfo, SlotTable
 
 

@@ -84,8 +84,28 @@ def worker_info(runner: ModelRunner, **fields) -> worker_pb2.WorkerInfo:
         num_lookahead_slots=proposer.num_lookahead_slots if proposer is not None else 0,
         max_num_seqs=cfg.max_num_seqs,
         tensor_parallel_size=runner.model.tp.size if runner.model is not None else 1,
+        sliding_window=attention_window(runner),
         **fields,
     )
+
+
+# Proposers that read token history only, never the KV cache: blocks behind the target's window
+# mean nothing to them. A draft model or an EAGLE head attends its whole context through the
+# request's block table, so with one the scheduler must keep every block.
+_KV_FREE_PROPOSERS = frozenset({"ngram", "suffix"})
+
+
+def attention_window(runner: ModelRunner) -> int:
+    """The window the scheduler may free blocks behind (`WorkerInfo.sliding_window`): the
+    smallest over the layers when every layer is windowed; 0 when any layer attends the whole
+    sequence, with a proposer that reads the KV cache, or on a simulated device."""
+    model, proposer = runner.model, runner.proposer
+    if model is None or (proposer is not None and proposer.method not in _KV_FREE_PROPOSERS):
+        return 0
+    if isinstance(runner.parts.device, SimulatedDevice):  # it reads tokens of earlier positions
+        return 0
+    windows = model.spec.sliding_windows
+    return min(windows) if windows and min(windows) > 0 else 0
 
 
 def max_blocks_per_seq(config: RunnerConfig) -> int:

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from zerobubble.kernels.keyed_random import STREAM_SAMPLE, keyed_uniform
-from zerobubble.request_options import SamplingOptions
+from zerobubble.request_options import SamplingOptions, has_penalty
 from zerobubble.worker_svc.staging import to_device
 
 # Seeds are uint64 on the wire; the keyed-noise kernels take int64.
@@ -176,11 +176,6 @@ class SlotSampling:
             logit_bias=logit_bias,
             typical_ps=self.typical_p[rows],
         )
-
-
-def has_penalty(p: SamplingOptions) -> bool:
-    """Whether a request uses any of the repetition, frequency or presence penalties."""
-    return bool(p.presence_penalty or p.frequency_penalty or p.repetition_penalty not in (0.0, 1.0))
 
 
 @dataclass(slots=True)
