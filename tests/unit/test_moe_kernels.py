@@ -1,5 +1,6 @@
 """The routed-expert kernels (zerobubble.kernels.moe): the Triton grouped product (CPU
-interpreter) and the CPU per-expert path against their torch twin, over ragged expert loads."""
+interpreter), the CPU per-expert path and the compiled experts op against their torch twins,
+over ragged expert loads."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import os
 # Triton decides interpreted vs compiled when a kernel is defined, i.e. at import time.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from dataclasses import replace  # noqa: E402
 from functools import partial  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from zerobubble.kernels import fused, moe  # noqa: E402
+from zerobubble.kernels import cpu, fused, moe  # noqa: E402
 from zerobubble.kernels._triton import HAS_TRITON, KernelImpl  # noqa: E402
 from zerobubble.kernels.linear import dequantize_int4, prepare_linear, quantize_int4, quantize_int8  # noqa: E402
 
@@ -191,3 +193,101 @@ def test_each_ranks_experts_sum_to_all_of_them(impl: str, num_tokens: int) -> No
     chosen = set(routing.experts.tolist())
     for first, part in zip(firsts, parts):
         assert part.isfinite().all() and (part.abs().sum() == 0) == (not chosen & {first, first + 1})
+
+
+# The compiled experts op (csrc/moe.cpp): rows per expert, with idle experts, one expert holding
+# every row, one row, a decode batch of 16 tokens' top-8 and a prefill of 300 tokens' top-8.
+OP_LOADS = {
+    "ragged": [3, 0, 1, 0, 5, 0, 0, 2],
+    "one-expert": [0, 0, 0, 0, 0, 11, 0, 0],
+    "one-row": [0, 0, 1, 0, 0, 0, 0, 0],
+    "16x8": [30, 9, 0, 25, 17, 1, 40, 6],
+    "300x8": [700, 13, 410, 0, 377, 500, 300, 100],
+}
+CLAMPED = partial(fused.clamped_swiglu_mul, alpha=1.702, limit=2.0)
+
+
+def _compiled_experts(
+    quantization: str, act: moe.ActMul, with_biases: bool, seed: int
+) -> tuple[moe.ExpertWeights, moe.ExpertWeights]:
+    """bfloat16 experts with their blocks stacked for the op, and the same weights (views) served
+    by the per-expert loop; skips where the block product is not native."""
+    if not torch.ops.zerobubble_cpu.block_linear_is_native():
+        pytest.skip("this CPU has no AVX-512 BF16: the per-expert loop serves the experts")
+    gate_up, down = (w * 5 for w in _stacked(torch.bfloat16, seed))  # gate·up values past the limit
+    g = torch.Generator().manual_seed(seed)
+    biases = (torch.randn(NUM_EXPERTS, 2 * INTER, generator=g), torch.randn(NUM_EXPERTS, HIDDEN, generator=g))
+    make = partial(prepare_linear, quantization=quantization, impl="cpp")
+    bf16_biases = (biases[0].bfloat16(), biases[1].bfloat16()) if with_biases else None
+    experts = moe.expert_weights(gate_up, down, make, bf16_biases, act)
+    assert experts.gate_up_blocks is not None and experts.down_blocks is not None
+    loop = replace(experts, gate_up_blocks=None, down_blocks=None, gate_up_scale=None, down_scale=None)
+    return experts, loop
+
+
+@pytest.mark.parametrize("load", list(OP_LOADS))
+@pytest.mark.parametrize("activation", ["swiglu", "clamped"])
+@pytest.mark.parametrize("with_biases", [False, True], ids=["plain", "biases"])
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_compiled_experts_op_is_the_per_expert_loop(
+    cpu_kernels: None, load: str, activation: str, with_biases: bool, quantization: str
+) -> None:
+    """One call for all experts against the per-expert loop of block products over the same
+    blocks, rounded where the loop rounds: bit for bit with SwiGLU (the compiled SiLU both
+    ways), within one bfloat16 step of the clamped SwiGLU's torch twin."""
+    act = fused.silu_mul if activation == "swiglu" else CLAMPED
+    experts, loop = _compiled_experts(quantization, act, with_biases, len(load))
+    offsets = _offsets(OP_LOADS[load])
+    rows = torch.randn(int(offsets[-1]), HIDDEN, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ids = torch.repeat_interleave(torch.arange(NUM_EXPERTS), offsets.diff())
+    got = moe.expert_mlps(rows, offsets, experts, "cpp", ids)
+    want = moe.expert_mlps(rows, offsets, loop, "cpp", ids)
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    if activation == "swiglu":
+        assert torch.equal(got, want)
+    else:
+        _close(got, want, 2**-7)
+
+
+def test_compiled_experts_op_matches_the_grouped_twin(cpu_kernels: None) -> None:
+    """The op through `routed_experts` against the torch twin's grouped products of the same
+    bfloat16 weights in float32: within bfloat16's roundings."""
+    experts, _ = _compiled_experts("none", fused.silu_mul, False, 7)
+    x, routing = _routing(24, 7, top_k=3)
+    got = moe.routed_experts(x.bfloat16(), routing, experts, impl="cpp")
+    gate_up, down = (w * 5 for w in _stacked(torch.bfloat16, 7))
+    want = moe.routed_experts(x.bfloat16().float(), routing, moe.expert_weights(gate_up.float(), down.float()))
+    _close(got, want, 3e-2)
+
+
+def test_compiled_experts_op_writes_only_its_offsets_rows(cpu_kernels: None) -> None:
+    """Offsets that start past row 0 and end before the last row (a rank's experts under expert
+    parallelism): the rows between them are each expert's MLP, those outside are left alone."""
+    experts, loop = _compiled_experts("none", fused.silu_mul, True, 3)
+    offsets = torch.tensor([4, 6, 6, 7, 9, 9, 12, 12, 15])
+    rows = torch.randn(20, HIDDEN, generator=torch.Generator().manual_seed(2)).bfloat16()
+    # Both read each expert's biases by its offsets, not the rows' expert ids.
+    got = moe.expert_mlps(rows, offsets, experts, "cpp")
+    want = moe.expert_mlps(rows[4:15], offsets - 4, loop, "cpp")
+    assert torch.equal(got[4:15], want)
+
+
+def test_compiled_experts_op_only_where_it_applies(cpu_kernels: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks are stacked (one copy: each expert's weight is a view) only where every expert is
+    the block product's: bfloat16 with the compiled kernels on AVX-512 BF16; elsewhere (oneDNN's
+    layout, float32, a CPU without the instructions, an activation the op has not) the
+    per-expert loop serves."""
+    gate_up, down = _stacked(torch.bfloat16, 1)
+    onednn = moe.expert_weights(gate_up, down, prepare_linear)
+    assert onednn.gate_up_blocks is None and onednn.gate_up_each is not None
+    assert moe.expert_weights(gate_up.float(), down.float(), partial(prepare_linear, impl="cpp")).down_blocks is None
+    if torch.ops.zerobubble_cpu.block_linear_is_native():
+        stacked = moe.expert_weights(gate_up, down, partial(prepare_linear, impl="cpp"))
+        assert stacked.gate_up_blocks is not None and stacked.gate_up_each is not None
+        each = stacked.gate_up_each[5].blocks
+        assert each is not None and each.data_ptr() == stacked.gate_up_blocks[5].data_ptr()
+        assert moe._compiled_activation(gate_up[0], stacked) is not None
+        gelu = replace(stacked, act_mul=fused.gelu_tanh_mul)
+        assert moe._compiled_activation(gate_up[0], gelu) is None
+    monkeypatch.setattr(cpu, "native_bf16", lambda: False)
+    assert moe.expert_weights(gate_up, down, partial(prepare_linear, impl="cpp")).gate_up_blocks is None

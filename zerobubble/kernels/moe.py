@@ -25,6 +25,7 @@ one rounding less in 16-bit dtypes).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from zerobubble.kernels._triton import HAS_TRITON, KernelImpl, is_interpreted, next_power_of_2, tl, triton, use_triton
-from zerobubble.kernels.fused import silu_mul
+from zerobubble.kernels.fused import clamped_swiglu_mul, silu_mul
 from zerobubble.kernels.linear import LinearWeight, linear
 
 
@@ -62,7 +63,12 @@ class ExpertWeights:
     `LinearWeight` per expert (``gate_up_each``, ``down_each``) for the CPU products; optional
     biases ``[E, 2 I]`` and ``[E, H]`` (gpt-oss), never quantized; the activation (SwiGLU unless
     the family says otherwise). Under expert parallelism they are the experts
-    ``[first, first + num_experts)`` of the router's."""
+    ``[first, first + num_experts)`` of the router's.
+
+    Where every expert's products are the compiled block product (bfloat16 models on AVX-512
+    BF16), their blocks are also stacked, ``gate_up_blocks [E, blocks, H / 2, 16, 2]`` and
+    ``down_blocks`` (int8 codes: with ``gate_up_scale [E, 2 I]``, ``down_scale [E, H]``), for
+    the compiled experts op; each expert's `LinearWeight` reads a view of them (one copy)."""
 
     num_experts: int
     gate_up: Tensor | None = None
@@ -73,6 +79,10 @@ class ExpertWeights:
     down_bias: Tensor | None = None
     act_mul: ActMul = field(default=silu_mul)
     first: int = 0
+    gate_up_blocks: Tensor | None = None
+    down_blocks: Tensor | None = None
+    gate_up_scale: Tensor | None = None
+    down_scale: Tensor | None = None
 
 
 def expert_weights(
@@ -84,22 +94,52 @@ def expert_weights(
     first: int = 0,
 ) -> ExpertWeights:
     """Experts from stacked ``gate_up [E, 2 I, H]`` and ``down [E, H, I]``: kept stacked, or with
-    ``make`` (e.g. `zerobubble.kernels.linear.prepare_linear`) one `LinearWeight` per expert;
-    ``biases``: ``(gate_up [E, 2 I], down [E, H] or None)``; ``first``: the router's id of the
-    first of them (expert parallel: a rank's share)."""
+    ``make`` (e.g. `zerobubble.kernels.linear.prepare_linear`) one `LinearWeight` per expert
+    (their blocks stacked where all are the block product's); ``biases``: ``(gate_up [E, 2 I],
+    down [E, H] or None)``; ``first``: the router's id of the first of them (expert parallel: a
+    rank's share)."""
     num_experts = gate_up.shape[0]
     if make is None:
         experts = ExpertWeights(num_experts, gate_up=gate_up.contiguous(), down=down.contiguous())
     else:
-        experts = ExpertWeights(
-            num_experts,
-            gate_up_each=[make(gate_up[e].contiguous()) for e in range(num_experts)],
-            down_each=[make(down[e].contiguous()) for e in range(num_experts)],
-        )
+        gate_up_each, gate_up_blocks, gate_up_scale = _made_experts(gate_up, make)
+        down_each, down_blocks, down_scale = _made_experts(down, make)
+        experts = ExpertWeights(num_experts, gate_up_each=gate_up_each, down_each=down_each)
+        if gate_up_blocks is not None and down_blocks is not None and gate_up_blocks.dtype == down_blocks.dtype:
+            experts.gate_up_blocks, experts.down_blocks = gate_up_blocks, down_blocks
+            experts.gate_up_scale, experts.down_scale = gate_up_scale, down_scale
     if biases is not None:
         experts.gate_up_bias, experts.down_bias = biases
     experts.act_mul, experts.first = act_mul, first
     return experts
+
+
+def _made_experts(
+    stack: Tensor, make: Callable[[Tensor], LinearWeight]
+) -> tuple[list[LinearWeight], Tensor | None, Tensor | None]:
+    """One `LinearWeight` per expert of ``stack [E, out, in]``, and, where every one is run by
+    the block product alone, their blocks ``[E, ...]`` (and int8 codes' scales ``[E, out]``):
+    each expert's blocks are copied in as it is made and it keeps a view, so the layer's weights
+    are never held twice."""
+    num_experts = stack.shape[0]
+    weights: list[LinearWeight] = []
+    blocks: Tensor | None = None
+    for e in range(num_experts):
+        weight = make(stack[e].contiguous())
+        if weight.blocks is not None and set(weight.plan) == {"blocks"} and (e == 0 or blocks is not None):
+            if blocks is None:
+                blocks = weight.blocks.new_empty((num_experts, *weight.blocks.shape))
+            blocks[e].copy_(weight.blocks)
+            weight.blocks = blocks[e]
+        else:
+            blocks = None  # an expert another product runs: the per-expert loop serves the layer
+        weights.append(weight)
+    if blocks is None or blocks.dtype != torch.int8:
+        return weights, blocks, None
+    scales = torch.stack([weight.int8_scale for weight in weights if weight.int8_scale is not None])
+    for e, weight in enumerate(weights):
+        weight.int8_scale = scales[e]
+    return weights, blocks, scales
 
 
 def route(router_logits: Tensor, top_k: int, renormalize: bool) -> Routing:
@@ -154,6 +194,9 @@ def expert_mlps(
 ) -> Tensor:
     """Each expert's gated MLP over its rows ``offsets[e]:offsets[e + 1]`` of ``rows [N, H]``;
     ``expert_ids [N]``: each row's expert (`Routing.experts`), needed with biases."""
+    activation = _compiled_activation(rows, experts)
+    if activation is not None:
+        return _compiled_mlps(rows, offsets, experts, activation)
     if experts.gate_up_each is not None:
         return _per_expert_mlps(rows, offsets, experts, impl)
     assert experts.gate_up is not None and experts.down is not None
@@ -182,6 +225,41 @@ def _per_expert_mlps(rows: Tensor, offsets: Tensor, experts: ExpertWeights, impl
             gate_up = _add_bias(linear(rows[start:end], experts.gate_up_each[e]), experts.gate_up_bias, e)
             down = linear(experts.act_mul(gate_up, impl), experts.down_each[e])
             out[start:end] = _add_bias(down, experts.down_bias, e)
+    return out
+
+
+# The activations of the compiled experts op (csrc/moe.cpp's `activation`).
+_SWIGLU, _CLAMPED_SWIGLU = 0, 1
+
+
+def _compiled_activation(rows: Tensor, experts: ExpertWeights) -> tuple[int, float, float] | None:
+    """``(activation, alpha, limit)`` for the compiled experts op where it runs these experts over
+    bfloat16 ``rows`` (their blocks stacked, an activation it has, biases in the model dtype);
+    None where the per-expert loop serves."""
+    if experts.gate_up_blocks is None or rows.dtype != torch.bfloat16:
+        return None
+    if any(bias is not None and bias.dtype != torch.bfloat16 for bias in (experts.gate_up_bias, experts.down_bias)):
+        return None
+    act = experts.act_mul
+    if act is silu_mul:
+        return _SWIGLU, 1.0, 0.0
+    if isinstance(act, functools.partial) and act.func is clamped_swiglu_mul and not act.args:
+        return _CLAMPED_SWIGLU, float(act.keywords["alpha"]), float(act.keywords["limit"])
+    return None
+
+
+def _compiled_mlps(
+    rows: Tensor, offsets: Tensor, experts: ExpertWeights, activation: tuple[int, float, float]
+) -> Tensor:
+    # One call for the layer's routed experts: one thread team over (output group, expert)
+    # items instead of a forked product per expert and projection (csrc/moe.cpp).
+    assert experts.gate_up_each is not None and experts.down_each is not None
+    kind, alpha, limit = activation
+    out: Tensor = torch.ops.zerobubble_cpu.moe_experts(
+        rows.contiguous(), offsets, experts.gate_up_blocks, experts.gate_up_each[0].num_outputs,
+        experts.gate_up_scale, experts.gate_up_bias, experts.down_blocks, experts.down_each[0].num_outputs,
+        experts.down_scale, experts.down_bias, kind, alpha, limit,
+    )  # fmt: skip
     return out
 
 

@@ -17,6 +17,10 @@ TORCH_LIBRARY(zerobubble_cpu, m) {
   m.def("block_linear(Tensor x, Tensor blocks, int out_features, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("block_linear_is_native() -> bool");
   m.def(
+      "moe_experts(Tensor rows, Tensor offsets, Tensor gate_up, int gate_up_outputs, Tensor? gate_up_scale, "
+      "Tensor? gate_up_bias, Tensor down, int down_outputs, Tensor? down_scale, Tensor? down_bias, int activation, "
+      "float alpha, float limit) -> Tensor");
+  m.def(
       "shm_all_reduce(Tensor(a!) x, Tensor slots, Tensor counters, int rank, int seq, float timeout_s) -> bool");
   m.def(
       "shm_all_gather(Tensor x, Tensor slots, Tensor counters, Tensor(a!) out, int rank, int seq, "
