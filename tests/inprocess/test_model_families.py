@@ -413,9 +413,11 @@ def test_half_precision_close_to_float32_reference(dtype: torch.dtype) -> None:
         assert (paged[r].float() - reference).abs().max() < 0.15 * reference.abs().max()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral-sliding", "qwen2-moe", "gemma2", "gemma3", "phi3"])
+@pytest.mark.parametrize(
+    "name", ["llama", "qwen3", "mistral-sliding", "qwen2-moe", "qwen3-moe", "gemma2", "gemma3", "phi3"]
+)
 def test_compiled_cpu_kernels_are_as_close_to_hf_as_the_torch_ops(cpu_kernels: None, name: str) -> None:
-    """A bfloat16 model on the C++ kernels (norms, rotation, SiLU, paged attention) against the
+    """A bfloat16 model on the C++ kernels (norms, rotation, SiLU, paged attention, routed experts) against the
     same model on the torch ops, both against Hugging Face's float32 logits, over prefill chunks,
     decodes and verification rows: no further from the oracle (the kernels keep attention's
     scores, probabilities and sums in float32, where the torch ops round them to bfloat16)."""

@@ -10,10 +10,17 @@ projection of all experts is one grouped product over ``[E, out, in]`` weights:
 - on CUDA the Triton kernel (`grouped_linear`, a custom op with a fake implementation): one
   program per (block of one expert's rows, output tile), found from the expert offsets on the
   device, so a step never reads the expert loads back to the host (CUDA graphs, async steps);
-- on the CPU the chosen experts only, each by its own product from
-  :mod:`zerobubble.kernels.linear` (`ExpertWeights.gate_up_each`): a decode row reads its top-k
-  experts' weights and never the others', in bfloat16 blocks or weight-only int8/int4 alike;
-- elsewhere the torch twin (`grouped_linear_twin`), the reference of both.
+- on the CPU the chosen experts only: a decode row reads its top-k experts' weights and never
+  the others'. Where every expert is the compiled block product's (bfloat16 models on AVX-512
+  BF16, int8 codes too) the whole layer is one compiled op (``zerobubble_cpu.moe_experts``,
+  ``csrc/moe.cpp``): the experts' blocks are stacked at load time and one thread team shares
+  the work items (48 outputs of one expert with rows) of gate/up, the activation (SwiGLU or
+  gpt-oss's clamped one) and down, rounded where the per-expert products round (the same
+  bits), where a product per expert and projection would fork its own threads and pay its own
+  dispatch. Elsewhere (oneDNN's bfloat16 product, int8 codes by another product, int4,
+  float32) each expert runs its own products from :mod:`zerobubble.kernels.linear`
+  (`ExpertWeights.gate_up_each`);
+- elsewhere the torch twin (`grouped_linear_twin`), the reference of all.
 
 Under expert parallelism a rank holds some of the router's experts (`ExpertWeights.first`): it
 computes the pairs of those alone (`local_routing`), every other pair contributing zero.
