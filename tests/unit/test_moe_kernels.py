@@ -291,3 +291,28 @@ def test_compiled_experts_op_only_where_it_applies(cpu_kernels: None, monkeypatc
         assert moe._compiled_activation(gate_up[0], gelu) is None
     monkeypatch.setattr(cpu, "native_bf16", lambda: False)
     assert moe.expert_weights(gate_up, down, partial(prepare_linear, impl="cpp")).gate_up_blocks is None
+
+
+def test_compiled_experts_op_names_what_it_refuses(cpu_kernels: None) -> None:
+    """The op's checks: bfloat16 rows, blocks of every expert for the rows' width, a scale with
+    int8 blocks only, offsets of every expert within the rows."""
+    experts, _ = _compiled_experts("none", fused.silu_mul, False, 2)
+    assert experts.gate_up_each is not None and experts.down_each is not None
+    gate_up, down = experts.gate_up_blocks, experts.down_blocks
+    rows, offsets = torch.randn(3, HIDDEN).bfloat16(), _offsets([1, 0, 2, 0, 0, 0, 0, 0])
+
+    def run(rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, scale: torch.Tensor | None) -> None:
+        torch.ops.zerobubble_cpu.moe_experts(
+            rows, offsets, gate_up, 2 * INTER, scale, None, down, HIDDEN, None, None, 0, 1.0, 0.0
+        )
+
+    with pytest.raises(RuntimeError, match="rows must be bfloat16"):
+        run(rows.float(), offsets, gate_up, None)
+    with pytest.raises(RuntimeError, match="gate_up must be contiguous"):
+        run(rows[:, :32], offsets, gate_up, None)
+    with pytest.raises(RuntimeError, match="a scale must be given for int8 blocks"):
+        run(rows, offsets, gate_up, torch.ones(NUM_EXPERTS, 2 * INTER).bfloat16())
+    with pytest.raises(RuntimeError, match="offsets must lie within the rows"):
+        run(rows, offsets + 1, gate_up, None)
+    with pytest.raises(RuntimeError, match="offsets must be int64"):
+        run(rows, offsets[:-1], gate_up, None)
