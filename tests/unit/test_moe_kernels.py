@@ -316,3 +316,30 @@ def test_compiled_experts_op_names_what_it_refuses(cpu_kernels: None) -> None:
         run(rows, offsets + 1, gate_up, None)
     with pytest.raises(RuntimeError, match="offsets must be int64"):
         run(rows, offsets[:-1], gate_up, None)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 12])
+def test_compiled_experts_op_per_rank_sums_to_all_experts(cpu_kernels: None, num_tokens: int) -> None:
+    """Expert parallel on the compiled op: four ranks of two experts each (their blocks stacked
+    apart), each rank's output from its pairs only, summed, is the output of all eight."""
+    if not torch.ops.zerobubble_cpu.block_linear_is_native():
+        pytest.skip("this CPU has no AVX-512 BF16: the per-expert loop serves the experts")
+    gate_up, down = _stacked(torch.bfloat16, 8)
+    g = torch.Generator().manual_seed(8)
+    biases = (
+        torch.randn(NUM_EXPERTS, 2 * INTER, generator=g).bfloat16(),
+        torch.randn(NUM_EXPERTS, HIDDEN, generator=g),
+    )
+    x, routing = _routing(num_tokens, 8)
+    make = partial(prepare_linear, impl="cpp")
+
+    def experts(first: int, count: int) -> moe.ExpertWeights:
+        held = slice(first, first + count)
+        part = (biases[0][held], biases[1][held].bfloat16())
+        made = moe.expert_weights(gate_up[held], down[held], make, part, CLAMPED, first=first)
+        assert made.gate_up_blocks is not None
+        return made
+
+    parts = [moe.routed_experts(x.bfloat16(), routing, experts(first, 2), "cpp") for first in range(0, NUM_EXPERTS, 2)]
+    whole = moe.routed_experts(x.bfloat16(), routing, experts(0, NUM_EXPERTS), "cpp")
+    torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
