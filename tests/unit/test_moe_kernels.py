@@ -303,7 +303,7 @@ def test_compiled_experts_op_names_what_it_refuses(cpu_kernels: None) -> None:
 
     def run(rows: torch.Tensor, offsets: torch.Tensor, gate_up: torch.Tensor, scale: torch.Tensor | None) -> None:
         torch.ops.zerobubble_cpu.moe_experts(
-            rows, offsets, gate_up, 2 * INTER, scale, None, down, HIDDEN, None, None, 0, 1.0, 0.0
+            rows, offsets, gate_up, 2 * INTER, scale, None, down, HIDDEN, None, None, 0, 1.0, 0.0, None, None, 0
         )
 
     with pytest.raises(RuntimeError, match="rows must be bfloat16"):
@@ -343,3 +343,21 @@ def test_compiled_experts_op_per_rank_sums_to_all_experts(cpu_kernels: None, num
     parts = [moe.routed_experts(x.bfloat16(), routing, experts(first, 2), "cpp") for first in range(0, NUM_EXPERTS, 2)]
     whole = moe.routed_experts(x.bfloat16(), routing, experts(0, NUM_EXPERTS), "cpp")
     torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens", [1, 16, 300])
+@pytest.mark.parametrize("activation", ["swiglu", "clamped"])
+def test_compiled_experts_weighted_sum_is_the_twins(cpu_kernels: None, num_tokens: int, activation: str) -> None:
+    """`routed_experts` on the op, the weighted sum per token in the same call, against the
+    per-expert loop and the twin's float32 index_add_ over the same bfloat16 outputs (top-3 of
+    8 experts): the same sums, added in the same order."""
+    act = fused.silu_mul if activation == "swiglu" else CLAMPED
+    experts, loop = _compiled_experts("none", act, True, num_tokens)
+    x, routing = _routing(num_tokens, num_tokens, top_k=3)
+    got = moe.routed_experts(x.bfloat16(), routing, experts, "cpp")
+    want = moe.routed_experts(x.bfloat16(), routing, loop, "cpp")
+    assert got.dtype == torch.float32 and got.shape == (num_tokens, HIDDEN)
+    if activation == "swiglu":
+        assert torch.equal(got, want)
+    else:
+        _close(got, want, 2**-7)

@@ -15,11 +15,11 @@ projection of all experts is one grouped product over ``[E, out, in]`` weights:
   BF16, int8 codes too) the whole layer is one compiled op (``zerobubble_cpu.moe_experts``,
   ``csrc/moe.cpp``): the experts' blocks are stacked at load time and one thread team shares
   the work items (48 outputs of one expert with rows) of gate/up, the activation (SwiGLU or
-  gpt-oss's clamped one) and down, rounded where the per-expert products round (the same
-  bits), where a product per expert and projection would fork its own threads and pay its own
-  dispatch. Elsewhere (oneDNN's bfloat16 product, int8 codes by another product, int4,
-  float32) each expert runs its own products from :mod:`zerobubble.kernels.linear`
-  (`ExpertWeights.gate_up_each`);
+  gpt-oss's clamped one) and down, then the weighted sum per token, rounded and added where
+  the per-expert path rounds and adds (the same bits), where a product per expert and
+  projection would fork its own threads and pay its own dispatch. Elsewhere (oneDNN's
+  bfloat16 product, int8 codes by another product, int4, float32) each expert runs its own
+  products from :mod:`zerobubble.kernels.linear` (`ExpertWeights.gate_up_each`);
 - elsewhere the torch twin (`grouped_linear_twin`), the reference of all.
 
 Under expert parallelism a rank holds some of the router's experts (`ExpertWeights.first`): it
@@ -177,6 +177,9 @@ def routed_experts(x: Tensor, routing: Routing, experts: ExpertWeights, impl: Ke
     if experts.num_experts < routing.offsets.shape[0] - 1:
         routing, local = local_routing(routing, experts.first, experts.num_experts)
     rows = x.index_select(0, routing.tokens)
+    activation = _compiled_activation(rows, experts)
+    if activation is not None:  # the weighted sum in the same call (other ranks' rows add nothing)
+        return _compiled_mlps(rows, routing.offsets, experts, activation, (routing, x.shape[0]))
     out = expert_mlps(rows, routing.offsets, experts, impl, routing.experts).float()
     if local is not None:  # the other experts' rows: never written
         out = torch.where(local.unsqueeze(-1), out, 0.0)
@@ -256,16 +259,26 @@ def _compiled_activation(rows: Tensor, experts: ExpertWeights) -> tuple[int, flo
 
 
 def _compiled_mlps(
-    rows: Tensor, offsets: Tensor, experts: ExpertWeights, activation: tuple[int, float, float]
+    rows: Tensor,
+    offsets: Tensor,
+    experts: ExpertWeights,
+    activation: tuple[int, float, float],
+    summed_for: tuple[Routing, int] | None = None,
 ) -> Tensor:
+    """The experts' down outputs of ``rows`` by the compiled op (bfloat16 ``[N, H]``); with
+    ``summed_for`` (the routing, the token count) their weighted sum per token instead, float32
+    ``[T, H]``, added in `routed_experts`' order (the same sums)."""
     # One call for the layer's routed experts: one thread team over (output group, expert)
     # items instead of a forked product per expert and projection (csrc/moe.cpp).
     assert experts.gate_up_each is not None and experts.down_each is not None
     kind, alpha, limit = activation
+    tokens, weights, num_tokens = None, None, 0
+    if summed_for is not None:
+        tokens, weights, num_tokens = summed_for[0].tokens, summed_for[0].weights, summed_for[1]
     out: Tensor = torch.ops.zerobubble_cpu.moe_experts(
         rows.contiguous(), offsets, experts.gate_up_blocks, experts.gate_up_each[0].num_outputs,
         experts.gate_up_scale, experts.gate_up_bias, experts.down_blocks, experts.down_each[0].num_outputs,
-        experts.down_scale, experts.down_bias, kind, alpha, limit,
+        experts.down_scale, experts.down_bias, kind, alpha, limit, tokens, weights, num_tokens,
     )  # fmt: skip
     return out
 

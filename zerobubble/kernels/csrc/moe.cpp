@@ -113,6 +113,43 @@ void activation_mul(const Tensor& gate_up, int64_t activation, double alpha, dou
   });
 }
 
+// summed[tokens[j]] += float(out[j]) * weights[j] for the rows j in [begin, end), in row order (as
+// the twin's index_add_ adds them: the same float32 sums, bit for bit); threads take columns. The
+// product and the sum are rounded apart, as the twin's two ops round them: no fused multiply-add.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+#endif
+void weighted_sum(const Tensor& out, const Tensor& tokens, const Tensor& weights, int64_t begin, int64_t end,
+                  Tensor& summed) {
+  const int64_t width = out.size(1), num_tokens = summed.size(0);
+  const auto* op = out.data_ptr<c10::BFloat16>();
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  const float* wp = weights.data_ptr<float>();
+  float* sp = summed.data_ptr<float>();
+  for (int64_t j = begin; j < end; ++j) {
+    TORCH_CHECK(tp[j] >= 0 && tp[j] < num_tokens, "token ", tp[j], " out of range");
+  }
+  constexpr int64_t kColumns = 64;
+  at::parallel_for(0, (width + kColumns - 1) / kColumns, 1, [&](int64_t first, int64_t last) {
+    const int64_t lo = first * kColumns, hi = std::min(width, last * kColumns);
+    for (int64_t j = begin; j < end; ++j) {
+      const float w = wp[j];
+      const c10::BFloat16* o = op + j * width;
+      float* s = sp + tp[j] * width;
+      for (int64_t c = lo; c < hi; ++c) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+        s[c] += to_f32(o[c]) * w;
+      }
+    }
+  });
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC pop_options
+#endif
+
 void run_experts_product(const Tensor& x, const std::vector<int64_t>& bounds, const std::vector<int64_t>& active,
                          const Projection& p, Tensor& out) {
   if (p.blocks.scalar_type() == at::kChar) {
@@ -124,11 +161,14 @@ void run_experts_product(const Tensor& x, const std::vector<int64_t>& bounds, co
 
 // The down outputs [N, H] of every expert's gated MLP over its rows offsets[e]:offsets[e + 1] of
 // rows [N, H] (bfloat16, sorted by expert): gate/up, the activation, down, each rounded to
-// bfloat16 as the per-expert path rounds them; rows outside the offsets are not written.
+// bfloat16 as the per-expert path rounds them; rows outside the offsets are not written. With
+// tokens and weights [N] (`Routing`): the weighted sum per token instead, float32 [num_tokens, H],
+// of the rows within the offsets (under expert parallelism the others are other ranks').
 Tensor moe_experts(const Tensor& rows, const Tensor& offsets, const Tensor& gate_up, int64_t gate_up_outputs,
                    const std::optional<Tensor>& gate_up_scale, const std::optional<Tensor>& gate_up_bias,
                    const Tensor& down, int64_t down_outputs, const std::optional<Tensor>& down_scale,
-                   const std::optional<Tensor>& down_bias, int64_t activation, double alpha, double limit) {
+                   const std::optional<Tensor>& down_bias, int64_t activation, double alpha, double limit,
+                   const std::optional<Tensor>& tokens, const std::optional<Tensor>& weights, int64_t num_tokens) {
   check_cpu(rows, "rows");
   TORCH_CHECK(rows.scalar_type() == at::kBFloat16 && rows.dim() == 2 && rows.stride(1) == 1 && rows.size(1) % 2 == 0,
               "rows must be bfloat16 [rows, hidden] with an even hidden size and unit stride along it");
@@ -155,11 +195,22 @@ Tensor moe_experts(const Tensor& rows, const Tensor& offsets, const Tensor& gate
   Tensor hidden = at::empty({rows.size(0), gate_up_outputs}, rows.options());
   Tensor act = at::empty({rows.size(0), gate_up_outputs / 2}, rows.options());
   Tensor out = at::empty({rows.size(0), down_outputs}, rows.options());
-  if (active.empty()) return out;
-  run_experts_product(x, bounds, active, first, hidden);
-  activation_mul(hidden, activation, alpha, limit, act);
-  run_experts_product(act, bounds, active, second, out);
-  return out;
+  const bool sum = tokens.has_value();
+  TORCH_CHECK(sum == weights.has_value(), "tokens and weights come together");
+  if (sum) {
+    TORCH_CHECK(tokens->scalar_type() == at::kLong && tokens->dim() == 1 && tokens->numel() == rows.size(0) &&
+                    weights->scalar_type() == at::kFloat && weights->dim() == 1 && weights->numel() == rows.size(0),
+                "tokens must be int64 [rows] and weights float32 [rows]");
+  }
+  if (!active.empty()) {
+    run_experts_product(x, bounds, active, first, hidden);
+    activation_mul(hidden, activation, alpha, limit, act);
+    run_experts_product(act, bounds, active, second, out);
+  }
+  if (!sum) return out;
+  Tensor summed = at::zeros({num_tokens, down_outputs}, rows.options().dtype(at::kFloat));
+  weighted_sum(out, tokens->contiguous(), weights->contiguous(), bounds[0], bounds[experts], summed);
+  return summed;
 }
 
 }  // namespace

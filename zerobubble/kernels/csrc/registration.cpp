@@ -19,7 +19,7 @@ TORCH_LIBRARY(zerobubble_cpu, m) {
   m.def(
       "moe_experts(Tensor rows, Tensor offsets, Tensor gate_up, int gate_up_outputs, Tensor? gate_up_scale, "
       "Tensor? gate_up_bias, Tensor down, int down_outputs, Tensor? down_scale, Tensor? down_bias, int activation, "
-      "float alpha, float limit) -> Tensor");
+      "float alpha, float limit, Tensor? tokens, Tensor? weights, int num_tokens) -> Tensor");
   m.def(
       "shm_all_reduce(Tensor(a!) x, Tensor slots, Tensor counters, int rank, int seq, float timeout_s) -> bool");
   m.def(
