@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from tests.support.tiny_models import tokenizer_vocab_size, write_tiny_model
+from tests.support.tiny_models import mxfp4_checkpoint, random_mxfp4, tokenizer_vocab_size, write_tiny_model
 from tests.support.tp_ranks import SEQ_LENS, whole_logits
 from zerobubble.worker_svc.model import CausalLM, build_model
 from zerobubble.worker_svc.model_loader import ModelLoadError, load_model
@@ -30,16 +29,6 @@ from zerobubble.worker_svc.parallel import ShardedStateDict, TensorParallel, sha
 SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
              sliding_window=8, swiglu_limit=1.5, max_position_embeddings=256, tie_word_embeddings=False)  # fmt: skip
-MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
-PROJECTIONS = ("gate_up_proj", "down_proj")
-
-
-def random_mxfp4(shape: tuple[int, ...], generator: torch.Generator, scales: tuple[int, int]) -> dict[str, Any]:
-    """Blocks ``[*shape, 16]`` of random FP4 code pairs and scales ``shape`` in ``[low, high)``."""
-    return {
-        "blocks": torch.randint(0, 256, (*shape, 16), generator=generator, dtype=torch.uint8),
-        "scales": torch.randint(*scales, shape, generator=generator, dtype=torch.uint8),
-    }
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
@@ -53,29 +42,6 @@ def test_dequantization_is_hugging_faces_bit_for_bit(shape: tuple[int, int, int]
     assert ours.shape == theirs.shape == (shape[0], 32 * shape[2], shape[1]) and ours.dtype == dtype
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(ours.contiguous().view(bits), theirs.view(bits))
-
-
-def mxfp4_checkpoint(reference: Path, out: Path, seed: int = 0) -> Path:
-    """A released-style MXFP4 copy of the gpt-oss directory ``reference``: its experts replaced
-    by random codes and scales, and ``reference`` rewritten with their dequantized values (float32,
-    no quantization_config): Hugging Face's reading of the MXFP4 copy."""
-    shutil.copytree(reference, out)
-    generator = torch.Generator().manual_seed(seed)
-    weights, packed_weights = load_file(reference / "model.safetensors"), {}
-    for name, tensor in weights.items():
-        if not name.endswith(PROJECTIONS):
-            packed_weights[name] = tensor.to(torch.bfloat16)  # as released: the rest in bfloat16
-            continue
-        experts, rows_in, rows_out = tensor.shape  # [E, in, out]
-        packed = random_mxfp4((experts, rows_out, rows_in // 32), generator, (122, 126))
-        packed_weights.update({f"{name}_{part}": value for part, value in packed.items()})
-        weights[name] = convert_moe_packed_tensors(packed["blocks"], packed["scales"], dtype=torch.float32)
-    save_file(packed_weights, out / "model.safetensors", metadata={"format": "pt"})
-    reference_weights = {n: w.to(torch.bfloat16).float() for n, w in weights.items()}  # the same bfloat16 rest
-    save_file(reference_weights, reference / "model.safetensors", metadata={"format": "pt"})
-    config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
-    return out
 
 
 @pytest.fixture(scope="module")
