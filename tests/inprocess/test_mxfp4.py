@@ -34,9 +34,11 @@ SHAPE = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_atte
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", [(1, 1, 1), (3, 64, 2), (5, 96, 3), (7, 10, 4)], ids=str)
 def test_dequantization_is_hugging_faces_bit_for_bit(shape: tuple[int, int, int], dtype: torch.dtype) -> None:
-    """Every code and every scale but 255 (whose 2^128 times a zero code is NaN either way):
-    the same bits as Hugging Face's, infinities where a 16-bit dtype overflows included."""
-    packed = random_mxfp4(shape, torch.Generator().manual_seed(sum(shape)), (0, 255))
+    """Every code and every scale: the same bits as Hugging Face's, subnormals, signed zeros and
+    infinities where a dtype overflows included."""
+    packed = random_mxfp4(shape, torch.Generator().manual_seed(sum(shape)), (0, 256))
+    flat = packed["scales"].view(-1)
+    flat[0], flat[-1] = 0, 255  # the smallest and largest scales
     ours = dequantize_mxfp4(packed["blocks"], packed["scales"], dtype)
     theirs = convert_moe_packed_tensors(packed["blocks"], packed["scales"], dtype=dtype)
     assert ours.shape == theirs.shape == (shape[0], 32 * shape[2], shape[1]) and ours.dtype == dtype

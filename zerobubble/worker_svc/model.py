@@ -402,7 +402,7 @@ class CausalLM:
         adapted = adapt_state_dict(spec, state_dict)
         # gpt-oss's MXFP4 experts: a rank's down_proj blocks cover its rows from block `first_row // 32`.
         rows = (0, 0) if spec.moe is None else (spec.moe.first_row % mxfp4.BLOCK, spec.moe.intermediate_size)
-        take, take_optional, weight = self.weight_readers(mxfp4.dequantized(adapted, self.dtype, rows))
+        take, take_optional, weight = self.weight_readers(mxfp4.dequantized(adapted, self.dtype, self.device, rows))
         self.layers = [
             layer_weights(spec, take, take_optional, weight, f"model.layers.{i}.", index=i)
             for i in range(spec.num_layers)
