@@ -148,3 +148,27 @@ def test_other_quantized_checkpoints_are_refused_naming_the_method(
     with pytest.raises(ModelLoadError, match=rf"quant_method '{method}'\): only gpt-oss's mxfp4 experts") as raised:
         load_model(str(model_dir))
     assert "\n" not in str(raised.value)
+
+
+def test_each_layer_s_experts_are_dequantized_once_when_read(
+    gpt_oss_dirs: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Listing the state dict dequantizes nothing, and loading dequantizes each projection of
+    each layer once, when its layer reads it: no pass over the whole model in both forms."""
+    from zerobubble.worker_svc import mxfp4
+
+    calls: list[tuple[int, ...]] = []
+
+    def counted(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        calls.append(tuple(blocks.shape))
+        return dequantize_mxfp4(blocks, scales, dtype)
+
+    monkeypatch.setattr(mxfp4, "dequantize_mxfp4", counted)
+    state_dict = mxfp4.Mxfp4StateDict(
+        load_file(gpt_oss_dirs[0] / "model.safetensors"), torch.float32, torch.device("cpu"), (0, 96)
+    )
+    names = list(state_dict)
+    assert "model.layers.1.mlp.experts.down_proj" in names and "model.layers.1.mlp.experts.down_proj" in state_dict
+    assert not any(name.endswith(mxfp4.SUFFIXES) for name in names) and calls == []
+    load_model(str(gpt_oss_dirs[0]))
+    assert sorted(calls) == sorted([(8, 192, 2, 16), (8, 64, 3, 16)] * SHAPE["num_hidden_layers"])
