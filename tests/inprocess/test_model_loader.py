@@ -87,6 +87,26 @@ def test_truncated_gguf(tmp_path: Path) -> None:
         resolve_model(str(truncated))
 
 
+def test_an_mxfp4_gguf_is_refused_naming_the_tensor_type(tmp_path: Path) -> None:
+    """llama.cpp's gpt-oss files store the experts as MXFP4, which the GGUF conversion does not
+    read correctly: refused in one line before any conversion, pointing to the checkpoint we read."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quantize
+
+    path = tmp_path / "gpt-oss.gguf"
+    writer = GGUFWriter(str(path), "gpt-oss")
+    weights = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", quantize(weights, GGMLQuantizationType.MXFP4),
+                      raw_dtype=GGMLQuantizationType.MXFP4)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk.0.ffn_gate_exps.weight' is MXFP4 .* gpt-oss") as raised:
+        resolve_model(str(path))
+    assert "\n" not in str(raised.value)
+
+
 def test_not_a_gguf(tmp_path: Path) -> None:
     fake = tmp_path / "model.gguf"
     fake.write_bytes(b"PK\x03\x04 definitely a zip")
