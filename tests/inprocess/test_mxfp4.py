@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from tests.support.tiny_models import mxfp4_checkpoint, random_mxfp4, tokenizer_vocab_size, write_tiny_model
-from tests.support.tp_ranks import SEQ_LENS, whole_logits
+from tests.support.tp_ranks import SEQ_LENS, sharded_logits, whole_logits
 from zerobubble.worker_svc.model import CausalLM, build_model
 from zerobubble.worker_svc.model_loader import ModelLoadError, load_model
 from zerobubble.worker_svc.mxfp4 import dequantize_mxfp4
@@ -130,6 +130,17 @@ def test_a_rank_dequantizes_only_its_slice(
         if name.endswith(("down_proj_blocks", "down_proj_scales"))
     }
     assert cuts == {down_cut}
+
+
+@pytest.mark.slow
+def test_four_ranks_of_an_mxfp4_checkpoint_match_its_dequantized_copy(
+    gpt_oss_dirs: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Four spawned ranks reading their blocks from the files (`safe_open` slices, 24 rows each
+    starting inside a block) give the dequantized copy's logits on one rank."""
+    mxfp4, reference = gpt_oss_dirs
+    for r, (got, expected) in enumerate(zip(sharded_logits(mxfp4, 4, tmp_path), whole_logits(reference), strict=True)):
+        torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-5, msg=f"request {r}")
 
 
 def test_int8_of_an_mxfp4_checkpoint_is_int8_of_its_dequantized_copy(gpt_oss_dirs: tuple[Path, Path]) -> None:

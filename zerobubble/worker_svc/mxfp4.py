@@ -68,11 +68,11 @@ class Mxfp4StateDict(Mapping[str, Tensor]):
         self.inner, self.dtype, self.device, self.down_rows = state_dict, dtype, device, down_rows
         quantized = {name.removesuffix(SUFFIXES[0]) for name in state_dict if name.endswith(SUFFIXES[0])}
         packed = {base + suffix for base in quantized for suffix in SUFFIXES}
-        self.quantized = frozenset(quantized)
+        self.quantized, self.packed = frozenset(quantized), frozenset(packed)
         self.names = [name for name in state_dict if name not in packed] + sorted(quantized)
 
     def __contains__(self, name: object) -> bool:
-        return name in self.quantized or (name in self.inner and not str(name).endswith(SUFFIXES))
+        return name in self.quantized or (name in self.inner and name not in self.packed)
 
     def __getitem__(self, name: str) -> Tensor:
         if name not in self.quantized:
