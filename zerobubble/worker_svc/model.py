@@ -12,7 +12,8 @@ a handful of large matmuls per layer; on CPU their weights are also laid out onc
 (:mod:`zerobubble.kernels.linear`). RoPE inverse frequencies and attention scaling come from
 ``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
 The sparse layers of the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) run routed
-experts in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`).
+experts in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`); gpt-oss's released
+MXFP4 experts are dequantized as each layer reads them (:mod:`zerobubble.worker_svc.mxfp4`).
 
 The families differ only in data read by the one forward (`ModelSpec`, `LayerWeights`): Gemma's
 (1 + w) norms are stored as ``w + 1`` at load time, its extra norms after attention and MLP are
