@@ -53,24 +53,17 @@ def test_unsupported_model_type(tmp_path: Path) -> None:
         resolve_model(str(tmp_path))
 
 
-def test_an_mxfp4_checkpoint_is_refused_naming_its_quantization(tmp_path: Path, smollm2_dir: Path) -> None:
-    """gpt-oss as released: its experts in MXFP4 (``*_blocks`` / ``*_scales`` tensors), which we
-    do not read; refused in one line before any weight is read."""
-    from safetensors.torch import save_file
-    from transformers import GptOssConfig
-
-    config = GptOssConfig(vocab_size=128, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4,
-                          max_position_embeddings=64).to_dict()  # fmt: skip
+def test_mxfp4_is_read_only_as_gpt_oss_s_experts(tmp_path: Path, smollm2_dir: Path) -> None:
+    """MXFP4 is gpt-oss's experts' storage (tests/inprocess/test_mxfp4.py); another family
+    claiming it is refused in one line, naming the method, before any weight is read."""
+    model_dir = _tiny_hf_dir(tmp_path, smollm2_dir)
+    config = json.loads((model_dir / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    (tmp_path / "config.json").write_text(json.dumps(config))
-    save_file({"model.layers.0.mlp.experts.gate_up_proj_blocks": torch.zeros(4, 64, 1, 16, dtype=torch.uint8)},
-              str(tmp_path / "model.safetensors"))  # fmt: skip
-    shutil.copy(smollm2_dir / "tokenizer.json", tmp_path / "tokenizer.json")
+    (model_dir / "config.json").write_text(json.dumps(config))
     with pytest.raises(
         ModelLoadError, match=r"unsupported quantized checkpoint \(quantization_config.quant_method 'mxfp4'\)"
     ) as raised:
-        load_model(str(tmp_path))
+        load_model(str(model_dir))
     assert "\n" not in str(raised.value)
 
 
@@ -92,6 +85,26 @@ def test_truncated_gguf(tmp_path: Path) -> None:
         truncated.write_bytes(f.read(300_000))
     with pytest.raises(ModelLoadError, match=rf"{truncated}.*corrupt or truncated GGUF"):
         resolve_model(str(truncated))
+
+
+def test_an_mxfp4_gguf_is_refused_naming_the_tensor_type(tmp_path: Path) -> None:
+    """llama.cpp's gpt-oss files store the experts as MXFP4, which the GGUF conversion does not
+    read correctly: refused in one line before any conversion, pointing to the checkpoint we read."""
+    import numpy as np
+    from gguf import GGMLQuantizationType, GGUFWriter, quantize
+
+    path = tmp_path / "gpt-oss.gguf"
+    writer = GGUFWriter(str(path), "gpt-oss")
+    weights = np.random.default_rng(0).standard_normal((2, 64)).astype(np.float32)
+    writer.add_tensor("blk.0.ffn_gate_exps.weight", quantize(weights, GGMLQuantizationType.MXFP4),
+                      raw_dtype=GGMLQuantizationType.MXFP4)  # fmt: skip
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match=r"tensor 'blk.0.ffn_gate_exps.weight' is MXFP4 .* gpt-oss") as raised:
+        resolve_model(str(path))
+    assert "\n" not in str(raised.value)
 
 
 def test_not_a_gguf(tmp_path: Path) -> None:

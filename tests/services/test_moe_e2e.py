@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pytest
 
 from tests.support.e2e import assert_matches_reference, bench_rows, hf_reference, run_workload
 from tests.support.servers import serving
-from tests.support.tiny_models import tokenizer_vocab_size, write_tiny_model
+from tests.support.tiny_models import mxfp4_checkpoint, tokenizer_vocab_size, write_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -101,3 +102,18 @@ def test_expert_parallel_two_ranks_greedy_matches_hf(moe_dir: Callable[[str], Pa
     reference = hf_reference(model_dir, rows, MAX_TOKENS)
     assert_matches_reference(report, reference, model_dir, rows, min_identical=len(rows))
     assert all(len(r["token_ids"]) == MAX_TOKENS for r in report["requests"]), report["requests"]
+
+
+@pytest.mark.slow
+def test_gpt_oss_as_released_in_mxfp4_greedy_matches_hf(
+    moe_dir: Callable[[str], Path], grounded_rows: list, tmp_path: Path
+) -> None:
+    """gpt-oss with its experts in MXFP4 (a released checkpoint's form, experts dequantized at
+    load): every token identical to Hugging Face's over the dequantized copy."""
+    reference = shutil.copytree(moe_dir("gpt_oss"), tmp_path / "reference")
+    model_dir = mxfp4_checkpoint(reference, tmp_path / "mxfp4")
+    rows = [grounded_rows[i] for i in ROWS]
+    with serving(dict(model=str(model_dir), kv_cache_memory_gb=0.25), max_inflight_steps=2) as scheduler:
+        report = run_workload(scheduler.target, bench_rows(rows, max_tokens=MAX_TOKENS), concurrency=len(rows))
+    reference_ids = hf_reference(reference, rows, MAX_TOKENS)
+    assert_matches_reference(report, reference_ids, reference, rows, min_identical=len(rows))

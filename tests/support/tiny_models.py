@@ -8,6 +8,7 @@ rows tokenize as they do for the real model, and the config's vocabulary is that
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -54,3 +55,42 @@ def tokenizer_vocab_size(tokenizer_dir: Path) -> int:
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+
+
+# A released gpt-oss checkpoint's quantization_config (`mxfp4_checkpoint`).
+MXFP4_CONFIG = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn", "lm_head"]}
+MXFP4_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def random_mxfp4(shape: tuple[int, ...], generator: torch.Generator, scales: tuple[int, int]) -> dict[str, Any]:
+    """Blocks ``[*shape, 16]`` of random FP4 code pairs and scales ``shape`` in ``[low, high)``."""
+    return {
+        "blocks": torch.randint(0, 256, (*shape, 16), generator=generator, dtype=torch.uint8),
+        "scales": torch.randint(*scales, shape, generator=generator, dtype=torch.uint8),
+    }
+
+
+def mxfp4_checkpoint(reference: Path, out: Path, seed: int = 0) -> Path:
+    """A released-style MXFP4 copy of the gpt-oss directory ``reference``: its experts replaced
+    by random codes and scales, and ``reference`` rewritten with their dequantized values (float32,
+    no quantization_config): Hugging Face's reading of the MXFP4 copy."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    shutil.copytree(reference, out)
+    generator = torch.Generator().manual_seed(seed)
+    weights, packed_weights = load_file(reference / "model.safetensors"), {}
+    for name, tensor in weights.items():
+        if not name.endswith(MXFP4_PROJECTIONS):
+            packed_weights[name] = tensor.to(torch.bfloat16)  # as released: the rest in bfloat16
+            continue
+        experts, rows_in, rows_out = tensor.shape  # [E, in, out]
+        packed = random_mxfp4((experts, rows_out, rows_in // 32), generator, (122, 126))
+        packed_weights.update({f"{name}_{part}": value for part, value in packed.items()})
+        weights[name] = convert_moe_packed_tensors(packed["blocks"], packed["scales"], dtype=torch.float32)
+    save_file(packed_weights, out / "model.safetensors", metadata={"format": "pt"})
+    reference_weights = {n: w.to(torch.bfloat16).float() for n, w in weights.items()}  # the same bfloat16 rest
+    save_file(reference_weights, reference / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": MXFP4_CONFIG}))
+    return out

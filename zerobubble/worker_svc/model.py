@@ -12,7 +12,8 @@ a handful of large matmuls per layer; on CPU their weights are also laid out onc
 (:mod:`zerobubble.kernels.linear`). RoPE inverse frequencies and attention scaling come from
 ``transformers``' own RoPE functions, so every scaling variant matches Hugging Face exactly.
 The sparse layers of the mixtures of experts (Qwen2-MoE, Qwen3-MoE, Mixtral, gpt-oss) run routed
-experts in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`).
+experts in place of the MLP (:mod:`zerobubble.worker_svc.moe`, `feed_forward`); gpt-oss's released
+MXFP4 experts are dequantized as each layer reads them (:mod:`zerobubble.worker_svc.mxfp4`).
 
 The families differ only in data read by the one forward (`ModelSpec`, `LayerWeights`): Gemma's
 (1 + w) norms are stored as ``w + 1`` at load time, its extra norms after attention and MLP are
@@ -44,6 +45,7 @@ from zerobubble.kernels.attention import (
 )
 from zerobubble.kernels.fused import add_rms_norm, gelu_tanh_mul, qk_norm_rope, silu_mul
 from zerobubble.kernels.linear import LinearWeight, PlanChooser, linear, prepare_linear
+from zerobubble.worker_svc import mxfp4
 from zerobubble.worker_svc.moe import (
     MOE_MODEL_TYPES,
     MoeLayer,
@@ -205,15 +207,19 @@ def model_spec(hf_config: Any) -> ModelSpec:
 
 
 def _refuse_quantized(hf_config: Any) -> None:
-    """A checkpoint stored quantized (gpt-oss's MXFP4 experts, GPTQ, AWQ...) has weights our
-    loader cannot read: refused by name, before any weight is read."""
+    """A checkpoint stored quantized has weights our loader reads only in one case, gpt-oss's
+    MXFP4 experts (dequantized at load, `zerobubble.worker_svc.mxfp4`); any other (GPTQ, AWQ,
+    FP8...) is refused by name, before any weight is read."""
     quantization = getattr(hf_config, "quantization_config", None)
     if not quantization:
         return
     method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization.quant_method
+    if method == "mxfp4" and getattr(hf_config, "model_type", None) == "gpt_oss":
+        return
     raise ValueError(
-        f"unsupported quantized checkpoint (quantization_config.quant_method {str(method)!r}): serve its "
-        "unquantized (bfloat16) weights; weight-only int8/int4 is --quantization"
+        f"unsupported quantized checkpoint (quantization_config.quant_method {str(method)!r}): only gpt-oss's "
+        "mxfp4 experts are read quantized; serve its unquantized (bfloat16) weights, weight-only int8/int4 "
+        "is --quantization"
     )
 
 
@@ -394,7 +400,10 @@ class CausalLM:
         Raises ``KeyError`` for a missing tensor and ``ValueError`` for a wrong shape.
         """
         spec, hidden = self.spec, self.spec.hidden_size
-        take, take_optional, weight = self.weight_readers(adapt_state_dict(spec, state_dict))
+        adapted = adapt_state_dict(spec, state_dict)
+        # gpt-oss's MXFP4 experts: a rank's down_proj blocks cover its rows from block `first_row // 32`.
+        rows = (0, 0) if spec.moe is None else (spec.moe.first_row % mxfp4.BLOCK, spec.moe.intermediate_size)
+        take, take_optional, weight = self.weight_readers(mxfp4.dequantized(adapted, self.dtype, self.device, rows))
         self.layers = [
             layer_weights(spec, take, take_optional, weight, f"model.layers.{i}.", index=i)
             for i in range(spec.num_layers)

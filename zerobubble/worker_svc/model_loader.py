@@ -339,7 +339,11 @@ def _embedded_gguf_path() -> Path:
 
 
 def _validate_gguf(path: Path) -> None:
-    """Fail early, with the path in the message, on a file that is not a complete GGUF."""
+    """Fail early, with the path in the message, on a file that is not a complete GGUF, and on
+    llama.cpp's MXFP4 tensors (its gpt-oss experts): transformers' GGUF reader (5.25) expects
+    gpt-oss's experts as ``ffn_gate_up_exps`` or Mixtral's per-expert names, not llama.cpp's
+    separate ``ffn_gate_exps`` / ``ffn_up_exps``, so a conversion would leave them unread (at
+    random values) rather than fail."""
     with path.open("rb") as f:
         magic = f.read(4)
     if magic != GGUF_MAGIC:
@@ -354,6 +358,12 @@ def _validate_gguf(path: Path) -> None:
                 raise ValueError(f"tensor {tensor.name!r} extends past the end of the file")
     except Exception as exc:
         raise ModelLoadError(f"{str(path)!r} is a corrupt or truncated GGUF file: {exc}") from exc
+    mxfp4 = next((tensor.name for tensor in reader.tensors if tensor.tensor_type.name == "MXFP4"), None)
+    if mxfp4 is not None:
+        raise ModelLoadError(
+            f"GGUF file {str(path)!r}: tensor {mxfp4!r} is MXFP4 (llama.cpp's gpt-oss experts), which is not "
+            "converted; serve gpt-oss's Hugging Face checkpoint, whose MXFP4 experts are read"
+        )
 
 
 def _convert_gguf_cached(gguf_path: Path, cache_name: str) -> Path:

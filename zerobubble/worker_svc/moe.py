@@ -58,6 +58,7 @@ class MoeSpec:
     # experts' down biases (tensor parallel: the first rank only, the sum over ranks adding them once).
     first_expert: int = 0
     num_local_experts: int = 0
+    first_row: int = 0  # tensor parallel: the rank's first intermediate row of each expert
     adds_down_bias: bool = True
 
     @property

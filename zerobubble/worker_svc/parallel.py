@@ -42,6 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerobubble.kernels.linear import LinearWeight, linear
+from zerobubble.worker_svc.mxfp4 import block_range
 from zerobubble.worker_svc.shm_collectives import SharedMemoryCollectives
 
 logger = logging.getLogger(__name__)
@@ -432,6 +433,7 @@ def shard_spec(spec: Spec, tp: TensorParallel) -> Spec:
             intermediate_size=experts.inter_count,
             shared_intermediate_size=experts.shared_count,
             first_expert=experts.expert_start,
+            first_row=experts.inter_start,
             num_local_experts=experts.expert_count,
             # Each rank's partial products are summed: an expert's down bias is added on one.
             adds_down_bias=tp.rank == 0 or tp.expert_parallel,
@@ -480,13 +482,20 @@ _CUTS: dict[str, tuple[int, str]] = {
 _EXPERT_ROWS = re.compile(r"experts\.\d+\.(gate_proj|up_proj|w1|w3)\.weight$")
 _EXPERT_COLUMNS = re.compile(r"experts\.\d+\.(down_proj|w2)\.weight$")
 _EXPERT_ID = re.compile(r"experts\.(\d+)\.")
-_STACKED = re.compile(r"experts\.(gate_up_proj|down_proj)(_bias)?$")
+_STACKED = re.compile(r"experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?$")
 _STACKED_CUTS: dict[tuple[bool, str], tuple[int, str]] = {  # (interleaved, name) -> cut
     (False, "experts.gate_up_proj"): (1, "gate_up_halves"),
     (False, "experts.down_proj"): (2, "expert_inter"),
     (True, "experts.gate_up_proj"): (2, "expert_pairs"),
     (True, "experts.gate_up_proj_bias"): (1, "expert_pairs"),
     (True, "experts.down_proj"): (1, "expert_inter"),
+    # Released gpt-oss checkpoints' MXFP4 experts (`zerobubble.worker_svc.mxfp4`), stored
+    # [E, out, in / 32, 16] and [E, out, in / 32]: gate/up by output pairs, down by the blocks
+    # covering the rank's intermediate rows (cut to them once dequantized).
+    (True, "experts.gate_up_proj_blocks"): (1, "expert_pairs"),
+    (True, "experts.gate_up_proj_scales"): (1, "expert_pairs"),
+    (True, "experts.down_proj_blocks"): (2, "expert_inter_blocks"),
+    (True, "experts.down_proj_scales"): (2, "expert_inter_blocks"),
 }
 
 # Reads ``name`` cut to ``[start, stop)`` along ``dim`` (None: whole); a lazy file reader reads only that.
@@ -513,6 +522,7 @@ class ShardedStateDict(Mapping[str, torch.Tensor]):
                 experts=(e.expert_start, e.expert_count),
                 expert_inter=(e.inter_start, e.inter_count),
                 expert_pairs=(2 * e.inter_start, 2 * e.inter_count),
+                expert_inter_blocks=block_range(e.inter_start, e.inter_count),
                 shared=(e.shared_start, e.shared_count),
             )
         # Expert parallel: other ranks' experts are not this state dict's (loading iterates it).
