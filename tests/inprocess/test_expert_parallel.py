@@ -4,8 +4,9 @@ default), or whole experts per rank (``--enable-expert-parallel``), against the 
 Each size runs as that many spawned processes on gloo (`tests/support/tp_ranks.py`), loading
 their parts from the model directory. The oracle is the size-1 model over the same schedule
 (itself Hugging Face's logits, tests/inprocess/test_model_families.py). The default run covers
-Qwen2-MoE, Mixtral and gpt-oss over two ranks in both placements; the slow suite adds Qwen3-MoE,
-four ranks, and every token routed to the leader's experts.
+gpt-oss (biases on both projections, interleaved experts) over two ranks in both placements and
+Qwen2-MoE's shared expert with whole experts per rank; the slow suite adds the other placements of
+Qwen2-MoE, Mixtral and Qwen3-MoE, four ranks, and every token routed to the leader's experts.
 """
 
 from __future__ import annotations
@@ -86,10 +87,23 @@ def assert_ranks_match_one(model_dir: Path, size: int, tmp_path: Path, expert_pa
         torch.testing.assert_close(got, expected, **TOLERANCE, msg=f"request {r}")
 
 
-# Qwen3-MoE loads as Qwen2-MoE does, less the shared expert: in the slow suite.
-@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp-experts", "expert-parallel"])
+def _in_default_run(family: str, expert_parallel: bool) -> bool:
+    """gpt-oss in both placements and Qwen2-MoE's shared expert (each spawn takes seconds)."""
+    return family == "gpt_oss" or (family == "qwen2_moe" and expert_parallel)
+
+
 @pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=pytest.mark.slow) if f == "qwen3_moe" else f for f in FAMILIES]
+    ("family", "expert_parallel"),
+    [
+        pytest.param(
+            f,
+            ep,
+            id=f"{f}-{'expert-parallel' if ep else 'tp-experts'}",
+            marks=() if _in_default_run(f, ep) else pytest.mark.slow,
+        )
+        for f in FAMILIES
+        for ep in (False, True)
+    ],
 )
 def test_two_ranks_match_one(moe_dirs: dict[str, Path], tmp_path: Path, family: str, expert_parallel: bool) -> None:
     assert_ranks_match_one(moe_dirs[family], 2, tmp_path, expert_parallel)
