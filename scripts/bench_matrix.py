@@ -191,7 +191,7 @@ def main() -> None:
         "--spec-methods",
         nargs="+",
         default=["none"],
-        choices=("none", "ngram"),
+        choices=("none", "ngram", "suffix"),
         help="hf suite: our configurations, each against the same HF run; async suite: one worker each",
     )
     parser.add_argument(
