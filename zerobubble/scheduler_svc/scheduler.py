@@ -155,7 +155,7 @@ class _Ids:
         return self.next_admission_id - 1
 
 
-def _grow(counts: list[int], size: int) -> None:
+def _extend_counts(counts: list[int], size: int) -> None:
     """Zero counts appended to ``counts`` until it holds ``size``."""
     if len(counts) < size:
         counts.extend([0] * (size - len(counts)))
@@ -163,7 +163,7 @@ def _grow(counts: list[int], size: int) -> None:
 
 def _count_length(counts: list[int], length: int) -> None:
     """One more of ``length`` in a histogram kept as counts by value."""
-    _grow(counts, length + 1)
+    _extend_counts(counts, length + 1)
     counts[length] += 1
 
 
@@ -935,7 +935,7 @@ class Scheduler:
         stats.num_draft_tokens += res.num_draft_tokens
         stats.num_accepted_tokens += num_accepted
         per_pos = stats.accepted_per_pos
-        _grow(per_pos, num_accepted)
+        _extend_counts(per_pos, num_accepted)
         for pos in range(num_accepted):
             per_pos[pos] += 1
 
