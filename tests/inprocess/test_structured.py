@@ -78,11 +78,22 @@ MIXED = [
 ]
 # (runner, plans in flight) against the synchronous unspeculated run.
 MODES = [("plain", 2), ("ngram", 1), ("ngram", 2), ("draft", 1), ("draft", 2)]
+# make test's time: the default run checks the async speculative modes (drafts cut by the
+# grammar, placeholders in flight); every mode, greedy and seeded, in the slow suite.
+ASYNC_SPEC_MODES = [("ngram", 2), ("draft", 2)]
 
 
-# Seeded in the slow suite (make test's time): the greedy run covers the same modes.
-@pytest.mark.parametrize("name", ["greedy", pytest.param("seeded", marks=pytest.mark.slow)])
-def test_constrained_output_is_the_same_in_every_mode(plain_runner, ngram_runner, keyed_draft_runner, tokenizer, name):
+@pytest.mark.parametrize(
+    ("name", "modes"),
+    [
+        pytest.param("greedy", ASYNC_SPEC_MODES, id="greedy-async-spec"),
+        pytest.param("greedy", MODES, id="greedy", marks=pytest.mark.slow),
+        pytest.param("seeded", MODES, id="seeded", marks=pytest.mark.slow),
+    ],
+)
+def test_constrained_output_is_the_same_in_every_mode(
+    plain_runner, ngram_runner, keyed_draft_runner, tokenizer, name, modes
+):
     """The same tokens sync and async, without speculation, with n-gram and with draft-model
     drafts (drafts the grammar forbids are cut before verification), sixteen requests together
     and alone; the unconstrained requests beside the constrained ones are unchanged."""
@@ -94,7 +105,7 @@ def test_constrained_output_is_the_same_in_every_mode(plain_runner, ngram_runner
     assert len(requests) == 16
     runners = {"plain": plain_runner, "ngram": ngram_runner, "draft": keyed_draft_runner}
     reference = run_job(runners["plain"], requests, window=1)
-    for runner_name, window in MODES:
+    for runner_name, window in modes:
         assert run_job(runners[runner_name], requests, window=window) == reference, (runner_name, window)
     for request in (requests[0], requests[6]):
         alone = run_job(runners["ngram"], [request], window=2)

@@ -95,6 +95,7 @@ def _serve_and_check(
     return report["server_stats"], max(seen, default=0.0), hits
 
 
+@pytest.mark.slow  # make test's time: the window's reads are checked by the scheduler and kernel tests
 def test_windowed_mistral_matches_hf_async_with_ngram_drafts(
     mistral_dir: Path, grounded_rows: list[dict[str, Any]]
 ) -> None:
