@@ -81,8 +81,8 @@ def check_every_mode(
         stats = SchedulerStats()
         outputs = run_job(runners[runner_name], requests, window=window, stats=stats)
         assert outputs == reference, (runner_name, window)
-        assert stats.num_prediction_accepted_tokens > 0, (runner_name, window)
-        assert stats.num_prediction_accepted_tokens <= stats.num_prediction_draft_tokens
+        assert stats.prediction.num_accepted_tokens > 0, (runner_name, window)
+        assert stats.prediction.num_accepted_tokens <= stats.prediction.num_draft_tokens
 
 
 def without_predictions(requests: list[tuple[str, list[int], dict]]) -> list[tuple[str, list[int], dict]]:
@@ -122,7 +122,7 @@ def test_rejection_sampling_verifies_prediction_drafts_as_certain_tokens(plain_r
     reference = run_job(plain_runner, without_predictions(requests), window=1)
     stats = SchedulerStats()
     assert run_job(draft_runner, requests, window=2, stats=stats) == reference
-    assert stats.num_prediction_accepted_tokens > 0
+    assert stats.prediction.num_accepted_tokens > 0
 
 
 def test_a_prediction_the_output_follows_is_mostly_accepted(plain_runner, tokenizer):
@@ -134,5 +134,5 @@ def test_a_prediction_the_output_follows_is_mostly_accepted(plain_runner, tokeni
     baseline, stats = SchedulerStats(), SchedulerStats()
     run_job(plain_runner, requests[:1], window=2, stats=baseline)
     assert run_job(plain_runner, predicted[:1], window=2, stats=stats) == {"edit0": reference["edit0"]}
-    assert stats.num_prediction_accepted_tokens >= 0.9 * (len(reference["edit0"]) - 2)
+    assert stats.prediction.num_accepted_tokens >= 0.9 * (len(reference["edit0"]) - 2)
     assert stats.num_steps_completed <= baseline.num_steps_completed / 3

@@ -372,7 +372,7 @@ def check_penalized_greedy(
         assert trace.outputs[f"rep{row}"].token_ids == rep_ref, ("repetition", row)
         assert trace.outputs[f"oa{row}"].token_ids == oa_ref, ("frequency/presence", row)
     if spec != "none":
-        assert scheduler.stats.num_accepted_tokens > 0, "no draft accepted under penalties"
+        assert scheduler.stats.spec.num_accepted_tokens > 0, "no draft accepted under penalties"
 
 
 @pytest.mark.parametrize("spec,window", [pytest.param(*m, id=_mode_id(*m)) for m in MODES])
@@ -485,7 +485,7 @@ def test_top_logprobs_belong_to_the_accepted_tokens(ngram_runner, smollm2_dir, p
         scheduler.on_step_result = keep
         trace = drive(ngram_runner, scheduler, rec, window=2)
     out = trace.outputs["t"]
-    assert scheduler.stats.num_accepted_tokens > 0
+    assert scheduler.stats.spec.num_accepted_tokens > 0
     assert len(tops) == len(out.token_ids) == len(out.logprobs) == 24
     hf = load_hf_model(Path(smollm2_dir))
     with torch.inference_mode():

@@ -182,7 +182,7 @@ def test_never_a_token_past_max_tokens_with_drafts(ngram_runner, smollm2_dir, wi
         out = trace.outputs[f"m{n}"]
         assert out.finish_reason == FINISH_MAX_TOKENS
         assert out.token_ids == reference[:n]
-    assert scheduler.stats.num_accepted_tokens > 0, "drafts never accepted: the limit was not tested"
+    assert scheduler.stats.spec.num_accepted_tokens > 0, "drafts never accepted: the limit was not tested"
 
 
 @pytest.mark.parametrize("spec,temperature", [("ngram", 0.0), ("ngram", 0.8), ("draft", 0.0)])
@@ -205,7 +205,7 @@ def test_logprobs_belong_to_the_accepted_tokens(request, smollm2_dir, grounded, 
     with recording(runner) as rec:
         trace = drive(runner, scheduler, rec, window=2)
     audit(trace, prompts, ngram=spec == "ngram")
-    assert scheduler.stats.num_accepted_tokens > 0, "no multi-token step: alignment not tested"
+    assert scheduler.stats.spec.num_accepted_tokens > 0, "no multi-token step: alignment not tested"
     hf = load_hf_model(Path(smollm2_dir))
     for req_id, prompt in prompts.items():
         out = trace.outputs[req_id]
@@ -315,7 +315,7 @@ def test_preemption_with_chunked_prefill_and_steps_in_flight(request, grounded, 
         and any(not e.token_ids for e in plan_rows(plan))
         for plan, _, _ in trace.steps
     ), "prefill chunks never shared a step with decodes"
-    stats = scheduler.stats
+    stats = scheduler.stats.spec
     assert stats.num_accepted_tokens > 0
     if spec == "draft":
         # SmolLM2 drafting for itself agrees with its own greedy choice unless the draft model's
@@ -359,7 +359,7 @@ def test_seeded_sampling_is_identical_across_windows_and_speculation(ngram_runne
                 )
             with recording(runner) as rec:
                 trace = drive(runner, scheduler, rec, window=window)
-            num_draft_tokens += scheduler.stats.num_draft_tokens
+            num_draft_tokens += scheduler.stats.spec.num_draft_tokens
             outs.update({r: o.token_ids for r, o in trace.outputs.items()})
         assert (num_draft_tokens > 0) == (k > 0), (window, k, batched)
         runs[(window, k, batched)] = outs

@@ -29,9 +29,9 @@ def check_greedy(runner, grounded, window: int, rows: tuple[int, ...], max_token
     stats = SchedulerStats()
     outputs = run_job(runner, requests, window=window, stats=stats)
     assert outputs == {f"r{i}": reference[i][:max_tokens] for i in rows}
-    assert sum(stats.suffix_continuations[1:]) > 0  # continuations were sent
-    assert 0 < stats.num_accepted_tokens <= stats.num_draft_tokens
-    assert stats.num_prediction_draft_tokens == 0  # a continuation's drafts are the proposer's
+    assert sum(stats.spec.suffix_continuations[1:]) > 0  # continuations were sent
+    assert 0 < stats.spec.num_accepted_tokens <= stats.spec.num_draft_tokens
+    assert stats.prediction.num_draft_tokens == 0  # a continuation's drafts are the proposer's
 
 
 # Sync in the slow suite: async (window 2) is the default run's, here and through the services
@@ -64,4 +64,4 @@ def test_an_earlier_output_is_drafted_from(plain_runner, suffix_runner, grounded
     run_job(suffix_runner, requests[:1], window=2, max_num_seqs=1, stats=first)
     outputs = run_job(suffix_runner, requests, window=2, max_num_seqs=1, stats=both)
     assert outputs == {"r0": reference[43][:MAX_TOKENS], "r1": reference[43][:MAX_TOKENS]}
-    assert both.num_accepted_tokens - first.num_accepted_tokens >= MAX_TOKENS // 2
+    assert both.spec.num_accepted_tokens - first.spec.num_accepted_tokens >= MAX_TOKENS // 2

@@ -207,7 +207,7 @@ def _simulated(rate: float, rows, spec_draft_length: str) -> tuple[dict[str, lis
 def _acceptance(rate: float, rows) -> float:
     # Fixed lengths: adaptive ones would draft less where drafts fail, and skew the measure.
     _, stats = _simulated(rate, rows, "fixed")
-    return stats.num_accepted_tokens / stats.num_draft_tokens
+    return stats.spec.num_accepted_tokens / stats.spec.num_draft_tokens
 
 
 @pytest.mark.parametrize("rate", [0.3, 0.6, 0.9])
@@ -223,7 +223,7 @@ def test_acceptance_follows_the_configured_rate(grounded_rows, rate: float):
 
 def _mean_slots(stats: SchedulerStats) -> float:
     """Mean draft slots of the decode rows (`draft_lengths` counts them by slots)."""
-    counts = stats.draft_lengths
+    counts = stats.spec.draft_lengths
     return sum(n * c for n, c in enumerate(counts)) / max(sum(counts), 1)
 
 
@@ -237,14 +237,14 @@ def test_adaptive_draft_lengths_follow_each_requests_acceptance(grounded_rows):
         fixed, fixed_stats = _simulated(rate, rows, "fixed")
         adaptive, stats = _simulated(rate, rows, "adaptive")
         assert adaptive == fixed, rate
-        assert fixed_stats.draft_lengths[K] > 0.9 * sum(fixed_stats.draft_lengths)
+        assert fixed_stats.spec.draft_lengths[K] > 0.9 * sum(fixed_stats.spec.draft_lengths)
         assert stats.num_steps_completed <= fixed_stats.num_steps_completed * 1.1, rate
         if rate == 0.97:
-            assert stats.draft_lengths[K] > 0.9 * sum(stats.draft_lengths)
+            assert stats.spec.draft_lengths[K] > 0.9 * sum(stats.spec.draft_lengths)
         else:
             assert _mean_slots(stats) < _mean_slots(fixed_stats) - 0.3
-            assert stats.num_accepted_tokens / stats.num_draft_tokens > (
-                fixed_stats.num_accepted_tokens / fixed_stats.num_draft_tokens
+            assert stats.spec.num_accepted_tokens / stats.spec.num_draft_tokens > (
+                fixed_stats.spec.num_accepted_tokens / fixed_stats.spec.num_draft_tokens
             )
 
 

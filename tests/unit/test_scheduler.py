@@ -82,7 +82,7 @@ def test_outputs_equal_the_model_run_directly(window: int, num_spec_tokens: int)
     got = drive(case.scheduler, case.worker, window)
     assert_matches_reference(case, got)
     if num_spec_tokens:
-        assert case.scheduler.stats.num_accepted_tokens > 0
+        assert case.scheduler.stats.spec.num_accepted_tokens > 0
         assert case.scheduler.stats.num_rolled_back_tokens > 0
 
 
@@ -147,7 +147,7 @@ def test_spec_counters_match_what_the_worker_verified() -> None:
     """Acceptance figures are the worker's, even when the scheduler trims draft slots."""
     case = make_case(num_spec_tokens=5, stopping=StoppingOptions(max_tokens=7))
     drive(case.scheduler, case.worker, 3)
-    c, s = case.scheduler.stats, case.worker.stats
+    c, s = case.scheduler.stats.spec, case.worker.stats
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (
         s.num_drafts,
         s.num_draft_tokens,
@@ -206,6 +206,7 @@ def test_spec_counters_count_only_applied_results_under_preemption_and_aborts() 
     c, w = sched.stats, case.worker.stats
     assert c.num_preemptions > 0 and c.num_stale_results > 0
     assert applied["drafts"] > 0
+    c = sched.stats.spec
     assert (c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens) == (
         applied["drafts"],
         applied["draft_tokens"],
@@ -291,7 +292,7 @@ def test_drafts_stop_while_the_batch_is_large_and_come_back(window: int, limit: 
     assert large and small
     assert any(any(slots) for slots in small)  # drafts are back once one request is left
     assert any(any(slots) for slots in large) == (limit == 0)
-    assert scheduler.stats.num_accepted_tokens > 0
+    assert scheduler.stats.spec.num_accepted_tokens > 0
 
 
 # ------------------------------------------------------------------------------ stops
@@ -962,5 +963,5 @@ def test_a_predicted_output_gets_its_own_draft_budget() -> None:
     slots, _ = answer([5])
     assert slots == {"p": 2, "q": 0}  # a quarter of the limit
     stats = scheduler.stats
-    assert (stats.num_prediction_draft_tokens, stats.num_prediction_accepted_tokens) == (16, 11)
-    assert (stats.num_draft_tokens, stats.num_accepted_tokens) == (3, 0)
+    assert (stats.prediction.num_draft_tokens, stats.prediction.num_accepted_tokens) == (16, 11)
+    assert (stats.spec.num_draft_tokens, stats.spec.num_accepted_tokens) == (3, 0)

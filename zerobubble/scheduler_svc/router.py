@@ -257,19 +257,20 @@ class Router:
         # only rows it applied (not those of preempted, aborted or finished requests).
         sched = link.sched
         s, pc = sched.stats, sched.prefix_cache_counters
+        spec, pred = s.spec, s.prediction
         now = (
             s.num_rolled_back_tokens,
             s.num_preemptions,
             pc.num_query_tokens,
             pc.num_hit_tokens,
-            s.num_drafts,
-            s.num_draft_tokens,
-            s.num_accepted_tokens,
-            s.num_prediction_draft_tokens,
-            s.num_prediction_accepted_tokens,
-            tuple(s.accepted_per_pos),
-            tuple(s.suffix_continuations),
-            tuple(s.draft_lengths),
+            spec.num_drafts,
+            spec.num_draft_tokens,
+            spec.num_accepted_tokens,
+            pred.num_draft_tokens,
+            pred.num_accepted_tokens,
+            tuple(spec.accepted_per_pos),
+            tuple(spec.suffix_continuations),
+            tuple(spec.draft_lengths),
         )
         # Keyed by link and checked by identity: a reconnect builds a new scheduler whose
         # counters start from zero (an id() could be reused and give negative increments).

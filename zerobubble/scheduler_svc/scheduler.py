@@ -82,8 +82,37 @@ class RequestEvent:
 
 
 @dataclass(slots=True)
+class SpeculationStats:
+    """Cumulative speculative-decoding figures: drafts the worker verified (its proposer's or
+    suffix decoding's, not a request's predicted output) and the plan's draft slots.
+
+    Kept apart from `SchedulerStats`' step and token counters so each concern reads as one
+    group; all stay zero (the histograms empty) while nothing speculates.
+    """
+
+    num_drafts: int = 0  # decode rows that carried drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    # Suffix decoding: continuations sent, by length (index = tokens; 0 = one cleared).
+    suffix_continuations: list[int] = field(default_factory=list)
+    # Decode rows by draft slots planned (index = slots), while the worker speculates.
+    draft_lengths: list[int] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class PredictionStats:
+    """Cumulative drafts taken from requests' predicted outputs (apart from the proposer's in
+    `SpeculationStats`): verified, and of those accepted."""
+
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+
+@dataclass(slots=True)
 class SchedulerStats:
-    """Cumulative figures for metrics (the servicer/metrics module reads and diffs them)."""
+    """Cumulative figures for metrics (the servicer/metrics module reads and diffs them): step
+    and token counters here, drafting's in `spec` and `prediction`."""
 
     num_steps_planned: int = 0
     num_steps_completed: int = 0
@@ -93,17 +122,8 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_rolled_back_tokens: int = 0  # draft slots undone by reconciliation
     num_stale_results: int = 0  # result entries discarded (finished, aborted or preempted)
-    num_drafts: int = 0  # decode rows that carried drafts
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_pos: list[int] = field(default_factory=list)
-    # Drafts from requests' predicted outputs (apart from the proposer's above), and accepted.
-    num_prediction_draft_tokens: int = 0
-    num_prediction_accepted_tokens: int = 0
-    # Suffix decoding: continuations sent, by length (index = tokens; 0 = one cleared).
-    suffix_continuations: list[int] = field(default_factory=list)
-    # Decode rows by draft slots planned (index = slots), while the worker speculates.
-    draft_lengths: list[int] = field(default_factory=list)
+    spec: SpeculationStats = field(default_factory=SpeculationStats)
+    prediction: PredictionStats = field(default_factory=PredictionStats)
 
 
 @dataclass(slots=True)
@@ -125,6 +145,18 @@ class _NextPlan:
 
     rows: PlanBuilder = field(default_factory=PlanBuilder)
     continuations: list[tuple[str, int, list[int]]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _Drafting:
+    """The scheduler's speculative-drafting state, held as one so the scheduler's own fields
+    stay its queues and accounting: the adaptive draft-length chooser (None with fixed
+    lengths), the draft slots it chose per request for the plan being built, and suffix
+    decoding's drafter (None unless `spec_method` is suffix)."""
+
+    lengths: DraftLengthChooser | None = None
+    chosen: dict[str, int] = field(default_factory=dict)  # this plan's adaptive draft slots by request
+    suffix: SuffixDrafter | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -304,15 +336,13 @@ class Scheduler:
         # prompt blocks are in the prefix cache, so they share them instead of recomputing.
         self._deferred: dict[str, list[Request]] = {}
         self._ids = _Ids()
-        self._suffix: SuffixDrafter | None = None
+        self._drafting = _Drafting()
         if config.spec_method == "suffix" and config.num_prediction_tokens > 0:
-            self._suffix = SuffixDrafter(
-                config.num_prediction_tokens, suffix_outputs, sent_lengths=self.stats.suffix_continuations
+            self._drafting.suffix = SuffixDrafter(
+                config.num_prediction_tokens, suffix_outputs, sent_lengths=self.stats.spec.suffix_continuations
             )
-        self._drafts: DraftLengthChooser | None = None
         if config.spec_draft_length == ADAPTIVE and config.num_spec_tokens > 0:
-            self._drafts = DraftLengthChooser()
-        self._chosen_drafts: dict[str, int] = {}  # this plan's adaptive draft slots by request
+            self._drafting.lengths = DraftLengthChooser()
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -528,9 +558,9 @@ class Scheduler:
         records: dict[str, _Scheduled] = {}
         num_preemptions_before = self.stats.num_preemptions
         max_drafts = self._draft_limit()
-        self._chosen_drafts = self._choose_drafts(max_drafts, budget)
-        if self._suffix is not None:
-            self._suffix.new_plan()
+        self._drafting.chosen = self._choose_drafts(max_drafts, budget)
+        if self._drafting.suffix is not None:
+            self._drafting.suffix.new_plan()
         i = 0
         while i < len(self._running) and budget > 0:
             req = self._running[i]
@@ -620,9 +650,9 @@ class Scheduler:
     def _choose_drafts(self, max_drafts: int, budget: int) -> dict[str, int]:
         """`--spec-draft-length adaptive`: each decode row's draft slots in the next plan, at
         most ``max_drafts``; empty with fixed lengths."""
-        if self._drafts is None:
+        if self._drafting.lengths is None:
             return {}
-        return plan_drafts(self._drafts, self._running, max_drafts, budget, self.config.uniform_draft_length)
+        return plan_drafts(self._drafting.lengths, self._running, max_drafts, budget, self.config.uniform_draft_length)
 
     def _schedule_running(
         self,
@@ -663,11 +693,11 @@ class Scheduler:
         req.num_placeholders += num_tokens
         req.num_inflight_drafts += num_draft_slots
         if config.num_spec_tokens > 0:
-            _count_length(self.stats.draft_lengths, num_draft_slots)
+            _count_length(self.stats.spec.draft_lengths, num_draft_slots)
         next_plan.rows.add_decode(req.req_id, num_draft_slots, new_block_ids)
         if suffix is not None and suffix.send is not None:
-            assert self._suffix is not None
-            self._suffix.commit(req, suffix)
+            assert self._drafting.suffix is not None
+            self._drafting.suffix.commit(req, suffix)
             next_plan.continuations.append((req.req_id, suffix.anchor, suffix.send))
         records[req.req_id] = _Scheduled(
             request=req,
@@ -696,12 +726,13 @@ class Scheduler:
             # Its own budget, even where drafting is off for the batch: drafts the output keeps
             # accepting pay for their slots at any batch size.
             return max(max_drafts, req.prediction.max_drafts), None
-        max_drafts = self._chosen_drafts.get(req.req_id, max_drafts)
-        if self._suffix is None or max_drafts <= 0:
+        drafting = self._drafting
+        max_drafts = drafting.chosen.get(req.req_id, max_drafts)
+        if drafting.suffix is None or max_drafts <= 0:
             return max_drafts, None
         # A continuation is sized by its own match statistics: an adaptive length says whether
         # the row drafts at all and how far prompt lookup goes without one.
-        suffix = self._suffix.plan(req, max_drafts)
+        suffix = drafting.suffix.plan(req, max_drafts)
         return suffix.num_draft_slots, suffix
 
     def _admit(
@@ -738,8 +769,8 @@ class Scheduler:
         req.num_computed = num_cached_tokens
         req.num_placeholders = 0
         req.num_prefill_tokens = len(token_ids)
-        if self._suffix is not None:
-            self._suffix.admitted(req)
+        if self._drafting.suffix is not None:
+            self._drafting.suffix.admitted(req)
         self._running.append(req)
         # A prefix hit longer than the window: its leading blocks are needed for their ids only.
         self._free_behind_window(req)
@@ -865,8 +896,9 @@ class Scheduler:
             logger.warning("result for unknown step %d ignored", result.step_id)
             return []
         self.stats.num_steps_completed += 1
-        if self._drafts is not None and not result.error:
-            self._drafts.observe_step(result.num_tokens, result.forward_s)
+        lengths = self._drafting.lengths
+        if lengths is not None and not result.error:
+            lengths.observe_step(result.num_tokens, result.forward_s)
         if result.error:
             self.stats.num_failed_steps += 1
             logger.error("step %d failed on the worker: %s", result.step_id, result.error)
@@ -901,10 +933,8 @@ class Scheduler:
                 self._count_prediction(req, rec, res)
             if not res.prediction_drafts:
                 self._count_speculation(res)
-                if self._drafts is not None and req.prediction is None:
-                    self._drafts.observe_row(
-                        req.draft_counts, rec.num_draft_slots, num_returned - 1, res.num_draft_tokens
-                    )
+                if lengths is not None and req.prediction is None:
+                    lengths.observe_row(req.draft_counts, rec.num_draft_slots, num_returned - 1, res.num_draft_tokens)
             try:
                 events.append(self._reconcile(req, rec, res))
             except Exception as exc:
@@ -929,7 +959,7 @@ class Scheduler:
         """
         if res.num_draft_tokens <= 0:
             return
-        stats = self.stats
+        stats = self.stats.spec
         num_accepted = min(max(res.num_accepted, 0), res.num_draft_tokens)
         stats.num_drafts += 1
         stats.num_draft_tokens += res.num_draft_tokens
@@ -948,8 +978,9 @@ class Scheduler:
             return
         num_accepted = min(max(res.num_accepted, 0), res.num_draft_tokens)
         req.prediction.record(res.num_draft_tokens, num_accepted)
-        self.stats.num_prediction_draft_tokens += res.num_draft_tokens
-        self.stats.num_prediction_accepted_tokens += num_accepted
+        stats = self.stats.prediction
+        stats.num_draft_tokens += res.num_draft_tokens
+        stats.num_accepted_tokens += num_accepted
 
     def _reconcile(self, req: Request, rec: _Scheduled, res: RowResult) -> RequestEvent:
         """Replace placeholders with real tokens, roll back rejected slots, check stops."""
@@ -1006,8 +1037,8 @@ class Scheduler:
                 self._waiting.remove(req)
         self._release_siblings(req)
         self._pool.free(req.block_ids[req.num_freed_blocks :])
-        if self._suffix is not None:
-            self._suffix.finish(req)
+        if self._drafting.suffix is not None:
+            self._drafting.suffix.finish(req)
         req.block_ids = []
         req.num_freed_blocks = 0
         req.admission_id = 0

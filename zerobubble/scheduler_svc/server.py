@@ -448,11 +448,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             stats.grammar_s += lk.stats.grammar_s
             if lk.scheduler is not None:
                 s = lk.scheduler.stats
-                stats.num_drafts += s.num_drafts
-                stats.num_draft_tokens += s.num_draft_tokens
-                stats.num_accepted_tokens += s.num_accepted_tokens
-                stats.num_prediction_draft_tokens += s.num_prediction_draft_tokens
-                stats.num_prediction_accepted_tokens += s.num_prediction_accepted_tokens
+                stats.num_drafts += s.spec.num_drafts
+                stats.num_draft_tokens += s.spec.num_draft_tokens
+                stats.num_accepted_tokens += s.spec.num_accepted_tokens
+                stats.num_prediction_draft_tokens += s.prediction.num_draft_tokens
+                stats.num_prediction_accepted_tokens += s.prediction.num_accepted_tokens
                 stats.num_preemptions += s.num_preemptions
                 stats.num_generation_tokens += s.num_generation_tokens
         return generate_pb2.ModelInfoResponse(
