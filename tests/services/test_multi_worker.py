@@ -145,9 +145,9 @@ def test_link_reconnects_after_writing_to_a_finished_stream(monkeypatch, smollm2
         link = worker_link.WorkerLink("127.0.0.1:1", SchedulerConfig(), 2, lambda *a: None, on_lost, on_ready=on_ready)
         link.start()
         deadline = time.monotonic() + 10
-        while len(describes) < 2 and time.monotonic() < deadline and not link._task.done():
+        while len(describes) < 2 and time.monotonic() < deadline and not link.pump.task.done():
             await asyncio.sleep(0.05)
-        crashed = link._task.done() and not link._task.cancelled()
+        crashed = link.pump.task.done() and not link.pump.task.cancelled()
         await link.close()
         return crashed
 

@@ -69,7 +69,7 @@ def test_link_survives_an_exception_in_its_receive_path(monkeypatch, caplog) -> 
         for i, (req_id, prompt) in enumerate(ps.items()):
             router.submit(link, req_id, prompt, SamplingOptions(seed=1000 + i), StoppingOptions(max_tokens=30))
         await wait_until_async(lambda: len(finished) == len(ps), 10, "every request to finish")
-        assert not link._task.done(), "the link task ended"
+        assert not link.pump.task.done(), "the link task ended"
         await router.close()
 
     asyncio.run(scenario())

@@ -264,11 +264,24 @@ class Pacer:
         return plan_ahead_due(start_s, len(plans.sent), step_s, self.lookahead_margin_s)
 
 
+@dataclass(slots=True)
+class Pump:
+    """The link's own task and what steers it: the serving loop's wake-up, the lock the loop
+    and the receiver both send plans under, and whether the link is closing (the task then
+    stops reconnecting). Held as one: nothing outside the link's loop uses them."""
+
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    send_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    task: asyncio.Task | None = None
+    closing: bool = False
+
+
 class WorkerLink:
     """Connects to one worker, keeps its plan window full and routes its results.
 
-    The connection (`channel`), the window's pacing (`pacer`) and the plans in flight with their
-    deadline (`plans`) are each their own small object; the link runs the stream between them.
+    The connection (`channel`), the window's pacing (`pacer`), the plans in flight with their
+    deadline (`plans`) and the link's task (`pump`) are each their own small object; the link
+    runs the stream between them.
     """
 
     def __init__(
@@ -302,10 +315,7 @@ class WorkerLink:
         self.ready = False
         self.draining = False  # the worker is shutting down: no new requests for it
         self.stats = LinkStats()
-        self._wake = asyncio.Event()
-        self._send_lock = asyncio.Lock()
-        self._task: asyncio.Task | None = None
-        self._closing = False
+        self.pump = Pump()
 
     @property
     def address(self) -> str:
@@ -336,7 +346,7 @@ class WorkerLink:
         return self.scheduler.num_unfinished() if self.scheduler is not None else 0
 
     def wake(self) -> None:
-        self._wake.set()
+        self.pump.wake.set()
 
     def note_arrival(self) -> None:
         """A new request was queued on this link's scheduler (see `arrivals_recent`)."""
@@ -344,20 +354,20 @@ class WorkerLink:
         self.wake()
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name=f"link-{self.address}")
+        self.pump.task = asyncio.create_task(self._run(), name=f"link-{self.address}")
 
     async def close(self) -> None:
-        self._closing = True
-        if self._task is not None:
-            self._task.cancel()
+        self.pump.closing = True
+        if self.pump.task is not None:
+            self.pump.task.cancel()
             try:
-                await self._task
+                await self.pump.task
             except (asyncio.CancelledError, Exception):
                 pass
 
     async def _run(self) -> None:
         backoff = 0.2
-        while not self._closing:
+        while not self.pump.closing:
             channel = self.channel.open()
             try:
                 call = await self._connect(channel)
@@ -441,8 +451,8 @@ class WorkerLink:
         try:
             while True:
                 due = await self._send_plans(call)
-                self._wake.clear()
-                waiter = asyncio.create_task(self._wake.wait())
+                self.pump.wake.clear()
+                waiter = asyncio.create_task(self.pump.wake.wait())
                 timeout = None
                 oldest = self.plans.oldest()
                 if oldest is not None:
@@ -472,7 +482,7 @@ class WorkerLink:
     async def _send_plans(self, call: grpc.aio.StreamStreamCall) -> float | None:
         """Fill the window of plans in flight; returns when a plan ahead that is held back is
         due (None: none is held back)."""
-        async with self._send_lock:  # the serving loop and the receiver both send
+        async with self.pump.send_lock:  # the serving loop and the receiver both send
             due: float | None = None
             while self.pacer.has_room():
                 due = self.pacer.ahead_due(self.plans)
