@@ -34,7 +34,7 @@ from zerobubble.kernels.attention import AttentionMetadata  # noqa: E402
 from zerobubble.kernels.cpu import describe_cpu  # noqa: E402
 from zerobubble.kernels.linear import PRODUCTS, LinearWeight  # noqa: E402
 from zerobubble.kernels.slot_mapping import compute_slot_mapping  # noqa: E402
-from zerobubble.worker_svc.model import CausalLM, allocate_kv_cache  # noqa: E402
+from zerobubble.worker_svc.model import CausalLM, LayerWeights, allocate_kv_cache  # noqa: E402
 from zerobubble.worker_svc.model_loader import EMBEDDED_MODEL_NAME, load_model  # noqa: E402
 
 
@@ -177,9 +177,11 @@ def step_bytes(model: CausalLM, kv_caches_bytes: int) -> int:
     return kv_caches_bytes + sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def vars_of(layer: object) -> list[LinearWeight]:
-    """The linear weights of a decoder layer."""
-    values = (getattr(layer, f.name) for f in dataclasses.fields(layer))  # type: ignore[arg-type]
+def vars_of(layer: LayerWeights) -> list[LinearWeight]:
+    """The linear weights of a decoder layer: its attention's and its dense MLP's."""
+    values = [getattr(layer.attn, f.name) for f in dataclasses.fields(layer.attn)]
+    if layer.mlp is not None:
+        values += [getattr(layer.mlp, f.name) for f in dataclasses.fields(layer.mlp)]
     return [value for value in values if isinstance(value, LinearWeight)]
 
 

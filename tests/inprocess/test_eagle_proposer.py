@@ -113,7 +113,7 @@ def test_a_bfloat16_target_on_the_compiled_kernels_drafts_its_greedy_continuatio
 
     proposer = _proposer(target(), state, quantization=quantization)
     weight_dtype = torch.int8 if quantization == "int8" else torch.bfloat16
-    for weight in (proposer.head.lm_head, proposer.head.fc, proposer.head.layer_model.layers[0].down_weight):
+    for weight in (proposer.head.lm_head, proposer.head.fc, proposer.head.layer_model.layers[0].mlp.down_weight):
         assert weight is not None and weight.blocks is not None and weight.blocks.dtype == weight_dtype
     prompts = prompts_sharing_a_prefix(1, 4)
 

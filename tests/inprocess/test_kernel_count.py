@@ -107,8 +107,8 @@ def _fake_model(hf_config, mode: FakeTensorMode, device: str) -> CausalLM:  # ty
     model = build_model(hf_config, torch.bfloat16, "cpu")
     with mode:
         model.device = torch.device(device)
-        model.rope_cos = torch.empty(model.rope_cos.shape, dtype=torch.bfloat16, device=device)
-        model.rope_sin = torch.empty(model.rope_sin.shape, dtype=torch.bfloat16, device=device)
+        model.rope.cos = torch.empty(model.rope.cos.shape, dtype=torch.bfloat16, device=device)
+        model.rope.sin = torch.empty(model.rope.sin.shape, dtype=torch.bfloat16, device=device)
         model.load_weights({n: torch.empty(shape, dtype=torch.bfloat16, device=device) for n, shape in shapes.items()})
     return model
 

@@ -21,7 +21,7 @@ optional layer weights, GeGLU is an activation name, soft-capping values and the
 are numbers; Phi-3's fused ``qkv_proj`` / ``gate_up_proj`` are split into the usual names before
 loading (`adapt_state_dict`), and its partial rotary becomes a permutation of the q/k head
 dimensions with identity rows in the rotary table (`rotary_permutation`); gpt-oss's attention
-sinks are a per-layer weight every attention path takes (`LayerWeights.sinks`).
+sinks are a per-layer weight every attention path takes (`AttentionWeights.sinks`).
 """
 
 from __future__ import annotations
@@ -142,20 +142,38 @@ class ModelSpec:
 
 
 @dataclass(slots=True)
-class LayerWeights:
-    """One decoder layer's weights, with q/k/v and gate/up fused into single matrices."""
+class AttentionWeights:
+    """A decoder layer's attention projections, q/k/v fused into one matrix, with what the
+    families add to them; apart from the layer's norms so each sublayer's weights read as one."""
 
-    input_norm: torch.Tensor | None  # [hidden]; None in an EAGLE-1 head's layer (its input goes in as is)
     qkv_weight: LinearWeight  # [(Hq + 2 Hkv) D, hidden]
     qkv_bias: torch.Tensor | None
     qk_norm: torch.Tensor | None  # [Hq + Hkv, D]: Qwen3's per-head q and k norms side by side
     o_weight: LinearWeight  # [hidden, Hq D]
     o_bias: torch.Tensor | None
-    post_norm: torch.Tensor  # [hidden]
-    gate_up_weight: LinearWeight | None  # [2 I, hidden]; None in a sparse layer (`moe`)
+    sinks: torch.Tensor | None = None  # [Hq] float32: gpt-oss's attention sinks
+
+
+@dataclass(slots=True)
+class MlpWeights:
+    """A dense layer's gated MLP, gate and up fused into one matrix (a sparse layer has
+    `LayerWeights.moe` instead)."""
+
+    gate_up_weight: LinearWeight  # [2 I, hidden]
     gate_up_bias: torch.Tensor | None
-    down_weight: LinearWeight | None  # [hidden, I]
+    down_weight: LinearWeight  # [hidden, I]
     down_bias: torch.Tensor | None
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    """One decoder layer's weights: its norms, its attention (`attn`) and its MLP (`mlp`, or
+    `moe` in a sparse layer)."""
+
+    input_norm: torch.Tensor | None  # [hidden]; None in an EAGLE-1 head's layer (its input goes in as is)
+    attn: AttentionWeights
+    post_norm: torch.Tensor  # [hidden]
+    mlp: MlpWeights | None  # None in a sparse layer (`moe`)
     # An EAGLE-3 head's layer: its input is the token embedding ⊕ a hidden state ([T, 2 hidden]),
     # normed apart (`input_norm` the embedding, `hidden_norm` the state) before q/k/v; the
     # residual stream starts from the state, normed first when `norm_before_residual`.
@@ -165,7 +183,6 @@ class LayerWeights:
     # Gemma's norms of the attention's and the MLP's outputs, before they join the residual stream.
     attn_out_norm: torch.Tensor | None = None
     mlp_out_norm: torch.Tensor | None = None
-    sinks: torch.Tensor | None = None  # [Hq] float32: gpt-oss's attention sinks
 
 
 def model_spec(hf_config: Any) -> ModelSpec:
@@ -357,6 +374,24 @@ class StepInterrupted(Exception):
     """A forward stopped between layers because its results can no longer be used."""
 
 
+@dataclass(slots=True)
+class RopeTables:
+    """A model's rotary tables on its device in its dtype, as `qk_norm_rope` reads them: the
+    global ones and, for a family with per-layer tables, the local layers' (held as one so the
+    model keeps one field for them, and whoever replaces them sees they go together)."""
+
+    cos: torch.Tensor  # [max_positions, D]: (cos, cos)
+    sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see zerobubble.kernels.fused.qk_norm_rope_twin
+    # The tables of the layers with `ModelSpec.local_rope` (Gemma 3's sliding layers), else None.
+    local_cos: torch.Tensor | None = None
+    local_sin: torch.Tensor | None = None
+
+    @property
+    def num_positions(self) -> int:
+        """Positions the tables cover (the model's `max_position_embeddings`)."""
+        return self.cos.shape[0]
+
+
 @dataclass(slots=True, eq=False)
 class CausalLM:
     """Llama-family decoder with fused projections; call it on a flat batch, then ``compute_logits``."""
@@ -364,11 +399,7 @@ class CausalLM:
     spec: ModelSpec
     dtype: torch.dtype
     device: torch.device
-    rope_cos: torch.Tensor  # [max_positions, D] in dtype: (cos, cos)
-    rope_sin: torch.Tensor  # [max_positions, D]: (-sin, sin), see zerobubble.kernels.fused.qk_norm_rope_twin
-    # The tables of the layers with `ModelSpec.local_rope` (Gemma 3's sliding layers), else None.
-    local_rope_cos: torch.Tensor | None = None
-    local_rope_sin: torch.Tensor | None = None
+    rope: RopeTables
     linear: LinearSetup = field(default_factory=lambda: LinearSetup())
     # "cpp": the compiled CPU kernels serve the norms, rotation, SiLU, attention and the bfloat16
     # and int8 products (zerobubble.kernels.cpu); None: Triton on CUDA, the torch twins elsewhere.
@@ -501,11 +532,12 @@ class CausalLM:
                 captured.append(residual.to(normed.dtype))  # the stream's sum into this layer
             cos, sin = rotations[1 if spec.local_rope and spec.local_rope[i] else 0]
             q = self.write_kv(layer, normed, cos, sin, (k_cache, v_cache), meta.slot_mapping)
+            weights = layer.attn
             attn = paged_attention(
                 q, k_cache, v_cache, meta, self.scale, self.kernels, sliding_window=window, plan=plan,
-                softcap=spec.attn_softcap, sinks=layer.sinks,
+                softcap=spec.attn_softcap, sinks=weights.sinks,
             )  # fmt: skip
-            hidden = row_linear(attn.reshape(num_tokens, -1), layer.o_weight, layer.o_bias, self.tp)
+            hidden = row_linear(attn.reshape(num_tokens, -1), weights.o_weight, weights.o_bias, self.tp)
             hidden = self.output_norm(hidden, layer.attn_out_norm)
             normed, residual = add_rms_norm(hidden, residual, layer.post_norm, eps, self.kernels)
             hidden = feed_forward(layer, normed, act_mul, self.tp, self.kernels)
@@ -520,15 +552,15 @@ class CausalLM:
 
     def rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rotary tables' rows ``(cos, sin)`` ``[T, D]`` at ``positions``."""
-        return self.rope_cos.index_select(0, positions), self.rope_sin.index_select(0, positions)
+        rope = self.rope
+        return rope.cos.index_select(0, positions), rope.sin.index_select(0, positions)
 
     def rotaries(self, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """`rotary`'s rows of each table: the global one, then the local layers' where they have one."""
         rows = [self.rotary(positions)]
-        if self.local_rope_cos is not None and self.local_rope_sin is not None:
-            rows.append(
-                (self.local_rope_cos.index_select(0, positions), self.local_rope_sin.index_select(0, positions))
-            )
+        rope = self.rope
+        if rope.local_cos is not None and rope.local_sin is not None:
+            rows.append((rope.local_cos.index_select(0, positions), rope.local_sin.index_select(0, positions)))
         return rows
 
     def write_kv(
@@ -543,9 +575,10 @@ class CausalLM:
         """A layer's q/k/v projection of its normed input: writes K/V at ``slot_mapping``, returns q ``[T, Hq, D]``."""
         spec = self.spec
         qk_heads = spec.num_q_heads + spec.num_kv_heads
-        qkv = linear(normed, layer.qkv_weight, layer.qkv_bias)
+        attn = layer.attn
+        qkv = linear(normed, attn.qkv_weight, attn.qkv_bias)
         # q and k get the same per-head norm and rotation, so they are processed as one tensor.
-        qk = qk_norm_rope(qkv, cos, sin, layer.qk_norm, qk_heads, spec.head_dim, spec.rms_norm_eps, self.kernels)
+        qk = qk_norm_rope(qkv, cos, sin, attn.qk_norm, qk_heads, spec.head_dim, spec.rms_norm_eps, self.kernels)
         # narrow, not [] slicing: Python indexing takes a device guard, which a CUDA-less
         # build cannot give even to fake CUDA tensors (tests/inprocess/test_kernel_count.py).
         q, k = qk.split((spec.num_q_heads, spec.num_kv_heads), dim=1)
@@ -592,10 +625,9 @@ def feed_forward(
     either ends in one all-reduce over ``tp``."""
     if layer.moe is not None:
         return moe_forward(normed, layer.moe, impl, tp)
-    assert layer.gate_up_weight is not None and layer.down_weight is not None
-    return gated_mlp(
-        normed, layer.gate_up_weight, layer.down_weight, impl, layer.gate_up_bias, layer.down_bias, act_mul, tp
-    )
+    mlp = layer.mlp
+    assert mlp is not None
+    return gated_mlp(normed, mlp.gate_up_weight, mlp.down_weight, impl, mlp.gate_up_bias, mlp.down_bias, act_mul, tp)
 
 
 def layer_input(
@@ -658,8 +690,7 @@ def layer_weights(
     sandwich = spec.sandwich_norms
     mlp_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
     sinks = take_optional(prefix + "self_attn.sinks", (spec.num_q_heads,), spec.attention_sinks)
-    return LayerWeights(
-        input_norm=take(prefix + "input_layernorm.weight", (hidden,)) if input_norm else None,
+    attn = AttentionWeights(
         qkv_weight=weight(qkv.contiguous()),
         qkv_bias=_fuse_optional(
             [take_optional(prefix + f"self_attn.{n}_proj.bias", (size,), spec.qkv_bias) for n, size in qkv_shapes]
@@ -667,19 +698,28 @@ def layer_weights(
         qk_norm=_qk_norm(spec, take, prefix) if spec.qk_norm else None,
         o_weight=weight(take(prefix + "self_attn.o_proj.weight", (hidden, q_size))),
         o_bias=take_optional(prefix + "self_attn.o_proj.bias", (hidden,), spec.o_bias),
+        sinks=None if sinks is None else sinks.float(),
+    )
+    mlp = None
+    if gate_up is not None:
+        mlp = MlpWeights(
+            gate_up_weight=weight(gate_up.contiguous()),
+            gate_up_bias=_fuse_optional(
+                [take_optional(prefix + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias) for n in ("gate", "up")]
+            ),
+            down_weight=weight(take(prefix + "mlp.down_proj.weight", (hidden, inter))),
+            down_bias=take_optional(prefix + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
+        )
+    return LayerWeights(
+        input_norm=take(prefix + "input_layernorm.weight", (hidden,)) if input_norm else None,
+        attn=attn,
         post_norm=take(prefix + mlp_norm + ".weight", (hidden,)),
-        gate_up_weight=None if gate_up is None else weight(gate_up.contiguous()),
-        gate_up_bias=_fuse_optional(
-            [take_optional(prefix + f"mlp.{n}_proj.bias", (inter,), spec.mlp_bias) for n in ("gate", "up")]
-        ),
-        down_weight=None if sparse else weight(take(prefix + "mlp.down_proj.weight", (hidden, inter))),
-        down_bias=take_optional(prefix + "mlp.down_proj.bias", (hidden,), spec.mlp_bias),
+        mlp=mlp,
         hidden_norm=take(prefix + "hidden_norm.weight", (hidden,)) if eagle3 else None,
         norm_before_residual=norm_before_residual,
         moe=moe_layer_weights(spec.moe, hidden, take, weight, prefix) if spec.moe is not None and sparse else None,
         attn_out_norm=take_optional(prefix + "post_attention_layernorm.weight", (hidden,), sandwich),
         mlp_out_norm=take_optional(prefix + "post_feedforward_layernorm.weight", (hidden,), sandwich),
-        sinks=None if sinks is None else sinks.float(),
     )
 
 
@@ -750,10 +790,12 @@ def build_model(
         spec=spec,
         dtype=dtype,
         device=device,
-        rope_cos=cos.to(device=device, dtype=dtype),
-        rope_sin=sin.to(device=device, dtype=dtype),
-        local_rope_cos=None if local_cos is None else local_cos.to(device=device, dtype=dtype),
-        local_rope_sin=None if local_sin is None else local_sin.to(device=device, dtype=dtype),
+        rope=RopeTables(
+            cos=cos.to(device=device, dtype=dtype),
+            sin=sin.to(device=device, dtype=dtype),
+            local_cos=None if local_cos is None else local_cos.to(device=device, dtype=dtype),
+            local_sin=None if local_sin is None else local_sin.to(device=device, dtype=dtype),
+        ),
         linear=LinearSetup(prepack, quantization, linear_chooser),
         kernels=kernels,
     )

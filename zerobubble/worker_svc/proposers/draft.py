@@ -69,7 +69,7 @@ class DraftModelProposer:
                 f"target's {runner.loaded.hf_config.vocab_size}: they must share a tokenizer"
             )
         cfg = runner.config
-        max_pos = self.draft.model.rope_cos.shape[0]
+        max_pos = self.draft.model.rope.num_positions
         if max_pos < cfg.max_model_len:
             # It runs on every position the target computes (`observe`): past its rotary
             # table it could not (an out-of-range index; on CUDA a device-side assert).
@@ -104,7 +104,7 @@ class DraftModelProposer:
 
         # The draft covers every position the target computes (`bind`); its chain near the end
         # of the model length runs past the table and stops offering drafts there.
-        cache = ChainCache(self.draft.model.rope_cos.shape[0], self.scratch_block)
+        cache = ChainCache(self.draft.model.rope.num_positions, self.scratch_block)
         probs = draft_chain(self.runner, slots, batch, self.k, cache, forward, self.has_draft_probs)
         if probs is not None:
             self.probs[slots.long()] = probs

@@ -373,7 +373,7 @@ class EagleProposer:
             features = out if residual is None else (out + residual).to(out.dtype)
             return self.head.draft_logits(features)
 
-        cache = ChainCache(self.head.layer_model.rope_cos.shape[0], self.scratch_block, kv_offset=1)
+        cache = ChainCache(self.head.layer_model.rope.num_positions, self.scratch_block, kv_offset=1)
         probs = draft_chain(
             self.runner, slots, batch, self.k, cache, forward, self.has_draft_probs, self.head.draft_ids
         )
