@@ -28,7 +28,6 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.metrics import MetricWrapperBase
 
 from zerobubble.rows import speculation_counts
 
@@ -387,22 +386,24 @@ class GapHistogram(Histogram):
                 self._buckets[i].inc(count)
 
 
-_SPECS_BY_NAME = {spec.name: spec for spec in METRIC_SPECS}
+# Families whose exported type is a subclass of their kind's (one `observe_many` per step).
+_HISTOGRAM_CLASSES: dict[str, type[Histogram]] = {"zerobubble_inter_token_latency_seconds": GapHistogram}
+# A scheduler's own series (by model only), created at zero up front; a worker's (by model and
+# worker), created when it is first recorded and removed with it.
+_REQUEST_FAMILIES: tuple[str, ...] = tuple(spec.name for spec in METRIC_SPECS if spec.labels == MODEL_LABELS)
+_WORKER_FAMILIES: tuple[str, ...] = tuple(spec.name for spec in METRIC_SPECS if spec.labels == WORKER_LABELS)
+# A worker's series by draft position too: created per position, removed with the worker.
+_PER_POS = "zerobubble_spec_decode_num_accepted_tokens_per_pos_total"
 
 
-def _gauge(registry: CollectorRegistry, name: str) -> Gauge:
-    s = _SPECS_BY_NAME[name]
-    return Gauge(s.name, s.help, s.labels, registry=registry)
-
-
-def _counter(registry: CollectorRegistry, name: str) -> Counter:
-    s = _SPECS_BY_NAME[name]
-    return Counter(_counter_name(s.name), s.help, s.labels, registry=registry)
-
-
-def _histogram(registry: CollectorRegistry, name: str, kind: type[Histogram] = Histogram) -> Histogram:
-    s = _SPECS_BY_NAME[name]
-    return kind(s.name, s.help, s.labels, buckets=s.buckets, registry=registry)
+def _family(registry: CollectorRegistry, spec: MetricSpec) -> Counter | Gauge | Histogram:
+    """``spec``'s family, registered in ``registry``."""
+    if spec.kind == "gauge":
+        return Gauge(spec.name, spec.help, spec.labels, registry=registry)
+    if spec.kind == "counter":
+        return Counter(_counter_name(spec.name), spec.help, spec.labels, registry=registry)
+    kind = _HISTOGRAM_CLASSES.get(spec.name, Histogram)
+    return kind(spec.name, spec.help, spec.labels, buckets=spec.buckets, registry=registry)
 
 
 class ServiceMetrics:
@@ -420,36 +421,7 @@ class ServiceMetrics:
         "model",
         "role",
         "registry",
-        "num_requests_running",
-        "num_requests_waiting",
-        "kv_cache_usage_ratio",
-        "prompt_tokens",
-        "generation_tokens",
-        "prefix_cache_queries",
-        "prefix_cache_hits",
-        "request_success",
-        "num_preemptions",
-        "time_to_first_token",
-        "inter_token_latency",
-        "e2e_request_latency",
-        "request_queue_time",
-        "spec_num_drafts",
-        "spec_num_draft_tokens",
-        "spec_num_accepted_tokens",
-        "spec_accepted_per_pos",
-        "spec_prediction_draft_tokens",
-        "spec_prediction_accepted_tokens",
-        "suffix_continuation_tokens",
-        "draft_slots",
-        "worker_step_duration",
-        "worker_idle",
-        "grammar_time",
-        "inflight_steps",
-        "placeholders_rolled_back",
-        "worker_collectives",
-        "tensor_parallel_size",
-        "front_cpu",
-        "front_calls_running",
+        "_families",
         "_fronts",
         "_children",
         "_positions",
@@ -468,41 +440,15 @@ class ServiceMetrics:
         # The default registry has them, a private one must add them itself.
         ProcessCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        r = self.registry
-        self.num_requests_running = _gauge(r, "zerobubble_num_requests_running")
-        self.num_requests_waiting = _gauge(r, "zerobubble_num_requests_waiting")
-        self.kv_cache_usage_ratio = _gauge(r, "zerobubble_kv_cache_usage_ratio")
-        self.prompt_tokens = _counter(r, "zerobubble_prompt_tokens_total")
-        self.generation_tokens = _counter(r, "zerobubble_generation_tokens_total")
-        self.prefix_cache_queries = _counter(r, "zerobubble_prefix_cache_queries_total")
-        self.prefix_cache_hits = _counter(r, "zerobubble_prefix_cache_hits_total")
-        self.request_success = _counter(r, "zerobubble_request_success_total")
-        self.num_preemptions = _counter(r, "zerobubble_num_preemptions_total")
-        self.time_to_first_token = _histogram(r, "zerobubble_time_to_first_token_seconds")
-        self.inter_token_latency = _histogram(r, "zerobubble_inter_token_latency_seconds", GapHistogram)
-        self.e2e_request_latency = _histogram(r, "zerobubble_e2e_request_latency_seconds")
-        self.request_queue_time = _histogram(r, "zerobubble_request_queue_time_seconds")
-        self.spec_num_drafts = _counter(r, "zerobubble_spec_decode_num_drafts_total")
-        self.spec_num_draft_tokens = _counter(r, "zerobubble_spec_decode_num_draft_tokens_total")
-        self.spec_num_accepted_tokens = _counter(r, "zerobubble_spec_decode_num_accepted_tokens_total")
-        self.spec_accepted_per_pos = _counter(r, "zerobubble_spec_decode_num_accepted_tokens_per_pos_total")
-        self.spec_prediction_draft_tokens = _counter(r, "zerobubble_spec_decode_prediction_draft_tokens_total")
-        self.spec_prediction_accepted_tokens = _counter(r, "zerobubble_spec_decode_prediction_accepted_tokens_total")
-        self.suffix_continuation_tokens = _histogram(r, "zerobubble_spec_decode_suffix_continuation_tokens")
-        self.draft_slots = _histogram(r, "zerobubble_spec_decode_draft_slots")
-        self.worker_step_duration = _histogram(r, "zerobubble_worker_step_duration_seconds")
-        self.worker_idle = _counter(r, "zerobubble_worker_idle_seconds_total")
-        self.grammar_time = _counter(r, "zerobubble_grammar_seconds_total")
-        self.inflight_steps = _gauge(r, "zerobubble_inflight_steps")
-        self.worker_collectives = _counter(r, "zerobubble_worker_collective_seconds_total")
-        self.tensor_parallel_size = _gauge(r, "zerobubble_worker_tensor_parallel_size")
-        self.placeholders_rolled_back = _counter(r, "zerobubble_placeholder_tokens_rolled_back_total")
-        self.front_cpu = _counter(r, "zerobubble_front_cpu_seconds_total")
-        self.front_calls_running = _gauge(r, "zerobubble_front_calls_running")
+        # Every family of `METRIC_SPECS` by its exported name (in their order, which the
+        # exposition keeps): the specs are the one list of them, so none is named twice here.
+        self._families: dict[str, Counter | Gauge | Histogram] = {
+            spec.name: _family(self.registry, spec) for spec in METRIC_SPECS
+        }
         # Each attached front's CPU seconds as last reported: the counter grows by the difference.
         self._fronts: dict[str, float] = {}
-        # Each series' child by (family, label values), see `_child`.
-        self._children: dict[tuple[MetricWrapperBase, tuple[str, ...]], Any] = {}
+        # Each series' child by (family name, label values), see `_child`.
+        self._children: dict[tuple[str, tuple[str, ...]], Any] = {}
         # Positions seen per worker: forget_worker() must know which children to remove.
         self._positions: dict[str, set[str]] = {}
         self._lock = threading.Lock()
@@ -510,60 +456,30 @@ class ServiceMetrics:
         self._warned: set[str] = set()
         self._init_request_series()
 
-    def _request_metrics(self) -> tuple[Counter | Gauge | Histogram, ...]:
-        return (
-            self.num_requests_running,
-            self.num_requests_waiting,
-            self.prompt_tokens,
-            self.generation_tokens,
-            self.prefix_cache_queries,
-            self.prefix_cache_hits,
-            self.num_preemptions,
-            self.time_to_first_token,
-            self.inter_token_latency,
-            self.e2e_request_latency,
-            self.request_queue_time,
-            self.placeholders_rolled_back,
-        )
-
-    def _worker_metrics(self) -> tuple[Counter | Gauge | Histogram, ...]:
-        return (
-            self.kv_cache_usage_ratio,
-            self.spec_num_drafts,
-            self.spec_num_draft_tokens,
-            self.spec_num_accepted_tokens,
-            self.spec_prediction_draft_tokens,
-            self.spec_prediction_accepted_tokens,
-            self.suffix_continuation_tokens,
-            self.draft_slots,
-            self.worker_step_duration,
-            self.worker_idle,
-            self.grammar_time,
-            self.inflight_steps,
-            self.worker_collectives,
-            self.tensor_parallel_size,
-        )
+    def family(self, name: str) -> Counter | Gauge | Histogram:
+        """The family exported as ``name`` (one of `METRIC_NAMES`); KeyError for another."""
+        return self._families[name]
 
     def _init_request_series(self) -> None:
         if self.role != "scheduler":
             return
-        for metric in self._request_metrics():
-            metric.labels(model=self.model)
+        for name in _REQUEST_FAMILIES:
+            self._families[name].labels(model=self.model)
         for reason in FINISHED_REASONS:
-            self.request_success.labels(model=self.model, finished_reason=reason)
+            self._families["zerobubble_request_success_total"].labels(model=self.model, finished_reason=reason)
 
-    def _child(self, family: MetricWrapperBase, *values: str) -> Any:
-        """``family.labels(*values)`` (values in the family's label order), looked up once.
+    def _child(self, name: str, *values: str) -> Any:
+        """``family(name).labels(*values)`` (values in the family's label order), looked up once.
 
         `labels` takes a lock and checks its values on every call, and the scheduler records
         a dozen series a step and as many per request: at hundreds of requests a second that
         was a few percent of its event loop. Series dropped (`set_model`, `forget_worker`) are
         forgotten here too.
         """
-        key = (family, values)
+        key = (name, values)
         child = self._children.get(key)
         if child is None:
-            child = self._children[key] = family.labels(*values)
+            child = self._children[key] = self._families[name].labels(*values)
         return child
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -583,15 +499,8 @@ class ServiceMetrics:
         """
         if model == self.model:
             return
-        for metric in (
-            *self._request_metrics(),
-            self.request_success,
-            *self._worker_metrics(),
-            self.spec_accepted_per_pos,
-            self.front_cpu,
-            self.front_calls_running,
-        ):
-            metric.clear()
+        for family in self._families.values():
+            family.clear()
         with self._lock:
             self._positions.clear()
             self._fronts.clear()
@@ -602,7 +511,7 @@ class ServiceMetrics:
     def set_tensor_parallel_size(self, worker: str, size: int) -> None:
         """Publish how many ranks ``worker``'s model is split over (`WorkerInfo`)."""
         self.add_worker(worker)
-        self._child(self.tensor_parallel_size, self.model, worker).set(max(size, 1))
+        self._child("zerobubble_worker_tensor_parallel_size", self.model, worker).set(max(size, 1))
 
     def add_worker(self, worker: str, num_spec_tokens: int = 0) -> None:
         """Export every series of ``worker`` at zero, draft positions ``0..num_spec_tokens-1`` too.
@@ -620,10 +529,10 @@ class ServiceMetrics:
             positions = [str(p) for p in range(num_spec_tokens) if str(p) not in self._positions[worker]]
             self._positions[worker].update(positions)
         if created:
-            for metric in self._worker_metrics():
-                metric.labels(model=self.model, worker=worker)
+            for name in _WORKER_FAMILIES:
+                self._families[name].labels(model=self.model, worker=worker)
         for position in positions:
-            self.spec_accepted_per_pos.labels(model=self.model, worker=worker, position=position)
+            self._families[_PER_POS].labels(model=self.model, worker=worker, position=position)
 
     def record_step(
         self,
@@ -658,17 +567,20 @@ class ServiceMetrics:
             num_accepted = num_draft_tokens
         self.add_worker(worker)
         model = self.model
-        self._child(self.worker_step_duration, model, worker).observe(forward_s)
-        self._child(self.worker_idle, model, worker).inc(idle_s)
-        self._child(self.grammar_time, model, worker).inc(grammar_s)
+        self._child("zerobubble_worker_step_duration_seconds", model, worker).observe(forward_s)
+        self._child("zerobubble_worker_idle_seconds_total", model, worker).inc(idle_s)
+        self._child("zerobubble_grammar_seconds_total", model, worker).inc(grammar_s)
         if collective_s:
-            self._child(self.worker_collectives, model, worker).inc(collective_s)
-        self._child(self.spec_num_drafts, model, worker).inc(num_drafts)
-        self._child(self.spec_num_draft_tokens, model, worker).inc(num_draft_tokens)
-        self._child(self.spec_num_accepted_tokens, model, worker).inc(num_accepted)
-        self._child(self.spec_prediction_draft_tokens, model, worker).inc(num_prediction_draft_tokens)
-        self._child(self.spec_prediction_accepted_tokens, model, worker).inc(
-            min(num_prediction_accepted, num_prediction_draft_tokens)
+            self._child("zerobubble_worker_collective_seconds_total", model, worker).inc(collective_s)
+        self._child("zerobubble_spec_decode_num_drafts_total", model, worker).inc(num_drafts)
+        self._child("zerobubble_spec_decode_num_draft_tokens_total", model, worker).inc(num_draft_tokens)
+        self._child("zerobubble_spec_decode_num_accepted_tokens_total", model, worker).inc(num_accepted)
+        num_prediction_accepted = min(num_prediction_accepted, num_prediction_draft_tokens)
+        self._child("zerobubble_spec_decode_prediction_draft_tokens_total", model, worker).inc(
+            num_prediction_draft_tokens
+        )
+        self._child("zerobubble_spec_decode_prediction_accepted_tokens_total", model, worker).inc(
+            num_prediction_accepted
         )
         seen = self._positions.get(worker)
         for pos, accepted in enumerate(accepted_per_pos):
@@ -676,7 +588,7 @@ class ServiceMetrics:
             if seen is not None and position not in seen:
                 with self._lock:
                     seen.add(position)
-            self._child(self.spec_accepted_per_pos, model, worker, position).inc(accepted)
+            self._child(_PER_POS, model, worker, position).inc(accepted)
 
     def record_step_result(self, worker: str, result: StepResultLike, inflight: int | None = None) -> None:
         """Account a ``StepResult`` of ``worker``; ``inflight`` also updates its window gauge.
@@ -727,33 +639,33 @@ class ServiceMetrics:
                 f"unknown finished_reason {reason!r}, counted as 'error' (known: {', '.join(FINISHED_REASONS)})",
             )
             finished_reason = "error"
-        self._child(self.request_success, model, finished_reason).inc()
+        self._child("zerobubble_request_success_total", model, finished_reason).inc()
         if e2e_s is not None:
-            self._child(self.e2e_request_latency, model).observe(e2e_s)
+            self._child("zerobubble_e2e_request_latency_seconds", model).observe(e2e_s)
         if queue_s is not None:
-            self._child(self.request_queue_time, model).observe(queue_s)
-        self._child(self.prompt_tokens, model).inc(num_prompt_tokens)
-        self._child(self.generation_tokens, model).inc(num_generation_tokens)
+            self._child("zerobubble_request_queue_time_seconds", model).observe(queue_s)
+        self._child("zerobubble_prompt_tokens_total", model).inc(num_prompt_tokens)
+        self._child("zerobubble_generation_tokens_total", model).inc(num_generation_tokens)
 
     def observe_ttft(self, seconds: float) -> None:
         """Account the time from a request's arrival to its first streamed token."""
-        self._child(self.time_to_first_token, self.model).observe(seconds)
+        self._child("zerobubble_time_to_first_token_seconds", self.model).observe(seconds)
 
     def observe_e2e(self, seconds: float) -> None:
         """Account the time from a request's arrival to its end, measured where its client is
         (a front); its other figures are accounted by :meth:`record_finished`."""
-        self._child(self.e2e_request_latency, self.model).observe(seconds)
+        self._child("zerobubble_e2e_request_latency_seconds", self.model).observe(seconds)
 
     def observe_inter_token(self, gaps: Iterable[tuple[float, int]]) -> None:
         """Account each ``(seconds, count)``: ``count`` gaps of ``seconds`` between consecutive
         streamed tokens of one request (tokens confirmed together share the step's gap); one
         call per step for every stream."""
-        cast(GapHistogram, self._child(self.inter_token_latency, self.model)).observe_many(gaps)
+        cast(GapHistogram, self._child("zerobubble_inter_token_latency_seconds", self.model)).observe_many(gaps)
 
     def set_queues(self, running: int, waiting: int) -> None:
         """Publish the scheduler's queue lengths (the autoscaler reads ``waiting``)."""
-        self._child(self.num_requests_running, self.model).set(running)
-        self._child(self.num_requests_waiting, self.model).set(waiting)
+        self._child("zerobubble_num_requests_running", self.model).set(running)
+        self._child("zerobubble_num_requests_waiting", self.model).set(waiting)
 
     def set_kv_usage(self, worker: str, ratio: float) -> None:
         """Publish the fraction (0-1) of ``worker``'s KV blocks in use."""
@@ -761,42 +673,42 @@ class ServiceMetrics:
             self._warn_once("kv", f"KV cache usage ratio {ratio} of worker {worker} is outside [0, 1]; clamped")
             ratio = min(max(ratio, 0.0), 1.0)
         self.add_worker(worker)
-        self._child(self.kv_cache_usage_ratio, self.model, worker).set(ratio)
+        self._child("zerobubble_kv_cache_usage_ratio", self.model, worker).set(ratio)
 
     def set_inflight(self, worker: str, n: int) -> None:
         """Publish how many plans were sent to ``worker`` and not answered yet."""
         self.add_worker(worker)
-        self._child(self.inflight_steps, self.model, worker).set(n)
+        self._child("zerobubble_inflight_steps", self.model, worker).set(n)
 
     def add_suffix_continuations(self, worker: str, counts: Sequence[int]) -> None:
         """Account the suffix continuations sent to ``worker``: ``counts[n]`` of ``n`` tokens."""
-        child = self._child(self.suffix_continuation_tokens, self.model, worker)
+        child = self._child("zerobubble_spec_decode_suffix_continuation_tokens", self.model, worker)
         for length, count in enumerate(counts):
             for _ in range(count):
                 child.observe(length)
 
     def add_draft_slots(self, worker: str, counts: Sequence[int]) -> None:
         """Account the decode rows planned for ``worker``: ``counts[n]`` with ``n`` draft slots."""
-        child = self._child(self.draft_slots, self.model, worker)
+        child = self._child("zerobubble_spec_decode_draft_slots", self.model, worker)
         for length, count in enumerate(counts):
             for _ in range(count):
                 child.observe(length)
 
     def add_rolled_back(self, n: int) -> None:
         """Account ``n`` optimistic draft slots undone by reconciliation."""
-        self._child(self.placeholders_rolled_back, self.model).inc(n)
+        self._child("zerobubble_placeholder_tokens_rolled_back_total", self.model).inc(n)
 
     def add_preemptions(self, n: int = 1) -> None:
         """Account ``n`` preempted requests."""
-        self._child(self.num_preemptions, self.model).inc(n)
+        self._child("zerobubble_num_preemptions_total", self.model).inc(n)
 
     def add_prefix_cache(self, queries: int, hits: int) -> None:
         """Account a prefix-cache lookup of ``queries`` prompt tokens that found ``hits``."""
         if hits > queries:
             self._warn_once("prefix", f"prefix cache hits={hits} exceed queries={queries}; counting the queries only")
             hits = queries
-        self._child(self.prefix_cache_queries, self.model).inc(queries)
-        self._child(self.prefix_cache_hits, self.model).inc(hits)
+        self._child("zerobubble_prefix_cache_queries_total", self.model).inc(queries)
+        self._child("zerobubble_prefix_cache_hits_total", self.model).inc(hits)
 
     def forget_worker(self, worker: str) -> None:
         """Drop every series of a worker that left (scaled down, disconnected for good)."""
@@ -805,20 +717,20 @@ class ServiceMetrics:
         if positions is None:
             return
         self._children.clear()
-        for metric in self._worker_metrics():
-            metric.remove(self.model, worker)
+        for name in _WORKER_FAMILIES:
+            self._families[name].remove(self.model, worker)
         for position in positions:
-            self.spec_accepted_per_pos.remove(self.model, worker, position)
+            self._families[_PER_POS].remove(self.model, worker, position)
 
     def record_front_load(self, front: str, cpu_seconds: float, num_calls: int) -> None:
         """Account a front's report (`FrontLoad`): its process's CPU time so far and its open calls."""
         with self._lock:
             last = self._fronts.get(front)
             self._fronts[front] = cpu_seconds
-        cpu = self._child(self.front_cpu, self.model, front)
+        cpu = self._child("zerobubble_front_cpu_seconds_total", self.model, front)
         # The first report counts from zero, as the process did; CPU time never goes back.
         cpu.inc(max(0.0, cpu_seconds - (last or 0.0)))
-        self._child(self.front_calls_running, self.model, front).set(num_calls)
+        self._child("zerobubble_front_calls_running", self.model, front).set(num_calls)
 
     def forget_front(self, front: str) -> None:
         """Drop the series of a front that detached (stopped, or lost)."""
@@ -826,8 +738,8 @@ class ServiceMetrics:
             if self._fronts.pop(front, None) is None:
                 return
         self._children.clear()
-        for metric in (self.front_cpu, self.front_calls_running):
-            metric.remove(self.model, front)
+        for name in ("zerobubble_front_cpu_seconds_total", "zerobubble_front_calls_running"):
+            self._families[name].remove(self.model, front)
 
     def fronts(self) -> list[str]:
         """Fronts that currently have series (for tests and debugging)."""

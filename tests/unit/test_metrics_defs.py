@@ -395,15 +395,15 @@ def test_tokens_sharing_a_gap_count_as_that_many_observations() -> None:
     batched.observe_inter_token([(0.5, 2)])
     batched.set_model("b")
     single.set_model("b")
+    family = "zerobubble_inter_token_latency_seconds"
     gaps = [(0.03, 3), (0.2, 1), (7.0, 2), (0.001, 0), (0.03, 1), (0.0, 2)]
-    bounds = batched.inter_token_latency._upper_bounds
+    bounds = batched.family(family)._upper_bounds
     gaps += [(bounds[0], 1), (bounds[-2], 2)]
     batched.observe_inter_token(gaps)
     for gap, n in gaps:
         for _ in range(n):
-            single.inter_token_latency.labels(model="b").observe(gap)
+            single.family(family).labels(model="b").observe(gap)
     got, want = _scrape(batched), _scrape(single)
-    family = "zerobubble_inter_token_latency_seconds"
     for suffix in ("_bucket", "_count", "_sum"):
         by_labels = [{tuple(sorted(lab.items())): v for _, lab, v in s[family + suffix]} for s in (got, want)]
         assert by_labels[0] == pytest.approx(by_labels[1])
