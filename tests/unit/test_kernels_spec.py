@@ -337,8 +337,10 @@ NGRAM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton)])
-def test_ngram_hand_cases(impl: str) -> None:
+@pytest.mark.parametrize("impl", ["torch", pytest.param("triton", marks=needs_triton), "cpp"])
+def test_ngram_hand_cases(impl: str, request: pytest.FixtureRequest) -> None:
+    if impl == "cpp":
+        request.getfixturevalue("cpu_kernels")
     gen = torch.Generator().manual_seed(0)
     sequences = [case[0] for case in NGRAM_CASES]
     state = state_from_sequences(sequences, gen)
@@ -364,6 +366,25 @@ def test_ngram_triton_matches_reference() -> None:
     slots = torch.randperm(8, generator=gen)[:6].tolist()
     for min_n, max_n, k in [(1, 3, 3), (2, 2, 4)]:
         assert run_ngram(state, slots, min_n, max_n, k, "triton") == run_ngram(state, slots, min_n, max_n, k, "torch")
+
+
+def test_ngram_compiled_matches_twin(cpu_kernels: None) -> None:
+    """The compiled CPU kernel against the torch twin (and the oracle): random states, and long
+    sequences over a few tokens, where many ends match and the longest, latest one must win."""
+    gen = torch.Generator().manual_seed(5)
+    state = random_state(gen, num_slots=12)
+    slots = torch.randperm(12, generator=gen)[:9].tolist()
+    for min_n, max_n, k in [(1, 3, 3), (2, 4, 2), (1, 1, 5), (3, 4, 4)]:
+        assert run_ngram(state, slots, min_n, max_n, k, "cpp") == run_ngram(state, slots, min_n, max_n, k, "torch")
+    sequences = [torch.randint(0, vocab, (n,), generator=gen).tolist() for vocab, n in ((3, 300), (5, 180), (40, 90))]
+    sequences += [[7] * 50, [1, 2] * 40 + [3]]
+    state = state_from_sequences(sequences, gen)
+    rows = list(range(len(sequences)))
+    for min_n, max_n, k in [(1, 4, 3), (2, 4, 8), (4, 6, 2)]:
+        compiled = run_ngram(state, rows, min_n, max_n, k, "cpp")
+        assert compiled == run_ngram(state, rows, min_n, max_n, k, "torch")
+        assert compiled == [ngram_oracle(seq, min_n, max_n, k) for seq in sequences]
+    assert run_ngram(state, [], 1, 4, 3, "cpp") == []
 
 
 # -- count_accepted and rejection_sample -------------------------------------------------------

@@ -214,12 +214,17 @@ def ngram_propose(
     ``block_table[s]``, then ``last_token[s]``. For ``n`` from ``max_n`` down to ``min_n``, if
     ``x[L-n:]`` occurs at some start ``i < L-n``, the largest such ``i`` wins and the drafts are
     ``x[i+n : min(i+n+k, L)]``; the first ``n`` with a match wins; no match gives 0 drafts.
-    Entries past ``num_drafts`` are -1.
+    Entries past ``num_drafts`` are -1. ``impl="cpp"``: the compiled CPU kernel (one scan per row,
+    `zerobubble/kernels/csrc/ngram.cpp`); otherwise Triton on CUDA, the torch twin elsewhere.
     """
     if not 1 <= min_n <= max_n:
         raise ValueError(f"need 1 <= min_n <= max_n, got min_n={min_n}, max_n={max_n}")
     if k < 1:
         raise ValueError(f"need k >= 1, got {k}")
+    if impl == "cpp":
+        return torch.ops.zerobubble_cpu.ngram_propose(
+            req_slots, seq_len, last_token, block_table.contiguous(), history, block_size, min_n, max_n, k
+        )
     if use_triton(seq_len, impl, _ngram_kernel if HAS_TRITON else None):
         return _ngram_triton(req_slots, seq_len, last_token, block_table, history, block_size, min_n, max_n, k)
     return _ngram_torch(req_slots, seq_len, last_token, block_table, history, block_size, min_n, max_n, k)

@@ -21,6 +21,7 @@ import torch
 
 from zerobubble.api import worker_pb2
 from zerobubble.config import WorkerConfig, default_of
+from zerobubble.kernels._triton import KernelImpl
 from zerobubble.worker_svc import staging
 from zerobubble.worker_svc.batch import BatchBuilder, StepBatch
 from zerobubble.worker_svc.cuda_graphs import DecodeGraphs, batch_buckets, draft_widths, num_scratch_blocks
@@ -169,7 +170,7 @@ class ModelRunner:
         limits = SlotLimits(config.num_blocks, config.max_num_seqs, max_blocks, num_spec_tokens, vocab_size)
         table = SlotTable(limits, state)
         predictions = (
-            PredictionDrafts(config.max_num_seqs, num_predicted, self.device, dynamic=suffix)
+            PredictionDrafts(config.max_num_seqs, num_predicted, self.device, dynamic=suffix, kernels=self.kernels)
             if num_predicted > 0
             else None
         )
@@ -247,6 +248,12 @@ class ModelRunner:
     @property
     def model(self) -> CausalLM | None:
         return self.loaded.model
+
+    @property
+    def kernels(self) -> KernelImpl:
+        """The model's kernel implementation ("cpp": the compiled CPU kernels), for the
+        proposers' own kernels; None without a model (a simulated device)."""
+        return self.model.kernels if self.model is not None else None
 
     @property
     def table(self) -> SlotTable:

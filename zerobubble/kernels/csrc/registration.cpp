@@ -17,6 +17,9 @@ TORCH_LIBRARY(zerobubble_cpu, m) {
   m.def("block_linear(Tensor x, Tensor blocks, int out_features, Tensor? scale, Tensor? bias) -> Tensor");
   m.def("block_linear_is_native() -> bool");
   m.def(
+      "ngram_propose(Tensor req_slots, Tensor seq_len, Tensor last_token, Tensor block_table, Tensor history, "
+      "int block_size, int min_n, int max_n, int k) -> (Tensor, Tensor)");
+  m.def(
       "moe_experts(Tensor rows, Tensor offsets, Tensor gate_up, int gate_up_outputs, Tensor? gate_up_scale, "
       "Tensor? gate_up_bias, Tensor down, int down_outputs, Tensor? down_scale, Tensor? down_bias, int activation, "
       "float alpha, float limit, Tensor? tokens, Tensor? weights, int num_tokens) -> Tensor");

@@ -49,6 +49,7 @@ class NgramProposer:
             self.ngram_min,
             self.ngram_max,
             self.k,
+            self.runner.kernels,
         )
         idx = slots.long()
         st.drafts[idx, : self.k] = drafts

@@ -33,6 +33,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from zerobubble.kernels._triton import KernelImpl
 from zerobubble.kernels.ngram import ngram_propose
 from zerobubble.worker_svc import staging
 from zerobubble.worker_svc.slot_table import DeviceState
@@ -53,13 +54,17 @@ class PredictionDrafts:
         min_match: int = 2,
         near: int = 16,
         dynamic: bool = False,
+        kernels: KernelImpl = None,
     ) -> None:
         """``max_drafts``: the most drafts a row gets (the scheduler plans at most that many
         slots); ``match_len``: the longest run of tokens compared when re-synchronising;
         ``min_match``: the shortest run that re-synchronises, except within ``near`` tokens
         after the previous alignment, where one token does; ``dynamic``: every slot drafts from
-        its buffer, which the scheduler's continuations fill where the client gave none."""
+        its buffer, which the scheduler's continuations fill where the client gave none;
+        ``kernels``: the prompt lookup's implementation (the model's: "cpp" where the compiled
+        CPU kernels serve it)."""
         self.max_drafts = max_drafts
+        self.kernels = kernels
         self.dynamic = dynamic
         self.match_len = match_len
         self.min_match = min_match
@@ -149,8 +154,9 @@ class PredictionDrafts:
         src = (aligned[:, None] + 1 + cols[None, :]).clamp(max=self.tokens.shape[1] - 1)
         from_prediction = torch.where(cols[None, :] < num[:, None], self.tokens[idx].gather(1, src), -1)
         lookup, num_lookup = ngram_propose(
-            slots, state.seq_len, state.last_token, state.block_table, state.history, block_size, 2, 4, k
-        )
+            slots, state.seq_len, state.last_token, state.block_table, state.history, block_size, 2, 4, k,
+            self.kernels,
+        )  # fmt: skip
         use = num > 0
         fallback = ~use & (num_lookup > 0)
         drafts = torch.where(use[:, None], from_prediction, lookup)
